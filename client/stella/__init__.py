@@ -1,0 +1,1 @@
+"""Stella: train one model across sites joined by slow links."""

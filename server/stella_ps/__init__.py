@@ -1,0 +1,1 @@
+"""stella-ps: the parameter-server daemon."""
