@@ -1,0 +1,83 @@
+"""Optimizer configuration: names, PyTorch hyper-parameter names and defaults, validation.
+
+The server's optimizers are *lazy*: only coordinates present in a step's aggregated
+update change (parameter and state). The exact per-coordinate rules, shared by the
+C kernel and the NumPy reference (``optim_ref``), are in ``docs/optimizer.md``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["OptimizerConfig", "OPTIMIZERS", "ConfigError"]
+
+# PyTorch's names and defaults (torch.optim.SGD / Adam / AdamW).
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
+}
+
+
+class ConfigError(ValueError):
+    """An optimizer name or hyper-parameter is unknown or out of range."""
+
+
+def _num(name: str, x: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x < lo or (x >= hi if hi_open else x > hi):
+        bound = f"[{lo}, {hi})" if hi_open else f"[{lo}, {hi}]"
+        raise ConfigError(f"{name}={x} is outside {bound}")
+    return x
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """A validated optimizer: ``name`` in :data:`OPTIMIZERS` and its full hyper-parameters."""
+
+    name: str
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "OptimizerConfig":
+        """Validate ``{"name": ..., <hyper-parameter>: value, ...}`` from the network."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ConfigError("optimizer must be a map with a string 'name'")
+        name = obj["name"].lower()
+        if name not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {obj['name']!r}; known: {sorted(OPTIMIZERS)}")
+        return cls(name, {}).updated({k: v for k, v in obj.items() if k != "name"})
+
+    def updated(self, changes: dict[str, Any]) -> "OptimizerConfig":
+        """A copy with some hyper-parameters changed (used for learning-rate schedules)."""
+        defaults = OPTIMIZERS[self.name]
+        unknown = sorted(set(changes) - set(defaults))
+        if unknown:
+            raise ConfigError(f"unknown hyper-parameter(s) {unknown} for {self.name}; known: {sorted(defaults)}")
+        hp = {**defaults, **self.hparams, **changes}
+        out: dict[str, Any] = {"lr": _num("lr", hp["lr"])}
+        out["weight_decay"] = _num("weight_decay", hp["weight_decay"])
+        if self.name == "sgd":
+            out["momentum"] = _num("momentum", hp["momentum"])
+            out["dampening"] = _num("dampening", hp["dampening"])
+            if not isinstance(hp["nesterov"], bool):
+                raise ConfigError("nesterov must be a bool")
+            out["nesterov"] = hp["nesterov"]
+            if out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
+                raise ConfigError("nesterov momentum requires momentum > 0 and dampening = 0")
+        else:
+            b = hp["betas"]
+            if not isinstance(b, (list, tuple)) or len(b) != 2:
+                raise ConfigError("betas must be a pair")
+            out["betas"] = (_num("betas[0]", b[0], 0.0, 1.0, True), _num("betas[1]", b[1], 0.0, 1.0, True))
+            out["eps"] = _num("eps", hp["eps"])
+        return OptimizerConfig(self.name, out)
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"name": self.name, **self.hparams}
+        if "betas" in d:
+            d["betas"] = list(d["betas"])
+        return d
