@@ -16,6 +16,7 @@ __all__ = [
     "NotRegistered",
     "VersionError",
     "StaleVersionError",
+    "BadRequest",
     "from_reply",
 ]
 
@@ -77,9 +78,18 @@ class StaleVersionError(VersionError):
     code = "stale_version"
 
 
+class BadRequest(ServerError, ProtocolError):
+    """The server refused a malformed or invalid request (bad frames, indices, values,
+    unknown tensor, oversized message, bad optimizer setting); ``code`` says which."""
+
+    code = "bad_request"
+
+
 _BY_CODE: dict[str, type[ServerError]] = {
     cls.code: cls for cls in (LayoutConflict, NotRegistered, VersionError, StaleVersionError)
 }
+_BY_CODE.update(dict.fromkeys(
+    ("protocol", "codec", "oversized", "bad_value", "unknown_tensor", "optimizer", "worker_id"), BadRequest))
 
 
 def from_reply(code: str, message: str) -> ServerError:

@@ -1,0 +1,96 @@
+"""stella-ps configuration: command-line flags, each with an environment override.
+
+Precedence: flag > environment variable > default. The environment names are
+listed in :data:`ENV` and in the README.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ServerConfig", "ENV", "parse_args"]
+
+ENV = {
+    "bind": "STELLA_PS_BIND",
+    "workers": "STELLA_PS_WORKERS",
+    "step_deadline": "STELLA_PS_STEP_DEADLINE",
+    "optimizer": "STELLA_PS_OPTIMIZER",
+    "history": "STELLA_PS_HISTORY",
+    "max_message_bytes": "STELLA_PS_MAX_MESSAGE_BYTES",
+    "log_level": "STELLA_PS_LOG_LEVEL",
+    "log_format": "STELLA_PS_LOG_FORMAT",
+    "ready_file": "STELLA_PS_READY_FILE",
+}
+
+
+@dataclass
+class ServerConfig:
+    """Everything the daemon can be told. ``bind`` may use port 0 for an ephemeral port."""
+
+    bind: str = "tcp://0.0.0.0:5555"
+    workers: int = 1  # steps wait until this many workers have joined once
+    step_deadline: float = 0.0  # seconds after a step's first push; 0 = wait for every live worker
+    optimizer: dict[str, Any] = field(default_factory=dict)  # default when a registration sends none
+    history: int = 64  # applied steps remembered for delta pulls; older `since` gets a snapshot
+    max_message_bytes: int = 1 << 30
+    log_level: str = "INFO"
+    log_format: str = "json"
+    ready_file: str | None = None  # the bound endpoint is written here once listening
+
+
+def _parse_optimizer(text: str) -> dict[str, Any]:
+    """``adamw`` or ``adamw:lr=0.001,weight_decay=0.01`` or a JSON map."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        obj = json.loads(text)
+        if not isinstance(obj, dict):
+            raise argparse.ArgumentTypeError("optimizer JSON must be a map")
+        return obj
+    name, _, rest = text.partition(":")
+    out: dict[str, Any] = {"name": name}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        out[k.strip()] = json.loads(v) if v.strip()[:1] in "[{tf" else float(v)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    d = ServerConfig()
+    env = os.environ
+    p = argparse.ArgumentParser(
+        prog="stella-ps",
+        description="Stella parameter server: stores the model and optimizer state, "
+        "aggregates sparse pushes and serves pulls of what changed.",
+    )
+    p.add_argument("--bind", default=env.get(ENV["bind"], d.bind), help=f"ZeroMQ endpoint (env {ENV['bind']})")
+    p.add_argument("--workers", type=int, default=int(env.get(ENV["workers"], d.workers)),
+                   help=f"workers that must join before the first step closes (env {ENV['workers']})")
+    p.add_argument("--step-deadline", type=float, default=float(env.get(ENV["step_deadline"], d.step_deadline)),
+                   help=f"close a step this many seconds after its first push even if workers are missing; "
+                   f"0 waits for all (env {ENV['step_deadline']})")
+    p.add_argument("--optimizer", type=_parse_optimizer, default=_parse_optimizer(env.get(ENV["optimizer"], "")),
+                   help="default optimizer, e.g. 'adamw:lr=0.001,weight_decay=0.01' or JSON; used when a "
+                   f"registration names none (env {ENV['optimizer']})")
+    p.add_argument("--history", type=int, default=int(env.get(ENV["history"], d.history)),
+                   help=f"steps kept for delta pulls (env {ENV['history']})")
+    p.add_argument("--max-message-bytes", type=int,
+                   default=int(env.get(ENV["max_message_bytes"], d.max_message_bytes)),
+                   help=f"largest accepted message (env {ENV['max_message_bytes']})")
+    p.add_argument("--log-level", default=env.get(ENV["log_level"], d.log_level),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    p.add_argument("--log-format", default=env.get(ENV["log_format"], d.log_format), choices=["json", "text"])
+    p.add_argument("--ready-file", default=env.get(ENV["ready_file"]),
+                   help="write the bound endpoint to this file once listening (for scripts and tests)")
+    a = p.parse_args(argv)
+    if a.workers < 1 or a.history < 1 or a.step_deadline < 0 or a.max_message_bytes < 1024:
+        p.error("--workers and --history must be >= 1, --step-deadline >= 0, --max-message-bytes >= 1024")
+    return ServerConfig(
+        bind=a.bind, workers=a.workers, step_deadline=a.step_deadline, optimizer=a.optimizer,
+        history=a.history, max_message_bytes=a.max_message_bytes, log_level=a.log_level,
+        log_format=a.log_format, ready_file=a.ready_file,
+    )

@@ -1,0 +1,96 @@
+"""``stella-ps`` entry point: logging set-up, signals, and the uvloop event loop.
+
+Only this module installs logging handlers or an event loop; the rest of the
+package is library code.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from .config import ServerConfig, parse_args
+from .server import ParameterServer
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("stella_ps")
+SHUTDOWN_TIMEOUT_S = 10.0
+
+_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STD_ATTRS})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STD_ATTRS)
+        ts = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{ts} {record.levelname:<7} {record.name}: {record.getMessage()} {extra}".rstrip()
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _setup_logging(cfg: ServerConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if cfg.log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.log_level)
+
+
+async def run(cfg: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S``."""
+    server = ParameterServer(cfg)
+    endpoint = server.bind()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)
+    if cfg.ready_file:
+        tmp = cfg.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(endpoint + "\n")
+        os.replace(tmp, cfg.ready_file)  # readers never see a half-written file
+    print(f"stella-ps listening on {endpoint}", flush=True)
+    task = asyncio.ensure_future(server.serve())
+    await server._stop.wait()
+    log.info("shutting down")
+    try:
+        await asyncio.wait_for(task, SHUTDOWN_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        log.error("shutdown timed out")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    _setup_logging(cfg)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        asyncio.run(run(cfg))
+    else:
+        uvloop.run(run(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
