@@ -1,0 +1,330 @@
+"""Top-k gradient compression with error feedback.
+
+A worker keeps, per tensor key, a float32 *residual* on the gradient's device.
+Each step :meth:`ErrorFeedbackCompressor.compress` forms ``acc = residual + grad``
+(in place, in the residual's memory), selects about ``k = density * numel``
+coordinates of largest magnitude, returns them as a :class:`SparseGrad` in host
+memory, and leaves everything that was not sent in the residual (the selected
+coordinates become exactly zero). Nothing is lost: for every key, the sum of all
+values ever sent plus the current residual equals the running sum of gradients
+(up to float32 rounding of the additions).
+
+Methods (see ``docs/compression.md``):
+
+``"exact"``
+    reference: ``torch.topk`` on ``|acc|``, then the indices are sorted.
+``"threshold"`` (default)
+    sampled-threshold top-k: the threshold is estimated from a small random
+    sample of ``|acc|`` on the first step and then carried across steps per
+    tensor (corrected by the count it produced); one streaming pass fuses the
+    error-feedback add with the selection and emits indices already sorted.
+    The count is kept within 10% of ``k``: too many candidates are trimmed to
+    exactly the top ``k`` of them, too few trigger a rescan at a lower
+    threshold whose (sorted) result is merged in.
+``"block"``
+    block top-k on whole 16-float (64-byte) blocks ranked by their squared
+    norm, as StellaTrain does. The :class:`SparseGrad` is expanded to element
+    indices (16 consecutive indices per selected block), so receivers see
+    ordinary sorted indices.
+``"dense"``
+    everything is sent, the residual becomes zero.
+
+Tensors with fewer than ``dense_below`` elements are always sent dense.
+
+On CPU, contiguous float32 work goes through the C kernels in
+``native/compress.c`` (GIL released, one thread); on CUDA (or with
+``backend="torch"``) the same methods run as torch ops on the device and only
+the sparse result is copied to the host.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK"]
+
+METHODS = ("exact", "threshold", "block", "dense")
+BLOCK = 16  # floats per block of the "block" method (one 64-byte cache line)
+
+# The selected count must land in [LOW * k, HIGH * k] (unless fewer than
+# LOW * k coordinates are nonzero).
+LOW, HIGH = 0.9, 1.1
+
+
+@dataclass(frozen=True)
+class SparseGrad:
+    """One tensor's push: sorted unique indices and their values, host memory.
+
+    ``indices is None`` means dense: ``values`` holds all ``numel`` entries.
+    """
+
+    numel: int
+    indices: np.ndarray | None  # int32, strictly increasing
+    values: np.ndarray  # float32, same length as indices (or numel when dense)
+
+    @property
+    def count(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def is_dense(self) -> bool:
+        return self.indices is None
+
+    def to_dense(self) -> np.ndarray:
+        """A float32 numpy array of ``numel`` entries (zeros where nothing was sent)."""
+        if self.indices is None:
+            return np.array(self.values, dtype=np.float32, copy=True)
+        out = np.zeros(self.numel, dtype=np.float32)
+        out[self.indices] = self.values
+        return out
+
+
+@dataclass
+class _State:
+    residual: torch.Tensor  # flat float32, on the gradient's device
+    shape: torch.Size
+    thr: float = 0.0  # threshold / block-threshold carried across steps (0: none yet)
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _k_for(density: float, numel: int) -> int:
+    return min(numel, max(1, int(round(density * numel))))
+
+
+class ErrorFeedbackCompressor:
+    """Per-key error-feedback residuals and top-k selection (see module doc)."""
+
+    def __init__(
+        self,
+        density: float = 0.01,
+        method: str = "threshold",
+        dense_below: int = 4096,
+        *,
+        backend: str = "auto",
+        sample_size: int = 0,
+        seed: int = 0x5EED,
+    ):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if backend not in ("auto", "native", "torch"):
+            raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
+        if dense_below < 0:
+            raise ValueError("dense_below must be >= 0")
+        self.set_density(density)
+        self.method = method
+        self.dense_below = int(dense_below)
+        self.backend = backend
+        self.sample_size = int(sample_size)  # 0: chosen from density
+        self._seed = int(seed)
+        self._states: dict[str, _State] = {}
+        self._gen_cache: dict[torch.device, torch.Generator] = {}
+        self._calls = 0
+        if backend == "native":
+            from . import native  # noqa: F401  (fail loudly now if the build is missing)
+
+    # ------------------------------------------------------------------ API
+    def set_density(self, density: float) -> None:
+        density = float(density)
+        if not (0.0 < density <= 1.0) or math.isnan(density):
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        self.density = density
+
+    def keys(self) -> list[str]:
+        return list(self._states)
+
+    def residual(self, key: str) -> torch.Tensor:
+        """The live residual of ``key`` (shape of the gradient, float32, its device).
+
+        It is the compressor's own memory: read it, don't write it.
+        """
+        st = self._states[key]
+        return st.residual.view(st.shape)
+
+    def compress(self, key: str, grad: torch.Tensor) -> SparseGrad:
+        """``residual += grad``; select; the rest stays in the residual."""
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError("grad must be a torch.Tensor")
+        st = self._state_for(key, grad)
+        res = st.residual
+        g = grad.detach().reshape(-1)
+        if g.dtype != torch.float32:
+            g = g.float()
+        n = res.numel()
+        st.steps += 1
+        self._calls += 1
+        if n == 0:
+            return SparseGrad(0, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        if self.method == "dense" or n < self.dense_below:
+            res.add_(g)
+            return self._take_dense(res)
+        k = _k_for(self.density, n)
+        use_native = self._use_native(res)
+        if not use_native and g.device != res.device:
+            g = g.to(res.device)
+        if self.method == "exact":
+            res.add_(g)
+            return self._exact(res, k)
+        if use_native:
+            from . import native
+
+            g = g.contiguous()
+            if self.method == "threshold":
+                idx, val, st.thr = native.ef_threshold_select(
+                    res, g, k, st.thr, self._sample_size(n, k), self._next_seed()
+                )
+            else:
+                idx, val, st.thr = native.ef_block_select(
+                    res, g, k, st.thr, self._sample_size(n, k), self._next_seed()
+                )
+            return SparseGrad(n, idx, val)
+        res.add_(g)
+        if self.method == "threshold":
+            return self._torch_threshold(st, k)
+        return self._torch_block(st, k)
+
+    def flush(self, key: str) -> SparseGrad:
+        """Everything left in ``key``'s residual (sparse nonzeros or dense); it becomes zero."""
+        st = self._states[key]
+        res = st.residual
+        n = res.numel()
+        nz = torch.count_nonzero(res).item() if n else 0
+        if nz * 2 >= n:  # 8 bytes a pair vs 4 a value: dense is smaller
+            return self._take_dense(res)
+        idx = torch.nonzero(res).reshape(-1)
+        val = res[idx]
+        res.zero_()
+        return SparseGrad(n, _host_i32(idx), _host_f32(val))
+
+    # ------------------------------------------------------------ internals
+    def _state_for(self, key: str, grad: torch.Tensor) -> _State:
+        st = self._states.get(key)
+        if st is None:
+            res = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+            st = _State(res, grad.shape)
+            self._states[key] = st
+        elif st.residual.numel() != grad.numel():
+            raise ValueError(
+                f"{key!r}: gradient has {grad.numel()} elements, its residual {st.residual.numel()}"
+            )
+        elif st.residual.device != grad.device:
+            # the model moved: the residual follows it
+            st.residual = st.residual.to(grad.device)
+        return st
+
+    def _use_native(self, res: torch.Tensor) -> bool:
+        if self.backend == "torch" or res.device.type != "cpu":
+            if self.backend == "native" and res.device.type != "cpu":
+                raise ValueError("backend='native' needs CPU tensors")
+            return False
+        if self.backend == "native":
+            return True
+        try:
+            from . import native  # noqa: F401
+        except ImportError:  # pragma: no cover - the build is part of install
+            return False
+        return True
+
+    def _sample_size(self, n: int, k: int) -> int:
+        if self.sample_size > 0:
+            return min(n, self.sample_size)
+        # ~400 expected sample hits above the threshold, within [4096, 65536]
+        want = int(400 * n / max(k, 1))
+        return min(n, max(4096, min(65536, want)))
+
+    def _next_seed(self) -> int:
+        return (self._seed * 0x9E3779B97F4A7C15 + self._calls) & 0xFFFFFFFFFFFFFFFF
+
+    def _gen(self, device: torch.device) -> torch.Generator:
+        g = self._gen_cache.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self._seed)
+            self._gen_cache[device] = g
+        return g
+
+    @staticmethod
+    def _take_dense(res: torch.Tensor) -> SparseGrad:
+        vals = _host_f32(res, copy=True)
+        res.zero_()
+        return SparseGrad(res.numel(), None, vals)
+
+    @staticmethod
+    def _exact(acc: torch.Tensor, k: int) -> SparseGrad:
+        _, idx = torch.topk(acc.abs(), k, sorted=False)
+        idx = idx.sort().values
+        val = acc[idx]
+        acc[idx] = 0.0
+        return SparseGrad(acc.numel(), _host_i32(idx), _host_f32(val))
+
+    # torch-op selection (CUDA, or CPU with backend="torch") ---------------
+    def _sample_thr(self, score: torch.Tensor, k: int, total: int) -> float:
+        """Threshold whose expected count of ``score >= thr`` is ``k`` (sampled)."""
+        n = score.numel()
+        s = self._sample_size(n, k)
+        if s >= n:
+            sample = score
+        else:
+            pos = torch.randint(0, n, (s,), device=score.device, generator=self._gen(score.device))
+            sample = score[pos]
+        m = max(1, min(sample.numel(), int(round(sample.numel() * k / total))))
+        return float(torch.topk(sample, m, sorted=False).values.min())
+
+    def _torch_pick(self, score: torch.Tensor, k: int, thr: float) -> tuple[torch.Tensor, float]:
+        """Indices (sorted) of ``score >= thr`` with a count in [LOW k, HIGH k]; next threshold."""
+        n = score.numel()
+        if thr <= 0.0:
+            thr = self._sample_thr(score, k, n)
+        tiny = float(np.finfo(np.float32).tiny)
+        thr = max(thr, tiny)
+        idx = torch.nonzero(score >= thr).reshape(-1)
+        c = idx.numel()
+        if c > HIGH * k:
+            top = torch.topk(score[idx], k, sorted=False).values.min()
+            idx = idx[score[idx] >= top]
+            thr = float(top)
+        elif c < LOW * k and thr > tiny:
+            # too few: the exact k-th largest score, then one more mask
+            top = float(torch.topk(score, k, sorted=False).values.min())
+            thr = max(top, tiny)
+            idx = torch.nonzero(score >= thr).reshape(-1)
+        return idx, thr
+
+    def _torch_threshold(self, st: _State, k: int) -> SparseGrad:
+        acc = st.residual
+        idx, st.thr = self._torch_pick(acc.abs(), k, st.thr)
+        val = acc[idx]
+        acc[idx] = 0.0
+        return SparseGrad(acc.numel(), _host_i32(idx), _host_f32(val))
+
+    def _torch_block(self, st: _State, k: int) -> SparseGrad:
+        acc = st.residual
+        n = acc.numel()
+        nb = (n + BLOCK - 1) // BLOCK
+        pad = nb * BLOCK - n
+        sq = acc.square()
+        if pad:
+            sq = torch.cat([sq, sq.new_zeros(pad)])
+        score = sq.view(nb, BLOCK).sum(1)
+        kb = max(1, min(nb, int(round(k / BLOCK))))
+        bidx, st.thr = self._torch_pick(score, kb, st.thr)
+        idx = (bidx.view(-1, 1) * BLOCK + torch.arange(BLOCK, device=acc.device)).reshape(-1)
+        if pad and bidx.numel() and int(bidx[-1]) == nb - 1:
+            idx = idx[: idx.numel() - pad]
+        val = acc[idx]
+        acc[idx] = 0.0
+        return SparseGrad(n, _host_i32(idx), _host_f32(val))
+
+
+def _host_i32(t: torch.Tensor) -> np.ndarray:
+    return t.to(device="cpu", dtype=torch.int32).numpy()
+
+
+def _host_f32(t: torch.Tensor, copy: bool = False) -> np.ndarray:
+    out = t.detach().to(device="cpu", dtype=torch.float32)
+    if copy and out.data_ptr() == t.data_ptr():
+        out = out.clone()
+    return out.numpy()
