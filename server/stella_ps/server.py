@@ -148,9 +148,9 @@ class ParameterServer:
         except zmq.ZMQError as e:  # peer gone: nothing to do
             log.debug("send failed", extra={"error": str(e)})
 
-    def _error(self, ident: bytes, req: int, code: str, message: str) -> None:
+    def _error(self, ident: bytes, req: int, code: str, message: str, level: int = logging.WARNING) -> None:
         self.stats.errors += 1
-        log.warning("rejected", extra={"code": code, "reason": message})
+        log.log(level, "rejected", extra={"code": code, "reason": message})
         self._send(ident, "error", req, code=code, message=message)
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
@@ -268,8 +268,9 @@ class ParameterServer:
             created = False
             if not self.store.initialised:
                 if values is None:
+                    # the client's normal probe before it sends the initial values
                     self._error(ident, hdr["req"], "not_registered",
-                                "model not initialised yet: register with values")
+                                "model not initialised yet: register with values", level=logging.DEBUG)
                     return
                 await self._in_store(self.store.initialise, layout, values, cfg)
                 created = True

@@ -1,0 +1,45 @@
+"""``stella``: the user command line (``stella demo``, ``stella status``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stella", description="Stella: training across sites joined by slow links")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    from .demo import DemoConfig
+
+    d = DemoConfig()
+    demo = sub.add_parser("demo", help="train an MLP on digits with 2 workers through a real stella-ps")
+    demo.add_argument("--workers", type=int, default=d.workers)
+    demo.add_argument("--steps", type=int, default=d.steps)
+    demo.add_argument("--batch-size", type=int, default=d.batch_size)
+    demo.add_argument("--density", type=float, default=d.density, help="fraction of each gradient sent")
+    demo.add_argument("--method", default=d.method, choices=["exact", "threshold", "block"])
+    demo.add_argument("--lr", type=float, default=d.lr)
+    demo.add_argument("--seed", type=int, default=d.seed)
+    demo.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    st = sub.add_parser("status", help="print a running stella-ps's counters")
+    st.add_argument("address", help="e.g. tcp://127.0.0.1:5555")
+    st.add_argument("--timeout", type=float, default=5.0)
+    a = p.parse_args(argv)
+    if a.cmd == "demo":
+        from .demo import run_demo
+
+        cfg = DemoConfig(workers=a.workers, steps=a.steps, batch_size=a.batch_size, density=a.density,
+                         method=a.method, lr=a.lr, seed=a.seed)
+        res = run_demo(cfg, json_path=a.json)
+        return 0 if res["test_accuracy"] is not None else 1
+    from .client import Client
+
+    with Client(a.address, timeout=a.timeout, join=False) as c:
+        print(json.dumps(c.status(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Protocol round trips and aggregation semantics against a real stella-ps."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stella import LayoutConflict, NotRegistered, ServerUnavailable, VersionError
+from stella.client import Client
+
+SGD1 = {"name": "sgd", "lr": 1.0}
+
+
+def model(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((20, 10)).astype(np.float32), "b": rng.standard_normal(10).astype(np.float32)}
+
+
+def sparse(idx, vals):
+    return (np.asarray(idx, np.int32), np.asarray(vals, np.float32))
+
+
+def test_join_register_status_round_trip(server, make_client):
+    a = make_client(server.endpoint)
+    b = make_client(server.endpoint)
+    assert a.worker_id != b.worker_id
+    r = a.register(model(), SGD1)
+    assert r["created"] is True and r["version"] == 0 and r["numel"] == 210
+    r2 = b.register(model(1), SGD1)  # same layout, other values: joins, values ignored
+    assert r2["created"] is False
+    snap = b.pull(None)
+    assert snap.full and snap.version == 0
+    np.testing.assert_array_equal(snap.tensors["w"][1].reshape(20, 10), model()["w"])
+    st = a.status()
+    assert st["version"] == 0 and st["workers"] == sorted([a.worker_id, b.worker_id])
+    assert st["bytes_in"] > 0 and st["bytes_out"] > 0 and st["numel"] == 210
+    assert st["optimizer"]["name"] == "sgd" and st["optimizer"]["lr"] == 1.0
+
+
+def test_layout_conflict_names_the_difference(server, make_client):
+    a = make_client(server.endpoint)
+    a.register(model(), SGD1)
+    b = make_client(server.endpoint)
+    bad = {"w": np.zeros((20, 11), np.float32), "b": np.zeros(10, np.float32)}
+    with pytest.raises(LayoutConflict, match=r"'w': shape \[20, 11\] != server's \[20, 10\]"):
+        b.register(bad)
+    with pytest.raises(LayoutConflict, match="server model has 2 tensors, registration has 3"):
+        b.register({**model(), "extra": np.zeros(3, np.float32)})
+    with pytest.raises(KeyError, match="not in the registered model"):  # refused locally
+        b.push({"b": np.ones(10, np.float32)}, 0)
+    b.layout, b._index = a.layout, a._index  # bypass the local check: the server refuses too
+    with pytest.raises(NotRegistered, match="has not registered"):
+        b.push({"b": np.ones(10, np.float32)}, 0)
+
+
+def test_mean_of_two_workers_applied_once_per_step(make_server, make_client):
+    srv = make_server(2)
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    m = model()
+    a.register(m, SGD1)
+    b.register(m, SGD1)
+    a.push({"w": sparse([0, 5, 7], [1, 2, 3])}, 0)
+    # the step must not close with one of two workers
+    assert a.pull(0, wait_for=1, timeout=0.5).version == 0
+    b.push({"w": sparse([5, 9], [10, 20]), "b": np.full(10, 4.0, np.float32)}, 0)
+    d = a.pull(0, wait_for=1)
+    assert d.version == 1
+    idx, vals = d.tensors["w"]
+    np.testing.assert_array_equal(idx, [0, 5, 7, 9])
+    w = m["w"].reshape(-1)
+    expect = np.array([w[0] - 0.5, w[5] - 6.0, w[7] - 1.5, w[9] - 10.0], np.float32)
+    np.testing.assert_array_equal(vals, expect)
+    np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - np.float32(2.0))
+    assert a.status()["steps"] == 1
+
+
+def test_replicas_equal_server_bit_for_bit(make_server, make_client):
+    srv = make_server(2)
+    rng = np.random.default_rng(3)
+    clients = [make_client(srv.endpoint) for _ in range(2)]
+    init = model()
+    replicas = []
+    for c in clients:
+        c.register(init, {"name": "adamw", "lr": 0.01})
+        snap = c.pull(None)
+        rep = {k: np.zeros_like(v) for k, v in init.items()}
+        snap.apply_to(rep)
+        replicas.append((c, rep, [snap.version]))
+    for step in range(15):
+        for c, rep, ver in replicas:
+            k = int(rng.integers(1, 40))
+            idx = np.sort(rng.choice(200, k, replace=False)).astype(np.int32)
+            c.push({"w": (idx, rng.standard_normal(k).astype(np.float32))}, ver[0])
+        for c, rep, ver in replicas:
+            # skip some pulls so deltas span several steps
+            if step % 4 == 3 and c is clients[1]:
+                continue
+            d = c.pull(ver[0], wait_for=step + 1)
+            d.apply_to(rep)
+            ver[0] = d.version
+    for c, rep, ver in replicas:
+        d = c.pull(ver[0])
+        d.apply_to(rep)
+        full = c.pull(None)
+        for name in init:
+            assert rep[name].tobytes() == full.tensors[name][1].tobytes()
+
+
+def test_snapshot_when_version_too_old(make_server, make_client):
+    srv = make_server(1, ["--history", "3"])
+    a = make_client(srv.endpoint)
+    a.register(model(), SGD1)
+    for v in range(6):
+        a.push({"w": sparse([v], [1.0])}, v)
+        assert a.pull(v, wait_for=v + 1).version == v + 1
+    assert a.pull(3).full is False
+    assert a.pull(2).full is True  # steps 1..3 are gone from the history
+    d = a.pull(4)
+    assert not d.full and list(d.tensors) == ["w"] and list(d.tensors["w"][0]) == [4, 5]
+    assert a.pull(6).tensors == {}
+
+
+def test_version_from_the_future_refused(server, make_client):
+    a = make_client(server.endpoint)
+    a.register(model(), SGD1)
+    with pytest.raises(VersionError, match="future"):
+        a.push({"b": np.ones(10, np.float32)}, 5)
+    with pytest.raises(VersionError, match="future"):
+        a.pull(3)
+
+
+def test_late_push_folded_into_next_step(make_server, make_client):
+    srv = make_server(2, ["--step-deadline", "0.3"])
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    m = model()
+    a.register(m, SGD1)
+    b.register(m, SGD1)
+    a.push({"w": sparse([1], [2.0])}, 0)
+    d = a.pull(0, wait_for=1, timeout=5)  # b is a straggler: the deadline closes step 0
+    assert d.version == 1
+    np.testing.assert_array_equal(d.tensors["w"][1], [m["w"].reshape(-1)[1] - 2.0])  # mean over 1 contributor
+    b.push({"w": sparse([2], [4.0])}, 0)  # late: computed on 0, folds into step 1
+    a.push({"w": sparse([3], [6.0])}, 1)
+    d = a.pull(1, wait_for=2, timeout=5)
+    assert d.version == 2
+    np.testing.assert_array_equal(d.tensors["w"][0], [2, 3])
+    np.testing.assert_allclose(d.tensors["w"][1], m["w"].reshape(-1)[[2, 3]] - [2.0, 3.0])
+    assert a.status()["late_pushes"] == 0  # one step behind is the pipeline's normal staleness
+
+
+def test_leave_lets_steps_proceed_and_counts_pending(make_server, make_client):
+    srv = make_server(2)
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    m = model()
+    a.register(m, SGD1)
+    b.register(m, SGD1)
+    b.push({"w": sparse([0], [8.0])}, 0)  # b's last push, then it leaves
+    b.leave()
+    a.push({"w": sparse([0], [2.0])}, 0)
+    d = a.pull(0, wait_for=1)
+    np.testing.assert_array_equal(d.tensors["w"][1], [m["w"].reshape(-1)[0] - 5.0])
+    a.push({"w": sparse([1], [2.0])}, 1)  # alone now: steps close on a's pushes
+    assert a.pull(1, wait_for=2).version == 2
+    assert a.status()["workers"] == [a.worker_id]
+
+
+def test_rejoin_with_same_id_and_conflict(server, make_client):
+    a = make_client(server.endpoint)
+    wid = a.worker_id
+    other = make_client(server.endpoint, join=False)
+    with pytest.raises(Exception, match="in use"):
+        other.join(wid)
+    a.leave()
+    assert other.join(wid) == wid
+
+
+def test_set_optimizer_changes_lr_from_next_step(server, make_client):
+    a = make_client(server.endpoint)
+    m = model()
+    a.register(m, SGD1)
+    assert a.set_optimizer(lr=0.5)["lr"] == 0.5
+    a.push({"b": np.ones(10, np.float32)}, 0)
+    d = a.pull(0, wait_for=1)
+    np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - np.float32(0.5))
+    with pytest.raises(Exception, match="unknown hyper-parameter"):
+        a.set_optimizer(gamma=3)
+
+
+def test_timeout_when_server_is_down():
+    c = Client("tcp://127.0.0.1:9", timeout=0.3, join=False)
+    try:
+        with pytest.raises(ServerUnavailable):
+            c.join()
+        with pytest.raises(TimeoutError):  # also a builtin TimeoutError
+            c.status()
+    finally:
+        c.close()
+
+
+def test_sigterm_shuts_down_cleanly(make_server, make_client):
+    srv = make_server(1)
+    a = make_client(srv.endpoint)
+    a.register(model(), SGD1)
+    assert srv.stop("terminate") == 0
+    assert '"shutting down"' in srv.logs() and '"stopped"' in srv.logs()
