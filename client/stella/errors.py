@@ -10,6 +10,7 @@ __all__ = [
     "StellaError",
     "ProtocolError",
     "CodecError",
+    "OversizedMessage",
     "ServerError",
     "ServerUnavailable",
     "LayoutConflict",
@@ -35,6 +36,12 @@ class CodecError(ProtocolError):
     """Coded index or value bytes are corrupt, truncated or out of range."""
 
     code = "codec"
+
+
+class OversizedMessage(ProtocolError):
+    """A message or one of its parts is larger than the protocol or the server allows."""
+
+    code = "oversized"
 
 
 class ServerError(StellaError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import OversizedMessage, ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -79,7 +79,7 @@ def unpack_header(frame: bytes | memoryview, *, expect: str = "request") -> dict
     with a message naming the problem.
     """
     if len(frame) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"oversized header: {len(frame)} bytes > {MAX_HEADER_BYTES}")
+        raise OversizedMessage(f"oversized header: {len(frame)} bytes > {MAX_HEADER_BYTES}")
     try:
         hdr = msgpack.unpackb(
             frame,
