@@ -202,3 +202,12 @@ def test_sigterm_shuts_down_cleanly(make_server, make_client):
     a.register(model(), SGD1)
     assert srv.stop("terminate") == 0
     assert '"shutting down"' in srv.logs() and '"stopped"' in srv.logs()
+
+
+def test_server_never_imports_torch():
+    """The daemon runs on a CPU host that needs no torch; the wire schema must not pull it in."""
+    import subprocess
+    import sys
+
+    code = "import sys, stella_ps.daemon, stella_ps.server; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,6 +1,7 @@
 """Stella: train one model across sites joined by slow links.
 
-Training scripts use :class:`Client` (push / pull against a ``stella-ps``).
+Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer)
+or :class:`Client` (push / pull against a ``stella-ps``) directly.
 """
 from .client import Client, PullResult
 from .errors import (
@@ -20,6 +21,10 @@ from .errors import (
 __all__ = [
     "Client",
     "PullResult",
+    "StellaOptimizer",
+    "PipelineError",
+    "ErrorFeedbackCompressor",
+    "SparseGrad",
     "StellaError",
     "ProtocolError",
     "CodecError",
@@ -33,3 +38,21 @@ __all__ = [
     "StaleVersionError",
 ]
 __version__ = "0.1.0"
+
+# torch-dependent parts load on first use, so that importing the wire schema (as
+# stella-ps does) never imports torch.
+_LAZY = {
+    "StellaOptimizer": "pipeline",
+    "PipelineError": "pipeline",
+    "ErrorFeedbackCompressor": "compress",
+    "SparseGrad": "compress",
+}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'stella' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{mod}", __name__), name)

@@ -3,9 +3,10 @@
 Starts a ``stella-ps`` subprocess and ``workers`` worker processes on loopback. Each
 worker trains the same MLP on its shard of scikit-learn's handwritten digits
 (1,797 real 8x8 images that ship with the package; 20% held out), pushing top-k
-compressed gradients with error feedback and pulling back what changed. Worker 0
-also evaluates the held-out accuracy of its replica (which equals the server's
-model at that version) as training goes.
+compressed gradients with error feedback and pulling back what changed, through
+the one-step-stale pipeline (:class:`stella.StellaOptimizer`). Worker 0 also
+evaluates the held-out accuracy of its replica as training goes, and at the end
+on the final model.
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ __all__ = ["DemoConfig", "run_demo", "start_server", "load_digits_split"]
 @dataclass
 class DemoConfig:
     workers: int = 2
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 32
     density: float = 0.05
     method: str = "threshold"
-    lr: float = 2e-3
+    lr: float = 3e-3
     hidden: int = 256
     seed: int = 0
     eval_every: int = 25
@@ -69,43 +70,39 @@ def accuracy(model, x, y) -> float:
 def _worker(address: str, rank: int, cfg: DemoConfig, progress) -> None:
     import torch
 
-    from .client import Client
-    from .compress import ErrorFeedbackCompressor
+    from .pipeline import StellaOptimizer
 
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = load_digits_split(cfg.seed)
     shard = torch.arange(rank, xtr.shape[0], cfg.workers)
     xtr, ytr = xtr[shard], ytr[shard]
     model = build_model(cfg.hidden, cfg.seed)
-    params = dict(model.named_parameters())
-    comp = ErrorFeedbackCompressor(cfg.density, method=cfg.method, dense_below=1024)
+    opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
+                          density=cfg.density, method=cfg.method, dense_below=1024, timeout=cfg.timeout,
+                          name=f"demo-worker-{rank}")
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    with Client(address, timeout=cfg.timeout, name=f"demo-worker-{rank}") as client:
-        client.register(params, {"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0})
-        snap = client.pull(None)
-        snap.apply_to(params)
-        version = snap.version
-        perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
+    perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
+    try:
         for step in range(cfg.steps):
             if pos + cfg.batch_size > perm.numel():
                 perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
             b = perm[pos:pos + cfg.batch_size]
             pos += cfg.batch_size
-            model.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xtr[b]), ytr[b])
             loss.backward()
-            grads = {n: comp.compress(n, p.grad) for n, p in params.items()}
-            client.push(grads, version)
-            delta = client.pull(version, wait_for=version + 1)
-            delta.apply_to(params)
-            version = delta.version
+            opt.step()
             acc = None
-            if rank == 0 and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            if rank == 0 and (step + 1) % cfg.eval_every == 0:
                 acc = accuracy(model, xte, yte)
-            progress.put(("step", rank, step + 1, loss.item(), client.bytes_pushed, client.bytes_pulled, acc,
-                          version))
-        progress.put(("done", rank, client.bytes_pushed, client.bytes_pulled, version,
-                      accuracy(model, xte, yte) if rank == 0 else None))
+            progress.put(("step", rank, step + 1, loss.item(), opt.client.bytes_pushed, opt.client.bytes_pulled,
+                          acc, opt.version))
+        opt.synchronize()  # install the last step: the replica equals the server's model
+        final_acc = accuracy(model, xte, yte) if rank == 0 else None
+        version = opt.version
+    finally:
+        opt.close()  # pushes what is left in the error-feedback residual, leaves
+    progress.put(("done", rank, opt.client.bytes_pushed, opt.client.bytes_pulled, version, final_acc))
 
 
 def start_server(workers: int, extra: list[str] | None = None, timeout: float = 30.0):
@@ -173,7 +170,7 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out=sys.stdout) -
             last[rank] = msg
             if a is not None:
                 acc = a
-            if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if rank == 0 and step % cfg.eval_every == 0:
                 tot_push = sum(m[4] for m in last.values())
                 tot_pull = sum(m[5] for m in last.values())
                 print(f"step {step:4d}/{cfg.steps} | loss {loss:.4f} | test acc {acc:.4f} | version {version} | "
@@ -198,7 +195,8 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out=sys.stdout) -
     dense = cfg.steps * cfg.workers * 2 * 4 * numel  # fp32 push + pull of the whole model per worker-step
     result = {
         "test_accuracy": done[0][5],
-        "steps": status["version"],
+        "steps": cfg.steps,
+        "server_version": status["version"],
         "wall_s": round(wall, 3),
         "bytes_pushed": pushed,
         "bytes_pulled": pulled,

@@ -1,0 +1,224 @@
+"""The one-step-stale training pipeline: a drop-in optimizer for any ``torch.nn.Module``.
+
+The training script keeps its loop::
+
+    opt = stella.StellaOptimizer(model, "tcp://ps-host:5555", optimizer={"name": "adamw", "lr": 1e-3})
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    opt.close()
+
+``step()`` hands iteration ``t``'s gradient to a background thread and returns at
+once; the thread compresses it (top-k with error feedback), pushes it, waits for the
+server to close the step and pulls the delta. The next ``step()`` first installs that
+delta. So the forward/backward of iteration ``t`` runs on weights that include
+updates ``0..t-2``: exactly one step stale, and communication of step ``t-1`` overlaps
+the computation of step ``t``.
+
+Gradients are double-buffered without copies: ``step()`` takes the ``.grad`` tensors
+autograd just produced (they become the in-flight generation) and leaves ``.grad``
+unset, so the next backward writes a fresh generation while the previous one is being
+compressed.
+
+The wrapper is a ``torch.optim.Optimizer`` with one parameter group whose
+hyper-parameters mirror the server's optimizer: a learning-rate scheduler (or any code
+that edits ``param_groups[0]``) keeps working; changes are sent to the server before
+the next push. Errors in the background thread are raised from the next ``step()``,
+``synchronize()`` or ``close()``, never swallowed.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .client import Client, PullResult
+from .compress import ErrorFeedbackCompressor
+from .errors import StellaError
+
+__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats"]
+
+_SERVER_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps")
+
+
+class PipelineError(StellaError):
+    """The background exchange failed; the cause is chained (``__cause__``)."""
+
+
+@dataclass
+class PipelineStats:
+    iterations: int = 0
+    wait_s: float = 0.0  # time step() spent blocked on the previous exchange
+    compress_s: float = 0.0
+    exchange_s: float = 0.0  # push + waiting for the step + pull, in the background
+    values_pushed: int = 0
+    values_pulled: int = 0
+
+
+class StellaOptimizer(torch.optim.Optimizer):
+    """One-step-stale data-parallel training through ``stella-ps`` (see module doc).
+
+    ``model``: any module; every parameter with ``requires_grad`` is registered under
+    its ``named_parameters`` name. ``optimizer``: the server-side optimizer config.
+    ``density``/``method``/``dense_below``: the compressor. ``value_dtype`` and
+    ``index_coding``: wire coding of pushes. ``staleness``: 1 (pipelined) or 0 (push,
+    wait and install inside ``step()``; the non-overlapped baseline).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        address: str,
+        *,
+        optimizer: Mapping[str, Any] | None = None,
+        density: float = 0.01,
+        method: str = "threshold",
+        dense_below: int = 4096,
+        value_dtype: str = "f32",
+        index_coding: str = "raw32",
+        staleness: int = 1,
+        timeout: float | None = None,
+        name: str = "",
+        client: Client | None = None,
+    ):
+        if staleness not in (0, 1):
+            raise ValueError("staleness must be 0 or 1")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model has no trainable parameters")
+        opt_cfg = dict(optimizer or {"name": "adamw", "lr": 1e-3})
+        defaults = {k: v for k, v in opt_cfg.items() if k in _SERVER_HPARAMS}
+        super().__init__([p for _, p in named], defaults)
+        self.names = [n for n, _ in named]
+        self.params = dict(named)
+        self.staleness = staleness
+        self.value_dtype = value_dtype
+        self.index_coding = index_coding
+        self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below)
+        self.stats = PipelineStats()
+        # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
+        self._inflight: Future | None = None
+        self._closed = False
+
+        def init() -> PullResult:
+            self.client = client or Client(address, timeout=timeout, name=name)
+            reply = self.client.register(self.params, opt_cfg)
+            self.server_optimizer = reply["optimizer"]
+            return self.client.pull(None)
+
+        snap = self._exec.submit(init).result()
+        with torch.no_grad():
+            snap.apply_to(self.params)
+        self.version = snap.version  # the version the local replica holds
+        self._sent_hparams = self._hparams()
+
+    # ------------------------------------------------------------------ helpers
+    def _hparams(self) -> dict[str, Any]:
+        g = self.param_groups[0]
+        return {k: (list(g[k]) if k == "betas" else g[k]) for k in _SERVER_HPARAMS if k in g}
+
+    def _exchange(self, grads: dict[str, torch.Tensor], version: int, since: int, hparams: dict | None) -> PullResult:
+        """Background thread: compress, push, wait for the step, pull the delta."""
+        t0 = time.perf_counter()
+        sparse = {n: self.compressor.compress(n, g) for n, g in grads.items()}
+        t1 = time.perf_counter()
+        if hparams:
+            self.client.set_optimizer(**hparams)
+        req = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
+                               wait=False)
+        pull = self.client.send_pull(since, wait_for=since + 1, index_coding=self.index_coding)
+        self.client.wait(req)
+        delta = self.client.wait_pull(pull)
+        self.stats.compress_s += t1 - t0
+        self.stats.exchange_s += time.perf_counter() - t1
+        self.stats.values_pushed += sum(s.values.size for s in sparse.values())
+        self.stats.values_pulled += delta.count
+        return delta
+
+    def _finish_inflight(self) -> None:
+        """Wait for the in-flight exchange and install its delta into the replica."""
+        if self._inflight is None:
+            return
+        fut, self._inflight = self._inflight, None
+        t0 = time.perf_counter()
+        try:
+            delta = fut.result()
+        except Exception as e:
+            raise PipelineError(f"background exchange failed: {type(e).__name__}: {e}") from e
+        self.stats.wait_s += time.perf_counter() - t0
+        with torch.no_grad():
+            delta.apply_to(self.params)
+        self.version = delta.version
+
+    # ------------------------------------------------------------------ optimizer API
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - always drops the grads
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102
+        if self._closed:
+            raise PipelineError("step() after close()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = {}
+        for n, p in self.params.items():
+            if p.grad is not None:
+                grads[n] = p.grad
+                p.grad = None  # this generation is now in flight; backward makes a new one
+        compute_version = self.version  # the weights this gradient was computed on
+        self._finish_inflight()  # install update t-1: the next forward sees 0..t-1
+        hp = self._hparams()
+        changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
+        self._sent_hparams = hp
+        self._inflight = self._exec.submit(self._exchange, grads, compute_version, self.version, changed)
+        self.stats.iterations += 1
+        if self.staleness == 0:
+            self._finish_inflight()
+        return loss
+
+    def synchronize(self) -> int:
+        """Finish the in-flight exchange and install it; returns the replica's version."""
+        self._finish_inflight()
+        return self.version
+
+    def pull_latest(self) -> int:
+        """Install everything the server has applied so far (e.g. after training)."""
+        self._finish_inflight()
+        delta = self._exec.submit(self.client.pull, self.version).result()
+        with torch.no_grad():
+            delta.apply_to(self.params)
+        self.version = delta.version
+        return self.version
+
+    def close(self, *, flush: bool = True) -> None:
+        """Finish the in-flight exchange, push what is left in the residuals (so no
+        gradient mass is lost), leave the job and close the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish_inflight()
+            if flush:
+                def flush_residuals():
+                    rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}
+                    if rest:
+                        self.client.push(rest, self.version, value_dtype="f32")
+
+                self._exec.submit(flush_residuals).result()
+        finally:
+            self._exec.submit(self.client.close).result()
+            self._exec.shutdown(wait=True)
+
+    def __enter__(self) -> "StellaOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

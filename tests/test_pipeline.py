@@ -1,0 +1,111 @@
+"""The one-step-stale pipeline against a real stella-ps."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from stella import PipelineError, StellaOptimizer
+from stella.client import Client
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(n, dtype=torch.float32))
+
+
+def grad_at(t: int, n: int = 8) -> torch.Tensor:
+    return torch.full((n,), float(t + 1)) + torch.arange(n, dtype=torch.float32) * 0.25
+
+
+def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(server):
+    model = Toy()
+    w0 = model.w.detach().clone()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                          timeout=10)
+    used = []
+    for t in range(8):
+        used.append(model.w.detach().clone())
+        (model.w * grad_at(t)).sum().backward()  # gradient = grad_at(t), exactly
+        opt.step()
+    opt.close()
+    for t, w in enumerate(used):
+        expect = w0 - sum((grad_at(u) for u in range(t - 1)), torch.zeros(8))
+        assert torch.equal(w, expect), f"iteration {t}: weights are not exactly updates 0..{t - 2}"
+
+
+def test_staleness_zero_is_the_synchronous_baseline(server):
+    model = Toy()
+    w0 = model.w.detach().clone()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                          staleness=0, timeout=10)
+    for t in range(4):
+        assert torch.equal(model.w.detach(), w0 - sum((grad_at(u) for u in range(t)), torch.zeros(8)))
+        (model.w * grad_at(t)).sum().backward()
+        opt.step()
+    opt.close()
+
+
+def test_close_flushes_residual_so_no_gradient_mass_is_lost(server):
+    n = 10_000
+    model = Toy(n)
+    with torch.no_grad():
+        model.w.zero_()  # large weights would hide the sums in float32 rounding
+    w0 = model.w.detach().clone()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
+                          method="exact", timeout=10)
+    total = torch.zeros(n)
+    rng = torch.Generator().manual_seed(0)
+    for t in range(5):
+        g = torch.randn(n, generator=rng)
+        total += g
+        (model.w * g).sum().backward()
+        opt.step()
+    opt.close()
+    with Client(server.endpoint, timeout=10, join=False) as c:
+        for _ in range(100):  # the flush step is applied right after close() returns
+            if c.status()["version"] == 6:  # 5 steps + the flush
+                break
+            time.sleep(0.02)
+        assert c.status()["version"] == 6
+    c2 = Client(server.endpoint, timeout=10)
+    try:
+        c2.register({"w": model.w})
+        final = c2.pull(None).tensors["w"][1]
+    finally:
+        c2.close()
+    # SGD lr=1: everything ever pushed, summed, equals the sum of gradients
+    np.testing.assert_allclose(w0.numpy() - final, total.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_lr_scheduler_reaches_the_server(server):
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                          timeout=10)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for t in range(3):
+        (model.w * grad_at(t)).sum().backward()
+        opt.step()
+        sched.step()
+    opt.synchronize()
+    with Client(server.endpoint, timeout=10, join=False) as c:
+        assert c.status()["optimizer"]["lr"] == pytest.approx(0.25)
+    opt.close()
+
+
+def test_background_errors_surface_in_the_training_loop(make_server):
+    srv = make_server(1)
+    model = Toy()
+    opt = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense", timeout=1.0)
+    (model.w * grad_at(0)).sum().backward()
+    opt.step()
+    opt.synchronize()
+    srv.stop()  # the server goes away mid-training
+    with pytest.raises(PipelineError, match="ServerUnavailable"):
+        for t in range(3):
+            (model.w * grad_at(t)).sum().backward()
+            opt.step()
+    opt.close(flush=False)
