@@ -18,13 +18,10 @@ __all__ = [
     "ef_block_select",
     "kth_largest_abs",
     "last_stats",
-    "rice_encode",
-    "rice_decode",
-    "varint_encode",
-    "varint_decode",
-    "u16_encode",
-    "u16_decode",
-    "check_indices",
+    "CODING_IDS",
+    "idx_encode",
+    "idx_decode",
+    "rice_param",
     "f32_to_f16",
     "f32_to_bf16",
     "f16_to_f32",
@@ -139,3 +136,96 @@ def kth_largest_abs(v: np.ndarray, k: int) -> float:
     if not 1 <= k <= v.size:
         raise ValueError("need 1 <= k <= len(v)")
     return float(lib.stella_kth_largest_abs(_np_ptr(v, "float *"), v.size, int(k)))
+
+
+# ------------------------------------------------------------------- codec
+CODING_IDS = {"raw32": 0, "varint": 1, "u16": 2, "rice": 3}
+
+
+def _u8(buf) -> np.ndarray:
+    """A read-only uint8 view of any contiguous buffer (bytes, memoryview, ndarray, zmq frame)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise CodecError("coded buffer is not contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        return np.frombuffer(buf, dtype=np.uint8)
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"not a contiguous byte buffer: {e}") from None
+
+
+def idx_encode(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
+    cid = CODING_IDS[coding]
+    idx = np.ascontiguousarray(idx, dtype=np.int32)
+    count = idx.size
+    bound = lib.stella_idx_bound(count, int(numel), cid)
+    if bound < 0:
+        raise ValueError(f"bad count {count} / numel {numel} for index coding {coding!r}")
+    out = np.empty(max(bound, 1), dtype=np.uint8)
+    n = lib.stella_idx_encode(
+        _np_ptr(idx, "int32_t *"), count, int(numel), cid, _np_ptr(out, "uint8_t *"), out.size
+    )
+    if n < 0:
+        if n in (-1, -2):
+            raise ValueError(f"indices must be sorted, unique and in [0, {numel}): {_ERRORS[n]}")
+        _fail(n, "stella_idx_encode")
+    return out[:n]
+
+
+def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
+    cid = CODING_IDS.get(coding)
+    if cid is None:
+        raise CodecError(f"unknown index coding {coding!r}")
+    count, numel = int(count), int(numel)
+    if not (0 <= numel <= 2**31) or not (0 <= count <= numel):
+        raise CodecError(f"impossible count {count} for numel {numel}")
+    b = _u8(buf)
+    # every index costs at least 4 bytes (raw32), 1 byte (varint), 2 bytes (u16), 1 bit (rice):
+    # refuse before allocating for a count the buffer cannot hold
+    floor_bits = {0: 32, 1: 8, 2: 16, 3: 1}[cid]
+    if count * floor_bits > 8 * b.size:
+        raise CodecError(f"{coding}: {b.size} bytes cannot hold {count} indices")
+    out = np.empty(count, dtype=np.int32)
+    rc = lib.stella_idx_decode(
+        _np_ptr(b, "uint8_t *") if b.size else ffi.NULL, b.size, count, numel, cid,
+        _np_ptr(out, "int32_t *") if count else ffi.NULL,
+    )
+    if rc < 0:
+        if rc == -5:
+            raise CodecError(f"{coding}: bad arguments (count {count}, numel {numel})")
+        raise CodecError(f"{coding}: corrupt, truncated or out-of-range index stream "
+                         f"({b.size} bytes, {count} indices, numel {numel})")
+    return out
+
+
+def rice_param(idx: np.ndarray) -> int:
+    idx = np.ascontiguousarray(idx, dtype=np.int32)
+    return int(lib.stella_rice_param(_np_ptr(idx, "int32_t *"), idx.size))
+
+
+def f32_to_f16(v: np.ndarray) -> np.ndarray:
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    out = np.empty(v.size, dtype=np.uint16)
+    lib.stella_f32_to_f16(_np_ptr(v, "float *"), v.size, _np_ptr(out, "uint16_t *"))
+    return out
+
+
+def f32_to_bf16(v: np.ndarray) -> np.ndarray:
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    out = np.empty(v.size, dtype=np.uint16)
+    lib.stella_f32_to_bf16(_np_ptr(v, "float *"), v.size, _np_ptr(out, "uint16_t *"))
+    return out
+
+
+def f16_to_f32(h: np.ndarray) -> np.ndarray:
+    h = np.ascontiguousarray(h, dtype=np.uint16)
+    out = np.empty(h.size, dtype=np.float32)
+    lib.stella_f16_to_f32(_np_ptr(h, "uint16_t *"), h.size, _np_ptr(out, "float *"))
+    return out
+
+
+def bf16_to_f32(h: np.ndarray) -> np.ndarray:
+    h = np.ascontiguousarray(h, dtype=np.uint16)
+    out = np.empty(h.size, dtype=np.float32)
+    lib.stella_bf16_to_f32(_np_ptr(h, "uint16_t *"), h.size, _np_ptr(out, "float *"))
+    return out
