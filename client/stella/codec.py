@@ -1,60 +1,133 @@
-"""Index and value coding on the wire (minimal: raw int32 indices, f32/f16/bf16 values).
+"""Wire coding of sparse pushes: sorted indices and float values.
 
-Decoding never trusts its input: sizes, ranges and order are checked.
+The server imports this module to decode what workers send, so decoding never
+trusts its input: the C decoders bounds-check every read, check every index
+``< numel`` and strictly increasing, demand that the stream ends exactly at the
+end of the buffer, and :class:`~stella.errors.CodecError` is raised for anything
+else. The byte-level formats are in ``docs/compression.md``.
+
+Index codings (``INDEX_CODINGS``), all of sorted unique int32 indices of a
+tensor of ``numel`` elements, ``count`` of them (count and numel travel in the
+message header, not in these bytes):
+
+``"raw32"``      little-endian int32, 4 bytes an index.
+``"varint"``     LEB128 of the gaps ``idx[i] - idx[i-1] - 1`` (``idx[-1] = -1``).
+``"u16chunk"``   per nonempty 65536-element chunk: varint chunk gap, varint
+                 (entries - 1), then the little-endian u16 offsets in the chunk.
+``"rice"``       one byte ``b``, then Golomb-Rice codes of the gaps with
+                 parameter ``2**b`` (``b`` chosen by the encoder to minimise the
+                 size exactly), bit-packed LSB first. The most compact: ~9 bits
+                 an index at 1% density. Default.
+
+Value dtypes (``VALUE_DTYPES``): ``"f32"`` (little-endian IEEE float32),
+``"f16"`` (IEEE binary16, round to nearest even, overflow to +-inf) and
+``"bf16"`` (upper half of float32 after round to nearest even; NaN -> 0x7fc0
+with its sign, as torch).
+
+Every coding of zero indices or values is the empty byte string.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
+from . import native
 from .errors import CodecError
 
-INDEX_CODINGS = ("raw32",)
-VALUE_DTYPES = ("f32", "f16", "bf16")
-_VALUE_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+__all__ = [
+    "INDEX_CODINGS",
+    "VALUE_DTYPES",
+    "DEFAULT_INDEX_CODING",
+    "DEFAULT_VALUE_DTYPE",
+    "encode_indices",
+    "decode_indices",
+    "encode_values",
+    "decode_values",
+    "value_itemsize",
+    "rice_parameter",
+]
+
+INDEX_CODINGS: tuple[str, ...] = ("raw32", "varint", "u16chunk", "rice")
+VALUE_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16")
+DEFAULT_INDEX_CODING = "rice"
+DEFAULT_VALUE_DTYPE = "f16"
+
+_CIDS = {"raw32": "raw32", "varint": "varint", "u16chunk": "u16", "rice": "rice"}
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+_LITTLE = sys.byteorder == "little"
 
 
-def encode_indices(idx: np.ndarray, numel: int, coding: str = "raw32") -> np.ndarray:
-    if coding != "raw32":
-        raise ValueError(f"unknown index coding {coding!r}")
-    return np.ascontiguousarray(idx, dtype="<i4")
+def value_itemsize(dtype: str) -> int:
+    """Bytes per value on the wire for ``dtype``."""
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ValueError(f"value dtype must be one of {VALUE_DTYPES}, got {dtype!r}") from None
 
 
-def decode_indices(buf, count: int, numel: int, coding: str = "raw32") -> np.ndarray:
-    if coding not in INDEX_CODINGS:
-        raise CodecError(f"unknown index coding {coding!r}; known: {list(INDEX_CODINGS)}")
-    if len(buf) != 4 * count:
-        raise CodecError(f"index frame has {len(buf)} bytes, expected {4 * count} for {count} raw32 indices")
-    idx = np.frombuffer(buf, dtype="<i4")
-    if count:
-        if idx[0] < 0 or idx[-1] >= numel:
-            raise CodecError(f"index out of range [0, {numel})")
-        if count > 1 and not (np.diff(idx) > 0).all():
-            raise CodecError("indices are not sorted strictly increasing (unsorted or duplicated)")
-    return idx
+def encode_indices(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
+    """Sorted unique int32 indices (each < numel) -> coded bytes (a uint8 array).
+
+    Raises ValueError for an unknown coding or indices that are not sorted,
+    unique and in range (a bug of the caller, not corrupt input).
+    """
+    if coding not in _CIDS:
+        raise ValueError(f"index coding must be one of {INDEX_CODINGS}, got {coding!r}")
+    return native.idx_encode(idx, numel, _CIDS[coding])
 
 
-def encode_values(values: np.ndarray, dtype: str = "f32") -> np.ndarray:
-    v = np.ascontiguousarray(values, dtype=np.float32)
+def decode_indices(buf, count: int, numel: int, coding: str) -> np.ndarray:
+    """Coded bytes -> ``count`` int32 indices, strictly increasing, each < numel.
+
+    ``buf`` is any contiguous buffer (bytes, memoryview, uint8 array, zmq frame
+    buffer). Raises CodecError if the bytes are corrupt or truncated, have
+    trailing bytes, or decode to indices out of range or not strictly
+    increasing, and for an unknown coding or impossible count.
+    """
+    if coding not in _CIDS:
+        raise CodecError(f"unknown index coding {coding!r}")
+    return native.idx_decode(buf, count, numel, _CIDS[coding])
+
+
+def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> wire bytes (a uint8 array, ``itemsize * len(values)`` long)."""
+    value_itemsize(dtype)
+    v = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     if dtype == "f32":
-        return v
+        if not _LITTLE:  # pragma: no cover - big-endian hosts
+            v = v.astype("<f4")
+        return v.view(np.uint8)
     if dtype == "f16":
-        return v.astype(np.float16)
-    if dtype == "bf16":
-        u = v.view(np.uint32)
-        rounded = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-        return (rounded >> np.uint32(16)).astype(np.uint16)
-    raise ValueError(f"unknown value dtype {dtype!r}")
+        out = native.f32_to_f16(v)
+    else:
+        out = native.f32_to_bf16(v)
+    if not _LITTLE:  # pragma: no cover
+        out = out.byteswap()
+    return out.view(np.uint8)
 
 
-def decode_values(buf, count: int, dtype: str = "f32") -> np.ndarray:
-    size = _VALUE_ITEMSIZE.get(dtype)
+def decode_values(buf, count: int, dtype: str) -> np.ndarray:
+    """Wire bytes -> ``count`` float32 values (for "f32" possibly a read-only view
+    of ``buf``). Raises CodecError when the size is not ``count * itemsize`` or
+    the dtype is unknown. NaN and Inf pass through (the server checks
+    finiteness separately)."""
+    size = _ITEMSIZE.get(dtype)
     if size is None:
-        raise CodecError(f"unknown value dtype {dtype!r}; known: {list(VALUE_DTYPES)}")
-    if len(buf) != size * count:
-        raise CodecError(f"value frame has {len(buf)} bytes, expected {size * count} for {count} {dtype} values")
+        raise CodecError(f"unknown value dtype {dtype!r}")
+    count = int(count)
+    b = native._u8(buf)
+    if count < 0 or b.size != count * size:
+        raise CodecError(f"{dtype}: {b.size} bytes for {count} values (need {count * size})")
     if dtype == "f32":
-        return np.frombuffer(buf, dtype="<f4")
-    if dtype == "f16":
-        return np.frombuffer(buf, dtype="<f2").astype(np.float32)
-    u = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << np.uint32(16)
-    return u.view(np.float32)
+        v = b.view("<f4") if b.ctypes.data % 4 == 0 else np.frombuffer(b.tobytes(), "<f4")
+        return v if _LITTLE else v.astype(np.float32)
+    h = b.view("<u2") if b.ctypes.data % 2 == 0 else np.frombuffer(b.tobytes(), "<u2")
+    if not _LITTLE:  # pragma: no cover
+        h = h.astype(np.uint16)
+    return native.f16_to_f32(h) if dtype == "f16" else native.bf16_to_f32(h)
+
+
+def rice_parameter(idx: np.ndarray) -> int:
+    """The Rice parameter ``b`` the encoder would choose for these indices."""
+    return native.rice_param(idx)

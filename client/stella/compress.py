@@ -86,7 +86,8 @@ class SparseGrad:
 class _State:
     residual: torch.Tensor  # flat float32, on the gradient's device
     shape: torch.Size
-    thr: float = 0.0  # threshold / block-threshold carried across steps (0: none yet)
+    thr: float = 0.0  # torch path: threshold carried across steps (0: none yet)
+    cstate: np.ndarray | None = None  # native path: float32[4] selection state
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -172,13 +173,17 @@ class ErrorFeedbackCompressor:
             from . import native
 
             g = g.contiguous()
+            if st.cstate is None:
+                st.cstate = native.new_state()
             if self.method == "threshold":
-                idx, val, st.thr = native.ef_threshold_select(
-                    res, g, k, st.thr, self._sample_size(n, k), self._next_seed()
+                idx, val = native.ef_threshold_select(
+                    res, g, k, st.cstate, self._sample_size(n, k), self._next_seed()
                 )
             else:
-                idx, val, st.thr = native.ef_block_select(
-                    res, g, k, st.thr, self._sample_size(n, k), self._next_seed()
+                kb = max(1, round(k / BLOCK))
+                idx, val = native.ef_block_select(
+                    res, g, k, st.cstate, self._sample_size((n + BLOCK - 1) // BLOCK, kb),
+                    self._next_seed(),
                 )
             return SparseGrad(n, idx, val)
         res.add_(g)
@@ -229,6 +234,7 @@ class ErrorFeedbackCompressor:
         return True
 
     def _sample_size(self, n: int, k: int) -> int:
+        """Units to sample (floats for "threshold", blocks for "block")."""
         if self.sample_size > 0:
             return min(n, self.sample_size)
         # ~400 expected sample hits above the threshold, within [4096, 65536]

@@ -1,0 +1,452 @@
+/* Wire coding of sparse pushes: sorted unique int32 indices, float values.
+ *
+ * Index codings (docs/compression.md has the byte-level format):
+ *   0 raw32   count little-endian int32
+ *   1 varint  LEB128 of the gaps g[i] = idx[i] - idx[i-1] - 1 (idx[-1] = -1)
+ *   2 u16     per nonempty 65536-chunk: varint chunk gap, varint (n - 1),
+ *             n little-endian u16 offsets
+ *   3 rice    one byte b (0..31), then per gap: q = g >> b as q zero bits and a
+ *             one bit, then the low b bits of g; bits fill bytes from the least
+ *             significant bit; the last byte is zero-padded
+ * Every coding of an empty set is the empty byte string.
+ *
+ * Decoders never trust their input: every read is bounds-checked against the
+ * buffer, every index checked < numel and strictly increasing (gap coding makes
+ * that structural), the stream must end exactly at the buffer's end (padding
+ * bits zero, encodings minimal), and anything else is STELLA_E_CORRUPT.
+ */
+#include <string.h>
+
+#include "stella_native.h"
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { C_RAW32 = 0, C_VARINT = 1, C_U16 = 2, C_RICE = 3 };
+
+#define MAX_NUMEL (INT64_C(1) << 31)
+
+static int check_sorted(const int32_t *idx, int64_t count, int64_t numel) {
+    int64_t prev = -1;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t x = idx[i];
+        if (STELLA_UNLIKELY(x < 0 || x >= numel)) return STELLA_E_RANGE;
+        if (STELLA_UNLIKELY(x <= prev)) return STELLA_E_ORDER;
+        prev = x;
+    }
+    return STELLA_OK;
+}
+
+static inline int varint_len(uint32_t v) {
+    return v < (1u << 7) ? 1 : v < (1u << 14) ? 2 : v < (1u << 21) ? 3 : v < (1u << 28) ? 4 : 5;
+}
+
+static inline uint8_t *put_varint(uint8_t *p, uint32_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+/* Reads one minimal LEB128 value < 2^31; returns bytes used or 0 if corrupt. */
+static inline int get_varint(const uint8_t *p, const uint8_t *end, uint32_t *v) {
+    uint32_t x = 0;
+    for (int i = 0; i < 5; i++) {
+        if (STELLA_UNLIKELY(p + i >= end)) return 0;
+        uint32_t byte = p[i];
+        if (i == 4 && byte > 0x07) return 0; /* >= 2^31 or a fifth continuation */
+        x |= (byte & 0x7f) << (7 * i);
+        if (!(byte & 0x80)) {
+            if (i > 0 && byte == 0) return 0; /* not minimal */
+            *v = x;
+            return i + 1;
+        }
+    }
+    return 0;
+}
+
+/* ---- Rice parameter -------------------------------------------------------- */
+
+/* The b in 0..31 minimising count * (1 + b) + sum(g >> b), exactly: with P[j]
+ * the number of gaps with bit j set, sum(g >> b) = sum_{j >= b} P[j] 2^(j-b). */
+int32_t stella_rice_param(const int32_t *idx, int64_t count) {
+    if (count <= 0) return 0;
+    uint64_t P[32] = {0};
+    uint32_t cnt[32];
+    int64_t prev = -1;
+    int64_t i = 0;
+    while (i < count) {
+        int64_t e = i + 65536 < count ? i + 65536 : count; /* cnt cannot overflow */
+        for (int j = 0; j < 32; j++) cnt[j] = 0;
+        for (; i < e; i++) {
+            uint32_t g = (uint32_t)((int64_t)idx[i] - prev - 1);
+            prev = idx[i];
+            for (int j = 0; j < 32; j++) cnt[j] += (g >> j) & 1u;
+        }
+        for (int j = 0; j < 32; j++) P[j] += cnt[j];
+    }
+    int best = 31;
+    uint64_t best_cost = UINT64_MAX;
+    for (int b = 0; b < 32; b++) {
+        uint64_t s = 0;
+        for (int j = b; j < 32; j++) s += P[j] << (j - b);
+        uint64_t cost = (uint64_t)count * (uint64_t)(1 + b) + s;
+        if (cost < best_cost) {
+            best_cost = cost;
+            best = b;
+        }
+    }
+    return best;
+}
+
+/* ---- bounds ---------------------------------------------------------------- */
+
+int64_t stella_idx_bound(int64_t count, int64_t numel, int32_t coding) {
+    if (count < 0 || numel < 0 || numel > MAX_NUMEL || count > numel) return STELLA_E_ARG;
+    if (count == 0) return 0;
+    switch (coding) {
+    case C_RAW32: return 4 * count;
+    case C_VARINT: return 5 * count;
+    case C_U16: {
+        int64_t chunks = (numel + 65535) >> 16;
+        int64_t nz = chunks < count ? chunks : count;
+        return 2 * count + 10 * nz;
+    }
+    case C_RICE: return 1 + 4 * count + 8; /* b = 31 costs 32 bits a gap; the best costs no more */
+    default: return STELLA_E_ARG;
+    }
+}
+
+/* ---- encoders -------------------------------------------------------------- */
+
+static inline void store32le(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static int64_t enc_rice(const int32_t *idx, int64_t count, uint8_t *out, int64_t cap) {
+    int b = stella_rice_param(idx, count);
+    uint8_t *p = out, *end = out + cap;
+    *p++ = (uint8_t)b;
+    uint64_t acc = 0; /* pending bits, LSB first; nacc < 32 between codes */
+    int nacc = 0;
+    int64_t prev = -1;
+    const uint32_t mask = (1u << b) - 1u; /* b <= 31 */
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t g = (uint32_t)((int64_t)idx[i] - prev - 1);
+        prev = idx[i];
+        uint32_t q = g >> b;
+        while (q >= 32) { /* a long run of zero bits */
+            if (STELLA_UNLIKELY(end - p < 4)) return STELLA_E_ARG;
+            store32le(p, (uint32_t)acc);
+            p += 4;
+            q -= 32; /* acc's pending bits went out, 32 - nacc zeros with them... */
+            acc >>= 32;
+            /* ...so the pending count is unchanged: the zeros are the 32 new bits */
+        }
+        acc |= (uint64_t)1 << (nacc + (int)q); /* q zeros then a one: < 64 bits */
+        nacc += (int)q + 1;
+        if (nacc >= 32) {
+            if (STELLA_UNLIKELY(end - p < 4)) return STELLA_E_ARG;
+            store32le(p, (uint32_t)acc);
+            p += 4;
+            acc >>= 32;
+            nacc -= 32;
+        }
+        acc |= (uint64_t)(g & mask) << nacc; /* nacc < 32, b <= 31 */
+        nacc += b;
+        if (nacc >= 32) {
+            if (STELLA_UNLIKELY(end - p < 4)) return STELLA_E_ARG;
+            store32le(p, (uint32_t)acc);
+            p += 4;
+            acc >>= 32;
+            nacc -= 32;
+        }
+    }
+    while (nacc > 0) {
+        if (STELLA_UNLIKELY(p >= end)) return STELLA_E_ARG;
+        *p++ = (uint8_t)acc;
+        acc >>= 8;
+        nacc -= 8;
+    }
+    return p - out;
+}
+
+int64_t stella_idx_encode(const int32_t *idx, int64_t count, int64_t numel, int32_t coding,
+                          uint8_t *out, int64_t cap) {
+    int64_t bound = stella_idx_bound(count, numel, coding);
+    if (bound < 0) return bound;
+    if (cap < bound || (count > 0 && (!idx || !out))) return STELLA_E_ARG;
+    int rc = check_sorted(idx, count, numel);
+    if (rc) return rc;
+    if (count == 0) return 0;
+    switch (coding) {
+    case C_RAW32:
+        for (int64_t i = 0; i < count; i++) {
+            uint32_t v = (uint32_t)idx[i];
+            out[4 * i] = (uint8_t)v;
+            out[4 * i + 1] = (uint8_t)(v >> 8);
+            out[4 * i + 2] = (uint8_t)(v >> 16);
+            out[4 * i + 3] = (uint8_t)(v >> 24);
+        }
+        return 4 * count;
+    case C_VARINT: {
+        uint8_t *p = out;
+        int64_t prev = -1;
+        for (int64_t i = 0; i < count; i++) {
+            p = put_varint(p, (uint32_t)((int64_t)idx[i] - prev - 1));
+            prev = idx[i];
+        }
+        return p - out;
+    }
+    case C_U16: {
+        uint8_t *p = out;
+        int64_t prev_chunk = -1;
+        int64_t i = 0;
+        while (i < count) {
+            int64_t c = (int64_t)idx[i] >> 16;
+            int64_t j = i;
+            while (j < count && ((int64_t)idx[j] >> 16) == c) j++;
+            p = put_varint(p, (uint32_t)(c - prev_chunk - 1));
+            p = put_varint(p, (uint32_t)(j - i - 1));
+            for (; i < j; i++) {
+                uint32_t o = (uint32_t)idx[i] & 0xffffu;
+                *p++ = (uint8_t)o;
+                *p++ = (uint8_t)(o >> 8);
+            }
+            prev_chunk = c;
+        }
+        return p - out;
+    }
+    case C_RICE: return enc_rice(idx, count, out, cap);
+    default: return STELLA_E_ARG;
+    }
+}
+
+/* ---- decoders -------------------------------------------------------------- */
+
+/* Up to 57 bits at bit position pos (LSB first), zeros past the end. */
+static inline uint64_t peek_bits(const uint8_t *s, int64_t nbytes, int64_t pos) {
+    int64_t byte = pos >> 3;
+    uint64_t w = 0;
+    if (STELLA_LIKELY(byte + 8 <= nbytes)) {
+        memcpy(&w, s + byte, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        w = __builtin_bswap64(w);
+#endif
+    } else {
+        for (int64_t k = 0; byte + k < nbytes && k < 8; k++) w |= (uint64_t)s[byte + k] << (8 * k);
+    }
+    return w >> (pos & 7);
+}
+
+static int64_t dec_rice(const uint8_t *buf, int64_t len, int64_t count, int64_t numel,
+                        int32_t *out) {
+    if (len < 2) return STELLA_E_CORRUPT;
+    int b = buf[0];
+    if (b > 31) return STELLA_E_CORRUPT;
+    const uint8_t *s = buf + 1;
+    int64_t nbytes = len - 1, nbits = nbytes * 8, pos = 0;
+    /* every gap takes at least b + 1 bits */
+    if ((uint64_t)count * (uint64_t)(b + 1) > (uint64_t)nbits) return STELLA_E_CORRUPT;
+    const uint64_t qmax = (uint64_t)numel >> b; /* q > qmax means an index >= numel */
+    const uint64_t mask = (UINT64_C(1) << b) - 1;
+    int64_t prev = -1;
+    for (int64_t i = 0; i < count; i++) {
+        uint64_t q = 0;
+        for (;;) {
+            uint64_t w = peek_bits(s, nbytes, pos);
+            uint64_t avail = 57;
+            w &= (UINT64_C(1) << avail) - 1;
+            if (w) {
+                int z = __builtin_ctzll(w);
+                q += (uint64_t)z;
+                pos += z + 1;
+                break;
+            }
+            q += avail;
+            pos += (int64_t)avail;
+            if (STELLA_UNLIKELY(pos >= nbits || q > qmax)) return STELLA_E_CORRUPT;
+        }
+        if (STELLA_UNLIKELY(q > qmax || pos + b > nbits)) return STELLA_E_CORRUPT;
+        uint64_t r = b ? (peek_bits(s, nbytes, pos) & mask) : 0;
+        pos += b;
+        int64_t x = prev + 1 + (int64_t)((q << b) | r);
+        if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
+        out[i] = (int32_t)x;
+        prev = x;
+    }
+    /* the stream ends in the last byte, whose remaining bits are zero */
+    if ((pos + 7) >> 3 != nbytes) return STELLA_E_CORRUPT;
+    if (pos & 7) {
+        uint8_t last = s[nbytes - 1];
+        if (last >> (pos & 7)) return STELLA_E_CORRUPT;
+    }
+    return count;
+}
+
+int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_t numel,
+                          int32_t coding, int32_t *out) {
+    if (len < 0 || count < 0 || numel < 0 || numel > MAX_NUMEL) return STELLA_E_ARG;
+    if (coding < C_RAW32 || coding > C_RICE) return STELLA_E_ARG;
+    if (count > numel) return STELLA_E_CORRUPT;
+    if (count == 0) return len == 0 ? 0 : STELLA_E_CORRUPT;
+    if (!buf || !out) return STELLA_E_ARG;
+    switch (coding) {
+    case C_RAW32: {
+        if (len != 4 * count) return STELLA_E_CORRUPT;
+        int64_t prev = -1;
+        for (int64_t i = 0; i < count; i++) {
+            const uint8_t *p = buf + 4 * i;
+            int64_t x = (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                                  (uint32_t)p[3] << 24);
+            if (STELLA_UNLIKELY(x <= prev || x >= numel)) return STELLA_E_CORRUPT;
+            out[i] = (int32_t)x;
+            prev = x;
+        }
+        return count;
+    }
+    case C_VARINT: {
+        if (count > len) return STELLA_E_CORRUPT;
+        const uint8_t *p = buf, *end = buf + len;
+        int64_t prev = -1;
+        for (int64_t i = 0; i < count; i++) {
+            uint32_t g;
+            if (STELLA_LIKELY(p < end && *p < 0x80)) { /* one-byte gap: the common case */
+                g = *p++;
+            } else {
+                int used = get_varint(p, end, &g);
+                if (STELLA_UNLIKELY(!used)) return STELLA_E_CORRUPT;
+                p += used;
+            }
+            int64_t x = prev + 1 + (int64_t)g;
+            if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
+            out[i] = (int32_t)x;
+            prev = x;
+        }
+        return p == end ? count : STELLA_E_CORRUPT;
+    }
+    case C_U16: {
+        if (2 * count > len) return STELLA_E_CORRUPT;
+        const uint8_t *p = buf, *end = buf + len;
+        int64_t chunk = -1, i = 0;
+        while (i < count) {
+            uint32_t cg, cm1;
+            int u = get_varint(p, end, &cg);
+            if (!u) return STELLA_E_CORRUPT;
+            p += u;
+            u = get_varint(p, end, &cm1);
+            if (!u) return STELLA_E_CORRUPT;
+            p += u;
+            chunk += 1 + (int64_t)cg;
+            if (chunk > (MAX_NUMEL >> 16)) return STELLA_E_CORRUPT;
+            int64_t m = (int64_t)cm1 + 1;
+            int64_t base = chunk << 16;
+            if (m > 65536 || m > count - i || base >= numel || 2 * m > end - p)
+                return STELLA_E_CORRUPT;
+            int64_t prev = -1;
+            for (int64_t j = 0; j < m; j++) {
+                int64_t o = (int64_t)p[2 * j] | (int64_t)p[2 * j + 1] << 8;
+                if (STELLA_UNLIKELY(o <= prev)) return STELLA_E_CORRUPT;
+                prev = o;
+                out[i + j] = (int32_t)(base + o);
+            }
+            if (base + prev >= numel) return STELLA_E_CORRUPT; /* the last is the largest */
+            p += 2 * m;
+            i += m;
+        }
+        return p == end ? count : STELLA_E_CORRUPT;
+    }
+    case C_RICE: return dec_rice(buf, len, count, numel, out);
+    }
+    return STELLA_E_ARG;
+}
+
+/* ---- values ---------------------------------------------------------------- */
+
+static inline uint32_t fbits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float bitsf(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE binary16, round to nearest even; NaN stays NaN (quiet), overflow -> inf. */
+static inline uint16_t f32_to_f16_soft(float f) {
+    uint32_t x = fbits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf or NaN */
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x0200u | ((ax >> 13) & 0x3ffu) : 0));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
+    if (ax < 0x38800000u) { /* result is subnormal or zero: exact RNE via float addition */
+        float r = bitsf(ax) + 0.5f; /* 0.5 = 2^-1; the ulp of [0.5,1) is 2^-24, the f16 denormal step */
+        return (uint16_t)(sign | (fbits(r) - 0x3f000000u));
+    }
+    uint32_t mant_odd = (ax >> 13) & 1u;
+    ax += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round */
+    return (uint16_t)(sign | (ax >> 13));
+}
+
+static inline float f16_to_f32_soft(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f) return bitsf(sign | 0x7f800000u | (m << 13));
+    if (e == 0) { /* zero / subnormal: m * 2^-24 exactly */
+        float v = (float)m * bitsf(0x33800000u);
+        return bitsf(sign | fbits(v));
+    }
+    return bitsf(sign | ((e + 112) << 23) | (m << 13));
+}
+
+void stella_f32_to_f16(const float *in, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = f32_to_f16_soft(in[i]);
+}
+
+void stella_f16_to_f32(const uint16_t *in, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32_soft(in[i]);
+}
+
+/* bfloat16, round to nearest even (as torch: NaN -> 0x7fc0 with the sign kept). */
+void stella_f32_to_bf16(const float *in, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = fbits(in[i]);
+        uint16_t r;
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            r = (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
+        else
+            r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        out[i] = r;
+    }
+}
+
+void stella_bf16_to_f32(const uint16_t *in, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = bitsf((uint32_t)in[i] << 16);
+}

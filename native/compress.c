@@ -1,0 +1,591 @@
+/* Error feedback fused with top-k selection, for contiguous float32 CPU tensors.
+ *
+ * One streaming pass computes acc = res + grad, emits the coordinates whose
+ * score reaches a threshold (indices come out sorted, for free), zeroes them in
+ * the residual and stores everything else back: the residual memory is read
+ * once and written once, the gradient read once.
+ *
+ * unit == 1  : score = |acc[i]|                       (method "threshold")
+ * unit == 16 : score = sum of acc^2 over a 16-float block, whole blocks are
+ *              emitted as 16 consecutive element indices   (method "block")
+ *
+ * The threshold comes from the caller (carried across steps per tensor) or,
+ * when it has none, from a random sample of scores (runs of 16 consecutive
+ * floats, one cache line each). The count is then corrected: more than
+ * 1.1 k units are trimmed to exactly the top k of them (a radix select on the
+ * candidates only), fewer than 0.9 k make the residual whole again and the pass
+ * is repeated at a lower threshold; after three tries an exact radix select
+ * over all scores gives the threshold. The threshold for the next step is the
+ * one that would have given 1.2 k units this step (extrapolated with the local
+ * tail slope measured on the candidates), corrected by the step-to-step drift.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "stella_native.h"
+#ifdef STELLA_CDEBUG
+#include <stdio.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_TRIES 3
+#define AIM 1.2 /* aim the pass at this many times k units */
+
+static inline uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Smallest positive float (a denormal): "select every nonzero". */
+#define TINY_BITS 1u
+static inline float tiny(void) { return u2f(TINY_BITS); }
+
+/* Monotone key of |x| (NaN maps to 0, so it never wins a selection). */
+static inline uint32_t abs_key(float x) {
+    uint32_t u = f2u(x) & 0x7fffffffu;
+    return u > 0x7f800000u ? 0u : u;
+}
+
+static inline uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The k-th largest |v[i]| (1 <= k <= n), exact: two radix passes of 16 bits. */
+static float kth_largest_key(const float *v, int64_t n, int64_t k, uint32_t *hist) {
+    if (k < 1) k = 1;
+    if (k > n) k = n;
+    memset(hist, 0, 32768 * sizeof(uint32_t));
+    for (int64_t i = 0; i < n; i++) hist[abs_key(v[i]) >> 16]++;
+    int64_t cum = 0;
+    int b = 32767;
+    for (; b > 0; b--) {
+        if (cum + (int64_t)hist[b] >= k) break;
+        cum += hist[b];
+    }
+    int64_t r = k - cum;
+    memset(hist, 0, 65536 * sizeof(uint32_t));
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t key = abs_key(v[i]);
+        if ((key >> 16) == (uint32_t)b) hist[key & 0xffffu]++;
+    }
+    cum = 0;
+    int lo = 65535;
+    for (; lo > 0; lo--) {
+        if (cum + (int64_t)hist[lo] >= r) break;
+        cum += hist[lo];
+    }
+    return u2f(((uint32_t)b << 16) | (uint32_t)lo);
+}
+
+float stella_kth_largest_abs(const float *v, int64_t n, int64_t k) {
+    if (!v || n < 1 || k < 1 || k > n) return NAN;
+    uint32_t *hist = malloc(65536 * sizeof(uint32_t));
+    if (!hist) return NAN;
+    float t = kth_largest_key(v, n, k, hist);
+    free(hist);
+    return t;
+}
+
+/* Sum of squares of one 16-float block (a partial block is zero-padded by the
+ * caller). The same reduction order everywhere, so a threshold computed on
+ * scores compares exactly with the pass's scores. */
+static inline float block_score16(const float *a) {
+#if defined(__AVX512F__)
+    __m512 v = _mm512_loadu_ps(a);
+    return _mm512_reduce_add_ps(_mm512_mul_ps(v, v));
+#else
+    float s[8];
+    for (int j = 0; j < 8; j++) s[j] = a[j] * a[j] + a[j + 8] * a[j + 8];
+    for (int j = 0; j < 4; j++) s[j] += s[j + 4];
+    s[0] += s[2];
+    s[1] += s[3];
+    return s[0] + s[1];
+#endif
+}
+
+static inline float block_score(const float *a, int len) {
+    if (len == 16) return block_score16(a);
+    float t[16] = {0};
+    for (int j = 0; j < len; j++) t[j] = a[j];
+    return block_score16(t);
+}
+
+/* Scores of about `nsample` sampled floats of res (+ g) into samp: runs of 16
+ * consecutive floats (unit 1) or nsample / 16 whole blocks (unit 16), at
+ * random places (with replacement); everything when the sample would cover
+ * the tensor. Returns how many scores were written. */
+static int64_t sample_scores(const float *res, const float *g, int64_t n, int unit,
+                             int64_t nsample, uint64_t *rng, float *samp) {
+    int64_t m;
+    if (unit == 1) {
+        int64_t nch = n / 16;
+        if (nsample >= n || nch < 1) {
+            m = n;
+            for (int64_t i = 0; i < n; i++) samp[i] = res[i] + (g ? g[i] : 0.f);
+        } else {
+            int64_t c = nsample / 16;
+            if (c < 1) c = 1;
+            m = c * 16;
+            for (int64_t j = 0; j < c; j++) {
+                int64_t s = (int64_t)(splitmix64(rng) % (uint64_t)nch) * 16;
+                for (int t = 0; t < 16; t++) samp[j * 16 + t] = res[s + t] + (g ? g[s + t] : 0.f);
+            }
+        }
+    } else {
+        int64_t nu = (n + 15) / 16;
+        int64_t want = nsample / 16;
+        if (want < 1) want = 1;
+        float a[16];
+        m = want >= nu ? nu : want;
+        for (int64_t j = 0; j < m; j++) {
+            int64_t b = m == nu ? j : (int64_t)(splitmix64(rng) % (uint64_t)nu);
+            int64_t s = b * 16;
+            int len = n - s < 16 ? (int)(n - s) : 16;
+            for (int t = 0; t < 16; t++) a[t] = t < len ? res[s + t] + (g ? g[s + t] : 0.f) : 0.f;
+            samp[j] = block_score16(a);
+        }
+    }
+    return m;
+}
+
+/* Threshold whose expected count of units with score >= it is `target`,
+ * estimated from a sample. */
+static float estimate(const float *res, const float *g, int64_t n, int unit, int64_t nsample,
+                      uint64_t *rng, double target, float *samp, uint32_t *hist) {
+    int64_t nu = unit == 1 ? n : (n + 15) / 16;
+    int64_t m = sample_scores(res, g, n, unit, nsample, rng, samp);
+    int64_t r = (int64_t)llround((double)m * target / (double)nu);
+    if (r < 1) r = 1;
+    if (r > m) r = m;
+    float t = kth_largest_key(samp, m, r, hist);
+    return t > 0.f ? t : tiny();
+}
+
+/* ---- the fused pass ------------------------------------------------------ */
+
+typedef struct {
+    int64_t total;    /* units whose score reached thr */
+    int64_t units;    /* units emitted */
+    int64_t elems;    /* elements emitted */
+    int overflow;     /* total > cap and not truncating: nothing kept, res == acc */
+} pass_t;
+
+/* unit 1. has_grad is a compile-time constant at each call site. */
+static inline __attribute__((always_inline)) void pass_scalar_body(
+    float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t i0,
+    int64_t i1, float thr, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap,
+    int truncate, pass_t *p) {
+    for (int64_t i = i0; i < i1; i++) {
+        float a = has_grad ? res[i] + grad[i] : res[i];
+        if (fabsf(a) >= thr) {
+            p->total++;
+            if (!p->overflow && p->units < cap) {
+                idx[p->units] = (int32_t)i;
+                val[p->units] = a;
+                p->units++;
+                res[i] = 0.f;
+                continue;
+            } else if (!truncate) {
+                p->overflow = 1;
+            }
+        }
+        if (has_grad) res[i] = a;
+    }
+}
+
+static inline __attribute__((always_inline)) void pass1_impl(
+    float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t n,
+    float thr, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap, int truncate,
+    pass_t *p) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 vt = _mm512_set1_ps(thr);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= n; i += 16) {
+        __m512 a = _mm512_loadu_ps(res + i);
+        if (has_grad) a = _mm512_add_ps(a, _mm512_loadu_ps(grad + i));
+        __mmask16 m = _mm512_cmp_ps_mask(_mm512_abs_ps(a), vt, _CMP_GE_OQ);
+        if (STELLA_UNLIKELY(m)) {
+            int pc = __builtin_popcount((unsigned)m);
+            p->total += pc;
+            if (p->overflow) {
+                m = 0;
+            } else if (p->units + pc > cap) {
+                if (truncate) {
+                    unsigned t = m, keep = 0;
+                    for (int64_t need = cap - p->units; need > 0 && t; need--) {
+                        keep |= t & (0u - t);
+                        t &= t - 1;
+                    }
+                    m = (__mmask16)keep;
+                } else {
+                    p->overflow = 1;
+                    m = 0;
+                }
+                pc = __builtin_popcount((unsigned)m);
+            }
+            if (m) {
+                _mm512_mask_compressstoreu_ps(val + p->units, m, a);
+                _mm512_mask_compressstoreu_epi32(
+                    idx + p->units, m, _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), iota));
+                p->units += pc;
+                a = _mm512_maskz_mov_ps((__mmask16)~m, a);
+                if (!has_grad) _mm512_mask_storeu_ps(res + i, m, a);
+            }
+        }
+        if (has_grad) _mm512_storeu_ps(res + i, a);
+    }
+#else
+    for (; i + 16 <= n; i += 16) {
+        float a[16];
+        int any = 0;
+        for (int j = 0; j < 16; j++) {
+            a[j] = has_grad ? res[i + j] + grad[i + j] : res[i + j];
+            any |= fabsf(a[j]) >= thr;
+        }
+        if (STELLA_UNLIKELY(any)) {
+            pass_scalar_body(res, grad, has_grad, i, i + 16, thr, idx, val, cap, truncate, p);
+        } else if (has_grad) {
+            for (int j = 0; j < 16; j++) res[i + j] = a[j];
+        }
+    }
+#endif
+    pass_scalar_body(res, grad, has_grad, i, n, thr, idx, val, cap, truncate, p);
+}
+
+/* unit 16: whole blocks. */
+static inline __attribute__((always_inline)) void pass16_impl(
+    float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t n,
+    float thr, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val,
+    float *STELLA_RESTRICT score, int64_t cap, int truncate, pass_t *p) {
+    int64_t nb = (n + 15) / 16;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * 16;
+        int len = n - s < 16 ? (int)(n - s) : 16;
+        float a[16];
+#if defined(__AVX512F__)
+        __m512 va;
+        if (STELLA_LIKELY(len == 16)) {
+            va = _mm512_loadu_ps(res + s);
+            if (has_grad) va = _mm512_add_ps(va, _mm512_loadu_ps(grad + s));
+        } else {
+            __mmask16 lm = (__mmask16)((1u << len) - 1u);
+            va = _mm512_maskz_loadu_ps(lm, res + s);
+            if (has_grad) va = _mm512_add_ps(va, _mm512_maskz_loadu_ps(lm, grad + s));
+        }
+        float sc = _mm512_reduce_add_ps(_mm512_mul_ps(va, va));
+#else
+        for (int j = 0; j < 16; j++) a[j] = 0.f;
+        for (int j = 0; j < len; j++) a[j] = has_grad ? res[s + j] + grad[s + j] : res[s + j];
+        float sc = block_score16(a);
+#endif
+        int take = 0;
+        if (STELLA_UNLIKELY(sc >= thr)) {
+            p->total++;
+            if (!p->overflow && p->units < cap) {
+                take = 1;
+            } else if (!truncate) {
+                p->overflow = 1;
+            }
+        }
+#if defined(__AVX512F__)
+        if (take) {
+            __mmask16 lm = (__mmask16)((1u << len) - 1u);
+            static const int32_t iota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            __m512i vi = _mm512_add_epi32(_mm512_set1_epi32((int32_t)s), _mm512_loadu_si512(iota));
+            _mm512_mask_storeu_ps(val + p->elems, lm, va);
+            _mm512_mask_storeu_epi32(idx + p->elems, lm, vi);
+            _mm512_mask_storeu_ps(res + s, lm, _mm512_setzero_ps());
+            score[p->units] = sc;
+            p->units++;
+            p->elems += len;
+        } else if (has_grad) {
+            if (STELLA_LIKELY(len == 16))
+                _mm512_storeu_ps(res + s, va);
+            else
+                _mm512_mask_storeu_ps(res + s, (__mmask16)((1u << len) - 1u), va);
+        }
+        (void)a;
+#else
+        if (take) {
+            for (int j = 0; j < len; j++) {
+                idx[p->elems + j] = (int32_t)(s + j);
+                val[p->elems + j] = a[j];
+                res[s + j] = 0.f;
+            }
+            score[p->units] = sc;
+            p->units++;
+            p->elems += len;
+        } else if (has_grad) {
+            for (int j = 0; j < len; j++) res[s + j] = a[j];
+        }
+#endif
+    }
+}
+
+static pass_t run_pass(float *res, const float *grad, int64_t n, int unit, float thr, int32_t *idx,
+                       float *val, float *score, int64_t cap, int truncate) {
+    pass_t p = {0, 0, 0, 0};
+    if (unit == 1) {
+        if (grad)
+            pass1_impl(res, grad, 1, n, thr, idx, val, cap, truncate, &p);
+        else
+            pass1_impl(res, NULL, 0, n, thr, idx, val, cap, truncate, &p);
+        p.elems = p.units;
+    } else {
+        if (grad)
+            pass16_impl(res, grad, 1, n, thr, idx, val, score, cap, truncate, &p);
+        else
+            pass16_impl(res, NULL, 0, n, thr, idx, val, score, cap, truncate, &p);
+    }
+    if (p.overflow) { /* give everything back: res becomes acc everywhere */
+        for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j];
+        p.units = p.elems = 0;
+    }
+    return p;
+}
+
+static inline float unit_score(int unit, const float *val, const float *score, int64_t u) {
+    return unit == 1 ? val[u] : score[u];
+}
+
+/* Compact the emitted units in place, keeping those whose score key is
+ * > tk, or == tk while eq_take lasts; give the others back to the residual. */
+static void compact(float *res, int unit, int32_t *idx, float *val, float *score, uint32_t tk,
+                    int64_t eq_take, pass_t *p) {
+    const float *sv = unit == 1 ? val : score;
+    int64_t wu = 0, we = 0, re = 0;
+    for (int64_t u = 0; u < p->units; u++) {
+        uint32_t key = abs_key(sv[u]);
+        int len = unit == 1 ? 1 : ((p->elems - re) < 16 ? (int)(p->elems - re) : 16);
+        int keep = key > tk;
+        if (!keep && key == tk && eq_take > 0) {
+            keep = 1;
+            eq_take--;
+        }
+        if (keep) {
+            if (unit != 1) score[wu] = score[u];
+            for (int j = 0; j < len; j++) {
+                idx[we + j] = idx[re + j];
+                val[we + j] = val[re + j];
+            }
+            wu++;
+            we += len;
+        } else {
+            for (int j = 0; j < len; j++) res[idx[re + j]] = val[re + j];
+        }
+        re += len;
+    }
+    p->units = wu;
+    p->elems = we;
+}
+
+/* Cut the p->units candidates down to about k (within [lo, hi]) by their
+ * scores and return the score threshold of what is kept. Fast path: one
+ * histogram of the top 16 bits of the score keys (bins ~0.8% wide) and a cut at
+ * a bin edge; when no edge lands in [lo, hi] (ties, extreme tails), an exact
+ * radix select keeps exactly k, ties broken by position. */
+static float trim(float *res, int unit, int32_t *idx, float *val, float *score, int64_t k,
+                  int64_t lo, int64_t hi, pass_t *p, uint32_t *hist) {
+    const float *sv = unit == 1 ? val : score;
+    memset(hist, 0, 32768 * sizeof(uint32_t));
+    for (int64_t u = 0; u < p->units; u++) hist[abs_key(sv[u]) >> 16]++;
+    int64_t cum = 0;
+    int b = 32767;
+    for (; b > 0; b--) {
+        if (cum + (int64_t)hist[b] >= k) break;
+        cum += hist[b];
+    }
+    /* keys >= b<<16 give cum + hist[b] (>= k); keys >= (b+1)<<16 give cum (< k) */
+    int64_t c_in = cum + hist[b], c_out = cum;
+    int64_t d_in = c_in - k, d_out = k - c_out;
+    if (c_in <= hi && (d_in <= d_out || c_out < lo)) {
+        compact(res, unit, idx, val, score, (uint32_t)b << 16, INT64_MAX, p); /* keys >= edge */
+        return u2f((uint32_t)b << 16);
+    }
+    if (c_out >= lo && b < 32767) {
+        uint32_t e = (uint32_t)(b + 1) << 16;
+        compact(res, unit, idx, val, score, e, INT64_MAX, p);
+        return u2f(e);
+    }
+    float t = kth_largest_key(sv, p->units, k, hist);
+    uint32_t tk = abs_key(t);
+    int64_t gt = 0;
+    for (int64_t u = 0; u < p->units; u++) gt += abs_key(sv[u]) > tk;
+    compact(res, unit, idx, val, score, tk, k - gt, p);
+    return t;
+}
+
+/* Returns the number of elements written to idx/val (sorted indices), or a
+ * negative STELLA_E_* code.
+ *   res      the residual, updated in place (acc = res + grad, minus what is sent)
+ *   grad     may be NULL (select from the residual alone)
+ *   k_units  wanted units (elements for unit 1, blocks for unit 16)
+ *   state    4 floats kept by the caller per tensor, zeros at first:
+ *            [0] threshold to try (<= 0: estimate from a sample),
+ *            [1] last step's selection threshold, [2] [3] reserved
+ *   nsample  floats (unit 1, in runs of 16) or blocks (unit 16) to sample
+ *   idx/val  room for cap_units * unit entries; score: cap_units (unit 16)
+ *   stats    optional, 6 entries: passes, estimates, trims, give-backs,
+ *            units selected, exact fallback used */
+int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units, int32_t unit,
+                       float *state, int64_t nsample, uint64_t seed, int32_t *idx, float *val,
+                       float *score, int64_t cap_units, int64_t *stats) {
+    if (!res || !state || !idx || !val || n < 0 || n > INT32_MAX || k_units < 1 ||
+        (unit != 1 && unit != 16) || (unit == 16 && !score))
+        return STELLA_E_ARG;
+    int64_t st[6] = {0, 0, 0, 0, 0, 0};
+    if (n == 0) {
+        state[0] = 0.f;
+        if (stats) memcpy(stats, st, sizeof st);
+        return 0;
+    }
+    int64_t nu = unit == 1 ? n : (n + 15) / 16;
+    int64_t k = k_units < nu ? k_units : nu;
+    if (cap_units < k) return STELLA_E_ARG;
+    /* sample sizes in the units estimate() reads */
+    int64_t samp_n;
+    if (unit == 1) {
+        if (nsample < 16) nsample = 16;
+        samp_n = (nsample >= n || n < 16) ? n : nsample / 16 * 16;
+        if (samp_n == n) nsample = n;
+    } else {
+        if (nsample < 1) nsample = 1;
+        samp_n = nsample >= nu ? nu : nsample;
+        nsample = samp_n * 16; /* estimate() takes floats: nsample / 16 blocks */
+    }
+    uint32_t *hist = malloc(65536 * sizeof(uint32_t));
+    float *samp = malloc((size_t)samp_n * sizeof(float));
+    if (!hist || !samp) {
+        free(hist);
+        free(samp);
+        return STELLA_E_NOMEM;
+    }
+    uint64_t rng = seed;
+    int64_t lo = (k * 9 + 9) / 10, hi = (k * 11) / 10;
+    if (hi < k) hi = k;
+    float thr = state[0];
+    const float *g = grad;
+    if (k >= nu) {
+        thr = tiny();
+    } else if (!(thr > 0.f) || !isfinite(thr)) {
+        thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
+        st[1]++;
+    } else {
+        /* a carried threshold: check it on a small sample (a quarter of the
+         * estimate's) and re-estimate when it is clearly off (early steps, when
+         * the residual builds up, or a change of gradient scale) */
+        int64_t m = sample_scores(res, g, n, unit, nsample / 4, &rng, samp);
+        double expect = AIM * (double)k * (double)m / (double)nu;
+        int64_t hits = 0;
+        for (int64_t j = 0; j < m; j++) hits += samp[j] >= thr || -samp[j] >= thr;
+        if (expect >= 8.0 && (hits < 0.6 * expect || hits > 1.7 * expect)) {
+            thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
+            st[1]++;
+        }
+    }
+    pass_t p;
+    float tk = thr; /* the threshold that defines the final selection */
+    int exact = 0;
+    for (int attempt = 0;; attempt++) {
+        int truncate = attempt >= MAX_TRIES;
+        if (truncate && !exact) {
+            /* exact fallback: the k-th largest score over everything (res == acc now) */
+            if (unit == 1) {
+                thr = kth_largest_key(res, n, k, hist);
+            } else {
+                float *all = malloc((size_t)nu * sizeof(float));
+                if (!all) {
+                    free(hist);
+                    free(samp);
+                    return STELLA_E_NOMEM;
+                }
+                for (int64_t b = 0; b < nu; b++) {
+                    int64_t s = b * 16;
+                    all[b] = block_score(res + s, n - s < 16 ? (int)(n - s) : 16);
+                }
+                thr = kth_largest_key(all, nu, k, hist);
+                free(all);
+            }
+            if (!(thr > 0.f)) thr = tiny();
+            exact = 1;
+            st[5] = 1;
+        }
+        p = run_pass(res, g, n, unit, thr, idx, val, score, cap_units, truncate);
+        g = NULL; /* the gradient is in the residual from now on */
+        st[0]++;
+        tk = thr;
+#ifdef STELLA_CDEBUG
+        fprintf(stderr, "  attempt %d thr %g total %ld units %ld overflow %d (k %ld)\n", attempt, thr,
+                (long)p.total, (long)p.units, p.overflow, (long)k);
+#endif
+        if (p.overflow) {
+            st[3]++;
+            float t2 = estimate(res, NULL, n, unit, nsample, &rng, (double)k, samp, hist);
+            st[1]++;
+            thr = t2 > thr ? t2 : thr * (unit == 1 ? 1.25f : 1.6f);
+            continue;
+        }
+        if (p.units > hi) {
+            tk = trim(res, unit, idx, val, score, k, lo, hi, &p, hist);
+            st[2]++;
+            break;
+        }
+        if (p.units < lo && thr > tiny() && !truncate) {
+            for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j];
+            st[3]++;
+            float t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
+            st[1]++;
+            thr = t2 < thr ? t2 : thr * (unit == 1 ? 0.8f : 0.64f);
+            continue;
+        }
+        break;
+    }
+    /* Next step's threshold: the one that would have given AIM * k units this
+     * step (local tail slope of the candidates: count at tk vs at 1.25 tk),
+     * times the square root of the step-to-step drift of the selection
+     * threshold (the residual grows over the first steps), clamped to
+     * [0.9, 1.2]. Aiming above k is deliberate: a trim costs a pass over the
+     * candidates, a give-back a pass over the whole tensor. */
+    float next = 0.f;
+    if (tk > tiny() && p.units > 0 && k < nu) {
+        const float *sv = unit == 1 ? val : score;
+        float t125 = tk * 1.25f;
+        int64_t c2 = 0;
+        for (int64_t u = 0; u < p.units; u++) c2 += fabsf(sv[u]) >= t125;
+        double slope = (c2 >= 8 && c2 < p.units) ? log((double)p.units / (double)c2) / log(1.25)
+                                                  : (unit == 1 ? 4.0 : 2.0);
+        if (slope < 0.5) slope = 0.5;
+        if (slope > 30.0) slope = 30.0;
+        double f = pow((double)p.units / (AIM * (double)k), 1.0 / slope);
+        double prev = state[1];
+        if (prev > 0.0 && isfinite(prev) && !exact) {
+            double r = sqrt((double)tk / prev);
+            f *= r < 0.9 ? 0.9 : (r > 1.2 ? 1.2 : r);
+        }
+        if (f < 0.5) f = 0.5;
+        if (f > 2.0) f = 2.0;
+        next = (float)(tk * f);
+        if (!(next > 0.f) || !isfinite(next)) next = 0.f;
+    }
+    state[0] = next;
+    state[1] = tk > tiny() ? tk : 0.f;
+    st[4] = p.units;
+    if (stats) memcpy(stats, st, sizeof st);
+    free(hist);
+    free(samp);
+    return p.elems;
+}

@@ -1,0 +1,265 @@
+"""Wire coding: bit-exact round trips, and corrupt input always rejected with CodecError."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from stella import codec
+from stella.errors import CodecError, StellaError
+
+CODINGS = codec.INDEX_CODINGS
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _random_set(seed: int, numel: int, density: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    count = min(numel, max(0, int(round(numel * density))))
+    if count == 0:
+        return np.zeros(0, np.int32)
+    if count * 4 > numel:  # dense-ish: a mask
+        return np.flatnonzero(rng.random(numel) < density).astype(np.int32)
+    return np.unique(rng.integers(0, numel, size=count)).astype(np.int32)
+
+
+def _roundtrip(idx: np.ndarray, numel: int, coding: str) -> bytes:
+    enc = codec.encode_indices(idx, numel, coding)
+    raw = bytes(memoryview(enc))
+    out = codec.decode_indices(raw, idx.size, numel, coding)
+    assert out.dtype == np.int32
+    assert np.array_equal(out, idx)
+    return raw
+
+
+def test_codings_listed():
+    assert "raw32" in CODINGS and "rice" in CODINGS and len(set(CODINGS)) == len(CODINGS)
+    assert codec.VALUE_DTYPES == ("f32", "f16", "bf16")
+
+
+@FAST
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    numel=st.integers(1, 300_000),
+    density=st.sampled_from([0.0001, 0.001, 0.01, 0.05, 0.2, 0.5]),
+    coding=st.sampled_from(CODINGS),
+)
+def test_roundtrip_random_sets(seed, numel, density, coding):
+    idx = _random_set(seed, numel, density)
+    _roundtrip(idx, numel, coding)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+@pytest.mark.parametrize(
+    "numel,idx",
+    [
+        (1, []),
+        (1, [0]),
+        (10, [9]),
+        (10, [0, 9]),
+        (10, list(range(10))),
+        (65536, [0, 65535]),
+        (65537, [65535, 65536]),
+        (2**31, [0, 2**31 - 1]),
+        (2**31, [2**31 - 1]),
+        (2**31, [2**31 - 3, 2**31 - 2, 2**31 - 1]),
+        (2**31 - 1, [5, 2**30, 2**31 - 2]),
+        (2**31, list(range(0, 2**31, 2**24))),
+        (1000, list(range(0, 1000, 16)) + [999]),
+    ],
+)
+def test_roundtrip_edges(coding, numel, idx):
+    idx = np.array(sorted(set(idx)), dtype=np.int32)
+    raw = _roundtrip(idx, numel, coding)
+    if idx.size == 0:
+        assert raw == b""
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_block_runs_roundtrip(coding):
+    # block top-k output: runs of 16 consecutive indices
+    blocks = np.unique(np.random.default_rng(1).integers(0, 100_000, 700))
+    idx = (blocks[:, None] * 16 + np.arange(16)).reshape(-1).astype(np.int32)
+    _roundtrip(idx, 1_600_000, coding)
+
+
+def test_rice_size_near_entropy():
+    numel = 1_000_000
+    idx = _random_set(3, numel, 0.01)
+    raw = codec.encode_indices(idx, numel, "rice")
+    bits = 8 * raw.size / idx.size
+    assert bits < 8.5  # entropy of a 1% Bernoulli set: ~8.08 bits an index
+    assert codec.rice_parameter(idx) in (5, 6, 7)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_truncated_extended_wrong_count(coding):
+    numel = 200_000
+    idx = _random_set(7, numel, 0.01)
+    raw = bytes(memoryview(codec.encode_indices(idx, numel, coding)))
+    for bad in (raw[:-1], raw[: len(raw) // 2], raw + b"\x00", raw + b"\x01", b""):
+        with pytest.raises(CodecError):
+            codec.decode_indices(bad, idx.size, numel, coding)
+    for count in (idx.size - 1, idx.size + 1, 0):
+        with pytest.raises(CodecError):
+            codec.decode_indices(raw, count, numel, coding)
+    with pytest.raises(CodecError):  # an index >= numel
+        codec.decode_indices(raw, idx.size, int(idx[-1]), coding)
+    with pytest.raises(CodecError):
+        codec.decode_indices(raw, idx.size, numel + 1, "nope")
+    with pytest.raises(CodecError):
+        codec.decode_indices(raw, numel + 1, numel, coding)
+
+
+def test_raw32_order_and_range_checked():
+    good = np.array([1, 5, 9], np.int32)
+    codec.decode_indices(good.tobytes(), 3, 10, "raw32")
+    for bad in ([1, 1, 9], [5, 1, 9], [-1, 2, 3], [1, 2, 10]):
+        with pytest.raises(CodecError):
+            codec.decode_indices(np.array(bad, np.int32).tobytes(), 3, 10, "raw32")
+
+
+def test_noncanonical_varint_rejected():
+    # gap 1 written as 0x81 0x00 (overlong) instead of 0x01
+    with pytest.raises(CodecError):
+        codec.decode_indices(b"\x81\x00", 1, 100, "varint")
+    # a gap of 2**32 - 1: too large
+    with pytest.raises(CodecError):
+        codec.decode_indices(b"\xff\xff\xff\xff\x0f", 1, 2**31, "varint")
+    assert codec.decode_indices(b"\x01", 1, 100, "varint").tolist() == [1]
+
+
+def test_rice_padding_and_parameter_checked():
+    idx = np.array([3, 4, 10], np.int32)
+    raw = bytearray(memoryview(codec.encode_indices(idx, 100, "rice")))
+    bad = bytearray(raw)
+    bad[0] = 32  # b > 31
+    with pytest.raises(CodecError):
+        codec.decode_indices(bytes(bad), 3, 100, "rice")
+    bad = bytearray(raw)
+    bad[-1] |= 0x80  # a set padding bit
+    with pytest.raises(CodecError):
+        codec.decode_indices(bytes(bad), 3, 100, "rice")
+
+
+def test_encode_rejects_bad_input():
+    for coding in CODINGS:
+        with pytest.raises(ValueError):
+            codec.encode_indices(np.array([3, 2], np.int32), 10, coding)
+        with pytest.raises(ValueError):
+            codec.encode_indices(np.array([3, 10], np.int32), 10, coding)
+        with pytest.raises(ValueError):
+            codec.encode_indices(np.array([1, 1], np.int32), 10, coding)
+    with pytest.raises(ValueError):
+        codec.encode_indices(np.array([1], np.int32), 10, "nope")
+
+
+def _check_or_codec_error(data: bytes, count: int, numel: int, coding: str):
+    try:
+        out = codec.decode_indices(data, count, numel, coding)
+    except CodecError:
+        return None
+    assert out.dtype == np.int32 and out.size == count
+    if count:
+        assert out[0] >= 0 and out[-1] < numel
+        assert np.all(np.diff(out.astype(np.int64)) > 0)
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.binary(max_size=64),
+    count=st.integers(0, 80),
+    numel=st.sampled_from([1, 7, 100, 70_000, 2**31]),
+    coding=st.sampled_from(CODINGS),
+)
+def test_fuzz_random_bytes(data, count, numel, coding):
+    assume(count <= numel)
+    _check_or_codec_error(data, count, numel, coding)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    coding=st.sampled_from(CODINGS),
+    flips=st.lists(st.integers(0, 10**9), min_size=1, max_size=4),
+)
+def test_fuzz_bit_flips(seed, coding, flips):
+    numel = 150_000
+    idx = _random_set(seed, numel, 0.005)
+    raw = bytearray(memoryview(codec.encode_indices(idx, numel, coding)))
+    assume(len(raw) > 0)
+    for f in flips:
+        bit = f % (8 * len(raw))
+        raw[bit // 8] ^= 1 << (bit % 8)
+    _check_or_codec_error(bytes(raw), idx.size, numel, coding)
+
+
+def test_buffer_types_accepted():
+    idx = np.array([0, 7, 99], np.int32)
+    enc = codec.encode_indices(idx, 100, "rice")
+    for buf in (enc, bytes(enc), bytearray(enc), memoryview(bytes(enc))):
+        assert codec.decode_indices(buf, 3, 100, "rice").tolist() == [0, 7, 99]
+
+
+def test_codec_error_is_stella_error():
+    assert issubclass(CodecError, StellaError)
+
+
+# ----------------------------------------------------------------- values
+_SPECIAL = np.array(
+    [0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, 6.1e-5, 5.96e-8, 2.98e-8,
+     2.99e-8, 1e-10, 3.4e38, -3.4e38, np.inf, -np.inf, 1.0 + 2**-11, 1.0 + 3 * 2**-11,
+     1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.00390625, 1.01171875, 1e-40, -1e-45],
+    dtype=np.float32,
+)
+
+
+@pytest.mark.parametrize("dtype,tdtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_values_match_torch(dtype, tdtype):
+    rng = np.random.default_rng(5)
+    v = np.concatenate([
+        _SPECIAL,
+        (rng.standard_normal(5000) * 10.0 ** rng.integers(-9, 6, 5000)).astype(np.float32),
+        rng.integers(0, 2**32, 5000, dtype=np.uint32).view(np.float32),
+    ])
+    v = v[~np.isnan(v)]
+    enc = codec.encode_values(v, dtype)
+    assert enc.dtype == np.uint8 and enc.size == 2 * v.size
+    ref = torch.from_numpy(v).to(tdtype)
+    assert np.array_equal(enc.view(np.uint16), ref.view(torch.int16).numpy().view(np.uint16))
+    back = codec.decode_values(bytes(enc), v.size, dtype)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, ref.float().numpy())
+
+
+@pytest.mark.parametrize("dtype", codec.VALUE_DTYPES)
+def test_values_roundtrip_and_size_checked(dtype):
+    v = np.array([1.5, -2.25, np.nan, np.inf, 0.0], np.float32)
+    enc = codec.encode_values(v, dtype)
+    back = codec.decode_values(enc, 5, dtype)
+    assert np.isnan(back[2]) and back[3] == np.inf
+    np.testing.assert_array_equal(back[[0, 1, 3, 4]], v[[0, 1, 3, 4]])
+    assert codec.decode_values(b"", 0, dtype).size == 0
+    for bad in (bytes(enc)[:-1], bytes(enc) + b"\x00"):
+        with pytest.raises(CodecError):
+            codec.decode_values(bad, 5, dtype)
+    with pytest.raises(CodecError):
+        codec.decode_values(bytes(enc), 4, dtype)
+    # unaligned buffers decode too
+    shifted = memoryview(b"\x00" + bytes(enc))[1:]
+    np.testing.assert_array_equal(codec.decode_values(shifted, 5, dtype)[[0, 1, 3, 4]], back[[0, 1, 3, 4]])
+
+
+def test_values_unknown_dtype():
+    with pytest.raises(CodecError):
+        codec.decode_values(b"\x00\x00", 1, "f8")
+    with pytest.raises(ValueError):
+        codec.encode_values(np.zeros(1, np.float32), "f8")
+
+
+def test_f16_nan_stays_nan():
+    v = np.array([np.nan, -np.nan], np.float32)
+    for dtype in ("f16", "bf16"):
+        assert np.isnan(codec.decode_values(codec.encode_values(v, dtype), 2, dtype)).all()
