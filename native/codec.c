@@ -305,7 +305,9 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
             const uint8_t *p = buf + 4 * i;
             int64_t x = (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
                                   (uint32_t)p[3] << 24);
-            if (STELLA_UNLIKELY(x <= prev || x >= numel)) return STELLA_E_CORRUPT;
+            /* distinct codes so the sender learns which rule it broke */
+            if (STELLA_UNLIKELY(x < 0 || x >= numel)) return STELLA_E_RANGE;
+            if (STELLA_UNLIKELY(x <= prev)) return STELLA_E_ORDER;
             out[i] = (int32_t)x;
             prev = x;
         }
@@ -325,7 +327,7 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
                 p += used;
             }
             int64_t x = prev + 1 + (int64_t)g;
-            if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
+            if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_RANGE;
             out[i] = (int32_t)x;
             prev = x;
         }

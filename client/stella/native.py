@@ -193,6 +193,10 @@ def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
     if rc < 0:
         if rc == -5:
             raise CodecError(f"{coding}: bad arguments (count {count}, numel {numel})")
+        if rc == -1:
+            raise CodecError(f"{coding}: index out of range [0, {numel})")
+        if rc == -2:
+            raise CodecError(f"{coding}: indices not sorted strictly increasing (unsorted or duplicated)")
         raise CodecError(f"{coding}: corrupt, truncated or out-of-range index stream "
                          f"({b.size} bytes, {count} indices, numel {numel})")
     return out

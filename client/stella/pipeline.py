@@ -36,8 +36,9 @@ from typing import Any, Mapping
 
 import torch
 
+from . import codec
 from .client import Client, PullResult
-from .compress import ErrorFeedbackCompressor
+from .compress import ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 
 __all__ = ["StellaOptimizer", "PipelineError", "PipelineStats"]
@@ -78,8 +79,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         density: float = 0.01,
         method: str = "threshold",
         dense_below: int = 4096,
-        value_dtype: str = "f32",
-        index_coding: str = "raw32",
+        value_dtype: str = codec.DEFAULT_VALUE_DTYPE,
+        index_coding: str = codec.DEFAULT_INDEX_CODING,
         staleness: int = 1,
         timeout: float | None = None,
         name: str = "",
@@ -125,7 +126,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     def _exchange(self, grads: dict[str, torch.Tensor], version: int, since: int, hparams: dict | None) -> PullResult:
         """Background thread: compress, push, wait for the step, pull the delta."""
         t0 = time.perf_counter()
-        sparse = {n: self.compressor.compress(n, g) for n, g in grads.items()}
+        sparse = {n: self._quantise(n, self.compressor.compress(n, g)) for n, g in grads.items()}
         t1 = time.perf_counter()
         if hparams:
             self.client.set_optimizer(**hparams)
@@ -139,6 +140,20 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta
+
+    def _quantise(self, name: str, sg: SparseGrad) -> SparseGrad:
+        """Round values to the wire dtype now and keep the rounding error in the residual,
+        so that fp16/bf16 values lose no gradient mass either."""
+        if self.value_dtype == "f32" or sg.values.size == 0:
+            return sg
+        q = codec.decode_values(codec.encode_values(sg.values, self.value_dtype), sg.values.size, self.value_dtype)
+        err = torch.from_numpy(sg.values - q)
+        res = self.compressor.residual(name).view(-1)
+        if sg.indices is None:
+            res.add_(err.to(res.device))
+        else:
+            res.index_add_(0, torch.from_numpy(sg.indices.astype("int64")).to(res.device), err.to(res.device))
+        return SparseGrad(sg.numel, sg.indices, q)
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight exchange and install its delta into the replica."""

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from stella import codec
-from stella.errors import ProtocolError
+from stella.errors import CodecError, ProtocolError
 from stella.wire import MAX_TENSORS, TensorSpec, pack_header, unpack_header
 
 from .aggregation import Aggregator, PendingPush, WorkerInfo
@@ -255,7 +255,10 @@ class ParameterServer:
                 raise ProtocolError(f"register: expected {len(layout)} value frames, got {len(frames)}")
             values = []
             for spec, f in zip(layout, frames):
-                v = codec.decode_values(f.buffer, spec.numel, "f32")
+                try:
+                    v = codec.decode_values(f.buffer, spec.numel, "f32")
+                except CodecError as e:
+                    raise CodecError(f"register: tensor {spec.name!r} value frame: {e}") from None
                 if not np.isfinite(v).all():
                     raise Rejected("bad_value", f"register: tensor {spec.name!r} has NaN/Inf initial values")
                 values.append(v)
@@ -330,8 +333,14 @@ class ParameterServer:
                     raise ProtocolError(f"push: dense tensor {spec.name!r} needs {spec.numel} values, got {n}")
                 idx = None
             else:
-                idx = codec.decode_indices(frames[fi].buffer, n, spec.numel, ic)
-            vals = codec.decode_values(frames[fi + need - 1].buffer, n, vd)
+                try:
+                    idx = codec.decode_indices(frames[fi].buffer, n, spec.numel, ic)
+                except CodecError as e:
+                    raise CodecError(f"push: tensor {spec.name!r} index frame ({ic}): {e}") from None
+            try:
+                vals = codec.decode_values(frames[fi + need - 1].buffer, n, vd)
+            except CodecError as e:
+                raise CodecError(f"push: tensor {spec.name!r} value frame ({vd}): {e}") from None
             fi += need
             if not np.isfinite(vals).all():
                 raise Rejected("bad_value", f"push: tensor {spec.name!r} has NaN/Inf values")
