@@ -260,6 +260,55 @@ static int64_t lower_bound(const int32_t *a, int64_t n, int64_t x) {
     return lo;
 }
 
+/* Branch-free merge of W sparse streams (W a compile-time constant after inlining,
+ * so heads and positions live in registers). Each output costs W compare/select
+ * steps and no data-dependent branch: which streams hold the next coordinate is
+ * random, and a branchy merge paid a misprediction on almost every output.
+ * Exhausted streams get the SENTINEL head; loads are clamped to the stream's last
+ * element so that nothing is read past its end. */
+static inline __attribute__((always_inline)) int merge_sparse_k(stream_t *s, const int W, const int all_f32,
+                                                                float scale, uint32_t *oi, float *og,
+                                                                int cap) {
+    const int32_t *ix[8];
+    const void *vl[8];
+    int32_t dt[8];
+    int64_t pos[8], last[8];
+    uint32_t h[8];
+    for (int w = 0; w < W; w++) {
+        ix[w] = s[w].idx;
+        vl[w] = s[w].val;
+        dt[w] = all_f32 ? STELLA_VAL_F32 : s[w].dt;
+        pos[w] = s[w].pos;
+        last[w] = s[w].end - 1;
+        h[w] = s[w].head;
+    }
+    int n = 0;
+    while (n < cap) {
+        uint32_t cur = h[0];
+        for (int w = 1; w < W; w++) cur = h[w] < cur ? h[w] : cur;
+        if (cur == SENTINEL) break;
+        float acc = 0.0f;
+        for (int w = 0; w < W; w++) {
+            const int hit = h[w] == cur;
+            const int64_t pc = pos[w] < last[w] ? pos[w] : last[w];
+            const float v = load_val(vl[w], dt[w], pc);
+            acc += hit ? v : 0.0f; /* acc is never -0, so adding +0 changes nothing */
+            pos[w] += hit;
+            const int64_t q = pos[w] < last[w] ? pos[w] : last[w];
+            const uint32_t nh = (uint32_t)ix[w][q];
+            h[w] = pos[w] > last[w] ? SENTINEL : nh;
+        }
+        oi[n] = cur;
+        og[n] = acc * scale;
+        n++;
+    }
+    for (int w = 0; w < W; w++) {
+        s[w].pos = pos[w];
+        s[w].head = h[w];
+    }
+    return n;
+}
+
 /* Merges up to cap union coordinates from the streams into (oi, og). Values at a
  * coordinate are summed in push order starting from +0.0f, then scaled once — the
  * reference's `acc[pos] += vals` followed by `acc * scale`. */
@@ -278,6 +327,28 @@ static int merge_tile(stream_t *s, int W, float scale, uint32_t *oi, float *og, 
         a->head = stream_head(a);
         return (int)take;
     }
+    int dense = 0, all_f32 = 1;
+    for (int w = 0; w < W; w++) {
+        dense |= s[w].idx == NULL;
+        all_f32 &= s[w].dt == STELLA_VAL_F32;
+    }
+    if (!dense && W <= 8) {
+#define MERGE_CASE(k)                                                                          \
+    case k:                                                                                    \
+        return all_f32 ? merge_sparse_k(s, k, 1, scale, oi, og, cap)                           \
+                       : merge_sparse_k(s, k, 0, scale, oi, og, cap);
+        switch (W) {
+            MERGE_CASE(2)
+            MERGE_CASE(3)
+            MERGE_CASE(4)
+            MERGE_CASE(5)
+            MERGE_CASE(6)
+            MERGE_CASE(7)
+            MERGE_CASE(8)
+        }
+#undef MERGE_CASE
+    }
+    /* Dense pushes (every coordinate) or many workers: the plain loop. */
     while (n < cap) {
         uint32_t cur = SENTINEL;
         for (int w = 0; w < W; w++) cur = s[w].head < cur ? s[w].head : cur;
