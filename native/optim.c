@@ -17,7 +17,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -260,112 +260,184 @@ static int64_t lower_bound(const int32_t *a, int64_t n, int64_t x) {
     return lo;
 }
 
-/* Branch-free merge of W sparse streams (W a compile-time constant after inlining,
- * so heads and positions live in registers). Each output costs W compare/select
- * steps and no data-dependent branch: which streams hold the next coordinate is
- * random, and a branchy merge paid a misprediction on almost every output.
- * Exhausted streams get the SENTINEL head; loads are clamped to the stream's last
- * element so that nothing is read past its end. */
-static inline __attribute__((always_inline)) int merge_sparse_k(stream_t *s, const int W, const int all_f32,
-                                                                float scale, uint32_t *oi, float *og,
-                                                                int cap) {
-    const int32_t *ix[8];
-    const void *vl[8];
-    int32_t dt[8];
-    int64_t pos[8], last[8];
-    uint32_t h[8];
-    for (int w = 0; w < W; w++) {
-        ix[w] = s[w].idx;
-        vl[w] = s[w].val;
-        dt[w] = all_f32 ? STELLA_VAL_F32 : s[w].dt;
-        pos[w] = s[w].pos;
-        last[w] = s[w].end - 1;
-        h[w] = s[w].head;
-    }
-    int n = 0;
-    while (n < cap) {
-        uint32_t cur = h[0];
-        for (int w = 1; w < W; w++) cur = h[w] < cur ? h[w] : cur;
-        if (cur == SENTINEL) break;
-        float acc = 0.0f;
-        for (int w = 0; w < W; w++) {
-            const int hit = h[w] == cur;
-            const int64_t pc = pos[w] < last[w] ? pos[w] : last[w];
-            const float v = load_val(vl[w], dt[w], pc);
-            acc += hit ? v : 0.0f; /* acc is never -0, so adding +0 changes nothing */
-            pos[w] += hit;
-            const int64_t q = pos[w] < last[w] ? pos[w] : last[w];
-            const uint32_t nh = (uint32_t)ix[w][q];
-            h[w] = pos[w] > last[w] ? SENTINEL : nh;
+/* Merge of W >= 2 streams through a window of the coordinate space.
+ *
+ * A comparison merge has to decide, for every output, which of the W heads hold
+ * the next coordinate; that is random, and it cost 18-20 ns per output even
+ * branch-free (a loop-carried chain: load head -> min -> compare -> advance).
+ * Instead each window [a, a + len) is filled stream by stream, in push order:
+ * acc[idx - a] += value, flag[idx - a] = 1 (no comparisons between streams, no
+ * dependency between entries), and then swept in coordinate order, emitting the
+ * flagged coordinates with AVX-512 compress (no data-dependent branch). Per
+ * coordinate the sum is ((0 + v_first) + v_next) + ..., in push order, exactly
+ * the reference's `acc[pos] += vals`. The window is sized from the push density
+ * so that it holds a few hundred entries and fits L1/L2, and the sweep can stop
+ * anywhere when the output tile is full. */
+typedef struct {
+    stream_t *s;
+    int W;
+    float scale;
+    int64_t hi;    /* end of the thread's range */
+    int64_t B;     /* window capacity in coordinates, a multiple of 64 */
+    int64_t a;     /* window start */
+    int64_t len;   /* coordinates in the current window, rounded up to 64 */
+    int64_t sweep; /* next 64-coordinate block to sweep */
+    float *acc;    /* B floats, zero outside the current window's pending part */
+    uint8_t *flag; /* B bytes, likewise */
+} window_merge;
+
+#define MERGE_SLACK 64 /* the sweep may store up to 64 entries past the count */
+
+static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint8_t *flag) {
+    if (!st->idx) { /* dense: every coordinate of the window, position == coordinate */
+        int64_t e = lim < st->end ? lim : st->end;
+        const int64_t p0 = st->pos;
+        float *A = acc + (p0 - a);
+        uint8_t *F = flag + (p0 - a);
+        const int64_t m = e - p0;
+        switch (st->dt) {
+        case STELLA_VAL_F32: {
+            const float *v = (const float *)st->val + p0;
+            for (int64_t j = 0; j < m; j++) A[j] += v[j];
+            break;
         }
-        oi[n] = cur;
-        og[n] = acc * scale;
-        n++;
+        case STELLA_VAL_F16: {
+            const uint16_t *v = (const uint16_t *)st->val + p0;
+            for (int64_t j = 0; j < m; j++) A[j] += f16_to_f32(v[j]);
+            break;
+        }
+        default: {
+            const uint16_t *v = (const uint16_t *)st->val + p0;
+            for (int64_t j = 0; j < m; j++) A[j] += bf16_to_f32(v[j]);
+        }
+        }
+        memset(F, 1, (size_t)m);
+        st->pos = e;
+        st->head = stream_head(st);
+        return;
     }
-    for (int w = 0; w < W; w++) {
-        s[w].pos = pos[w];
-        s[w].head = h[w];
+    const int32_t *ix = st->idx;
+    int64_t p = st->pos, e = st->end;
+    /* Either the rest of the stream lies in the window, or some entry ends the
+     * loop: one compare per entry either way. */
+    const int rest = (int64_t)ix[e - 1] < lim;
+#define SCATTER(LOAD)                                                                          \
+    if (rest) {                                                                                \
+        for (; p < e; p++) {                                                                   \
+            const int64_t j = (int64_t)ix[p] - a;                                              \
+            acc[j] += LOAD;                                                                    \
+            flag[j] = 1;                                                                       \
+        }                                                                                      \
+    } else {                                                                                   \
+        for (; (int64_t)ix[p] < lim; p++) {                                                    \
+            const int64_t j = (int64_t)ix[p] - a;                                              \
+            acc[j] += LOAD;                                                                    \
+            flag[j] = 1;                                                                       \
+        }                                                                                      \
     }
-    return n;
+    switch (st->dt) {
+    case STELLA_VAL_F32: {
+        const float *v = st->val;
+        SCATTER(v[p])
+        break;
+    }
+    case STELLA_VAL_F16: {
+        const uint16_t *v = st->val;
+        SCATTER(f16_to_f32(v[p]))
+        break;
+    }
+    default: {
+        const uint16_t *v = st->val;
+        SCATTER(bf16_to_f32(v[p]))
+    }
+    }
+#undef SCATTER
+    st->pos = p;
+    st->head = stream_head(st);
 }
 
-/* Merges up to cap union coordinates from the streams into (oi, og). Values at a
- * coordinate are summed in push order starting from +0.0f, then scaled once — the
- * reference's `acc[pos] += vals` followed by `acc * scale`. */
-static int merge_tile(stream_t *s, int W, float scale, uint32_t *oi, float *og, int cap) {
+/* Starts the next window at the smallest head (skipping empty stretches); 0 when
+ * every stream is exhausted. */
+static int window_fill(window_merge *wm) {
+    uint32_t a = SENTINEL;
+    for (int w = 0; w < wm->W; w++) a = wm->s[w].head < a ? wm->s[w].head : a;
+    if (a == SENTINEL) return 0;
+    int64_t lim = (int64_t)a + wm->B;
+    if (lim > wm->hi) lim = wm->hi;
+    for (int w = 0; w < wm->W; w++)
+        if (wm->s[w].head < lim) scatter_stream(&wm->s[w], a, lim, wm->acc, wm->flag);
+    wm->a = a;
+    wm->len = (lim - a + 63) & ~(int64_t)63;
+    wm->sweep = 0;
+    return 1;
+}
+
+/* Emits the flagged coordinates of block [off, off + 64) and clears it; returns
+ * how many. Writes up to 64 entries at oi/og. */
+static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float *og) {
+    uint8_t *F = wm->flag + off;
+    float *A = wm->acc + off;
+    const uint32_t base = (uint32_t)(wm->a + off);
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    const __m512i f = _mm512_loadu_si512(F);
+    uint64_t m = _mm512_test_epi8_mask(f, f);
+    if (!m) return 0;
+    const __m512 sc = _mm512_set1_ps(wm->scale);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int n = 0;
-    if (W == 1) {
-        stream_t *a = s;
-        int64_t take = a->end - a->pos;
-        if (take > cap) take = cap;
-        for (int64_t j = 0; j < take; j++) {
-            int64_t p = a->pos + j;
-            oi[j] = a->idx ? (uint32_t)a->idx[p] : (uint32_t)p;
-            og[j] = (0.0f + load_val(a->val, a->dt, p)) * scale;
-        }
-        a->pos += take;
-        a->head = stream_head(a);
-        return (int)take;
+    for (int c = 0; c < 4; c++) {
+        const __mmask16 k = (__mmask16)(m >> (16 * c));
+        const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(A + 16 * c), sc);
+        const __m512i ix = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(base + 16 * c)));
+        _mm512_storeu_si512(oi + n, _mm512_maskz_compress_epi32(k, ix));
+        _mm512_storeu_ps(og + n, _mm512_maskz_compress_ps(k, g));
+        _mm512_storeu_ps(A + 16 * c, _mm512_setzero_ps());
+        n += __builtin_popcount(k);
     }
-    int dense = 0, all_f32 = 1;
-    for (int w = 0; w < W; w++) {
-        dense |= s[w].idx == NULL;
-        all_f32 &= s[w].dt == STELLA_VAL_F32;
-    }
-    if (!dense && W <= 8) {
-#define MERGE_CASE(k)                                                                          \
-    case k:                                                                                    \
-        return all_f32 ? merge_sparse_k(s, k, 1, scale, oi, og, cap)                           \
-                       : merge_sparse_k(s, k, 0, scale, oi, og, cap);
-        switch (W) {
-            MERGE_CASE(2)
-            MERGE_CASE(3)
-            MERGE_CASE(4)
-            MERGE_CASE(5)
-            MERGE_CASE(6)
-            MERGE_CASE(7)
-            MERGE_CASE(8)
-        }
-#undef MERGE_CASE
-    }
-    /* Dense pushes (every coordinate) or many workers: the plain loop. */
-    while (n < cap) {
-        uint32_t cur = SENTINEL;
-        for (int w = 0; w < W; w++) cur = s[w].head < cur ? s[w].head : cur;
-        if (cur == SENTINEL) break;
-        float acc = 0.0f;
-        for (int w = 0; w < W; w++) {
-            if (s[w].head == cur) {
-                acc += load_val(s[w].val, s[w].dt, s[w].pos);
-                s[w].pos++;
-                s[w].head = stream_head(&s[w]);
-            }
-        }
-        oi[n] = cur;
-        og[n] = acc * scale;
-        n++;
-    }
+    _mm512_storeu_si512(F, _mm512_setzero_si512());
     return n;
+#else
+    uint64_t m = 0;
+    for (int j = 0; j < 64; j++) m |= (uint64_t)(F[j] != 0) << j;
+    if (!m) return 0;
+    int n = 0;
+    while (m) {
+        const int j = __builtin_ctzll(m);
+        oi[n] = base + (uint32_t)j;
+        og[n] = A[j] * wm->scale;
+        A[j] = 0.0f;
+        n++;
+        m &= m - 1;
+    }
+    memset(F, 0, 64);
+    return n;
+#endif
+}
+
+static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap) {
+    int n = 0;
+    for (;;) {
+        while (wm->sweep < wm->len) {
+            if (n + 64 > cap + MERGE_SLACK) return n;
+            n += sweep_block(wm, wm->sweep, oi + n, og + n);
+            wm->sweep += 64;
+        }
+        if (n >= cap || !window_fill(wm)) return n;
+    }
+}
+
+/* One pushed stream: no merge at all, values converted and scaled. */
+static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap) {
+    int64_t take = a->end - a->pos;
+    if (take > cap) take = cap;
+    for (int64_t j = 0; j < take; j++) {
+        int64_t p = a->pos + j;
+        oi[j] = a->idx ? (uint32_t)a->idx[p] : (uint32_t)p;
+        og[j] = (0.0f + load_val(a->val, a->dt, p)) * scale;
+    }
+    a->pos += take;
+    a->head = stream_head(a);
+    return (int)take;
 }
 
 /* ----------------------------------------------------------------- updates */
@@ -482,10 +554,32 @@ static void run_range(range_job *job) {
         streams[live++] = s;
     }
     const int tile = g_tile, pd = g_prefetch;
-    uint32_t ibuf[2][TILE_MAX];
-    float gbuf[2][TILE_MAX];
+    uint32_t ibuf[2][TILE_MAX + MERGE_SLACK];
+    float gbuf[2][TILE_MAX + MERGE_SLACK];
+    window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL};
+    if (live > 1) {
+        /* Window: about 256 pushed entries, between 1 and 64 Ki coordinates. */
+        int64_t pushed = 0;
+        for (int w = 0; w < live; w++) pushed += streams[w].end - streams[w].pos;
+        double per_coord = (double)pushed / (double)(job->hi - job->lo);
+        int64_t B = 64;
+        while (B < 65536 && (double)B * per_coord < 256.0 && B < job->hi - job->lo) B *= 2;
+        wm.B = B;
+        wm.acc = aligned_alloc(64, (size_t)B * sizeof(float));
+        wm.flag = aligned_alloc(64, (size_t)B);
+        if (!wm.acc || !wm.flag) {
+            free(wm.acc);
+            free(wm.flag);
+            job->rc = STELLA_E_NOMEM;
+            return;
+        }
+        memset(wm.acc, 0, (size_t)B * sizeof(float));
+        memset(wm.flag, 0, (size_t)B);
+    }
+#define NEXT_TILE(oi, og) \
+    (live > 1 ? window_tile(&wm, (oi), (og), tile) : live ? single_tile(streams, job->scale, (oi), (og), tile) : 0)
     int cur = 0;
-    int n = live ? merge_tile(streams, live, job->scale, ibuf[0], gbuf[0], tile) : 0;
+    int n = NEXT_TILE(ibuf[0], gbuf[0]);
     int64_t total = 0;
     uint32_t kmax = 0;
     const stella_optim_cfg *c = job->cfg;
@@ -493,7 +587,7 @@ static void run_range(range_job *job) {
     const int64_t last1 = st->len1 - 1, last2 = st->len2 - 1;
     while (n > 0) {
         int nxt = cur ^ 1;
-        int nn = merge_tile(streams, live, job->scale, ibuf[nxt], gbuf[nxt], tile);
+        int nn = NEXT_TILE(ibuf[nxt], gbuf[nxt]);
         const uint32_t *ix = ibuf[cur], *nx = ibuf[nxt];
         const float *g = gbuf[cur];
         if (st->kind == STELLA_OPT_SGD) {
@@ -514,6 +608,9 @@ static void run_range(range_job *job) {
         n = nn;
         cur = nxt;
     }
+#undef NEXT_TILE
+    free(wm.acc);
+    free(wm.flag);
     job->count = total;
     job->kmax = kmax;
     job->rc = STELLA_OK;
