@@ -1,0 +1,68 @@
+/* optim.c: merged apply of sparse pushes with the lazy SGD / Adam / AdamW optimizers,
+ * gather, field copies (snapshot, checkpoints) and k-way union of sorted index lists.
+ * Semantics: docs/optimizer.md; executable reference: server/stella_ps/optim_ref.py. */
+#define STELLA_OPT_SGD 0
+#define STELLA_OPT_ADAM 1
+#define STELLA_OPT_ADAMW 2
+
+#define STELLA_LAYOUT_INTERLEAVED 0
+#define STELLA_LAYOUT_PLANAR 1
+
+#define STELLA_VAL_F32 0
+#define STELLA_VAL_F16 1
+#define STELLA_VAL_BF16 2
+
+/* Fields of a tensor state; SGD has PARAM and MOMENTUM_BUF (= 1), Adam/AdamW all four. */
+#define STELLA_FIELD_PARAM 0
+#define STELLA_FIELD_MOMENTUM_BUF 1
+#define STELLA_FIELD_EXP_AVG 1
+#define STELLA_FIELD_EXP_AVG_SQ 2
+#define STELLA_FIELD_STEP 3
+
+typedef struct stella_optim stella_optim;
+
+/* One worker's push: idx NULL means dense (n == numel); val holds n values of dtype. */
+typedef struct {
+    const int32_t *idx;
+    const void *val;
+    int64_t n;
+    int32_t dtype;
+} stella_push;
+
+/* Hyper-parameters, rounded to float32 by the caller exactly as the reference rounds
+ * them; lr_d/beta1_d/beta2_d stay float64 for the bias-correction factors. */
+typedef struct {
+    int32_t kind;
+    int32_t nesterov;
+    int32_t has_momentum;
+    int32_t has_weight_decay;
+    float lr;
+    float weight_decay;
+    float momentum;
+    float one_minus_dampening;
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float eps;
+    float decay_factor;
+    double lr_d;
+    double beta1_d;
+    double beta2_d;
+} stella_optim_cfg;
+
+stella_optim *stella_optim_new(int32_t kind, int64_t numel, int32_t layout, int32_t hugepages);
+void stella_optim_free(stella_optim *st);
+int64_t stella_optim_bytes(const stella_optim *st);
+int stella_optim_set_field(stella_optim *st, int32_t field, const void *src, int64_t n);
+int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int64_t n);
+int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
+                           const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
+                           int32_t nthreads);
+int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, float *out,
+                        int32_t nthreads);
+int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
+                             int32_t *out, int64_t out_cap);
+/* Benchmark knobs (process-wide): software prefetch distance in coordinates (0 = off)
+ * and the merge tile in coordinates; values <= 0 for the tile keep the current one. */
+void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile);

@@ -1,0 +1,315 @@
+"""The C lazy-optimizer kernel behind a typed, checked Python interface.
+
+This module is the server's only caller of ``stella._native.lib`` for the
+optimizer kernels (``native/optim.c``). :class:`KernelTensorState` has the duck
+type of :class:`stella_ps.optim_ref.RefTensorState` and gives bit-identical
+results; semantics and layout measurements are in ``docs/optimizer.md``.
+
+Every array is checked here (dtype, shape, contiguity, sortedness, range) before
+C sees it, and bad input raises :class:`KernelInputError` (a ``ValueError``);
+return codes are checked after every call.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from stella._native import ffi, lib
+from stella.errors import StellaError
+
+from .optim import OptimizerConfig
+
+__all__ = [
+    "KernelTensorState",
+    "KernelInputError",
+    "KernelError",
+    "set_num_threads",
+    "get_num_threads",
+    "union_indices",
+    "ENV_THREADS",
+]
+
+ENV_THREADS = "STELLA_KERNEL_THREADS"
+"""Environment override of the kernel's thread count (default 1)."""
+
+_ABI_VERSION = 1
+if lib.stella_abi_version() != _ABI_VERSION:  # a stale build must fail loudly
+    raise ImportError(f"stella._native ABI {lib.stella_abi_version()} != {_ABI_VERSION}; rebuild (make install)")
+
+F32 = np.float32
+_INT32_LIMIT = 2**31 - 1
+_KIND = {"sgd": lib.STELLA_OPT_SGD, "adam": lib.STELLA_OPT_ADAM, "adamw": lib.STELLA_OPT_ADAMW}
+_LAYOUT = {"interleaved": lib.STELLA_LAYOUT_INTERLEAVED, "planar": lib.STELLA_LAYOUT_PLANAR}
+_FIELDS = {
+    "sgd": {"param": (lib.STELLA_FIELD_PARAM, F32), "momentum_buf": (lib.STELLA_FIELD_MOMENTUM_BUF, F32)},
+    "adam": {
+        "param": (lib.STELLA_FIELD_PARAM, F32),
+        "exp_avg": (lib.STELLA_FIELD_EXP_AVG, F32),
+        "exp_avg_sq": (lib.STELLA_FIELD_EXP_AVG_SQ, F32),
+        "step": (lib.STELLA_FIELD_STEP, np.uint32),
+    },
+}
+_FIELDS["adamw"] = _FIELDS["adam"]
+# Return codes of native/stella_native.h (not part of the cdef).
+_E_RANGE, _E_ORDER, _E_ARG, _E_NOMEM = -1, -2, -5, -6
+_ERRORS = {
+    _E_RANGE: "index out of range",
+    _E_ORDER: "indices not strictly increasing",
+    _E_ARG: "bad argument",
+    _E_NOMEM: "out of memory",
+}
+
+
+class KernelInputError(StellaError, ValueError):
+    """An array handed to the kernel has the wrong dtype, shape, order or range."""
+
+
+class KernelError(StellaError, RuntimeError):
+    """The C kernel returned an error code for input that passed the wrapper's checks."""
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        raise KernelError(f"{what}: {_ERRORS.get(rc, 'error')} (code {rc})")
+    return rc
+
+
+def _threads_from_env() -> int:
+    raw = os.environ.get(ENV_THREADS, "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise KernelInputError(f"{ENV_THREADS}={raw!r} is not an integer") from None
+    if n < 1:
+        raise KernelInputError(f"{ENV_THREADS}={n} must be >= 1")
+    return n
+
+
+_num_threads = _threads_from_env()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by apply and gather (each call splits its coordinate range)."""
+    global _num_threads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+        raise KernelInputError(f"thread count must be an int in [1, 64], got {n!r}")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    return _num_threads
+
+
+def set_tuning(prefetch_distance: int, tile: int = 0) -> None:
+    """Benchmark knob: software prefetch distance (0 = off) and merge tile, process-wide."""
+    lib.stella_optim_set_tuning(int(prefetch_distance), int(tile))
+
+
+def _sorted_indices(idx: object, numel: int, what: str) -> np.ndarray:
+    """``idx`` as a contiguous 1-D int32 array, strictly increasing, inside [0, numel)."""
+    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
+        got = f"{idx.dtype}[{idx.ndim}-D]" if isinstance(idx, np.ndarray) else type(idx).__name__
+        raise KernelInputError(f"{what}: indices must be a 1-D int32 array, got {got}")
+    if not idx.flags.c_contiguous:
+        raise KernelInputError(f"{what}: indices must be contiguous")
+    bad = lib.stella_check_sparse(ffi.from_buffer("int32_t[]", idx), idx.shape[0], numel)
+    if bad >= 0:
+        pos, reason = divmod(bad, 4)
+        if reason == 1:
+            raise KernelInputError(f"{what}: index {int(idx[pos])} at position {pos} is outside [0, {numel})")
+        raise KernelInputError(f"{what}: indices not strictly increasing at position {pos}")
+    return idx
+
+
+def _value_code(vals: object, n: int, what: str) -> int:
+    if not isinstance(vals, np.ndarray) or vals.ndim != 1:
+        raise KernelInputError(f"{what}: values must be a 1-D array")
+    if vals.shape[0] != n:
+        raise KernelInputError(f"{what}: {vals.shape[0]} values for {n} indices")
+    if not vals.flags.c_contiguous:
+        raise KernelInputError(f"{what}: values must be contiguous")
+    if vals.dtype == np.float32:
+        return lib.STELLA_VAL_F32
+    if vals.dtype == np.float16:
+        return lib.STELLA_VAL_F16
+    if vals.dtype == np.uint16 or vals.dtype.name == "bfloat16":  # bf16 as raw bit patterns
+        return lib.STELLA_VAL_BF16
+    raise KernelInputError(f"{what}: values must be float32, float16 or bfloat16 (uint16 bits), got {vals.dtype}")
+
+
+def _c_config(cfg: OptimizerConfig) -> object:
+    """The hyper-parameters rounded to float32 by the same expressions as optim_ref."""
+    h = cfg.hparams
+    c = ffi.new("stella_optim_cfg *")
+    c.kind = _KIND[cfg.name]
+    c.lr = F32(h["lr"])
+    c.lr_d = float(h["lr"])
+    c.weight_decay = F32(h["weight_decay"])
+    c.has_weight_decay = bool(h["weight_decay"])
+    if cfg.name == "sgd":
+        c.momentum = F32(h["momentum"])
+        c.has_momentum = bool(h["momentum"])
+        c.one_minus_dampening = F32(1.0 - h["dampening"])
+        c.nesterov = bool(h["nesterov"])
+    else:
+        b1, b2 = h["betas"]
+        c.beta1, c.beta2 = F32(b1), F32(b2)
+        c.one_minus_beta1 = F32(1) - F32(b1)
+        c.one_minus_beta2 = F32(1) - F32(b2)
+        c.beta1_d, c.beta2_d = float(b1), float(b2)
+        c.eps = F32(h["eps"])
+        c.decay_factor = F32(1.0 - h["lr"] * h["weight_decay"])
+    return c
+
+
+class KernelTensorState:
+    """One tensor's float32 parameters and lazy optimizer state, held by the C kernel.
+
+    ``layout`` is ``"interleaved"`` (default: one record per coordinate) or
+    ``"planar"`` (one array per field, kept for measurements); ``hugepages`` asks
+    the OS for 2 MiB pages for the state.
+    """
+
+    def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, layout: str = "interleaved",
+                 hugepages: bool = True):
+        if cfg.name not in _KIND:
+            raise KernelInputError(f"unknown optimizer {cfg.name!r}")
+        if layout not in _LAYOUT:
+            raise KernelInputError(f"layout must be one of {sorted(_LAYOUT)}, got {layout!r}")
+        init = np.asarray(init)
+        if init.dtype != np.float32:
+            raise KernelInputError(f"initial values must be float32, got {init.dtype}")
+        if not 1 <= init.size <= _INT32_LIMIT:
+            raise KernelInputError(f"tensor size {init.size} outside [1, 2**31 - 1]")
+        self.numel = int(init.size)
+        self.name = cfg.name
+        self.layout = layout
+        ptr = lib.stella_optim_new(_KIND[cfg.name], self.numel, _LAYOUT[layout], int(hugepages))
+        if ptr == ffi.NULL:
+            raise MemoryError(f"cannot allocate the state of a {self.numel}-coordinate tensor")
+        self._st = ffi.gc(ptr, lib.stella_optim_free, size=int(lib.stella_optim_bytes(ptr)))
+        self._set_field(lib.STELLA_FIELD_PARAM, np.ascontiguousarray(init.reshape(-1)))
+        self._cfg_key: OptimizerConfig | None = None
+        self._cfg_c = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameter and optimizer state held in C."""
+        return int(lib.stella_optim_bytes(self._st))
+
+    def _set_field(self, field: int, arr: np.ndarray) -> None:
+        _check(lib.stella_optim_set_field(self._st, field, ffi.from_buffer(arr), arr.shape[0]), "set_field")
+
+    def _config(self, cfg: OptimizerConfig) -> object:
+        if cfg is not self._cfg_key:
+            if cfg.name != self.name:
+                raise KernelInputError(f"state was built for {self.name}, apply got {cfg.name}")
+            self._cfg_c, self._cfg_key = _c_config(cfg), cfg
+        return self._cfg_c
+
+    def apply(self, pushes: Sequence[tuple[np.ndarray | None, np.ndarray]], scale: float,
+              cfg: OptimizerConfig, *, trusted: bool = False) -> np.ndarray:
+        """Merge ``pushes``, apply ``scale`` times their sum with the lazy optimizer.
+
+        Returns the sorted union of the touched indices (int32). ``trusted=True``
+        skips the O(n) order and range scan of the indices, for callers that have
+        already validated them; dtype, shape and contiguity are always checked.
+        """
+        c_cfg = self._config(cfg)
+        w = len(pushes)
+        keep = []  # cffi buffers must outlive the call
+        c_push = ffi.new("stella_push[]", max(w, 1))
+        total = 0
+        for k, push in enumerate(pushes):
+            try:
+                idx, vals = push
+            except (TypeError, ValueError):
+                raise KernelInputError(f"push {k}: expected an (indices, values) pair") from None
+            what = f"push {k}"
+            if idx is None:
+                n = self.numel
+                c_push[k].idx = ffi.NULL
+            else:
+                if trusted:
+                    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 \
+                            or not idx.flags.c_contiguous:
+                        raise KernelInputError(f"{what}: indices must be a contiguous 1-D int32 array")
+                else:
+                    _sorted_indices(idx, self.numel, what)
+                n = idx.shape[0]
+                ib = ffi.from_buffer("int32_t[]", idx)
+                keep.append(ib)
+                c_push[k].idx = ib
+            c_push[k].dtype = _value_code(vals, n, what)
+            vb = ffi.from_buffer(vals)
+            keep.append(vb)
+            c_push[k].val = vb
+            c_push[k].n = n
+            total += n
+        bound = min(total, self.numel)
+        out = np.empty(bound, np.int32)
+        count = _check(lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
+                                              ffi.from_buffer("int32_t[]", out), bound, _num_threads), "apply")
+        # Heavy overlap leaves most of the bound unused: do not keep it alive.
+        return out[:count] if 2 * count >= bound else out[:count].copy()
+
+    def gather(self, idx: np.ndarray) -> np.ndarray:
+        """Current float32 parameters at ``idx`` (int32, any order, inside [0, numel))."""
+        if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
+            raise KernelInputError("gather: indices must be a 1-D int32 array")
+        idx = np.ascontiguousarray(idx)
+        out = np.empty(idx.shape[0], F32)
+        rc = lib.stella_optim_gather(self._st, ffi.from_buffer("int32_t[]", idx), idx.shape[0],
+                                     ffi.from_buffer("float[]", out), _num_threads)
+        if rc == _E_RANGE:
+            raise KernelInputError(f"gather: an index is outside [0, {self.numel})")
+        _check(rc, "gather")
+        return out
+
+    def _get_field(self, field: int, dtype: type) -> np.ndarray:
+        out = np.empty(self.numel, dtype)
+        _check(lib.stella_optim_get_field(self._st, field, ffi.from_buffer(out), self.numel), "get_field")
+        return out
+
+    def snapshot(self) -> np.ndarray:
+        """A float32 copy of all parameters (flat)."""
+        return self._get_field(lib.STELLA_FIELD_PARAM, F32)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Parameters and optimizer state as flat arrays, named as in RefTensorState."""
+        return {name: self._get_field(f, dt) for name, (f, dt) in _FIELDS[self.name].items()}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Replace the whole state by arrays from :meth:`state_arrays` (checked first)."""
+        fields = _FIELDS[self.name]
+        if set(arrays) != set(fields):
+            raise KernelInputError(f"{self.name} state needs arrays {sorted(fields)}, got {sorted(arrays)}")
+        ready = {}
+        for name, (f, dt) in fields.items():
+            a = np.asarray(arrays[name])
+            if a.size != self.numel:
+                raise KernelInputError(f"{name}: {a.size} values for a {self.numel}-coordinate tensor")
+            if a.dtype != dt:
+                raise KernelInputError(f"{name}: dtype must be {np.dtype(dt).name}, got {a.dtype}")
+            ready[f] = np.ascontiguousarray(a.reshape(-1))
+        for f, a in ready.items():  # all checked: nothing changes on bad input
+            self._set_field(f, a)
+
+
+def union_indices(lists: Sequence[np.ndarray]) -> np.ndarray:
+    """Sorted union of sorted unique int32 index lists (the pull delta since a version)."""
+    keep = [_sorted_indices(a, _INT32_LIMIT + 1, f"list {k}") for k, a in enumerate(lists)]
+    k = len(keep)
+    total = sum(a.shape[0] for a in keep)
+    out = np.empty(total, np.int32)
+    ptrs = ffi.new("int32_t *[]", max(k, 1))
+    bufs = []
+    for i, a in enumerate(keep):
+        b = ffi.from_buffer("int32_t[]", a)
+        bufs.append(b)
+        ptrs[i] = b
+    lens = ffi.new("int64_t[]", [a.shape[0] for a in keep] or [0])
+    n = _check(lib.stella_union_indices(ptrs, lens, k, ffi.from_buffer("int32_t[]", out), total), "union")
+    return out[:n] if 2 * n >= total else out[:n].copy()

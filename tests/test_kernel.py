@@ -1,0 +1,303 @@
+"""The C lazy-optimizer kernel against the NumPy reference (optim_ref)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stella_ps import kernel
+from stella_ps.kernel import KernelInputError, KernelTensorState, union_indices
+from stella_ps.optim import OptimizerConfig
+from stella_ps.optim_ref import RefTensorState
+
+F32 = np.float32
+SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=150)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    kernel.set_num_threads(1)
+    yield
+    kernel.set_num_threads(1)
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round to nearest even."""
+    u = x.astype(F32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_to_f32(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(F32)
+
+
+def as_ref_push(push):
+    """The reference takes float32 values: fp16 and bf16 converted first."""
+    idx, vals = push
+    if vals.dtype == np.uint16:
+        return idx, bf16_to_f32(vals)
+    return idx, vals.astype(F32)
+
+
+def make_push(rng: np.random.Generator, numel: int, density: float, dense: bool, dtype: str):
+    if dense:
+        idx = None
+        n = numel
+    else:
+        n = int(rng.binomial(numel, density))
+        idx = np.sort(rng.choice(numel, n, replace=False)).astype(np.int32)
+    vals = rng.standard_normal(n).astype(F32) * F32(rng.choice([1e-3, 1.0, 30.0]))
+    if dtype == "f16":
+        vals = vals.astype(np.float16)
+    elif dtype == "bf16":
+        vals = to_bf16_bits(vals)
+    return idx, vals
+
+
+@st.composite
+def configs(draw, name=None):
+    name = name or draw(st.sampled_from(["sgd", "adam", "adamw"]))
+    lr = draw(st.floats(1e-4, 1.0))
+    wd = draw(st.sampled_from([0.0, draw(st.floats(1e-4, 0.5))]))
+    if name == "sgd":
+        momentum = draw(st.sampled_from([0.0, draw(st.floats(0.0, 0.99))]))
+        nesterov = momentum > 0 and draw(st.booleans())
+        dampening = 0.0 if nesterov else draw(st.sampled_from([0.0, draw(st.floats(0.0, 0.9))]))
+        hp = {"momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+    else:
+        b1 = draw(st.sampled_from([0.0, 0.9, draw(st.floats(0.0, 0.999))]))
+        b2 = draw(st.sampled_from([0.999, 0.5, draw(st.floats(0.0, 0.9999))]))
+        hp = {"betas": (b1, b2), "eps": draw(st.sampled_from([1e-8, 1e-3]))}
+    return OptimizerConfig.from_wire({"name": name, "lr": lr, "weight_decay": wd, **hp})
+
+
+def assert_same_state(k: KernelTensorState, r: RefTensorState):
+    arrays = k.state_arrays()
+    for name, a in arrays.items():
+        want = getattr(r, name)
+        if a.dtype == np.uint32:
+            np.testing.assert_array_equal(a, want, err_msg=name)
+        else:  # float32 rounding: the kernel is bit-identical in practice
+            np.testing.assert_allclose(a, want, rtol=1e-6, atol=1e-30, err_msg=name)
+    np.testing.assert_array_equal(k.snapshot(), arrays["param"])
+
+
+@SETTINGS
+@given(
+    cfg=configs(),
+    numel=st.integers(1, 2000),
+    workers=st.integers(1, 6),
+    steps=st.integers(1, 50),
+    seed=st.integers(0, 2**32 - 1),
+    dense_prob=st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_matches_reference(cfg, numel, workers, steps, seed, dense_prob):
+    rng = np.random.default_rng(seed)
+    init = rng.standard_normal(numel).astype(F32)
+    k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
+    for step in range(steps):
+        if rng.random() < 0.2:  # learning-rate schedule
+            cfg = cfg.updated({"lr": float(cfg.hparams["lr"] * rng.uniform(0.5, 1.5))})
+        w = int(rng.integers(1, workers + 1))
+        density = float(rng.choice([0.001, 0.01, 0.1, 0.5, 1.0]))
+        pushes = [
+            make_push(rng, numel, density, rng.random() < dense_prob, str(rng.choice(["f32", "f16", "bf16"])))
+            for _ in range(w)
+        ]
+        got = k.apply(pushes, 1.0 / w, cfg)
+        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / w, cfg)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == np.int32
+    assert_same_state(k, r)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_bit_identical_long_run(name):
+    """Fifty steps of overlapping pushes: every field equal bit for bit."""
+    rng = np.random.default_rng(7)
+    hp = {"momentum": 0.9, "nesterov": True} if name == "sgd" else {"betas": (0.8, 0.95)}
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01, **hp})
+    init = rng.standard_normal(5000).astype(F32)
+    k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
+    for step in range(50):
+        cfg = cfg.updated({"lr": 0.05 * (1 - step / 60)})
+        pushes = [make_push(rng, 5000, 0.05, False, "f32") for _ in range(4)]
+        k.apply(pushes, 0.25, cfg)
+        r.apply(pushes, 0.25, cfg)
+    for name_, a in k.state_arrays().items():
+        assert a.tobytes() == getattr(r, name_).tobytes(), name_
+
+
+def test_edge_cases():
+    cfg = OptimizerConfig.from_wire({"name": "adamw", "lr": 0.1})
+    numel = 100
+    init = np.arange(numel, dtype=F32)
+    k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
+    cases = [
+        [],  # no pushes at all
+        [(np.empty(0, np.int32), np.empty(0, F32))],  # empty push
+        [(np.array([0, numel - 1], np.int32), np.array([1, -1], F32))],  # first and last index
+        [(np.array([42], np.int32), np.array([v], F32)) for v in (1, 2, 3, 4, 5, 6)],  # one coordinate, all
+        [(np.array([3], np.int32), np.array([1], F32)), (None, np.ones(numel, np.float16))],
+    ]
+    for pushes in cases:
+        w = max(len(pushes), 1)
+        got = k.apply(pushes, 1.0 / w, cfg)
+        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / w, cfg)
+        np.testing.assert_array_equal(got, want)
+    assert_same_state(k, r)
+    assert k.state_arrays()["step"][42] == 2
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_single_coordinate_tensor(name):
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.5})
+    k, r = KernelTensorState(np.ones(1, F32), cfg), RefTensorState(np.ones(1, F32), cfg)
+    for pushes in ([(None, np.array([2.0], F32))], [(np.array([0], np.int32), np.array([1.0], F32))] * 3):
+        np.testing.assert_array_equal(k.apply(pushes, 0.5, cfg), r.apply(pushes, 0.5, cfg))
+    assert_same_state(k, r)
+    assert k.numel == 1
+
+
+def test_shape_is_flattened_and_init_copied():
+    cfg = OptimizerConfig.from_wire({"name": "sgd", "lr": 1.0})
+    init = np.arange(12, dtype=F32).reshape(3, 4)
+    k = KernelTensorState(init, cfg)
+    init[0, 0] = 99
+    assert k.numel == 12
+    np.testing.assert_array_equal(k.snapshot(), np.arange(12, dtype=F32))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_threads_give_identical_results(name, dense):
+    """Large enough that two threads really split the coordinate range."""
+    rng = np.random.default_rng(3)
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **({"momentum": 0.9} if name == "sgd" else {})})
+    numel = 300_000
+    init = rng.standard_normal(numel).astype(F32)
+    states = {t: KernelTensorState(init, cfg) for t in (1, 2)}
+    for step in range(3):
+        pushes = [make_push(rng, numel, 0.2, dense and w == 0, ["f32", "f16", "bf16"][w % 3]) for w in range(3)]
+        touched = {}
+        for t, s in states.items():
+            kernel.set_num_threads(t)
+            touched[t] = s.apply(pushes, 1 / 3, cfg)
+        np.testing.assert_array_equal(touched[1], touched[2])
+        idx = touched[1]
+        kernel.set_num_threads(2)
+        g2 = states[2].gather(idx)
+        kernel.set_num_threads(1)
+        np.testing.assert_array_equal(states[1].gather(idx), g2)
+    a1, a2 = states[1].state_arrays(), states[2].state_arrays()
+    for n in a1:
+        assert a1[n].tobytes() == a2[n].tobytes(), n
+
+
+def test_env_and_setter_for_threads():
+    kernel.set_num_threads(2)
+    assert kernel.get_num_threads() == 2
+    for bad in (0, -1, 1.5, True, 65):
+        with pytest.raises(ValueError):
+            kernel.set_num_threads(bad)
+
+
+@pytest.mark.parametrize(
+    "push, why",
+    [
+        ((np.array([0, 100], np.int32), np.ones(2, F32)), "outside"),
+        ((np.array([-1, 3], np.int32), np.ones(2, F32)), "outside"),
+        ((np.array([5, 3], np.int32), np.ones(2, F32)), "increasing"),
+        ((np.array([3, 3], np.int32), np.ones(2, F32)), "increasing"),
+        ((np.array([1, 2], np.int64), np.ones(2, F32)), "int32"),
+        ((np.array([1, 2], np.int32), np.ones(2, np.float64)), "float32"),
+        ((np.array([1, 2], np.int32), np.ones(3, F32)), "values for"),
+        ((np.array([[1, 2]], np.int32), np.ones(2, F32)), "1-D"),
+        ((np.arange(0, 8, dtype=np.int32)[::2], np.ones(4, F32)), "contiguous"),
+        ((None, np.ones(99, F32)), "values for"),
+        ([1, 2], "1-D"),
+    ],
+)
+def test_wrapper_rejects_bad_pushes(push, why):
+    cfg = OptimizerConfig.from_wire({"name": "adam"})
+    k = KernelTensorState(np.zeros(100, F32), cfg)
+    before = k.state_arrays()
+    good = (np.array([1, 2], np.int32), np.ones(2, F32))
+    with pytest.raises(ValueError, match=why):
+        k.apply([good, push], 0.5, cfg)  # the good push must not be applied either
+    for n, a in k.state_arrays().items():
+        np.testing.assert_array_equal(a, before[n])
+
+
+def test_wrapper_rejects_other_bad_input():
+    cfg = OptimizerConfig.from_wire({"name": "sgd"})
+    k = KernelTensorState(np.zeros(10, F32), cfg)
+    with pytest.raises(ValueError):
+        k.gather(np.array([10], np.int32))
+    with pytest.raises(ValueError):
+        k.gather(np.array([1], np.int64))
+    with pytest.raises(ValueError):
+        k.apply([], 1.0, OptimizerConfig.from_wire({"name": "adam"}))
+    with pytest.raises(ValueError):
+        KernelTensorState(np.zeros(3, np.float64), cfg)
+    with pytest.raises(ValueError):
+        KernelTensorState(np.zeros(0, F32), cfg)
+    with pytest.raises(ValueError):
+        k.load_state_arrays({"param": np.zeros(10, F32)})
+    with pytest.raises(ValueError):
+        k.load_state_arrays({"param": np.zeros(10, F32), "momentum_buf": np.zeros(9, F32)})
+    with pytest.raises(ValueError):
+        union_indices([np.array([2, 1], np.int32)])
+
+
+def test_gather_and_snapshot():
+    rng = np.random.default_rng(1)
+    for name in ("sgd", "adamw"):
+        cfg = OptimizerConfig.from_wire({"name": name})
+        init = rng.standard_normal(1000).astype(F32)
+        k = KernelTensorState(init, cfg)
+        idx = rng.integers(0, 1000, 300).astype(np.int32)  # any order, repeats allowed
+        np.testing.assert_array_equal(k.gather(idx), init[idx])
+        np.testing.assert_array_equal(k.snapshot(), init)
+        assert k.gather(np.empty(0, np.int32)).shape == (0,)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "planar"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_state_arrays_round_trip(name, layout):
+    rng = np.random.default_rng(2)
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.1, **({"momentum": 0.5} if name == "sgd" else {})})
+    init = rng.standard_normal(777).astype(F32)
+    a, r = KernelTensorState(init, cfg, layout=layout), RefTensorState(init, cfg)
+    for _ in range(5):
+        pushes = [make_push(rng, 777, 0.3, False, "f32") for _ in range(2)]
+        a.apply(pushes, 0.5, cfg)
+        r.apply(pushes, 0.5, cfg)
+    saved = a.state_arrays()
+    b = KernelTensorState(np.zeros(777, F32), cfg)
+    b.load_state_arrays(saved)
+    for n, x in b.state_arrays().items():
+        assert x.tobytes() == saved[n].tobytes()
+    pushes = [make_push(rng, 777, 0.3, False, "f32") for _ in range(2)]
+    a.apply(pushes, 0.5, cfg)
+    b.apply(pushes, 0.5, cfg)
+    r.apply(pushes, 0.5, cfg)
+    assert_same_state(b, r)
+    assert_same_state(a, r)
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 2), max_size=60), max_size=40))
+def test_union_indices_matches_unique(lists):
+    arrays = [np.unique(np.array(x, np.int32)).astype(np.int32) for x in lists]
+    got = union_indices(arrays)
+    want = np.unique(np.concatenate(arrays)) if arrays else np.empty(0, np.int32)
+    np.testing.assert_array_equal(got, want.astype(np.int32))
+    assert got.dtype == np.int32
+
+
+def test_union_indices_large():
+    rng = np.random.default_rng(4)
+    arrays = [np.sort(rng.choice(10**6, 10**4, replace=False)).astype(np.int32) for _ in range(37)]
+    np.testing.assert_array_equal(union_indices(arrays), np.unique(np.concatenate(arrays)))
