@@ -14,12 +14,11 @@ import numpy as np
 
 from stella.wire import TensorSpec
 
+from .kernel import KernelTensorState, union_indices
 from .optim import OptimizerConfig
-from .optim_ref import Push, RefTensorState
+from .optim_ref import Push
 
 __all__ = ["ModelStore", "Delta", "layout_diff"]
-
-TensorState = RefTensorState
 
 
 @dataclass
@@ -54,7 +53,7 @@ class ModelStore:
 
     def __init__(self, history: int = 64):
         self.layout: list[TensorSpec] | None = None
-        self.tensors: list[TensorState] = []
+        self.tensors: list[KernelTensorState] = []
         self.optimizer: OptimizerConfig | None = None
         self.version = 0
         self.history_len = history
@@ -71,7 +70,7 @@ class ModelStore:
         return sum(s.numel for s in self.layout or ())
 
     def initialise(self, layout: list[TensorSpec], values: list[np.ndarray], cfg: OptimizerConfig) -> None:
-        self.tensors = [TensorState(v, cfg) for v in values]
+        self.tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout = layout
         self.optimizer = cfg
 
@@ -106,7 +105,7 @@ class ModelStore:
                 lists = [s[t] for s in steps if s[t].size]
                 if not lists:
                     continue
-                idx = lists[0] if len(lists) == 1 else np.unique(np.concatenate(lists)).astype(np.int32)
+                idx = lists[0] if len(lists) == 1 else union_indices(lists)
                 out.append((t, idx, state.gather(idx)))
             delta = Delta(v, False, out)
         self._delta_cache = (since, v, delta)
