@@ -69,7 +69,8 @@ class PullResult:
                 import torch
 
                 flat = dst.detach().view(-1)
-                src = torch.from_numpy(np.array(vals, copy=False)).to(flat.device, flat.dtype)
+                # frames are read-only buffers; torch wants writable memory
+                src = torch.from_numpy(vals if vals.flags.writeable else vals.copy()).to(flat.device, flat.dtype)
                 if idx is None:
                     flat.copy_(src)
                 else:
