@@ -290,6 +290,7 @@ class WanTestbed:
         self._closed = False
         self._up = False
         self._stop = threading.Event()
+        self._done = threading.Event()
         self._threads: List[threading.Thread] = []
         self.t0: Optional[float] = None
         self.rate_log: List[Tuple[float, str, Optional[float], Optional[float]]] = []
@@ -361,6 +362,7 @@ class WanTestbed:
         with self._lock:
             if self._closed or not self._up:
                 self._closed = True
+                self._done.set()
                 return
             self._closed = True
         self._stop.set()
@@ -376,12 +378,14 @@ class WanTestbed:
                 t.join(timeout=2)
         self._remove_state()
         _LIVE.discard(self)
+        self._done.set()
         if errors:
             raise TestbedError("teardown incomplete: " + "; ".join(errors))
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """True once teardown has completed."""
+        return self._done.is_set()
 
     def elapsed(self) -> float:
         return 0.0 if self.t0 is None else time.monotonic() - self.t0
