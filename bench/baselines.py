@@ -153,6 +153,29 @@ def _counters(iface: Optional[str]):
         return None
 
 
+def _trace_collectives(path: str):
+    """Log every ``dist.all_reduce`` issued through ``torch.distributed`` (which
+    is what powerSGD_hook calls) with its issue order, size and issuing thread;
+    written unbuffered so the log survives gloo's abort on a mismatch."""
+    import threading
+
+    import torch.distributed as dist
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    orig = dist.all_reduce
+    seq = [0]
+    lock = threading.Lock()
+
+    def all_reduce(tensor, *args, **kw):
+        with lock:
+            seq[0] += 1
+            os.write(fd, f"{seq[0]} numel={tensor.numel()} shape={tuple(tensor.shape)} "
+                         f"thread={threading.current_thread().name}\n".encode())
+            return orig(tensor, *args, **kw)
+
+    dist.all_reduce = all_reduce
+
+
 def worker(a) -> int:
     import datetime
 
@@ -165,6 +188,8 @@ def worker(a) -> int:
 
     torch.set_num_threads(a.threads)
     wl = W.get(a.workload)
+    if a.trace_collectives:
+        _trace_collectives(a.trace_collectives)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=max(60, a.max_seconds)))
     model = wl.build_model(a.seed)
@@ -267,7 +292,7 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
             bed=None, sites: Optional[List[str]] = None, seed: int = 0, eval_every: Optional[int] = None,
             stop_at_target: bool = False, threads: int = 1, batch_size: Optional[int] = None,
             bucket_mb: float = 25.0, calib: int = 3, powersgd_rank: int = 4, start_powersgd_iter: int = 2,
-            log_dir: Optional[str] = None, quiet: bool = False) -> Dict:
+            log_dir: Optional[str] = None, trace: bool = False) -> Dict:
     """Run one DDP job (``world`` processes) and return its summary + raw records.
 
     With ``bed`` (a started WanTestbed) rank ``r`` runs in ``sites[r]`` and
@@ -300,6 +325,8 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
             argv.append("--stop-at-target")
         if batch_size:
             argv += ["--batch-size", str(batch_size)]
+        if trace:
+            argv += ["--trace-collectives", os.path.join(tmp, f"rank{r}.trace")]
         log = open(os.path.join(tmp, f"rank{r}.log"), "w")
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if bed is not None:
@@ -368,6 +395,26 @@ def summarize(system: str, workload: str, ranks: List[Dict], wl) -> Dict:
     }
 
 
+def compare_traces(log_dir: str, world: int) -> str:
+    """First position where the ranks issued different collectives."""
+    seqs = []
+    for r in range(world):
+        try:
+            with open(os.path.join(log_dir, f"rank{r}.trace")) as f:
+                seqs.append([l.split(" ", 1)[1].strip() for l in f if l.strip()])
+        except OSError:
+            return f"(no trace for rank {r})"
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        calls = [s[i] for s in seqs]
+        if len({c.split(" thread=")[0] for c in calls}) > 1:
+            lines = [f"collective #{i + 1}: ranks issued DIFFERENT all_reduces:"]
+            lines += [f"  rank {r}: {c}" for r, c in enumerate(calls)]
+            lines += [f"  (rank {r} before: {' | '.join(seqs[r][max(0, i - 3):i])})" for r in range(world)]
+            return "\n".join(lines)
+    return f"first {n} traced all_reduces identical on all ranks (lengths {[len(s) for s in seqs]})"
+
+
 def fmt_summary(r: Dict) -> str:
     if not r.get("ok"):
         return f"{r['workload']:>8} {r['system']:>22}  FAILED\n{r.get('error', '')}"
@@ -388,8 +435,8 @@ def main(argv=None):
                      ("--workload", str), ("--steps", int), ("--max-seconds", float), ("--seed", int),
                      ("--eval-every", int), ("--threads", int), ("--bucket-mb", float), ("--calib", int),
                      ("--powersgd-rank", int), ("--start-powersgd-iter", int), ("--out", str),
-                     ("--batch-size", int)):
-            ap.add_argument(k, type=t, default=None if k == "--batch-size" else ...)
+                     ("--batch-size", int), ("--trace-collectives", str)):
+            ap.add_argument(k, type=t, default=None if k in ("--batch-size", "--trace-collectives") else ...)
         ap.add_argument("--stop-at-target", action="store_true")
         return worker(ap.parse_args(argv[1:]))
     ap = argparse.ArgumentParser(prog="python -m bench.baselines", description=__doc__,
@@ -403,6 +450,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--trace-collectives", action="store_true",
+                    help="log every all_reduce issued via torch.distributed (order, size, thread) per rank")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     sys.path.insert(0, REPO)
@@ -417,8 +466,11 @@ def main(argv=None):
                              max_lifetime=len(a.system or DEFAULT_SYSTEMS) * (a.max_seconds + 180)).start()
         for system in a.system or DEFAULT_SYSTEMS:
             r = run_ddp(a.workload, system, world=a.world, steps=a.steps, max_seconds=a.max_seconds, bed=bed,
-                        seed=a.seed, eval_every=a.eval_every, bucket_mb=a.bucket_mb)
+                        seed=a.seed, eval_every=a.eval_every, bucket_mb=a.bucket_mb,
+                        trace=a.trace_collectives)
             print(fmt_summary(r), flush=True)
+            if a.trace_collectives:
+                print(compare_traces(r["log_dir"], a.world), flush=True)
             results.append(r)
     finally:
         if bed is not None:
