@@ -306,6 +306,7 @@ def main(argv=None):
     print()
     print(table(results))
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"command": command, "machine": machine(), "results": results}, f, indent=1)
     if a.plot:
