@@ -336,18 +336,20 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
         procs.append(p)
     deadline = time.monotonic() + max_seconds + 120
     rcs = []
-    for p in procs:
-        try:
-            rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            rcs.append(None)
-    for p in procs:
-        if p.poll() is None:
+    try:
+        for p in procs:
             try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-            p.wait()
+                rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                rcs.append(None)
+    finally:  # also on Ctrl-C / errors: never leave workers behind
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+                p.wait()
     ranks = []
     for r in range(world):
         try:
