@@ -1,0 +1,320 @@
+"""End-to-end benchmark: every system, every workload, every link rate, in the
+same run, over the slow-link test bed (2 workers, sites ``a``/``b`` shaped to
+the link rate in both directions; site ``ps`` for a parameter server).
+
+  python -m bench.e2e --quick                       # < 10 min
+  python -m bench.e2e                               # full (long)
+  python -m bench.e2e --workload widemlp --rate 100 --system ddp --system powersgd --json out.json
+
+Writes a table to stdout, ``--json PATH``, ``bench/RESULTS.md`` (table, machine,
+command) and ``bench/e2e_heldout.png`` (held-out metric against training wall
+time, one panel per workload x rate).
+
+Systems are pluggable (see :data:`SYSTEMS`, :func:`register_system` and the
+STELLA REGISTRATION POINT below).  A system is a callable
+``runner(spec: RunSpec, bed: WanTestbed) -> dict``; see :class:`RunSpec` and
+``docs/testbed.md`` ("Plugging a system into bench.e2e") for the contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench import baselines, workloads as W  # noqa: E402
+from bench.wan import Link, WanTestbed  # noqa: E402
+
+
+@dataclass
+class RunSpec:
+    """Everything a system needs to run one (workload, link rate) cell.
+
+    Same for every system in a run: workload (model, data, seed, per-worker
+    batch, LR schedule -- all in ``bench.workloads.get(workload)``), number of
+    workers, step cap and the wall-time cap, which the runner must enforce
+    (the harness additionally kills nothing itself: a runner that overruns
+    ``max_seconds`` by more than its own slack is a bug).
+    """
+
+    workload: str
+    rate_mbit: float
+    world: int = 2
+    worker_sites: List[str] = field(default_factory=lambda: ["a", "b"])
+    ps_site: str = "ps"
+    max_steps: int = 100
+    max_seconds: float = 300.0
+    seed: int = 0
+    eval_every: Optional[int] = None
+    stop_at_target: bool = False
+    log_dir: str = ""
+
+
+Runner = Callable[[RunSpec, WanTestbed], Dict]
+SYSTEMS: Dict[str, Runner] = {}
+
+
+def register_system(name: str, runner: Runner):
+    """Add a system to the benchmark (idempotent by name)."""
+    SYSTEMS[name] = runner
+
+
+def _ddp_runner(system: str) -> Runner:
+    def run(spec: RunSpec, bed: WanTestbed) -> Dict:
+        return baselines.run_ddp(spec.workload, system, world=spec.world, steps=spec.max_steps,
+                                 max_seconds=spec.max_seconds, bed=bed, sites=spec.worker_sites[:spec.world],
+                                 seed=spec.seed, eval_every=spec.eval_every, stop_at_target=spec.stop_at_target,
+                                 log_dir=spec.log_dir or None)
+    run.__name__ = f"run_{system}"
+    return run
+
+
+register_system("ddp", _ddp_runner("ddp"))
+register_system("powersgd", _ddp_runner("powersgd"))
+register_system("fp16", _ddp_runner("fp16"))
+
+# --------------------------------------------------------------------------- #
+# STELLA REGISTRATION POINT
+#
+# The Stella system registers itself here.  Provide a module ``bench/stella_e2e.py``
+# (owned by the Stella team) exposing
+#
+#     def run(spec: RunSpec, bed: WanTestbed) -> dict
+#
+# which starts ``stella-ps`` in ``spec.ps_site`` (``bed.popen(spec.ps_site, [...])``,
+# bind on ``bed.address(spec.ps_site)``), one Stella worker per site in
+# ``spec.worker_sites[:spec.world]`` (``bed.popen(site, [...], rank=r, world=W)``),
+# trains ``bench.workloads.get(spec.workload)`` for at most ``spec.max_steps``
+# steps / ``spec.max_seconds`` of training wall time and returns the result dict
+# described in docs/testbed.md (same keys as ``bench.baselines.summarize``).
+# Until that module exists the system is simply absent from the table.
+try:
+    _stella = importlib.import_module("bench.stella_e2e")
+    register_system("stella", _stella.run)
+except ModuleNotFoundError as _e:  # only "module not there yet" is silent
+    if _e.name != "bench.stella_e2e":
+        raise
+# --------------------------------------------------------------------------- #
+
+REQUIRED_KEYS = ("ok", "steps", "iter_median", "evals", "final_metric", "reached")
+
+QUICK = {  # per workload: steps, max seconds per system, eval every
+    "digits": dict(max_steps=60, max_seconds=30, eval_every=10),
+    "widemlp": dict(max_steps=20, max_seconds=40, eval_every=5),
+    "bytelm": dict(max_steps=6, max_seconds=45, eval_every=6),
+}
+FULL = {
+    "digits": dict(max_steps=300, max_seconds=120, eval_every=10),
+    "widemlp": dict(max_steps=120, max_seconds=600, eval_every=5),
+    "bytelm": dict(max_steps=200, max_seconds=1800, eval_every=10),
+}
+
+
+def run_cell(system: str, spec: RunSpec, bed: WanTestbed) -> Dict:
+    before = {s: bed.counters(s) for s in spec.worker_sites[:spec.world] + [spec.ps_site]}
+    t0 = time.monotonic()
+    try:
+        res = SYSTEMS[system](spec, bed)
+    except Exception:
+        res = {"ok": False, "error": traceback.format_exc()}
+    res.setdefault("system", system)
+    res.setdefault("workload", spec.workload)
+    res["rate_mbit"] = spec.rate_mbit
+    res["elapsed"] = time.monotonic() - t0
+    after = {s: bed.counters(s) for s in before}
+    # harness-side byte count over the whole run (includes start-up: model
+    # broadcast / initial pull), per worker per step -- same method for all systems
+    steps = max(1, res.get("steps") or 1)
+    ws = spec.worker_sites[:spec.world]
+    res["harness_bytes"] = {
+        "worker_up_per_step": statistics.mean((after[s]["tx_bytes"] - before[s]["tx_bytes"]) / steps for s in ws),
+        "worker_down_per_step": statistics.mean((after[s]["rx_bytes"] - before[s]["rx_bytes"]) / steps for s in ws),
+        "ps_up_total": after[spec.ps_site]["tx_bytes"] - before[spec.ps_site]["tx_bytes"],
+        "ps_down_total": after[spec.ps_site]["rx_bytes"] - before[spec.ps_site]["rx_bytes"],
+    }
+    if res.get("ok"):
+        missing = [k for k in REQUIRED_KEYS if k not in res]
+        if missing:
+            res["ok"] = False
+            res["error"] = f"runner result lacks {missing}"
+    return res
+
+
+def _mb(v):
+    return "n/a" if v is None else f"{v / 1e6:.2f}"
+
+
+def table(results: List[Dict]) -> str:
+    hdr = ("| workload | Mbit/s | system | it/s med (s) | compute (s) | net wait | MB/it up | MB/it down | "
+           "steps | to target (it / s) | final metric |")
+    lines = [hdr, "|" + "---|" * 11]
+    for r in results:
+        if not r.get("ok"):
+            lines.append(f"| {r['workload']} | {r['rate_mbit']:g} | {r['system']} | FAILED | | | | | | | "
+                         f"{str(r.get('error', '')).strip().splitlines()[-1][:80] if r.get('error') else ''} |")
+            continue
+        up = r.get("bytes_up_median")
+        down = r.get("bytes_down_median")
+        if up is None:
+            up, down = r["harness_bytes"]["worker_up_per_step"], r["harness_bytes"]["worker_down_per_step"]
+        reach = r.get("reached")
+        nw = r.get("net_wait_fraction")
+        cm = r.get("compute_median")
+        lines.append(
+            f"| {r['workload']} | {r['rate_mbit']:g} | {r['system']} | {r['iter_median']:.3f} | "
+            f"{'n/a' if cm is None else f'{cm:.3f}'} | {'n/a' if nw is None else f'{100 * nw:.0f}%'} | "
+            f"{_mb(up)} | {_mb(down)} | {r['steps']} | "
+            f"{'not reached' if not reach else '%d / %.1f' % (reach['step'], reach['wall'])} | "
+            f"{r.get('metric', '')} {r['final_metric']:.4f} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for l in f:
+                if l.startswith("model name"):
+                    cpu = l.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem = float("nan")
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} logical CPUs, {mem:.0f} GiB RAM, "
+            f"Linux {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}; "
+            f"links: tbf in network namespaces (bench.wan), 1 torch thread per worker")
+
+
+def plot(results: List[Dict], path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["workload"], r["rate_mbit"]) for r in results})
+    if not cells:
+        return
+    n = len(cells)
+    cols = min(n, 2)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
+    for ax, (wl, rate) in zip(axes.flat, cells):
+        for r in results:
+            if (r["workload"], r["rate_mbit"]) != (wl, rate) or not r.get("ok") or not r.get("evals"):
+                continue
+            ax.plot([e["wall"] for e in r["evals"]], [e["metric"] for e in r["evals"]], marker="o", ms=3,
+                    label=r["system"])
+        w = W.get(wl)
+        ax.axhline(w.target, color="grey", ls="--", lw=0.8, label="target")
+        ax.set_title(f"{wl} @ {rate:g} Mbit/s per site")
+        ax.set_xlabel("training wall time (s)")
+        ax.set_ylabel(w.metric)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results_md(results: List[Dict], path: str, command: str, png: str, links: Dict, started: str):
+    with open(path, "w") as f:
+        f.write("# End-to-end results (bench.e2e)\n\n")
+        f.write(f"Command: `{command}`  \nStarted: {started} UTC  \nMachine: {machine()}\n\n")
+        f.write("Per cell: 2 workers in sites `a`, `b` (uplink = downlink = the rate), `ps` site at "
+                f"{links['ps']} Mbit/s. Delivered TCP goodput on these links is ~95.6% of the tbf rate "
+                "(header overhead; see docs/testbed.md).\n\n")
+        f.write("Columns: median time per iteration after 2 warm-up iterations (rank 0); compute = forward + "
+                "backward (no-communication calibration) + optimizer; net wait = share of iteration time not "
+                "explained by compute; MB/it = bytes through each worker site's veth per iteration (kernel "
+                "counters, median over iterations, mean over workers); to target = first evaluation at or past "
+                "the workload's target (iterations / training wall seconds, evaluation time excluded).\n\n")
+        f.write(table(results) + "\n\n")
+        tg = {n: f"{w.metric} {'>=' if w.higher_is_better else '<='} {w.target}" for n, w in W.WORKLOADS.items()}
+        f.write("Targets: " + "; ".join(f"{k}: {v}" for k, v in tg.items()) + "\n\n")
+        if png:
+            f.write(f"![held-out metric vs wall time]({os.path.basename(png)})\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="reduced run (< 10 minutes)")
+    ap.add_argument("--workload", action="append", choices=sorted(W.WORKLOADS))
+    ap.add_argument("--rate", action="append", type=float, help="Mbit/s per site (default 100 and 500)")
+    ap.add_argument("--system", action="append", help="default: all registered")
+    ap.add_argument("--ps-rate", type=float, default=1000.0)
+    ap.add_argument("--steps", type=int, help="override the per-workload step cap")
+    ap.add_argument("--max-seconds", type=float, help="override the per-system training wall cap")
+    ap.add_argument("--stop-at-target", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--results-md", default=os.path.join(REPO, "bench", "RESULTS.md"))
+    ap.add_argument("--plot", default=os.path.join(REPO, "bench", "e2e_heldout.png"))
+    a = ap.parse_args(argv)
+    command = "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv)
+    started = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
+    systems = a.system or list(SYSTEMS)
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; registered: {sorted(SYSTEMS)}")
+    wls = a.workload or ["digits", "widemlp", "bytelm"]
+    rates = a.rate or [100.0, 500.0]
+    caps = QUICK if a.quick else FULL
+    log_root = tempfile.mkdtemp(prefix="e2e-")
+    results: List[Dict] = []
+    per_sys_budget = max((a.max_seconds or caps[w]["max_seconds"]) + 150 for w in wls)
+    print(f"# systems {systems}; workloads {wls}; rates {rates} Mbit/s; logs {log_root}", flush=True)
+    for wl in wls:
+        for rate in rates:
+            link = Link(rate, rate)
+            sites = {"ps": Link(a.ps_rate, a.ps_rate), "a": link, "b": link}
+            with WanTestbed(sites, max_lifetime=len(systems) * per_sys_budget + 60) as bed:
+                for system in systems:
+                    c = caps[wl]
+                    spec = RunSpec(workload=wl, rate_mbit=rate, max_steps=a.steps or c["max_steps"],
+                                   max_seconds=a.max_seconds or c["max_seconds"], seed=a.seed,
+                                   eval_every=c["eval_every"], stop_at_target=a.stop_at_target,
+                                   log_dir=log_root)
+                    r = run_cell(system, spec, bed)
+                    results.append(r)
+                    if r.get("ok"):
+                        print(f"{wl:>8} {rate:5g} Mbit/s {system:>10}: {r['steps']} steps, "
+                              f"iter {r['iter_median']:.3f}s, final {r['final_metric']:.4f} "
+                              f"({r['elapsed']:.0f}s)", flush=True)
+                    else:
+                        print(f"{wl:>8} {rate:5g} Mbit/s {system:>10}: FAILED\n{r.get('error')}", flush=True)
+    print()
+    print(table(results))
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"command": command, "machine": machine(), "results": results}, f, indent=1)
+    if a.plot:
+        plot(results, a.plot)
+    if a.results_md:
+        write_results_md(results, a.results_md, command, a.plot, {"ps": a.ps_rate}, started)
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

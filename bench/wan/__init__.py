@@ -1,0 +1,11 @@
+"""Slow-link test bed (network namespaces + tbf).  See docs/testbed.md."""
+
+from .testbed import (  # noqa: F401
+    Link,
+    NetnsUnavailableError,
+    NotRootError,
+    TestbedError,
+    WanTestbed,
+    cleanup_stale,
+    netns_available,
+)

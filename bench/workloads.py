@@ -1,0 +1,300 @@
+"""Workloads trained by the end-to-end benchmark (real data, shipped offline,
+deterministic by seed).
+
+* ``bytelm``   byte-level causal Transformer LM (~10.8M params) on the Python
+               standard library's own ``.py`` sources; held-out loss (nats/byte)
+               on a fixed sample of windows from held-out files.
+* ``digits``   small MLP on scikit-learn's 8x8 digits; test accuracy.
+* ``widemlp``  communication-bound MLP 64-3072-3072-10 (~9.7M params) on the
+               same digits: a dense fp32 exchange at 100 Mbit/s costs ~50-100x
+               its compute.
+
+Every workload exposes the same interface (:class:`Workload`): ``build_model(seed)``,
+``batches(rank, world_size, batch_size, seed)`` (an endless iterator of this
+worker's share of the *global* batch: the global batch of step ``t`` depends
+only on ``seed`` and ``t``, so every system sees the same data whatever its
+world size split), ``loss(model, batch)``, ``evaluate(model)`` -> held-out
+metric, ``target`` and the optimizer/LR schedule (``make_optimizer``,
+``lr_at``) that all systems share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Dict, Iterator, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Workload", "WORKLOADS", "get", "stdlib_corpus", "ByteLM", "count_params"]
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    build_model: Callable[[int], nn.Module]
+    batches: Callable[[int, int, int, int], Iterator[Tuple[torch.Tensor, torch.Tensor]]]
+    loss: Callable[[nn.Module, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+    evaluate: Callable[[nn.Module], float]
+    metric: str                 # name of the held-out metric
+    higher_is_better: bool
+    target: float               # held-out metric to reach
+    batch_size: int             # per worker
+    lr: float
+    warmup: int = 0             # linear warm-up steps, then constant LR
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"    # adamw | sgd (momentum 0.9)
+    eval_every: int = 10        # steps between held-out evaluations
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of (0-based) step ``step``: linear warm-up, then constant."""
+        if self.warmup and step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        return self.lr
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr_at(0), betas=(0.9, 0.95), weight_decay=self.weight_decay)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr_at(0), momentum=0.9, weight_decay=self.weight_decay)
+        raise ValueError(self.optimizer)
+
+    def set_lr(self, opt: torch.optim.Optimizer, step: int):
+        for g in opt.param_groups:
+            g["lr"] = self.lr_at(step)
+
+    def reached(self, value: float) -> bool:
+        return value >= self.target if self.higher_is_better else value <= self.target
+
+
+# ============================================================ byte-level LM
+
+CONTEXT = 128
+
+
+def _stdlib_files():
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        top = rel.split(os.sep)[0]
+        # third-party packages and the (huge, data-heavy) regression-test suite are not "the stdlib"
+        if top in ("site-packages", "dist-packages", "test", "__pycache__"):
+            dirnames[:] = []
+            continue
+        dirnames.sort()
+        for fn in sorted(filenames):
+            if fn.endswith(".py"):
+                out.append(os.path.relpath(os.path.join(dirpath, fn), root))
+    return root, sorted(out)
+
+
+@lru_cache(maxsize=1)
+def stdlib_corpus(heldout_percent: int = 5) -> Dict[str, np.ndarray]:
+    """Concatenated bytes of the stdlib's ``.py`` files, split by file: a file is
+    held out when ``sha1(relative path) % 100 < heldout_percent``."""
+    root, files = _stdlib_files()
+    train, held = [], []
+    for rel in files:
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read() + b"\n\n"
+        h = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 100
+        (held if h < heldout_percent else train).append(data)
+    tr = np.frombuffer(b"".join(train), dtype=np.uint8).copy()
+    he = np.frombuffer(b"".join(held), dtype=np.uint8).copy()
+    return {"train": tr, "heldout": he, "files": len(files), "root": root}
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ByteLM(nn.Module):
+    """GPT-style pre-norm decoder over bytes, tied input/output embedding."""
+
+    def __init__(self, d_model: int = 384, n_layers: int = 6, n_heads: int = 6, context: int = CONTEXT):
+        super().__init__()
+        self.tok = nn.Embedding(256, d_model)
+        self.pos = nn.Parameter(torch.zeros(context, d_model))
+        self.blocks = nn.ModuleList([_Block(d_model, n_heads) for _ in range(n_layers)])
+        self.ln = nn.LayerNorm(d_model)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.01)
+        for b in self.blocks:
+            for lin in (b.qkv, b.proj, b.fc1, b.fc2):
+                nn.init.normal_(lin.weight, std=0.02)
+                nn.init.zeros_(lin.bias)
+            nn.init.normal_(b.proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+            nn.init.normal_(b.fc2.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def _lm_batches(rank, world, batch_size, seed):
+    data = torch.from_numpy(stdlib_corpus()["train"])
+    n = len(data) - CONTEXT - 1
+    offs = torch.arange(CONTEXT + 1)
+    step = 0
+    while True:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, n, (world * batch_size,), generator=g)[rank * batch_size:(rank + 1) * batch_size]
+        w = data[starts[:, None] + offs].long()
+        yield w[:, :-1], w[:, 1:]
+        step += 1
+
+
+def _lm_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+
+_LM_EVAL_WINDOWS = 64
+
+
+@lru_cache(maxsize=1)
+def _lm_eval_set():
+    held = torch.from_numpy(stdlib_corpus()["heldout"])
+    g = torch.Generator().manual_seed(12345)
+    starts = torch.randint(0, len(held) - CONTEXT - 1, (_LM_EVAL_WINDOWS,), generator=g)
+    w = held[starts[:, None] + torch.arange(CONTEXT + 1)].long()
+    return w[:, :-1], w[:, 1:]
+
+
+@torch.no_grad()
+def _lm_eval(model):
+    was = model.training
+    model.eval()
+    x, y = _lm_eval_set()
+    tot = 0.0
+    for i in range(0, len(x), 16):
+        tot += F.cross_entropy(model(x[i:i + 16]).reshape(-1, 256), y[i:i + 16].reshape(-1), reduction="sum").item()
+    model.train(was)
+    return tot / y.numel()
+
+
+def _build_lm(seed, **kw):
+    torch.manual_seed(seed)
+    return ByteLM(**kw)
+
+
+# ============================================================ digits
+
+
+@lru_cache(maxsize=1)
+def digits_data(test_fraction: float = 0.25, split_seed: int = 0):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    X = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    g = torch.Generator().manual_seed(split_seed)
+    perm = torch.randperm(len(y), generator=g)
+    n_test = int(round(len(y) * test_fraction))
+    te, tr = perm[:n_test], perm[n_test:]
+    return X[tr], y[tr], X[te], y[te]
+
+
+def _digits_batches(rank, world, batch_size, seed):
+    X, y, _, _ = digits_data()
+    step = 0
+    while True:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        idx = torch.randint(0, len(y), (world * batch_size,), generator=g)[rank * batch_size:(rank + 1) * batch_size]
+        yield X[idx], y[idx]
+        step += 1
+
+
+def _cls_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+@torch.no_grad()
+def _digits_eval(model):
+    _, _, X, y = digits_data()
+    was = model.training
+    model.eval()
+    acc = (model(X).argmax(1) == y).float().mean().item()
+    model.train(was)
+    return acc
+
+
+def _mlp(seed, widths):
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+# ============================================================ registry
+
+WIDE = 3072
+
+WORKLOADS: Dict[str, Workload] = {
+    "bytelm": Workload(
+        name="bytelm",
+        description="byte-level Transformer LM (d384, 6 layers, ctx 128, 10.8M params) on the Python stdlib's .py sources",
+        build_model=lambda seed: _build_lm(seed),
+        batches=_lm_batches, loss=_lm_loss, evaluate=_lm_eval,
+        metric="heldout_loss", higher_is_better=False, target=2.5,
+        batch_size=8, lr=1e-3, warmup=20, weight_decay=0.01, optimizer="adamw", eval_every=10,
+    ),
+    "digits": Workload(
+        name="digits",
+        description="MLP 64-128-10 on sklearn digits (1348 train / 449 test)",
+        build_model=lambda seed: _mlp(seed, [64, 128, 10]),
+        batches=_digits_batches, loss=_cls_loss, evaluate=_digits_eval,
+        metric="test_accuracy", higher_is_better=True, target=0.95,
+        batch_size=32, lr=0.05, optimizer="sgd", eval_every=10,
+    ),
+    "widemlp": Workload(
+        name="widemlp",
+        description=f"communication-bound MLP 64-{WIDE}-{WIDE}-10 (9.7M params) on sklearn digits",
+        build_model=lambda seed: _mlp(seed, [64, WIDE, WIDE, 10]),
+        batches=_digits_batches, loss=_cls_loss, evaluate=_digits_eval,
+        metric="test_accuracy", higher_is_better=True, target=0.95,
+        batch_size=32, lr=0.05, optimizer="sgd", eval_every=5,
+    ),
+}
+
+
+def get(name: str) -> Workload:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise KeyError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}") from None

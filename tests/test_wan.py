@@ -1,0 +1,113 @@
+"""Slow-link test bed: real namespaces, real veths, real tbf, real TCP bytes.
+
+Skipped (with the reason) when not root or when `ip netns` is unavailable.
+The whole module takes ~20 s.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.wan import Link, NotRootError, WanTestbed, netns_available
+from bench.wan import bulk
+
+_ok, _why = netns_available()
+needs_netns = pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailable: {_why}")
+
+
+def _netns_names():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {l.split()[0] for l in out.splitlines() if l.strip()}
+
+
+def _root_links():
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return {l.split(":")[1].strip().split("@")[0] for l in out.splitlines()}
+
+
+def test_refuses_clearly_without_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(NotRootError, match="needs root"):
+        WanTestbed({"a": Link(100, 100)})
+
+
+def test_cli_exits_nonzero_without_root():
+    code = ("import os, sys; os.geteuid = lambda: 1000; from bench.wan.__main__ import main; "
+            "sys.exit(main(['check']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2
+    assert "needs root" in r.stderr
+
+
+def test_link_parse():
+    l = Link.parse("100/20@5:50/-@10:100")
+    assert (l.up, l.down) == (100, 20)
+    assert l.schedule == ((5.0, 50.0, None), (10.0, 100.0, 100.0))
+    assert Link.parse("-").up is None
+
+
+@needs_netns
+def test_shaped_link_delivers_configured_rate():
+    with WanTestbed({"a": Link(100, 100), "b": Link(100, 100)}, max_lifetime=60) as bed:
+        r = bed.measure("a", "b", seconds=2.0)
+        # site-to-site crosses a's uplink and b's downlink, both 100 Mbit/s
+        assert 90.0 <= r <= 110.0, f"delivered {r:.1f} Mbit/s on a 100 Mbit/s link"
+        c = bed.counters("a")
+        assert c["tx_bytes"] > 2.0 * 90e6 / 8  # real bytes left the site
+
+
+@needs_netns
+def test_asymmetric_link_is_asymmetric_and_set_rate_works():
+    with WanTestbed({"a": Link(100, 20)}, max_lifetime=60) as bed:
+        up = bed.measure("a", "hub", seconds=1.5)
+        down = bed.measure("hub", "a", seconds=1.5)
+        assert 90.0 <= up <= 110.0, up
+        assert 18.0 <= down <= 22.0, down
+        bed.set_rate("a", up=40)
+        up2 = bed.measure("a", "hub", seconds=1.5)
+        assert 36.0 <= up2 <= 44.0, up2
+
+
+@needs_netns
+def test_rate_schedule_takes_effect():
+    change_at = 2.0
+    with WanTestbed({"a": Link(100, 100, schedule=((change_at, 25, None),))}, max_lifetime=60) as bed:
+        start = bed.elapsed()
+        samples = bulk.transfer(bed, "a", "hub", duration=4.0)
+        off = change_at - start  # schedule instant on the receiver's clock (+ connect time)
+        before = bulk.rate_between(samples, 0.3, off - 0.4)
+        after = bulk.rate_between(samples, off + 0.6, samples[-1][0])
+        assert 90.0 <= before <= 110.0, before
+        assert 22.5 <= after <= 27.5, after
+        assert bed.rates("a") == (25, 100)
+        assert [x[1:] for x in bed.rate_log][-1] == ("a", 25, 100)
+
+
+@needs_netns
+def test_teardown_leaves_nothing_behind_even_after_exception():
+    before_ns, before_links = _netns_names(), _root_links()
+    with pytest.raises(RuntimeError, match="boom"):
+        with WanTestbed({"ps": Link(1000, 1000), "a": Link(100, 100), "b": Link(50, 10)}, max_lifetime=60) as bed:
+            prefix = bed.prefix
+            assert {f"{prefix}-ps", f"{prefix}-a", f"{prefix}-b", f"{prefix}-hub"} <= _netns_names()
+            p = bed.popen("a", ["sleep", "30"])
+            raise RuntimeError("boom")
+    assert p.poll() is not None, "process started in the test bed survived teardown"
+    after = _netns_names()
+    assert not any(n.startswith(prefix) for n in after), after
+    assert after == before_ns
+    assert _root_links() == before_links  # no veth ever appeared in (or leaked to) the root namespace
+
+
+@needs_netns
+def test_watchdog_bounds_lifetime():
+    bed = WanTestbed({"a": Link(100, 100)}, max_lifetime=1.0).start()
+    t0 = time.monotonic()
+    while not bed.closed and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert bed.closed
+    assert not any(n.startswith(bed.prefix) for n in _netns_names())
