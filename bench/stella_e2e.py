@@ -1,0 +1,259 @@
+"""The Stella system for ``bench.e2e``: a real ``stella-ps`` in the test bed's ``ps``
+site and one :class:`stella.StellaOptimizer` worker per site, one step stale.
+
+Same workload, data, seed, per-worker batch and learning-rate schedule as the DDP
+baselines (``bench.workloads``); the server runs the workload's optimizer lazily.
+Per iteration each worker records compute time (forward + backward), the time
+``step()`` blocked on the network (``net_wait``), and the bytes that really crossed
+its site's link. Worker 0 evaluates its replica every ``eval_every`` steps
+(evaluation time excluded from the wall clock).
+
+Stopping early (time cap or target reached) must happen at the same step on every
+worker, or the synchronous server would wait for a worker that quit: worker 0 picks
+a stop step a few iterations ahead and writes it to a file in the shared log
+directory; the others read it each iteration.
+
+  python -m bench.stella_e2e --workload digits --steps 50          # loopback, quick check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PS_PORT = 5555
+STOP_AHEAD = 3  # a worker is at most one iteration ahead of another in synchronous mode
+
+
+def _counters(iface: Optional[str]):
+    if not iface:
+        return None
+    base = f"/sys/class/net/{iface}/statistics/"
+    try:
+        with open(base + "tx_bytes") as f:
+            tx = int(f.read())
+        with open(base + "rx_bytes") as f:
+            rx = int(f.read())
+        return tx, rx
+    except OSError:
+        return None
+
+
+def server_options(wl) -> Dict:
+    if wl.optimizer == "adamw":
+        return {"name": "adamw", "lr": wl.lr_at(0), "betas": [0.9, 0.95], "weight_decay": wl.weight_decay}
+    return {"name": "sgd", "lr": wl.lr_at(0), "momentum": 0.9, "weight_decay": wl.weight_decay}
+
+
+def worker(a) -> int:
+    import torch
+
+    sys.path.insert(0, REPO)
+    from bench import workloads as W
+    from stella import StellaOptimizer
+
+    torch.set_num_threads(a.threads)
+    wl = W.get(a.workload)
+    model = wl.build_model(a.seed)
+    opt = StellaOptimizer(model, a.address, optimizer=server_options(wl), density=a.density, timeout=600,
+                          name=f"e2e-{a.rank}")
+    batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
+    iface = os.environ.get("STELLA_WAN_IFACE") if os.environ.get("STELLA_WAN_SITE") else None
+    stop_file = os.path.join(a.log_dir, "stop_at")
+    iters: List[Dict] = []
+    evals: List[Dict] = []
+    eval_time = 0.0
+    t_start = time.perf_counter()
+
+    def train_wall():
+        return time.perf_counter() - t_start - eval_time
+
+    def do_eval(step):
+        nonlocal eval_time
+        t = time.perf_counter()
+        m = wl.evaluate(model)
+        eval_time += time.perf_counter() - t
+        evals.append({"step": step, "wall": train_wall(), "metric": m})
+        return m
+
+    if a.rank == 0:
+        do_eval(0)
+    reached_at = None
+    stop_at = a.steps
+    step = 0
+    while step < stop_at:
+        c0 = _counters(iface)
+        w0 = opt.stats.wait_s
+        t0 = time.perf_counter()
+        wl.set_lr(opt, step)  # reaches the server through set_optimizer
+        opt.zero_grad()
+        loss = wl.loss(model, next(batches))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        step += 1
+        wait = opt.stats.wait_s - w0
+        rec = {"step": step, "loss": loss.item(), "fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "iter": t3 - t0,
+               "net_wait": wait, "compute": (t3 - t0) - wait}
+        c1 = _counters(iface)
+        if c0 and c1:
+            rec["bytes_up"], rec["bytes_down"] = c1[0] - c0[0], c1[1] - c0[1]
+        iters.append(rec)
+        if a.rank == 0:
+            if step % a.eval_every == 0 or step == stop_at:
+                m = do_eval(step)
+                if reached_at is None and wl.reached(m):
+                    reached_at = {"step": step, "wall": evals[-1]["wall"]}
+            if stop_at == a.steps and (train_wall() > a.max_seconds or (a.stop_at_target and reached_at)):
+                stop_at = min(a.steps, step + STOP_AHEAD)
+                with open(stop_file + ".tmp", "w") as f:
+                    f.write(str(stop_at))
+                os.replace(stop_file + ".tmp", stop_file)
+        elif os.path.exists(stop_file):
+            with open(stop_file) as f:
+                stop_at = int(f.read())
+    opt.synchronize()
+    if a.rank == 0 and (not evals or evals[-1]["step"] != step):
+        m = do_eval(step)
+        if reached_at is None and wl.reached(m):
+            reached_at = {"step": step, "wall": evals[-1]["wall"]}
+    opt.close()
+    out = {"rank": a.rank, "world": a.world, "system": "stella", "workload": a.workload, "steps": step,
+           "train_wall": train_wall(), "iters": iters, "evals": evals, "reached": reached_at,
+           "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density,
+           "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
+           "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s}
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def _wait_ready(path: str, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"stella-ps did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read().strip()
+
+
+def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0, bed=None,
+               sites: Optional[List[str]] = None, ps_site: str = "ps", seed: int = 0,
+               eval_every: Optional[int] = None, stop_at_target: bool = False, threads: int = 1,
+               density: float = 0.01, log_dir: Optional[str] = None) -> Dict:
+    """Run one Stella job (server + ``world`` workers) and return its summary."""
+    from bench import workloads as W
+    from bench.baselines import summarize
+
+    wl = W.get(workload)
+    tmp = tempfile.mkdtemp(prefix=f"stella-{workload}-", dir=log_dir)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ready = os.path.join(tmp, "ps.addr")
+    host = bed.address(ps_site) if bed is not None else "127.0.0.1"
+    ps_argv = [sys.executable, "-m", "stella_ps", "--bind", f"tcp://{host}:{PS_PORT if bed else 0}",
+               "--workers", str(world), "--ready-file", ready, "--log-level", "INFO"]
+    ps_log = open(os.path.join(tmp, "ps.log"), "w")
+    procs: List[subprocess.Popen] = []
+    try:
+        if bed is not None:
+            ps = bed.popen(ps_site, ps_argv, env=env, stdout=ps_log, stderr=subprocess.STDOUT, cwd=REPO)
+        else:
+            ps = subprocess.Popen(ps_argv, env=env, stdout=ps_log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  start_new_session=True)
+        procs.append(ps)
+        address = _wait_ready(ready, ps, 60)
+        if bed is not None:
+            sites = sites or [s for s in bed.sites if s != ps_site][:world]
+        for r in range(world):
+            argv = [sys.executable, "-m", "bench.stella_e2e", "worker", "--address", address, "--rank", str(r),
+                    "--world", str(world), "--workload", workload, "--steps", str(steps),
+                    "--max-seconds", str(max_seconds), "--seed", str(seed),
+                    "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
+                    "--density", str(density), "--log-dir", tmp, "--out", os.path.join(tmp, f"rank{r}.json")]
+            if stop_at_target:
+                argv.append("--stop-at-target")
+            log = open(os.path.join(tmp, f"rank{r}.log"), "w")
+            if bed is not None:
+                p = bed.popen(sites[r], argv, env=env, rank=r, world=world, stdout=log, stderr=subprocess.STDOUT,
+                              cwd=REPO)
+            else:
+                p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     start_new_session=True)
+            procs.append(p)
+        deadline = time.monotonic() + max_seconds + 180
+        for p in procs[1:]:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.returncode for p in procs[1:]]
+        if any(codes):
+            logs = "".join(open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:] for r in range(world))
+            return {"ok": False, "error": f"stella workers exited {codes}:\n{logs}"}
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+        res = summarize("stella", workload, ranks, wl)
+        res["density"] = density
+        res["log_dir"] = tmp
+        return res
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"stella job exceeded {max_seconds + 180:.0f} s"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def run(spec, bed) -> Dict:
+    """Entry point for ``bench.e2e`` (see its STELLA REGISTRATION POINT)."""
+    return run_stella(spec.workload, world=spec.world, steps=spec.max_steps, max_seconds=spec.max_seconds, bed=bed,
+                      sites=spec.worker_sites[:spec.world], ps_site=spec.ps_site, seed=spec.seed,
+                      eval_every=spec.eval_every, stop_at_target=spec.stop_at_target, log_dir=spec.log_dir or None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.stella_e2e")
+    sub = ap.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--address", required=True)
+    w.add_argument("--rank", type=int, required=True)
+    w.add_argument("--world", type=int, required=True)
+    w.add_argument("--workload", required=True)
+    w.add_argument("--steps", type=int, required=True)
+    w.add_argument("--max-seconds", type=float, required=True)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--eval-every", type=int, default=10)
+    w.add_argument("--threads", type=int, default=1)
+    w.add_argument("--density", type=float, default=0.01)
+    w.add_argument("--batch-size", type=int, default=0)
+    w.add_argument("--stop-at-target", action="store_true")
+    w.add_argument("--log-dir", required=True)
+    w.add_argument("--out", required=True)
+    ap.add_argument("--workload", default="digits")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--max-seconds", type=float, default=120)
+    ap.add_argument("--density", type=float, default=0.01)
+    a = ap.parse_args(argv)
+    if a.cmd == "worker":
+        return worker(a)
+    from bench.baselines import fmt_summary
+
+    res = run_stella(a.workload, steps=a.steps, max_seconds=a.max_seconds, density=a.density)
+    print(fmt_summary(res))
+    return 0 if res.get("ok") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
