@@ -84,6 +84,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         staleness: int = 1,
         timeout: float | None = None,
         name: str = "",
+        worker_id: int | None = None,
         client: Client | None = None,
     ):
         if staleness not in (0, 1):
@@ -107,7 +108,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._closed = False
 
         def init() -> PullResult:
-            self.client = client or Client(address, timeout=timeout, name=name)
+            self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id)
             reply = self.client.register(self.params, opt_cfg)
             self.server_optimizer = reply["optimizer"]
             return self.client.pull(None)
