@@ -139,7 +139,7 @@ def kth_largest_abs(v: np.ndarray, k: int) -> float:
 
 
 # ------------------------------------------------------------------- codec
-CODING_IDS = {"raw32": 0, "varint": 1, "u16": 2, "rice": 3}
+CODING_IDS = {"raw32": 0, "varint": 1, "u16": 2, "rice": 3, "block16": 4}
 
 
 def _u8(buf) -> np.ndarray:
@@ -168,6 +168,8 @@ def idx_encode(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
     if n < 0:
         if n in (-1, -2):
             raise ValueError(f"indices must be sorted, unique and in [0, {numel}): {_ERRORS[n]}")
+        if n == -5 and coding == "block16":
+            raise ValueError("block16 needs whole aligned 16-element blocks (method='block')")
         _fail(n, "stella_idx_encode")
     return out[:n]
 
@@ -182,7 +184,7 @@ def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
     b = _u8(buf)
     # every index costs at least 4 bytes (raw32), 1 byte (varint), 2 bytes (u16), 1 bit (rice):
     # refuse before allocating for a count the buffer cannot hold
-    floor_bits = {0: 32, 1: 8, 2: 16, 3: 1}[cid]
+    floor_bits = {0: 32, 1: 8, 2: 16, 3: 1, 4: 1 / 16}[cid]
     if count * floor_bits > 8 * b.size:
         raise CodecError(f"{coding}: {b.size} bytes cannot hold {count} indices")
     out = np.empty(count, dtype=np.int32)
