@@ -8,6 +8,9 @@
  *   3 rice    one byte b (0..31), then per gap: q = g >> b as q zero bits and a
  *             one bit, then the low b bits of g; bits fill bytes from the least
  *             significant bit; the last byte is zero-padded
+ *   4 block16 the set is a union of whole aligned 16-element blocks (the last
+ *             block of the tensor may be short): the block numbers idx / 16,
+ *             coded exactly as rice over ceil(numel / 16) blocks
  * Every coding of an empty set is the empty byte string.
  *
  * Decoders never trust their input: every read is bounds-checked against the
@@ -15,6 +18,7 @@
  * that structural), the stream must end exactly at the buffer's end (padding
  * bits zero, encodings minimal), and anything else is STELLA_E_CORRUPT.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "stella_native.h"
@@ -23,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-enum { C_RAW32 = 0, C_VARINT = 1, C_U16 = 2, C_RICE = 3 };
+enum { C_RAW32 = 0, C_VARINT = 1, C_U16 = 2, C_RICE = 3, C_BLOCK16 = 4 };
 
 #define MAX_NUMEL (INT64_C(1) << 31)
 
@@ -116,6 +120,7 @@ int64_t stella_idx_bound(int64_t count, int64_t numel, int32_t coding) {
         return 2 * count + 10 * nz;
     }
     case C_RICE: return 1 + 4 * count + 8; /* b = 31 costs 32 bits a gap; the best costs no more */
+    case C_BLOCK16: return 1 + 4 * ((count + 15) / 16) + 8;
     default: return STELLA_E_ARG;
     }
 }
@@ -224,6 +229,24 @@ int64_t stella_idx_encode(const int32_t *idx, int64_t count, int64_t numel, int3
         return p - out;
     }
     case C_RICE: return enc_rice(idx, count, out, cap);
+    case C_BLOCK16: {
+        int64_t nb = (count + 15) / 16, j = 0, i = 0;
+        int32_t *blk = malloc((size_t)nb * sizeof(int32_t));
+        if (!blk) return STELLA_E_NOMEM;
+        while (i < count) {
+            int64_t s0 = idx[i];
+            int64_t len = numel - s0 < 16 ? numel - s0 : 16;
+            if ((s0 & 15) || i + len > count || j >= nb || idx[i + len - 1] != s0 + len - 1) {
+                free(blk);
+                return STELLA_E_ARG; /* not whole blocks (sorted + unique: the last one decides) */
+            }
+            blk[j++] = (int32_t)(s0 >> 4);
+            i += len;
+        }
+        int64_t r = enc_rice(blk, j, out, cap);
+        free(blk);
+        return r;
+    }
     default: return STELLA_E_ARG;
     }
 }
@@ -293,7 +316,7 @@ static int64_t dec_rice(const uint8_t *buf, int64_t len, int64_t count, int64_t 
 int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_t numel,
                           int32_t coding, int32_t *out) {
     if (len < 0 || count < 0 || numel < 0 || numel > MAX_NUMEL) return STELLA_E_ARG;
-    if (coding < C_RAW32 || coding > C_RICE) return STELLA_E_ARG;
+    if (coding < C_RAW32 || coding > C_BLOCK16) return STELLA_E_ARG;
     if (count > numel) return STELLA_E_CORRUPT;
     if (count == 0) return len == 0 ? 0 : STELLA_E_CORRUPT;
     if (!buf || !out) return STELLA_E_ARG;
@@ -365,6 +388,22 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
         return p == end ? count : STELLA_E_CORRUPT;
     }
     case C_RICE: return dec_rice(buf, len, count, numel, out);
+    case C_BLOCK16: {
+        int64_t nblocks = (numel + 15) / 16, tail = numel & 15;
+        int64_t rem = count & 15;
+        if (rem != 0 && rem != tail) return STELLA_E_CORRUPT;
+        int64_t nb = (count + 15) / 16;
+        int64_t r = dec_rice(buf, len, nb, nblocks, out); /* block numbers in out[0..nb) */
+        if (r < 0) return r;
+        int has_tail = tail != 0 && out[nb - 1] == nblocks - 1;
+        if (has_tail != (rem != 0)) return STELLA_E_CORRUPT; /* count must match the blocks */
+        for (int64_t j = nb - 1; j >= 0; j--) { /* expand in place, last block first */
+            int64_t s0 = (int64_t)out[j] << 4;
+            int64_t l = numel - s0 < 16 ? numel - s0 : 16;
+            for (int64_t t = l - 1; t >= 0; t--) out[16 * j + t] = (int32_t)(s0 + t);
+        }
+        return count;
+    }
     }
     return STELLA_E_ARG;
 }

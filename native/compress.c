@@ -123,39 +123,51 @@ static inline float block_score(const float *a, int len) {
     return block_score16(t);
 }
 
-/* Scores of about `nsample` sampled floats of res (+ g) into samp: runs of 16
- * consecutive floats (unit 1) or nsample / 16 whole blocks (unit 16), at
- * random places (with replacement); everything when the sample would cover
- * the tensor. Returns how many scores were written. */
+/* Scores of about `nsample` sampled floats of res (+ g) into samp: runs of
+ * RUN consecutive floats (unit 1) or RUN / 16 whole blocks (unit 16) at random
+ * places (with replacement); everything when the sample would cover the
+ * tensor. Runs of 1 KiB stay inside one page: random pages cost far more than
+ * the floats read in them. Returns how many scores were written. */
+#define RUN 256
 static int64_t sample_scores(const float *res, const float *g, int64_t n, int unit,
                              int64_t nsample, uint64_t *rng, float *samp) {
-    int64_t m;
+    int64_t m = 0;
     if (unit == 1) {
-        int64_t nch = n / 16;
-        if (nsample >= n || nch < 1) {
-            m = n;
+        if (nsample >= n || n < 2 * RUN) {
             for (int64_t i = 0; i < n; i++) samp[i] = res[i] + (g ? g[i] : 0.f);
-        } else {
-            int64_t c = nsample / 16;
-            if (c < 1) c = 1;
-            m = c * 16;
-            for (int64_t j = 0; j < c; j++) {
-                int64_t s = (int64_t)(splitmix64(rng) % (uint64_t)nch) * 16;
-                for (int t = 0; t < 16; t++) samp[j * 16 + t] = res[s + t] + (g ? g[s + t] : 0.f);
-            }
+            return n;
         }
-    } else {
-        int64_t nu = (n + 15) / 16;
-        int64_t want = nsample / 16;
-        if (want < 1) want = 1;
-        float a[16];
-        m = want >= nu ? nu : want;
-        for (int64_t j = 0; j < m; j++) {
-            int64_t b = m == nu ? j : (int64_t)(splitmix64(rng) % (uint64_t)nu);
+        int64_t runs = nsample / RUN > 0 ? nsample / RUN : 1;
+        uint64_t span = (uint64_t)(n - RUN + 1);
+        for (int64_t j = 0; j < runs; j++) {
+            int64_t s = (int64_t)(splitmix64(rng) % span);
+            for (int t = 0; t < RUN; t++) samp[m + t] = res[s + t] + (g ? g[s + t] : 0.f);
+            m += RUN;
+        }
+        return m;
+    }
+    int64_t nu = (n + 15) / 16;
+    int64_t want = nsample / 16 > 0 ? nsample / 16 : 1;
+    const int64_t rb = RUN / 16; /* blocks a run */
+    float a[16];
+    if (want >= nu || nu < 2 * rb) {
+        for (int64_t b = 0; b < nu; b++) {
             int64_t s = b * 16;
             int len = n - s < 16 ? (int)(n - s) : 16;
             for (int t = 0; t < 16; t++) a[t] = t < len ? res[s + t] + (g ? g[s + t] : 0.f) : 0.f;
-            samp[j] = block_score16(a);
+            samp[b] = block_score16(a);
+        }
+        return nu;
+    }
+    int64_t runs = want / rb > 0 ? want / rb : 1;
+    uint64_t span = (uint64_t)(nu - rb + 1);
+    for (int64_t j = 0; j < runs; j++) {
+        int64_t b0 = (int64_t)(splitmix64(rng) % span);
+        for (int64_t b = b0; b < b0 + rb; b++) {
+            int64_t s = b * 16;
+            int len = n - s < 16 ? (int)(n - s) : 16;
+            for (int t = 0; t < 16; t++) a[t] = t < len ? res[s + t] + (g ? g[s + t] : 0.f) : 0.f;
+            samp[m++] = block_score16(a);
         }
     }
     return m;
@@ -457,15 +469,14 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
     int64_t k = k_units < nu ? k_units : nu;
     if (cap_units < k) return STELLA_E_ARG;
     /* sample sizes in the units estimate() reads */
-    int64_t samp_n;
+    int64_t samp_n; /* room for the largest sample sample_scores() can write */
     if (unit == 1) {
-        if (nsample < 16) nsample = 16;
-        samp_n = (nsample >= n || n < 16) ? n : nsample / 16 * 16;
-        if (samp_n == n) nsample = n;
+        if (nsample < RUN) nsample = RUN;
+        samp_n = (nsample >= n || n < 2 * RUN) ? n : nsample;
     } else {
-        if (nsample < 1) nsample = 1;
-        samp_n = nsample >= nu ? nu : nsample;
-        nsample = samp_n * 16; /* estimate() takes floats: nsample / 16 blocks */
+        if (nsample < RUN / 16) nsample = RUN / 16;
+        samp_n = (nsample >= nu || nu < 2 * (RUN / 16)) ? nu : nsample;
+        nsample *= 16; /* sample_scores() takes floats: nsample / 16 blocks */
     }
     uint32_t *hist = malloc(65536 * sizeof(uint32_t));
     float *samp = malloc((size_t)samp_n * sizeof(float));
@@ -492,6 +503,9 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
         double expect = AIM * (double)k * (double)m / (double)nu;
         int64_t hits = 0;
         for (int64_t j = 0; j < m; j++) hits += samp[j] >= thr || -samp[j] >= thr;
+#ifdef STELLA_CDEBUG
+        fprintf(stderr, "  check thr %g hits %ld expect %.1f (m %ld)\n", thr, (long)hits, expect, (long)m);
+#endif
         if (expect >= 8.0 && (hits < 0.6 * expect || hits > 1.7 * expect)) {
             thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
             st[1]++;
@@ -556,9 +570,8 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
     }
     /* Next step's threshold: the one that would have given AIM * k units this
      * step (local tail slope of the candidates: count at tk vs at 1.25 tk),
-     * times the square root of the step-to-step drift of the selection
-     * threshold (the residual grows over the first steps), clamped to
-     * [0.9, 1.2]. Aiming above k is deliberate: a trim costs a pass over the
+     * times the step-to-step drift of the selection threshold (the residual
+     * grows over the first steps). Aiming above k is deliberate: a trim costs a pass over the
      * candidates, a give-back a pass over the whole tensor. */
     float next = 0.f;
     if (tk > tiny() && p.units > 0 && k < nu) {
@@ -573,8 +586,18 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
         double f = pow((double)p.units / (AIM * (double)k), 1.0 / slope);
         double prev = state[1];
         if (prev > 0.0 && isfinite(prev) && !exact) {
-            double r = sqrt((double)tk / prev);
-            f *= r < 0.9 ? 0.9 : (r > 1.2 ? 1.2 : r);
+            /* magnitudes (unit 1): half the relative drift, in [0.9, 1.2].
+             * Block scores are sums of squares that grow about linearly while
+             * the residual builds up, with a steep tail (a few % of threshold
+             * is a factor in count): extrapolate the increment, damped. */
+            double r = (double)tk / prev;
+            if (unit == 1) {
+                r = sqrt(r);
+                f *= r < 0.9 ? 0.9 : (r > 1.2 ? 1.2 : r);
+            } else {
+                double lin = 1.0 + 0.75 * (r - 1.0);
+                f *= lin < 0.8 ? 0.8 : (lin > 1.5 ? 1.5 : lin);
+            }
         }
         if (f < 0.5) f = 0.5;
         if (f > 2.0) f = 2.0;

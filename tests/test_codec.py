@@ -24,7 +24,18 @@ def _random_set(seed: int, numel: int, density: float) -> np.ndarray:
     return np.unique(rng.integers(0, numel, size=count)).astype(np.int32)
 
 
+def _blocky(idx: np.ndarray, numel: int) -> np.ndarray:
+    """The whole 16-blocks that contain idx (for the block16 coding)."""
+    if idx.size == 0:
+        return idx
+    b = np.unique(idx // 16).astype(np.int64)
+    out = (b[:, None] * 16 + np.arange(16)).reshape(-1)
+    return out[out < numel].astype(np.int32)
+
+
 def _roundtrip(idx: np.ndarray, numel: int, coding: str) -> bytes:
+    if coding == "block16":
+        idx = _blocky(idx, numel)
     enc = codec.encode_indices(idx, numel, coding)
     raw = bytes(memoryview(enc))
     out = codec.decode_indices(raw, idx.size, numel, coding)
@@ -71,6 +82,8 @@ def test_roundtrip_random_sets(seed, numel, density, coding):
 )
 def test_roundtrip_edges(coding, numel, idx):
     idx = np.array(sorted(set(idx)), dtype=np.int32)
+    if coding == "block16" and numel == 2**31 and len(idx) > 3:
+        idx = idx[:2]  # 16 * 128 blocks is fine, but keep it quick
     raw = _roundtrip(idx, numel, coding)
     if idx.size == 0:
         assert raw == b""
@@ -95,8 +108,10 @@ def test_rice_size_near_entropy():
 
 @pytest.mark.parametrize("coding", CODINGS)
 def test_truncated_extended_wrong_count(coding):
-    numel = 200_000
+    numel = 200_003
     idx = _random_set(7, numel, 0.01)
+    if coding == "block16":
+        idx = _blocky(idx, numel)
     raw = bytes(memoryview(codec.encode_indices(idx, numel, coding)))
     for bad in (raw[:-1], raw[: len(raw) // 2], raw + b"\x00", raw + b"\x01", b""):
         with pytest.raises(CodecError):
@@ -110,6 +125,20 @@ def test_truncated_extended_wrong_count(coding):
         codec.decode_indices(raw, idx.size, numel + 1, "nope")
     with pytest.raises(CodecError):
         codec.decode_indices(raw, numel + 1, numel, coding)
+
+
+def test_block16_needs_whole_blocks():
+    with pytest.raises(ValueError):
+        codec.encode_indices(np.arange(1, 17, dtype=np.int32), 100, "block16")
+    with pytest.raises(ValueError):
+        codec.encode_indices(np.arange(0, 15, dtype=np.int32), 100, "block16")
+    # the short last block of a 100-element tensor: 96..99
+    idx = np.concatenate([np.arange(16, 32), np.arange(96, 100)]).astype(np.int32)
+    raw = _roundtrip(idx, 100, "block16")
+    with pytest.raises(CodecError):  # count must match the blocks
+        codec.decode_indices(raw, 32, 100, "block16")
+    with pytest.raises(CodecError):
+        codec.decode_indices(raw, 20, 101, "block16")
 
 
 def test_raw32_order_and_range_checked():
@@ -188,6 +217,8 @@ def test_fuzz_random_bytes(data, count, numel, coding):
 def test_fuzz_bit_flips(seed, coding, flips):
     numel = 150_000
     idx = _random_set(seed, numel, 0.005)
+    if coding == "block16":
+        idx = _blocky(idx, numel)
     raw = bytearray(memoryview(codec.encode_indices(idx, numel, coding)))
     assume(len(raw) > 0)
     for f in flips:

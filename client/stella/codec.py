@@ -16,8 +16,12 @@ message header, not in these bytes):
                  (entries - 1), then the little-endian u16 offsets in the chunk.
 ``"rice"``       one byte ``b``, then Golomb-Rice codes of the gaps with
                  parameter ``2**b`` (``b`` chosen by the encoder to minimise the
-                 size exactly), bit-packed LSB first. The most compact: ~9 bits
-                 an index at 1% density. Default.
+                 size exactly), bit-packed LSB first. The most compact for
+                 scattered sets: ~8.1 bits an index at 1% density. Default.
+``"block16"``    only for sets made of whole aligned 16-element blocks (the
+                 ``"block"`` method's output; the tensor's last block may be
+                 short): the block numbers ``idx // 16``, Rice-coded as above.
+                 ~0.5 bits an index at 1% density.
 
 Value dtypes (``VALUE_DTYPES``): ``"f32"`` (little-endian IEEE float32),
 ``"f16"`` (IEEE binary16, round to nearest even, overflow to +-inf) and
@@ -48,12 +52,13 @@ __all__ = [
     "rice_parameter",
 ]
 
-INDEX_CODINGS: tuple[str, ...] = ("raw32", "varint", "u16chunk", "rice")
+INDEX_CODINGS: tuple[str, ...] = ("raw32", "varint", "u16chunk", "rice", "block16")
 VALUE_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16")
 DEFAULT_INDEX_CODING = "rice"
 DEFAULT_VALUE_DTYPE = "f16"
 
-_CIDS = {"raw32": "raw32", "varint": "varint", "u16chunk": "u16", "rice": "rice"}
+_CIDS = {"raw32": "raw32", "varint": "varint", "u16chunk": "u16", "rice": "rice",
+         "block16": "block16"}
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 _LITTLE = sys.byteorder == "little"
 
@@ -70,7 +75,8 @@ def encode_indices(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
     """Sorted unique int32 indices (each < numel) -> coded bytes (a uint8 array).
 
     Raises ValueError for an unknown coding or indices that are not sorted,
-    unique and in range (a bug of the caller, not corrupt input).
+    unique and in range (a bug of the caller, not corrupt input), and for
+    "block16" when the set is not made of whole 16-element blocks.
     """
     if coding not in _CIDS:
         raise ValueError(f"index coding must be one of {INDEX_CODINGS}, got {coding!r}")

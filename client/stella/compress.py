@@ -5,7 +5,8 @@ Each step :meth:`ErrorFeedbackCompressor.compress` forms ``acc = residual + grad
 (in place, in the residual's memory), selects about ``k = density * numel``
 coordinates of largest magnitude, returns them as a :class:`SparseGrad` in host
 memory, and leaves everything that was not sent in the residual (the selected
-coordinates become exactly zero). Nothing is lost: for every key, the sum of all
+coordinates become exactly zero, or hold the rounding error of the values when
+``value_dtype`` is "f16"/"bf16"). Nothing is lost: for every key, the sum of all
 values ever sent plus the current residual equals the running sum of gradients
 (up to float32 rounding of the additions).
 
@@ -16,16 +17,18 @@ Methods (see ``docs/compression.md``):
 ``"threshold"`` (default)
     sampled-threshold top-k: the threshold is estimated from a small random
     sample of ``|acc|`` on the first step and then carried across steps per
-    tensor (corrected by the count it produced); one streaming pass fuses the
-    error-feedback add with the selection and emits indices already sorted.
-    The count is kept within 10% of ``k``: too many candidates are trimmed to
-    exactly the top ``k`` of them, too few trigger a rescan at a lower
-    threshold whose (sorted) result is merged in.
+    tensor (checked on a small sample, corrected by the count it produced); one
+    streaming pass fuses the error-feedback add with the selection and emits
+    indices already sorted. The count is kept within 10% of ``k``: too many
+    candidates are trimmed (a histogram over the candidates only), too few make
+    the residual whole again and the pass is repeated (gradient-free, read-only)
+    at a lower threshold.
 ``"block"``
     block top-k on whole 16-float (64-byte) blocks ranked by their squared
     norm, as StellaTrain does. The :class:`SparseGrad` is expanded to element
     indices (16 consecutive indices per selected block), so receivers see
-    ordinary sorted indices.
+    ordinary sorted indices; the ``"block16"`` index coding sends only the
+    block numbers.
 ``"dense"``
     everything is sent, the residual becomes zero.
 
@@ -92,6 +95,14 @@ class _State:
     extra: dict = field(default_factory=dict)
 
 
+# value_dtype -> (largest finite value, torch dtype of the rounding)
+_VALUE_LIMITS = {
+    "f32": (float(np.finfo(np.float32).max), torch.float32),
+    "f16": (65504.0, torch.float16),
+    "bf16": (3.3895313892515355e38, torch.bfloat16),
+}
+
+
 def _k_for(density: float, numel: int) -> int:
     return min(numel, max(1, int(round(density * numel))))
 
@@ -106,6 +117,7 @@ class ErrorFeedbackCompressor:
         dense_below: int = 4096,
         *,
         backend: str = "auto",
+        value_dtype: str = "f32",
         sample_size: int = 0,
         seed: int = 0x5EED,
     ):
@@ -115,7 +127,10 @@ class ErrorFeedbackCompressor:
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
         if dense_below < 0:
             raise ValueError("dense_below must be >= 0")
+        if value_dtype not in _VALUE_LIMITS:
+            raise ValueError(f"value_dtype must be one of {tuple(_VALUE_LIMITS)}, got {value_dtype!r}")
         self.set_density(density)
+        self.value_dtype = value_dtype
         self.method = method
         self.dense_below = int(dense_below)
         self.backend = backend
@@ -146,7 +161,17 @@ class ErrorFeedbackCompressor:
         return st.residual.view(st.shape)
 
     def compress(self, key: str, grad: torch.Tensor) -> SparseGrad:
-        """``residual += grad``; select; the rest stays in the residual."""
+        """``residual += grad``; select; the rest stays in the residual.
+
+        With ``value_dtype`` "f16" or "bf16" the returned values are already
+        rounded to that dtype (clamped to its finite range; still float32
+        arrays, encoded exactly by ``codec.encode_values``) and the rounding
+        error stays in the residual, so nothing is lost to the wire format.
+        """
+        sg = self._compress(key, grad)
+        return self._round_values(self._states[key], sg)
+
+    def _compress(self, key: str, grad: torch.Tensor) -> SparseGrad:
         if not isinstance(grad, torch.Tensor):
             raise TypeError("grad must be a torch.Tensor")
         st = self._state_for(key, grad)
@@ -192,7 +217,10 @@ class ErrorFeedbackCompressor:
         return self._torch_block(st, k)
 
     def flush(self, key: str) -> SparseGrad:
-        """Everything left in ``key``'s residual (sparse nonzeros or dense); it becomes zero."""
+        """Everything left in ``key``'s residual (sparse nonzeros or dense); it becomes zero.
+
+        Values are exact float32 (never rounded to ``value_dtype``): send them as "f32".
+        """
         st = self._states[key]
         res = st.residual
         n = res.numel()
@@ -205,6 +233,21 @@ class ErrorFeedbackCompressor:
         return SparseGrad(n, _host_i32(idx), _host_f32(val))
 
     # ------------------------------------------------------------ internals
+    def _round_values(self, st: _State, sg: SparseGrad) -> SparseGrad:
+        if self.value_dtype == "f32" or sg.count == 0:
+            return sg
+        limit, tdtype = _VALUE_LIMITS[self.value_dtype]
+        vals = torch.from_numpy(sg.values)
+        q = vals.clamp(-limit, limit).to(tdtype).float()
+        err = vals - q  # exact in float32 (q is vals rounded to fewer mantissa bits)
+        res = st.residual
+        if sg.indices is None:
+            res.add_(err.to(res.device))
+        else:
+            idx = torch.from_numpy(sg.indices).to(device=res.device, dtype=torch.long)
+            res.index_put_((idx,), err.to(res.device), accumulate=True)
+        return SparseGrad(sg.numel, sg.indices, q.numpy())
+
     def _state_for(self, key: str, grad: torch.Tensor) -> _State:
         st = self._states.get(key)
         if st is None:

@@ -7,6 +7,8 @@ nothing here copies a large array.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ._native import ffi, lib
@@ -46,7 +48,7 @@ _ERRORS = {
 E_CORRUPT = -4
 E_NOMEM = -6
 
-_STATS = np.zeros(6, dtype=np.int64)
+_TLS = threading.local()  # last_stats() per thread (the kernels run with the GIL released)
 
 
 def _fail(rc: int, what: str) -> None:
@@ -78,11 +80,13 @@ def _ef_select(res, grad, k_units: int, unit: int, state: np.ndarray, nsample: i
     if state.dtype != np.float32 or state.shape != (4,) or not state.flags.c_contiguous:
         raise ValueError("state must be a float32 array of 4 (zeros at first)")
     gp = ffi.NULL if grad is None else _fptr(grad)
+    stats = np.zeros(6, dtype=np.int64)
     rc = lib.stella_ef_topk(
         _fptr(res), gp, n, k_units, unit, _np_ptr(state, "float *"), int(nsample), int(seed) & (2**64 - 1),
         _np_ptr(idx, "int32_t *"), _np_ptr(val, "float *"), _np_ptr(score, "float *"), cap,
-        _np_ptr(_STATS, "int64_t *"),
+        _np_ptr(stats, "int64_t *"),
     )
+    _TLS.stats = stats
     if rc < 0:
         _fail(rc, "stella_ef_topk")
     return idx[:rc], val[:rc]
@@ -126,8 +130,8 @@ def ef_block_select(res, grad, k: int, state: np.ndarray, nsample: int, seed: in
 
 
 def last_stats() -> dict:
-    """Counters of the last selection call (this thread's view; for benchmarks)."""
-    s = _STATS.tolist()
+    """Counters of this thread's last selection call (for benchmarks and tests)."""
+    s = getattr(_TLS, "stats", np.zeros(6, dtype=np.int64)).tolist()
     return dict(passes=s[0], estimates=s[1], trims=s[2], givebacks=s[3], units=s[4], exact_fallback=s[5])
 
 
@@ -139,7 +143,7 @@ def kth_largest_abs(v: np.ndarray, k: int) -> float:
 
 
 # ------------------------------------------------------------------- codec
-CODING_IDS = {"raw32": 0, "varint": 1, "u16": 2, "rice": 3}
+CODING_IDS = {"raw32": 0, "varint": 1, "u16": 2, "rice": 3, "block16": 4}
 
 
 def _u8(buf) -> np.ndarray:
@@ -168,6 +172,8 @@ def idx_encode(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
     if n < 0:
         if n in (-1, -2):
             raise ValueError(f"indices must be sorted, unique and in [0, {numel}): {_ERRORS[n]}")
+        if n == -5 and coding == "block16":
+            raise ValueError("block16 needs whole aligned 16-element blocks (method='block')")
         _fail(n, "stella_idx_encode")
     return out[:n]
 
@@ -182,7 +188,7 @@ def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
     b = _u8(buf)
     # every index costs at least 4 bytes (raw32), 1 byte (varint), 2 bytes (u16), 1 bit (rice):
     # refuse before allocating for a count the buffer cannot hold
-    floor_bits = {0: 32, 1: 8, 2: 16, 3: 1}[cid]
+    floor_bits = {0: 32, 1: 8, 2: 16, 3: 1, 4: 1 / 16}[cid]
     if count * floor_bits > 8 * b.size:
         raise CodecError(f"{coding}: {b.size} bytes cannot hold {count} indices")
     out = np.empty(count, dtype=np.int32)
