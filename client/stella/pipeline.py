@@ -38,7 +38,7 @@ import torch
 
 from . import codec
 from .client import Client, PullResult
-from .compress import ErrorFeedbackCompressor, SparseGrad
+from .compress import ErrorFeedbackCompressor
 from .errors import StellaError
 
 __all__ = ["StellaOptimizer", "PipelineError", "PipelineStats"]
@@ -100,7 +100,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.staleness = staleness
         self.value_dtype = value_dtype
         self.index_coding = index_coding
-        self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below)
+        # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
+        self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below,
+                                                  value_dtype=value_dtype)
         self.stats = PipelineStats()
         # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
@@ -127,7 +129,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     def _exchange(self, grads: dict[str, torch.Tensor], version: int, since: int, hparams: dict | None) -> PullResult:
         """Background thread: compress, push, wait for the step, pull the delta."""
         t0 = time.perf_counter()
-        sparse = {n: self._quantise(n, self.compressor.compress(n, g)) for n, g in grads.items()}
+        sparse = {n: self.compressor.compress(n, g) for n, g in grads.items()}
         t1 = time.perf_counter()
         if hparams:
             self.client.set_optimizer(**hparams)
@@ -141,20 +143,6 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta
-
-    def _quantise(self, name: str, sg: SparseGrad) -> SparseGrad:
-        """Round values to the wire dtype now and keep the rounding error in the residual,
-        so that fp16/bf16 values lose no gradient mass either."""
-        if self.value_dtype == "f32" or sg.values.size == 0:
-            return sg
-        q = codec.decode_values(codec.encode_values(sg.values, self.value_dtype), sg.values.size, self.value_dtype)
-        err = torch.from_numpy(sg.values - q)
-        res = self.compressor.residual(name).view(-1)
-        if sg.indices is None:
-            res.add_(err.to(res.device))
-        else:
-            res.index_add_(0, torch.from_numpy(sg.indices.astype("int64")).to(res.device), err.to(res.device))
-        return SparseGrad(sg.numel, sg.indices, q)
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight exchange and install its delta into the replica."""
