@@ -9,15 +9,20 @@
  * unit == 16 : score = sum of acc^2 over a 16-float block, whole blocks are
  *              emitted as 16 consecutive element indices   (method "block")
  *
- * The threshold comes from the caller (carried across steps per tensor) or,
- * when it has none, from a random sample of scores (runs of 16 consecutive
- * floats, one cache line each). The count is then corrected: more than
- * 1.1 k units are trimmed to exactly the top k of them (a radix select on the
- * candidates only), fewer than 0.9 k make the residual whole again and the pass
- * is repeated at a lower threshold; after three tries an exact radix select
- * over all scores gives the threshold. The threshold for the next step is the
- * one that would have given 1.2 k units this step (extrapolated with the local
- * tail slope measured on the candidates), corrected by the step-to-step drift.
+ * Two thresholds come from the caller's per-tensor state (carried across
+ * steps) or, when it has none, from a random sample of scores (runs of 256
+ * floats, one page each): thr, aimed at 1.2 k units, decides what is emitted
+ * as a candidate; tz >= thr, aimed at k, decides what the pass zeroes. The
+ * final cut is usually "everything >= tz" (within [0.9 k, 1.1 k]): a
+ * compaction of the candidates with no write into the residual. Otherwise a
+ * histogram cut over the candidates (or an exact radix select, for ties) picks
+ * the units and the few that disagree with the pass are fixed up. Fewer than
+ * 0.9 k candidates make the residual whole again and the pass is repeated
+ * (gradient-free, read-mostly) at a lower threshold; too many for the buffer
+ * likewise at a higher one; after three tries an exact radix select over all
+ * scores gives the threshold. The thresholds for the next step are the ones
+ * that would have given 1.2 k and k units this step (extrapolated with the
+ * local tail slope of the kept units), corrected by the step-to-step drift.
  */
 #include <math.h>
 #include <stdlib.h>
