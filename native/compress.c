@@ -9,15 +9,20 @@
  * unit == 16 : score = sum of acc^2 over a 16-float block, whole blocks are
  *              emitted as 16 consecutive element indices   (method "block")
  *
- * The threshold comes from the caller (carried across steps per tensor) or,
- * when it has none, from a random sample of scores (runs of 16 consecutive
- * floats, one cache line each). The count is then corrected: more than
- * 1.1 k units are trimmed to exactly the top k of them (a radix select on the
- * candidates only), fewer than 0.9 k make the residual whole again and the pass
- * is repeated at a lower threshold; after three tries an exact radix select
- * over all scores gives the threshold. The threshold for the next step is the
- * one that would have given 1.2 k units this step (extrapolated with the local
- * tail slope measured on the candidates), corrected by the step-to-step drift.
+ * Two thresholds come from the caller's per-tensor state (carried across
+ * steps) or, when it has none, from a random sample of scores (runs of 256
+ * floats, one page each): thr, aimed at 1.2 k units, decides what is emitted
+ * as a candidate; tz >= thr, aimed at k, decides what the pass zeroes. The
+ * final cut is usually "everything >= tz" (within [0.9 k, 1.1 k]): a
+ * compaction of the candidates with no write into the residual. Otherwise a
+ * histogram cut over the candidates (or an exact radix select, for ties) picks
+ * the units and the few that disagree with the pass are fixed up. Fewer than
+ * 0.9 k candidates make the residual whole again and the pass is repeated
+ * (gradient-free, read-mostly) at a lower threshold; too many for the buffer
+ * likewise at a higher one; after three tries an exact radix select over all
+ * scores gives the threshold. The thresholds for the next step are the ones
+ * that would have given 1.2 k and k units this step (extrapolated with the
+ * local tail slope of the kept units), corrected by the step-to-step drift.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -174,16 +179,24 @@ static int64_t sample_scores(const float *res, const float *g, int64_t n, int un
 }
 
 /* Threshold whose expected count of units with score >= it is `target`,
- * estimated from a sample. */
+ * estimated from a sample; *t2 (if not NULL) gets the one for `target2` from
+ * the same sample. */
 static float estimate(const float *res, const float *g, int64_t n, int unit, int64_t nsample,
-                      uint64_t *rng, double target, float *samp, uint32_t *hist) {
+                      uint64_t *rng, double target, float *samp, uint32_t *hist, double target2,
+                      float *t2) {
     int64_t nu = unit == 1 ? n : (n + 15) / 16;
     int64_t m = sample_scores(res, g, n, unit, nsample, rng, samp);
-    int64_t r = (int64_t)llround((double)m * target / (double)nu);
-    if (r < 1) r = 1;
-    if (r > m) r = m;
-    float t = kth_largest_key(samp, m, r, hist);
-    return t > 0.f ? t : tiny();
+    double tg[2] = {target, target2};
+    float out[2];
+    for (int w = 0; w < (t2 ? 2 : 1); w++) {
+        int64_t r = (int64_t)llround((double)m * tg[w] / (double)nu);
+        if (r < 1) r = 1;
+        if (r > m) r = m;
+        float t = kth_largest_key(samp, m, r, hist);
+        out[w] = t > 0.f ? t : tiny();
+    }
+    if (t2) *t2 = out[1];
+    return out[0];
 }
 
 /* ---- the fused pass ------------------------------------------------------ */
@@ -198,8 +211,8 @@ typedef struct {
 /* unit 1. has_grad is a compile-time constant at each call site. */
 static inline __attribute__((always_inline)) void pass_scalar_body(
     float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t i0,
-    int64_t i1, float thr, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap,
-    int truncate, pass_t *p) {
+    int64_t i1, float thr, float tz, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val,
+    int64_t cap, int truncate, pass_t *p) {
     for (int64_t i = i0; i < i1; i++) {
         float a = has_grad ? res[i] + grad[i] : res[i];
         if (fabsf(a) >= thr) {
@@ -208,7 +221,11 @@ static inline __attribute__((always_inline)) void pass_scalar_body(
                 idx[p->units] = (int32_t)i;
                 val[p->units] = a;
                 p->units++;
-                res[i] = 0.f;
+                if (fabsf(a) >= tz) {
+                    res[i] = 0.f;
+                    continue;
+                }
+                if (has_grad) res[i] = a;
                 continue;
             } else if (!truncate) {
                 p->overflow = 1;
@@ -220,11 +237,12 @@ static inline __attribute__((always_inline)) void pass_scalar_body(
 
 static inline __attribute__((always_inline)) void pass1_impl(
     float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t n,
-    float thr, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap, int truncate,
-    pass_t *p) {
+    float thr, float tz, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap,
+    int truncate, pass_t *p) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 vt = _mm512_set1_ps(thr);
+    const __m512 vz = _mm512_set1_ps(tz);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; i + 16 <= n; i += 16) {
         __m512 a = _mm512_loadu_ps(res + i);
@@ -254,8 +272,11 @@ static inline __attribute__((always_inline)) void pass1_impl(
                 _mm512_mask_compressstoreu_epi32(
                     idx + p->units, m, _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), iota));
                 p->units += pc;
-                a = _mm512_maskz_mov_ps((__mmask16)~m, a);
-                if (!has_grad) _mm512_mask_storeu_ps(res + i, m, a);
+                /* zero only what reaches tz (>= thr): the rest of the emitted
+                 * candidates stay in the residual until the final cut */
+                __mmask16 mz = _mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(a), vz, _CMP_GE_OQ);
+                a = _mm512_maskz_mov_ps((__mmask16)~mz, a);
+                if (!has_grad) _mm512_mask_storeu_ps(res + i, mz, a);
             }
         }
         if (has_grad) _mm512_storeu_ps(res + i, a);
@@ -269,19 +290,19 @@ static inline __attribute__((always_inline)) void pass1_impl(
             any |= fabsf(a[j]) >= thr;
         }
         if (STELLA_UNLIKELY(any)) {
-            pass_scalar_body(res, grad, has_grad, i, i + 16, thr, idx, val, cap, truncate, p);
+            pass_scalar_body(res, grad, has_grad, i, i + 16, thr, tz, idx, val, cap, truncate, p);
         } else if (has_grad) {
             for (int j = 0; j < 16; j++) res[i + j] = a[j];
         }
     }
 #endif
-    pass_scalar_body(res, grad, has_grad, i, n, thr, idx, val, cap, truncate, p);
+    pass_scalar_body(res, grad, has_grad, i, n, thr, tz, idx, val, cap, truncate, p);
 }
 
 /* unit 16: whole blocks. */
 static inline __attribute__((always_inline)) void pass16_impl(
     float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t n,
-    float thr, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val,
+    float thr, float tz, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val,
     float *STELLA_RESTRICT score, int64_t cap, int truncate, pass_t *p) {
     int64_t nb = (n + 15) / 16;
     for (int64_t b = 0; b < nb; b++) {
@@ -320,7 +341,10 @@ static inline __attribute__((always_inline)) void pass16_impl(
             __m512i vi = _mm512_add_epi32(_mm512_set1_epi32((int32_t)s), _mm512_loadu_si512(iota));
             _mm512_mask_storeu_ps(val + p->elems, lm, va);
             _mm512_mask_storeu_epi32(idx + p->elems, lm, vi);
-            _mm512_mask_storeu_ps(res + s, lm, _mm512_setzero_ps());
+            if (sc >= tz)
+                _mm512_mask_storeu_ps(res + s, lm, _mm512_setzero_ps());
+            else if (has_grad)
+                _mm512_mask_storeu_ps(res + s, lm, va);
             score[p->units] = sc;
             p->units++;
             p->elems += len;
@@ -336,7 +360,10 @@ static inline __attribute__((always_inline)) void pass16_impl(
             for (int j = 0; j < len; j++) {
                 idx[p->elems + j] = (int32_t)(s + j);
                 val[p->elems + j] = a[j];
-                res[s + j] = 0.f;
+                if (sc >= tz)
+                    res[s + j] = 0.f;
+                else if (has_grad)
+                    res[s + j] = a[j];
             }
             score[p->units] = sc;
             p->units++;
@@ -348,22 +375,23 @@ static inline __attribute__((always_inline)) void pass16_impl(
     }
 }
 
-static pass_t run_pass(float *res, const float *grad, int64_t n, int unit, float thr, int32_t *idx,
-                       float *val, float *score, int64_t cap, int truncate) {
+static pass_t run_pass(float *res, const float *grad, int64_t n, int unit, float thr, float tz,
+                       int32_t *idx, float *val, float *score, int64_t cap, int truncate) {
     pass_t p = {0, 0, 0, 0};
+    if (tz < thr) tz = thr;
     if (unit == 1) {
         if (grad)
-            pass1_impl(res, grad, 1, n, thr, idx, val, cap, truncate, &p);
+            pass1_impl(res, grad, 1, n, thr, tz, idx, val, cap, truncate, &p);
         else
-            pass1_impl(res, NULL, 0, n, thr, idx, val, cap, truncate, &p);
+            pass1_impl(res, NULL, 0, n, thr, tz, idx, val, cap, truncate, &p);
         p.elems = p.units;
     } else {
         if (grad)
-            pass16_impl(res, grad, 1, n, thr, idx, val, score, cap, truncate, &p);
+            pass16_impl(res, grad, 1, n, thr, tz, idx, val, score, cap, truncate, &p);
         else
-            pass16_impl(res, NULL, 0, n, thr, idx, val, score, cap, truncate, &p);
+            pass16_impl(res, NULL, 0, n, thr, tz, idx, val, score, cap, truncate, &p);
     }
-    if (p.overflow) { /* give everything back: res becomes acc everywhere */
+    if (p.overflow) { /* give everything back (harmless where not zeroed): res == acc */
         for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j];
         p.units = p.elems = 0;
     }
@@ -375,28 +403,49 @@ static inline float unit_score(int unit, const float *val, const float *score, i
 }
 
 /* Compact the emitted units in place, keeping those whose score key is
- * > tk, or == tk while eq_take lasts; give the others back to the residual. */
-static void compact(float *res, int unit, int32_t *idx, float *val, float *score, uint32_t tk,
-                    int64_t eq_take, pass_t *p) {
+ * > cut, or == cut while eq_take lasts, and make the residual agree: the pass
+ * zeroed exactly the units with key >= kz, so a kept unit below kz is zeroed
+ * now and a dropped unit at or above kz gets its value back. */
+static void compact(float *res, int unit, int32_t *idx, float *val, float *score, uint32_t cut,
+                    int64_t eq_take, uint32_t kz, pass_t *p) {
     const float *sv = unit == 1 ? val : score;
     int64_t wu = 0, we = 0, re = 0;
+    if (unit == 1) { /* branch-free compaction; fix-ups only where keep != zeroed */
+        for (int64_t u = 0; u < p->units; u++) {
+            float v = val[u];
+            int32_t x = idx[u];
+            uint32_t key = abs_key(v);
+            int tie = key == cut && eq_take > 0;
+            int keep = key > cut || tie;
+            eq_take -= tie;
+            int zeroed = key >= kz;
+            idx[wu] = x;
+            val[wu] = v;
+            wu += keep;
+            if (STELLA_UNLIKELY(keep != zeroed)) res[x] = keep ? 0.f : v;
+        }
+        p->units = p->elems = wu;
+        return;
+    }
     for (int64_t u = 0; u < p->units; u++) {
         uint32_t key = abs_key(sv[u]);
-        int len = unit == 1 ? 1 : ((p->elems - re) < 16 ? (int)(p->elems - re) : 16);
-        int keep = key > tk;
-        if (!keep && key == tk && eq_take > 0) {
+        int len = (p->elems - re) < 16 ? (int)(p->elems - re) : 16;
+        int keep = key > cut;
+        if (!keep && key == cut && eq_take > 0) {
             keep = 1;
             eq_take--;
         }
+        int zeroed = key >= kz;
         if (keep) {
             if (unit != 1) score[wu] = score[u];
             for (int j = 0; j < len; j++) {
                 idx[we + j] = idx[re + j];
                 val[we + j] = val[re + j];
+                if (!zeroed) res[idx[re + j]] = 0.f;
             }
             wu++;
             we += len;
-        } else {
+        } else if (zeroed) {
             for (int j = 0; j < len; j++) res[idx[re + j]] = val[re + j];
         }
         re += len;
@@ -405,14 +454,30 @@ static void compact(float *res, int unit, int32_t *idx, float *val, float *score
     p->elems = we;
 }
 
-/* Cut the p->units candidates down to about k (within [lo, hi]) by their
- * scores and return the score threshold of what is kept. Fast path: one
- * histogram of the top 16 bits of the score keys (bins ~0.8% wide) and a cut at
- * a bin edge; when no edge lands in [lo, hi] (ties, extreme tails), an exact
- * radix select keeps exactly k, ties broken by position. */
-static float trim(float *res, int unit, int32_t *idx, float *val, float *score, int64_t k,
-                  int64_t lo, int64_t hi, pass_t *p, uint32_t *hist) {
+/* The final cut of the p->units emitted candidates (all with score >= thr; the
+ * pass zeroed those >= tz). Returns the score threshold of what is kept.
+ *  1. the units >= tz, when they are within [lo, hi]: nothing to fix up in the
+ *     residual (the common case: tz was aimed at k, thr below it);
+ *  2. more than hi candidates: a cut at a bin edge of a histogram of the top 16
+ *     bits of the score keys (bins ~0.8% wide), or, when no edge lands in
+ *     [lo, hi] (ties), an exact radix select keeping exactly k, ties broken by
+ *     position;
+ *  3. otherwise all of them. */
+static float finalize(float *res, int unit, int32_t *idx, float *val, float *score, int64_t k,
+                      int64_t lo, int64_t hi, float thr, float tz, pass_t *p, uint32_t *hist) {
     const float *sv = unit == 1 ? val : score;
+    if (tz < thr) tz = thr;
+    uint32_t kz = abs_key(tz);
+    int64_t cz = 0;
+    for (int64_t u = 0; u < p->units; u++) cz += abs_key(sv[u]) >= kz;
+    if (cz >= lo && cz <= hi) {
+        compact(res, unit, idx, val, score, kz, INT64_MAX, kz, p);
+        return tz;
+    }
+    if (p->units <= hi) {
+        compact(res, unit, idx, val, score, 0, INT64_MAX, kz, p);
+        return thr;
+    }
     memset(hist, 0, 32768 * sizeof(uint32_t));
     for (int64_t u = 0; u < p->units; u++) hist[abs_key(sv[u]) >> 16]++;
     int64_t cum = 0;
@@ -425,19 +490,19 @@ static float trim(float *res, int unit, int32_t *idx, float *val, float *score, 
     int64_t c_in = cum + hist[b], c_out = cum;
     int64_t d_in = c_in - k, d_out = k - c_out;
     if (c_in <= hi && (d_in <= d_out || c_out < lo)) {
-        compact(res, unit, idx, val, score, (uint32_t)b << 16, INT64_MAX, p); /* keys >= edge */
+        compact(res, unit, idx, val, score, (uint32_t)b << 16, INT64_MAX, kz, p); /* keys >= edge */
         return u2f((uint32_t)b << 16);
     }
     if (c_out >= lo && b < 32767) {
         uint32_t e = (uint32_t)(b + 1) << 16;
-        compact(res, unit, idx, val, score, e, INT64_MAX, p);
+        compact(res, unit, idx, val, score, e, INT64_MAX, kz, p);
         return u2f(e);
     }
     float t = kth_largest_key(sv, p->units, k, hist);
     uint32_t tk = abs_key(t);
     int64_t gt = 0;
     for (int64_t u = 0; u < p->units; u++) gt += abs_key(sv[u]) > tk;
-    compact(res, unit, idx, val, score, tk, k - gt, p);
+    compact(res, unit, idx, val, score, tk, k - gt, kz, p);
     return t;
 }
 
@@ -447,8 +512,9 @@ static float trim(float *res, int unit, int32_t *idx, float *val, float *score, 
  *   grad     may be NULL (select from the residual alone)
  *   k_units  wanted units (elements for unit 1, blocks for unit 16)
  *   state    4 floats kept by the caller per tensor, zeros at first:
- *            [0] threshold to try (<= 0: estimate from a sample),
- *            [1] last step's selection threshold, [2] [3] reserved
+ *            [0] emit threshold to try (<= 0: estimate from a sample),
+ *            [1] last step's selection threshold, [2] zero threshold to
+ *            try (aimed at k; <= [0]: same as [0]), [3] reserved
  *   nsample  floats (unit 1, in runs of 16) or blocks (unit 16) to sample
  *   idx/val  room for cap_units * unit entries; score: cap_units (unit 16)
  *   stats    optional, 6 entries: passes, estimates, trims, give-backs,
@@ -488,12 +554,13 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
     uint64_t rng = seed;
     int64_t lo = (k * 9 + 9) / 10, hi = (k * 11) / 10;
     if (hi < k) hi = k;
-    float thr = state[0];
+    float thr = state[0]; /* emit threshold: aimed at AIM * k units */
+    float tz = state[2];  /* zero threshold: aimed at k units (>= thr) */
     const float *g = grad;
     if (k >= nu) {
-        thr = tiny();
+        thr = tz = tiny();
     } else if (!(thr > 0.f) || !isfinite(thr)) {
-        thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
+        thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
         st[1]++;
     } else {
         /* a carried threshold: check it on a small sample (a quarter of the
@@ -507,12 +574,12 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
         fprintf(stderr, "  check thr %g hits %ld expect %.1f (m %ld)\n", thr, (long)hits, expect, (long)m);
 #endif
         if (expect >= 8.0 && (hits < 0.6 * expect || hits > 1.7 * expect)) {
-            thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
+            thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
             st[1]++;
         }
     }
+    if (!(tz >= thr) || !isfinite(tz)) tz = thr;
     pass_t p;
-    float tk = thr; /* the threshold that defines the final selection */
     int exact = 0;
     for (int attempt = 0;; attempt++) {
         int truncate = attempt >= MAX_TRIES;
@@ -535,45 +602,58 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
                 free(all);
             }
             if (!(thr > 0.f)) thr = tiny();
+            tz = thr;
             exact = 1;
             st[5] = 1;
         }
-        p = run_pass(res, g, n, unit, thr, idx, val, score, cap_units, truncate);
+        p = run_pass(res, g, n, unit, thr, tz, idx, val, score, cap_units, truncate);
         g = NULL; /* the gradient is in the residual from now on */
         st[0]++;
-        tk = thr;
 #ifdef STELLA_CDEBUG
-        fprintf(stderr, "  attempt %d thr %g total %ld units %ld overflow %d (k %ld)\n", attempt, thr,
-                (long)p.total, (long)p.units, p.overflow, (long)k);
+        fprintf(stderr, "  attempt %d thr %g tz %g total %ld units %ld overflow %d (k %ld)\n", attempt,
+                thr, tz, (long)p.total, (long)p.units, p.overflow, (long)k);
 #endif
-        if (p.overflow) {
+        if (p.overflow) { /* res == acc again */
             st[3]++;
-            float t2 = estimate(res, NULL, n, unit, nsample, &rng, (double)k, samp, hist);
+            float t2, z2;
+            t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
             st[1]++;
-            thr = t2 > thr ? t2 : thr * (unit == 1 ? 1.25f : 1.6f);
+            if (t2 > thr) {
+                thr = t2;
+                tz = z2;
+            } else {
+                thr *= unit == 1 ? 1.25f : 1.6f;
+                tz = thr;
+            }
             continue;
         }
-        if (p.units > hi) {
-            tk = trim(res, unit, idx, val, score, k, lo, hi, &p, hist);
-            st[2]++;
-            break;
-        }
         if (p.units < lo && thr > tiny() && !truncate) {
-            for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j];
+            for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j]; /* res == acc again */
             st[3]++;
-            float t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist);
+            float t2, z2;
+            t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
             st[1]++;
-            thr = t2 < thr ? t2 : thr * (unit == 1 ? 0.8f : 0.64f);
+            if (t2 < thr) {
+                thr = t2;
+                tz = z2;
+            } else {
+                thr *= unit == 1 ? 0.8f : 0.64f;
+                tz = thr;
+            }
             continue;
         }
         break;
     }
-    /* Next step's threshold: the one that would have given AIM * k units this
-     * step (local tail slope of the candidates: count at tk vs at 1.25 tk),
-     * times the step-to-step drift of the selection threshold (the residual
-     * grows over the first steps). Aiming above k is deliberate: a trim costs a pass over the
-     * candidates, a give-back a pass over the whole tensor. */
-    float next = 0.f;
+    int64_t before = p.units;
+    float tk = finalize(res, unit, idx, val, score, k, lo, hi, thr, tz, &p, hist);
+    if (p.units != before) st[2]++;
+    /* Next step's thresholds: the ones that would have given AIM * k (emit)
+     * and k (zero) units this step (local tail slope of the kept units: count
+     * at tk vs at 1.25 tk), times the step-to-step drift of the selection
+     * threshold (the residual grows over the first steps). Emitting ~20% more
+     * candidates than kept is deliberate: cutting candidates costs a pass over
+     * them, too few costs a pass over the whole tensor. */
+    float next = 0.f, next_z = 0.f;
     if (tk > tiny() && p.units > 0 && k < nu) {
         const float *sv = unit == 1 ? val : score;
         float t125 = tk * 1.25f;
@@ -583,7 +663,7 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
                                                   : (unit == 1 ? 4.0 : 2.0);
         if (slope < 0.5) slope = 0.5;
         if (slope > 30.0) slope = 30.0;
-        double f = pow((double)p.units / (AIM * (double)k), 1.0 / slope);
+        double drift = 1.0;
         double prev = state[1];
         if (prev > 0.0 && isfinite(prev) && !exact) {
             /* magnitudes (unit 1): half the relative drift, in [0.9, 1.2].
@@ -593,19 +673,24 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
             double r = (double)tk / prev;
             if (unit == 1) {
                 r = sqrt(r);
-                f *= r < 0.9 ? 0.9 : (r > 1.2 ? 1.2 : r);
+                drift = r < 0.9 ? 0.9 : (r > 1.2 ? 1.2 : r);
             } else {
                 double lin = 1.0 + 0.75 * (r - 1.0);
-                f *= lin < 0.8 ? 0.8 : (lin > 1.5 ? 1.5 : lin);
+                drift = lin < 0.8 ? 0.8 : (lin > 1.5 ? 1.5 : lin);
             }
         }
-        if (f < 0.5) f = 0.5;
-        if (f > 2.0) f = 2.0;
+        double f = pow((double)p.units / (AIM * (double)k), 1.0 / slope) * drift;
+        double fz = pow((double)p.units / (double)k, 1.0 / slope) * drift;
+        f = f < 0.5 ? 0.5 : (f > 2.0 ? 2.0 : f);
+        fz = fz < 0.5 ? 0.5 : (fz > 2.0 ? 2.0 : fz);
         next = (float)(tk * f);
-        if (!(next > 0.f) || !isfinite(next)) next = 0.f;
+        next_z = (float)(tk * fz);
+        if (!(next > 0.f) || !isfinite(next)) next = next_z = 0.f;
+        if (!(next_z >= next) || !isfinite(next_z)) next_z = next;
     }
     state[0] = next;
     state[1] = tk > tiny() ? tk : 0.f;
+    state[2] = next_z;
     st[4] = p.units;
     if (stats) memcpy(stats, st, sizeof st);
     free(hist);

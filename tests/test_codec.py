@@ -182,6 +182,10 @@ def test_encode_rejects_bad_input():
             codec.encode_indices(np.array([1, 1], np.int32), 10, coding)
     with pytest.raises(ValueError):
         codec.encode_indices(np.array([1], np.int32), 10, "nope")
+    with pytest.raises(ValueError):  # would wrap to 5 as int32
+        codec.encode_indices(np.array([2**32 + 5], np.int64), 10, "raw32")
+    assert codec.decode_indices(codec.encode_indices(np.array([1, 4], np.int64), 10, "rice"),
+                                2, 10, "rice").tolist() == [1, 4]
 
 
 def _check_or_codec_error(data: bytes, count: int, numel: int, coding: str):

@@ -270,6 +270,8 @@ class ErrorFeedbackCompressor:
             return False
         if self.backend == "native":
             return True
+        if res.numel() >= 2**31:  # int32 indices in the C kernel: torch ops instead
+            return False
         try:
             from . import native  # noqa: F401
         except ImportError:  # pragma: no cover - the build is part of install

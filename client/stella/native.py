@@ -160,7 +160,11 @@ def _u8(buf) -> np.ndarray:
 
 def idx_encode(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
     cid = CODING_IDS[coding]
-    idx = np.ascontiguousarray(idx, dtype=np.int32)
+    idx = np.asarray(idx)
+    if idx.dtype != np.int32:
+        if idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= numel):
+            raise ValueError(f"indices must be integers in [0, {numel})")
+    idx = np.ascontiguousarray(idx, dtype=np.int32).reshape(-1)
     count = idx.size
     bound = lib.stella_idx_bound(count, int(numel), cid)
     if bound < 0:
