@@ -123,6 +123,8 @@ CASES = {
                          "version", "from the future"),
     "pull from the future": (lambda e: ({"type": "pull", "worker": e["wid"], "since": 10**6}, [], None), "version",
                              "from the future"),
+    "pull with a block-only coding": (lambda e: ({"type": "pull", "worker": e["wid"], "since": 0, "ic": "block16"},
+                                                  [], None), "protocol", "not available for pulls"),
     "count larger than tensor": (lambda e: (push_hdr(e, [{"t": 1, "n": 5}]), [i32(0, 1, 2, 3, 4), f32(*[1] * 5)],
                                             None), "oversized", "5 values > its 4 elements"),
     "oversized header": (lambda e: ({"type": "status", "pad": "x" * (1 << 20)}, [], None), "oversized",

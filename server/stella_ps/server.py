@@ -31,6 +31,7 @@ __all__ = ["ParameterServer", "Rejected"]
 
 log = logging.getLogger("stella_ps.server")
 MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
+PULL_CODINGS = tuple(c for c in codec.INDEX_CODINGS if c != "block16")
 
 
 class Rejected(Exception):
@@ -361,8 +362,8 @@ class ParameterServer:
         if since > v:
             raise Rejected("version", f"pull since version {since}, but the server is at {v} (from the future)")
         ic = hdr.get("ic", "raw32")
-        if ic not in codec.INDEX_CODINGS:
-            raise ProtocolError(f"pull: unknown index coding {ic!r}; known: {list(codec.INDEX_CODINGS)}")
+        if ic not in PULL_CODINGS:  # block16 codes only whole blocks, which a delta need not be
+            raise ProtocolError(f"pull: index coding {ic!r} not available for pulls; known: {list(PULL_CODINGS)}")
         wait_for = hdr.get("wait_for", 0)
         if wait_for > v + MAX_WAIT_AHEAD:
             raise Rejected("version", f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
