@@ -111,3 +111,22 @@ def test_watchdog_bounds_lifetime():
         time.sleep(0.1)
     assert bed.closed
     assert not any(n.startswith(bed.prefix) for n in _netns_names())
+
+
+@needs_netns
+def test_powersgd_ddp_baseline_runs_over_shaped_links():
+    """Regression for the gloo issue-order race (docs/testbed.md): the serialized
+    PowerSGD hook trains over two shaped sites, both ranks issue identical
+    collective sequences, and the veth counters show the compressed traffic."""
+    from bench import baselines
+
+    with WanTestbed({"a": Link(500, 500), "b": Link(500, 500)}, max_lifetime=120) as bed:
+        r = baselines.run_ddp("widemlp", "powersgd", world=2, steps=4, max_seconds=40, bed=bed, calib=0,
+                              eval_every=4, trace=True)
+        assert r["ok"], r.get("error")
+        assert r["steps"] == 4
+        assert "identical on all ranks" in baselines.compare_traces(r["log_dir"], 2)
+        per_iter = r["per_iter"]
+        dense = 9_670_666 * 4
+        assert per_iter[0]["bytes_up"] > 0.9 * dense          # vanilla all-reduce before start_powerSGD_iter
+        assert per_iter[-1]["bytes_up"] < 0.02 * dense        # rank-4 PowerSGD afterwards
