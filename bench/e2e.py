@@ -62,6 +62,7 @@ class RunSpec:
     eval_every: Optional[int] = None
     stop_at_target: bool = False
     log_dir: str = ""
+    calib: int = 3              # no-communication backward passes to calibrate "compute" (baselines)
 
 
 Runner = Callable[[RunSpec, WanTestbed], Dict]
@@ -78,7 +79,7 @@ def _ddp_runner(system: str) -> Runner:
         return baselines.run_ddp(spec.workload, system, world=spec.world, steps=spec.max_steps,
                                  max_seconds=spec.max_seconds, bed=bed, sites=spec.worker_sites[:spec.world],
                                  seed=spec.seed, eval_every=spec.eval_every, stop_at_target=spec.stop_at_target,
-                                 log_dir=spec.log_dir or None)
+                                 log_dir=spec.log_dir or None, calib=spec.calib)
     run.__name__ = f"run_{system}"
     return run
 
@@ -115,7 +116,7 @@ REQUIRED_KEYS = ("ok", "steps", "iter_median", "evals", "final_metric", "reached
 QUICK = {  # per workload: steps, max seconds per system, eval every
     "digits": dict(max_steps=40, max_seconds=20, eval_every=10),
     "widemlp": dict(max_steps=12, max_seconds=30, eval_every=4),
-    "bytelm": dict(max_steps=4, max_seconds=30, eval_every=4),
+    "bytelm": dict(max_steps=4, max_seconds=25, eval_every=4),
 }
 FULL = {
     "digits": dict(max_steps=300, max_seconds=120, eval_every=10),
@@ -310,7 +311,7 @@ def main(argv=None):
                     spec = RunSpec(workload=wl, rate_mbit=rate, max_steps=a.steps or c["max_steps"],
                                    max_seconds=a.max_seconds or c["max_seconds"], seed=a.seed,
                                    eval_every=c["eval_every"], stop_at_target=a.stop_at_target,
-                                   log_dir=log_root)
+                                   log_dir=log_root, calib=1 if a.quick else 3)
                     r = run_cell(system, spec, bed)
                     results.append(r)
                     if r.get("ok"):
