@@ -179,6 +179,7 @@ def _trace_collectives(path: str):
 def worker(a) -> int:
     import datetime
 
+    timeline = {"entry": time.time()}
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -186,14 +187,17 @@ def worker(a) -> int:
     sys.path.insert(0, REPO)
     from bench import workloads as W
 
+    timeline["imports"] = time.time()
     torch.set_num_threads(a.threads)
     wl = W.get(a.workload)
     if a.trace_collectives:
         _trace_collectives(a.trace_collectives)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=max(60, a.max_seconds)))
+    timeline["process_group"] = time.time()
     model = wl.build_model(a.seed)
-    ddp = DDP(model, bucket_cap_mb=a.bucket_mb)
+    ddp = DDP(model, bucket_cap_mb=a.bucket_mb)  # broadcasts rank 0's parameters
+    timeline["ddp_ready"] = time.time()
     install_hook(ddp, a.system, a.powersgd_rank, a.start_powersgd_iter)
     opt = wl.make_optimizer(ddp.parameters())
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
@@ -230,6 +234,7 @@ def worker(a) -> int:
 
     if a.rank == 0:
         do_eval(0)
+    timeline["train_start"] = time.time()
     reached_at = None
     step = 0
     while step < a.steps:
@@ -268,7 +273,8 @@ def worker(a) -> int:
         m = do_eval(step)
         if reached_at is None and wl.reached(m):
             reached_at = {"step": step, "wall": evals[-1]["wall"]}
-    out = {"rank": a.rank, "world": a.world, "system": a.system, "workload": a.workload,
+    timeline["train_end"] = time.time()
+    out = {"timeline": timeline, "launched": a.launched, "rank": a.rank, "world": a.world, "system": a.system, "workload": a.workload,
            "steps": step, "train_wall": train_wall(), "bwd_compute_calib": bwd_compute,
            "iters": iters, "evals": evals, "reached": reached_at, "site": os.environ.get("STELLA_WAN_SITE")}
     with open(a.out, "w") as f:
@@ -320,7 +326,8 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
                 "--steps", str(steps), "--max-seconds", str(max_seconds), "--seed", str(seed),
                 "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
                 "--bucket-mb", str(bucket_mb), "--calib", str(calib), "--powersgd-rank", str(powersgd_rank),
-                "--start-powersgd-iter", str(start_powersgd_iter), "--out", os.path.join(tmp, f"rank{r}.json")]
+                "--start-powersgd-iter", str(start_powersgd_iter), "--out", os.path.join(tmp, f"rank{r}.json"),
+                "--launched", repr(time.time())]
         if stop_at_target:
             argv.append("--stop-at-target")
         if batch_size:
@@ -381,7 +388,13 @@ def summarize(system: str, workload: str, ranks: List[Dict], wl) -> Dict:
         return statistics.mean(vals) if vals else None
 
     evals = r0["evals"]
+    tl = r0.get("timeline", {})
+    startup = None
+    if tl and r0.get("launched"):
+        t = r0["launched"]
+        startup = {k: round(v - t, 3) for k, v in tl.items()}
     return {
+        "startup": startup,  # seconds since launch: python+torch imports, gloo rendezvous, DDP broadcast, ...
         "system": system, "workload": workload, "ok": True, "world": len(ranks),
         "steps": r0["steps"], "train_wall": r0["train_wall"],
         "iter_median": med("iter"), "compute_median": med("compute"),
@@ -437,8 +450,8 @@ def main(argv=None):
                      ("--workload", str), ("--steps", int), ("--max-seconds", float), ("--seed", int),
                      ("--eval-every", int), ("--threads", int), ("--bucket-mb", float), ("--calib", int),
                      ("--powersgd-rank", int), ("--start-powersgd-iter", int), ("--out", str),
-                     ("--batch-size", int), ("--trace-collectives", str)):
-            ap.add_argument(k, type=t, default=None if k in ("--batch-size", "--trace-collectives") else ...)
+                     ("--batch-size", int), ("--trace-collectives", str), ("--launched", float)):
+            ap.add_argument(k, type=t, default=None if k in ("--batch-size", "--trace-collectives", "--launched") else ...)
         ap.add_argument("--stop-at-target", action="store_true")
         return worker(ap.parse_args(argv[1:]))
     ap = argparse.ArgumentParser(prog="python -m bench.baselines", description=__doc__,

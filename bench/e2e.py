@@ -62,6 +62,7 @@ class RunSpec:
     eval_every: Optional[int] = None
     stop_at_target: bool = False
     log_dir: str = ""
+    calib: int = 3              # no-communication backward passes to calibrate "compute" (baselines)
 
 
 Runner = Callable[[RunSpec, WanTestbed], Dict]
@@ -78,7 +79,7 @@ def _ddp_runner(system: str) -> Runner:
         return baselines.run_ddp(spec.workload, system, world=spec.world, steps=spec.max_steps,
                                  max_seconds=spec.max_seconds, bed=bed, sites=spec.worker_sites[:spec.world],
                                  seed=spec.seed, eval_every=spec.eval_every, stop_at_target=spec.stop_at_target,
-                                 log_dir=spec.log_dir or None)
+                                 log_dir=spec.log_dir or None, calib=spec.calib)
     run.__name__ = f"run_{system}"
     return run
 
@@ -113,9 +114,9 @@ except ModuleNotFoundError as _e:  # only "module not there yet" is silent
 REQUIRED_KEYS = ("ok", "steps", "iter_median", "evals", "final_metric", "reached")
 
 QUICK = {  # per workload: steps, max seconds per system, eval every
-    "digits": dict(max_steps=60, max_seconds=30, eval_every=10),
-    "widemlp": dict(max_steps=20, max_seconds=40, eval_every=5),
-    "bytelm": dict(max_steps=6, max_seconds=45, eval_every=6),
+    "digits": dict(max_steps=40, max_seconds=20, eval_every=10),
+    "widemlp": dict(max_steps=12, max_seconds=30, eval_every=4),
+    "bytelm": dict(max_steps=4, max_seconds=25, eval_every=4),
 }
 FULL = {
     "digits": dict(max_steps=300, max_seconds=120, eval_every=10),
@@ -159,7 +160,7 @@ def _mb(v):
 
 
 def table(results: List[Dict]) -> str:
-    hdr = ("| workload | Mbit/s | system | it/s med (s) | compute (s) | net wait | MB/it up | MB/it down | "
+    hdr = ("| workload | Mbit/s | system | s/it median | compute (s) | net wait* | MB/it up | MB/it down | "
            "steps | to target (it / s) | final metric |")
     lines = [hdr, "|" + "---|" * 11]
     for r in results:
@@ -236,16 +237,19 @@ def plot(results: List[Dict], path: str):
     plt.close(fig)
 
 
-def write_results_md(results: List[Dict], path: str, command: str, png: str, links: Dict, started: str):
+def write_results_md(results: List[Dict], path: str, command: str, png: str, links: Dict, started: str,
+                     loads: str = ""):
     with open(path, "w") as f:
         f.write("# End-to-end results (bench.e2e)\n\n")
-        f.write(f"Command: `{command}`  \nStarted: {started} UTC  \nMachine: {machine()}\n\n")
+        f.write(f"Command: `{command}`  \nStarted: {started} UTC  \nMachine: {machine()}  \n"
+                f"CPU contention: {loads} (the 2 cores are shared with other jobs: compute times are inflated "
+                f"accordingly)\n\n")
         f.write("Per cell: 2 workers in sites `a`, `b` (uplink = downlink = the rate), `ps` site at "
                 f"{links['ps']} Mbit/s. Delivered TCP goodput on these links is ~95.6% of the tbf rate "
                 "(header overhead; see docs/testbed.md).\n\n")
         f.write("Columns: median time per iteration after 2 warm-up iterations (rank 0); compute = forward + "
                 "backward (no-communication calibration) + optimizer; net wait = share of iteration time not "
-                "explained by compute; MB/it = bytes through each worker site's veth per iteration (kernel "
+                "explained by compute (*for fp16/PowerSGD this includes the hooks' compression work); MB/it = bytes through each worker site's veth per iteration (kernel "
                 "counters, median over iterations, mean over workers); to target = first evaluation at or past "
                 "the workload's target (iterations / training wall seconds, evaluation time excluded).\n\n")
         f.write(table(results) + "\n\n")
@@ -268,11 +272,24 @@ def main(argv=None):
     ap.add_argument("--stop-at-target", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--from-json", help="re-render table / RESULTS.md / plot from a saved --json file, run nothing")
     ap.add_argument("--results-md", default=os.path.join(REPO, "bench", "RESULTS.md"))
     ap.add_argument("--plot", default=os.path.join(REPO, "bench", "e2e_heldout.png"))
     a = ap.parse_args(argv)
     command = "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        results = saved["results"]
+        print(table(results))
+        if a.plot:
+            plot(results, a.plot)
+        if a.results_md:
+            write_results_md(results, a.results_md, saved["command"], a.plot, {"ps": saved.get("ps_rate", a.ps_rate)},
+                             saved.get("started", "?"), saved.get("loads", ""))
+        return 0
     started = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
+    load_start = os.getloadavg()
     systems = a.system or list(SYSTEMS)
     for s in systems:
         if s not in SYSTEMS:
@@ -294,7 +311,7 @@ def main(argv=None):
                     spec = RunSpec(workload=wl, rate_mbit=rate, max_steps=a.steps or c["max_steps"],
                                    max_seconds=a.max_seconds or c["max_seconds"], seed=a.seed,
                                    eval_every=c["eval_every"], stop_at_target=a.stop_at_target,
-                                   log_dir=log_root)
+                                   log_dir=log_root, calib=1 if a.quick else 3)
                     r = run_cell(system, spec, bed)
                     results.append(r)
                     if r.get("ok"):
@@ -305,14 +322,18 @@ def main(argv=None):
                         print(f"{wl:>8} {rate:5g} Mbit/s {system:>10}: FAILED\n{r.get('error')}", flush=True)
     print()
     print(table(results))
+    le = os.getloadavg()
+    loads = (f"load average (1/5/15 min) at start {load_start[0]:.1f}/{load_start[1]:.1f}/{load_start[2]:.1f}, "
+             f"at end {le[0]:.1f}/{le[1]:.1f}/{le[2]:.1f}")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
-            json.dump({"command": command, "machine": machine(), "results": results}, f, indent=1)
+            json.dump({"command": command, "machine": machine(), "started": started, "loads": loads,
+                       "ps_rate": a.ps_rate, "results": results}, f, indent=1)
     if a.plot:
         plot(results, a.plot)
     if a.results_md:
-        write_results_md(results, a.results_md, command, a.plot, {"ps": a.ps_rate}, started)
+        write_results_md(results, a.results_md, command, a.plot, {"ps": a.ps_rate}, started, loads)
     return 0 if all(r.get("ok") for r in results) else 1
 
 

@@ -111,3 +111,49 @@ def test_watchdog_bounds_lifetime():
         time.sleep(0.1)
     assert bed.closed
     assert not any(n.startswith(bed.prefix) for n in _netns_names())
+
+
+@needs_netns
+def test_powersgd_ddp_baseline_runs_over_shaped_links():
+    """Regression for the gloo issue-order race (docs/testbed.md): the serialized
+    PowerSGD hook trains over two shaped sites, both ranks issue identical
+    collective sequences, and the veth counters show the compressed traffic."""
+    from bench import baselines
+
+    with WanTestbed({"a": Link(500, 500), "b": Link(500, 500)}, max_lifetime=120) as bed:
+        r = baselines.run_ddp("widemlp", "powersgd", world=2, steps=4, max_seconds=40, bed=bed, calib=0,
+                              eval_every=4, trace=True)
+        assert r["ok"], r.get("error")
+        assert r["steps"] == 4
+        assert "identical on all ranks" in baselines.compare_traces(r["log_dir"], 2)
+        per_iter = r["per_iter"]
+        dense = 9_670_666 * 4
+        assert per_iter[0]["bytes_up"] > 0.9 * dense          # vanilla all-reduce before start_powerSGD_iter
+        assert per_iter[-1]["bytes_up"] < 0.02 * dense        # rank-4 PowerSGD afterwards
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_tears_down(sig):
+    """A process holding a test bed that gets SIGTERM/SIGINT removes its namespaces and children."""
+    import signal as _signal
+
+    code = ("import sys, time; from bench.wan import WanTestbed, Link\n"
+            "with WanTestbed({'a': Link(100, 100)}, max_lifetime=60) as bed:\n"
+            "    p = bed.popen('a', ['sleep', '60'])\n"
+            "    print(bed.prefix, p.pid, flush=True)\n"
+            "    time.sleep(60)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        prefix, child = proc.stdout.readline().split()
+        assert any(n.startswith(prefix) for n in _netns_names())
+        proc.send_signal(getattr(_signal, sig))
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert not any(n.startswith(prefix) for n in _netns_names())
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"

@@ -41,3 +41,12 @@ def test_eval_metrics_in_range():
     lm = W.get("bytelm")
     assert not lm.higher_is_better and lm.reached(2.0)
     assert lm.lr_at(0) < lm.lr_at(100) == lm.lr
+
+
+def test_digits_loader_matches_sklearn():
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data, target = W._load_digits()
+    ref = load_digits()
+    assert np.array_equal(data, ref.data) and np.array_equal(target, ref.target)
