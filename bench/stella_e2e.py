@@ -31,20 +31,6 @@ PS_PORT = 5555
 STOP_AHEAD = 3  # a worker is at most one iteration ahead of another in synchronous mode
 
 
-def _counters(iface: Optional[str]):
-    if not iface:
-        return None
-    base = f"/sys/class/net/{iface}/statistics/"
-    try:
-        with open(base + "tx_bytes") as f:
-            tx = int(f.read())
-        with open(base + "rx_bytes") as f:
-            rx = int(f.read())
-        return tx, rx
-    except OSError:
-        return None
-
-
 def server_options(wl) -> Dict:
     if wl.optimizer == "adamw":
         return {"name": "adamw", "lr": wl.lr_at(0), "betas": [0.9, 0.95], "weight_decay": wl.weight_decay}
@@ -56,6 +42,7 @@ def worker(a) -> int:
 
     sys.path.insert(0, REPO)
     from bench import workloads as W
+    from bench.baselines import _counters  # the same byte accounting as the DDP baselines
     from stella import StellaOptimizer
 
     torch.set_num_threads(a.threads)
