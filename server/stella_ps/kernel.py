@@ -102,9 +102,10 @@ def get_num_threads() -> int:
     return _num_threads
 
 
-def set_tuning(prefetch_distance: int, tile: int = 0) -> None:
-    """Benchmark knob: software prefetch distance (0 = off) and merge tile, process-wide."""
-    lib.stella_optim_set_tuning(int(prefetch_distance), int(tile))
+def set_tuning(prefetch_distance: int = -1, tile: int = -1, mode: int = -1) -> None:
+    """Benchmark knobs, process-wide: software prefetch distance (0 = off), merge tile,
+    prefetch kind (0: prefetchw into L1, 1: prefetcht1 into L2); -1 keeps a setting."""
+    lib.stella_optim_set_tuning(int(prefetch_distance), int(tile), int(mode))
 
 
 def _sorted_indices(idx: object, numel: int, what: str) -> np.ndarray:
