@@ -108,6 +108,24 @@ def set_tuning(prefetch_distance: int = -1, tile: int = -1, mode: int = -1) -> N
     lib.stella_optim_set_tuning(int(prefetch_distance), int(tile), int(mode))
 
 
+def probe_random_rmw(buf: np.ndarray, idx: np.ndarray, stride: int, prefetch_distance: int = 16) -> None:
+    """Benchmark roofline: ``buf[idx * stride] = buf[idx * stride] * 0.5 + 1`` in C, prefetched.
+
+    The cheapest update of the lines an optimizer step touches; bench/kernel.py
+    times it to show how close the kernel gets to the machine's random-access floor.
+    """
+    if not isinstance(buf, np.ndarray) or buf.dtype != F32 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise KernelInputError("probe buffer must be a contiguous 1-D float32 array")
+    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 or not idx.flags.c_contiguous:
+        raise KernelInputError("probe indices must be a contiguous 1-D int32 array")
+    rc = lib.stella_probe_random_rmw(ffi.from_buffer("float[]", buf), buf.shape[0],
+                                     ffi.from_buffer("int32_t[]", idx), idx.shape[0], int(stride),
+                                     int(prefetch_distance))
+    if rc == _E_RANGE:
+        raise KernelInputError("probe index outside the buffer")
+    _check(rc, "probe")
+
+
 def _sorted_indices(idx: object, numel: int, what: str) -> np.ndarray:
     """``idx`` as a contiguous 1-D int32 array, strictly increasing, inside [0, numel)."""
     if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
