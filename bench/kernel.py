@@ -29,7 +29,7 @@ from stella_ps.optim import OptimizerConfig
 
 LINE = 64
 F32 = np.float32
-DEFAULT_TUNING = (24, 512, 0)  # what native/optim.c starts with: distance, tile, kind
+DEFAULT_TUNING = (24, 2048, 0)  # what native/optim.c starts with: distance, tile, kind
 
 
 def loadavg() -> str:
@@ -346,7 +346,7 @@ def main(argv=None):
         explore(rows, (args.params or [100_000_000])[0], bw, 3 if args.quick else 5)
     else:
         sizes = args.params or ([10_000_000] if args.quick else [10_000_000, 100_000_000])
-        densities = (0.01, 0.1) if args.quick else (0.001, 0.01, 0.1)
+        densities = (0.01,) if args.quick else (0.001, 0.01, 0.1)
         for numel in sizes:
             reps = 3 if numel >= 50_000_000 or args.quick else 5
             torch_reps = 1 if numel >= 50_000_000 or args.quick else 2

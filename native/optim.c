@@ -53,7 +53,7 @@ struct stella_optim {
 };
 
 static int g_prefetch = 24;
-static int g_tile = 512;
+static int g_tile = 2048;
 static int g_prefetch_mode = 0;
 
 void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode) {
@@ -474,10 +474,10 @@ static inline int32_t ahead_index(const uint32_t *ix, int n, const uint32_t *nx,
     return a < nn ? (int32_t)nx[a] : -1;
 }
 
-static inline void prefetch_coord(float *mem, int64_t stride, int64_t fstride, int nf, int32_t i) {
+static inline void prefetch_coord(float *mem, int64_t stride, int64_t fstride, int nf, int32_t i, int pmode) {
     if (i < 0) return;
     float *base = mem + (int64_t)i * stride;
-    if (g_prefetch_mode == 1) {
+    if (pmode == 1) {
         __builtin_prefetch(base, 0, 2);
         return;
     }
@@ -491,11 +491,11 @@ static inline void prefetch_coord(float *mem, int64_t stride, int64_t fstride, i
 static inline __attribute__((always_inline)) void sgd_tile(float *mem, int64_t stride, int64_t fstride,
                                                            const uint32_t *ix, const float *g, int n,
                                                            const uint32_t *nx, int nn,
-                                                           const stella_optim_cfg *c, int pd) {
+                                                           const stella_optim_cfg *c, int pd, int pmode) {
     const float lr = c->lr, wd = c->weight_decay, mom = c->momentum, omd = c->one_minus_dampening;
     const int has_wd = c->has_weight_decay, has_mom = c->has_momentum, nest = c->nesterov;
     for (int j = 0; j < n; j++) {
-        if (pd) prefetch_coord(mem, stride, fstride, 2, ahead_index(ix, n, nx, nn, j, pd));
+        if (pd) prefetch_coord(mem, stride, fstride, 2, ahead_index(ix, n, nx, nn, j, pd), pmode);
         float *P = mem + (int64_t)ix[j] * stride;
         float *B = P + fstride;
         float p = *P, d = g[j];
@@ -546,14 +546,14 @@ static uint32_t adam_math(float *STELLA_RESTRICT tp, float *STELLA_RESTRICT tm, 
 static inline __attribute__((always_inline)) uint32_t adam_tile(float *mem, int64_t stride, int64_t fstride,
                                                                 const uint32_t *ix, const float *g, int n,
                                                                 const uint32_t *nx, int nn,
-                                                                const stella_optim_cfg *c, int pd,
+                                                                const stella_optim_cfg *c, int pd, int pmode,
                                                                 const float *sstab, uint32_t last1,
                                                                 const float *tab2, uint32_t last2,
                                                                 float *buf) {
     float *tp = buf, *tm = buf + TILE_BUF, *tv = buf + 2 * TILE_BUF;
     uint32_t *tk = (uint32_t *)(buf + 3 * TILE_BUF);
     for (int j = 0; j < n; j++) {
-        if (pd) prefetch_coord(mem, stride, fstride, 4, ahead_index(ix, n, nx, nn, j, pd));
+        if (pd) prefetch_coord(mem, stride, fstride, 4, ahead_index(ix, n, nx, nn, j, pd), pmode);
         const float *R = mem + (int64_t)ix[j] * stride;
         tp[j] = R[0];
         tm[j] = R[fstride];
@@ -605,9 +605,19 @@ static void run_range(range_job *job) {
         s.head = stream_head(&s);
         streams[live++] = s;
     }
-    const int tile = g_tile, pd = g_prefetch;
-    uint32_t ibuf[2][TILE_MAX + MERGE_SLACK];
-    float gbuf[2][TILE_MAX + MERGE_SLACK];
+    const int tile = g_tile, pd = g_prefetch, pmode = g_prefetch_mode;
+    /* Two merged tiles (double buffering: the next one is merged before the current
+     * one is applied, so its first coordinates can be prefetched) and the Adam
+     * per-field arrays; on the heap, since callers' threads may have small stacks. */
+    char *scratch = aligned_alloc(64, sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]) +
+                                          sizeof(float[4 * TILE_BUF]));
+    if (!scratch) {
+        job->rc = STELLA_E_NOMEM;
+        return;
+    }
+    uint32_t(*ibuf)[TILE_BUF] = (uint32_t(*)[TILE_BUF])scratch;
+    float(*gbuf)[TILE_BUF] = (float(*)[TILE_BUF])(scratch + sizeof(uint32_t[2][TILE_BUF]));
+    float *abuf = (float *)(scratch + sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]));
     window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL};
     if (live > 1) {
         /* Window: about 256 pushed entries, between 1 and 64 Ki coordinates. */
@@ -622,6 +632,7 @@ static void run_range(range_job *job) {
         if (!wm.acc || !wm.flag) {
             free(wm.acc);
             free(wm.flag);
+            free(scratch);
             job->rc = STELLA_E_NOMEM;
             return;
         }
@@ -637,7 +648,6 @@ static void run_range(range_job *job) {
     const stella_optim_cfg *c = job->cfg;
     float *mem = st->mem;
     const uint32_t last1 = (uint32_t)(st->len1 - 1), last2 = (uint32_t)(st->len2 - 1);
-    float abuf[4 * TILE_BUF] __attribute__((aligned(64)));
     while (n > 0) {
         int nxt = cur ^ 1;
         int nn = NEXT_TILE(ibuf[nxt], gbuf[nxt]);
@@ -645,15 +655,15 @@ static void run_range(range_job *job) {
         const float *g = gbuf[cur];
         if (st->kind == STELLA_OPT_SGD) {
             if (st->layout == STELLA_LAYOUT_INTERLEAVED)
-                sgd_tile(mem, 2, 1, ix, g, n, nx, nn, c, pd);
+                sgd_tile(mem, 2, 1, ix, g, n, nx, nn, c, pd, pmode);
             else
-                sgd_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd);
+                sgd_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd, pmode);
         } else {
             uint32_t k;
             if (st->layout == STELLA_LAYOUT_INTERLEAVED)
-                k = adam_tile(mem, 4, 1, ix, g, n, nx, nn, c, pd, st->sstab, last1, st->tab2, last2, abuf);
+                k = adam_tile(mem, 4, 1, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2, abuf);
             else
-                k = adam_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd, st->sstab, last1, st->tab2, last2,
+                k = adam_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2,
                               abuf);
             kmax = k > kmax ? k : kmax;
         }
@@ -663,6 +673,7 @@ static void run_range(range_job *job) {
         cur = nxt;
     }
 #undef NEXT_TILE
+    free(scratch);
     free(wm.acc);
     free(wm.flag);
     job->count = total;
