@@ -205,7 +205,7 @@ def run_case(rows, name, numel, density, workers, bw, reps, torch_reps=2, seed=0
     scale = 1.0 / workers
     union = np.unique(np.concatenate([i for i, _ in sets[0]]))
     record = 2 if name == "sgd" else 4
-    floor = rmw_floor(numel, record, union.astype(np.int32), 3)
+    floor = rmw_floor(numel, record, union.astype(np.int32), 10)
 
     def row(impl, threads, best):
         (ups, ups_cpu, union_, pushes) = best

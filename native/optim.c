@@ -1,11 +1,12 @@
-/* Lazy sparse optimizers: k-way merge of sorted pushes fused with the update.
+/* Lazy sparse optimizers: merge of sorted pushes fused with the update.
  *
  * One pass per thread over its contiguous coordinate range: the W sorted index
  * streams are merged (duplicates summed in push order, then scaled once) into a
- * small tile that stays in L1, and the tile is applied to the state while the
+ * small tile that stays in cache, and the tile is applied to the state while the
  * next tile's state lines are already being prefetched. State is interleaved per
  * coordinate ({p, buf} for SGD, {p, m, v, step} for Adam/AdamW: one 16-byte record,
  * four per cache line), so a random update costs one cache line instead of four.
+ * Design and measurements: docs/optimizer.md.
  * Every float operation follows server/stella_ps/optim_ref.py in order and in
  * float32, so results are bit-identical to the reference (the build is ISO C11:
  * GCC does not contract a*b+c into FMAs there).
@@ -52,14 +53,15 @@ struct stella_optim {
     int64_t sat1, sat2; /* first k with beta^k < 2^-40: later steps reuse entry sat */
 };
 
+/* Defaults measured in docs/optimizer.md; changed only by benchmarks. */
 static int g_prefetch = 24;
 static int g_tile = 2048;
-static int g_prefetch_mode = 0;
+static int g_prefetch_mode = 0; /* 0: prefetchw into L1, 1: prefetcht1 into L2 */
 
 void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode) {
     if (prefetch_distance >= 0) g_prefetch = prefetch_distance > 1024 ? 1024 : prefetch_distance;
     if (tile > 0) g_tile = tile > TILE_MAX ? TILE_MAX : (tile < 16 ? 16 : tile);
-    if (mode >= 0 && mode <= 2) g_prefetch_mode = mode;
+    if (mode == 0 || mode == 1) g_prefetch_mode = mode;
 }
 
 /* ---------------------------------------------------------------- allocation */

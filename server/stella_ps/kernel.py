@@ -189,6 +189,9 @@ class KernelTensorState:
     ``layout`` is ``"interleaved"`` (default: one record per coordinate) or
     ``"planar"`` (one array per field, kept for measurements); ``hugepages`` asks
     the OS for 2 MiB pages for the state.
+
+    The C calls release the GIL; one state must not be used from two threads at
+    once (the server applies a tensor's steps one after another).
     """
 
     def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, layout: str = "interleaved",
