@@ -29,7 +29,7 @@ from stella_ps.optim import OptimizerConfig
 
 LINE = 64
 F32 = np.float32
-DEFAULT_TUNING = (24, 2048, 0)  # what native/optim.c starts with: distance, tile, kind
+DEFAULT_TUNING = (96, 2048, 1)  # what native/optim.c starts with: distance, tile, kind
 
 
 def loadavg() -> str:
@@ -323,7 +323,7 @@ def explore(rows, numel, bw, reps, names=("adamw", "sgd"), density=0.01, variant
                  "step_ms": u / ups * 1e3, "updates_per_s": ups, "updates_per_cpu_s": ups_cpu,
                  "bytes_per_update": bpu, "triad_gbps": bw, "bw_fraction": ups * bpu / (bw * 1e9),
                  "loadavg": loadavg(), "layout": layout, "hugepages": huge, "prefetch": pd,
-                 "prefetch_kind": ["prefetchw-L1", "prefetcht1-L2"][mode], "tile": tile}
+                 "prefetch_kind": ["prefetchw-L1", "prefetcht1-L2", "prefetchw-L1+merge", "prefetcht1-L2+merge"][mode], "tile": tile}
             rows.append(r)
             print_row(r)
         del states
@@ -336,6 +336,10 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     ap.add_argument("--explore", action="store_true", help="layout / prefetch / huge-page measurements")
     ap.add_argument("--params", type=int, nargs="*", help="override the parameter counts")
+    ap.add_argument("--optimizers", nargs="*", choices=["sgd", "adamw"], help="only these optimizers")
+    ap.add_argument("--densities", type=float, nargs="*", help="override the per-worker densities")
+    ap.add_argument("--workers", type=int, nargs="*", help="override the worker counts")
+    ap.add_argument("--reps", type=int, help="timed reps per stella case (torch: a third of it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     bw = triad_gbps(20_000_000 if args.quick else 50_000_000)
@@ -346,13 +350,13 @@ def main(argv=None):
         explore(rows, (args.params or [100_000_000])[0], bw, 3 if args.quick else 5)
     else:
         sizes = args.params or ([10_000_000] if args.quick else [10_000_000, 100_000_000])
-        densities = (0.01,) if args.quick else (0.001, 0.01, 0.1)
+        densities = args.densities or ((0.01,) if args.quick else (0.001, 0.01, 0.1))
         for numel in sizes:
-            reps = 3 if numel >= 50_000_000 or args.quick else 5
-            torch_reps = 1 if numel >= 50_000_000 or args.quick else 2
-            for name in ("sgd", "adamw"):
+            reps = args.reps or (3 if numel >= 50_000_000 or args.quick else 5)
+            torch_reps = max(1, reps // 3) if args.reps else (1 if numel >= 50_000_000 or args.quick else 2)
+            for name in args.optimizers or ("sgd", "adamw"):
                 for density in densities:
-                    for workers in (1, 4):
+                    for workers in args.workers or (1, 4):
                         if args.quick and density > 0.05:
                             continue
                         run_case(rows, name, numel, density, workers, bw, reps, torch_reps)

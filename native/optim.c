@@ -54,14 +54,18 @@ struct stella_optim {
 };
 
 /* Defaults measured in docs/optimizer.md; changed only by benchmarks. */
-static int g_prefetch = 24;
+static int g_prefetch = 96;
 static int g_tile = 2048;
-static int g_prefetch_mode = 0; /* 0: prefetchw into L1, 1: prefetcht1 into L2 */
+static int g_prefetch_mode = 1; /* 0: prefetchw into L1, 1: prefetcht1 into L2 */
+static int g_early_prefetch = 0; /* also prefetch a tile's lines while merging it */
 
 void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode) {
     if (prefetch_distance >= 0) g_prefetch = prefetch_distance > 1024 ? 1024 : prefetch_distance;
     if (tile > 0) g_tile = tile > TILE_MAX ? TILE_MAX : (tile < 16 ? 16 : tile);
-    if (mode == 0 || mode == 1) g_prefetch_mode = mode;
+    if (mode >= 0 && mode <= 3) {
+        g_prefetch_mode = mode & 1;
+        g_early_prefetch = mode >> 1;
+    }
 }
 
 /* ---------------------------------------------------------------- allocation */
@@ -437,12 +441,36 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
 #endif
 }
 
-static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap) {
+#define PREFETCH_W(addr) __builtin_prefetch((addr), 1, 3)
+
+/* Early prefetch: the state lines of a tile are requested while the tile is being
+ * merged, one tile before it is applied, so the memory system also works during
+ * the merge (otherwise it idles there, with only the apply loop's few lookahead
+ * prefetches in flight). mem == NULL: off. */
+typedef struct {
+    float *mem;
+    int64_t stride, fstride;
+    int nf;
+} early_prefetch;
+
+static inline void prefetch_new(const early_prefetch *ep, const uint32_t *oi, int from, int to) {
+    if (!ep->mem) return;
+    for (int e = from; e < to; e++) {
+        float *base = ep->mem + (int64_t)oi[e] * ep->stride;
+        PREFETCH_W(base);
+        if (ep->fstride != 1)
+            for (int f = 1; f < ep->nf; f++) PREFETCH_W(base + f * ep->fstride);
+    }
+}
+
+static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
     int n = 0;
     for (;;) {
         while (wm->sweep < wm->len) {
             if (n + 64 > cap + MERGE_SLACK) return n;
-            n += sweep_block(wm, wm->sweep, oi + n, og + n);
+            const int got = sweep_block(wm, wm->sweep, oi + n, og + n);
+            prefetch_new(ep, oi, n, n + got);
+            n += got;
             wm->sweep += 64;
         }
         if (n >= cap || !window_fill(wm)) return n;
@@ -450,7 +478,7 @@ static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap) {
 }
 
 /* One pushed stream: no merge at all, values converted and scaled. */
-static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap) {
+static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
     int64_t take = a->end - a->pos;
     if (take > cap) take = cap;
     for (int64_t j = 0; j < take; j++) {
@@ -458,14 +486,13 @@ static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int ca
         oi[j] = a->idx ? (uint32_t)a->idx[p] : (uint32_t)p;
         og[j] = (0.0f + load_val(a->val, a->dt, p)) * scale;
     }
+    prefetch_new(ep, oi, 0, (int)take);
     a->pos += take;
     a->head = stream_head(a);
     return (int)take;
 }
 
 /* ----------------------------------------------------------------- updates */
-
-#define PREFETCH_W(addr) __builtin_prefetch((addr), 1, 3)
 
 /* Prefetch the state of the coordinate `ahead` positions on: from this tile, or
  * from the head of the next one. */
@@ -641,8 +668,10 @@ static void run_range(range_job *job) {
         memset(wm.acc, 0, (size_t)B * sizeof(float));
         memset(wm.flag, 0, (size_t)B);
     }
-#define NEXT_TILE(oi, og) \
-    (live > 1 ? window_tile(&wm, (oi), (og), tile) : live ? single_tile(streams, job->scale, (oi), (og), tile) : 0)
+    const early_prefetch ep = {g_early_prefetch ? st->mem : NULL, st->stride, st->fstride, st->nfields};
+#define NEXT_TILE(oi, og)                                                                      \
+    (live > 1 ? window_tile(&wm, (oi), (og), tile, &ep)                                        \
+              : live ? single_tile(streams, job->scale, (oi), (og), tile, &ep) : 0)
     int cur = 0;
     int n = NEXT_TILE(ibuf[0], gbuf[0]);
     int64_t total = 0;
