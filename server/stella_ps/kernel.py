@@ -232,12 +232,13 @@ class KernelTensorState:
         return self._cfg_c
 
     def apply(self, pushes: Sequence[tuple[np.ndarray | None, np.ndarray]], scale: float,
-              cfg: OptimizerConfig, *, trusted: bool = False) -> np.ndarray:
+              cfg: OptimizerConfig) -> np.ndarray:
         """Merge ``pushes``, apply ``scale`` times their sum with the lazy optimizer.
 
-        Returns the sorted union of the touched indices (int32). ``trusted=True``
-        skips the O(n) order and range scan of the indices, for callers that have
-        already validated them; dtype, shape and contiguity are always checked.
+        Returns the sorted union of the touched indices (int32). Every push is
+        checked first (dtype, shape, contiguity, strictly increasing, in range: the
+        scan costs ~0.6 ns per index, ~2% of an update), so bad input raises
+        :class:`KernelInputError` and changes nothing, whatever the caller checked.
         """
         c_cfg = self._config(cfg)
         w = len(pushes)
@@ -254,12 +255,7 @@ class KernelTensorState:
                 n = self.numel
                 c_push[k].idx = ffi.NULL
             else:
-                if trusted:
-                    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 \
-                            or not idx.flags.c_contiguous:
-                        raise KernelInputError(f"{what}: indices must be a contiguous 1-D int32 array")
-                else:
-                    _sorted_indices(idx, self.numel, what)
+                _sorted_indices(idx, self.numel, what)
                 n = idx.shape[0]
                 ib = ffi.from_buffer("int32_t[]", idx)
                 keep.append(ib)
