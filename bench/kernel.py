@@ -8,10 +8,14 @@ index_add_, update by index_select / index_copy_); and a dense torch optimizer s
 over the whole tensor. ``density`` is each worker's push density; pushes are random
 sorted unique index sets, independent per worker (so they overlap), and
 ``updates/s`` counts coordinate updates (the union of the pushes) per second for
-every implementation. A STREAM-style triad gives this machine's one-core bandwidth;
-``B/upd`` models the DRAM bytes an update moves in each implementation's layout,
-and ``%bw`` is the resulting share of the triad bandwidth. ``--explore`` measures
-the layout/prefetch/huge-page choices of the kernel (docs/optimizer.md).
+every implementation; every timed apply gets fresh pushes and the best rep is
+shown (``cpu``: per CPU second of the process). A STREAM-style triad gives this
+machine's one-core bandwidth; ``B/upd`` models the DRAM bytes an update moves in
+each implementation's layout, ``%bw`` is the resulting share of the triad
+bandwidth, and ``floor`` times the cheapest possible random read-modify-write of
+the case's touched lines (a C probe), i.e. the update rate if updates were free.
+``--explore`` measures the layout/prefetch/huge-page choices of the kernel
+(docs/optimizer.md).
 """
 from __future__ import annotations
 
@@ -71,17 +75,6 @@ def config(name: str) -> OptimizerConfig:
     if name == "sgd":
         return OptimizerConfig.from_wire({"name": "sgd", "lr": 0.01, "momentum": 0.9})
     return OptimizerConfig.from_wire({"name": "adamw", "lr": 1e-3, "weight_decay": 0.01})
-
-
-def best_time(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 # ----------------------------------------------------------------- torch baselines
@@ -263,7 +256,7 @@ def print_row(r):
           f"{r['bytes_per_update']:>7.0f}{100 * r['bw_fraction']:>5.0f}%{floor}{extra}", flush=True)
 
 
-EXPLORE_VARIANTS = [  # (layout, hugepages, prefetch distance, prefetch kind, tile)
+EXPLORE_VARIANTS = [  # (layout, hugepages, prefetch distance, prefetch kind (set_tuning mode), tile)
     ("interleaved", True, 0, 0, 512),
     ("interleaved", True, 8, 0, 512),
     ("interleaved", True, 16, 0, 512),
@@ -280,7 +273,7 @@ EXPLORE_VARIANTS = [  # (layout, hugepages, prefetch distance, prefetch kind, ti
 
 
 def explore(rows, numel, bw, reps, names=("adamw", "sgd"), density=0.01, variants=EXPLORE_VARIANTS):
-    """Layout, huge pages, prefetch distance/kind and tile, one thread, interleaved in time.
+    """Layout, huge pages, prefetch distance/kind/tile of the kernel, one thread, interleaved in time.
 
     Variants take turns (rep by rep) and every apply gets a fresh push set, so drifting
     load from other processes and cache reuse between reps hit every variant alike.
