@@ -1,11 +1,12 @@
-/* Lazy sparse optimizers: k-way merge of sorted pushes fused with the update.
+/* Lazy sparse optimizers: merge of sorted pushes fused with the update.
  *
  * One pass per thread over its contiguous coordinate range: the W sorted index
  * streams are merged (duplicates summed in push order, then scaled once) into a
- * small tile that stays in L1, and the tile is applied to the state while the
+ * small tile that stays in cache, and the tile is applied to the state while the
  * next tile's state lines are already being prefetched. State is interleaved per
  * coordinate ({p, buf} for SGD, {p, m, v, step} for Adam/AdamW: one 16-byte record,
  * four per cache line), so a random update costs one cache line instead of four.
+ * Design and measurements: docs/optimizer.md.
  * Every float operation follows server/stella_ps/optim_ref.py in order and in
  * float32, so results are bit-identical to the reference (the build is ISO C11:
  * GCC does not contract a*b+c into FMAs there).
@@ -44,17 +45,27 @@ struct stella_optim {
     double tb1, tb2;
     double *tab1;
     float *tab2;
+    float *sstab; /* (float)(lr / tab1[k]) for the lr it was built with */
+    double sslr;
+    int64_t sslen, sscap;
     int64_t len1, len2; /* entries built (index 0 unused) */
     int64_t cap1, cap2;
     int64_t sat1, sat2; /* first k with beta^k < 2^-40: later steps reuse entry sat */
 };
 
-static int g_prefetch = 24;
-static int g_tile = 512;
+/* Defaults measured in docs/optimizer.md; changed only by benchmarks. */
+static int g_prefetch = 96;
+static int g_tile = 2048;
+static int g_prefetch_mode = 1; /* 0: prefetchw into L1, 1: prefetcht1 into L2 */
+static int g_early_prefetch = 0; /* also prefetch a tile's lines while merging it */
 
-void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile) {
+void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode) {
     if (prefetch_distance >= 0) g_prefetch = prefetch_distance > 1024 ? 1024 : prefetch_distance;
     if (tile > 0) g_tile = tile > TILE_MAX ? TILE_MAX : (tile < 16 ? 16 : tile);
+    if (mode >= 0 && mode <= 3) {
+        g_prefetch_mode = mode & 1;
+        g_early_prefetch = mode >> 1;
+    }
 }
 
 /* ---------------------------------------------------------------- allocation */
@@ -96,7 +107,7 @@ stella_optim *stella_optim_new(int32_t kind, int64_t numel, int32_t layout, int3
     memset(p, 0, bytes);
     st->mem = p;
     st->bytes = bytes;
-    st->tb1 = st->tb2 = NAN;
+    st->tb1 = st->tb2 = st->sslr = NAN;
     return st;
 }
 
@@ -105,6 +116,7 @@ void stella_optim_free(stella_optim *st) {
     free(st->mem);
     free(st->tab1);
     free(st->tab2);
+    free(st->sstab);
     free(st);
 }
 
@@ -159,10 +171,11 @@ static int64_t saturation_step(double b) {
 }
 
 /* Make tab1/tab2 valid for every step up to `need` (or their saturation step). */
-static int ensure_tables(stella_optim *st, double b1, double b2, int64_t need) {
+static int ensure_tables(stella_optim *st, double lr, double b1, double b2, int64_t need) {
     if (b1 != st->tb1) {
         st->tb1 = b1;
         st->len1 = 1;
+        st->sslen = 0;
         st->sat1 = saturation_step(b1);
     }
     if (b2 != st->tb2) {
@@ -192,6 +205,19 @@ static int ensure_tables(stella_optim *st, double b1, double b2, int64_t need) {
     for (int64_t k = st->len2; k < want2; k++) st->tab2[k] = (float)sqrt(1.0 - pow(b2, (double)k));
     if (want1 > st->len1) st->len1 = want1;
     if (want2 > st->len2) st->len2 = want2;
+    /* The learning rate changes with schedules, often every step: this table is
+     * short (up to beta1's saturation step, 264 entries for 0.9). */
+    if (st->len1 > st->sscap) {
+        float *t = realloc(st->sstab, (size_t)st->cap1 * sizeof *t);
+        if (!t) return STELLA_E_NOMEM;
+        st->sstab = t;
+        st->sscap = st->cap1;
+    }
+    if (lr != st->sslr) st->sslen = 0;
+    for (int64_t k = st->sslen ? st->sslen : 1; k < st->len1; k++) st->sstab[k] = (float)(lr / st->tab1[k]);
+    st->sstab[0] = 0.0f;
+    st->sslen = st->len1;
+    st->sslr = lr;
     return STELLA_OK;
 }
 
@@ -287,6 +313,7 @@ typedef struct {
 } window_merge;
 
 #define MERGE_SLACK 64 /* the sweep may store up to 64 entries past the count */
+#define TILE_BUF (TILE_MAX + MERGE_SLACK)
 
 static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint8_t *flag) {
     if (!st->idx) { /* dense: every coordinate of the window, position == coordinate */
@@ -414,12 +441,36 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
 #endif
 }
 
-static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap) {
+#define PREFETCH_W(addr) __builtin_prefetch((addr), 1, 3)
+
+/* Early prefetch: the state lines of a tile are requested while the tile is being
+ * merged, one tile before it is applied, so the memory system also works during
+ * the merge (otherwise it idles there, with only the apply loop's few lookahead
+ * prefetches in flight). mem == NULL: off. */
+typedef struct {
+    float *mem;
+    int64_t stride, fstride;
+    int nf;
+} early_prefetch;
+
+static inline void prefetch_new(const early_prefetch *ep, const uint32_t *oi, int from, int to) {
+    if (!ep->mem) return;
+    for (int e = from; e < to; e++) {
+        float *base = ep->mem + (int64_t)oi[e] * ep->stride;
+        PREFETCH_W(base);
+        if (ep->fstride != 1)
+            for (int f = 1; f < ep->nf; f++) PREFETCH_W(base + f * ep->fstride);
+    }
+}
+
+static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
     int n = 0;
     for (;;) {
         while (wm->sweep < wm->len) {
             if (n + 64 > cap + MERGE_SLACK) return n;
-            n += sweep_block(wm, wm->sweep, oi + n, og + n);
+            const int got = sweep_block(wm, wm->sweep, oi + n, og + n);
+            prefetch_new(ep, oi, n, n + got);
+            n += got;
             wm->sweep += 64;
         }
         if (n >= cap || !window_fill(wm)) return n;
@@ -427,7 +478,7 @@ static int window_tile(window_merge *wm, uint32_t *oi, float *og, int cap) {
 }
 
 /* One pushed stream: no merge at all, values converted and scaled. */
-static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap) {
+static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
     int64_t take = a->end - a->pos;
     if (take > cap) take = cap;
     for (int64_t j = 0; j < take; j++) {
@@ -435,14 +486,13 @@ static int single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int ca
         oi[j] = a->idx ? (uint32_t)a->idx[p] : (uint32_t)p;
         og[j] = (0.0f + load_val(a->val, a->dt, p)) * scale;
     }
+    prefetch_new(ep, oi, 0, (int)take);
     a->pos += take;
     a->head = stream_head(a);
     return (int)take;
 }
 
 /* ----------------------------------------------------------------- updates */
-
-#define PREFETCH_W(addr) __builtin_prefetch((addr), 1, 3)
 
 /* Prefetch the state of the coordinate `ahead` positions on: from this tile, or
  * from the head of the next one. */
@@ -453,9 +503,13 @@ static inline int32_t ahead_index(const uint32_t *ix, int n, const uint32_t *nx,
     return a < nn ? (int32_t)nx[a] : -1;
 }
 
-static inline void prefetch_coord(float *mem, int64_t stride, int64_t fstride, int nf, int32_t i) {
+static inline void prefetch_coord(float *mem, int64_t stride, int64_t fstride, int nf, int32_t i, int pmode) {
     if (i < 0) return;
     float *base = mem + (int64_t)i * stride;
+    if (pmode == 1) {
+        __builtin_prefetch(base, 0, 2);
+        return;
+    }
     PREFETCH_W(base);
     if (fstride != 1)
         for (int f = 1; f < nf; f++) PREFETCH_W(base + f * fstride);
@@ -466,11 +520,11 @@ static inline void prefetch_coord(float *mem, int64_t stride, int64_t fstride, i
 static inline __attribute__((always_inline)) void sgd_tile(float *mem, int64_t stride, int64_t fstride,
                                                            const uint32_t *ix, const float *g, int n,
                                                            const uint32_t *nx, int nn,
-                                                           const stella_optim_cfg *c, int pd) {
+                                                           const stella_optim_cfg *c, int pd, int pmode) {
     const float lr = c->lr, wd = c->weight_decay, mom = c->momentum, omd = c->one_minus_dampening;
     const int has_wd = c->has_weight_decay, has_mom = c->has_momentum, nest = c->nesterov;
     for (int j = 0; j < n; j++) {
-        if (pd) prefetch_coord(mem, stride, fstride, 2, ahead_index(ix, n, nx, nn, j, pd));
+        if (pd) prefetch_coord(mem, stride, fstride, 2, ahead_index(ix, n, nx, nn, j, pd), pmode);
         float *P = mem + (int64_t)ix[j] * stride;
         float *B = P + fstride;
         float p = *P, d = g[j];
@@ -484,37 +538,64 @@ static inline __attribute__((always_inline)) void sgd_tile(float *mem, int64_t s
     }
 }
 
-static inline __attribute__((always_inline)) uint32_t adam_tile(float *mem, int64_t stride, int64_t fstride,
-                                                                const uint32_t *ix, const float *g, int n,
-                                                                const uint32_t *nx, int nn,
-                                                                const stella_optim_cfg *c, int pd,
-                                                                const double *tab1, int64_t last1,
-                                                                const float *tab2, int64_t last2) {
+/* The vectorised middle pass of adam_tile (separate so that the restrict
+ * qualifiers reach the vectoriser). */
+static uint32_t adam_math(float *STELLA_RESTRICT tp, float *STELLA_RESTRICT tm, float *STELLA_RESTRICT tv,
+                          uint32_t *STELLA_RESTRICT tk, const float *STELLA_RESTRICT gg, int n,
+                          const stella_optim_cfg *c, const float *STELLA_RESTRICT sstab, uint32_t last1,
+                          const float *STELLA_RESTRICT tab2, uint32_t last2) {
     const float b1 = c->beta1, b2 = c->beta2, omb1 = c->one_minus_beta1, omb2 = c->one_minus_beta2;
     const float eps = c->eps, wd = c->weight_decay, decay = c->decay_factor;
-    const double lr_d = c->lr_d;
     const int adamw_decay = c->kind == STELLA_OPT_ADAMW && c->has_weight_decay;
     const int l2 = c->kind == STELLA_OPT_ADAM && c->has_weight_decay;
     uint32_t kmax = 0;
     for (int j = 0; j < n; j++) {
-        if (pd) prefetch_coord(mem, stride, fstride, 4, ahead_index(ix, n, nx, nn, j, pd));
-        float *P = mem + (int64_t)ix[j] * stride;
-        float *M = P + fstride, *V = P + 2 * fstride;
-        uint32_t *S = (uint32_t *)(P + 3 * fstride);
-        uint32_t k = *S + 1;
-        *S = k;
+        const uint32_t k = tk[j] + 1;
+        tk[j] = k;
         kmax = k > kmax ? k : kmax;
-        float p = *P;
-        if (adamw_decay) p = p * decay;
-        float d = l2 ? g[j] + wd * p : g[j];
-        float m = b1 * *M + omb1 * d;
-        float v = b2 * *V + omb2 * d * d;
-        *M = m;
-        *V = v;
-        int64_t k1 = k < last1 ? k : last1, k2 = k < last2 ? k : last2;
-        float step_size = (float)(lr_d / tab1[k1]);
-        float denom = sqrtf(v) / tab2[k2] + eps;
-        *P = p - step_size * (m / denom);
+        float p = tp[j];
+        p = adamw_decay ? p * decay : p;
+        const float d = l2 ? gg[j] + wd * p : gg[j];
+        const float m = b1 * tm[j] + omb1 * d;
+        const float v = b2 * tv[j] + omb2 * d * d;
+        const uint32_t k1 = k < last1 ? k : last1, k2 = k < last2 ? k : last2;
+        const float denom = sqrtf(v) / tab2[k2] + eps;
+        tp[j] = p - sstab[k1] * (m / denom);
+        tm[j] = m;
+        tv[j] = v;
+    }
+    return kmax;
+}
+
+/* Adam/AdamW over one tile in three passes: gather the records into small
+ * per-field arrays (the loop the prefetches run ahead of), update them with
+ * vector arithmetic (AVX-512: 16 coordinates per instruction, the sqrt and the
+ * divisions included), scatter them back. The scalar fused loop spent ~6 ns per
+ * coordinate in the divider alone. */
+static inline __attribute__((always_inline)) uint32_t adam_tile(float *mem, int64_t stride, int64_t fstride,
+                                                                const uint32_t *ix, const float *g, int n,
+                                                                const uint32_t *nx, int nn,
+                                                                const stella_optim_cfg *c, int pd, int pmode,
+                                                                const float *sstab, uint32_t last1,
+                                                                const float *tab2, uint32_t last2,
+                                                                float *buf) {
+    float *tp = buf, *tm = buf + TILE_BUF, *tv = buf + 2 * TILE_BUF;
+    uint32_t *tk = (uint32_t *)(buf + 3 * TILE_BUF);
+    for (int j = 0; j < n; j++) {
+        if (pd) prefetch_coord(mem, stride, fstride, 4, ahead_index(ix, n, nx, nn, j, pd), pmode);
+        const float *R = mem + (int64_t)ix[j] * stride;
+        tp[j] = R[0];
+        tm[j] = R[fstride];
+        tv[j] = R[2 * fstride];
+        tk[j] = ((const uint32_t *)R)[3 * fstride];
+    }
+    const uint32_t kmax = adam_math(tp, tm, tv, tk, g, n, c, sstab, last1, tab2, last2);
+    for (int j = 0; j < n; j++) {
+        float *R = mem + (int64_t)ix[j] * stride;
+        R[0] = tp[j];
+        R[fstride] = tm[j];
+        R[2 * fstride] = tv[j];
+        ((uint32_t *)R)[3 * fstride] = tk[j];
     }
     return kmax;
 }
@@ -553,9 +634,19 @@ static void run_range(range_job *job) {
         s.head = stream_head(&s);
         streams[live++] = s;
     }
-    const int tile = g_tile, pd = g_prefetch;
-    uint32_t ibuf[2][TILE_MAX + MERGE_SLACK];
-    float gbuf[2][TILE_MAX + MERGE_SLACK];
+    const int tile = g_tile, pd = g_prefetch, pmode = g_prefetch_mode;
+    /* Two merged tiles (double buffering: the next one is merged before the current
+     * one is applied, so its first coordinates can be prefetched) and the Adam
+     * per-field arrays; on the heap, since callers' threads may have small stacks. */
+    char *scratch = aligned_alloc(64, sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]) +
+                                          sizeof(float[4 * TILE_BUF]));
+    if (!scratch) {
+        job->rc = STELLA_E_NOMEM;
+        return;
+    }
+    uint32_t(*ibuf)[TILE_BUF] = (uint32_t(*)[TILE_BUF])scratch;
+    float(*gbuf)[TILE_BUF] = (float(*)[TILE_BUF])(scratch + sizeof(uint32_t[2][TILE_BUF]));
+    float *abuf = (float *)(scratch + sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]));
     window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL};
     if (live > 1) {
         /* Window: about 256 pushed entries, between 1 and 64 Ki coordinates. */
@@ -570,21 +661,24 @@ static void run_range(range_job *job) {
         if (!wm.acc || !wm.flag) {
             free(wm.acc);
             free(wm.flag);
+            free(scratch);
             job->rc = STELLA_E_NOMEM;
             return;
         }
         memset(wm.acc, 0, (size_t)B * sizeof(float));
         memset(wm.flag, 0, (size_t)B);
     }
-#define NEXT_TILE(oi, og) \
-    (live > 1 ? window_tile(&wm, (oi), (og), tile) : live ? single_tile(streams, job->scale, (oi), (og), tile) : 0)
+    const early_prefetch ep = {g_early_prefetch ? st->mem : NULL, st->stride, st->fstride, st->nfields};
+#define NEXT_TILE(oi, og)                                                                      \
+    (live > 1 ? window_tile(&wm, (oi), (og), tile, &ep)                                        \
+              : live ? single_tile(streams, job->scale, (oi), (og), tile, &ep) : 0)
     int cur = 0;
     int n = NEXT_TILE(ibuf[0], gbuf[0]);
     int64_t total = 0;
     uint32_t kmax = 0;
     const stella_optim_cfg *c = job->cfg;
     float *mem = st->mem;
-    const int64_t last1 = st->len1 - 1, last2 = st->len2 - 1;
+    const uint32_t last1 = (uint32_t)(st->len1 - 1), last2 = (uint32_t)(st->len2 - 1);
     while (n > 0) {
         int nxt = cur ^ 1;
         int nn = NEXT_TILE(ibuf[nxt], gbuf[nxt]);
@@ -592,15 +686,16 @@ static void run_range(range_job *job) {
         const float *g = gbuf[cur];
         if (st->kind == STELLA_OPT_SGD) {
             if (st->layout == STELLA_LAYOUT_INTERLEAVED)
-                sgd_tile(mem, 2, 1, ix, g, n, nx, nn, c, pd);
+                sgd_tile(mem, 2, 1, ix, g, n, nx, nn, c, pd, pmode);
             else
-                sgd_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd);
+                sgd_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd, pmode);
         } else {
             uint32_t k;
             if (st->layout == STELLA_LAYOUT_INTERLEAVED)
-                k = adam_tile(mem, 4, 1, ix, g, n, nx, nn, c, pd, st->tab1, last1, st->tab2, last2);
+                k = adam_tile(mem, 4, 1, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2, abuf);
             else
-                k = adam_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd, st->tab1, last1, st->tab2, last2);
+                k = adam_tile(mem, 1, st->fstride, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2,
+                              abuf);
             kmax = k > kmax ? k : kmax;
         }
         memcpy(job->out + total, ix, (size_t)n * 4);
@@ -609,6 +704,7 @@ static void run_range(range_job *job) {
         cur = nxt;
     }
 #undef NEXT_TILE
+    free(scratch);
     free(wm.acc);
     free(wm.flag);
     job->count = total;
@@ -646,7 +742,7 @@ int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t 
     if (out_cap < bound || (bound > 0 && !out_idx)) return STELLA_E_ARG;
     if (bound == 0) return 0;
     if (st->kind != STELLA_OPT_SGD) {
-        int rc = ensure_tables(st, cfg->beta1_d, cfg->beta2_d, (int64_t)st->max_step + 1);
+        int rc = ensure_tables(st, cfg->lr_d, cfg->beta1_d, cfg->beta2_d, (int64_t)st->max_step + 1);
         if (rc != STELLA_OK) return rc;
     }
 

@@ -178,8 +178,10 @@ def test_threads_give_identical_results(name, dense):
     numel = 300_000
     init = rng.standard_normal(numel).astype(F32)
     states = {t: KernelTensorState(init, cfg) for t in (1, 2)}
+    ref = RefTensorState(init, cfg)
     for step in range(3):
         pushes = [make_push(rng, numel, 0.2, dense and w == 0, ["f32", "f16", "bf16"][w % 3]) for w in range(3)]
+        ref.apply([as_ref_push(p) for p in pushes], 1 / 3, cfg)
         touched = {}
         for t, s in states.items():
             kernel.set_num_threads(t)
@@ -193,6 +195,8 @@ def test_threads_give_identical_results(name, dense):
     a1, a2 = states[1].state_arrays(), states[2].state_arrays()
     for n in a1:
         assert a1[n].tobytes() == a2[n].tobytes(), n
+    assert touched[1].shape[0] > 4096  # several tiles per thread
+    assert_same_state(states[2], ref)
 
 
 def test_env_and_setter_for_threads():
@@ -301,3 +305,30 @@ def test_union_indices_large():
     rng = np.random.default_rng(4)
     arrays = [np.sort(rng.choice(10**6, 10**4, replace=False)).astype(np.int32) for _ in range(37)]
     np.testing.assert_array_equal(union_indices(arrays), np.unique(np.concatenate(arrays)))
+
+
+@pytest.mark.parametrize("tuning", [(0, 16, 0), (3, 16, 1), (8, 64, 2), (96, 2048, 1), (24, 4096, 3)])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_tiles_and_prefetch_do_not_change_results(name, tuning):
+    """Unions far larger than a tile: the merge stops and resumes mid-window."""
+    rng = np.random.default_rng(5)
+    hp = {"momentum": 0.9} if name == "sgd" else {"weight_decay": 0.1}
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **hp})
+    numel = 20_000
+    init = rng.standard_normal(numel).astype(F32)
+    k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
+    kernel.set_tuning(*tuning)
+    try:
+        for step in range(6):
+            pushes = [make_push(rng, numel, [0.01, 0.3, 0.9][w % 3], step == 2 and w == 0, ["f32", "bf16"][w % 2])
+                      for w in range(4)]
+            np.testing.assert_array_equal(k.apply(pushes, 0.25, cfg),
+                                          r.apply([as_ref_push(p) for p in pushes], 0.25, cfg))
+            for threads in (2, 1):  # gather through both paths
+                kernel.set_num_threads(threads)
+                idx = rng.integers(0, numel, 5000).astype(np.int32)
+                np.testing.assert_array_equal(k.gather(idx), r.param[idx])
+    finally:
+        kernel.set_tuning(96, 2048, 1)
+    for n, a in k.state_arrays().items():
+        assert a.tobytes() == getattr(r, n).tobytes(), n

@@ -63,6 +63,11 @@ int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, f
                         int32_t nthreads);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
                              int32_t *out, int64_t out_cap);
-/* Benchmark knobs (process-wide): software prefetch distance in coordinates (0 = off)
- * and the merge tile in coordinates; values <= 0 for the tile keep the current one. */
-void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile);
+/* Benchmark knobs (process-wide): software prefetch distance in coordinates (0 = off),
+ * the merge tile in coordinates, and the prefetch kind (bit 0: prefetcht1 into L2
+ * instead of prefetchw into L1; bit 1: also prefetch while merging, one tile
+ * ahead); negative values keep the current setting. */
+void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode);
+/* optim_probe.c: random read-modify-write of buf[idx[j] * stride] (bench roofline). */
+int64_t stella_probe_random_rmw(float *buf, int64_t numel, const int32_t *idx, int64_t n, int32_t stride,
+                                int32_t prefetch_distance);
