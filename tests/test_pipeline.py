@@ -109,3 +109,19 @@ def test_background_errors_surface_in_the_training_loop(make_server):
             (model.w * grad_at(t)).sum().backward()
             opt.step()
     opt.close(flush=False)
+
+
+def test_compression_started_in_backward_keeps_exact_staleness(server):
+    model = Toy()
+    w0 = model.w.detach().clone()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                          compress_in_backward=True, timeout=10)
+    used = []
+    for t in range(6):
+        used.append(model.w.detach().clone())
+        (model.w * grad_at(t)).sum().backward()
+        assert model.w.grad is None  # taken by the hook as soon as it was accumulated
+        opt.step()
+    opt.close()
+    for t, w in enumerate(used):
+        assert torch.equal(w, w0 - sum((grad_at(u) for u in range(t - 1)), torch.zeros(8)))

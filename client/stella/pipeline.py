@@ -85,6 +85,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         timeout: float | None = None,
         name: str = "",
         worker_id: int | None = None,
+        compress_in_backward: bool = False,
         client: Client | None = None,
     ):
         if staleness not in (0, 1):
@@ -108,6 +109,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         self._inflight: Future | None = None
         self._closed = False
+        self._early: dict[str, Future] = {}
+        self._compress_exec: ThreadPoolExecutor | None = None
+        if compress_in_backward:
+            self._compress_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-compress")
+            for n, p in self.params.items():
+                p.register_post_accumulate_grad_hook(self._early_hook(n))
 
         def init() -> PullResult:
             self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id)
@@ -122,14 +129,24 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._sent_hparams = self._hparams()
 
     # ------------------------------------------------------------------ helpers
+    def _early_hook(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            g, p.grad = p.grad, None  # this generation is handed off now
+            # one thread, FIFO: step t-1's compression of this key finishes before step t's starts
+            self._early[name] = self._compress_exec.submit(self.compressor.compress, name, g)
+
+        return hook
+
     def _hparams(self) -> dict[str, Any]:
         g = self.param_groups[0]
         return {k: (list(g[k]) if k == "betas" else g[k]) for k in _SERVER_HPARAMS if k in g}
 
-    def _exchange(self, grads: dict[str, torch.Tensor], version: int, since: int, hparams: dict | None) -> PullResult:
+    def _exchange(self, grads: dict[str, torch.Tensor | Future], version: int, since: int,
+                  hparams: dict | None) -> PullResult:
         """Background thread: compress, push, wait for the step, pull the delta."""
         t0 = time.perf_counter()
-        sparse = {n: self.compressor.compress(n, g) for n, g in grads.items()}
+        sparse = {n: g.result() if isinstance(g, Future) else self.compressor.compress(n, g)
+                  for n, g in grads.items()}
         t1 = time.perf_counter()
         if hparams:
             self.client.set_optimizer(**hparams)
@@ -172,7 +189,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = {}
+        grads: dict[str, torch.Tensor | Future] = dict(self._early)  # compressions started in backward
+        self._early = {}
         for n, p in self.params.items():
             if p.grad is not None:
                 grads[n] = p.grad
@@ -220,6 +238,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         finally:
             self._exec.submit(self.client.close).result()
             self._exec.shutdown(wait=True)
+            if self._compress_exec is not None:
+                self._compress_exec.shutdown(wait=True)
 
     def __enter__(self) -> "StellaOptimizer":
         return self
