@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--value-dtype", default="f16")
-    ap.add_argument("--index-coding", default="raw32")
+    ap.add_argument("--index-coding", default="rice")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args(argv)
