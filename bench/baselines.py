@@ -176,6 +176,30 @@ def _trace_collectives(path: str):
     dist.all_reduce = all_reduce
 
 
+class TrainClock:
+    """Training wall clock that leaves out held-out evaluations, and the evaluations
+    themselves (``evals``; ``reached``: the first one that met the target)."""
+
+    def __init__(self, wl, model):
+        self.wl, self.model = wl, model
+        self.evals: List[Dict] = []
+        self.reached: Optional[Dict] = None
+        self._eval_time = 0.0
+        self._t0 = time.perf_counter()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self._t0 - self._eval_time
+
+    def evaluate(self, step: int) -> float:
+        t = time.perf_counter()
+        m = self.wl.evaluate(self.model)
+        self._eval_time += time.perf_counter() - t
+        self.evals.append({"step": step, "wall": self.wall(), "metric": m})
+        if self.reached is None and self.wl.reached(m):
+            self.reached = {"step": step, "wall": self.evals[-1]["wall"]}
+        return m
+
+
 def worker(a) -> int:
     import datetime
 
@@ -216,26 +240,11 @@ def worker(a) -> int:
     dist.barrier()
 
     iters: List[Dict] = []
-    evals: List[Dict] = []
-    eval_time = 0.0
-    t_start = time.perf_counter()
+    clock = TrainClock(wl, model)
     stop = torch.zeros(1)
-
-    def train_wall():
-        return time.perf_counter() - t_start - eval_time
-
-    def do_eval(step):
-        nonlocal eval_time
-        t = time.perf_counter()
-        m = wl.evaluate(model)
-        eval_time += time.perf_counter() - t
-        evals.append({"step": step, "wall": train_wall(), "metric": m})
-        return m
-
     if a.rank == 0:
-        do_eval(0)
+        clock.evaluate(0)
     timeline["train_start"] = time.time()
-    reached_at = None
     step = 0
     while step < a.steps:
         c0 = _counters(iface)
@@ -259,24 +268,20 @@ def worker(a) -> int:
             rec["bytes_up"], rec["bytes_down"] = c1[0] - c0[0], c1[1] - c0[1]
         iters.append(rec)
         if a.rank == 0 and (step % a.eval_every == 0 or step == a.steps):
-            m = do_eval(step)
-            if reached_at is None and wl.reached(m):
-                reached_at = {"step": step, "wall": evals[-1]["wall"]}
+            clock.evaluate(step)
         # all ranks agree on stopping (time budget / target): one tiny all-reduce
         stop.zero_()
-        if a.rank == 0 and (train_wall() > a.max_seconds or (a.stop_at_target and reached_at is not None)):
+        if a.rank == 0 and (clock.wall() > a.max_seconds or (a.stop_at_target and clock.reached is not None)):
             stop.fill_(1.0)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() > 0:
             break
-    if a.rank == 0 and (not evals or evals[-1]["step"] != step):
-        m = do_eval(step)
-        if reached_at is None and wl.reached(m):
-            reached_at = {"step": step, "wall": evals[-1]["wall"]}
+    if a.rank == 0 and (not clock.evals or clock.evals[-1]["step"] != step):
+        clock.evaluate(step)
     timeline["train_end"] = time.time()
     out = {"timeline": timeline, "launched": a.launched, "rank": a.rank, "world": a.world, "system": a.system, "workload": a.workload,
-           "steps": step, "train_wall": train_wall(), "bwd_compute_calib": bwd_compute,
-           "iters": iters, "evals": evals, "reached": reached_at, "site": os.environ.get("STELLA_WAN_SITE")}
+           "steps": step, "train_wall": clock.wall(), "bwd_compute_calib": bwd_compute,
+           "iters": iters, "evals": clock.evals, "reached": clock.reached, "site": os.environ.get("STELLA_WAN_SITE")}
     with open(a.out, "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()

@@ -42,7 +42,7 @@ def worker(a) -> int:
 
     sys.path.insert(0, REPO)
     from bench import workloads as W
-    from bench.baselines import _counters  # the same byte accounting as the DDP baselines
+    from bench.baselines import TrainClock, _counters  # the same accounting as the DDP baselines
     from stella import StellaOptimizer
 
     torch.set_num_threads(a.threads)
@@ -54,24 +54,9 @@ def worker(a) -> int:
     iface = os.environ.get("STELLA_WAN_IFACE") if os.environ.get("STELLA_WAN_SITE") else None
     stop_file = os.path.join(a.log_dir, "stop_at")
     iters: List[Dict] = []
-    evals: List[Dict] = []
-    eval_time = 0.0
-    t_start = time.perf_counter()
-
-    def train_wall():
-        return time.perf_counter() - t_start - eval_time
-
-    def do_eval(step):
-        nonlocal eval_time
-        t = time.perf_counter()
-        m = wl.evaluate(model)
-        eval_time += time.perf_counter() - t
-        evals.append({"step": step, "wall": train_wall(), "metric": m})
-        return m
-
+    clock = TrainClock(wl, model)
     if a.rank == 0:
-        do_eval(0)
-    reached_at = None
+        clock.evaluate(0)
     stop_at = a.steps
     step = 0
     while step < stop_at:
@@ -96,10 +81,8 @@ def worker(a) -> int:
         iters.append(rec)
         if a.rank == 0:
             if step % a.eval_every == 0 or step == stop_at:
-                m = do_eval(step)
-                if reached_at is None and wl.reached(m):
-                    reached_at = {"step": step, "wall": evals[-1]["wall"]}
-            if stop_at == a.steps and (train_wall() > a.max_seconds or (a.stop_at_target and reached_at)):
+                clock.evaluate(step)
+            if stop_at == a.steps and (clock.wall() > a.max_seconds or (a.stop_at_target and clock.reached)):
                 stop_at = min(a.steps, step + STOP_AHEAD)
                 with open(stop_file + ".tmp", "w") as f:
                     f.write(str(stop_at))
@@ -108,13 +91,11 @@ def worker(a) -> int:
             with open(stop_file) as f:
                 stop_at = int(f.read())
     opt.synchronize()
-    if a.rank == 0 and (not evals or evals[-1]["step"] != step):
-        m = do_eval(step)
-        if reached_at is None and wl.reached(m):
-            reached_at = {"step": step, "wall": evals[-1]["wall"]}
+    if a.rank == 0 and (not clock.evals or clock.evals[-1]["step"] != step):
+        clock.evaluate(step)
     opt.close()
     out = {"rank": a.rank, "world": a.world, "system": "stella", "workload": a.workload, "steps": step,
-           "train_wall": train_wall(), "iters": iters, "evals": evals, "reached": reached_at,
+           "train_wall": clock.wall(), "iters": iters, "evals": clock.evals, "reached": clock.reached,
            "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density,
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
            "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s}
