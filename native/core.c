@@ -1,6 +1,4 @@
 /* Validation of untrusted sparse pushes, run before anything touches state. */
-#include <math.h>
-
 #include "stella_native.h"
 
 int stella_abi_version(void) { return STELLA_ABI_VERSION; }
@@ -15,25 +13,6 @@ int64_t stella_check_sparse(const int32_t *idx, int64_t n, int64_t numel) {
         if (STELLA_UNLIKELY(x < 0 || x >= numel)) return i * 4 + 1;
         if (STELLA_UNLIKELY(x <= prev)) return i * 4 + 2;
         prev = x;
-    }
-    return -1;
-}
-
-/* Position of the first NaN/Inf in val[0..n), or -1. Branch-free inner block so
- * the common all-finite case vectorises. */
-int64_t stella_first_nonfinite_f32(const float *val, int64_t n) {
-    const int64_t B = 1024;
-    for (int64_t s = 0; s < n; s += B) {
-        int64_t e = s + B < n ? s + B : n;
-        int bad = 0;
-        for (int64_t i = s; i < e; i++) {
-            uint32_t u;
-            __builtin_memcpy(&u, &val[i], 4);
-            bad |= (u & 0x7f800000u) == 0x7f800000u;
-        }
-        if (bad)
-            for (int64_t i = s; i < e; i++)
-                if (!isfinite(val[i])) return i;
     }
     return -1;
 }

@@ -1,4 +1,3 @@
-/* core.c: ABI version and input validation of sparse pushes. */
+/* core.c: ABI version and the order/range check of sparse index arrays. */
 int stella_abi_version(void);
 int64_t stella_check_sparse(const int32_t *idx, int64_t n, int64_t numel);
-int64_t stella_first_nonfinite_f32(const float *val, int64_t n);
