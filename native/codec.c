@@ -410,28 +410,18 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
 
 /* ---- values ---------------------------------------------------------------- */
 
-static inline uint32_t fbits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float bitsf(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* IEEE binary16, round to nearest even; NaN stays NaN (quiet), overflow -> inf. */
 static inline uint16_t f32_to_f16_soft(float f) {
-    uint32_t x = fbits(f);
+    uint32_t x = stella_f32_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t ax = x & 0x7fffffffu;
     if (ax >= 0x7f800000u) /* inf or NaN */
         return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x0200u | ((ax >> 13) & 0x3ffu) : 0));
     if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
     if (ax < 0x38800000u) { /* result is subnormal or zero: exact RNE via float addition */
-        float r = bitsf(ax) + 0.5f; /* 0.5 = 2^-1; the ulp of [0.5,1) is 2^-24, the f16 denormal step */
-        return (uint16_t)(sign | (fbits(r) - 0x3f000000u));
+        float r = stella_bits_f32(ax) + 0.5f; /* 0.5 = 2^-1; the ulp of [0.5,1) is 2^-24, the f16 denormal step */
+        return (uint16_t)(sign | (stella_f32_bits(r) - 0x3f000000u));
     }
     uint32_t mant_odd = (ax >> 13) & 1u;
     ax += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round */
@@ -441,12 +431,12 @@ static inline uint16_t f32_to_f16_soft(float f) {
 static inline float f16_to_f32_soft(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return bitsf(sign | 0x7f800000u | (m << 13));
+    if (e == 0x1f) return stella_bits_f32(sign | 0x7f800000u | (m << 13));
     if (e == 0) { /* zero / subnormal: m * 2^-24 exactly */
-        float v = (float)m * bitsf(0x33800000u);
-        return bitsf(sign | fbits(v));
+        float v = (float)m * stella_bits_f32(0x33800000u);
+        return stella_bits_f32(sign | stella_f32_bits(v));
     }
-    return bitsf(sign | ((e + 112) << 23) | (m << 13));
+    return stella_bits_f32(sign | ((e + 112) << 23) | (m << 13));
 }
 
 void stella_f32_to_f16(const float *in, int64_t n, uint16_t *out) {
@@ -478,7 +468,7 @@ void stella_f16_to_f32(const uint16_t *in, int64_t n, float *out) {
 /* bfloat16, round to nearest even (as torch: NaN -> 0x7fc0 with the sign kept). */
 void stella_f32_to_bf16(const float *in, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) {
-        uint32_t u = fbits(in[i]);
+        uint32_t u = stella_f32_bits(in[i]);
         uint16_t r;
         if ((u & 0x7fffffffu) > 0x7f800000u)
             r = (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
@@ -489,5 +479,5 @@ void stella_f32_to_bf16(const float *in, int64_t n, uint16_t *out) {
 }
 
 void stella_bf16_to_f32(const uint16_t *in, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = bitsf((uint32_t)in[i] << 16);
+    for (int64_t i = 0; i < n; i++) out[i] = stella_bits_f32((uint32_t)in[i] << 16);
 }

@@ -40,24 +40,14 @@
 #define MAX_TRIES 3
 #define AIM 1.2 /* aim the pass at this many times k units */
 
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* Smallest positive float (a denormal): "select every nonzero". */
 #define TINY_BITS 1u
-static inline float tiny(void) { return u2f(TINY_BITS); }
+static inline float tiny(void) { return stella_bits_f32(TINY_BITS); }
 
 /* Monotone key of |x| (NaN maps to 0, so it never wins a selection). */
 static inline uint32_t abs_key(float x) {
-    uint32_t u = f2u(x) & 0x7fffffffu;
+    uint32_t u = stella_f32_bits(x) & 0x7fffffffu;
     return u > 0x7f800000u ? 0u : u;
 }
 
@@ -92,7 +82,7 @@ static float kth_largest_key(const float *v, int64_t n, int64_t k, uint32_t *his
         if (cum + (int64_t)hist[lo] >= r) break;
         cum += hist[lo];
     }
-    return u2f(((uint32_t)b << 16) | (uint32_t)lo);
+    return stella_bits_f32(((uint32_t)b << 16) | (uint32_t)lo);
 }
 
 float stella_kth_largest_abs(const float *v, int64_t n, int64_t k) {
@@ -491,12 +481,12 @@ static float finalize(float *res, int unit, int32_t *idx, float *val, float *sco
     int64_t d_in = c_in - k, d_out = k - c_out;
     if (c_in <= hi && (d_in <= d_out || c_out < lo)) {
         compact(res, unit, idx, val, score, (uint32_t)b << 16, INT64_MAX, kz, p); /* keys >= edge */
-        return u2f((uint32_t)b << 16);
+        return stella_bits_f32((uint32_t)b << 16);
     }
     if (c_out >= lo && b < 32767) {
         uint32_t e = (uint32_t)(b + 1) << 16;
         compact(res, unit, idx, val, score, e, INT64_MAX, kz, p);
-        return u2f(e);
+        return stella_bits_f32(e);
     }
     float t = kth_largest_key(sv, p->units, k, hist);
     uint32_t tk = abs_key(t);

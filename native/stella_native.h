@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
  * wrappers assert it at import so a stale build fails loudly. */
@@ -27,5 +28,17 @@
 #define STELLA_UNLIKELY(x) (x)
 #define STELLA_RESTRICT
 #endif
+
+/* A float's bit pattern and back, without aliasing games. */
+static inline uint32_t stella_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float stella_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 #endif
