@@ -64,7 +64,8 @@ def configs(draw, name=None):
         momentum = draw(st.sampled_from([0.0, draw(st.floats(0.0, 0.99))]))
         nesterov = momentum > 0 and draw(st.booleans())
         dampening = 0.0 if nesterov else draw(st.sampled_from([0.0, draw(st.floats(0.0, 0.9))]))
-        hp = {"momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+        hp = {"momentum": momentum, "dampening": dampening, "nesterov": nesterov,
+              "momentum_mode": draw(st.sampled_from(["fold", "lazy"]))}
     else:
         b1 = draw(st.sampled_from([0.0, 0.9, draw(st.floats(0.0, 0.999))]))
         b2 = draw(st.sampled_from([0.999, 0.5, draw(st.floats(0.0, 0.9999))]))
@@ -116,7 +117,7 @@ def test_matches_reference(cfg, numel, workers, steps, seed, dense_prob):
 def test_bit_identical_long_run(name):
     """Fifty steps of overlapping pushes: every field equal bit for bit."""
     rng = np.random.default_rng(7)
-    hp = {"momentum": 0.9, "nesterov": True} if name == "sgd" else {"betas": (0.8, 0.95)}
+    hp = {"momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"} if name == "sgd" else {"betas": (0.8, 0.95)}
     cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01, **hp})
     init = rng.standard_normal(5000).astype(F32)
     k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
@@ -174,7 +175,7 @@ def test_shape_is_flattened_and_init_copied():
 def test_threads_give_identical_results(name, dense):
     """Large enough that two threads really split the coordinate range."""
     rng = np.random.default_rng(3)
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **({"momentum": 0.9} if name == "sgd" else {})})
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **({"momentum": 0.9, "momentum_mode": "lazy"} if name == "sgd" else {})})
     numel = 300_000
     init = rng.standard_normal(numel).astype(F32)
     states = {t: KernelTensorState(init, cfg) for t in (1, 2)}
@@ -271,7 +272,7 @@ def test_gather_and_snapshot():
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_state_arrays_round_trip(name, layout):
     rng = np.random.default_rng(2)
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.1, **({"momentum": 0.5} if name == "sgd" else {})})
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.1, **({"momentum": 0.5, "momentum_mode": "lazy"} if name == "sgd" else {})})
     init = rng.standard_normal(777).astype(F32)
     a, r = KernelTensorState(init, cfg, layout=layout), RefTensorState(init, cfg)
     for _ in range(5):
@@ -312,7 +313,7 @@ def test_union_indices_large():
 def test_tiles_and_prefetch_do_not_change_results(name, tuning):
     """Unions far larger than a tile: the merge stops and resumes mid-window."""
     rng = np.random.default_rng(5)
-    hp = {"momentum": 0.9} if name == "sgd" else {"weight_decay": 0.1}
+    hp = {"momentum": 0.9, "momentum_mode": "lazy"} if name == "sgd" else {"weight_decay": 0.1}
     cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **hp})
     numel = 20_000
     init = rng.standard_normal(numel).astype(F32)

@@ -10,8 +10,9 @@ from stella_ps.optim_ref import RefTensorState, merge_pushes
 
 CASES = [
     ("sgd", {"lr": 0.1}),
-    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
-    ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "momentum_mode": "lazy"}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "dampening": 0.5, "weight_decay": 0.01}),  # fold (default)
     ("adam", {"lr": 0.01, "weight_decay": 0.1}),
     ("adamw", {"lr": 0.01, "betas": (0.8, 0.99)}),
 ]
@@ -26,7 +27,12 @@ def test_equals_torch_when_every_coordinate_is_touched(name, hp):
     x0 = rng.standard_normal(257).astype(np.float32)
     st = RefTensorState(x0, cfg)
     p = torch.nn.Parameter(torch.tensor(x0))
-    opt = TORCH[name]([p], **hp)
+    if hp.get("momentum") and hp.get("momentum_mode", "fold") == "fold":
+        # folded momentum == momentum-free SGD at lr * (1 - dampening) / (1 - momentum)
+        lr = hp["lr"] * (1 - hp.get("dampening", 0.0)) / (1 - hp["momentum"])
+        opt = torch.optim.SGD([p], lr=lr, weight_decay=hp.get("weight_decay", 0.0))
+    else:
+        opt = TORCH[name]([p], **{k: v for k, v in hp.items() if k != "momentum_mode"})
     for _ in range(30):
         g = rng.standard_normal(257).astype(np.float32)
         st.apply([(None, g)], 1.0, cfg)
@@ -51,6 +57,24 @@ def test_untouched_coordinates_are_frozen(name, hp):
         np.testing.assert_array_equal(after[keep], before[keep], err_msg=k)
         if k == "param":
             assert (after[touched] != before[touched]).all()
+
+
+def test_folded_momentum_moves_an_impulse_by_the_full_momentum_gain():
+    """A coordinate touched once with update G moves by lr * G / (1 - momentum) at once under
+    "fold" (what dense momentum SGD moves it in total, over many steps); under "lazy" it moves
+    by lr * G now and the rest only at its later touches."""
+    fold = OptimizerConfig.from_wire({"name": "sgd", "lr": 0.1, "momentum": 0.9})
+    lazy = fold.updated({"momentum_mode": "lazy"})
+    assert fold.hparams["momentum_mode"] == "fold"
+    moved = {}
+    for cfg in (fold, lazy):
+        st = RefTensorState(np.zeros(8, np.float32), cfg)
+        st.apply([(np.array([2], np.int32), np.array([1.0], np.float32))], 1.0, cfg)
+        moved[cfg.hparams["momentum_mode"]] = -float(st.param[2])
+    assert moved["fold"] == pytest.approx(1.0, rel=1e-6)
+    assert moved["lazy"] == pytest.approx(0.1, rel=1e-6)
+    with pytest.raises(ConfigError, match="momentum_mode"):
+        fold.updated({"momentum_mode": "eager"})
 
 
 def test_adam_bias_correction_is_per_coordinate():

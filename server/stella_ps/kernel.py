@@ -160,6 +160,7 @@ def _value_code(vals: object, n: int, what: str) -> int:
 
 def _c_config(cfg: OptimizerConfig) -> object:
     """The hyper-parameters rounded to float32 by the same expressions as optim_ref."""
+    cfg = cfg.rule()
     h = cfg.hparams
     c = ffi.new("stella_optim_cfg *")
     c.kind = _KIND[cfg.name]

@@ -70,7 +70,7 @@ class RefTensorState:
         return idx
 
     def _sgd(self, idx: np.ndarray, g: np.ndarray, cfg: OptimizerConfig) -> None:
-        h = cfg.hparams
+        h = cfg.rule().hparams
         p = self.param[idx]
         d = g
         if h["weight_decay"]:
