@@ -106,6 +106,7 @@ register_system("fp16", _ddp_runner("fp16"))
 try:
     _stella = importlib.import_module("bench.stella_e2e")
     register_system("stella", _stella.run)
+    register_system("stella_sync", _stella.run_sync)
 except ModuleNotFoundError as _e:  # only "module not there yet" is silent
     if _e.name != "bench.stella_e2e":
         raise
@@ -253,10 +254,10 @@ GPU_SCALING = (
 def goals_section(results: List[Dict]) -> str:
     """Stella against the issue's goals, computed from the rows (only where both ran and reached)."""
     rows = {(r.get("workload"), r.get("rate_mbit"), r.get("system")): r for r in results if r.get("ok")}
-    out = ["| workload | Mbit/s | Stella s/it / its compute | time to target: DDP / Stella | PowerSGD / Stella | "
-           "fp16 / Stella | iterations: Stella / DDP |", "|---|---|---|---|---|---|---|"]
-    for (wl, rate, system), st in sorted(rows.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
-        if system != "stella":
+    out = ["| workload | Mbit/s | system | Stella s/it / its compute | time to target: DDP / Stella | "
+           "PowerSGD / Stella | fp16 / Stella | iterations: Stella / DDP |", "|---|---|---|---|---|---|---|---|"]
+    for (wl, rate, system), st in sorted(rows.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0, kv[0][2])):
+        if not system.startswith("stella"):
             continue
         comp = st.get("compute_median")
         cells = [f"{st['iter_median'] / comp:.2f}x" if comp else "n/a"]
@@ -269,7 +270,7 @@ def goals_section(results: List[Dict]) -> str:
         d = rows.get((wl, rate, "ddp"))
         cells.append(f"{st['reached']['step'] / d['reached']['step']:.2f}x" if d and d.get("reached")
                      and st.get("reached") else "n/a")
-        out.append(f"| {wl} | {rate:g} | " + " | ".join(cells) + " |")
+        out.append(f"| {wl} | {rate:g} | {system} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

@@ -48,8 +48,9 @@ def worker(a) -> int:
     torch.set_num_threads(a.threads)
     wl = W.get(a.workload)
     model = wl.build_model(a.seed)
-    opt = StellaOptimizer(model, a.address, optimizer=server_options(wl), density=a.density, timeout=600,
-                          name=f"e2e-{a.rank}")
+    density = a.density if a.density == "auto" else float(a.density)
+    opt = StellaOptimizer(model, a.address, optimizer=server_options(wl), density=density, timeout=600,
+                          name=f"e2e-{a.rank}", staleness=a.staleness)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     iface = os.environ.get("STELLA_WAN_IFACE") if os.environ.get("STELLA_WAN_SITE") else None
     stop_file = os.path.join(a.log_dir, "stop_at")
@@ -74,7 +75,7 @@ def worker(a) -> int:
         step += 1
         wait = opt.stats.wait_s - w0
         rec = {"step": step, "loss": loss.item(), "fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "iter": t3 - t0,
-               "net_wait": wait, "compute": (t3 - t0) - wait}
+               "net_wait": wait, "compute": (t3 - t0) - wait, "density": opt.stats.density}
         c1 = _counters(iface)
         if c0 and c1:
             rec["bytes_up"], rec["bytes_down"] = c1[0] - c0[0], c1[1] - c0[1]
@@ -96,7 +97,8 @@ def worker(a) -> int:
     opt.close()
     out = {"rank": a.rank, "world": a.world, "system": "stella", "workload": a.workload, "steps": step,
            "train_wall": clock.wall(), "iters": iters, "evals": clock.evals, "reached": clock.reached,
-           "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density,
+           "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density, "final_density": opt.stats.density,
+           "staleness": a.staleness,
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
            "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s}
     with open(a.out, "w") as f:
@@ -117,7 +119,7 @@ def _wait_ready(path: str, proc: subprocess.Popen, timeout: float) -> str:
 def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0, bed=None,
                sites: Optional[List[str]] = None, ps_site: str = "ps", seed: int = 0,
                eval_every: Optional[int] = None, stop_at_target: bool = False, threads: int = 1,
-               density: float = 0.01, log_dir: Optional[str] = None) -> Dict:
+               density="auto", staleness: int = 1, log_dir: Optional[str] = None) -> Dict:
     """Run one Stella job (server + ``world`` workers) and return its summary."""
     from bench import workloads as W
     from bench.baselines import summarize
@@ -146,7 +148,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                     "--world", str(world), "--workload", workload, "--steps", str(steps),
                     "--max-seconds", str(max_seconds), "--seed", str(seed),
                     "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
-                    "--density", str(density), "--log-dir", tmp, "--out", os.path.join(tmp, f"rank{r}.json")]
+                    "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp, "--out", os.path.join(tmp, f"rank{r}.json")]
             if stop_at_target:
                 argv.append("--stop-at-target")
             log = open(os.path.join(tmp, f"rank{r}.log"), "w")
@@ -184,11 +186,21 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                     p.kill()
 
 
-def run(spec, bed) -> Dict:
+def run(spec, bed, staleness: int = 1) -> Dict:
     """Entry point for ``bench.e2e`` (see its STELLA REGISTRATION POINT)."""
-    return run_stella(spec.workload, world=spec.world, steps=spec.max_steps, max_seconds=spec.max_seconds, bed=bed,
-                      sites=spec.worker_sites[:spec.world], ps_site=spec.ps_site, seed=spec.seed,
-                      eval_every=spec.eval_every, stop_at_target=spec.stop_at_target, log_dir=spec.log_dir or None)
+    res = run_stella(spec.workload, world=spec.world, steps=spec.max_steps, max_seconds=spec.max_seconds, bed=bed,
+                     sites=spec.worker_sites[:spec.world], ps_site=spec.ps_site, seed=spec.seed,
+                     eval_every=spec.eval_every, stop_at_target=spec.stop_at_target, staleness=staleness,
+                     log_dir=spec.log_dir or None)
+    if staleness == 0:
+        res["system"] = "stella_sync"
+    return res
+
+
+def run_sync(spec, bed) -> Dict:
+    """Stella without the pipeline (``staleness=0``: push, wait for the step, pull, then
+    compute): the same compression and server, no stale weights."""
+    return run(spec, bed, staleness=0)
 
 
 def main(argv=None) -> int:
@@ -204,7 +216,8 @@ def main(argv=None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--eval-every", type=int, default=10)
     w.add_argument("--threads", type=int, default=1)
-    w.add_argument("--density", type=float, default=0.01)
+    w.add_argument("--density", default="auto")
+    w.add_argument("--staleness", type=int, default=1)
     w.add_argument("--batch-size", type=int, default=0)
     w.add_argument("--stop-at-target", action="store_true")
     w.add_argument("--log-dir", required=True)
@@ -212,13 +225,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="digits")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=120)
-    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--density", default="auto")
+    ap.add_argument("--staleness", type=int, default=1)
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker(a)
     from bench.baselines import fmt_summary
 
-    res = run_stella(a.workload, steps=a.steps, max_seconds=a.max_seconds, density=a.density)
+    res = run_stella(a.workload, steps=a.steps, max_seconds=a.max_seconds, density=a.density, staleness=a.staleness)
     print(fmt_summary(res))
     return 0 if res.get("ok") else 1
 

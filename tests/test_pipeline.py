@@ -125,3 +125,41 @@ def test_compression_started_in_backward_keeps_exact_staleness(server):
     opt.close()
     for t, w in enumerate(used):
         assert torch.equal(w, w0 - sum((grad_at(u) for u in range(t - 1)), torch.zeros(8)))
+
+
+def test_density_budget_grows_while_the_exchange_hides_and_shrinks_when_it_does_not():
+    from stella import DensityBudget
+
+    b = DensityBudget(0.01, 0.08, fill=0.8, step=2.0, window=3)
+    seen = [b.observe(1.0, 0.1) for _ in range(9)]  # exchange 10% of compute: room to spare
+    assert seen[:2] == [0.01, 0.01]  # no decision before a full window
+    assert seen[2] == 0.02 and seen[5] == 0.04 and seen[8] == 0.08
+    assert [b.observe(1.0, 0.1) for _ in range(3)][-1] == 0.08  # capped at the ceiling
+    assert [b.observe(1.0, 0.7) for _ in range(3)][-1] == 0.08  # within the fill band: hold
+    assert [b.observe(1.0, 2.0) for _ in range(3)][-1] == 0.04  # exchange longer than compute
+    for _ in range(12):
+        b.observe(1.0, 2.0)
+    assert b.density == 0.01  # never below the floor
+    assert [b.observe(0.1, 0.5, ) for _ in range(3)][-1] == 0.01
+    with pytest.raises(ValueError):
+        DensityBudget(0.1, 0.01)
+
+
+def test_auto_density_rises_to_the_ceiling_when_compute_hides_the_exchange(server):
+    n = 50_000
+    model = Toy(n)
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 0.01}, density="auto",
+                          min_density=0.01, max_density=0.05, timeout=10)
+    assert opt.stats.density == 0.01
+    pushed = []
+    for t in range(40):  # 8 raises of 1.25x, one per 4-step window
+        before = opt.stats.values_pushed
+        (model.w * grad_at(t, n)).sum().backward()
+        time.sleep(0.03)  # "compute": far longer than a 50k-coordinate exchange on loopback
+        opt.step()
+        pushed.append(opt.stats.values_pushed - before)
+    opt.close()
+    assert opt.stats.density == pytest.approx(0.05)
+    assert pushed[-1] > 4 * pushed[2]  # really pushed denser (values counted one step late)
+    with pytest.raises(ValueError, match="auto"):
+        StellaOptimizer(Toy(), server.endpoint, density="fast")

@@ -23,6 +23,7 @@ __all__ = [
     "PullResult",
     "StellaOptimizer",
     "PipelineError",
+    "DensityBudget",
     "ErrorFeedbackCompressor",
     "SparseGrad",
     "StellaError",
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "StellaOptimizer": "pipeline",
     "PipelineError": "pipeline",
+    "DensityBudget": "pipeline",
     "ErrorFeedbackCompressor": "compress",
     "SparseGrad": "compress",
 }

@@ -29,7 +29,9 @@ the next push. Errors in the background thread are raised from the next ``step()
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -41,13 +43,60 @@ from .client import Client, PullResult
 from .compress import ErrorFeedbackCompressor
 from .errors import StellaError
 
-__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats"]
+__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget"]
 
 _SERVER_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps")
 
 
 class PipelineError(StellaError):
     """The background exchange failed; the cause is chained (``__cause__``)."""
+
+
+class DensityBudget:
+    """``density="auto"``: spend the link time that the computation hides, never less
+    than ``floor``.
+
+    With one step of staleness the exchange of step ``t`` (compress, push, the server's
+    step, pull) runs while the model computes step ``t+1``; it costs nothing as long as
+    it ends first. The budget compares the median exchange time ``x`` with the median
+    compute time ``c`` (what the training loop does between two ``step()`` calls) over
+    the last ``window`` steps: below ``fill / step`` of ``c`` the density grows by
+    ``step`` (up to ``ceiling``), above ``fill`` of ``c`` it shrinks by ``step`` (down to
+    ``floor``). After a change the window restarts, so every decision is taken on
+    measurements at the current density. A denser push delivers more of the gradient
+    per step, which error feedback would otherwise deliver steps later; below ``floor``
+    the iterations needed grow faster than the time per iteration falls, so a link too
+    slow for ``floor`` is left to show as waiting.
+    """
+
+    def __init__(self, floor: float = 0.01, ceiling: float = 0.1, *, fill: float = 0.8, step: float = 1.25,
+                 window: int = 4):
+        if not 0.0 < floor <= ceiling <= 1.0:
+            raise ValueError(f"need 0 < floor <= ceiling <= 1, got floor={floor}, ceiling={ceiling}")
+        if not 0.0 < fill <= 1.0 or step <= 1.0 or window < 1:
+            raise ValueError("need 0 < fill <= 1, step > 1, window >= 1")
+        self.floor, self.ceiling, self.fill, self.step, self.window = floor, ceiling, fill, step, window
+        self.density = floor
+        self._compute: deque[float] = deque(maxlen=window)
+        self._exchange: deque[float] = deque(maxlen=window)
+
+    def observe(self, compute_s: float, exchange_s: float) -> float:
+        """Record one step's compute and exchange time; returns the density for the next push."""
+        self._compute.append(compute_s)
+        self._exchange.append(exchange_s)
+        if len(self._exchange) < self.window:
+            return self.density
+        c, x = statistics.median(self._compute), statistics.median(self._exchange)
+        new = self.density
+        if x * self.step < self.fill * c:
+            new = min(self.ceiling, self.density * self.step)
+        elif x > self.fill * c:
+            new = max(self.floor, self.density / self.step)
+        if new != self.density:
+            self.density = new
+            self._compute.clear()
+            self._exchange.clear()
+        return self.density
 
 
 @dataclass
@@ -58,6 +107,7 @@ class PipelineStats:
     exchange_s: float = 0.0  # push + waiting for the step + pull, in the background
     values_pushed: int = 0
     values_pulled: int = 0
+    density: float = 0.0  # the compressor's density for the latest push
 
 
 class StellaOptimizer(torch.optim.Optimizer):
@@ -65,7 +115,9 @@ class StellaOptimizer(torch.optim.Optimizer):
 
     ``model``: any module; every parameter with ``requires_grad`` is registered under
     its ``named_parameters`` name. ``optimizer``: the server-side optimizer config.
-    ``density``/``method``/``dense_below``: the compressor. ``value_dtype`` and
+    ``density``: the fraction of each tensor pushed per step, or ``"auto"`` (default):
+    a :class:`DensityBudget` from ``min_density`` up to ``max_density``, raised while the
+    exchange hides behind the computation. ``method``/``dense_below``: the compressor. ``value_dtype`` and
     ``index_coding``: wire coding of pushes. ``staleness``: 1 (pipelined) or 0 (push,
     wait and install inside ``step()``; the non-overlapped baseline).
     """
@@ -76,7 +128,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         address: str,
         *,
         optimizer: Mapping[str, Any] | None = None,
-        density: float = 0.01,
+        density: float | str = "auto",
+        min_density: float = 0.01,
+        max_density: float = 0.1,
         method: str = "threshold",
         dense_below: int = 4096,
         value_dtype: str = codec.DEFAULT_VALUE_DTYPE,
@@ -101,10 +155,18 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.staleness = staleness
         self.value_dtype = value_dtype
         self.index_coding = index_coding
+        self.budget: DensityBudget | None = None
+        if density == "auto":
+            self.budget = DensityBudget(min_density, max_density)
+            density = self.budget.density
+        elif isinstance(density, str):
+            raise ValueError(f"density must be a number or 'auto', got {density!r}")
         # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
         self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below,
                                                   value_dtype=value_dtype)
-        self.stats = PipelineStats()
+        self.stats = PipelineStats(density=float(density))
+        self._last_step_end: float | None = None
+        self._last_exchange_s = 0.0
         # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         self._inflight: Future | None = None
@@ -156,7 +218,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.client.wait(req)
         delta = self.client.wait_pull(pull)
         self.stats.compress_s += t1 - t0
-        self.stats.exchange_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self.stats.exchange_s += t2 - t1
+        self._last_exchange_s = t2 - t0
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta
@@ -196,7 +260,15 @@ class StellaOptimizer(torch.optim.Optimizer):
                 grads[n] = p.grad
                 p.grad = None  # this generation is now in flight; backward makes a new one
         compute_version = self.version  # the weights this gradient was computed on
+        entered = time.perf_counter()
+        had_inflight = self._inflight is not None
         self._finish_inflight()  # install update t-1: the next forward sees 0..t-1
+        if self.budget is not None and had_inflight and self._last_step_end is not None:
+            # the exchange just finished ran alongside the computation between the two step() calls
+            density = self.budget.observe(entered - self._last_step_end, self._last_exchange_s)
+            if density != self.compressor.density:
+                self.compressor.set_density(density)  # safe: the background thread is idle now
+        self.stats.density = self.compressor.density
         hp = self._hparams()
         changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
         self._sent_hparams = hp
@@ -204,6 +276,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.iterations += 1
         if self.staleness == 0:
             self._finish_inflight()
+        self._last_step_end = time.perf_counter()
         return loss
 
     def synchronize(self) -> int:
