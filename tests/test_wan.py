@@ -133,9 +133,10 @@ def test_powersgd_ddp_baseline_runs_over_shaped_links():
 
 
 @needs_netns
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_signal_tears_down(sig):
-    """A process holding a test bed that gets SIGTERM/SIGINT removes its namespaces and children."""
+@pytest.mark.parametrize("sig,repeat", [("SIGTERM", 1), ("SIGINT", 1), ("SIGTERM", 20)])
+def test_signal_tears_down(sig, repeat):
+    """A process holding a test bed that gets SIGTERM/SIGINT (also several in a row, as when
+    ``timeout`` forwards one more) removes its namespaces and children."""
     import signal as _signal
 
     code = ("import sys, time; from bench.wan import WanTestbed, Link\n"
@@ -148,7 +149,9 @@ def test_signal_tears_down(sig):
     try:
         prefix, child = proc.stdout.readline().split()
         assert any(n.startswith(prefix) for n in _netns_names())
-        proc.send_signal(getattr(_signal, sig))
+        for _ in range(repeat):
+            proc.send_signal(getattr(_signal, sig))
+            time.sleep(0.01)
         proc.wait(timeout=20)
     finally:
         if proc.poll() is None:

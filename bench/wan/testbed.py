@@ -180,6 +180,7 @@ def _tbf_args(rate_mbit: float) -> List[str]:
 _LIVE: "weakref.WeakSet[WanTestbed]" = weakref.WeakSet()
 _HANDLERS_INSTALLED = False
 _PREV_HANDLERS: Dict[int, object] = {}
+_SIGNAL_TEARDOWN = threading.Event()  # set once a signal started the teardown
 
 
 def _teardown_all():
@@ -191,6 +192,12 @@ def _teardown_all():
 
 
 def _signal_handler(signum, frame):
+    # A second signal during the teardown (``timeout`` forwarding a TERM, an impatient
+    # Ctrl-C) must not abort it half-way: close() marks a bed closed before deleting its
+    # namespaces, so an interrupted teardown would leave them behind for good.
+    if _SIGNAL_TEARDOWN.is_set():
+        return
+    _SIGNAL_TEARDOWN.set()
     _teardown_all()
     prev = _PREV_HANDLERS.get(signum)
     if callable(prev):
