@@ -172,6 +172,10 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                 ranks.append(json.load(f))
         res = summarize("stella", workload, ranks, wl)
         res["density"] = density
+        # where the time of an exchange goes (profile), per iteration, mean over workers
+        res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
+        res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
+        res["final_density"] = [k.get("final_density") for k in ranks]
         res["log_dir"] = tmp
         return res
     except subprocess.TimeoutExpired:

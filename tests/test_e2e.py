@@ -1,0 +1,59 @@
+"""The end-to-end harness's Stella systems and its goal arithmetic.
+
+The Stella runner trains a real workload through a real stella-ps (loopback here;
+over shaped links when root); the goals table is checked on hand-made rows.
+"""
+from __future__ import annotations
+
+import pytest
+
+from bench import e2e
+from bench.stella_e2e import run_stella
+from bench.wan import Link, WanTestbed, netns_available
+
+_ok, _why = netns_available()
+
+
+@pytest.mark.parametrize("staleness", [1, 0])
+def test_stella_runner_trains_digits_through_a_real_server(staleness, tmp_path):
+    res = run_stella("digits", steps=120, max_seconds=120, eval_every=20, staleness=staleness,
+                     log_dir=str(tmp_path))
+    assert res["ok"], res.get("error")
+    assert res["steps"] == 120
+    accs = [e["metric"] for e in res["evals"]]
+    assert accs[0] < 0.2  # untrained CNN: chance level
+    assert max(accs) >= 0.8, accs  # the pipeline and the sync variant both really train
+    assert res["iter_median"] > 0 and 0 <= res["net_wait_fraction"] <= 1
+    assert res["compress_s_per_iter"] > 0 and res["exchange_s_per_iter"] > 0
+    assert all(0.01 <= d <= 0.1 for d in res["final_density"])  # density="auto" stays in its range
+
+
+@pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailable: {_why}")
+def test_both_stella_systems_run_over_shaped_links():
+    """Registered under their names; the veth counters see the sparse traffic."""
+    assert {"stella", "stella_sync"} <= set(e2e.SYSTEMS)
+    with WanTestbed({"a": Link(100, 100), "b": Link(100, 100), "ps": Link(1000, 1000)}, max_lifetime=180) as bed:
+        for system in ("stella", "stella_sync"):
+            spec = e2e.RunSpec(workload="widemlp", rate_mbit=100, max_steps=6, max_seconds=60, eval_every=6)
+            r = e2e.run_cell(system, spec, bed)
+            assert r["ok"], r.get("error")
+            assert r["system"] == system and r["steps"] == 6
+            dense = 9_670_666 * 4
+            assert 0 < r["bytes_up_median"] < 0.05 * dense  # 1% of the coordinates, fp16 + Rice
+            assert 0 < r["bytes_down_median"] < 0.15 * dense
+
+
+def _row(system, wall, step, it=0.1, comp=0.1, workload="widemlp", rate=100.0):
+    return {"ok": True, "system": system, "workload": workload, "rate_mbit": rate, "iter_median": it,
+            "compute_median": comp, "reached": {"step": step, "wall": wall} if wall else None}
+
+
+def test_goals_section_computes_the_ratios_from_the_rows():
+    rows = [_row("ddp", 200.0, 50, it=4.0), _row("powersgd", 20.0, 50), _row("fp16", 100.0, 50),
+            _row("stella", 10.0, 65, it=0.15, comp=0.1), _row("stella_sync", None, 0)]
+    text = e2e.goals_section(rows)
+    stella = next(l for l in text.splitlines() if "| stella |" in l)
+    cells = [c.strip() for c in stella.strip("|").split("|")]
+    assert cells[3:] == ["1.50x", "20.0x", "2.0x", "10.0x", "1.30x"]
+    sync = next(l for l in text.splitlines() if "| stella_sync |" in l)
+    assert "n/a (Stella did not reach)" in sync
