@@ -119,7 +119,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     a :class:`DensityBudget` from ``min_density`` up to ``max_density``, raised while the
     exchange hides behind the computation. ``method``/``dense_below``: the compressor. ``value_dtype`` and
     ``index_coding``: wire coding of pushes. ``staleness``: 1 (pipelined) or 0 (push,
-    wait and install inside ``step()``; the non-overlapped baseline).
+    wait and install inside ``step()``; the non-overlapped baseline). One step of
+    staleness suited the SGD models measured but stalled an AdamW Transformer (see
+    bench/RESULTS.md and the README): check it against ``staleness=0`` for a new model.
     """
 
     def __init__(
