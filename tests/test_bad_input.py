@@ -154,6 +154,12 @@ CASES = {
     "set_optimizer bad value": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
                                             "hparams": {"momentum": float("nan")}}, [], None), "optimizer",
                                 "momentum=nan"),
+    "set_optimizer unknown momentum_mode": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
+                                                        "hparams": {"momentum_mode": "eager"}}, [], None),
+                                            "optimizer", "momentum_mode must be one of"),
+    "set_optimizer fold with momentum 1": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
+                                                       "hparams": {"momentum": 1.0}}, [], None),
+                                           "optimizer", "requires momentum < 1"),
 }
 
 
