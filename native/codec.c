@@ -134,52 +134,50 @@ static inline void store32le(uint8_t *p, uint32_t v) {
     p[3] = (uint8_t)(v >> 24);
 }
 
+/* LSB-first bit writer: whole 32-bit words go out as soon as they are complete, so
+ * fewer than 32 bits are pending between calls. */
+typedef struct {
+    uint8_t *p, *end;
+    uint64_t acc;
+    int nacc;
+} bitw;
+
+/* Append the n low bits of v (n <= 32, v < 2^n); STELLA_E_ARG when the output is full. */
+static inline int bitw_put(bitw *w, uint64_t v, int n) {
+    w->acc |= v << w->nacc; /* nacc < 32, n <= 32: fits in 64 bits */
+    w->nacc += n;
+    if (w->nacc >= 32) {
+        if (STELLA_UNLIKELY(w->end - w->p < 4)) return STELLA_E_ARG;
+        store32le(w->p, (uint32_t)w->acc);
+        w->p += 4;
+        w->acc >>= 32;
+        w->nacc -= 32;
+    }
+    return STELLA_OK;
+}
+
 static int64_t enc_rice(const int32_t *idx, int64_t count, uint8_t *out, int64_t cap) {
     int b = stella_rice_param(idx, count);
-    uint8_t *p = out, *end = out + cap;
-    *p++ = (uint8_t)b;
-    uint64_t acc = 0; /* pending bits, LSB first; nacc < 32 between codes */
-    int nacc = 0;
+    bitw w = {out + 1, out + cap, 0, 0};
+    out[0] = (uint8_t)b;
     int64_t prev = -1;
     const uint32_t mask = (1u << b) - 1u; /* b <= 31 */
     for (int64_t i = 0; i < count; i++) {
         uint32_t g = (uint32_t)((int64_t)idx[i] - prev - 1);
         prev = idx[i];
         uint32_t q = g >> b;
-        while (q >= 32) { /* a long run of zero bits */
-            if (STELLA_UNLIKELY(end - p < 4)) return STELLA_E_ARG;
-            store32le(p, (uint32_t)acc);
-            p += 4;
-            q -= 32; /* acc's pending bits went out, 32 - nacc zeros with them... */
-            acc >>= 32;
-            /* ...so the pending count is unchanged: the zeros are the 32 new bits */
-        }
-        acc |= (uint64_t)1 << (nacc + (int)q); /* q zeros then a one: < 64 bits */
-        nacc += (int)q + 1;
-        if (nacc >= 32) {
-            if (STELLA_UNLIKELY(end - p < 4)) return STELLA_E_ARG;
-            store32le(p, (uint32_t)acc);
-            p += 4;
-            acc >>= 32;
-            nacc -= 32;
-        }
-        acc |= (uint64_t)(g & mask) << nacc; /* nacc < 32, b <= 31 */
-        nacc += b;
-        if (nacc >= 32) {
-            if (STELLA_UNLIKELY(end - p < 4)) return STELLA_E_ARG;
-            store32le(p, (uint32_t)acc);
-            p += 4;
-            acc >>= 32;
-            nacc -= 32;
-        }
+        for (; q >= 32; q -= 32) /* a long run of zero bits */
+            if (bitw_put(&w, 0, 32)) return STELLA_E_ARG;
+        if (bitw_put(&w, (uint64_t)1 << q, (int)q + 1)) return STELLA_E_ARG; /* q zeros then a one */
+        if (bitw_put(&w, g & mask, b)) return STELLA_E_ARG;
     }
-    while (nacc > 0) {
-        if (STELLA_UNLIKELY(p >= end)) return STELLA_E_ARG;
-        *p++ = (uint8_t)acc;
-        acc >>= 8;
-        nacc -= 8;
+    while (w.nacc > 0) {
+        if (STELLA_UNLIKELY(w.p >= w.end)) return STELLA_E_ARG;
+        *w.p++ = (uint8_t)w.acc;
+        w.acc >>= 8;
+        w.nacc -= 8;
     }
-    return p - out;
+    return w.p - out;
 }
 
 int64_t stella_idx_encode(const int32_t *idx, int64_t count, int64_t numel, int32_t coding,
