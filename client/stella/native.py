@@ -217,29 +217,28 @@ def rice_param(idx: np.ndarray) -> int:
     return int(lib.stella_rice_param(_np_ptr(idx, "int32_t *"), idx.size))
 
 
-def f32_to_f16(v: np.ndarray) -> np.ndarray:
-    v = np.ascontiguousarray(v, dtype=np.float32)
-    out = np.empty(v.size, dtype=np.uint16)
-    lib.stella_f32_to_f16(_np_ptr(v, "float *"), v.size, _np_ptr(out, "uint16_t *"))
+_CTYPE = {np.float32: "float *", np.uint16: "uint16_t *"}
+
+
+def _convert(fn, src: np.ndarray, src_dtype, dst_dtype) -> np.ndarray:
+    """Element-wise float conversion by the C function ``fn(src, n, dst)``."""
+    src = np.ascontiguousarray(src, dtype=src_dtype)
+    out = np.empty(src.size, dtype=dst_dtype)
+    fn(_np_ptr(src, _CTYPE[src_dtype]), src.size, _np_ptr(out, _CTYPE[dst_dtype]))
     return out
+
+
+def f32_to_f16(v: np.ndarray) -> np.ndarray:
+    return _convert(lib.stella_f32_to_f16, v, np.float32, np.uint16)
 
 
 def f32_to_bf16(v: np.ndarray) -> np.ndarray:
-    v = np.ascontiguousarray(v, dtype=np.float32)
-    out = np.empty(v.size, dtype=np.uint16)
-    lib.stella_f32_to_bf16(_np_ptr(v, "float *"), v.size, _np_ptr(out, "uint16_t *"))
-    return out
+    return _convert(lib.stella_f32_to_bf16, v, np.float32, np.uint16)
 
 
 def f16_to_f32(h: np.ndarray) -> np.ndarray:
-    h = np.ascontiguousarray(h, dtype=np.uint16)
-    out = np.empty(h.size, dtype=np.float32)
-    lib.stella_f16_to_f32(_np_ptr(h, "uint16_t *"), h.size, _np_ptr(out, "float *"))
-    return out
+    return _convert(lib.stella_f16_to_f32, h, np.uint16, np.float32)
 
 
 def bf16_to_f32(h: np.ndarray) -> np.ndarray:
-    h = np.ascontiguousarray(h, dtype=np.uint16)
-    out = np.empty(h.size, dtype=np.float32)
-    lib.stella_bf16_to_f32(_np_ptr(h, "uint16_t *"), h.size, _np_ptr(out, "float *"))
-    return out
+    return _convert(lib.stella_bf16_to_f32, h, np.uint16, np.float32)
