@@ -106,16 +106,6 @@ def worker(a) -> int:
     return 0
 
 
-def _wait_ready(path: str, proc: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"stella-ps did not start (exit {proc.poll()})")
-        time.sleep(0.05)
-    with open(path) as f:
-        return f.read().strip()
-
-
 def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0, bed=None,
                sites: Optional[List[str]] = None, ps_site: str = "ps", seed: int = 0,
                eval_every: Optional[int] = None, stop_at_target: bool = False, threads: int = 1,
@@ -123,6 +113,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     """Run one Stella job (server + ``world`` workers) and return its summary."""
     from bench import workloads as W
     from bench.baselines import summarize
+    from stella.demo import stop_server, wait_ready
 
     wl = W.get(workload)
     tmp = tempfile.mkdtemp(prefix=f"stella-{workload}-", dir=log_dir)
@@ -140,7 +131,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
             ps = subprocess.Popen(ps_argv, env=env, stdout=ps_log, stderr=subprocess.STDOUT, cwd=REPO,
                                   start_new_session=True)
         procs.append(ps)
-        address = _wait_ready(ready, ps, 60)
+        address = wait_ready(ready, ps, 60)
         if bed is not None:
             sites = sites or [s for s in bed.sites if s != ps_site][:world]
         for r in range(world):
@@ -182,12 +173,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
         return {"ok": False, "error": f"stella job exceeded {max_seconds + 180:.0f} s"}
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_server(p)  # terminate, kill after 10 s; also right for the workers
 
 
 def run(spec, bed, staleness: int = 1) -> Dict:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["DemoConfig", "run_demo", "start_server", "load_digits_split"]
+__all__ = ["DemoConfig", "run_demo", "start_server", "stop_server", "wait_ready", "load_digits_split"]
 
 
 @dataclass
@@ -113,6 +113,14 @@ def start_server(workers: int, extra: list[str] | None = None, timeout: float = 
     cmd = [sys.executable, "-m", "stella_ps", "--bind", "tcp://127.0.0.1:0", "--workers", str(workers),
            "--ready-file", ready, "--log-level", "WARNING", *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    endpoint = wait_ready(ready, proc, timeout)
+    os.unlink(ready)
+    return proc, endpoint
+
+
+def wait_ready(ready: str, proc: subprocess.Popen, timeout: float) -> str:
+    """Wait until the ``stella-ps`` process ``proc`` writes its endpoint to ``--ready-file
+    ready``; returns the endpoint. Kills ``proc`` and raises if it exits or times out first."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(ready):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -120,9 +128,7 @@ def start_server(workers: int, extra: list[str] | None = None, timeout: float = 
             raise RuntimeError(f"stella-ps did not start (exit code {proc.poll()})")
         time.sleep(0.02)
     with open(ready) as f:
-        endpoint = f.read().strip()
-    os.unlink(ready)
-    return proc, endpoint
+        return f.read().strip()
 
 
 def stop_server(proc: subprocess.Popen) -> None:
