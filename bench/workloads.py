@@ -268,8 +268,9 @@ def _digits_eval(model):
 
 class DigitsCNN(nn.Module):
     """conv3x3(32) - conv3x3(64) - maxpool2 - fc(512) - fc(10) on 8x8 digits (~0.55M params).
-    Convolutions carry the compute, the fully connected layer the bytes: a dense fp32
-    exchange (2.2 MB) at 100 Mbit/s takes ~10x its forward+backward on one CPU core."""
+    Convolutions carry the compute, the fully connected layer the bytes: a DDP iteration
+    at 100 Mbit/s (2.2 MB dense fp32 each way, 0.19 s) is 8-25x its compute on one CPU
+    core (0.008-0.025 s measured in bench/RESULTS.md, depending on contention)."""
 
     def __init__(self):
         super().__init__()
