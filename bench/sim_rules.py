@@ -16,7 +16,10 @@ import torch
 from bench import workloads as W
 
 
-def topk_ef(acc: torch.Tensor, density: float, dense_below: int = 4096):
+DENSE_BELOW = 4096  # StellaOptimizer's default: smaller tensors go dense
+
+
+def topk_ef(acc: torch.Tensor, density: float, dense_below: int = DENSE_BELOW):
     n = acc.numel()
     if n < dense_below:
         sent = acc.clone()
@@ -92,7 +95,7 @@ class Rule:
                 p[touched] = p[touched] * (1 - lr * wd) - lr * upd
             else:
                 g = agg[touched] + wd * p[touched]
-                if rule == "lazyplain" or (rule == "hybrid" and p.numel() >= 4096):
+                if rule == "lazyplain" or (rule == "hybrid" and p.numel() >= DENSE_BELOW):
                     p[touched] -= lr / (1 - self.mom) * g
                 else:
                     b = self.m[i]
