@@ -6,6 +6,8 @@ or :class:`Client` (push / pull against a ``stella-ps``) directly.
 from .client import Client, PullResult
 from .errors import (
     BadRequest,
+    BadValue,
+    ErrorCode,
     CodecError,
     LayoutConflict,
     NotRegistered,
@@ -13,7 +15,6 @@ from .errors import (
     ProtocolError,
     ServerError,
     ServerUnavailable,
-    StaleVersionError,
     StellaError,
     VersionError,
 )
@@ -27,6 +28,8 @@ __all__ = [
     "ErrorFeedbackCompressor",
     "SparseGrad",
     "StellaError",
+    "ErrorCode",
+    "BadValue",
     "ProtocolError",
     "CodecError",
     "OversizedMessage",
@@ -36,7 +39,6 @@ __all__ = [
     "LayoutConflict",
     "NotRegistered",
     "VersionError",
-    "StaleVersionError",
 ]
 __version__ = "0.1.0"
 

@@ -1,105 +1,139 @@
-"""The package's exception hierarchy: one root, one subclass per thing that went wrong.
+"""The package's exception hierarchy and the error codes of the wire protocol.
 
-Errors the server reports travel as ``{"type": "error", "code": CODE, "message": ...}``;
-:func:`from_reply` maps the code to the matching class so the caller sees the
-server's own words.
+One root, :class:`StellaError`, never raised itself; one subclass per thing that
+went wrong, each carrying its :class:`ErrorCode`. The server raises these same
+classes when it refuses a request and sends ``code`` and the message back in an
+``error`` reply; :func:`from_reply` turns that reply into the matching class on the
+client, so the caller sees the server's own words.
 """
 from __future__ import annotations
 
+from enum import Enum
+
 __all__ = [
+    "ErrorCode",
     "StellaError",
     "ProtocolError",
     "CodecError",
     "OversizedMessage",
+    "BadValue",
     "ServerError",
     "ServerUnavailable",
     "LayoutConflict",
     "NotRegistered",
     "VersionError",
-    "StaleVersionError",
     "BadRequest",
     "from_reply",
 ]
 
 
+class ErrorCode(str, Enum):
+    """Why a request was refused: the ``code`` field of an ``error`` reply."""
+
+    PROTOCOL = "protocol"  # malformed message: header, field types, frames
+    CODEC = "codec"  # coded index or value bytes are corrupt, truncated or out of range
+    OVERSIZED = "oversized"  # a message, frame or count is larger than allowed
+    BAD_VALUE = "bad_value"  # NaN or Inf where finite values are required
+    UNKNOWN_TENSOR = "unknown_tensor"  # a tensor number that is not in the model
+    OPTIMIZER = "optimizer"  # unknown optimizer or hyper-parameter, or one out of range
+    WORKER_ID = "worker_id"  # a worker id that cannot be given to this connection
+    NOT_REGISTERED = "not_registered"  # not joined, or the model is not registered yet
+    LAYOUT_CONFLICT = "layout_conflict"  # registration differs from the server's model
+    VERSION = "version"  # an impossible version (from the future, too far ahead)
+    INTERNAL = "internal"  # a bug in the server; the request changed nothing it could undo
+    UNAVAILABLE = "unavailable"  # client side only: no answer in time
+
+
 class StellaError(Exception):
-    """Root of every exception raised by Stella."""
+    """Root of every exception raised by Stella; never raised itself."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
 
 
 class ProtocolError(StellaError):
     """A message broke the wire protocol (malformed, wrong frames, bad field)."""
 
-    code = "protocol"
+    code = ErrorCode.PROTOCOL
 
 
 class CodecError(ProtocolError):
     """Coded index or value bytes are corrupt, truncated or out of range."""
 
-    code = "codec"
+    code = ErrorCode.CODEC
 
 
 class OversizedMessage(ProtocolError):
     """A message or one of its parts is larger than the protocol or the server allows."""
 
-    code = "oversized"
+    code = ErrorCode.OVERSIZED
+
+
+class BadValue(ProtocolError, ValueError):
+    """Values that must be finite contain NaN or Inf."""
+
+    code = ErrorCode.BAD_VALUE
 
 
 class ServerError(StellaError):
-    """The server refused a request; ``code`` names the reason, the text is the server's."""
+    """The server refused a request; ``code`` names the reason, the text is the server's.
 
-    code = "server"
+    The server raises the subclasses (or this class with an explicit ``code``) to
+    refuse a request; the client gets the same class back from :func:`from_reply`.
+    """
 
-    def __init__(self, message: str, code: str | None = None):
+    code = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None):
         super().__init__(message)
         if code is not None:
-            self.code = code
+            self.code = ErrorCode(code)
 
 
 class ServerUnavailable(StellaError, TimeoutError):
     """No answer from the server within the call's timeout (down, unreachable, or busy)."""
 
-    code = "unavailable"
+    code = ErrorCode.UNAVAILABLE
 
 
 class LayoutConflict(ServerError):
     """A registration's tensor names, shapes or dtypes differ from the server's model."""
 
-    code = "layout_conflict"
+    code = ErrorCode.LAYOUT_CONFLICT
 
 
 class NotRegistered(ServerError):
     """The worker has not joined, or the model has not been registered yet."""
 
-    code = "not_registered"
+    code = ErrorCode.NOT_REGISTERED
 
 
 class VersionError(ServerError):
     """A version field is impossible (for example, from the future)."""
 
-    code = "version"
-
-
-class StaleVersionError(VersionError):
-    """A push was computed on a version older than the server accepts."""
-
-    code = "stale_version"
+    code = ErrorCode.VERSION
 
 
 class BadRequest(ServerError, ProtocolError):
     """The server refused a malformed or invalid request (bad frames, indices, values,
     unknown tensor, oversized message, bad optimizer setting); ``code`` says which."""
 
-    code = "bad_request"
+    code = ErrorCode.PROTOCOL
 
 
-_BY_CODE: dict[str, type[ServerError]] = {
-    cls.code: cls for cls in (LayoutConflict, NotRegistered, VersionError, StaleVersionError)
+_BY_CODE: dict[ErrorCode, type[ServerError]] = {
+    ErrorCode.LAYOUT_CONFLICT: LayoutConflict,
+    ErrorCode.NOT_REGISTERED: NotRegistered,
+    ErrorCode.VERSION: VersionError,
+    ErrorCode.INTERNAL: ServerError,
 }
-_BY_CODE.update(dict.fromkeys(
-    ("protocol", "codec", "oversized", "bad_value", "unknown_tensor", "optimizer", "worker_id"), BadRequest))
 
 
 def from_reply(code: str, message: str) -> ServerError:
-    """Build the exception for an error reply from the server."""
-    cls = _BY_CODE.get(code, ServerError)
-    return cls(f"[{code}] {message}", code=code)
+    """Build the exception for an ``error`` reply: the class its code maps to (codes of
+    malformed or invalid requests give :class:`BadRequest`), with the server's message."""
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        ec = ErrorCode.INTERNAL
+    cls = _BY_CODE.get(ec, BadRequest)
+    return cls(f"[{ec.value}] {message}", code=ec)
