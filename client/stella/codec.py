@@ -37,7 +37,7 @@ import sys
 import numpy as np
 
 from . import native
-from .errors import CodecError
+from .errors import BadValue, CodecError
 
 __all__ = [
     "INDEX_CODINGS",
@@ -48,6 +48,7 @@ __all__ = [
     "decode_indices",
     "encode_values",
     "decode_values",
+    "wire_values",
     "value_itemsize",
     "rice_parameter",
 ]
@@ -132,6 +133,32 @@ def decode_values(buf, count: int, dtype: str) -> np.ndarray:
     if not _LITTLE:  # pragma: no cover
         h = h.astype(np.uint16)
     return native.f16_to_f32(h) if dtype == "f16" else native.bf16_to_f32(h)
+
+
+_WIRE_VIEW = {"f32": "<f4", "f16": "<f2", "bf16": "<u2"}
+
+
+def wire_values(buf, count: int, dtype: str) -> np.ndarray:
+    """Wire bytes -> a read-only view of ``count`` values as they travel: float32 for
+    "f32", float16 for "f16", uint16 bit patterns for "bf16" (the kernel reads all
+    three). Raises CodecError when the size is not ``count * itemsize`` or the dtype is
+    unknown, and BadValue when a value is NaN or Inf: what this returns is safe to
+    hand to the kernel unchecked."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        raise CodecError(f"unknown value dtype {dtype!r}")
+    count = int(count)
+    b = native._u8(buf)
+    if count < 0 or b.size != count * size:
+        raise CodecError(f"{dtype}: {b.size} bytes for {count} values (need {count * size})")
+    if b.ctypes.data % size:
+        b = np.frombuffer(b.tobytes(), np.uint8)
+    v = b.view(_WIRE_VIEW[dtype])
+    finite = v.view("<f2") if dtype == "f16" else (v if dtype == "f32" else
+                                                       (v.astype(np.uint32) << 16).view(np.float32))
+    if not np.isfinite(finite).all():
+        raise BadValue(f"{dtype}: NaN or Inf among {count} values")
+    return v
 
 
 def rice_parameter(idx: np.ndarray) -> int:
