@@ -5,14 +5,14 @@ and its optimizer are checked unchanged, and a well-behaved worker keeps trainin
 """
 from __future__ import annotations
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
 
 from conftest import ServerProc
 from stella.client import Client
-from stella.wire import PROTOCOL_VERSION
+from stella.protocol import PROTOCOL_VERSION
 
 MAX_MSG = 2 << 20
 
@@ -34,7 +34,7 @@ def env():
     reg = call(raw, {"type": "register", "worker": state["wid"], "values": False, "optimizer": {},
                      "tensors": [{"name": "w", "shape": [10, 10], "dtype": "float32"},
                                  {"name": "b", "shape": [4], "dtype": "float32"}]})
-    assert reg["type"] == "registered"
+    assert reg["type"] == "registered" and not reg["needs_values"]
     yield state
     raw.close(linger=0)
     good.close()
@@ -48,9 +48,9 @@ _req = iter(range(1000, 10**9))
 def call(sock: zmq.Socket, hdr, frames=(), *, raw_header: bytes | None = None) -> dict:
     if raw_header is None:
         hdr = {"proto": PROTOCOL_VERSION, "req": next(_req), **hdr}
-        raw_header = msgpack.packb(hdr, use_bin_type=True)
+        raw_header = msgspec.msgpack.encode(hdr)
     sock.send_multipart([raw_header, *frames])
-    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    return msgspec.msgpack.decode(sock.recv_multipart()[0])
 
 
 def i32(*xs):
@@ -70,97 +70,163 @@ def snapshot(env):
     return full.version, {k: v[1].copy() for k, v in full.tensors.items()}
 
 
+def e(t, n, coding="raw32", vd="f32", fi=0, fv=None):
+    """A tensor entry as it travels: [tensor, count, coding, value_dtype, index_frame, value_frame]."""
+    if coding == "dense":
+        return [t, n, coding, vd, None, fi if fv is None else fv]
+    return [t, n, coding, vd, fi, fi + 1 if fv is None else fv]
+
+
+def reg_hdr(env, tensors=None, values=False, optimizer=None):
+    return {"type": "register", "worker": env["wid"], "values": values, "optimizer": optimizer or {},
+            "tensors": tensors or [{"name": "b", "shape": [4], "dtype": "float32"}]}
+
+
+def set_opt(env, **hp):
+    return {"type": "set_optimizer", "worker": env["wid"], "hparams": hp}
+
+
 CASES = {
     # name: (builder(env) -> (header|None, frames, raw_header|None), expected code, message fragment)
-    "unknown type": (lambda e: ({"type": "explode"}, [], None), "protocol", "unknown message type"),
+    "unknown type": (lambda e: ({"type": "explode"}, [], None), "protocol", "unknown request type 'explode'"),
+    "type is a list": (lambda e: ({"type": ["push"]}, [], None), "protocol", "unknown request type ['push']"),
+    "type is a map": (lambda e: ({"type": {"push": 1}}, [], None), "protocol", "unknown request type"),
+    "reply type as a request": (lambda e: ({"type": "joined"}, [], None), "protocol", "unknown request type"),
     "malformed msgpack": (lambda e: (None, [], b"\xc1\xc1garbage"), "protocol", "malformed MessagePack"),
     "empty header": (lambda e: (None, [], b""), "protocol", "malformed MessagePack"),
-    "header not a map": (lambda e: (None, [], msgpack.packb([1, 2, 3])), "protocol", "must be a map"),
+    "header not a map": (lambda e: (None, [], msgspec.msgpack.encode([1, 2, 3])), "protocol", "must be a map"),
     "wrong protocol version": (
-        lambda e: (None, [], msgpack.packb({"type": "status", "proto": 99, "req": 1})), "protocol",
+        lambda e: (None, [], msgspec.msgpack.encode({"type": "status", "proto": 99, "req": 1})), "protocol",
         "protocol version 99"),
+    "protocol version as float": (
+        lambda e: (None, [], msgspec.msgpack.encode({"type": "status", "proto": float(PROTOCOL_VERSION), "req": 1})),
+        "protocol", "protocol version 2.0"),
+    "protocol version as bool": (
+        lambda e: (None, [], msgspec.msgpack.encode({"type": "status", "proto": True, "req": 1})), "protocol",
+        "protocol version True"),
+    "request id as bool": (lambda e: ({"type": "status", "req": True}, [], None), "protocol",
+                           "Expected `int`, got `bool` - at `$.req`"),
+    "unknown field": (lambda e: ({"type": "status", "pad": 1}, [], None), "protocol", "unknown field `pad`"),
     "missing field": (lambda e: ({"type": "push", "worker": e["wid"], "tensors": []}, [], None), "protocol",
-                      "missing field 'version'"),
+                      "missing required field `version`"),
     "wrong field type": (lambda e: (push_hdr(e, [], version="0"), [], None), "protocol",
-                         "'version' must be int"),
-    "too few frames": (lambda e: (push_hdr(e, [{"t": 0, "n": 2}]), [i32(1, 2)], None), "protocol",
-                       "frames missing"),
-    "too many frames": (lambda e: (push_hdr(e, [{"t": 0, "n": 1}]), [i32(1), f32(1), f32(1)], None), "protocol",
-                        "3 payload frames, header describes 2"),
+                         "Expected `int`, got `str` - at `$.version`"),
+    "version as float": (lambda e: (push_hdr(e, [], version=0.0), [], None), "protocol",
+                         "Expected `int`, got `float` - at `$.version`"),
+    "entry not an array": (lambda e: (push_hdr(e, [{"t": 0, "n": 1}]), [i32(1), f32(1)], None), "protocol",
+                           "at `$.tensors[0]`"),
+    "coding is a list": (lambda e: (push_hdr(e, [[0, 1, ["raw32"], "f32", 0, 1]]), [i32(1), f32(1)], None),
+                         "protocol", "at `$.tensors[0].coding`"),
+    "coding is a map": (lambda e: (push_hdr(e, [[0, 1, {"raw32": 1}, "f32", 0, 1]]), [i32(1), f32(1)], None),
+                        "protocol", "at `$.tensors[0].coding`"),
+    "value dtype is a list": (lambda e: (push_hdr(e, [[0, 1, "raw32", ["f32"], 0, 1]]), [i32(1), f32(1)], None),
+                              "protocol", "at `$.tensors[0].value_dtype`"),
+    "too few frames": (lambda e: (push_hdr(e, [e_(0, 2)]), [i32(1, 2)], None), "protocol", "frame 1 missing"),
+    "too many frames": (lambda e: (push_hdr(e, [e_(0, 1)]), [i32(1), f32(1), f32(1)], None), "protocol",
+                        "3 payload frames, the entries describe 2"),
+    "frames out of order": (lambda e: (push_hdr(e, [e_(0, 1, fi=1, fv=0)]), [f32(1), i32(1)], None), "protocol",
+                            "frame 1 referenced where frame 0 comes next"),
+    "frame referenced twice": (lambda e: (push_hdr(e, [e_(0, 1), e_(1, 1, fi=1)]), [i32(1), f32(1), f32(1)],
+                                          None), "protocol", "frame 1 referenced where frame 2 comes next"),
+    "dense entry with an index frame": (lambda e: (push_hdr(e, [[1, 4, "dense", "f32", 0, 1]]),
+                                                   [i32(1), f32(1, 1, 1, 1)], None), "protocol",
+                                        "forbidden when dense"),
+    "sparse entry without an index frame": (lambda e: (push_hdr(e, [[0, 1, "raw32", "f32", None, 0]]), [f32(1)],
+                                                       None), "protocol", "index frame is required"),
+    "too many frames in a message": (lambda e: ({"type": "status"}, [b""] * 140_000, None), "oversized",
+                                     "frames > limit"),
     "payload on status": (lambda e: ({"type": "status"}, [b"x"], None), "protocol", "expected no payload frames"),
     "value frame wrong size (float64)": (
-        lambda e: (push_hdr(e, [{"t": 0, "n": 2}]), [i32(1, 2), np.ones(2).tobytes()], None), "codec",
+        lambda e: (push_hdr(e, [e_(0, 2)]), [i32(1, 2), np.ones(2).tobytes()], None), "codec",
         "16 bytes for 2 values (need 8)"),
-    "index frame wrong size": (lambda e: (push_hdr(e, [{"t": 0, "n": 2}]), [i32(1), f32(1, 2)], None), "codec",
+    "index frame wrong size": (lambda e: (push_hdr(e, [e_(0, 2)]), [i32(1), f32(1, 2)], None), "codec",
                                "index frame (raw32)"),
-    "unknown value dtype": (lambda e: (push_hdr(e, [{"t": 0, "n": 1, "vd": "f64"}]), [i32(1), f32(1)], None),
-                            "codec", "unknown value dtype"),
-    "unknown index coding": (lambda e: (push_hdr(e, [{"t": 0, "n": 1, "ic": "zip"}]), [i32(1), f32(1)], None),
-                             "codec", "unknown index coding"),
-    "index out of range": (lambda e: (push_hdr(e, [{"t": 0, "n": 2}]), [i32(5, 100), f32(1, 1)], None), "codec",
+    "unknown value dtype": (lambda e: (push_hdr(e, [e_(0, 1, vd="f64")]), [i32(1), f32(1)], None),
+                            "protocol", "at `$.tensors[0].value_dtype`"),
+    "unknown index coding": (lambda e: (push_hdr(e, [e_(0, 1, coding="zip")]), [i32(1), f32(1)], None),
+                             "protocol", "at `$.tensors[0].coding`"),
+    "index out of range": (lambda e: (push_hdr(e, [e_(0, 2)]), [i32(5, 100), f32(1, 1)], None), "codec",
                            "out of range"),
-    "negative index": (lambda e: (push_hdr(e, [{"t": 0, "n": 2}]), [i32(-1, 3), f32(1, 1)], None), "codec",
+    "negative index": (lambda e: (push_hdr(e, [e_(0, 2)]), [i32(-1, 3), f32(1, 1)], None), "codec",
                        "out of range"),
-    "unsorted indices": (lambda e: (push_hdr(e, [{"t": 0, "n": 3}]), [i32(5, 3, 9), f32(1, 1, 1)], None), "codec",
+    "unsorted indices": (lambda e: (push_hdr(e, [e_(0, 3)]), [i32(5, 3, 9), f32(1, 1, 1)], None), "codec",
                          "not sorted strictly increasing"),
-    "duplicated indices": (lambda e: (push_hdr(e, [{"t": 0, "n": 3}]), [i32(3, 3, 9), f32(1, 1, 1)], None),
+    "duplicated indices": (lambda e: (push_hdr(e, [e_(0, 3)]), [i32(3, 3, 9), f32(1, 1, 1)], None),
                            "codec", "duplicated"),
-    "NaN value": (lambda e: (push_hdr(e, [{"t": 0, "n": 2}]), [i32(1, 2), f32(1, np.nan)], None), "bad_value",
-                  "NaN/Inf"),
-    "Inf value (dense)": (lambda e: (push_hdr(e, [{"t": 1, "n": 4, "ic": "dense"}]), [f32(1, 1, np.inf, 1)], None),
-                          "bad_value", "NaN/Inf"),
-    "dense count wrong": (lambda e: (push_hdr(e, [{"t": 1, "n": 3, "ic": "dense"}]), [f32(1, 1, 1)], None),
+    "NaN value": (lambda e: (push_hdr(e, [e_(0, 2)]), [i32(1, 2), f32(1, np.nan)], None), "bad_value",
+                  "NaN or Inf"),
+    "Inf value (dense)": (lambda e: (push_hdr(e, [e_(1, 4, "dense")]), [f32(1, 1, np.inf, 1)], None),
+                          "bad_value", "NaN or Inf"),
+    "Inf value (f16)": (lambda e: (push_hdr(e, [e_(0, 1, vd="f16")]), [i32(3), np.float16([np.inf]).tobytes()],
+                                   None), "bad_value", "NaN or Inf"),
+    "NaN value (bf16)": (lambda e: (push_hdr(e, [e_(0, 1, vd="bf16")]), [i32(3), np.uint16([0x7fc0]).tobytes()],
+                                    None), "bad_value", "NaN or Inf"),
+    "dense count wrong": (lambda e: (push_hdr(e, [e_(1, 3, "dense")]), [f32(1, 1, 1)], None),
                           "protocol", "needs 4 values"),
-    "unknown tensor": (lambda e: (push_hdr(e, [{"t": 7, "n": 1}]), [i32(1), f32(1)], None), "unknown_tensor",
+    "unknown tensor": (lambda e: (push_hdr(e, [e_(7, 1)]), [i32(1), f32(1)], None), "unknown_tensor",
                        "tensor 7 is not in the model"),
-    "tensor named not indexed": (lambda e: (push_hdr(e, [{"t": "w", "n": 1}]), [i32(1), f32(1)], None),
-                                 "unknown_tensor", "not in the model"),
-    "tensor twice": (lambda e: (push_hdr(e, [{"t": 0, "n": 1}, {"t": 0, "n": 1}]), [i32(1), f32(1)] * 2, None),
+    "tensor named not numbered": (lambda e: (push_hdr(e, [e_("w", 1)]), [i32(1), f32(1)], None),
+                                  "protocol", "at `$.tensors[0].tensor`"),
+    "tensor twice": (lambda e: (push_hdr(e, [e_(0, 1), e_(0, 1, fi=2)]), [i32(1), f32(1)] * 2, None),
                      "protocol", "appears twice"),
-    "version from the future": (lambda e: (push_hdr(e, [{"t": 0, "n": 1}], version=10**6), [i32(1), f32(1)], None),
+    "version from the future": (lambda e: (push_hdr(e, [e_(0, 1)], version=10**6), [i32(1), f32(1)], None),
                                 "version", "from the future"),
-    "negative version": (lambda e: (push_hdr(e, [{"t": 0, "n": 1}], version=-2), [i32(1), f32(1)], None),
-                         "version", "from the future"),
+    "negative version": (lambda e: (push_hdr(e, [e_(0, 1)], version=-2), [i32(1), f32(1)], None),
+                         "protocol", "Expected `int` >= 0 - at `$.version`"),
+    "push with a bad hyper-parameter": (lambda e: (push_hdr(e, [e_(0, 1)], hparams={"lr": -1.0}),
+                                                   [i32(1), f32(1)], None), "optimizer", "lr=-1 is outside"),
     "pull from the future": (lambda e: ({"type": "pull", "worker": e["wid"], "since": 10**6}, [], None), "version",
                              "from the future"),
-    "pull with a block-only coding": (lambda e: ({"type": "pull", "worker": e["wid"], "since": 0, "ic": "block16"},
-                                                  [], None), "protocol", "not available for pulls"),
-    "count larger than tensor": (lambda e: (push_hdr(e, [{"t": 1, "n": 5}]), [i32(0, 1, 2, 3, 4), f32(*[1] * 5)],
+    "pull with a block-only coding": (lambda e: ({"type": "pull", "worker": e["wid"], "since": 0,
+                                                  "coding": "block16"}, [], None), "protocol", "at `$.coding`"),
+    "pull waiting too far ahead": (lambda e: ({"type": "pull", "worker": e["wid"], "since": 0,
+                                               "wait_for": 10**6}, [], None), "version", "more than 1024 ahead"),
+    "count larger than tensor": (lambda e: (push_hdr(e, [e_(1, 5)]), [i32(0, 1, 2, 3, 4), f32(*[1] * 5)],
                                             None), "oversized", "5 values > its 4 elements"),
     "oversized header": (lambda e: ({"type": "status", "pad": "x" * (1 << 20)}, [], None), "oversized",
                          "oversized header"),
-    "oversized message": (lambda e: (push_hdr(e, [{"t": 0, "n": 1}]), [i32(1), b"\0" * MAX_MSG], None), "oversized",
+    "oversized message": (lambda e: (push_hdr(e, [e_(0, 1)]), [i32(1), b"\0" * MAX_MSG], None), "oversized",
                           "limit"),
     "impersonating another worker": (lambda e: (push_hdr(e, [], worker=e["good"].worker_id), [], None),
                                      "not_registered", "belongs to another connection"),
     "worker never joined": (lambda e: (push_hdr(e, [], worker=4242), [], None), "not_registered", "has not joined"),
-    "register bad dtype": (lambda e: ({"type": "register", "worker": e["wid"], "values": False, "optimizer": {},
-                                       "tensors": [{"name": "w", "shape": [10, 10], "dtype": "float64"}]}, [], None),
-                           "protocol", "dtype 'float64' not supported"),
-    "register bad shape": (lambda e: ({"type": "register", "worker": e["wid"], "values": False, "optimizer": {},
-                                       "tensors": [{"name": "w", "shape": [10, -1], "dtype": "float32"}]}, [], None),
-                           "protocol", "'shape' must be"),
-    "register wrong value frame": (lambda e: ({"type": "register", "worker": e["wid"], "values": True,
-                                               "optimizer": {}, "tensors": [{"name": "b", "shape": [4],
-                                                                             "dtype": "float32"}]}, [f32(1, 2)], None),
-                                   "codec", "value frame"),
-    "register bad optimizer": (lambda e: ({"type": "register", "worker": e["wid"], "values": False,
-                                           "optimizer": {"name": "adamw", "lr": -1},
-                                           "tensors": [{"name": "b", "shape": [4], "dtype": "float32"}]}, [], None),
-                               "optimizer", "lr=-1.0 is outside"),
-    "set_optimizer unknown hparam": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
-                                                 "hparams": {"betas": [0.9, 0.99]}}, [], None), "optimizer",
+    "register bad dtype": (lambda e: (reg_hdr(e, [{"name": "w", "shape": [10, 10], "dtype": "float64"}]), [], None),
+                           "protocol", "at `$.tensors[0].dtype`"),
+    "register bad shape": (lambda e: (reg_hdr(e, [{"name": "w", "shape": [10, -1], "dtype": "float32"}]), [], None),
+                           "protocol", "at `$.tensors[0].shape[1]`"),
+    "register a name that is a list": (lambda e: (reg_hdr(e, [{"name": ["w"], "shape": [4], "dtype": "float32"}]),
+                                                  [], None), "protocol", "at `$.tensors[0].name`"),
+    "register a zero-element tensor": (lambda e: (reg_hdr(e, [{"name": "w", "shape": [0, 3], "dtype": "float32"}]),
+                                                  [], None), "protocol", "no elements"),
+    "register wrong value frame": (lambda e: (reg_hdr(e, values=True), [f32(1, 2)], None), "codec", "value frame"),
+    "register NaN initial values": (lambda e: (reg_hdr(e, values=True), [f32(1, 2, np.nan, 4)], None),
+                                    "bad_value", "NaN/Inf initial values"),
+    "register bad optimizer": (lambda e: (reg_hdr(e, optimizer={"name": "adamw", "lr": -1}), [], None),
+                               "optimizer", "lr=-1 is outside"),
+    "register adam with eps 0": (lambda e: (reg_hdr(e, optimizer={"name": "adam", "eps": 0.0}), [], None),
+                                 "optimizer", "eps=0 is outside (0,"),
+    "register sgd with dampening 2": (lambda e: (reg_hdr(e, optimizer={"name": "sgd", "dampening": 2.0}), [], None),
+                                      "optimizer", "dampening=2 is outside [0, 1]"),
+    "register adam with beta 1": (lambda e: (reg_hdr(e, optimizer={"name": "adam", "betas": [1.0, 0.9]}), [], None),
+                                  "optimizer", "betas[0]=1 is outside [0, 1)"),
+    "register adamw lr * weight_decay > 1": (lambda e: (reg_hdr(e, optimizer={"name": "adamw", "lr": 10.0,
+                                                                              "weight_decay": 0.5}), [], None),
+                                             "optimizer", "lr * weight_decay = 5.0 > 1"),
+    "register lr not finite in float32": (lambda e: (reg_hdr(e, optimizer={"name": "sgd", "lr": 1e300}), [], None),
+                                          "optimizer", "lr=1e+300 is outside"),
+    "set_optimizer unknown hparam": (lambda e: (set_opt(e, betas=[0.9, 0.99]), [], None), "optimizer",
                                      "unknown hyper-parameter"),
-    "set_optimizer bad value": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
-                                            "hparams": {"momentum": float("nan")}}, [], None), "optimizer",
+    "set_optimizer bad value": (lambda e: (set_opt(e, momentum=float("nan")), [], None), "optimizer",
                                 "momentum=nan"),
-    "set_optimizer unknown momentum_mode": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
-                                                        "hparams": {"momentum_mode": "eager"}}, [], None),
+    "set_optimizer negative lr": (lambda e: (set_opt(e, lr=-0.5), [], None), "optimizer", "lr=-0.5 is outside"),
+    "set_optimizer unknown momentum_mode": (lambda e: (set_opt(e, momentum_mode="eager"), [], None),
                                             "optimizer", "momentum_mode must be one of"),
-    "set_optimizer fold with momentum 1": (lambda e: ({"type": "set_optimizer", "worker": e["wid"],
-                                                       "hparams": {"momentum": 1.0}}, [], None),
-                                           "optimizer", "requires momentum < 1"),
+    "set_optimizer momentum 1": (lambda e: (set_opt(e, momentum=1.0), [], None), "optimizer",
+                                 "momentum=1 is outside [0, 1)"),
+    "set_optimizer hparams a list": (lambda e: ({"type": "set_optimizer", "worker": e["wid"], "hparams": [1]},
+                                                [], None), "protocol", "at `$.hparams`"),
 }
+e_ = e
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -186,7 +252,7 @@ def test_good_worker_keeps_training_after_bad_input(env):
     good = env["good"]
     v = good.status()["version"]
     # the raw worker is live too: it must push for the step to close
-    call(env["raw"], push_hdr(env, [{"t": 1, "n": 1}], version=v), [i32(0), f32(1)])
+    call(env["raw"], push_hdr(env, [e(1, 1)], version=v), [i32(0), f32(1)])
     good.push({"b": (np.array([0], np.int32), np.array([1.0], np.float32))}, v)
     d = good.pull(v, wait_for=v + 1)
     assert d.version == v + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stella import LayoutConflict, NotRegistered, ServerUnavailable, VersionError
+from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError
 from stella.client import Client
 
 SGD1 = {"name": "sgd", "lr": 1.0}
@@ -24,9 +24,9 @@ def test_join_register_status_round_trip(server, make_client):
     b = make_client(server.endpoint)
     assert a.worker_id != b.worker_id
     r = a.register(model(), SGD1)
-    assert r["created"] is True and r["version"] == 0 and r["numel"] == 210
+    assert r.created is True and r.version == 0 and r.numel == 210 and not r.needs_values
     r2 = b.register(model(1), SGD1)  # same layout, other values: joins, values ignored
-    assert r2["created"] is False
+    assert r2.created is False
     snap = b.pull(None)
     assert snap.full and snap.version == 0
     np.testing.assert_array_equal(snap.tensors["w"][1].reshape(20, 10), model()["w"])
@@ -167,7 +167,7 @@ def test_rejoin_with_same_id_and_conflict(server, make_client):
     a = make_client(server.endpoint)
     wid = a.worker_id
     other = make_client(server.endpoint, join=False)
-    with pytest.raises(Exception, match="in use"):
+    with pytest.raises(BadRequest, match=r"\[worker_id\] worker id \d+ is in use"):
         other.join(wid)
     a.leave()
     assert other.join(wid) == wid
@@ -181,8 +181,40 @@ def test_set_optimizer_changes_lr_from_next_step(server, make_client):
     a.push({"b": np.ones(10, np.float32)}, 0)
     d = a.pull(0, wait_for=1)
     np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - np.float32(0.5))
-    with pytest.raises(Exception, match="unknown hyper-parameter"):
+    with pytest.raises(BadRequest, match=r"\[optimizer\] unknown hyper-parameter"):
         a.set_optimizer(gamma=3)
+
+
+def test_hparams_on_a_push_apply_from_the_step_it_joins(make_server, make_client):
+    """A learning-rate change travels with the push (no round trip of its own) and
+    applies exactly from the step that push joins."""
+    srv = make_server(2)
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    m = model()
+    a.register(m, SGD1)
+    b.register(m, SGD1)
+    a.push({"b": np.ones(10, np.float32)}, 0)
+    b.push({"b": np.ones(10, np.float32)}, 0)
+    assert a.pull(0, wait_for=1).version == 1  # step 0 at lr 1
+    a.push({"b": np.ones(10, np.float32)}, 1, hparams={"lr": 0.25})
+    assert a.status()["optimizer"]["lr"] == 1.0  # not before its step closes
+    b.push({"b": np.ones(10, np.float32)}, 1)
+    d = a.pull(0, wait_for=2)
+    np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - np.float32(1.0) - np.float32(0.25))
+    assert a.status()["optimizer"]["lr"] == 0.25
+    with pytest.raises(BadRequest, match=r"\[optimizer\] lr=-1 is outside"):  # refused when pushed
+        a.push({"b": np.ones(10, np.float32)}, 2, hparams={"lr": -1.0})
+    assert a.status()["pending_pushes"] == 0
+
+
+def test_first_registration_with_an_empty_tensor_is_answered(server, make_client):
+    """A zero-element tensor in the registration that would initialise the model is
+    refused with a clear error (it used to leave the request unanswered), and the
+    model can still be initialised afterwards."""
+    a = make_client(server.endpoint, timeout=5)
+    with pytest.raises(BadRequest, match="no elements"):
+        a.register({**model(), "empty": np.zeros((0, 4), np.float32)}, SGD1)
+    assert a.register(model(), SGD1).created
 
 
 def test_timeout_when_server_is_down():

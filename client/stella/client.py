@@ -1,33 +1,70 @@
 """``stella.Client``: the connection a training script uses to talk to ``stella-ps``.
 
-A client owns one ZeroMQ DEALER socket. Requests carry an id; replies are matched
-by it, so several requests can be in flight (``send_*`` then ``wait``), which the
-pipelined optimizer uses to overlap a push and the following pull. A client is
-not thread-safe: use it from one thread (the pipeline gives its background thread
-its own client).
+A client owns one ZeroMQ DEALER socket. Requests carry an id and replies are
+matched by it, so several requests can be in flight: ``push(..., wait=False)`` and
+``pull(..., wait=False)`` return a :class:`Pending` whose ``result()`` waits for the
+reply, which the pipelined optimizer uses to overlap a push and the following pull.
+Every message is built and checked by :mod:`stella.protocol`. A client is not
+thread-safe: use it from one thread (the pipeline gives its background thread its
+own client).
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar
 
+import msgspec
 import numpy as np
 import zmq
 
 from . import codec
 from .errors import ProtocolError, ServerUnavailable, from_reply
-from .wire import TensorSpec, pack_header, unpack_header
+from .protocol import (
+    Delta,
+    Error,
+    Join,
+    Joined,
+    Leave,
+    Pull,
+    Push,
+    PushOk,
+    Received,
+    Register,
+    Registered,
+    SetOptimizer,
+    OptimizerSet,
+    Status,
+    StatusReply,
+    TensorSpec,
+    decode_reply,
+    decode_tensors,
+    encode,
+    encode_tensors,
+)
 
-__all__ = ["Client", "PullResult", "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT"]
+__all__ = ["Client", "Pending", "PullResult", "ENV_TIMEOUT", "default_timeout"]
+
+log = logging.getLogger("stella.client")
 
 ENV_TIMEOUT = "STELLA_TIMEOUT"
-DEFAULT_TIMEOUT_S = float(os.environ.get(ENV_TIMEOUT, "60"))
+"""Environment variable: default timeout of every blocking call, in seconds (60 if unset)."""
 
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+T = TypeVar("T")
+
+
+def default_timeout() -> float:
+    """``STELLA_TIMEOUT`` (seconds), read at call time; 60 when unset."""
+    raw = os.environ.get(ENV_TIMEOUT, "60")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not a number of seconds") from None
 
 
 def _to_numpy_f32(x: Any) -> np.ndarray:
@@ -83,6 +120,18 @@ class PullResult:
                     flat[idx] = vals
 
 
+class Pending(Generic[T]):
+    """A request in flight; :meth:`result` waits for its reply (once)."""
+
+    def __init__(self, client: "Client", req: int, parse: Callable[[Received], T], timeout: float | None):
+        self._client, self.req, self._parse, self._timeout = client, req, parse, timeout
+
+    def result(self, timeout: float | None = None) -> T:
+        """The parsed reply; raises the server's error, or :class:`ServerUnavailable`."""
+        rx = self._client._wait(self.req, timeout=self._timeout if timeout is None else timeout)
+        return self._parse(rx)
+
+
 class Client:
     """Connection to one stella-ps.
 
@@ -103,7 +152,7 @@ class Client:
         ctx: zmq.Context | None = None,
     ):
         self.address = address
-        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        self.timeout = default_timeout() if timeout is None else float(timeout)
         self.name = name or f"pid{os.getpid()}"
         self.worker_id: int | None = worker_id
         self.layout: list[TensorSpec] = []
@@ -111,7 +160,7 @@ class Client:
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         self._req = itertools.count(1)
-        self._replies: dict[int, tuple[dict, list]] = {}
+        self._replies: dict[int, Received] = {}
         self._outstanding: set[int] = set()
         ctx = ctx or zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
@@ -126,21 +175,25 @@ class Client:
             self.join(worker_id)
 
     # ------------------------------------------------------------------ plumbing
-    def send(self, msg_type: str, frames: Sequence[Any] = (), *, timeout: float | None = None, **fields: Any) -> int:
-        """Send a request without waiting; returns its id for :meth:`wait`."""
+    def _unavailable(self, what: str, t: float) -> ServerUnavailable:
+        return ServerUnavailable(f"{what} stella-ps at {self.address} within {t:.1f}s "
+                                 f"(the timeout argument, or {ENV_TIMEOUT} for the default)")
+
+    def _send(self, msg: Any, frames: Iterable[Any] = (), timeout: float | None = None) -> int:
+        """Send a request built without its id; returns the id for :meth:`_wait`."""
         if self._sock.closed:
             raise ServerUnavailable("client is closed")
         t = self.timeout if timeout is None else timeout
         if not self._sock.poll(int(t * 1000), zmq.POLLOUT):
-            raise ServerUnavailable(f"cannot reach stella-ps at {self.address} within {t:.1f}s")
+            raise self._unavailable("cannot reach", t)
         req = next(self._req)
-        hdr = pack_header(msg_type, req, **fields)
-        self._sock.send_multipart([hdr, *frames], copy=False)
-        self.bytes_pushed += len(hdr) + sum(memoryview(f).nbytes for f in frames)
+        parts = encode(msgspec.structs.replace(msg, req=req), list(frames))
+        self._sock.send_multipart(parts, copy=False)
+        self.bytes_pushed += sum(memoryview(p).nbytes for p in parts)
         self._outstanding.add(req)
         return req
 
-    def wait(self, req: int, *, timeout: float | None = None) -> tuple[dict, list]:
+    def _wait(self, req: int, timeout: float | None = None) -> Received:
         """Wait for the reply to request ``req``; raises the server's error if it sent one."""
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
@@ -148,20 +201,23 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(max(left, 0) * 1000) + 1, zmq.POLLIN):
                 self._outstanding.discard(req)
-                raise ServerUnavailable(f"no reply from stella-ps at {self.address} within {t:.1f}s")
+                raise self._unavailable("no reply from", t)
             parts = self._sock.recv_multipart(copy=False)
             self.bytes_pulled += sum(len(p) for p in parts)
-            hdr = unpack_header(parts[0].buffer, expect="reply")
-            if hdr["req"] in self._outstanding:  # replies to abandoned requests are dropped
-                self._replies[hdr["req"]] = (hdr, parts[1:])
+            rx = decode_reply([p.buffer for p in parts])
+            if rx.msg.req in self._outstanding:
+                self._replies[rx.msg.req] = rx
+            else:  # a reply to a request given up on (timed out) is dropped
+                log.debug("dropped a reply to an abandoned request", extra={"req": rx.msg.req})
         self._outstanding.discard(req)
-        hdr, frames = self._replies.pop(req)
-        if hdr["type"] == "error":
-            raise from_reply(str(hdr.get("code")), str(hdr.get("message")))
-        return hdr, frames
+        rx = self._replies.pop(req)
+        if isinstance(rx.msg, Error):
+            raise from_reply(rx.msg.code, rx.msg.message)
+        return rx
 
-    def request(self, msg_type: str, frames: Sequence[Any] = (), *, timeout: float | None = None, **fields):
-        return self.wait(self.send(msg_type, frames, timeout=timeout, **fields), timeout=timeout)
+    def _request(self, msg: Any, expect: type[T], frames: Iterable[Any] = (), timeout: float | None = None) -> T:
+        rx = self._wait(self._send(msg, frames, timeout), timeout)
+        return _expect(rx, expect)
 
     def _tensor(self, name: str) -> int:
         try:
@@ -169,14 +225,17 @@ class Client:
         except KeyError:
             raise KeyError(f"tensor {name!r} is not in the registered model") from None
 
+    def _worker(self) -> int:
+        if self.worker_id is None:
+            raise ProtocolError("this client has not joined (Client(..., join=False)); call join() first")
+        return self.worker_id
+
     # ------------------------------------------------------------------ API
     def join(self, worker_id: int | None = None, *, timeout: float | None = None) -> int:
-        fields = {"name": self.name}
-        if worker_id is not None:
-            fields["worker"] = worker_id
-        hdr, _ = self.request("join", timeout=timeout, **fields)
-        self.worker_id = hdr["worker"]
-        return self.worker_id
+        """Join the job (as ``worker_id`` if given: a restarted worker); returns the id."""
+        reply = self._request(Join(worker=worker_id, name=self.name), Joined, timeout=timeout)
+        self.worker_id = reply.worker
+        return reply.worker
 
     def register(
         self,
@@ -184,27 +243,24 @@ class Client:
         optimizer: Mapping[str, Any] | None = None,
         *,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> Registered:
         """Declare the model layout; the first registration also sends the initial values.
 
-        Later workers with the same layout join the existing model (pull a full
-        snapshot afterwards); a different layout raises :class:`LayoutConflict`.
-        Returns the server's reply (``version``, ``created``, ``optimizer``).
+        ``optimizer`` is the server-side optimizer (``{"name": "adamw", "lr": ...}``);
+        None takes the server's default (``stella-ps --optimizer``). Later workers with
+        the same layout join the existing model (pull a full snapshot afterwards); a
+        different layout raises :class:`LayoutConflict`.
         """
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
-        fields = {"worker": self.worker_id, "tensors": [s.to_wire() for s in layout],
-                  "optimizer": dict(optimizer or {})}
-        from .errors import NotRegistered
-
-        try:  # cheap probe first: joining an existing model sends no values
-            hdr, _ = self.request("register", timeout=timeout, values=False, **fields)
-        except NotRegistered:
+        msg = Register(worker=self._worker(), tensors=layout, optimizer=dict(optimizer or {}), values=False)
+        reply = self._request(msg, Registered, timeout=timeout)  # joining a model sends no values
+        if reply.needs_values:  # this registration initialises the model
             frames = [_to_numpy_f32(t) for _, t in items]
-            hdr, _ = self.request("register", frames, timeout=timeout, values=True, **fields)
+            reply = self._request(msgspec.structs.replace(msg, values=True), Registered, frames, timeout)
         self.layout = layout
         self._index = {s.name: i for i, s in enumerate(layout)}
-        return hdr
+        return reply
 
     def push(
         self,
@@ -212,96 +268,82 @@ class Client:
         version: int,
         *,
         value_dtype: str = "f32",
-        index_coding: str = "raw32",
+        index_coding: str = codec.DEFAULT_INDEX_CODING,
+        hparams: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         wait: bool = True,
-    ):
-        """Push one step's gradient, computed on model ``version``.
+    ) -> Any:
+        """Push one step's update, computed on model ``version``.
 
-        ``grads`` maps tensor names to a sparse gradient (an object with ``indices``
+        ``grads`` maps tensor names to a sparse update (an object with ``indices``
         and ``values``, e.g. :class:`stella.compress.SparseGrad`, or a pair
         ``(indices, values)`` with sorted unique indices; ``indices`` None means dense)
-        or to a dense array. Returns the server's reply (``step`` the push joined),
-        or the request id when ``wait=False``.
+        or to a dense array. Values travel as ``value_dtype``: "f32" by default, exact;
+        "f16"/"bf16" round them (the compressor keeps that rounding error in its
+        residual when it is told the dtype). ``hparams`` change optimizer
+        hyper-parameters from the step this push joins on (no extra round trip).
+        Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
+        :class:`Pending` of it with ``wait=False``.
         """
-        entries, frames = [], []
+        items = []
         for name, g in grads.items():
-            t = self._tensor(name)
             if hasattr(g, "indices") and hasattr(g, "values"):
                 idx, vals = g.indices, g.values
             elif isinstance(g, tuple):
                 idx, vals = g
             else:
                 idx, vals = None, g
-            vals = _to_numpy_f32(vals)
-            if idx is None:
-                entries.append({"t": t, "n": int(vals.size), "ic": "dense", "vd": value_dtype})
-            else:
-                idx = np.asarray(idx)
-                entries.append({"t": t, "n": int(idx.size), "ic": index_coding, "vd": value_dtype})
-                frames.append(codec.encode_indices(idx, self.layout[t].numel, index_coding))
-            frames.append(codec.encode_values(vals, value_dtype))
-        req = self.send("push", frames, timeout=timeout, worker=self.worker_id, version=int(version), tensors=entries)
-        if not wait:
-            return req
-        return self.wait(req, timeout=timeout)[0]
+            items.append((self._tensor(name), None if idx is None else np.asarray(idx), _to_numpy_f32(vals)))
+        entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)
+        msg = Push(worker=self._worker(), version=int(version), tensors=entries,
+                   hparams=dict(hparams) if hparams else None)
+        pending = Pending(self, self._send(msg, frames, timeout), lambda rx: _expect(rx, PushOk), timeout)
+        return pending if not wait else pending.result()
 
     def pull(
         self,
         since: int | None = None,
         *,
         wait_for: int | None = None,
-        index_coding: str = "raw32",
+        index_coding: str = codec.DEFAULT_INDEX_CODING,
         timeout: float | None = None,
-    ) -> PullResult:
-        """What changed after version ``since`` (None: a full snapshot).
+        wait: bool = True,
+    ) -> Any:
+        """What changed after version ``since`` (None: a full snapshot), a :class:`PullResult`
+        (or a :class:`Pending` of it with ``wait=False``).
 
         With ``wait_for``, the server holds the reply until its version reaches it
         (or ``timeout`` passes, then it answers with what it has).
         """
-        return self.wait_pull(self.send_pull(since, wait_for=wait_for, index_coding=index_coding, timeout=timeout),
-                              timeout=timeout)
-
-    def send_pull(self, since: int | None = None, *, wait_for: int | None = None, index_coding: str = "raw32",
-                  timeout: float | None = None) -> int:
         t = self.timeout if timeout is None else timeout
-        fields: dict[str, Any] = {"worker": self.worker_id, "since": -1 if since is None else int(since),
-                                  "ic": index_coding}
-        if wait_for is not None:
-            fields["wait_for"] = int(wait_for)
-            fields["timeout_ms"] = int(t * 1000 * 0.9)  # the server answers before we give up
-        return self.send("pull", timeout=timeout, **fields)
+        msg = Pull(worker=self._worker(), since=-1 if since is None else int(since), coding=index_coding,
+                   wait_for=None if wait_for is None else int(wait_for),
+                   timeout_ms=int(t * 1000 * 0.9))  # the server answers before we give up
+        pending = Pending(self, self._send(msg, (), timeout), self._pull_result, timeout)
+        return pending if not wait else pending.result()
 
-    def wait_pull(self, req: int, *, timeout: float | None = None) -> PullResult:
-        hdr, frames = self.wait(req, timeout=timeout)
+    def _pull_result(self, rx: Received) -> PullResult:
+        _expect(rx, Delta)
         out: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
-        fi = 0
-        for e in hdr.get("tensors", []):
-            t, n, ic = e["t"], e["n"], e["ic"]
-            if not (isinstance(t, int) and 0 <= t < len(self.layout)):
-                raise ProtocolError(f"pull reply names unknown tensor {t!r}")
-            spec = self.layout[t]
-            if ic == "dense":
-                idx = None
-            else:
-                idx = codec.decode_indices(frames[fi].buffer, n, spec.numel, ic)
-                fi += 1
-            out[spec.name] = (idx, codec.decode_values(frames[fi].buffer, n, "f32"))
-            fi += 1
-        return PullResult(hdr["version"], bool(hdr["full"]), out)
+        for s in decode_tensors(rx, self.layout):
+            if s.values.dtype != np.float32:  # exact values, so that replicas never drift
+                raise ProtocolError(f"delta values must be f32, got {s.values.dtype}")
+            out[self.layout[s.tensor].name] = (s.indices, s.values)
+        return PullResult(rx.msg.version, rx.msg.full, out)
 
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
-        hdr, _ = self.request("status", timeout=timeout)
-        return {k: v for k, v in hdr.items() if k not in ("type", "proto", "req")}
+        """The server's counters (see docs/protocol.md, ``status``)."""
+        reply = self._request(Status(), StatusReply, timeout=timeout)
+        return {k: v for k, v in msgspec.structs.asdict(reply).items() if k not in ("proto", "req")}
 
     def set_optimizer(self, *, timeout: float | None = None, **hparams: Any) -> dict[str, Any]:
         """Change optimizer hyper-parameters (e.g. ``lr``) from the next step on."""
-        hdr, _ = self.request("set_optimizer", timeout=timeout, worker=self.worker_id, hparams=hparams)
-        return hdr["optimizer"]
+        return self._request(SetOptimizer(worker=self._worker(), hparams=hparams), OptimizerSet,
+                             timeout=timeout).optimizer
 
     def leave(self, *, timeout: float | None = None) -> None:
         if self.worker_id is not None:
-            self.request("leave", timeout=timeout, worker=self.worker_id)
+            self._request(Leave(worker=self.worker_id), object, timeout=timeout)
 
     def close(self, *, leave: bool = True, timeout: float = 5.0) -> None:
         """Leave the job (best effort) and close the socket; safe to call twice."""
@@ -310,12 +352,20 @@ class Client:
         if leave and self.worker_id is not None:
             try:
                 self.leave(timeout=timeout)
-            except Exception:
+            except Exception:  # noqa: BLE001 - best effort: the server may be gone
                 pass
         self._finalizer()
 
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _expect(rx: Received, cls: type[T]) -> T:
+    """The reply's message if it is a ``cls`` (any type for ``object``)."""
+    if cls is not object and not isinstance(rx.msg, cls):
+        raise ProtocolError(f"expected a {cls.__name__} reply, got {type(rx.msg).__name__}")
+    return rx.msg  # type: ignore[no-any-return]
+

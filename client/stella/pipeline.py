@@ -23,8 +23,8 @@ compressed.
 
 The wrapper is a ``torch.optim.Optimizer`` with one parameter group whose
 hyper-parameters mirror the server's optimizer: a learning-rate scheduler (or any code
-that edits ``param_groups[0]``) keeps working; changes are sent to the server before
-the next push. Errors in the background thread are raised from the next ``step()``,
+that edits ``param_groups[0]``) keeps working; changes travel with the next push and
+apply from the step it joins. Errors in the background thread are raised from the next ``step()``,
 ``synchronize()`` or ``close()``, never swallowed.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 
 from . import codec
 from .client import Client, PullResult
+from .protocol import Registered
 from .compress import ErrorFeedbackCompressor
 from .errors import StellaError
 
@@ -114,7 +115,8 @@ class StellaOptimizer(torch.optim.Optimizer):
     """One-step-stale data-parallel training through ``stella-ps`` (see module doc).
 
     ``model``: any module; every parameter with ``requires_grad`` is registered under
-    its ``named_parameters`` name. ``optimizer``: the server-side optimizer config.
+    its ``named_parameters`` name. ``optimizer``: the server-side optimizer config
+    (None: the server's default, ``stella-ps --optimizer``).
     ``density``: the fraction of each tensor pushed per step, or ``"auto"`` (default):
     a :class:`DensityBudget` from ``min_density`` up to ``max_density``, raised while the
     exchange hides behind the computation. ``method``/``dense_below``: the compressor. ``value_dtype`` and
@@ -146,12 +148,10 @@ class StellaOptimizer(torch.optim.Optimizer):
     ):
         if staleness not in (0, 1):
             raise ValueError("staleness must be 0 or 1")
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # tensors without elements never change: nothing to exchange
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise ValueError("model has no trainable parameters")
-        opt_cfg = dict(optimizer or {"name": "adamw", "lr": 1e-3})
-        defaults = {k: v for k, v in opt_cfg.items() if k in _SERVER_HPARAMS}
-        super().__init__([p for _, p in named], defaults)
         self.names = [n for n, _ in named]
         self.params = dict(named)
         self.staleness = staleness
@@ -175,18 +175,26 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._early: dict[str, Future] = {}
         self._compress_exec: ThreadPoolExecutor | None = None
+
+        def init() -> tuple[Registered, PullResult]:
+            self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id)
+            reply = self.client.register(self.params, optimizer)
+            return reply, self.client.pull(None)
+
+        try:
+            reply, snap = self._exec.submit(init).result()
+        except BaseException:
+            self._exec.shutdown(wait=False)
+            raise
+        self.server_optimizer: dict[str, Any] = reply.optimizer or {}
+        # the parameter group mirrors the server's optimizer, so that schedulers can edit it
+        defaults = {k: (tuple(v) if k == "betas" else v) for k, v in self.server_optimizer.items()
+                    if k in _SERVER_HPARAMS}
+        super().__init__([p for _, p in named], defaults)
         if compress_in_backward:
             self._compress_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-compress")
             for n, p in self.params.items():
                 p.register_post_accumulate_grad_hook(self._early_hook(n))
-
-        def init() -> PullResult:
-            self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id)
-            reply = self.client.register(self.params, opt_cfg)
-            self.server_optimizer = reply["optimizer"]
-            return self.client.pull(None)
-
-        snap = self._exec.submit(init).result()
         with torch.no_grad():
             snap.apply_to(self.params)
         self.version = snap.version  # the version the local replica holds
@@ -212,13 +220,13 @@ class StellaOptimizer(torch.optim.Optimizer):
         sparse = {n: g.result() if isinstance(g, Future) else self.compressor.compress(n, g)
                   for n, g in grads.items()}
         t1 = time.perf_counter()
-        if hparams:
-            self.client.set_optimizer(**hparams)
-        req = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
-                               wait=False)
-        pull = self.client.send_pull(since, wait_for=since + 1, index_coding=self.index_coding)
-        self.client.wait(req)
-        delta = self.client.wait_pull(pull)
+        # a changed learning rate (or other hyper-parameter) rides on the push: it applies
+        # from the step this push joins, with no round trip of its own
+        push = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
+                                hparams=hparams or None, wait=False)
+        pull = self.client.pull(since, wait_for=since + 1, index_coding=self.index_coding, wait=False)
+        push.result()
+        delta = pull.result()
         self.stats.compress_s += t1 - t0
         t2 = time.perf_counter()
         self.stats.exchange_s += t2 - t1

@@ -1,97 +1,112 @@
-"""Membership and synchronous step aggregation.
+"""Synchronous step aggregation: when a step closes, which pushes it takes, their
+grouping per tensor, the mean's scale, and late pushes.
 
 A step closes when every live worker has a pending push (or, with a step deadline,
-when the deadline after the step's first push passes). Each closed step takes at
-most one push per worker, oldest first; a push that missed its step stays queued
-and is folded into the next one, never dropped. Pushes of a worker that left
-still count. The first step waits until ``expected`` workers have joined once.
+when the deadline after the step's first push passes, see :meth:`Aggregator.deadline`).
+Each closed step takes at most one push per worker, oldest first; a push that
+missed its step stays queued and is folded into the next one, never dropped.
+Pushes of a worker that left still count. The first step waits until the expected
+number of workers have joined once (``started``, kept by the membership).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Collection
 
 import numpy as np
 
-__all__ = ["PendingPush", "Aggregator", "WorkerInfo"]
+from stella.protocol import SparseTensor
+
+__all__ = ["PendingPush", "Step", "Aggregator"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingPush:
+    """A validated push waiting for its step."""
+
     worker: int
-    version: int  # model version the gradient was computed on
-    # (tensor index, sorted int32 indices or None for dense, float32 values)
-    tensors: list[tuple[int, np.ndarray | None, np.ndarray]]
+    version: int  # model version the update was computed on
+    tensors: list[SparseTensor]
+    hparams: dict[str, Any] | None = None  # optimizer changes from this push's step on
     nbytes: int = 0
 
 
-@dataclass
-class WorkerInfo:
-    worker: int
-    routing_id: bytes
-    name: str = ""
-    registered: bool = False
-    pushes: int = 0
+@dataclass(frozen=True)
+class Step:
+    """What one closed step applies.
+
+    ``per_tensor[t]`` holds the ``(indices or None for dense, values)`` contributions
+    to tensor ``t``; their sum is applied times ``scale``, the mean over the step's
+    contributors. ``late`` counts pushes computed on a version older than the one
+    before this step (they missed their own step and were folded into this one).
+    ``hparams`` are the optimizer changes the step's pushes carry, in worker order.
+    """
+
+    per_tensor: list[list[tuple[np.ndarray | None, np.ndarray]]]
+    scale: float
+    contributors: list[int]
+    late: int
+    hparams: list[dict[str, Any]]
 
 
-@dataclass
 class Aggregator:
-    expected: int = 1
-    live: dict[int, WorkerInfo] = field(default_factory=dict)
-    pending: dict[int, deque[PendingPush]] = field(default_factory=dict)
-    started: bool = False
-    _next_id: int = 0
+    """Pending pushes per worker and the rule that closes a step."""
 
-    def join(self, routing_id: bytes, want: int | None, name: str = "") -> WorkerInfo:
-        """Add a worker; ``want`` asks for a specific id (a restarted worker). Raises ValueError."""
-        if want is not None:
-            if want < 0 or want > 2**31:
-                raise ValueError(f"worker id {want} out of range")
-            cur = self.live.get(want)
-            if cur is not None:
-                if cur.routing_id != routing_id:
-                    raise ValueError(f"worker id {want} is in use by another live connection")
-                return cur
-            wid = want
-        else:
-            while self._next_id in self.live or self._next_id in self.pending:
-                self._next_id += 1
-            wid = self._next_id
-        self._next_id = max(self._next_id, wid + 1)
-        info = WorkerInfo(wid, routing_id, name)
-        self.live[wid] = info
-        if len(self.live) >= self.expected:
-            self.started = True
-        return info
-
-    def leave(self, worker: int) -> None:
-        self.live.pop(worker, None)
+    def __init__(self, step_deadline: float = 0.0):
+        self.step_deadline = step_deadline  # seconds; 0 waits for every live worker
+        self._pending: dict[int, deque[PendingPush]] = {}
 
     def add(self, push: PendingPush) -> int:
         """Queue a push; returns how many of this worker's pushes were already waiting."""
-        q = self.pending.setdefault(push.worker, deque())
+        q = self._pending.setdefault(push.worker, deque())
         q.append(push)
         return len(q) - 1
 
     def pending_count(self) -> int:
-        return sum(len(q) for q in self.pending.values())
+        return sum(len(q) for q in self._pending.values())
 
     def has_pending(self) -> bool:
-        return any(self.pending.values())
+        return any(self._pending.values())
 
-    def ready(self) -> bool:
-        """Does the open step have every live worker's push?"""
-        if not self.started or not self.has_pending():
-            return False
-        return all(self.pending.get(w) for w in self.live)
+    def pending_workers(self) -> set[int]:
+        """Workers with queued pushes (those of a worker that left included)."""
+        return {w for w, q in self._pending.items() if q}
 
-    def take_step(self) -> list[PendingPush]:
-        """Remove and return the open step's pushes: the oldest pending push of each worker."""
-        out = []
-        for w in sorted(self.pending):
-            q = self.pending[w]
+    def missing(self, live: Collection[int]) -> list[int]:
+        """Live workers the open step still waits for."""
+        return [w for w in live if not self._pending.get(w)]
+
+    def should_close(self, live: Collection[int], started: bool) -> bool:
+        """Does the open step close now: some push pending and every live worker's in
+        (with no live worker left, whatever is pending closes)?"""
+        return started and self.has_pending() and not self.missing(live)
+
+    def deadline(self, started: bool) -> float | None:
+        """Seconds after the open step's first push at which it closes without the
+        missing workers, or None to wait for all of them."""
+        return self.step_deadline if started and self.step_deadline > 0 else None
+
+    def take_step(self, version: int, ntensors: int) -> Step | None:
+        """Remove the open step's pushes (the oldest pending push of each worker) and
+        group them; ``version`` is the model's version before the step."""
+        pushes = []
+        for w in sorted(self._pending):
+            q = self._pending[w]
             if q:
-                out.append(q.popleft())
-            if not q and w not in self.live:
-                del self.pending[w]
-        return out
+                pushes.append(q.popleft())
+            if not q:
+                del self._pending[w]
+        if not pushes:
+            return None
+        per_tensor: list[list[tuple[np.ndarray | None, np.ndarray]]] = [[] for _ in range(ntensors)]
+        for p in pushes:
+            for s in p.tensors:
+                per_tensor[s.tensor].append((s.indices, s.values))
+        return Step(
+            per_tensor=per_tensor,
+            scale=1.0 / len(pushes),
+            contributors=[p.worker for p in pushes],
+            late=sum(p.version < version - 1 for p in pushes),
+            hparams=[p.hparams for p in pushes if p.hparams],
+        )

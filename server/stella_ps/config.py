@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .optim import OptimizerConfig
 
 __all__ = ["ServerConfig", "ENV", "parse_args"]
 
@@ -26,14 +28,16 @@ ENV = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
-    """Everything the daemon can be told. ``bind`` may use port 0 for an ephemeral port."""
+    """Everything the daemon can be told, validated. ``bind`` may use port 0 for an
+    ephemeral port."""
 
     bind: str = "tcp://0.0.0.0:5555"
     workers: int = 1  # steps wait until this many workers have joined once
     step_deadline: float = 0.0  # seconds after a step's first push; 0 = wait for every live worker
-    optimizer: dict[str, Any] = field(default_factory=dict)  # default when a registration sends none
+    # the optimizer when a registration names none (plain SGD, PyTorch's defaults, if unset)
+    optimizer: OptimizerConfig = OptimizerConfig.from_wire({"name": "sgd"})
     history: int = 64  # applied steps remembered for delta pulls; older `since` gets a snapshot
     max_message_bytes: int = 1 << 30
     log_level: str = "INFO"
@@ -41,22 +45,23 @@ class ServerConfig:
     ready_file: str | None = None  # the bound endpoint is written here once listening
 
 
-def _parse_optimizer(text: str) -> dict[str, Any]:
-    """``adamw`` or ``adamw:lr=0.001,weight_decay=0.01`` or a JSON map."""
+def _parse_optimizer(text: str) -> OptimizerConfig:
+    """``adamw`` or ``adamw:lr=0.001,weight_decay=0.01`` or a JSON map, validated."""
     text = text.strip()
     if not text:
-        return {}
-    if text.startswith("{"):
-        obj = json.loads(text)
-        if not isinstance(obj, dict):
-            raise argparse.ArgumentTypeError("optimizer JSON must be a map")
-        return obj
-    name, _, rest = text.partition(":")
-    out: dict[str, Any] = {"name": name}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        out[k.strip()] = json.loads(v) if v.strip()[:1] in "[{tf" else float(v)
-    return out
+        return ServerConfig.optimizer
+    try:
+        if text.startswith("{"):
+            obj = json.loads(text)
+        else:
+            name, _, rest = text.partition(":")
+            obj = {"name": name}
+            for item in filter(None, rest.split(",")):
+                k, _, v = item.partition("=")
+                obj[k.strip()] = json.loads(v) if v.strip()[:1] in "[{tf" else float(v)
+        return OptimizerConfig.from_wire(obj)
+    except (ValueError, ConfigError) as e:  # json and float() raise ValueError
+        raise argparse.ArgumentTypeError(f"bad optimizer {text!r}: {e}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:

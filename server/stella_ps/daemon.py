@@ -72,7 +72,7 @@ async def run(cfg: ServerConfig) -> None:
         os.replace(tmp, cfg.ready_file)  # readers never see a half-written file
     print(f"stella-ps listening on {endpoint}", flush=True)
     task = asyncio.ensure_future(server.serve())
-    await server._stop.wait()
+    await server.stop_requested()
     log.info("shutting down")
     try:
         await asyncio.wait_for(task, SHUTDOWN_TIMEOUT_S)

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = ["OptimizerConfig", "OPTIMIZERS", "MOMENTUM_MODES", "ConfigError"]
 
 # PyTorch's names and defaults (torch.optim.SGD / Adam / AdamW), plus Stella's
@@ -32,17 +34,19 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 MOMENTUM_MODES = ("fold", "lazy")
 
 
-class ConfigError(ValueError):
-    """An optimizer name or hyper-parameter is unknown or out of range."""
+# The kernel computes in float32: a hyper-parameter must stay finite there.
+F32_MAX = 3.4028234663852886e38
 
 
-def _num(name: str, x: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False) -> float:
+def _num(name: str, x: Any, lo: float = 0.0, hi: float = F32_MAX, *, lo_open: bool = False,
+         hi_open: bool = False) -> float:
+    """``x`` as a float inside its range (``lo``/``hi`` closed unless said open)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise ConfigError(f"{name} must be a number, got {type(x).__name__}")
     x = float(x)
-    if not math.isfinite(x) or x < lo or (x >= hi if hi_open else x > hi):
-        bound = f"[{lo}, {hi})" if hi_open else f"[{lo}, {hi}]"
-        raise ConfigError(f"{name}={x} is outside {bound}")
+    if (not math.isfinite(x) or (x <= lo if lo_open else x < lo) or (x >= hi if hi_open else x > hi)):
+        bound = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ConfigError(f"{name}={x:g} is outside {bound}")
     return x
 
 
@@ -73,8 +77,10 @@ class OptimizerConfig:
         out: dict[str, Any] = {"lr": _num("lr", hp["lr"])}
         out["weight_decay"] = _num("weight_decay", hp["weight_decay"])
         if self.name == "sgd":
-            out["momentum"] = _num("momentum", hp["momentum"])
-            out["dampening"] = _num("dampening", hp["dampening"])
+            # momentum 1 never forgets (and folds to an infinite gain); dampening above 1
+            # would make steps climb the gradient
+            out["momentum"] = _num("momentum", hp["momentum"], 0.0, 1.0, hi_open=True)
+            out["dampening"] = _num("dampening", hp["dampening"], 0.0, 1.0)
             if not isinstance(hp["nesterov"], bool):
                 raise ConfigError("nesterov must be a bool")
             out["nesterov"] = hp["nesterov"]
@@ -82,15 +88,17 @@ class OptimizerConfig:
                 raise ConfigError("nesterov momentum requires momentum > 0 and dampening = 0")
             if hp["momentum_mode"] not in MOMENTUM_MODES:
                 raise ConfigError(f"momentum_mode must be one of {list(MOMENTUM_MODES)}, got {hp['momentum_mode']!r}")
-            if hp["momentum_mode"] == "fold" and out["momentum"] >= 1.0:
-                raise ConfigError("momentum_mode 'fold' requires momentum < 1")
             out["momentum_mode"] = hp["momentum_mode"]
         else:
             b = hp["betas"]
             if not isinstance(b, (list, tuple)) or len(b) != 2:
                 raise ConfigError("betas must be a pair")
-            out["betas"] = (_num("betas[0]", b[0], 0.0, 1.0, True), _num("betas[1]", b[1], 0.0, 1.0, True))
-            out["eps"] = _num("eps", hp["eps"])
+            out["betas"] = (_num("betas[0]", b[0], 0.0, 1.0, hi_open=True), _num("betas[1]", b[1], 0.0, 1.0, hi_open=True))
+            out["eps"] = _num("eps", hp["eps"], 0.0, lo_open=True)  # eps = 0 divides 0 by 0
+            if self.name == "adamw" and out["lr"] * out["weight_decay"] > 1.0:
+                # AdamW multiplies a touched parameter by 1 - lr * weight_decay
+                raise ConfigError(f"lr * weight_decay = {out['lr'] * out['weight_decay']} > 1 flips the "
+                                  "parameters' sign at every step")
         return OptimizerConfig(self.name, out)
 
     def rule(self) -> "OptimizerConfig":

@@ -1,33 +1,45 @@
-"""The model store: float32 tensors with their optimizer state, the version, and the
-history of which coordinates each step touched (for pulls of what changed).
+"""The model store: float32 tensors with their optimizer state, the version, the
+history of which coordinates each step touched, and the encoded answers to pulls.
 
 All methods run on the server's single store thread, so a step and a pull never
-interleave: a pull always sees the model exactly at the version it reports.
+interleave: a pull always sees the model exactly at the version it reports. The
+store never holds the optimizer configuration: the service owns it and passes it
+to every step.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from stella.wire import TensorSpec
+from stella.protocol import TensorEntry, TensorSpec, encode_tensors
 
+from .aggregation import Step
 from .kernel import KernelTensorState, union_indices
 from .optim import OptimizerConfig
-from .optim_ref import Push
 
-__all__ = ["ModelStore", "Delta", "layout_diff"]
+__all__ = ["ModelStore", "Delta", "EncodedDelta", "layout_diff"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Delta:
-    """The answer to a pull: per tensor ``(indices or None for dense, float32 values)``."""
+    """The answer to a pull: per tensor ``(tensor, indices or None for dense, float32 values)``."""
 
     version: int
     full: bool
     tensors: list[tuple[int, np.ndarray | None, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    """A :class:`Delta` as it goes on the wire, for one index coding."""
+
+    version: int
+    full: bool
+    entries: list[TensorEntry]
+    frames: list[Any]
 
 
 def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: int = 5) -> str | None:
@@ -52,37 +64,41 @@ class ModelStore:
     """Holds the registered model. Not thread-safe: use from one thread."""
 
     def __init__(self, history: int = 64):
-        self.layout: list[TensorSpec] | None = None
+        self.layout: list[TensorSpec] = []
         self.tensors: list[KernelTensorState] = []
-        self.optimizer: OptimizerConfig | None = None
         self.version = 0
-        self.history_len = history
         # (version after the step, touched indices per tensor)
         self._history: deque[tuple[int, list[np.ndarray]]] = deque(maxlen=history)
         self._delta_cache: tuple[int, int, Delta] | None = None
+        # encoded deltas of the current version, by (since, coding): every worker of a
+        # synchronous job pulls the same one each step
+        self._encoded: dict[tuple[int, str], EncodedDelta] = {}
+        self._encoded_version = -1
 
     @property
     def initialised(self) -> bool:
-        return self.layout is not None
+        return bool(self.layout)
 
     @property
     def numel(self) -> int:
-        return sum(s.numel for s in self.layout or ())
+        return sum(s.numel for s in self.layout)
 
     def initialise(self, layout: list[TensorSpec], values: list[np.ndarray], cfg: OptimizerConfig) -> None:
+        """Create the model with initial float32 ``values`` and state for ``cfg``'s optimizer."""
         self.tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout = layout
-        self.optimizer = cfg
 
-    def apply_step(self, pushes: list[list[Push]], scale: float, cfg: OptimizerConfig) -> int:
-        """Apply one step: ``pushes[t]`` are the contributions to tensor ``t``."""
+    def apply_step(self, step: Step, cfg: OptimizerConfig) -> int:
+        """Apply one closed step with optimizer ``cfg``; returns the new version.
+
+        The contributions were validated by the wire decoder (sorted, unique,
+        in-range indices; finite values), so the kernel does not scan them again."""
         touched = []
-        for state, tensor_pushes in zip(self.tensors, pushes):
-            if tensor_pushes:
-                touched.append(state.apply(tensor_pushes, scale, cfg))
+        for state, contributions in zip(self.tensors, step.per_tensor):
+            if contributions:
+                touched.append(state.apply(contributions, step.scale, cfg, checked=False))
             else:
                 touched.append(np.empty(0, np.int32))
-        self.optimizer = cfg
         self.version += 1
         self._history.append((self.version, touched))
         return self.version
@@ -94,7 +110,7 @@ class ModelStore:
         """
         v = self.version
         if self._delta_cache and self._delta_cache[:2] == (since, v):
-            return self._delta_cache[2]  # every worker pulls the same delta each step
+            return self._delta_cache[2]
         oldest_base = self._history[0][0] - 1 if self._history else v
         if since < 0 or since < oldest_base:
             delta = Delta(v, True, [(t, None, s.snapshot()) for t, s in enumerate(self.tensors)])
@@ -105,8 +121,23 @@ class ModelStore:
                 lists = [s[t] for s in steps if s[t].size]
                 if not lists:
                     continue
-                idx = lists[0] if len(lists) == 1 else union_indices(lists)
+                # the kernel's own output: sorted and unique already
+                idx = lists[0] if len(lists) == 1 else union_indices(lists, checked=False)
                 out.append((t, idx, state.gather(idx)))
             delta = Delta(v, False, out)
         self._delta_cache = (since, v, delta)
         return delta
+
+    def encoded_delta(self, since: int, coding: str) -> EncodedDelta:
+        """:meth:`delta_since` encoded for the wire (float32 values, ``coding`` indices),
+        built once per version, ``since`` and coding."""
+        if self._encoded_version != self.version:
+            self._encoded.clear()
+            self._encoded_version = self.version
+        key = (since, coding)
+        enc = self._encoded.get(key)
+        if enc is None:
+            delta = self.delta_since(since)
+            entries, frames = encode_tensors(delta.tensors, self.layout, coding, "f32")
+            enc = self._encoded[key] = EncodedDelta(delta.version, delta.full, entries, frames)
+        return enc

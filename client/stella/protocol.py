@@ -1,0 +1,554 @@
+"""The wire protocol: every message declared once, as a frozen typed class, and
+validated completely at the boundary.
+
+A message is a ZeroMQ multipart message. Frame 0 is the header, a MessagePack map
+whose ``type`` field names the message class; array payloads follow as raw
+little-endian frames, each named by number in the header (a :class:`TensorEntry`
+says which frame holds a tensor's indices and which its values). Arrays never
+travel inside MessagePack and are never pickled.
+
+:func:`decode_request` and :func:`decode_reply` check everything that can be
+checked without the model: exact field types (``proto: 1.0`` or ``true`` is not the
+int 1), required fields, unknown fields, ranges and string lengths, that the frame
+references of a message cover its payload frames exactly once and in order, and
+the size of every value frame. :func:`decode_tensors` then checks the entries
+against the model's layout, decodes the indices (strictly increasing, in range)
+and checks that values are finite: what it returns, :class:`SparseTensor`, is
+what the kernel may trust without checking again.
+
+This is the single place that declares message types; the server imports it
+(never the other way round). Adding a message type means: a class here, added to
+:data:`Request` or :data:`Reply`, one handler in the server's service, one
+:class:`~stella.client.Client` method. ``docs/protocol.md``'s message tables are
+generated from this module (``python -m stella.protocol``), and a test fails when
+they differ.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Iterator, Literal, Sequence, Union
+
+import msgspec
+import numpy as np
+
+from . import codec
+from .errors import CodecError, ErrorCode, OversizedMessage, ProtocolError, ServerError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
+    "MAX_NAME_BYTES",
+    "MAX_FRAMES",
+    "MODEL_DTYPES",
+    "TensorSpec",
+    "TensorEntry",
+    "Join",
+    "Leave",
+    "Register",
+    "Push",
+    "Pull",
+    "Status",
+    "SetOptimizer",
+    "Joined",
+    "Left",
+    "Registered",
+    "PushOk",
+    "Delta",
+    "StatusReply",
+    "OptimizerSet",
+    "Error",
+    "Request",
+    "Reply",
+    "Received",
+    "SparseTensor",
+    "encode",
+    "decode_request",
+    "decode_reply",
+    "encode_tensors",
+    "decode_tensors",
+]
+
+PROTOCOL_VERSION = 2
+MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
+MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
+MAX_NAME_BYTES = 1024  # tensor and worker names
+MAX_FRAMES = 2 * MAX_TENSORS + 1  # header + an index and a value frame per tensor
+MAX_NUMEL = 2**31 - 1  # int32 indices
+MAX_SHAPE_DIMS = 8
+
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+Int32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
+Version = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+WorkerId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+FrameNo = Annotated[int, msgspec.Meta(ge=0, lt=MAX_FRAMES)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_BYTES)]
+TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_BYTES)]
+ModelDtype = Literal["float32", "float16", "bfloat16"]
+IndexCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16"]
+PullCoding = Literal["raw32", "varint", "u16chunk", "rice"]  # block16 codes only whole blocks
+EntryCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16", "dense"]
+ValueDtype = Literal["f32", "f16", "bf16"]
+# Optimizer hyper-parameters travel as a map of scalars (and ``betas`` pairs); their
+# names and ranges are the server's to check (stella_ps.optim).
+HParam = Union[bool, int, float, str, list[float]]
+HParams = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], HParam], msgspec.Meta(max_length=32)]
+
+
+class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered tensor: its name, shape and dtype (the model's layout)."""
+
+    name: TensorName
+    shape: Annotated[tuple[Int32, ...], msgspec.Meta(max_length=MAX_SHAPE_DIMS)]
+    dtype: ModelDtype
+
+    def __post_init__(self) -> None:
+        if self.numel > MAX_NUMEL:
+            raise ValueError(f"tensor {self.name!r}: {self.numel} elements > {MAX_NUMEL} (int32 indices)")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One tensor of a ``push`` or ``delta``: on the wire the array
+    ``[tensor, count, coding, value_dtype, index_frame, value_frame]``.
+
+    ``coding`` "dense" means no index frame (``index_frame`` is nil) and ``count``
+    equal to the tensor's size; frame numbers count the payload frames from 0.
+    """
+
+    tensor: Int32  # position in the registered layout
+    count: Int32  # values (and indices) this entry carries
+    coding: EntryCoding
+    value_dtype: ValueDtype
+    index_frame: FrameNo | None
+    value_frame: FrameNo
+
+
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+    proto: int = PROTOCOL_VERSION
+    req: ReqId = 0
+
+
+# ----------------------------------------------------------------------- requests
+class Join(_Message, tag="join"):
+    """Join the job; the server assigns a worker id, or confirms the one asked for."""
+
+    worker: WorkerId | None = None
+    name: Name = ""
+
+
+class Leave(_Message, tag="leave"):
+    """Leave cleanly; pushes already sent still count."""
+
+    worker: WorkerId
+
+
+class Register(_Message, tag="register"):
+    """Declare the model layout; with ``values``, one float32 frame per tensor follows
+    with its initial values (needed only to initialise the store)."""
+
+    worker: WorkerId
+    tensors: Annotated[list[TensorSpec], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
+    optimizer: HParams
+    values: bool
+
+
+class Push(_Message, tag="push"):
+    """One step's update, computed on model ``version``; ``hparams`` (optional) change
+    optimizer hyper-parameters from the step this push joins on."""
+
+    worker: WorkerId
+    version: Version
+    tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_TENSORS)]
+    hparams: HParams | None = None
+
+
+class Pull(_Message, tag="pull"):
+    """What changed since ``since`` (-1: a full snapshot); with ``wait_for``, answered
+    once the version reaches it or ``timeout_ms`` passes."""
+
+    worker: WorkerId
+    since: Annotated[int, msgspec.Meta(ge=-1, le=2**62)]
+    wait_for: Version | None = None
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 60_000
+    coding: PullCoding = "raw32"
+
+
+class Status(_Message, tag="status"):
+    """The server's counters; needs no join."""
+
+
+class SetOptimizer(_Message, tag="set_optimizer"):
+    """Change optimizer hyper-parameters from the next step that closes on."""
+
+    worker: WorkerId
+    hparams: HParams
+
+
+# ------------------------------------------------------------------------ replies
+class Joined(_Message, tag="joined"):
+    worker: WorkerId
+    version: Version
+    workers: int  # live workers
+    initialised: bool
+
+
+class Left(_Message, tag="left"):
+    worker: WorkerId
+    version: Version
+
+
+class Registered(_Message, tag="registered"):
+    """``needs_values``: the model is not initialised yet; register again with values
+    (nothing was registered). Otherwise the worker takes part from the next step."""
+
+    version: Version
+    created: bool
+    needs_values: bool
+    optimizer: dict[str, Any] | None
+    numel: int
+
+
+class PushOk(_Message, tag="push_ok"):
+    step: Version  # the step this push joined (counting this worker's queued pushes)
+    version: Version  # the server's version now
+
+
+class Delta(_Message, tag="delta"):
+    """Per tensor, the coordinates changed after ``since`` with their float32 values
+    (or, with ``full``, every tensor dense)."""
+
+    version: Version
+    full: bool
+    tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_TENSORS)]
+
+
+class StatusReply(_Message, tag="status"):
+    version: Version
+    initialised: bool
+    workers: list[int]  # live worker ids
+    expected_workers: int
+    pending_pushes: int
+    steps: int
+    pushes: int
+    pulls: int
+    late_pushes: int
+    bytes_in: int
+    bytes_out: int
+    messages: int
+    errors: int
+    uptime_s: float
+    numel: int
+    tensors: int
+    optimizer: dict[str, Any] | None
+
+
+class OptimizerSet(_Message, tag="optimizer_set"):
+    optimizer: dict[str, Any]
+    version: Version
+
+
+class Error(_Message, tag="error"):
+    """The request was refused and changed nothing; ``code`` says why."""
+
+    code: str
+    message: str
+
+
+Request = Union[Join, Leave, Register, Push, Pull, Status, SetOptimizer]
+Reply = Union[Joined, Left, Registered, PushOk, Delta, StatusReply, OptimizerSet, Error]
+REQUEST_TYPES: tuple[type, ...] = Request.__args__  # type: ignore[attr-defined]
+REPLY_TYPES: tuple[type, ...] = Reply.__args__  # type: ignore[attr-defined]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class _Envelope(msgspec.Struct):
+    """Only for explaining a header that failed to decode: its version and type."""
+
+    proto: Any = None
+    type: Any = None
+    req: Any = None
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+# ------------------------------------------------------------------ encode/decode
+def encode(msg: _Message, frames: Sequence[Any] = ()) -> list[Any]:
+    """The multipart message for ``msg`` followed by its payload frames."""
+    return [_encoder.encode(msg), *frames]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A decoded message and its payload frames, cross-checked by the decoder."""
+
+    msg: Any  # one of Request or Reply
+    frames: tuple[memoryview, ...]
+
+    def entries(self) -> Iterator[tuple[TensorEntry, memoryview | None, memoryview]]:
+        """``(entry, index frame or None, value frame)`` for each tensor of a push or delta."""
+        for e in self.msg.tensors:
+            yield e, None if e.index_frame is None else self.frames[e.index_frame], self.frames[e.value_frame]
+
+
+def request_id(header: bytes | memoryview) -> int:
+    """The ``req`` of a header that may be malformed (-1 when it has none), so that an
+    error reply can still name the request it refuses."""
+    try:
+        req = _envelope_decoder.decode(header).req
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return -1
+    return req if type(req) is int and 0 <= req < 2**63 else -1
+
+
+def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder, kind: str) -> Received:
+    if not frames:
+        raise ProtocolError("empty message: no header frame")
+    if len(frames) > MAX_FRAMES:
+        raise OversizedMessage(f"{len(frames)} frames > limit {MAX_FRAMES}")
+    views = tuple(memoryview(f) for f in frames)
+    header = views[0]
+    if header.nbytes > MAX_HEADER_BYTES:
+        raise OversizedMessage(f"oversized header: {header.nbytes} bytes > {MAX_HEADER_BYTES}")
+    try:
+        msg = decoder.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _explain(header, e, kind) from None
+    if msg.proto != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
+    payload = views[1:]
+    _check_frames(msg, payload)
+    return Received(msg, payload)
+
+
+def _explain(header: memoryview, err: Exception, kind: str) -> ProtocolError:
+    """A protocol error that names the problem, the version first: a peer speaking
+    another version should hear that, not which field it lacks."""
+    try:
+        env = _envelope_decoder.decode(header)
+    except msgspec.ValidationError:  # a subclass of DecodeError: valid MessagePack, not a map
+        return ProtocolError("header must be a map")
+    except msgspec.DecodeError:
+        return ProtocolError(f"malformed MessagePack header: {err}")
+    if env.proto != PROTOCOL_VERSION or type(env.proto) is not int:
+        return ProtocolError(f"protocol version {env.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
+    known = sorted(t.__struct_config__.tag for t in (REQUEST_TYPES if kind == "request" else REPLY_TYPES))
+    if not isinstance(env.type, str) or env.type not in known:
+        return ProtocolError(f"unknown {kind} type {env.type!r}; known: {known}")
+    return ProtocolError(f"{env.type}: {_entry_field_names(str(err))}")
+
+
+_ENTRY_FIELDS = TensorEntry.__struct_fields__
+
+
+def _entry_field_names(text: str) -> str:
+    """``$.tensors[3][1]`` -> ``$.tensors[3].count``: entries travel as arrays, but a
+    reader of the error wants the field's name."""
+    return re.sub(r"(\$\.tensors\[\d+\])\[(\d)\]",
+                  lambda m: f"{m.group(1)}.{_ENTRY_FIELDS[int(m.group(2))]}", text)
+
+
+def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
+    if isinstance(msg, (Push, Delta)):
+        _check_entries(msg, payload)
+    elif isinstance(msg, Register) and msg.values:
+        if len(payload) != len(msg.tensors):
+            raise ProtocolError(f"register: expected {len(msg.tensors)} value frames, got {len(payload)}")
+        for spec, f in zip(msg.tensors, payload):
+            if f.nbytes != 4 * spec.numel:
+                raise CodecError(f"register: tensor {spec.name!r} value frame: {f.nbytes} bytes for "
+                                 f"{spec.numel} float32 values (need {4 * spec.numel})")
+    elif payload:
+        raise ProtocolError(f"{type(msg).__struct_config__.tag}: expected no payload frames, got {len(payload)}")
+
+
+def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
+    kind = type(msg).__struct_config__.tag
+    seen: set[int] = set()
+    expect = 0  # frames are referenced in order, each exactly once
+    for e in msg.tensors:
+        if e.tensor in seen:
+            raise ProtocolError(f"{kind}: tensor {e.tensor} appears twice")
+        seen.add(e.tensor)
+        dense = e.coding == "dense"
+        if dense != (e.index_frame is None):
+            raise ProtocolError(f"{kind}: tensor {e.tensor}: an index frame is required unless dense, "
+                                "and forbidden when dense")
+        for ref in ((e.value_frame,) if dense else (e.index_frame, e.value_frame)):
+            if ref != expect:
+                raise ProtocolError(f"{kind}: tensor {e.tensor}: frame {ref} referenced where frame {expect} "
+                                    "comes next (frames go in entry order, index before values)")
+            if ref >= len(payload):
+                raise ProtocolError(f"{kind}: tensor {e.tensor}: frame {ref} missing "
+                                    f"({len(payload)} payload frames)")
+            expect += 1
+        need = e.count * codec.value_itemsize(e.value_dtype)
+        if payload[e.value_frame].nbytes != need:
+            raise CodecError(f"{kind}: tensor {e.tensor} value frame ({e.value_dtype}): "
+                             f"{payload[e.value_frame].nbytes} bytes for {e.count} values (need {need})")
+    if expect != len(payload):
+        raise ProtocolError(f"{kind}: {len(payload)} payload frames, the entries describe {expect}")
+
+
+def decode_request(frames: Sequence[Any]) -> Received:
+    """Decode and validate a request (header frame first). Raises :class:`ProtocolError`
+    (or its subclasses :class:`CodecError`, :class:`OversizedMessage`) naming the problem."""
+    return _decode(frames, _request_decoder, "request")
+
+
+def decode_reply(frames: Sequence[Any]) -> Received:
+    """Decode and validate a reply, as :func:`decode_request` does a request."""
+    return _decode(frames, _reply_decoder, "reply")
+
+
+# ------------------------------------------------------------- tensor payloads
+@dataclass(frozen=True, slots=True)
+class SparseTensor:
+    """One tensor's part of a push or delta, decoded and proved valid against the
+    model: ``indices`` strictly increasing int32 inside the tensor (None: dense, every
+    coordinate in order) and ``values`` as they travelled (float32, float16, or bf16
+    bit patterns as uint16), all finite. Built only by :func:`decode_tensors`, so the
+    kernel applies it without checking again."""
+
+    tensor: int
+    indices: np.ndarray | None
+    values: np.ndarray
+
+
+def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTensor]:
+    """Check a push's or delta's entries against ``layout`` and decode them.
+
+    Raises :class:`ServerError` with code ``unknown_tensor`` for a tensor not in the
+    layout, :class:`OversizedMessage` for more values than the tensor has,
+    :class:`ProtocolError` for a dense entry of the wrong count, :class:`CodecError`
+    for corrupt indices and :class:`~stella.errors.BadValue` for NaN or Inf."""
+    kind = type(rx.msg).__struct_config__.tag
+    out = []
+    for e, index_frame, value_frame in rx.entries():
+        if e.tensor >= len(layout):
+            raise ServerError(f"{kind}: tensor {e.tensor} is not in the model (0..{len(layout) - 1})",
+                              ErrorCode.UNKNOWN_TENSOR)
+        spec = layout[e.tensor]
+        if e.count > spec.numel:
+            raise OversizedMessage(f"{kind}: tensor {spec.name!r}: {e.count} values > its {spec.numel} elements")
+        if index_frame is None:
+            if e.count != spec.numel:
+                raise ProtocolError(f"{kind}: dense tensor {spec.name!r} needs {spec.numel} values, got {e.count}")
+            idx = None
+        else:
+            try:
+                idx = codec.decode_indices(index_frame, e.count, spec.numel, e.coding)
+            except CodecError as err:
+                raise CodecError(f"{kind}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
+        try:
+            vals = codec.wire_values(value_frame, e.count, e.value_dtype)
+        except ProtocolError as err:
+            raise type(err)(f"{kind}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
+        out.append(SparseTensor(e.tensor, idx, vals))
+    return out
+
+
+def encode_tensors(
+    tensors: Sequence[tuple[int, np.ndarray | None, np.ndarray]],
+    layout: Sequence[TensorSpec],
+    coding: str,
+    value_dtype: str,
+) -> tuple[list[TensorEntry], list[Any]]:
+    """Entries and payload frames for ``(tensor, sorted indices or None for dense,
+    float32 values)`` triples: the one encoder of pushes and deltas."""
+    entries: list[TensorEntry] = []
+    frames: list[Any] = []
+    for t, idx, vals in tensors:
+        if idx is None:
+            entries.append(TensorEntry(t, int(vals.size), "dense", value_dtype, None, len(frames)))
+        else:
+            entries.append(TensorEntry(t, int(idx.size), coding, value_dtype, len(frames), len(frames) + 1))
+            frames.append(codec.encode_indices(idx, layout[t].numel, coding))
+        frames.append(codec.encode_values(vals, value_dtype))
+    return entries, frames
+
+
+def _docs_tables() -> str:
+    """The message tables of docs/protocol.md, generated from the classes above."""
+    lines: list[str] = []
+
+    def table(cls: type) -> None:
+        info = msgspec.inspect.type_info(cls)
+        fields = [f for f in info.fields if f.name not in ("proto", "req")]  # type: ignore[attr-defined]
+        tag = cls.__struct_config__.tag  # type: ignore[attr-defined]
+        lines.append(f"#### `{tag}` ({cls.__name__})\n")
+        doc = (cls.__doc__ or "").strip()
+        if doc and not doc.startswith(cls.__name__ + "("):
+            lines.append(" ".join(doc.split()) + "\n")
+        if not fields:
+            lines.append("No fields.\n")
+            return
+        lines.append("| field | type | required |")
+        lines.append("| --- | --- | --- |")
+        hints = {f.name: f for f in fields}
+        for name, f in hints.items():
+            lines.append(f"| `{name}` | {_type_name(f.type)} | {'yes' if f.required else 'no'} |")
+        lines.append("")
+
+    lines.append("### Requests\n")
+    for cls in REQUEST_TYPES:
+        table(cls)
+    lines.append("### Replies\n")
+    for cls in REPLY_TYPES:
+        table(cls)
+    lines.append("### Per-tensor entry\n")
+    info = msgspec.inspect.type_info(TensorEntry)
+    lines.append("`TensorEntry`, an array in this order:\n")
+    lines.append("| position | field | type |")
+    lines.append("| --- | --- | --- |")
+    for i, f in enumerate(info.fields):  # type: ignore[attr-defined]
+        lines.append(f"| {i} | `{f.name}` | {_type_name(f.type)} |")
+    lines.append("")
+    lines.append("### Error codes\n")
+    lines.append("| code |")
+    lines.append("| --- |")
+    for c in ErrorCode:
+        if c is not ErrorCode.UNAVAILABLE:
+            lines.append(f"| `{c.value}` |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _type_name(t: msgspec.inspect.Type) -> str:
+    I = msgspec.inspect
+    if isinstance(t, I.IntType):
+        bounds = [f">= {t.ge}" if t.ge is not None else "", f"< {t.lt}" if t.lt is not None else "",
+                  f"<= {t.le}" if t.le is not None else ""]
+        b = ", ".join(x for x in bounds if x)
+        return f"int ({b})" if b else "int"
+    if isinstance(t, I.StrType):
+        return f"str (<= {t.max_length} chars)" if t.max_length else "str"
+    if isinstance(t, I.LiteralType):
+        return " \\| ".join(f"`{v}`" for v in t.values)
+    if isinstance(t, I.UnionType):
+        return " or ".join(_type_name(x) for x in t.types)
+    if isinstance(t, (I.ListType, I.VarTupleType)):
+        n = f", <= {t.max_length}" if t.max_length else ""
+        return f"list of {_type_name(t.item_type)}{n}"
+    if isinstance(t, I.DictType):
+        return "map"
+    if isinstance(t, I.StructType):
+        return f"`{t.cls.__name__}`"
+    return {I.BoolType: "bool", I.FloatType: "float", I.NoneType: "nil", I.AnyType: "any"}.get(type(t), type(t).__name__)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the generated docs section
+    print(_docs_tables())

@@ -1,0 +1,26 @@
+"""The server package's exception root and its subclasses.
+
+Refusals of a request are the client package's classes (``stella.errors``), which
+carry the :class:`~stella.errors.ErrorCode` the reply names; the classes here are
+for the server's own layers (configuration, the kernel wrapper) and are turned into
+refusals by the service where a request caused them.
+"""
+from __future__ import annotations
+
+__all__ = ["StellaPSError", "ConfigError", "KernelInputError", "KernelError"]
+
+
+class StellaPSError(Exception):
+    """Root of every exception the server package raises of its own; never raised itself."""
+
+
+class ConfigError(StellaPSError, ValueError):
+    """An optimizer name or hyper-parameter, or a server setting, is unknown or out of range."""
+
+
+class KernelInputError(StellaPSError, ValueError):
+    """An array handed to the kernel has the wrong dtype, shape, order or range."""
+
+
+class KernelError(StellaPSError, RuntimeError):
+    """The C kernel returned an error code for input that passed the wrapper's checks."""

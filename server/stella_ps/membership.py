@@ -1,0 +1,74 @@
+"""Who takes part: worker ids, the connection each belongs to, and whether the job
+has started (the expected number of workers joined once)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection
+
+from stella.errors import ErrorCode, NotRegistered, ServerError
+
+__all__ = ["WorkerInfo", "Membership"]
+
+MAX_WORKER_ID = 2**31 - 1
+
+
+@dataclass
+class WorkerInfo:
+    worker: int
+    routing_id: bytes  # the ZeroMQ connection the worker joined on
+    name: str = ""
+    registered: bool = False
+    pushes: int = 0
+
+
+class Membership:
+    """Live workers by id. A worker id belongs to the connection that joined with it."""
+
+    def __init__(self, expected: int = 1):
+        self.expected = expected
+        self.live: dict[int, WorkerInfo] = {}
+        self.started = False  # set once `expected` workers have been live together
+        self._next_id = 0
+
+    def ids(self) -> list[int]:
+        return sorted(self.live)
+
+    def join(self, routing_id: bytes, want: int | None, name: str = "",
+             reserved: Collection[int] = ()) -> WorkerInfo:
+        """Add a worker. ``want`` asks for a specific id (a restarted worker); a new id
+        skips the live ones and ``reserved`` (ids whose pushes are still queued)."""
+        if want is not None:
+            cur = self.live.get(want)
+            if cur is not None:
+                if cur.routing_id != routing_id:
+                    raise ServerError(f"worker id {want} is in use by another live connection",
+                                      ErrorCode.WORKER_ID)
+                return cur
+            wid = want
+        else:
+            while self._next_id in self.live or self._next_id in reserved:
+                self._next_id += 1
+            if self._next_id > MAX_WORKER_ID:
+                raise ServerError("no worker id left", ErrorCode.WORKER_ID)
+            wid = self._next_id
+        self._next_id = max(self._next_id, wid + 1)
+        info = WorkerInfo(wid, routing_id, name)
+        self.live[wid] = info
+        if len(self.live) >= self.expected:
+            self.started = True
+        return info
+
+    def leave(self, worker: int) -> None:
+        self.live.pop(worker, None)
+
+    def check(self, routing_id: bytes, worker: int, *, registered: bool = True) -> WorkerInfo:
+        """The live worker ``worker`` of this connection (registered, unless told
+        otherwise); raises :class:`NotRegistered`."""
+        info = self.live.get(worker)
+        if info is None:
+            raise NotRegistered(f"worker {worker} has not joined (send 'join' first)")
+        if info.routing_id != routing_id:
+            raise NotRegistered(f"worker {worker} belongs to another connection")
+        if registered and not info.registered:
+            raise NotRegistered(f"worker {worker} has not registered the model")
+        return info

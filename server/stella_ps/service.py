@@ -1,0 +1,351 @@
+"""The service: one handler per request type, membership, the optimizer configuration,
+and the scheduling of steps.
+
+The transport (``server.py``) hands every decoded, validated request to
+:meth:`Service.handle`; a handler either answers at once through the ``send``
+callback or starts a task (store work runs on one dedicated thread, so the event
+loop keeps receiving while the C kernel runs). A handler refuses a request by
+raising one of the client package's exceptions (:mod:`stella.errors`), which carry
+their error code; whether raised at once or inside a task, the refusal reaches the
+sender the same way (:meth:`Service.refuse`) and the request changes nothing.
+
+The service is the only writer of the optimizer configuration: ``set_optimizer``
+and the ``hparams`` that pushes carry change it on the event loop, and each step
+takes the configuration in force when it closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+import numpy as np
+
+from stella import codec
+from stella.errors import (
+    BadValue,
+    ErrorCode,
+    LayoutConflict,
+    ProtocolError,
+    ServerError,
+    StellaError,
+    VersionError,
+)
+from stella.protocol import (
+    Delta,
+    Error,
+    Join,
+    Joined,
+    Leave,
+    Left,
+    OptimizerSet,
+    Pull,
+    Push,
+    PushOk,
+    Received,
+    Register,
+    Registered,
+    SetOptimizer,
+    Status,
+    StatusReply,
+    decode_tensors,
+)
+
+from .aggregation import Aggregator, PendingPush
+from .config import ServerConfig
+from .errors import ConfigError
+from .membership import Membership, WorkerInfo
+from .optim import OptimizerConfig
+from .store import ModelStore, layout_diff
+from .waiters import PullWaiters
+
+__all__ = ["Service", "Stats", "MAX_WAIT_AHEAD"]
+
+log = logging.getLogger("stella_ps.service")
+MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
+
+Send = Callable[[bytes, Any, Sequence[Any]], None]
+
+
+@dataclass
+class Stats:
+    """Counters reported by ``status``; the transport counts messages and bytes."""
+
+    started: float = field(default_factory=time.time)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    messages: int = 0
+    errors: int = 0
+    pushes: int = 0
+    pulls: int = 0
+    steps: int = 0
+    late_pushes: int = 0
+
+
+def _optimizer_error(e: ConfigError) -> ServerError:
+    return ServerError(str(e), ErrorCode.OPTIMIZER)
+
+
+class Service:
+    """Handlers, membership, the optimizer configuration and step scheduling."""
+
+    def __init__(self, config: ServerConfig, send: Send, stats: Stats | None = None):
+        self.config = config
+        self._send = send
+        self.stats = stats or Stats()
+        self.members = Membership(expected=config.workers)
+        self.agg = Aggregator(step_deadline=config.step_deadline)
+        self.waiters = PullWaiters()
+        self.store = ModelStore(history=config.history)
+        self.optimizer: OptimizerConfig | None = None  # set when the model is initialised
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-store")
+        self._tasks: set[asyncio.Task] = set()
+        self._applying = False
+        self._deadline: asyncio.TimerHandle | None = None
+        self._init_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def refuse(self, ident: bytes, req: int, exc: BaseException) -> None:
+        """Answer a request with an ``error`` reply: the code of a :class:`StellaError`,
+        or ``internal`` (logged with its traceback) for anything else."""
+        self.stats.errors += 1
+        if isinstance(exc, StellaError):
+            code, message = exc.code, str(exc)
+            log.warning("rejected", extra={"code": code.value, "reason": message})
+        else:  # a bug must not take the server down
+            code, message = ErrorCode.INTERNAL, f"internal server error: {type(exc).__name__}: {exc}"
+            log.error("internal error", exc_info=exc)
+        self._send(ident, Error(req=max(req, 0), code=code.value, message=message), ())
+
+    def _spawn(self, coro: Awaitable[None], ident: bytes | None = None, req: int = 0) -> None:
+        """Run ``coro`` as a task; if it fails, the request ``req`` of ``ident`` is refused."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - reported to the sender or logged
+                if ident is not None:
+                    self.refuse(ident, req, e)
+                else:
+                    log.error("background task failed", exc_info=e)
+
+        task = asyncio.ensure_future(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _in_store(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    async def close(self) -> None:
+        """Cancel pending work and stop the store thread."""
+        self.waiters.cancel_all()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._deadline:
+            self._deadline.cancel()
+        self._exec.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, ident: bytes, rx: Received) -> None:
+        """Serve one request; raises a :class:`StellaError` to refuse it."""
+        match rx.msg:
+            case Push():
+                self._push(ident, rx)
+            case Pull():
+                self._pull(ident, rx.msg)
+            case Join():
+                self._join(ident, rx.msg)
+            case Register():
+                self._register(ident, rx)
+            case SetOptimizer():
+                self._set_optimizer(ident, rx.msg)
+            case Status():
+                self._status(ident, rx.msg)
+            case Leave():
+                self._leave(ident, rx.msg)
+            case _:  # pragma: no cover - decode_request returns only the types above
+                raise ProtocolError(f"no handler for {type(rx.msg).__name__}")
+
+    # ------------------------------------------------------------------ handlers
+    def _join(self, ident: bytes, msg: Join) -> None:
+        info = self.members.join(ident, msg.worker, msg.name, reserved=self.agg.pending_workers())
+        log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
+                                         "live": len(self.members.live)})
+        self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
+                                 workers=len(self.members.live), initialised=self.store.initialised), ())
+        self._maybe_close_steps()
+
+    def _leave(self, ident: bytes, msg: Leave) -> None:
+        info = self.members.check(ident, msg.worker, registered=False)
+        self.members.leave(info.worker)
+        log.info("worker left", extra={"worker": info.worker, "live": len(self.members.live)})
+        self._send(ident, Left(req=msg.req, worker=info.worker, version=self.store.version), ())
+        self._maybe_close_steps()
+
+    def _status(self, ident: bytes, msg: Status) -> None:
+        s = self.stats
+        self._send(ident, StatusReply(
+            req=msg.req, version=self.store.version, initialised=self.store.initialised,
+            workers=self.members.ids(), expected_workers=self.config.workers,
+            pending_pushes=self.agg.pending_count(), steps=s.steps, pushes=s.pushes, pulls=s.pulls,
+            late_pushes=s.late_pushes, bytes_in=s.bytes_in, bytes_out=s.bytes_out, messages=s.messages,
+            errors=s.errors, uptime_s=time.time() - s.started, numel=self.store.numel,
+            tensors=len(self.store.layout),
+            optimizer=self.optimizer.to_wire() if self.optimizer else None,
+        ), ())
+
+    def _register(self, ident: bytes, rx: Received) -> None:
+        msg: Register = rx.msg
+        info = self.members.check(ident, msg.worker, registered=False)
+        layout = list(msg.tensors)
+        if len({s.name for s in layout}) != len(layout):
+            raise ProtocolError("register: tensor names must be unique")
+        empty = [s.name for s in layout if s.numel == 0]
+        if empty:
+            raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
+        try:
+            cfg = OptimizerConfig.from_wire(dict(msg.optimizer)) if msg.optimizer else self.config.optimizer
+        except ConfigError as e:
+            raise _optimizer_error(e) from None
+        values = None
+        if msg.values:
+            values = []
+            for spec, frame in zip(layout, rx.frames):
+                try:
+                    values.append(codec.wire_values(frame, spec.numel, "f32"))
+                except BadValue:
+                    raise BadValue(f"register: tensor {spec.name!r} has NaN/Inf initial values") from None
+        self._spawn(self._register_async(ident, msg, info, layout, values, cfg), ident, msg.req)
+
+    async def _register_async(self, ident: bytes, msg: Register, info: WorkerInfo, layout: list,
+                              values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
+        async with self._init_lock:  # two first registrations must not both initialise
+            created = False
+            if not self.store.initialised:
+                if values is None:  # the client's cheap probe: send the values next
+                    self._send(ident, Registered(req=msg.req, version=self.store.version, created=False,
+                                                 needs_values=True, optimizer=None, numel=0), ())
+                    return
+                await self._in_store(self.store.initialise, layout, values, cfg)
+                self.optimizer = cfg
+                created = True
+                log.info("model initialised", extra={"tensors": len(layout), "numel": self.store.numel,
+                                                     "optimizer": cfg.to_wire()})
+            else:
+                diff = layout_diff(self.store.layout, layout)
+                if diff:
+                    raise LayoutConflict(f"layout differs from the server's model: {diff}")
+            info.registered = True
+            assert self.optimizer is not None
+            self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
+                                         needs_values=False, optimizer=self.optimizer.to_wire(),
+                                         numel=self.store.numel), ())
+
+    def _changed_optimizer(self, hparams: dict[str, Any]) -> OptimizerConfig:
+        assert self.optimizer is not None  # a registered worker implies a model
+        try:
+            return self.optimizer.updated(dict(hparams))
+        except ConfigError as e:
+            raise _optimizer_error(e) from None
+
+    def _set_optimizer(self, ident: bytes, msg: SetOptimizer) -> None:
+        self.members.check(ident, msg.worker)
+        self.optimizer = self._changed_optimizer(msg.hparams)
+        self._send(ident, OptimizerSet(req=msg.req, optimizer=self.optimizer.to_wire(),
+                                       version=self.store.version), ())
+
+    def _push(self, ident: bytes, rx: Received) -> None:
+        msg: Push = rx.msg
+        info = self.members.check(ident, msg.worker)
+        if msg.version > self.store.version:
+            raise VersionError(f"push computed on version {msg.version}, but the server is at "
+                               f"{self.store.version} (a version from the future)")
+        tensors = decode_tensors(rx, self.store.layout)
+        if msg.hparams:
+            self._changed_optimizer(msg.hparams)  # refused now, not when the step applies
+        nbytes = sum(f.nbytes for f in rx.frames)
+        queued = self.agg.add(PendingPush(info.worker, msg.version, tensors, msg.hparams, nbytes))
+        info.pushes += 1
+        self.stats.pushes += 1
+        self._send(ident, PushOk(req=msg.req, step=self.store.version + queued, version=self.store.version), ())
+        self._maybe_close_steps(first_push=True)
+
+    def _pull(self, ident: bytes, msg: Pull) -> None:
+        self.members.check(ident, msg.worker)
+        v = self.store.version
+        if msg.since > v:
+            raise VersionError(f"pull since version {msg.since}, but the server is at {v} (from the future)")
+        wait_for = msg.wait_for or 0
+        if wait_for > v + MAX_WAIT_AHEAD:
+            raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
+        self.stats.pulls += 1
+        if wait_for <= v:
+            self._spawn(self._reply_delta(ident, msg), ident, msg.req)
+        else:
+            self.waiters.add(wait_for, msg.timeout_ms / 1000,
+                             lambda: self._spawn(self._reply_delta(ident, msg), ident, msg.req))
+
+    async def _reply_delta(self, ident: bytes, msg: Pull) -> None:
+        enc = await self._in_store(self.store.encoded_delta, msg.since, msg.coding)
+        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries), enc.frames)
+
+    # ------------------------------------------------------------------ steps
+    def _maybe_close_steps(self, first_push: bool = False) -> None:
+        if self._applying:
+            return  # the running apply loop checks again when it finishes
+        if self.agg.should_close(self.members.live, self.members.started):
+            self._applying = True
+            self._spawn(self._apply_ready())
+        elif first_push and self._deadline is None and self.agg.has_pending():
+            after = self.agg.deadline(self.members.started)
+            if after is not None:
+                self._deadline = asyncio.get_running_loop().call_later(after, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._deadline = None
+        if not self._applying and self.agg.has_pending():
+            log.info("step deadline passed", extra={"missing_workers": self.agg.missing(self.members.live),
+                                                    "version": self.store.version})
+            self._applying = True
+            self._spawn(self._apply_ready(force=True))
+
+    def _step_optimizer(self, changes: list[dict[str, Any]]) -> OptimizerConfig:
+        """The configuration a step runs with, after the changes its pushes carry
+        (each was checked when its push arrived)."""
+        for hp in changes:
+            try:
+                self.optimizer = self._changed_optimizer(hp)
+            except ServerError as e:  # valid alone, but not after an earlier change
+                log.warning("optimizer change dropped", extra={"hparams": hp, "reason": str(e)})
+        assert self.optimizer is not None
+        return self.optimizer
+
+    async def _apply_ready(self, force: bool = False) -> None:
+        try:
+            while force or self.agg.should_close(self.members.live, self.members.started):
+                force = False
+                if self._deadline:
+                    self._deadline.cancel()
+                    self._deadline = None
+                step = self.agg.take_step(self.store.version, len(self.store.layout))
+                if step is None:
+                    break
+                cfg = self._step_optimizer(step.hparams)
+                t0 = time.perf_counter()
+                version = await self._in_store(self.store.apply_step, step, cfg)
+                self.stats.steps += 1
+                self.stats.late_pushes += step.late
+                log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
+                                                  "apply_ms": round(1e3 * (time.perf_counter() - t0), 3)})
+                self.waiters.release(version)
+        finally:
+            self._applying = False
+        if self.agg.has_pending():
+            self._maybe_close_steps(first_push=True)
