@@ -3,7 +3,7 @@
 Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer)
 or :class:`Client` (push / pull against a ``stella-ps``) directly.
 """
-from .client import Client, PullResult
+from .client import Client, Pending, PullResult
 from .errors import (
     BadRequest,
     BadValue,
@@ -22,6 +22,7 @@ from .errors import (
 __all__ = [
     "Client",
     "PullResult",
+    "Pending",
     "StellaOptimizer",
     "PipelineError",
     "DensityBudget",

@@ -20,8 +20,8 @@ This is the single place that declares message types; the server imports it
 (never the other way round). Adding a message type means: a class here, added to
 :data:`Request` or :data:`Reply`, one handler in the server's service, one
 :class:`~stella.client.Client` method. ``docs/protocol.md``'s message tables are
-generated from this module (``python -m stella.protocol``), and a test fails when
-they differ.
+generated from this module (``python -m stella.protocol_docs``), and a
+test fails when they differ.
 """
 from __future__ import annotations
 
@@ -479,76 +479,3 @@ def encode_tensors(
             frames.append(codec.encode_indices(idx, layout[t].numel, coding))
         frames.append(codec.encode_values(vals, value_dtype))
     return entries, frames
-
-
-def _docs_tables() -> str:
-    """The message tables of docs/protocol.md, generated from the classes above."""
-    lines: list[str] = []
-
-    def table(cls: type) -> None:
-        info = msgspec.inspect.type_info(cls)
-        fields = [f for f in info.fields if f.name not in ("proto", "req")]  # type: ignore[attr-defined]
-        tag = cls.__struct_config__.tag  # type: ignore[attr-defined]
-        lines.append(f"#### `{tag}` ({cls.__name__})\n")
-        doc = (cls.__doc__ or "").strip()
-        if doc and not doc.startswith(cls.__name__ + "("):
-            lines.append(" ".join(doc.split()) + "\n")
-        if not fields:
-            lines.append("No fields.\n")
-            return
-        lines.append("| field | type | required |")
-        lines.append("| --- | --- | --- |")
-        hints = {f.name: f for f in fields}
-        for name, f in hints.items():
-            lines.append(f"| `{name}` | {_type_name(f.type)} | {'yes' if f.required else 'no'} |")
-        lines.append("")
-
-    lines.append("### Requests\n")
-    for cls in REQUEST_TYPES:
-        table(cls)
-    lines.append("### Replies\n")
-    for cls in REPLY_TYPES:
-        table(cls)
-    lines.append("### Per-tensor entry\n")
-    info = msgspec.inspect.type_info(TensorEntry)
-    lines.append("`TensorEntry`, an array in this order:\n")
-    lines.append("| position | field | type |")
-    lines.append("| --- | --- | --- |")
-    for i, f in enumerate(info.fields):  # type: ignore[attr-defined]
-        lines.append(f"| {i} | `{f.name}` | {_type_name(f.type)} |")
-    lines.append("")
-    lines.append("### Error codes\n")
-    lines.append("| code |")
-    lines.append("| --- |")
-    for c in ErrorCode:
-        if c is not ErrorCode.UNAVAILABLE:
-            lines.append(f"| `{c.value}` |")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _type_name(t: msgspec.inspect.Type) -> str:
-    I = msgspec.inspect
-    if isinstance(t, I.IntType):
-        bounds = [f">= {t.ge}" if t.ge is not None else "", f"< {t.lt}" if t.lt is not None else "",
-                  f"<= {t.le}" if t.le is not None else ""]
-        b = ", ".join(x for x in bounds if x)
-        return f"int ({b})" if b else "int"
-    if isinstance(t, I.StrType):
-        return f"str (<= {t.max_length} chars)" if t.max_length else "str"
-    if isinstance(t, I.LiteralType):
-        return " \\| ".join(f"`{v}`" for v in t.values)
-    if isinstance(t, I.UnionType):
-        return " or ".join(_type_name(x) for x in t.types)
-    if isinstance(t, (I.ListType, I.VarTupleType)):
-        n = f", <= {t.max_length}" if t.max_length else ""
-        return f"list of {_type_name(t.item_type)}{n}"
-    if isinstance(t, I.DictType):
-        return "map"
-    if isinstance(t, I.StructType):
-        return f"`{t.cls.__name__}`"
-    return {I.BoolType: "bool", I.FloatType: "float", I.NoneType: "nil", I.AnyType: "any"}.get(type(t), type(t).__name__)
-
-
-if __name__ == "__main__":  # pragma: no cover - prints the generated docs section
-    print(_docs_tables())
