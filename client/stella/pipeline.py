@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,6 +172,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._last_exchange_s = 0.0
         # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
+        # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
+        weakref.finalize(self, self._exec.shutdown, wait=False)
         self._inflight: Future | None = None
         self._closed = False
         self._early: dict[str, Future] = {}
