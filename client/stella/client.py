@@ -16,16 +16,19 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar, cast
 
 import msgspec
 import numpy as np
 import zmq
 
-from . import codec
 from .errors import ProtocolError, ServerUnavailable, from_reply
 from .protocol import (
     Delta,
+    IndexCoding,
+    ModelDtype,
+    PullCoding,
+    ValueDtype,
     Error,
     Join,
     Joined,
@@ -76,14 +79,14 @@ def _to_numpy_f32(x: Any) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
 
 
-def _dtype_name(x: Any) -> str:
+def _dtype_name(x: Any) -> ModelDtype:
     if hasattr(x, "detach"):
         name = _TORCH_DTYPES.get(str(x.dtype))
     else:
         name = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(np.asarray(x).dtype)
     if name is None:
         raise TypeError(f"unsupported tensor dtype {x.dtype}; use float32, float16 or bfloat16")
-    return name
+    return cast(ModelDtype, name)
 
 
 @dataclass
@@ -267,8 +270,8 @@ class Client:
         grads: Mapping[str, Any],
         version: int,
         *,
-        value_dtype: str = "f32",
-        index_coding: str = codec.DEFAULT_INDEX_CODING,
+        value_dtype: ValueDtype = "f32",
+        index_coding: IndexCoding = "rice",
         hparams: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         wait: bool = True,
@@ -305,7 +308,7 @@ class Client:
         since: int | None = None,
         *,
         wait_for: int | None = None,
-        index_coding: str = codec.DEFAULT_INDEX_CODING,
+        index_coding: PullCoding = "rice",
         timeout: float | None = None,
         wait: bool = True,
     ) -> Any:

@@ -39,9 +39,8 @@ from typing import Any, Mapping
 
 import torch
 
-from . import codec
 from .client import Client, PullResult
-from .protocol import Registered
+from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 from .compress import ErrorFeedbackCompressor
 from .errors import StellaError
 
@@ -138,8 +137,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         max_density: float = 0.1,
         method: str = "threshold",
         dense_below: int = 4096,
-        value_dtype: str = codec.DEFAULT_VALUE_DTYPE,
-        index_coding: str = codec.DEFAULT_INDEX_CODING,
+        value_dtype: ValueDtype = "f16",
+        index_coding: IndexCoding = "rice",
         staleness: int = 1,
         timeout: float | None = None,
         name: str = "",
@@ -158,6 +157,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.staleness = staleness
         self.value_dtype = value_dtype
         self.index_coding = index_coding
+        # block16 codes only whole blocks, which the union a pull returns need not be
+        self.pull_coding: PullCoding = "rice" if index_coding == "block16" else index_coding
         self.budget: DensityBudget | None = None
         if density == "auto":
             self.budget = DensityBudget(min_density, max_density)
@@ -207,6 +208,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     def _early_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
             g, p.grad = p.grad, None  # this generation is handed off now
+            assert g is not None and self._compress_exec is not None
             # one thread, FIFO: step t-1's compression of this key finishes before step t's starts
             self._early[name] = self._compress_exec.submit(self.compressor.compress, name, g)
 
@@ -227,7 +229,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         # from the step this push joins, with no round trip of its own
         push = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
                                 hparams=hparams or None, wait=False)
-        pull = self.client.pull(since, wait_for=since + 1, index_coding=self.index_coding, wait=False)
+        pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
         delta = pull.result()
         self.stats.compress_s += t1 - t0

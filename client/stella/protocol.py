@@ -37,6 +37,10 @@ from .errors import CodecError, ErrorCode, OversizedMessage, ProtocolError, Serv
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "IndexCoding",
+    "PullCoding",
+    "ValueDtype",
+    "ModelDtype",
     "MAX_HEADER_BYTES",
     "MAX_TENSORS",
     "MAX_NAME_BYTES",
@@ -139,20 +143,20 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 # ----------------------------------------------------------------------- requests
-class Join(_Message, tag="join"):
+class Join(_Message, tag="join", frozen=True):
     """Join the job; the server assigns a worker id, or confirms the one asked for."""
 
     worker: WorkerId | None = None
     name: Name = ""
 
 
-class Leave(_Message, tag="leave"):
+class Leave(_Message, tag="leave", frozen=True):
     """Leave cleanly; pushes already sent still count."""
 
     worker: WorkerId
 
 
-class Register(_Message, tag="register"):
+class Register(_Message, tag="register", frozen=True):
     """Declare the model layout; with ``values``, one float32 frame per tensor follows
     with its initial values (needed only to initialise the store)."""
 
@@ -162,7 +166,7 @@ class Register(_Message, tag="register"):
     values: bool
 
 
-class Push(_Message, tag="push"):
+class Push(_Message, tag="push", frozen=True):
     """One step's update, computed on model ``version``; ``hparams`` (optional) change
     optimizer hyper-parameters from the step this push joins on."""
 
@@ -172,7 +176,7 @@ class Push(_Message, tag="push"):
     hparams: HParams | None = None
 
 
-class Pull(_Message, tag="pull"):
+class Pull(_Message, tag="pull", frozen=True):
     """What changed since ``since`` (-1: a full snapshot); with ``wait_for``, answered
     once the version reaches it or ``timeout_ms`` passes."""
 
@@ -183,11 +187,11 @@ class Pull(_Message, tag="pull"):
     coding: PullCoding = "raw32"
 
 
-class Status(_Message, tag="status"):
+class Status(_Message, tag="status", frozen=True):
     """The server's counters; needs no join."""
 
 
-class SetOptimizer(_Message, tag="set_optimizer"):
+class SetOptimizer(_Message, tag="set_optimizer", frozen=True):
     """Change optimizer hyper-parameters from the next step that closes on."""
 
     worker: WorkerId
@@ -195,19 +199,19 @@ class SetOptimizer(_Message, tag="set_optimizer"):
 
 
 # ------------------------------------------------------------------------ replies
-class Joined(_Message, tag="joined"):
+class Joined(_Message, tag="joined", frozen=True):
     worker: WorkerId
     version: Version
     workers: int  # live workers
     initialised: bool
 
 
-class Left(_Message, tag="left"):
+class Left(_Message, tag="left", frozen=True):
     worker: WorkerId
     version: Version
 
 
-class Registered(_Message, tag="registered"):
+class Registered(_Message, tag="registered", frozen=True):
     """``needs_values``: the model is not initialised yet; register again with values
     (nothing was registered). Otherwise the worker takes part from the next step."""
 
@@ -218,12 +222,12 @@ class Registered(_Message, tag="registered"):
     numel: int
 
 
-class PushOk(_Message, tag="push_ok"):
+class PushOk(_Message, tag="push_ok", frozen=True):
     step: Version  # the step this push joined (counting this worker's queued pushes)
     version: Version  # the server's version now
 
 
-class Delta(_Message, tag="delta"):
+class Delta(_Message, tag="delta", frozen=True):
     """Per tensor, the coordinates changed after ``since`` with their float32 values
     (or, with ``full``, every tensor dense)."""
 
@@ -232,7 +236,7 @@ class Delta(_Message, tag="delta"):
     tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_TENSORS)]
 
 
-class StatusReply(_Message, tag="status"):
+class StatusReply(_Message, tag="status", frozen=True):
     version: Version
     initialised: bool
     workers: list[int]  # live worker ids
@@ -252,12 +256,12 @@ class StatusReply(_Message, tag="status"):
     optimizer: dict[str, Any] | None
 
 
-class OptimizerSet(_Message, tag="optimizer_set"):
+class OptimizerSet(_Message, tag="optimizer_set", frozen=True):
     optimizer: dict[str, Any]
     version: Version
 
 
-class Error(_Message, tag="error"):
+class Error(_Message, tag="error", frozen=True):
     """The request was refused and changed nothing; ``code`` says why."""
 
     code: str
@@ -345,7 +349,7 @@ def _explain(header: memoryview, err: Exception, kind: str) -> ProtocolError:
         return ProtocolError(f"malformed MessagePack header: {err}")
     if env.proto != PROTOCOL_VERSION or type(env.proto) is not int:
         return ProtocolError(f"protocol version {env.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
-    known = sorted(t.__struct_config__.tag for t in (REQUEST_TYPES if kind == "request" else REPLY_TYPES))
+    known = sorted(_tag(t) for t in (REQUEST_TYPES if kind == "request" else REPLY_TYPES))
     if not isinstance(env.type, str) or env.type not in known:
         return ProtocolError(f"unknown {kind} type {env.type!r}; known: {known}")
     return ProtocolError(f"{env.type}: {_entry_field_names(str(err))}")
@@ -361,6 +365,11 @@ def _entry_field_names(text: str) -> str:
                   lambda m: f"{m.group(1)}.{_ENTRY_FIELDS[int(m.group(2))]}", text)
 
 
+def _tag(msg: Any) -> str:
+    """A message's ``type`` on the wire."""
+    return str(msg.__struct_config__.tag)
+
+
 def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
     if isinstance(msg, (Push, Delta)):
         _check_entries(msg, payload)
@@ -372,11 +381,11 @@ def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
                 raise CodecError(f"register: tensor {spec.name!r} value frame: {f.nbytes} bytes for "
                                  f"{spec.numel} float32 values (need {4 * spec.numel})")
     elif payload:
-        raise ProtocolError(f"{type(msg).__struct_config__.tag}: expected no payload frames, got {len(payload)}")
+        raise ProtocolError(f"{_tag(msg)}: expected no payload frames, got {len(payload)}")
 
 
 def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
-    kind = type(msg).__struct_config__.tag
+    kind = _tag(msg)
     seen: set[int] = set()
     expect = 0  # frames are referenced in order, each exactly once
     for e in msg.tensors:
@@ -435,7 +444,7 @@ def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTen
     layout, :class:`OversizedMessage` for more values than the tensor has,
     :class:`ProtocolError` for a dense entry of the wrong count, :class:`CodecError`
     for corrupt indices and :class:`~stella.errors.BadValue` for NaN or Inf."""
-    kind = type(rx.msg).__struct_config__.tag
+    kind = _tag(rx.msg)
     out = []
     for e, index_frame, value_frame in rx.entries():
         if e.tensor >= len(layout):
@@ -464,8 +473,8 @@ def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTen
 def encode_tensors(
     tensors: Sequence[tuple[int, np.ndarray | None, np.ndarray]],
     layout: Sequence[TensorSpec],
-    coding: str,
-    value_dtype: str,
+    coding: IndexCoding,
+    value_dtype: ValueDtype,
 ) -> tuple[list[TensorEntry], list[Any]]:
     """Entries and payload frames for ``(tensor, sorted indices or None for dense,
     float32 values)`` triples: the one encoder of pushes and deltas."""

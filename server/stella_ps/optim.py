@@ -93,7 +93,7 @@ class OptimizerConfig:
             b = hp["betas"]
             if not isinstance(b, (list, tuple)) or len(b) != 2:
                 raise ConfigError("betas must be a pair")
-            out["betas"] = (_num("betas[0]", b[0], 0.0, 1.0, hi_open=True), _num("betas[1]", b[1], 0.0, 1.0, hi_open=True))
+            out["betas"] = tuple(_num(f"betas[{i}]", b[i], 0.0, 1.0, hi_open=True) for i in (0, 1))
             out["eps"] = _num("eps", hp["eps"], 0.0, lo_open=True)  # eps = 0 divides 0 by 0
             if self.name == "adamw" and out["lr"] * out["weight_decay"] > 1.0:
                 # AdamW multiplies a touched parameter by 1 - lr * weight_decay

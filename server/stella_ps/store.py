@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from stella.protocol import TensorEntry, TensorSpec, encode_tensors
+from stella.protocol import PullCoding, TensorEntry, TensorSpec, encode_tensors
 
 from .aggregation import Step
 from .kernel import KernelTensorState, union_indices
@@ -116,7 +116,7 @@ class ModelStore:
             delta = Delta(v, True, [(t, None, s.snapshot()) for t, s in enumerate(self.tensors)])
         else:
             steps = [touched for after, touched in self._history if after > since]
-            out = []
+            out: list[tuple[int, np.ndarray | None, np.ndarray]] = []
             for t, state in enumerate(self.tensors):
                 lists = [s[t] for s in steps if s[t].size]
                 if not lists:
@@ -128,7 +128,7 @@ class ModelStore:
         self._delta_cache = (since, v, delta)
         return delta
 
-    def encoded_delta(self, since: int, coding: str) -> EncodedDelta:
+    def encoded_delta(self, since: int, coding: PullCoding) -> EncodedDelta:
         """:meth:`delta_since` encoded for the wire (float32 values, ``coding`` indices),
         built once per version, ``since`` and coding."""
         if self._encoded_version != self.version:
