@@ -1,85 +1,95 @@
-"""Fixtures: real stella-ps processes on ephemeral loopback ports, always reaped,
-and clients / raw sockets that are always closed."""
+"""Fixtures: real stella-ps processes on ephemeral loopback ports (always reaped), clients
+that are always closed, and a guard that every ZeroMQ socket is closed again.
+
+Servers (all :class:`stella_ps.process.ServerProcess`, log level DEBUG, cwd = repo root):
+
+- ``server``: one single-worker server for the test.
+- ``make_server(workers=1, args=(), **kw)``: start as many as the test needs; all are
+  stopped after the test. ``kw`` goes to ``ServerProcess`` (``env``, ``bind``, ...).
+- ``module_server_factory``: the same factory, module scope, for a module whose tests
+  share one server (bad-input tables, expensive set-ups)::
+
+      @pytest.fixture(scope="module")
+      def srv(module_server_factory):
+          return module_server_factory(1, ["--max-message-bytes", str(MAX_MSG)])
+
+Pass ``args`` (extra flags) as a list, e.g. ``make_server(1, ["--history", "3"])``.
+"""
 from __future__ import annotations
 
+import gc
 import os
-import subprocess
-import sys
-import tempfile
-import time
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import zmq
 
 from stella import Client
+from stella_ps.process import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZMQ_TERM_TIMEOUT_S = 10.0
 
 
-class ServerProc:
-    def __init__(self, workers: int = 1, extra: list[str] | None = None):
-        fd, self.ready = tempfile.mkstemp(prefix="stella-ps-test-", suffix=".addr")
-        os.close(fd)
-        os.unlink(self.ready)
-        self.log = tempfile.NamedTemporaryFile(prefix="stella-ps-test-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "stella_ps", "--bind", "tcp://127.0.0.1:0", "--workers", str(workers),
-               "--ready-file", self.ready, "--log-level", "DEBUG", *(extra or [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(self.ready):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"stella-ps failed to start:\n{self.logs()}")
-            time.sleep(0.02)
-        with open(self.ready) as f:
-            self.endpoint = f.read().strip()
+class ServerProc(ServerProcess):
+    """Transitional spelling of the old test launcher, kept only while
+    ``test_bad_input.py`` (``from conftest import ServerProc``) and ``test_protocol.py``
+    (``srv.stop("terminate")``) still use it: ``ServerProc(workers, extra)`` and
+    ``stop("terminate" | "kill")``. New tests use the fixtures and ``close()``."""
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def __init__(self, workers: int = 1, extra: Sequence[str] | None = None, **kw: Any):
+        kw.setdefault("log_level", "DEBUG")
+        kw.setdefault("cwd", ROOT)
+        super().__init__(workers, extra or (), **kw)
 
-    def logs(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
-
-    def stop(self, sig: str = "terminate") -> int:
-        if self.proc.poll() is None:
-            getattr(self.proc, sig)()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for p in (self.ready,):
-            if os.path.exists(p):
-                os.unlink(p)
-        return self.proc.returncode
+    def stop(self, sig: str = "terminate") -> int:  # type: ignore[override]
+        if sig == "kill":
+            self.kill()
+        elif sig != "terminate":
+            raise ValueError(f"sig must be 'terminate' or 'kill', got {sig!r}")
+        return self.close()
 
 
-@pytest.fixture
-def make_server():
-    servers: list[ServerProc] = []
+ServerFactory = Callable[..., ServerProcess]
 
-    def make(workers: int = 1, extra: list[str] | None = None) -> ServerProc:
-        s = ServerProc(workers, extra)
+
+def _server_factory() -> Iterator[ServerFactory]:
+    servers: list[ServerProcess] = []
+
+    def make(workers: int = 1, args: Sequence[str] = (), **kw: Any) -> ServerProcess:
+        s = ServerProc(workers, args, **kw)
         servers.append(s)
         return s
 
     yield make
     for s in servers:
-        s.stop()
-        os.unlink(s.log.name)
+        s.close()
 
 
 @pytest.fixture
-def server(make_server) -> ServerProc:
+def make_server() -> Iterator[ServerFactory]:
+    """Factory of servers that live until the end of the test."""
+    yield from _server_factory()
+
+
+@pytest.fixture(scope="module")
+def module_server_factory() -> Iterator[ServerFactory]:
+    """Factory of servers that live until the end of the module (shared by its tests)."""
+    yield from _server_factory()
+
+
+@pytest.fixture
+def server(make_server: ServerFactory) -> ServerProcess:
     return make_server(1)
 
 
 @pytest.fixture
-def make_client():
+def make_client() -> Iterator[Callable[..., Client]]:
     clients: list[Client] = []
 
-    def make(endpoint: str, **kw) -> Client:
+    def make(endpoint: str, **kw: Any) -> Client:
         kw.setdefault("timeout", 10.0)
         c = Client(endpoint, **kw)
         clients.append(c)
@@ -90,20 +100,27 @@ def make_client():
         c.close(timeout=1.0)
 
 
-@pytest.fixture
-def raw_socket():
-    """A bare DEALER socket for sending hand-made (bad) messages."""
+@pytest.fixture(scope="module", autouse=True)
+def zmq_context_terminates() -> Iterator[None]:
+    """pyzmq's discipline, once per module (module-scoped fixtures share sockets across
+    tests): after the module every socket on the global context must be closed, and the
+    context must terminate. A socket left open would hang ``term()``; it is named in the
+    failure instead, then closed with linger 0 so the next module starts clean."""
+    yield
     ctx = zmq.Context.instance()
-    socks: list[zmq.Socket] = []
-
-    def make(endpoint: str) -> zmq.Socket:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 10000)
-        s.connect(endpoint)
-        socks.append(s)
-        return s
-
-    yield make
-    for s in socks:
+    gc.collect()  # dropped Clients close their sockets in a finalizer
+    leaked = [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+    for s in leaked:
         s.close(linger=0)
+    done = threading.Event()
+
+    def term() -> None:
+        ctx.term()
+        done.set()
+
+    threading.Thread(target=term, name="zmq-term", daemon=True).start()
+    terminated = done.wait(ZMQ_TERM_TIMEOUT_S)
+    if leaked:
+        pytest.fail(f"{len(leaked)} ZeroMQ socket(s) left open by this module: {leaked}")
+    if not terminated:
+        pytest.fail(f"the ZeroMQ context did not terminate within {ZMQ_TERM_TIMEOUT_S:g} s")
