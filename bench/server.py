@@ -53,11 +53,12 @@ def _worker(endpoint: str, rank: int, numel: int, density: float, steps: int, op
             upd[name] = (idx, (rng.standard_normal(k) * 1e-3).astype(np.float32))
         pushes.append(upd)
     out.put(("ready", rank))
+    pushed0, pulled0 = c.bytes_pushed, c.bytes_pulled  # the timed loop's bytes only
     t0 = time.perf_counter()
     for s in range(steps):
         c.push(pushes[s % len(pushes)], version, value_dtype="f16", index_coding="rice")
         version = c.pull(version, wait_for=version + 1, index_coding="rice").version
-    out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed, c.bytes_pulled))
+    out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0))
     c.close()
 
 
@@ -86,7 +87,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         "updates_per_s": round(steps * workers * k / wall),
         "server_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
         "server_cpu_ns_per_update": round(1e9 * cpu / (steps * workers * k), 2),
-        "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),
+        "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),  # all workers
         "bytes_pulled_per_step": round(sum(d[4] for d in done) / steps),
     }
 

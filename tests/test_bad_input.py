@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import ServerProc
 from stella.client import Client
 from stella.protocol import PROTOCOL_VERSION
 
@@ -18,8 +17,8 @@ MAX_MSG = 2 << 20
 
 
 @pytest.fixture(scope="module")
-def env():
-    srv = ServerProc(workers=1, extra=["--max-message-bytes", str(MAX_MSG)])
+def env(module_server_factory):
+    srv = module_server_factory(1, ["--max-message-bytes", str(MAX_MSG)])
     good = Client(srv.endpoint, timeout=10)
     init = {"w": np.arange(100, dtype=np.float32).reshape(10, 10), "b": np.zeros(4, np.float32)}
     good.register(init, {"name": "sgd", "lr": 0.1})
@@ -39,7 +38,6 @@ def env():
     raw.close(linger=0)
     good.close()
     assert srv.alive(), srv.logs()
-    srv.stop()
 
 
 _req = iter(range(1000, 10**9))

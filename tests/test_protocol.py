@@ -232,7 +232,7 @@ def test_sigterm_shuts_down_cleanly(make_server, make_client):
     srv = make_server(1)
     a = make_client(srv.endpoint)
     a.register(model(), SGD1)
-    assert srv.stop("terminate") == 0
+    assert srv.close() == 0
     assert '"shutting down"' in srv.logs() and '"stopped"' in srv.logs()
 
 

@@ -323,7 +323,7 @@ def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder, kind: str) 
         raise ProtocolError("empty message: no header frame")
     if len(frames) > MAX_FRAMES:
         raise OversizedMessage(f"{len(frames)} frames > limit {MAX_FRAMES}")
-    views = tuple(memoryview(f) for f in frames)
+    views = tuple(f if type(f) is memoryview else memoryview(f) for f in frames)
     header = views[0]
     if header.nbytes > MAX_HEADER_BYTES:
         raise OversizedMessage(f"oversized header: {header.nbytes} bytes > {MAX_HEADER_BYTES}")
@@ -384,32 +384,42 @@ def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
         raise ProtocolError(f"{_tag(msg)}: expected no payload frames, got {len(payload)}")
 
 
+_ITEMSIZE = {d: codec.value_itemsize(d) for d in ("f32", "f16", "bf16")}
+
+
 def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
-    kind = _tag(msg)
     seen: set[int] = set()
-    expect = 0  # frames are referenced in order, each exactly once
+    nframes = len(payload)
+    expect = 0  # frames are referenced in order, each exactly once, index before values
     for e in msg.tensors:
-        if e.tensor in seen:
-            raise ProtocolError(f"{kind}: tensor {e.tensor} appears twice")
-        seen.add(e.tensor)
-        dense = e.coding == "dense"
-        if dense != (e.index_frame is None):
-            raise ProtocolError(f"{kind}: tensor {e.tensor}: an index frame is required unless dense, "
+        t = e.tensor
+        if t in seen:
+            raise ProtocolError(f"{_tag(msg)}: tensor {t} appears twice")
+        seen.add(t)
+        fi, fv = e.index_frame, e.value_frame
+        if (fi is None) != (e.coding == "dense"):
+            raise ProtocolError(f"{_tag(msg)}: tensor {t}: an index frame is required unless dense, "
                                 "and forbidden when dense")
-        for ref in ((e.value_frame,) if dense else (e.index_frame, e.value_frame)):
-            if ref != expect:
-                raise ProtocolError(f"{kind}: tensor {e.tensor}: frame {ref} referenced where frame {expect} "
-                                    "comes next (frames go in entry order, index before values)")
-            if ref >= len(payload):
-                raise ProtocolError(f"{kind}: tensor {e.tensor}: frame {ref} missing "
-                                    f"({len(payload)} payload frames)")
+        if fi is not None:
+            if fi != expect:
+                _frame_error(msg, t, fi, expect)
             expect += 1
-        need = e.count * codec.value_itemsize(e.value_dtype)
-        if payload[e.value_frame].nbytes != need:
-            raise CodecError(f"{kind}: tensor {e.tensor} value frame ({e.value_dtype}): "
-                             f"{payload[e.value_frame].nbytes} bytes for {e.count} values (need {need})")
-    if expect != len(payload):
-        raise ProtocolError(f"{kind}: {len(payload)} payload frames, the entries describe {expect}")
+        if fv != expect:
+            _frame_error(msg, t, fv, expect)
+        expect += 1
+        if expect > nframes:
+            raise ProtocolError(f"{_tag(msg)}: tensor {t}: frame {expect - 1} missing ({nframes} payload frames)")
+        need = e.count * _ITEMSIZE[e.value_dtype]
+        if payload[fv].nbytes != need:
+            raise CodecError(f"{_tag(msg)}: tensor {t} value frame ({e.value_dtype}): "
+                             f"{payload[fv].nbytes} bytes for {e.count} values (need {need})")
+    if expect != nframes:
+        raise ProtocolError(f"{_tag(msg)}: {nframes} payload frames, the entries describe {expect}")
+
+
+def _frame_error(msg: Push | Delta, tensor: int, ref: int, expect: int) -> None:
+    raise ProtocolError(f"{_tag(msg)}: tensor {tensor}: frame {ref} referenced where frame {expect} "
+                        "comes next (frames go in entry order, index before values)")
 
 
 def decode_request(frames: Sequence[Any]) -> Received:
