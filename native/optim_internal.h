@@ -5,6 +5,8 @@
  *   merge.c        merge of sorted pushes into tiles (windowed scatter / sweep)
  *   update.c       the SGD / Adam / AdamW tile updates, apply (threads), gather
  *   union.c        k-way union of sorted index lists
+ *   optim_tuning.h prefetch distance / tile / prefetch kind (constants; knobs in
+ *                  the bench-only build)
  */
 #ifndef STELLA_OPTIM_INTERNAL_H
 #define STELLA_OPTIM_INTERNAL_H
