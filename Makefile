@@ -11,9 +11,11 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stella-installed
+# Production modules: stella._native (client) and stella_ps._kernel (server).
+# native/bench/ is compiled on first use by bench/_native_bench.py (into build/).
 NATIVE := $(wildcard native/*.c native/*.h native/cdefs/*.h) native/build_cffi.py
 
-.PHONY: demo test install bench-quick clean
+.PHONY: demo test install clean
 
 install: $(STAMP)
 
@@ -33,4 +35,5 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf build client/stella/_native*.so client/stella/_native.c *.egg-info
+	rm -rf build *.egg-info client/stella/_native*.so client/stella/_native.c \
+	  server/stella_ps/_kernel*.so server/stella_ps/_kernel.c

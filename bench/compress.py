@@ -104,8 +104,7 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             captured=got_sq / exact_sq if exact_sq > 0 else 1.0,
         )
         if device.type == "cpu" and method != "exact":
-            from stella import native
-            row["last_call"] = native.last_stats()
+            row["last_call"] = comp.select_stats("w")
         rows.append(row)
         if method in ("threshold", "block"):
             rows.extend(wire_rows(sg, n, density, method, str(device)))

@@ -14,8 +14,12 @@ machine's one-core bandwidth; ``B/upd`` models the DRAM bytes an update moves in
 each implementation's layout, ``%bw`` is the resulting share of the triad
 bandwidth, and ``floor`` times the cheapest possible random read-modify-write of
 the case's touched lines (a C probe), i.e. the update rate if updates were free.
-``--explore`` measures the layout/prefetch/huge-page choices of the kernel
+``--explore`` measures the prefetch/tile/huge-page choices of the kernel
 (docs/optimizer.md).
+
+The probe and the tuning knobs live in the bench-only build of the kernel
+(``bench/_native_bench.py``, compiled into ``build/`` on first use); ``--explore``
+runs on it, the main table on the production ``stella_ps.kernel``.
 """
 from __future__ import annotations
 
@@ -27,13 +31,13 @@ import time
 import numpy as np
 import torch
 
+from bench import _native_bench
 from stella_ps import kernel
 from stella_ps.kernel import KernelTensorState
 from stella_ps.optim import OptimizerConfig
 
 LINE = 64
 F32 = np.float32
-DEFAULT_TUNING = (96, 2048, 1)  # what native/optim.c starts with: distance, tile, kind
 
 
 def loadavg() -> str:
@@ -182,7 +186,7 @@ def rmw_floor(numel: int, record_floats: int, union: np.ndarray, reps: int) -> f
     buf = _floor_buf[key]
     best = 0.0
     for _ in range(reps):
-        wall, _, _ = timed(lambda: kernel.probe_random_rmw(buf, union, record_floats, 16))
+        wall, _, _ = timed(lambda: _native_bench.probe_random_rmw(buf, union, record_floats, 16))
         best = max(best, union.shape[0] / wall)
     return best
 
@@ -247,7 +251,7 @@ HEADER = (f"{'optimizer':<13}{'params':>7}{'dens':>7}{'W':>3} {'impl':<13}{'thr'
 
 
 def print_row(r):
-    extra = "".join(f" {k}={r[k]}" for k in ("layout", "hugepages", "prefetch", "prefetch_kind", "tile") if k in r)
+    extra = "".join(f" {k}={r[k]}" for k in ("hugepages", "prefetch", "prefetch_kind", "tile") if k in r)
     floor = f"{r['rmw_floor_updates_per_s'] / 1e6:>7.1f}{100 * r['floor_fraction']:>4.0f}%" \
         if "rmw_floor_updates_per_s" in r else ""
     print(f"{r['optimizer']:<13}{r['params'] // 10**6:>6}M{r['density'] * 100:>6.1f}%{r['workers']:>3} "
@@ -256,78 +260,76 @@ def print_row(r):
           f"{r['bytes_per_update']:>7.0f}{100 * r['bw_fraction']:>5.0f}%{floor}{extra}", flush=True)
 
 
-EXPLORE_VARIANTS = [  # (layout, hugepages, prefetch distance, prefetch kind (set_tuning mode), tile)
-    ("interleaved", True, 0, 0, 512),
-    ("interleaved", True, 8, 0, 512),
-    ("interleaved", True, 16, 0, 512),
-    ("interleaved", True, 32, 0, 512),
-    ("interleaved", True, 16, 1, 512),
-    ("interleaved", True, 32, 1, 512),
-    ("interleaved", True, 64, 1, 512),
-    ("interleaved", True, 32, 1, 128),
-    ("interleaved", True, 32, 1, 2048),
-    ("interleaved", False, 32, 1, 512),
-    ("planar", True, 0, 0, 512),
-    ("planar", True, 32, 1, 512),
+EXPLORE_VARIANTS = [  # (hugepages, prefetch distance, prefetch kind (set_tuning mode), tile)
+    (True, 0, 0, 512),
+    (True, 8, 0, 512),
+    (True, 16, 0, 512),
+    (True, 32, 0, 512),
+    (True, 16, 1, 512),
+    (True, 32, 1, 512),
+    (True, 64, 1, 512),
+    (True, 32, 1, 128),
+    (True, 32, 1, 2048),
+    (False, 32, 1, 512),
 ]
 
 
 def explore(rows, numel, bw, reps, names=("adamw", "sgd"), density=0.01, variants=EXPLORE_VARIANTS):
-    """Layout, huge pages, prefetch distance/kind/tile of the kernel, one thread, interleaved in time.
+    """Huge pages, prefetch distance/kind/tile of the kernel, one thread, interleaved in time.
 
     Variants take turns (rep by rep) and every apply gets a fresh push set, so drifting
     load from other processes and cache reuse between reps hit every variant alike.
     The best rep of each variant is reported (wall clock and CPU time).
     """
     kernel.set_num_threads(1)
+    TunableState = _native_bench.state_class()
     for name in names:
         rng = np.random.default_rng(0)
         cfg = config(name)
         init = rng.standard_normal(numel).astype(F32)
         states = {}
-        for layout, huge, *_ in variants:
-            if (layout, huge) not in states:
-                states[layout, huge] = KernelTensorState(init, cfg, layout=layout, hugepages=huge)
+        for huge, *_ in variants:
+            if huge not in states:
+                states[huge] = TunableState(init, cfg, hugepages=huge)
         for st_ in states.values():
             st_.apply(make_pushes(rng, numel, density, 4), 0.25, cfg)
         best = {v: (0.0, 0.0, None) for v in variants}
         for rep in range(reps):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for v in order:
-                layout, huge, pd, mode, tile = v
+                huge, pd, mode, tile = v
                 pushes = make_pushes(rng, numel, density, 4)
-                kernel.set_tuning(pd, tile, mode)
-                st_ = states[layout, huge]
+                _native_bench.set_tuning(pd, tile, mode)
+                st_ = states[huge]
                 t0, c0 = time.perf_counter(), time.process_time()
                 union = st_.apply(pushes, 0.25, cfg)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 w, c, _ = best[v]
                 best[v] = (max(w, union.shape[0] / wall), max(c, union.shape[0] / cpu), (union, pushes))
         for v in variants:
-            layout, huge, pd, mode, tile = v
+            huge, pd, mode, tile = v
             ups, ups_cpu, (union, pushes) = best[v]
             u = union.shape[0]
             rec = 4 * (2 if name == "sgd" else 4)
-            state = 2 * LINE * (lines_touched(union, rec) if layout == "interleaved"
-                                else (rec // 4) * lines_touched(union, 4))
+            state = 2 * LINE * lines_touched(union, rec)
             bpu = (state + sum(i.nbytes + v_.nbytes for i, v_ in pushes) + 4 * u) / u
             r = {"optimizer": name if name != "sgd" else "sgd_momentum", "params": numel,
                  "density": density, "workers": 4, "impl": "stella", "threads": 1, "union": u,
                  "step_ms": u / ups * 1e3, "updates_per_s": ups, "updates_per_cpu_s": ups_cpu,
                  "bytes_per_update": bpu, "triad_gbps": bw, "bw_fraction": ups * bpu / (bw * 1e9),
-                 "loadavg": loadavg(), "layout": layout, "hugepages": huge, "prefetch": pd,
+                 "loadavg": loadavg(), "hugepages": huge, "prefetch": pd,
                  "prefetch_kind": ["prefetchw-L1", "prefetcht1-L2", "prefetchw-L1+merge", "prefetcht1-L2+merge"][mode], "tile": tile}
             rows.append(r)
             print_row(r)
         del states
-    kernel.set_tuning(DEFAULT_TUNING[0], DEFAULT_TUNING[1], DEFAULT_TUNING[2])
+    _native_bench.set_tuning(*_native_bench.default_tuning())
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10M parameters, fewer cases (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
-    ap.add_argument("--explore", action="store_true", help="layout / prefetch / huge-page measurements")
+    ap.add_argument("--explore", action="store_true", help="prefetch / tile / huge-page measurements")
     ap.add_argument("--params", type=int, nargs="*", help="override the parameter counts")
     ap.add_argument("--optimizers", nargs="*", choices=["sgd", "adamw"], help="only these optimizers")
     ap.add_argument("--densities", type=float, nargs="*", help="override the per-worker densities")

@@ -1,6 +1,7 @@
 /* Wire coding of sparse pushes: sorted unique int32 indices, float values.
  *
- * Index codings (docs/compression.md has the byte-level format):
+ * Index codings (STELLA_IDX_* in cdefs/codec.h; docs/compression.md has the
+ * byte-level format):
  *   0 raw32   count little-endian int32
  *   1 varint  LEB128 of the gaps g[i] = idx[i] - idx[i-1] - 1 (idx[-1] = -1)
  *   2 u16     per nonempty 65536-chunk: varint chunk gap, varint (n - 1),
@@ -22,25 +23,21 @@
 #include <string.h>
 
 #include "stella_native.h"
+#include "stella_half.h"
 
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cdefs/codec.h"
+#include "cdefs/compress.h"
 
-enum { C_RAW32 = 0, C_VARINT = 1, C_U16 = 2, C_RICE = 3, C_BLOCK16 = 4 };
+/* block16 is the wire form of the "block" method's selections. */
+_Static_assert(STELLA_BLOCK == 16, "block16 codes 16-element blocks");
+
+#define C_RAW32 STELLA_IDX_RAW32
+#define C_VARINT STELLA_IDX_VARINT
+#define C_U16 STELLA_IDX_U16CHUNK
+#define C_RICE STELLA_IDX_RICE
+#define C_BLOCK16 STELLA_IDX_BLOCK16
 
 #define MAX_NUMEL (INT64_C(1) << 31)
-
-static int check_sorted(const int32_t *idx, int64_t count, int64_t numel) {
-    int64_t prev = -1;
-    for (int64_t i = 0; i < count; i++) {
-        int64_t x = idx[i];
-        if (STELLA_UNLIKELY(x < 0 || x >= numel)) return STELLA_E_RANGE;
-        if (STELLA_UNLIKELY(x <= prev)) return STELLA_E_ORDER;
-        prev = x;
-    }
-    return STELLA_OK;
-}
 
 static inline int varint_len(uint32_t v) {
     return v < (1u << 7) ? 1 : v < (1u << 14) ? 2 : v < (1u << 21) ? 3 : v < (1u << 28) ? 4 : 5;
@@ -185,7 +182,7 @@ int64_t stella_idx_encode(const int32_t *idx, int64_t count, int64_t numel, int3
     int64_t bound = stella_idx_bound(count, numel, coding);
     if (bound < 0) return bound;
     if (cap < bound || (count > 0 && (!idx || !out))) return STELLA_E_ARG;
-    int rc = check_sorted(idx, count, numel);
+    int rc = stella_check_sorted(idx, count, numel, NULL);
     if (rc) return rc;
     if (count == 0) return 0;
     switch (coding) {
@@ -408,74 +405,51 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
 
 /* ---- values ---------------------------------------------------------------- */
 
+/* The converters live in stella_half.h (shared with the kernel's merge). */
+void stella_f32_to_f16(const float *in, int64_t n, uint16_t *out) { stella_f32_to_f16_n(in, n, out); }
 
-/* IEEE binary16, round to nearest even; NaN stays NaN (quiet), overflow -> inf. */
-static inline uint16_t f32_to_f16_soft(float f) {
-    uint32_t x = stella_f32_bits(f);
-    uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) /* inf or NaN */
-        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x0200u | ((ax >> 13) & 0x3ffu) : 0));
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
-    if (ax < 0x38800000u) { /* result is subnormal or zero: exact RNE via float addition */
-        float r = stella_bits_f32(ax) + 0.5f; /* 0.5 = 2^-1; the ulp of [0.5,1) is 2^-24, the f16 denormal step */
-        return (uint16_t)(sign | (stella_f32_bits(r) - 0x3f000000u));
-    }
-    uint32_t mant_odd = (ax >> 13) & 1u;
-    ax += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round */
-    return (uint16_t)(sign | (ax >> 13));
-}
+void stella_f16_to_f32(const uint16_t *in, int64_t n, float *out) { stella_f16_to_f32_n(in, n, out); }
 
-static inline float f16_to_f32_soft(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return stella_bits_f32(sign | 0x7f800000u | (m << 13));
-    if (e == 0) { /* zero / subnormal: m * 2^-24 exactly */
-        float v = (float)m * stella_bits_f32(0x33800000u);
-        return stella_bits_f32(sign | stella_f32_bits(v));
-    }
-    return stella_bits_f32(sign | ((e + 112) << 23) | (m << 13));
-}
-
-void stella_f32_to_f16(const float *in, int64_t n, uint16_t *out) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(out + i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(out + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-    for (; i < n; i++) out[i] = f32_to_f16_soft(in[i]);
-}
-
-void stella_f16_to_f32(const uint16_t *in, int64_t n, float *out) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
-#endif
-    for (; i < n; i++) out[i] = f16_to_f32_soft(in[i]);
-}
-
-/* bfloat16, round to nearest even (as torch: NaN -> 0x7fc0 with the sign kept). */
 void stella_f32_to_bf16(const float *in, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = stella_f32_bits(in[i]);
-        uint16_t r;
-        if ((u & 0x7fffffffu) > 0x7f800000u)
-            r = (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
-        else
-            r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        out[i] = r;
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = stella_float_to_bf16(in[i]);
 }
 
 void stella_bf16_to_f32(const uint16_t *in, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = stella_bits_f32((uint32_t)in[i] << 16);
+    for (int64_t i = 0; i < n; i++) out[i] = stella_bf16_to_float(in[i]);
+}
+
+/* A value is NaN or Inf exactly when its exponent bits are all ones. No branch per
+ * value (the loops vectorise); each block of 4096 can end the scan. */
+#define SCAN_BLOCK 4096
+
+static int all_finite32(const uint32_t *v, int64_t n, uint32_t exp_mask) {
+    for (int64_t i0 = 0; i0 < n; i0 += SCAN_BLOCK) {
+        const int64_t i1 = n - i0 < SCAN_BLOCK ? n : i0 + SCAN_BLOCK;
+        uint32_t bad = 0;
+        for (int64_t i = i0; i < i1; i++) bad |= (v[i] & exp_mask) == exp_mask;
+        if (bad) return 0;
+    }
+    return 1;
+}
+
+static int all_finite16(const uint16_t *v, int64_t n, uint16_t exp_mask) {
+    for (int64_t i0 = 0; i0 < n; i0 += SCAN_BLOCK) {
+        const int64_t i1 = n - i0 < SCAN_BLOCK ? n : i0 + SCAN_BLOCK;
+        uint16_t bad = 0;
+        for (int64_t i = i0; i < i1; i++) bad |= (uint16_t)(v[i] & exp_mask) == exp_mask;
+        if (bad) return 0;
+    }
+    return 1;
+}
+
+int stella_values_check(const void *val, int64_t n, int32_t dtype) {
+    if (n < 0 || (n > 0 && !val)) return STELLA_E_ARG;
+    int ok;
+    switch (dtype) {
+    case STELLA_VAL_F32: ok = all_finite32(val, n, 0x7f800000u); break;
+    case STELLA_VAL_F16: ok = all_finite16(val, n, 0x7c00u); break;
+    case STELLA_VAL_BF16: ok = all_finite16(val, n, 0x7f80u); break;
+    default: return STELLA_E_ARG;
+    }
+    return ok ? STELLA_OK : STELLA_E_NONFINITE;
 }

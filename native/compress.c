@@ -5,9 +5,14 @@
  * the residual and stores everything else back: the residual memory is read
  * once and written once, the gradient read once.
  *
- * unit == 1  : score = |acc[i]|                       (method "threshold")
- * unit == 16 : score = sum of acc^2 over a 16-float block, whole blocks are
- *              emitted as 16 consecutive element indices   (method "block")
+ * unit == 1            : score = |acc[i]|                     (method "threshold")
+ * unit == STELLA_BLOCK : score = sum of acc^2 over a 16-float block, whole
+ *                        blocks are emitted as 16 consecutive element indices
+ *                        (method "block")
+ *
+ * The API (cdefs/compress.h) takes typed structs: stella_topk_args (what to
+ * select), stella_topk_state (carried per tensor), stella_topk_out (where the
+ * selection goes) and, optionally, stella_topk_stats (counters of the call).
  *
  * Two thresholds come from the caller's per-tensor state (carried across
  * steps) or, when it has none, from a random sample of scores (runs of 256
@@ -29,6 +34,12 @@
 #include <string.h>
 
 #include "stella_native.h"
+
+#include "cdefs/compress.h"
+
+/* The block kernels below (AVX-512 lanes, block_score16) are written for 16 floats. */
+_Static_assert(STELLA_BLOCK == 16, "compress.c's block kernels assume 16-float blocks");
+
 #ifdef STELLA_CDEBUG
 #include <stdio.h>
 #endif
@@ -496,32 +507,29 @@ static float finalize(float *res, int unit, int32_t *idx, float *val, float *sco
     return t;
 }
 
-/* Returns the number of elements written to idx/val (sorted indices), or a
- * negative STELLA_E_* code.
- *   res      the residual, updated in place (acc = res + grad, minus what is sent)
- *   grad     may be NULL (select from the residual alone)
- *   k_units  wanted units (elements for unit 1, blocks for unit 16)
- *   state    4 floats kept by the caller per tensor, zeros at first:
- *            [0] emit threshold to try (<= 0: estimate from a sample),
- *            [1] last step's selection threshold, [2] zero threshold to
- *            try (aimed at k; <= [0]: same as [0]), [3] reserved
- *   nsample  floats (unit 1, in runs of 16) or blocks (unit 16) to sample
- *   idx/val  room for cap_units * unit entries; score: cap_units (unit 16)
- *   stats    optional, 6 entries: passes, estimates, trims, give-backs,
- *            units selected, exact fallback used */
-int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units, int32_t unit,
-                       float *state, int64_t nsample, uint64_t seed, int32_t *idx, float *val,
-                       float *score, int64_t cap_units, int64_t *stats) {
-    if (!res || !state || !idx || !val || n < 0 || n > INT32_MAX || k_units < 1 ||
-        (unit != 1 && unit != 16) || (unit == 16 && !score))
+/* Returns the number of elements written to out->idx/out->val (sorted indices), or
+ * a negative STELLA_E_* code. res is the residual, updated in place (acc = res +
+ * grad, minus what is sent); grad may be NULL (select from the residual alone).
+ * Types and fields: cdefs/compress.h. */
+int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
+                       stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats) {
+    if (!res || !args || !state || !out || !out->idx || !out->val || n < 0 || n > INT32_MAX)
         return STELLA_E_ARG;
-    int64_t st[6] = {0, 0, 0, 0, 0, 0};
+    const int64_t k_units = args->k_units;
+    const int unit = args->unit;
+    int64_t nsample = args->nsample;
+    int32_t *idx = out->idx;
+    float *val = out->val, *score = out->score;
+    const int64_t cap_units = out->cap_units;
+    if (k_units < 1 || (unit != 1 && unit != STELLA_BLOCK) || (unit == STELLA_BLOCK && !score))
+        return STELLA_E_ARG;
+    stella_topk_stats st = {0, 0, 0, 0, 0, 0};
     if (n == 0) {
-        state[0] = 0.f;
-        if (stats) memcpy(stats, st, sizeof st);
+        state->emit_threshold = 0.f;
+        if (stats) *stats = st;
         return 0;
     }
-    int64_t nu = unit == 1 ? n : (n + 15) / 16;
+    int64_t nu = unit == 1 ? n : (n + STELLA_BLOCK - 1) / STELLA_BLOCK;
     int64_t k = k_units < nu ? k_units : nu;
     if (cap_units < k) return STELLA_E_ARG;
     /* sample sizes in the units estimate() reads */
@@ -541,17 +549,17 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
         free(samp);
         return STELLA_E_NOMEM;
     }
-    uint64_t rng = seed;
+    uint64_t rng = args->seed;
     int64_t lo = (k * 9 + 9) / 10, hi = (k * 11) / 10;
     if (hi < k) hi = k;
-    float thr = state[0]; /* emit threshold: aimed at AIM * k units */
-    float tz = state[2];  /* zero threshold: aimed at k units (>= thr) */
+    float thr = state->emit_threshold; /* aimed at AIM * k units */
+    float tz = state->zero_threshold;  /* aimed at k units (>= thr) */
     const float *g = grad;
     if (k >= nu) {
         thr = tz = tiny();
     } else if (!(thr > 0.f) || !isfinite(thr)) {
         thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
-        st[1]++;
+        st.estimates++;
     } else {
         /* a carried threshold: check it on a small sample (a quarter of the
          * estimate's) and re-estimate when it is clearly off (early steps, when
@@ -565,7 +573,7 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
 #endif
         if (expect >= 8.0 && (hits < 0.6 * expect || hits > 1.7 * expect)) {
             thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
-            st[1]++;
+            st.estimates++;
         }
     }
     if (!(tz >= thr) || !isfinite(tz)) tz = thr;
@@ -594,49 +602,36 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
             if (!(thr > 0.f)) thr = tiny();
             tz = thr;
             exact = 1;
-            st[5] = 1;
+            st.exact_fallback = 1;
         }
         p = run_pass(res, g, n, unit, thr, tz, idx, val, score, cap_units, truncate);
         g = NULL; /* the gradient is in the residual from now on */
-        st[0]++;
+        st.passes++;
 #ifdef STELLA_CDEBUG
         fprintf(stderr, "  attempt %d thr %g tz %g total %ld units %ld overflow %d (k %ld)\n", attempt,
                 thr, tz, (long)p.total, (long)p.units, p.overflow, (long)k);
 #endif
-        if (p.overflow) { /* res == acc again */
-            st[3]++;
-            float t2, z2;
-            t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
-            st[1]++;
-            if (t2 > thr) {
-                thr = t2;
-                tz = z2;
-            } else {
-                thr *= unit == 1 ? 1.25f : 1.6f;
-                tz = thr;
-            }
-            continue;
+        /* Too many candidates for the buffer (raise the threshold) or too few (lower
+         * it): make the residual whole again, re-estimate on it, and take the new
+         * estimate if it moves the right way, else a fixed step. */
+        const int dir = p.overflow ? 1 : (p.units < lo && thr > tiny() && !truncate) ? -1 : 0;
+        if (!dir) break;
+        if (dir < 0) /* an overflowing pass has already given everything back */
+            for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j];
+        st.givebacks++;
+        float z2, t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
+        st.estimates++;
+        if (dir > 0 ? t2 > thr : t2 < thr) {
+            thr = t2;
+            tz = z2;
+        } else {
+            thr *= dir > 0 ? (unit == 1 ? 1.25f : 1.6f) : (unit == 1 ? 0.8f : 0.64f);
+            tz = thr;
         }
-        if (p.units < lo && thr > tiny() && !truncate) {
-            for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j]; /* res == acc again */
-            st[3]++;
-            float t2, z2;
-            t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
-            st[1]++;
-            if (t2 < thr) {
-                thr = t2;
-                tz = z2;
-            } else {
-                thr *= unit == 1 ? 0.8f : 0.64f;
-                tz = thr;
-            }
-            continue;
-        }
-        break;
     }
     int64_t before = p.units;
     float tk = finalize(res, unit, idx, val, score, k, lo, hi, thr, tz, &p, hist);
-    if (p.units != before) st[2]++;
+    if (p.units != before) st.trims++;
     /* Next step's thresholds: the ones that would have given AIM * k (emit)
      * and k (zero) units this step (local tail slope of the kept units: count
      * at tk vs at 1.25 tk), times the step-to-step drift of the selection
@@ -654,7 +649,7 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
         if (slope < 0.5) slope = 0.5;
         if (slope > 30.0) slope = 30.0;
         double drift = 1.0;
-        double prev = state[1];
+        double prev = state->last_threshold;
         if (prev > 0.0 && isfinite(prev) && !exact) {
             /* magnitudes (unit 1): half the relative drift, in [0.9, 1.2].
              * Block scores are sums of squares that grow about linearly while
@@ -678,11 +673,11 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units
         if (!(next > 0.f) || !isfinite(next)) next = next_z = 0.f;
         if (!(next_z >= next) || !isfinite(next_z)) next_z = next;
     }
-    state[0] = next;
-    state[1] = tk > tiny() ? tk : 0.f;
-    state[2] = next_z;
-    st[4] = p.units;
-    if (stats) memcpy(stats, st, sizeof st);
+    state->emit_threshold = next;
+    state->last_threshold = tk > tiny() ? tk : 0.f;
+    state->zero_threshold = next_z;
+    st.units = p.units;
+    if (stats) *stats = st;
     free(hist);
     free(samp);
     return p.elems;

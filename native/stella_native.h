@@ -1,4 +1,6 @@
-/* Shared prelude of every native/ source: fixed-width types, error codes, ABI. */
+/* Shared prelude of every native/ source: fixed-width types, ABI version, return
+ * codes, value dtypes and bit casts. Python reads the constants through cffi
+ * (cdefs/core.h declares them as `...`, filled from here at build time). */
 #ifndef STELLA_NATIVE_H
 #define STELLA_NATIVE_H
 
@@ -7,10 +9,12 @@
 #include <string.h>
 
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
- * wrappers assert it at import so a stale build fails loudly. */
-#define STELLA_ABI_VERSION 1
+ * wrappers (stella.native_errors.require_abi) assert it at import so a stale build
+ * fails loudly. */
+#define STELLA_ABI_VERSION 2
 
-/* Return codes shared by all kernels (0 = ok, negative = error). */
+/* Return codes shared by all kernels (0 = ok, negative = error); stella_strerror()
+ * has their text. */
 #define STELLA_OK 0
 #define STELLA_E_RANGE (-1)     /* an index is >= the tensor's size */
 #define STELLA_E_ORDER (-2)     /* indices not strictly increasing */
@@ -18,6 +22,11 @@
 #define STELLA_E_CORRUPT (-4)   /* coded bytes are malformed or truncated */
 #define STELLA_E_ARG (-5)       /* bad argument (size, count, config) */
 #define STELLA_E_NOMEM (-6)     /* allocation failed */
+
+/* Value dtypes of wire frames and of pushes (bf16 travels as uint16 bit patterns). */
+#define STELLA_VAL_F32 0
+#define STELLA_VAL_F16 1
+#define STELLA_VAL_BF16 2
 
 #if defined(__GNUC__)
 #define STELLA_LIKELY(x) __builtin_expect(!!(x), 1)
@@ -40,5 +49,10 @@ static inline float stella_bits_f32(uint32_t u) {
     memcpy(&f, &u, 4);
     return f;
 }
+
+/* core.c, compiled into both modules. */
+int stella_abi_version(void);
+const char *stella_strerror(int rc);
+int stella_check_sorted(const int32_t *idx, int64_t n, int64_t numel, int64_t *where);
 
 #endif

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stella import codec
-from stella.errors import CodecError, StellaError
+from stella.errors import BadValue, CodecError, StellaError
 
 CODINGS = codec.INDEX_CODINGS
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -298,3 +298,34 @@ def test_f16_nan_stays_nan():
     v = np.array([np.nan, -np.nan], np.float32)
     for dtype in ("f16", "bf16"):
         assert np.isnan(codec.decode_values(codec.encode_values(v, dtype), 2, dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", codec.VALUE_DTYPES)
+def test_wire_values_view_and_finiteness(dtype):
+    """A zero-copy view as the values travel; NaN/Inf anywhere (the C scan works in
+    blocks: first, middle, last position) raises BadValue."""
+    n = 10_000
+    v = np.random.default_rng(8).standard_normal(n).astype(np.float32)
+    enc = codec.encode_values(v, dtype)
+    view = codec.wire_values(enc, n, dtype)
+    assert view.dtype == {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dtype]
+    assert np.shares_memory(view, enc)
+    np.testing.assert_array_equal(codec.decode_values(enc, n, dtype),
+                                  view.astype(np.float32) if dtype != "bf16"
+                                  else (view.astype(np.uint32) << 16).view(np.float32))
+    for bad in (np.nan, np.inf, -np.inf):
+        for pos in (0, 4095, 4096, n - 1):
+            w = v.copy()
+            w[pos] = bad
+            with pytest.raises(BadValue, match="NaN/Inf"):
+                codec.wire_values(codec.encode_values(w, dtype), n, dtype)
+    # the largest finite values and subnormals pass
+    edge = np.array([65504.0, -65504.0, 6e-8, 0.0, -0.0], np.float32)
+    if dtype == "f32":  # (rounds to Inf in f16 and bf16)
+        edge = np.append(edge, np.float32(np.finfo(np.float32).max))
+    codec.wire_values(codec.encode_values(edge, dtype), edge.size, dtype)
+    shifted = memoryview(b"\x00" + bytes(enc))[1:]  # unaligned: copied, still checked
+    np.testing.assert_array_equal(codec.wire_values(shifted, n, dtype), view)
+    with pytest.raises(CodecError):
+        codec.wire_values(bytes(enc)[:-1], n, dtype)
+    assert codec.wire_values(b"", 0, dtype).size == 0

@@ -29,6 +29,9 @@ Value dtypes (``VALUE_DTYPES``): ``"f32"`` (little-endian IEEE float32),
 with its sign, as torch).
 
 Every coding of zero indices or values is the empty byte string.
+
+The C code is ``native/codec.c`` behind the checked wrapper ``stella._codec_native``
+(index coding ids, f16/bf16 conversion, the finiteness scan of :func:`wire_values`).
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ import sys
 
 import numpy as np
 
-from . import native
-from .errors import BadValue, CodecError
+from . import _codec_native as _native
+from .errors import CodecError
 
 __all__ = [
     "INDEX_CODINGS",
@@ -53,13 +56,11 @@ __all__ = [
     "rice_parameter",
 ]
 
-INDEX_CODINGS: tuple[str, ...] = ("raw32", "varint", "u16chunk", "rice", "block16")
-VALUE_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16")
+INDEX_CODINGS: tuple[str, ...] = tuple(_native.INDEX_CODING_IDS)
+VALUE_DTYPES: tuple[str, ...] = tuple(_native.VALUE_DTYPE_IDS)
 DEFAULT_INDEX_CODING = "rice"
 DEFAULT_VALUE_DTYPE = "f16"
 
-_CIDS = {"raw32": "raw32", "varint": "varint", "u16chunk": "u16", "rice": "rice",
-         "block16": "block16"}
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 _LITTLE = sys.byteorder == "little"
 
@@ -79,9 +80,9 @@ def encode_indices(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
     unique and in range (a bug of the caller, not corrupt input), and for
     "block16" when the set is not made of whole 16-element blocks.
     """
-    if coding not in _CIDS:
+    if coding not in INDEX_CODINGS:
         raise ValueError(f"index coding must be one of {INDEX_CODINGS}, got {coding!r}")
-    return native.idx_encode(idx, numel, _CIDS[coding])
+    return _native.idx_encode(idx, numel, coding)
 
 
 def decode_indices(buf, count: int, numel: int, coding: str) -> np.ndarray:
@@ -92,9 +93,9 @@ def decode_indices(buf, count: int, numel: int, coding: str) -> np.ndarray:
     trailing bytes, or decode to indices out of range or not strictly
     increasing, and for an unknown coding or impossible count.
     """
-    if coding not in _CIDS:
+    if coding not in INDEX_CODINGS:
         raise CodecError(f"unknown index coding {coding!r}")
-    return native.idx_decode(buf, count, numel, _CIDS[coding])
+    return _native.idx_decode(buf, count, numel, coding)
 
 
 def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -106,9 +107,9 @@ def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
             v = v.astype("<f4")
         return v.view(np.uint8)
     if dtype == "f16":
-        out = native.f32_to_f16(v)
+        out = _native.f32_to_f16(v)
     else:
-        out = native.f32_to_bf16(v)
+        out = _native.f32_to_bf16(v)
     if not _LITTLE:  # pragma: no cover
         out = out.byteswap()
     return out.view(np.uint8)
@@ -123,7 +124,7 @@ def decode_values(buf, count: int, dtype: str) -> np.ndarray:
     if size is None:
         raise CodecError(f"unknown value dtype {dtype!r}")
     count = int(count)
-    b = native._u8(buf)
+    b = _native.byte_view(buf)
     if count < 0 or b.size != count * size:
         raise CodecError(f"{dtype}: {b.size} bytes for {count} values (need {count * size})")
     if dtype == "f32":
@@ -132,7 +133,7 @@ def decode_values(buf, count: int, dtype: str) -> np.ndarray:
     h = b.view("<u2") if b.ctypes.data % 2 == 0 else np.frombuffer(b.tobytes(), "<u2")
     if not _LITTLE:  # pragma: no cover
         h = h.astype(np.uint16)
-    return native.f16_to_f32(h) if dtype == "f16" else native.bf16_to_f32(h)
+    return _native.f16_to_f32(h) if dtype == "f16" else _native.bf16_to_f32(h)
 
 
 _WIRE_VIEW = {"f32": "<f4", "f16": "<f2", "bf16": "<u2"}
@@ -148,19 +149,16 @@ def wire_values(buf, count: int, dtype: str) -> np.ndarray:
     if size is None:
         raise CodecError(f"unknown value dtype {dtype!r}")
     count = int(count)
-    b = native._u8(buf)
+    b = _native.byte_view(buf)
     if count < 0 or b.size != count * size:
         raise CodecError(f"{dtype}: {b.size} bytes for {count} values (need {count * size})")
     if b.ctypes.data % size:
         b = np.frombuffer(b.tobytes(), np.uint8)
     v = b.view(_WIRE_VIEW[dtype])
-    finite = v.view("<f2") if dtype == "f16" else (v if dtype == "f32" else
-                                                       (v.astype(np.uint32) << 16).view(np.float32))
-    if not np.isfinite(finite).all():
-        raise BadValue(f"{dtype}: NaN or Inf among {count} values")
+    _native.values_check(v, dtype)  # one C pass over the bits, no conversion
     return v
 
 
 def rice_parameter(idx: np.ndarray) -> int:
     """The Rice parameter ``b`` the encoder would choose for these indices."""
-    return native.rice_param(idx)
+    return _native.rice_param(idx)

@@ -34,10 +34,12 @@ Methods (see ``docs/compression.md``):
 
 Tensors with fewer than ``dense_below`` elements are always sent dense.
 
-On CPU, contiguous float32 work goes through the C kernels in
-``native/compress.c`` (GIL released, one thread); on CUDA (or with
-``backend="torch"``) the same methods run as torch ops on the device and only
-the sparse result is copied to the host.
+On CPU, contiguous float32 work goes through the C kernel in
+``native/compress.c`` (wrapped by ``stella._select_native``; GIL released, one
+thread); on CUDA (or with ``backend="torch"``) the same methods run as torch ops
+on the device and only the sparse result is copied to the host.
+:meth:`ErrorFeedbackCompressor.select_stats` has the C kernel's counters of a
+key's last selection.
 """
 from __future__ import annotations
 
@@ -47,10 +49,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import _select_native as _select
+from ._select_native import BLOCK  # floats per block of the "block" method (native/cdefs/compress.h)
+
 __all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK"]
 
 METHODS = ("exact", "threshold", "block", "dense")
-BLOCK = 16  # floats per block of the "block" method (one 64-byte cache line)
 
 # The selected count must land in [LOW * k, HIGH * k] (unless fewer than
 # LOW * k coordinates are nonzero).
@@ -90,7 +94,8 @@ class _State:
     residual: torch.Tensor  # flat float32, on the gradient's device
     shape: torch.Size
     thr: float = 0.0  # torch path: threshold carried across steps (0: none yet)
-    cstate: np.ndarray | None = None  # native path: float32[4] selection state
+    cstate: _select.TopkState | None = None  # native path: thresholds carried across steps
+    cstats: _select.SelectStats | None = None  # native path: counters of the last selection
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -139,8 +144,6 @@ class ErrorFeedbackCompressor:
         self._states: dict[str, _State] = {}
         self._gen_cache: dict[torch.device, torch.Generator] = {}
         self._calls = 0
-        if backend == "native":
-            from . import native  # noqa: F401  (fail loudly now if the build is missing)
 
     # ------------------------------------------------------------------ API
     def set_density(self, density: float) -> None:
@@ -151,6 +154,13 @@ class ErrorFeedbackCompressor:
 
     def keys(self) -> list[str]:
         return list(self._states)
+
+    def select_stats(self, key: str) -> dict[str, int] | None:
+        """Counters of ``key``'s last selection by the C kernel (passes, estimates,
+        trims, givebacks, units, exact_fallback), or None if it never ran for ``key``.
+        For benchmarks and tests."""
+        st = self._states[key]
+        return None if st.cstats is None else st.cstats.as_dict()
 
     def residual(self, key: str) -> torch.Tensor:
         """The live residual of ``key`` (shape of the gradient, float32, its device).
@@ -195,20 +205,18 @@ class ErrorFeedbackCompressor:
             res.add_(g)
             return self._exact(res, k)
         if use_native:
-            from . import native
-
             g = g.contiguous()
             if st.cstate is None:
-                st.cstate = native.new_state()
+                st.cstate, st.cstats = _select.TopkState(), _select.SelectStats()
             if self.method == "threshold":
-                idx, val = native.ef_threshold_select(
-                    res, g, k, st.cstate, self._sample_size(n, k), self._next_seed()
+                idx, val = _select.ef_threshold_select(
+                    res, g, k, st.cstate, self._sample_size(n, k), self._next_seed(), st.cstats
                 )
             else:
                 kb = max(1, round(k / BLOCK))
-                idx, val = native.ef_block_select(
+                idx, val = _select.ef_block_select(
                     res, g, k, st.cstate, self._sample_size((n + BLOCK - 1) // BLOCK, kb),
-                    self._next_seed(),
+                    self._next_seed(), st.cstats,
                 )
             return SparseGrad(n, idx, val)
         res.add_(g)
@@ -270,13 +278,7 @@ class ErrorFeedbackCompressor:
             return False
         if self.backend == "native":
             return True
-        if res.numel() >= 2**31:  # int32 indices in the C kernel: torch ops instead
-            return False
-        try:
-            from . import native  # noqa: F401
-        except ImportError:  # pragma: no cover - the build is part of install
-            return False
-        return True
+        return res.numel() < 2**31  # int32 indices in the C kernel: torch ops beyond
 
     def _sample_size(self, n: int, k: int) -> int:
         """Units to sample (floats for "threshold", blocks for "block")."""

@@ -1,6 +1,43 @@
 /* compress.c: error feedback fused with top-k selection (sampled threshold, block). */
-int64_t stella_ef_topk(float *res, const float *grad, int64_t n, int64_t k_units,
-                       int32_t unit, float *state, int64_t nsample, uint64_t seed,
-                       int32_t *idx, float *val, float *score, int64_t cap_units,
-                       int64_t *stats);
+#define STELLA_BLOCK 16 /* floats per block of the "block" method (one 64-byte line) */
+
+/* Carried by the caller per tensor across steps; all zeros at first. */
+typedef struct {
+    float emit_threshold; /* threshold to emit candidates at (<= 0: estimate from a sample) */
+    float last_threshold; /* last step's selection threshold (for the drift correction) */
+    float zero_threshold; /* threshold to zero at, aimed at k (<= emit: same as emit) */
+} stella_topk_state;
+
+/* What one call asks for. */
+typedef struct {
+    int64_t k_units; /* wanted units: elements (unit 1) or blocks (unit STELLA_BLOCK) */
+    int32_t unit;    /* 1 ("threshold") or STELLA_BLOCK ("block") */
+    int64_t nsample; /* floats (unit 1) or blocks (unit STELLA_BLOCK) to sample */
+    uint64_t seed;
+} stella_topk_args;
+
+/* Where the selection goes: room for cap_units * unit indices and values (sorted
+ * indices); score holds cap_units block scores (unit STELLA_BLOCK, else unused). */
+typedef struct {
+    int32_t *idx;
+    float *val;
+    float *score;
+    int64_t cap_units;
+} stella_topk_out;
+
+/* Counters of one call (benchmarks and tests). */
+typedef struct {
+    int64_t passes;         /* streaming passes over the tensor */
+    int64_t estimates;      /* threshold estimates from a sample */
+    int64_t trims;          /* final cuts that dropped candidates */
+    int64_t givebacks;      /* passes undone (too many or too few candidates) */
+    int64_t units;          /* units selected */
+    int64_t exact_fallback; /* 1 when the exact radix select gave the threshold */
+} stella_topk_stats;
+
+/* res += grad (grad may be NULL), select ~k_units, zero them in res. Returns the
+ * number of elements written to out (sorted indices) or a STELLA_E_* code; stats
+ * may be NULL. */
+int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
+                       stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats);
 float stella_kth_largest_abs(const float *v, int64_t n, int64_t k);

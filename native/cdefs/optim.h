@@ -1,16 +1,11 @@
-/* optim.c: merged apply of sparse pushes with the lazy SGD / Adam / AdamW optimizers,
- * gather, field copies (snapshot, checkpoints) and k-way union of sorted index lists.
- * Semantics: docs/optimizer.md; executable reference: server/stella_ps/optim_ref.py. */
+/* The lazy optimizer kernel (optim_state.c, merge.c, update.c, union.c): merged
+ * apply of sparse pushes with the lazy SGD / Adam / AdamW optimizers, gather, field
+ * copies (snapshot, checkpoints) and k-way union of sorted index lists.
+ * Semantics: docs/optimizer.md; executable reference: server/stella_ps/optim_ref.py.
+ * Push values use the STELLA_VAL_* dtypes of cdefs/core.h. */
 #define STELLA_OPT_SGD 0
 #define STELLA_OPT_ADAM 1
 #define STELLA_OPT_ADAMW 2
-
-#define STELLA_LAYOUT_INTERLEAVED 0
-#define STELLA_LAYOUT_PLANAR 1
-
-#define STELLA_VAL_F32 0
-#define STELLA_VAL_F16 1
-#define STELLA_VAL_BF16 2
 
 /* Fields of a tensor state; SGD has PARAM and MOMENTUM_BUF (= 1), Adam/AdamW all four. */
 #define STELLA_FIELD_PARAM 0
@@ -51,11 +46,13 @@ typedef struct {
     double beta2_d;
 } stella_optim_cfg;
 
-stella_optim *stella_optim_new(int32_t kind, int64_t numel, int32_t layout, int32_t hugepages);
+/* NULL when out of memory or for a bad kind / size. */
+stella_optim *stella_optim_new(int32_t kind, int64_t numel, int32_t hugepages);
 void stella_optim_free(stella_optim *st);
 int64_t stella_optim_bytes(const stella_optim *st);
 int stella_optim_set_field(stella_optim *st, int32_t field, const void *src, int64_t n);
 int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int64_t n);
+/* Returns the number of touched coordinates written to out_idx (sorted), or STELLA_E_*. */
 int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
                            const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
                            int32_t nthreads);
@@ -63,11 +60,3 @@ int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, f
                         int32_t nthreads);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
                              int32_t *out, int64_t out_cap);
-/* Benchmark knobs (process-wide): software prefetch distance in coordinates (0 = off),
- * the merge tile in coordinates, and the prefetch kind (bit 0: prefetcht1 into L2
- * instead of prefetchw into L1; bit 1: also prefetch while merging, one tile
- * ahead); negative values keep the current setting. */
-void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode);
-/* optim_probe.c: random read-modify-write of buf[idx[j] * stride] (bench roofline). */
-int64_t stella_probe_random_rmw(float *buf, int64_t numel, const int32_t *idx, int64_t n, int32_t stride,
-                                int32_t prefetch_distance);

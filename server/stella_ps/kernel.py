@@ -1,13 +1,17 @@
 """The C lazy-optimizer kernel behind a typed, checked Python interface.
 
-This module is the server's only caller of ``stella._native.lib`` for the
-optimizer kernels (``native/optim.c``). :class:`KernelTensorState` has the duck
-type of :class:`stella_ps.optim_ref.RefTensorState` and gives bit-identical
-results; semantics and layout measurements are in ``docs/optimizer.md``.
+This module is the only caller of ``stella_ps._kernel`` (built from
+``native/optim_state.c``, ``merge.c``, ``update.c`` and ``union.c``; declarations in
+``native/cdefs/optim.h``). :class:`KernelTensorState` has the duck type of
+:class:`stella_ps.optim_ref.RefTensorState` and gives bit-identical results;
+semantics and layout measurements are in ``docs/optimizer.md``.
 
-Every array is checked here (dtype, shape, contiguity, sortedness, range) before
-C sees it, and bad input raises :class:`KernelInputError` (a ``ValueError``);
-return codes are checked after every call.
+Every array is checked here (dtype, shape, contiguity, sortedness, range) before C
+sees it, and bad input raises :class:`~stella_ps.errors.KernelInputError` (a
+``ValueError``); return codes are checked after every call through
+:func:`stella.native_errors.check` (a code for input that passed the checks raises
+:class:`~stella_ps.errors.KernelError`). Values may be float32, float16 or bfloat16
+(as uint16 bit patterns, the wire view of :func:`stella.codec.wire_values`).
 """
 from __future__ import annotations
 
@@ -16,10 +20,13 @@ from typing import Sequence
 
 import numpy as np
 
-from stella._native import ffi, lib
-from stella.errors import StellaError
+from stella.native_errors import check, require_abi
 
+from ._kernel import ffi, lib
+from .errors import KernelError, KernelInputError
 from .optim import OptimizerConfig
+
+require_abi(lib, "stella_ps._kernel")
 
 __all__ = [
     "KernelTensorState",
@@ -34,14 +41,9 @@ __all__ = [
 ENV_THREADS = "STELLA_KERNEL_THREADS"
 """Environment override of the kernel's thread count (default 1)."""
 
-_ABI_VERSION = 1
-if lib.stella_abi_version() != _ABI_VERSION:  # a stale build must fail loudly
-    raise ImportError(f"stella._native ABI {lib.stella_abi_version()} != {_ABI_VERSION}; rebuild (make install)")
-
 F32 = np.float32
 _INT32_LIMIT = 2**31 - 1
 _KIND = {"sgd": lib.STELLA_OPT_SGD, "adam": lib.STELLA_OPT_ADAM, "adamw": lib.STELLA_OPT_ADAMW}
-_LAYOUT = {"interleaved": lib.STELLA_LAYOUT_INTERLEAVED, "planar": lib.STELLA_LAYOUT_PLANAR}
 _FIELDS = {
     "sgd": {"param": (lib.STELLA_FIELD_PARAM, F32), "momentum_buf": (lib.STELLA_FIELD_MOMENTUM_BUF, F32)},
     "adam": {
@@ -52,28 +54,9 @@ _FIELDS = {
     },
 }
 _FIELDS["adamw"] = _FIELDS["adam"]
-# Return codes of native/stella_native.h (not part of the cdef).
-_E_RANGE, _E_ORDER, _E_ARG, _E_NOMEM = -1, -2, -5, -6
-_ERRORS = {
-    _E_RANGE: "index out of range",
-    _E_ORDER: "indices not strictly increasing",
-    _E_ARG: "bad argument",
-    _E_NOMEM: "out of memory",
-}
-
-
-class KernelInputError(StellaError, ValueError):
-    """An array handed to the kernel has the wrong dtype, shape, order or range."""
-
-
-class KernelError(StellaError, RuntimeError):
-    """The C kernel returned an error code for input that passed the wrapper's checks."""
-
-
-def _check(rc: int, what: str) -> int:
-    if rc < 0:
-        raise KernelError(f"{what}: {_ERRORS.get(rc, 'error')} (code {rc})")
-    return rc
+# Index errors on input the wrapper checked (or was told was checked) are the
+# caller's; anything else is the kernel's.
+_INPUT_ERRORS = {lib.STELLA_E_RANGE: KernelInputError, lib.STELLA_E_ORDER: KernelInputError, None: KernelError}
 
 
 def _threads_from_env() -> int:
@@ -102,47 +85,25 @@ def get_num_threads() -> int:
     return _num_threads
 
 
-def set_tuning(prefetch_distance: int = -1, tile: int = -1, mode: int = -1) -> None:
-    """Benchmark knobs, process-wide: software prefetch distance (0 = off), merge tile,
-    prefetch kind (0: prefetchw into L1, 1: prefetcht1 into L2); -1 keeps a setting."""
-    lib.stella_optim_set_tuning(int(prefetch_distance), int(tile), int(mode))
-
-
-def probe_random_rmw(buf: np.ndarray, idx: np.ndarray, stride: int, prefetch_distance: int = 16) -> None:
-    """Benchmark roofline: ``buf[idx * stride] = buf[idx * stride] * 0.5 + 1`` in C, prefetched.
-
-    The cheapest update of the lines an optimizer step touches; bench/kernel.py
-    times it to show how close the kernel gets to the machine's random-access floor.
-    """
-    if not isinstance(buf, np.ndarray) or buf.dtype != F32 or buf.ndim != 1 or not buf.flags.c_contiguous:
-        raise KernelInputError("probe buffer must be a contiguous 1-D float32 array")
-    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 or not idx.flags.c_contiguous:
-        raise KernelInputError("probe indices must be a contiguous 1-D int32 array")
-    rc = lib.stella_probe_random_rmw(ffi.from_buffer("float[]", buf), buf.shape[0],
-                                     ffi.from_buffer("int32_t[]", idx), idx.shape[0], int(stride),
-                                     int(prefetch_distance))
-    if rc == _E_RANGE:
-        raise KernelInputError("probe index outside the buffer")
-    _check(rc, "probe")
-
-
-def _sorted_indices(idx: object, numel: int, what: str) -> np.ndarray:
+def _sorted_indices(ffi_, lib_, idx: object, numel: int, what: str) -> np.ndarray:
     """``idx`` as a contiguous 1-D int32 array, strictly increasing, inside [0, numel)."""
     if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
         got = f"{idx.dtype}[{idx.ndim}-D]" if isinstance(idx, np.ndarray) else type(idx).__name__
         raise KernelInputError(f"{what}: indices must be a 1-D int32 array, got {got}")
     if not idx.flags.c_contiguous:
         raise KernelInputError(f"{what}: indices must be contiguous")
-    bad = lib.stella_check_sparse(ffi.from_buffer("int32_t[]", idx), idx.shape[0], numel)
-    if bad >= 0:
-        pos, reason = divmod(bad, 4)
-        if reason == 1:
-            raise KernelInputError(f"{what}: index {int(idx[pos])} at position {pos} is outside [0, {numel})")
-        raise KernelInputError(f"{what}: indices not strictly increasing at position {pos}")
+    where = ffi_.new("int64_t *")
+    rc = lib_.stella_check_sorted(ffi_.from_buffer("int32_t[]", idx), idx.shape[0], numel, where)
+    if rc == lib_.STELLA_E_RANGE:
+        pos = where[0]
+        raise KernelInputError(f"{what}: index {int(idx[pos])} at position {pos} is outside [0, {numel})")
+    if rc == lib_.STELLA_E_ORDER:
+        raise KernelInputError(f"{what}: indices not strictly increasing at position {where[0]}")
+    check(lib_, rc, what, KernelError)
     return idx
 
 
-def _value_code(vals: object, n: int, what: str) -> int:
+def _value_code(lib_, vals: object, n: int, what: str) -> int:
     if not isinstance(vals, np.ndarray) or vals.ndim != 1:
         raise KernelInputError(f"{what}: values must be a 1-D array")
     if vals.shape[0] != n:
@@ -150,19 +111,19 @@ def _value_code(vals: object, n: int, what: str) -> int:
     if not vals.flags.c_contiguous:
         raise KernelInputError(f"{what}: values must be contiguous")
     if vals.dtype == np.float32:
-        return lib.STELLA_VAL_F32
+        return lib_.STELLA_VAL_F32
     if vals.dtype == np.float16:
-        return lib.STELLA_VAL_F16
+        return lib_.STELLA_VAL_F16
     if vals.dtype == np.uint16 or vals.dtype.name == "bfloat16":  # bf16 as raw bit patterns
-        return lib.STELLA_VAL_BF16
+        return lib_.STELLA_VAL_BF16
     raise KernelInputError(f"{what}: values must be float32, float16 or bfloat16 (uint16 bits), got {vals.dtype}")
 
 
-def _c_config(cfg: OptimizerConfig) -> object:
+def _c_config(ffi_, cfg: OptimizerConfig) -> object:
     """The hyper-parameters rounded to float32 by the same expressions as optim_ref."""
     cfg = cfg.rule()
     h = cfg.hparams
-    c = ffi.new("stella_optim_cfg *")
+    c = ffi_.new("stella_optim_cfg *")
     c.kind = _KIND[cfg.name]
     c.lr = F32(h["lr"])
     c.lr_d = float(h["lr"])
@@ -187,20 +148,22 @@ def _c_config(cfg: OptimizerConfig) -> object:
 class KernelTensorState:
     """One tensor's float32 parameters and lazy optimizer state, held by the C kernel.
 
-    ``layout`` is ``"interleaved"`` (default: one record per coordinate) or
-    ``"planar"`` (one array per field, kept for measurements); ``hugepages`` asks
-    the OS for 2 MiB pages for the state.
+    State is one interleaved record per coordinate (docs/optimizer.md); ``hugepages``
+    asks the OS for 2 MiB pages for it.
 
     The C calls release the GIL; one state must not be used from two threads at
     once (the server applies a tensor's steps one after another).
     """
 
-    def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, layout: str = "interleaved",
-                 hugepages: bool = True):
+    # The cffi module behind the state; the bench-only build (bench/_native_bench.py)
+    # subclasses with its own, everything else here stays the same.
+    _ffi = ffi
+    _lib = lib
+
+    def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, hugepages: bool = True):
+        ffi_, lib_ = self._ffi, self._lib
         if cfg.name not in _KIND:
             raise KernelInputError(f"unknown optimizer {cfg.name!r}")
-        if layout not in _LAYOUT:
-            raise KernelInputError(f"layout must be one of {sorted(_LAYOUT)}, got {layout!r}")
         init = np.asarray(init)
         if init.dtype != np.float32:
             raise KernelInputError(f"initial values must be float32, got {init.dtype}")
@@ -208,28 +171,28 @@ class KernelTensorState:
             raise KernelInputError(f"tensor size {init.size} outside [1, 2**31 - 1]")
         self.numel = int(init.size)
         self.name = cfg.name
-        self.layout = layout
-        ptr = lib.stella_optim_new(_KIND[cfg.name], self.numel, _LAYOUT[layout], int(hugepages))
-        if ptr == ffi.NULL:
+        ptr = lib_.stella_optim_new(_KIND[cfg.name], self.numel, int(hugepages))
+        if ptr == ffi_.NULL:
             raise MemoryError(f"cannot allocate the state of a {self.numel}-coordinate tensor")
-        self._st = ffi.gc(ptr, lib.stella_optim_free, size=int(lib.stella_optim_bytes(ptr)))
-        self._set_field(lib.STELLA_FIELD_PARAM, np.ascontiguousarray(init.reshape(-1)))
+        self._st = ffi_.gc(ptr, lib_.stella_optim_free, size=int(lib_.stella_optim_bytes(ptr)))
+        self._set_field(lib_.STELLA_FIELD_PARAM, np.ascontiguousarray(init.reshape(-1)))
         self._cfg_key: OptimizerConfig | None = None
         self._cfg_c = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of parameter and optimizer state held in C."""
-        return int(lib.stella_optim_bytes(self._st))
+        return int(self._lib.stella_optim_bytes(self._st))
 
     def _set_field(self, field: int, arr: np.ndarray) -> None:
-        _check(lib.stella_optim_set_field(self._st, field, ffi.from_buffer(arr), arr.shape[0]), "set_field")
+        rc = self._lib.stella_optim_set_field(self._st, field, self._ffi.from_buffer(arr), arr.shape[0])
+        check(self._lib, rc, "set_field", KernelError)
 
     def _config(self, cfg: OptimizerConfig) -> object:
         if cfg is not self._cfg_key:
             if cfg.name != self.name:
                 raise KernelInputError(f"state was built for {self.name}, apply got {cfg.name}")
-            self._cfg_c, self._cfg_key = _c_config(cfg), cfg
+            self._cfg_c, self._cfg_key = _c_config(self._ffi, cfg), cfg
         return self._cfg_c
 
     def apply(self, pushes: Sequence[tuple[np.ndarray | None, np.ndarray]], scale: float,
@@ -241,12 +204,15 @@ class KernelTensorState:
         scan costs ~0.6 ns per index, ~2% of an update), so bad input raises
         :class:`KernelInputError` and changes nothing, whatever the caller checked.
         ``checked=False`` skips the index scan for pushes whose indices the wire decoder
-        already proved sorted, unique and in range (the server's path).
+        already proved sorted, unique and in range (the server's path). Values are
+        float32, float16 or bfloat16 bits (uint16); finiteness is not checked here
+        (:func:`stella.codec.wire_values` does it on the server's path).
         """
+        ffi_, lib_ = self._ffi, self._lib
         c_cfg = self._config(cfg)
         w = len(pushes)
         keep = []  # cffi buffers must outlive the call
-        c_push = ffi.new("stella_push[]", max(w, 1))
+        c_push = ffi_.new("stella_push[]", max(w, 1))
         total = 0
         for k, push in enumerate(pushes):
             try:
@@ -256,24 +222,25 @@ class KernelTensorState:
             what = f"push {k}"
             if idx is None:
                 n = self.numel
-                c_push[k].idx = ffi.NULL
+                c_push[k].idx = ffi_.NULL
             else:
                 if checked:
-                    _sorted_indices(idx, self.numel, what)
+                    _sorted_indices(ffi_, lib_, idx, self.numel, what)
                 n = idx.shape[0]
-                ib = ffi.from_buffer("int32_t[]", idx)
+                ib = ffi_.from_buffer("int32_t[]", idx)
                 keep.append(ib)
                 c_push[k].idx = ib
-            c_push[k].dtype = _value_code(vals, n, what)
-            vb = ffi.from_buffer(vals)
+            c_push[k].dtype = _value_code(lib_, vals, n, what)
+            vb = ffi_.from_buffer(vals)
             keep.append(vb)
             c_push[k].val = vb
             c_push[k].n = n
             total += n
         bound = min(total, self.numel)
         out = np.empty(bound, np.int32)
-        count = _check(lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
-                                              ffi.from_buffer("int32_t[]", out), bound, _num_threads), "apply")
+        rc = lib_.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
+                                     ffi_.from_buffer("int32_t[]", out, require_writable=True), bound, _num_threads)
+        count = check(lib_, rc, "apply", _INPUT_ERRORS)
         # Heavy overlap leaves most of the bound unused: do not keep it alive.
         return out[:count] if 2 * count >= bound else out[:count].copy()
 
@@ -281,23 +248,24 @@ class KernelTensorState:
         """Current float32 parameters at ``idx`` (int32, any order, inside [0, numel))."""
         if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
             raise KernelInputError("gather: indices must be a 1-D int32 array")
+        ffi_, lib_ = self._ffi, self._lib
         idx = np.ascontiguousarray(idx)
         out = np.empty(idx.shape[0], F32)
-        rc = lib.stella_optim_gather(self._st, ffi.from_buffer("int32_t[]", idx), idx.shape[0],
-                                     ffi.from_buffer("float[]", out), _num_threads)
-        if rc == _E_RANGE:
-            raise KernelInputError(f"gather: an index is outside [0, {self.numel})")
-        _check(rc, "gather")
+        rc = lib_.stella_optim_gather(self._st, ffi_.from_buffer("int32_t[]", idx), idx.shape[0],
+                                      ffi_.from_buffer("float[]", out, require_writable=True), _num_threads)
+        check(lib_, rc, f"gather: an index outside [0, {self.numel})", _INPUT_ERRORS)
         return out
 
     def _get_field(self, field: int, dtype: type) -> np.ndarray:
         out = np.empty(self.numel, dtype)
-        _check(lib.stella_optim_get_field(self._st, field, ffi.from_buffer(out), self.numel), "get_field")
+        rc = self._lib.stella_optim_get_field(self._st, field, self._ffi.from_buffer(out, require_writable=True),
+                                              self.numel)
+        check(self._lib, rc, "get_field", KernelError)
         return out
 
     def snapshot(self) -> np.ndarray:
         """A float32 copy of all parameters (flat)."""
-        return self._get_field(lib.STELLA_FIELD_PARAM, F32)
+        return self._get_field(self._lib.STELLA_FIELD_PARAM, F32)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Parameters and optimizer state as flat arrays, named as in RefTensorState."""
@@ -324,7 +292,10 @@ def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.nd
     """Sorted union of sorted unique int32 index lists (the pull delta since a version).
 
     ``checked=False`` trusts the lists (the kernel's own output of earlier steps)."""
-    keep = [_sorted_indices(a, _INT32_LIMIT + 1, f"list {k}") for k, a in enumerate(lists)] if checked else list(lists)
+    if checked:
+        keep = [_sorted_indices(ffi, lib, a, _INT32_LIMIT + 1, f"list {k}") for k, a in enumerate(lists)]
+    else:
+        keep = list(lists)
     k = len(keep)
     total = sum(a.shape[0] for a in keep)
     out = np.empty(total, np.int32)
@@ -335,5 +306,6 @@ def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.nd
         bufs.append(b)
         ptrs[i] = b
     lens = ffi.new("int64_t[]", [a.shape[0] for a in keep] or [0])
-    n = _check(lib.stella_union_indices(ptrs, lens, k, ffi.from_buffer("int32_t[]", out), total), "union")
+    n = check(lib, lib.stella_union_indices(ptrs, lens, k, ffi.from_buffer("int32_t[]", out), total),
+              "union", KernelError)
     return out[:n] if 2 * n >= total else out[:n].copy()

@@ -1,9 +1,7 @@
 /* Roofline probe for bench/kernel.py: the cheapest possible random read-modify-write
  * of one float per cache line at sorted positions, software-prefetched. No optimizer
  * can update random coordinates faster than this loop touches their lines. */
-#include "stella_native.h"
-
-#include "cdefs/optim.h"
+#include "../optim_tuning.h"
 
 int64_t stella_probe_random_rmw(float *buf, int64_t numel, const int32_t *idx, int64_t n, int32_t stride,
                                 int32_t prefetch_distance) {

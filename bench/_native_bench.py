@@ -1,0 +1,97 @@
+"""Bench-only build of the optimizer kernel: tunable, with the roofline probe.
+
+Production ``stella_ps._kernel`` compiles the kernel's tuning (prefetch distance,
+merge tile, prefetch kind) as constants and has no probe. This module compiles the
+same kernel sources with ``-DSTELLA_TUNABLE`` plus ``native/bench/`` (the tuning
+knobs and ``stella_probe_random_rmw``) into ``build/native_bench/<hash>/`` on first
+use, with the builder of ``native/build_cffi.py``, and serves ``bench/kernel.py``
+and the tuning test of ``tests/test_kernel.py``. A change of any native source
+gives a new hash, hence a rebuild.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+import sys
+from functools import lru_cache
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
+MODULE = "_stella_kernel_bench"
+
+__all__ = ["load", "state_class", "default_tuning", "set_tuning", "probe_random_rmw"]
+
+
+def _build_script():
+    spec = importlib.util.spec_from_file_location("_stella_build_cffi", NATIVE / "build_cffi.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@lru_cache(maxsize=None)
+def load():
+    """(ffi, lib) of the bench build, compiled on first use."""
+    h = hashlib.sha256()
+    for p in sorted(NATIVE.rglob("*")):
+        if p.is_file() and p.suffix in (".c", ".h", ".py"):
+            h.update(p.relative_to(NATIVE).as_posix().encode() + b"\0" + p.read_bytes())
+    out = ROOT / "build" / "native_bench" / h.hexdigest()[:16]
+    found = sorted(out.glob(f"{MODULE}*.so")) if out.exists() else []
+    if not found:
+        out.mkdir(parents=True, exist_ok=True)
+        ffi = _build_script().builder(MODULE, ["optim", "bench"], defines=("STELLA_TUNABLE",), absolute=True)
+        found = [pathlib.Path(ffi.compile(tmpdir=str(out), verbose=False))]
+    spec = importlib.util.spec_from_file_location(MODULE, found[0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules.setdefault(MODULE, mod)
+    from stella.native_errors import require_abi
+
+    require_abi(mod.lib, MODULE)
+    return mod.ffi, mod.lib
+
+
+@lru_cache(maxsize=None)
+def state_class():
+    """:class:`stella_ps.kernel.KernelTensorState` on the bench build (same wrapper, tunable C)."""
+    from stella_ps.kernel import KernelTensorState
+
+    ffi, lib = load()
+    return type("BenchKernelTensorState", (KernelTensorState,), {"_ffi": ffi, "_lib": lib})
+
+
+def default_tuning() -> tuple[int, int, int]:
+    """(prefetch distance, tile, mode) that production builds compile (native/optim_internal.h)."""
+    _, lib = load()
+    return (lib.STELLA_TUNE_PREFETCH, lib.STELLA_TUNE_TILE, lib.STELLA_TUNE_MODE)
+
+
+def set_tuning(prefetch_distance: int = -1, tile: int = -1, mode: int = -1) -> None:
+    """Process-wide knobs of the bench build: software prefetch distance (0 = off), merge
+    tile, mode (bit 0: prefetcht1 into L2 instead of prefetchw into L1; bit 1: also
+    prefetch while merging); -1 keeps a setting."""
+    _, lib = load()
+    lib.stella_optim_set_tuning(int(prefetch_distance), int(tile), int(mode))
+
+
+def probe_random_rmw(buf: np.ndarray, idx: np.ndarray, stride: int, prefetch_distance: int = 16) -> None:
+    """Roofline: ``buf[idx * stride] = buf[idx * stride] * 0.5 + 1`` in C, prefetched.
+
+    The cheapest update of the lines an optimizer step touches; bench/kernel.py
+    times it to show how close the kernel gets to the machine's random-access floor.
+    """
+    from stella.native_errors import check
+
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError("probe buffer must be a contiguous 1-D float32 array")
+    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 or not idx.flags.c_contiguous:
+        raise ValueError("probe indices must be a contiguous 1-D int32 array")
+    ffi, lib = load()
+    rc = lib.stella_probe_random_rmw(ffi.from_buffer("float[]", buf, require_writable=True), buf.shape[0],
+                                     ffi.from_buffer("int32_t[]", idx), idx.shape[0], int(stride),
+                                     int(prefetch_distance))
+    check(lib, rc, "probe", ValueError)

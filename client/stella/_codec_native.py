@@ -1,0 +1,142 @@
+"""Checked wrappers of ``native/codec.c`` (module ``stella._native``): index codings,
+f16/bf16 conversion and the finiteness scan of value frames.
+
+The only caller of the codec functions of ``lib``; :mod:`stella.codec` is the public
+API on top. Buffers go to C through ``ffi.from_buffer`` (typed, kept alive for the
+call); sizes are checked before each call and return codes after it
+(:func:`stella.native_errors.check`). The wire-name -> C-constant tables below are
+the only place the ids appear in Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._native import ffi, lib
+from .errors import BadValue, CodecError
+from .native_errors import check, require_abi
+
+require_abi(lib, "stella._native")
+
+__all__ = [
+    "INDEX_CODING_IDS",
+    "VALUE_DTYPE_IDS",
+    "byte_view",
+    "idx_encode",
+    "idx_decode",
+    "rice_param",
+    "f32_to_f16",
+    "f32_to_bf16",
+    "f16_to_f32",
+    "bf16_to_f32",
+    "values_check",
+]
+
+INDEX_CODING_IDS = {
+    "raw32": lib.STELLA_IDX_RAW32,
+    "varint": lib.STELLA_IDX_VARINT,
+    "u16chunk": lib.STELLA_IDX_U16CHUNK,
+    "rice": lib.STELLA_IDX_RICE,
+    "block16": lib.STELLA_IDX_BLOCK16,
+}
+"""Wire name of an index coding -> its id in native/cdefs/codec.h."""
+
+VALUE_DTYPE_IDS = {"f32": lib.STELLA_VAL_F32, "f16": lib.STELLA_VAL_F16, "bf16": lib.STELLA_VAL_BF16}
+"""Wire name of a value dtype -> its id in native/stella_native.h."""
+
+# The fewest bits an index can take in each coding (raw32 4 bytes, varint 1 byte,
+# u16chunk 2 bytes, rice 1 bit, block16 1 bit a block): a count the buffer cannot
+# hold is refused before anything is allocated for it.
+_MIN_BITS = {"raw32": 32, "varint": 8, "u16chunk": 16, "rice": 1, "block16": 1 / 16}
+
+
+
+def byte_view(buf) -> np.ndarray:
+    """A read-only uint8 view of any contiguous buffer (bytes, memoryview, ndarray, zmq frame)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise CodecError("coded buffer is not contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        return np.frombuffer(buf, dtype=np.uint8)
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"not a contiguous byte buffer: {e}") from None
+
+
+def idx_encode(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
+    """Sorted unique indices -> coded bytes; ValueError for indices that are not."""
+    cid = INDEX_CODING_IDS[coding]
+    idx = np.asarray(idx)
+    if idx.dtype != np.int32:
+        if idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= numel):
+            raise ValueError(f"indices must be integers in [0, {numel})")
+    idx = np.ascontiguousarray(idx, dtype=np.int32).reshape(-1)
+    count = idx.shape[0]
+    bound = lib.stella_idx_bound(count, int(numel), cid)
+    if bound < 0:
+        raise ValueError(f"bad count {count} / numel {numel} for index coding {coding!r}")
+    out = np.empty(max(bound, 1), dtype=np.uint8)
+    n = lib.stella_idx_encode(ffi.from_buffer("int32_t[]", idx), count, int(numel), cid,
+                              ffi.from_buffer("uint8_t[]", out), out.shape[0])
+    if n == lib.STELLA_E_ARG and coding == "block16":
+        raise ValueError("block16 needs whole aligned 16-element blocks (method='block')")
+    # out of range or unsorted input to the encoder is the caller's bug, not corrupt data
+    check(lib, n, f"{coding} encode: indices must be sorted, unique and in [0, {numel})", ValueError)
+    return out[:n]
+
+
+def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
+    """Coded bytes -> ``count`` int32 indices, strictly increasing, < numel; CodecError otherwise."""
+    cid = INDEX_CODING_IDS.get(coding)
+    if cid is None:
+        raise CodecError(f"unknown index coding {coding!r}")
+    count, numel = int(count), int(numel)
+    if not (0 <= numel <= 2**31) or not (0 <= count <= numel):
+        raise CodecError(f"impossible count {count} for numel {numel}")
+    b = byte_view(buf)
+    if count * _MIN_BITS[coding] > 8 * b.shape[0]:
+        raise CodecError(f"{coding}: {b.shape[0]} bytes cannot hold {count} indices")
+    out = np.empty(count, dtype=np.int32)
+    rc = lib.stella_idx_decode(ffi.from_buffer("uint8_t[]", b), b.shape[0], count, numel, cid,
+                               ffi.from_buffer("int32_t[]", out, require_writable=True))
+    check(lib, rc, f"{coding} decode ({b.shape[0]} bytes, {count} indices, numel {numel})", CodecError)
+    return out
+
+
+def rice_param(idx: np.ndarray) -> int:
+    idx = np.ascontiguousarray(idx, dtype=np.int32).reshape(-1)
+    return int(lib.stella_rice_param(ffi.from_buffer("int32_t[]", idx), idx.shape[0]))
+
+
+_CTYPE = {np.float32: "float[]", np.uint16: "uint16_t[]"}
+
+
+def _convert(fn, src: np.ndarray, src_dtype, dst_dtype) -> np.ndarray:
+    """Element-wise float conversion by the C function ``fn(src, n, dst)``."""
+    src = np.ascontiguousarray(src, dtype=src_dtype).reshape(-1)
+    out = np.empty(src.shape[0], dtype=dst_dtype)
+    fn(ffi.from_buffer(_CTYPE[src_dtype], src), src.shape[0],
+       ffi.from_buffer(_CTYPE[dst_dtype], out, require_writable=True))
+    return out
+
+
+def f32_to_f16(v: np.ndarray) -> np.ndarray:
+    return _convert(lib.stella_f32_to_f16, v, np.float32, np.uint16)
+
+
+def f32_to_bf16(v: np.ndarray) -> np.ndarray:
+    return _convert(lib.stella_f32_to_bf16, v, np.float32, np.uint16)
+
+
+def f16_to_f32(h: np.ndarray) -> np.ndarray:
+    return _convert(lib.stella_f16_to_f32, h, np.uint16, np.float32)
+
+
+def bf16_to_f32(h: np.ndarray) -> np.ndarray:
+    return _convert(lib.stella_bf16_to_f32, h, np.uint16, np.float32)
+
+
+def values_check(values: np.ndarray, dtype: str) -> None:
+    """BadValue unless every value of the contiguous 1-D array (float32, float16 or
+    uint16 bf16 bits, as ``dtype`` says) is finite: one C pass, no conversion."""
+    rc = lib.stella_values_check(ffi.from_buffer(values), values.shape[0], VALUE_DTYPE_IDS[dtype])
+    check(lib, rc, f"{dtype}: {values.shape[0]} values", BadValue)

@@ -1,0 +1,113 @@
+"""Checked wrapper of ``native/compress.c`` (module ``stella._native``): error feedback
+fused with top-k selection, for contiguous float32 CPU tensors.
+
+The only caller of the selection functions of ``lib``; :mod:`stella.compress` is the
+public API on top. The C API takes typed structs (``native/cdefs/compress.h``):
+:class:`TopkState` is carried per tensor across steps, and a caller that wants the
+counters of a call passes a :class:`SelectStats`. Buffers go to C through
+``ffi.from_buffer`` (CPU tensors through their ``.numpy()`` view); the C call
+releases the GIL.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._native import ffi, lib
+from .native_errors import check, require_abi
+
+require_abi(lib, "stella._native")
+
+__all__ = ["BLOCK", "TopkState", "SelectStats", "ef_threshold_select", "ef_block_select", "kth_largest_abs"]
+
+BLOCK: int = lib.STELLA_BLOCK
+"""Floats per block of the "block" method (native/cdefs/compress.h)."""
+
+_STAT_FIELDS = ("passes", "estimates", "trims", "givebacks", "units", "exact_fallback")
+
+
+class TopkState:
+    """Per-tensor selection state (the thresholds carried across steps), zeros at first."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self) -> None:
+        self._c = ffi.new("stella_topk_state *")
+
+
+class SelectStats:
+    """Counters of one selection call, filled by C when passed in (benchmarks, tests):
+    passes over the tensor, threshold estimates, trims, give-backs, units selected,
+    and whether the exact fallback gave the threshold."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self) -> None:
+        self._c = ffi.new("stella_topk_stats *")
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: int(getattr(self._c, name)) for name in _STAT_FIELDS}
+
+
+def _check_pair(res, grad) -> None:
+    import torch
+
+    if res.dtype != torch.float32 or res.device.type != "cpu" or not res.is_contiguous():
+        raise ValueError("residual must be a contiguous float32 CPU tensor")
+    if grad is not None:
+        if grad.dtype != torch.float32 or grad.device.type != "cpu" or not grad.is_contiguous():
+            raise ValueError("grad must be a contiguous float32 CPU tensor")
+        if grad.numel() != res.numel():
+            raise ValueError("grad and residual sizes differ")
+    if res.numel() > 2**31 - 1:
+        raise ValueError("tensors of 2**31 elements or more are not supported")
+
+
+def _ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
+               stats: SelectStats | None):
+    if not isinstance(state, TopkState):
+        raise TypeError("state must be a TopkState")
+    n = res.numel()
+    nu = n if unit == 1 else (n + BLOCK - 1) // BLOCK
+    k_units = max(1, min(int(k_units), nu))
+    cap = min(nu, 2 * k_units + 1024)
+    idx = np.empty(cap * unit, dtype=np.int32)
+    val = np.empty(cap * unit, dtype=np.float32)
+    score = np.empty(cap if unit != 1 else 1, dtype=np.float32)
+    args = ffi.new("stella_topk_args *", {"k_units": k_units, "unit": unit, "nsample": int(nsample),
+                                          "seed": int(seed) & (2**64 - 1)})
+    bufs = (ffi.from_buffer("int32_t[]", idx, require_writable=True),
+            ffi.from_buffer("float[]", val, require_writable=True),
+            ffi.from_buffer("float[]", score, require_writable=True))
+    out = ffi.new("stella_topk_out *", {"idx": bufs[0], "val": bufs[1], "score": bufs[2], "cap_units": cap})
+    res_c = ffi.from_buffer("float[]", res.detach().numpy(), require_writable=True)
+    grad_c = ffi.NULL if grad is None else ffi.from_buffer("float[]", grad.detach().numpy())
+    rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, ffi.NULL if stats is None else stats._c)
+    check(lib, rc, "stella_ef_topk", ValueError)
+    return idx[:rc], val[:rc]
+
+
+def ef_threshold_select(res, grad, k: int, state: TopkState, nsample: int, seed: int,
+                        stats: SelectStats | None = None):
+    """``res += grad`` (grad may be None); select ~k largest |res| (sorted
+    indices); zero them in res; ``state`` is updated, ``stats`` filled when given.
+
+    Returns (indices int32, values float32).
+    """
+    _check_pair(res, grad)
+    return _ef_select(res, grad, k, 1, state, nsample, seed, stats)
+
+
+def ef_block_select(res, grad, k: int, state: TopkState, nsample: int, seed: int,
+                    stats: SelectStats | None = None):
+    """Like :func:`ef_threshold_select` on whole :data:`BLOCK`-float blocks (by squared
+    norm); ``k`` elements means ``round(k / BLOCK)`` blocks, returned as element indices."""
+    _check_pair(res, grad)
+    kb = max(1, int(round(k / BLOCK)))
+    return _ef_select(res, grad, kb, BLOCK, state, nsample, seed, stats)
+
+
+def kth_largest_abs(v: np.ndarray, k: int) -> float:
+    v = np.ascontiguousarray(v, dtype=np.float32).reshape(-1)
+    if not 1 <= k <= v.shape[0]:
+        raise ValueError("need 1 <= k <= len(v)")
+    return float(lib.stella_kth_largest_abs(ffi.from_buffer("float[]", v), v.shape[0], int(k)))

@@ -1,0 +1,197 @@
+/* Merge of the sorted pushes of one step into tiles of (coordinate, scaled sum):
+ * the windowed scatter/sweep for several pushes, a plain copy for one. Values may
+ * be float32, float16 or bfloat16 (converted by stella_half.h). The sum per
+ * coordinate is taken in push order, as the reference (optim_ref.py) does. */
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "optim_internal.h"
+#include "stella_half.h"
+
+static inline float load_val(const void *val, int32_t dt, int64_t i) {
+    if (dt == STELLA_VAL_F32) return ((const float *)val)[i];
+    if (dt == STELLA_VAL_F16) return stella_half_to_float(((const uint16_t *)val)[i]);
+    return stella_bf16_to_float(((const uint16_t *)val)[i]);
+}
+
+/* Merge of W >= 2 streams through a window of the coordinate space.
+ *
+ * A comparison merge has to decide, for every output, which of the W heads hold
+ * the next coordinate; that is random, and it cost 18-20 ns per output even
+ * branch-free (a loop-carried chain: load head -> min -> compare -> advance).
+ * Instead each window [a, a + len) is filled stream by stream, in push order:
+ * acc[idx - a] += value, flag[idx - a] = 1 (no comparisons between streams, no
+ * dependency between entries), and then swept in coordinate order, emitting the
+ * flagged coordinates with AVX-512 compress (no data-dependent branch). Per
+ * coordinate the sum is ((0 + v_first) + v_next) + ..., in push order, exactly
+ * the reference's `acc[pos] += vals`. The window is sized from the push density
+ * so that it holds a few hundred entries and fits L1/L2, and the sweep can stop
+ * anywhere when the output tile is full. */
+static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint8_t *flag) {
+    if (!st->idx) { /* dense: every coordinate of the window, position == coordinate */
+        int64_t e = lim < st->end ? lim : st->end;
+        const int64_t p0 = st->pos;
+        float *A = acc + (p0 - a);
+        uint8_t *F = flag + (p0 - a);
+        const int64_t m = e - p0;
+        switch (st->dt) {
+        case STELLA_VAL_F32: {
+            const float *v = (const float *)st->val + p0;
+            for (int64_t j = 0; j < m; j++) A[j] += v[j];
+            break;
+        }
+        case STELLA_VAL_F16: {
+            const uint16_t *v = (const uint16_t *)st->val + p0;
+            for (int64_t j = 0; j < m; j++) A[j] += stella_half_to_float(v[j]);
+            break;
+        }
+        default: {
+            const uint16_t *v = (const uint16_t *)st->val + p0;
+            for (int64_t j = 0; j < m; j++) A[j] += stella_bf16_to_float(v[j]);
+        }
+        }
+        memset(F, 1, (size_t)m);
+        st->pos = e;
+        st->head = stream_head(st);
+        return;
+    }
+    const int32_t *ix = st->idx;
+    int64_t p = st->pos, e = st->end;
+    /* Either the rest of the stream lies in the window, or some entry ends the
+     * loop: one compare per entry either way. */
+    const int rest = (int64_t)ix[e - 1] < lim;
+#define SCATTER(LOAD)                                                                          \
+    if (rest) {                                                                                \
+        for (; p < e; p++) {                                                                   \
+            const int64_t j = (int64_t)ix[p] - a;                                              \
+            acc[j] += LOAD;                                                                    \
+            flag[j] = 1;                                                                       \
+        }                                                                                      \
+    } else {                                                                                   \
+        for (; (int64_t)ix[p] < lim; p++) {                                                    \
+            const int64_t j = (int64_t)ix[p] - a;                                              \
+            acc[j] += LOAD;                                                                    \
+            flag[j] = 1;                                                                       \
+        }                                                                                      \
+    }
+    switch (st->dt) {
+    case STELLA_VAL_F32: {
+        const float *v = st->val;
+        SCATTER(v[p])
+        break;
+    }
+    case STELLA_VAL_F16: {
+        const uint16_t *v = st->val;
+        SCATTER(stella_half_to_float(v[p]))
+        break;
+    }
+    default: {
+        const uint16_t *v = st->val;
+        SCATTER(stella_bf16_to_float(v[p]))
+    }
+    }
+#undef SCATTER
+    st->pos = p;
+    st->head = stream_head(st);
+}
+
+/* Starts the next window at the smallest head (skipping empty stretches); 0 when
+ * every stream is exhausted. */
+static int window_fill(window_merge *wm) {
+    uint32_t a = SENTINEL;
+    for (int w = 0; w < wm->W; w++) a = wm->s[w].head < a ? wm->s[w].head : a;
+    if (a == SENTINEL) return 0;
+    int64_t lim = (int64_t)a + wm->B;
+    if (lim > wm->hi) lim = wm->hi;
+    for (int w = 0; w < wm->W; w++)
+        if (wm->s[w].head < lim) scatter_stream(&wm->s[w], a, lim, wm->acc, wm->flag);
+    wm->a = a;
+    wm->len = (lim - a + 63) & ~(int64_t)63;
+    wm->sweep = 0;
+    return 1;
+}
+
+/* Emits the flagged coordinates of block [off, off + 64) and clears it; returns
+ * how many. Writes up to 64 entries at oi/og. */
+static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float *og) {
+    uint8_t *F = wm->flag + off;
+    float *A = wm->acc + off;
+    const uint32_t base = (uint32_t)(wm->a + off);
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    const __m512i f = _mm512_loadu_si512(F);
+    uint64_t m = _mm512_test_epi8_mask(f, f);
+    if (!m) return 0;
+    const __m512 sc = _mm512_set1_ps(wm->scale);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int n = 0;
+    for (int c = 0; c < 4; c++) {
+        const __mmask16 k = (__mmask16)(m >> (16 * c));
+        const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(A + 16 * c), sc);
+        const __m512i ix = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(base + 16 * c)));
+        _mm512_storeu_si512(oi + n, _mm512_maskz_compress_epi32(k, ix));
+        _mm512_storeu_ps(og + n, _mm512_maskz_compress_ps(k, g));
+        _mm512_storeu_ps(A + 16 * c, _mm512_setzero_ps());
+        n += __builtin_popcount(k);
+    }
+    _mm512_storeu_si512(F, _mm512_setzero_si512());
+    return n;
+#else
+    uint64_t m = 0;
+    for (int j = 0; j < 64; j++) m |= (uint64_t)(F[j] != 0) << j;
+    if (!m) return 0;
+    int n = 0;
+    while (m) {
+        const int j = __builtin_ctzll(m);
+        oi[n] = base + (uint32_t)j;
+        og[n] = A[j] * wm->scale;
+        A[j] = 0.0f;
+        n++;
+        m &= m - 1;
+    }
+    memset(F, 0, 64);
+    return n;
+#endif
+}
+
+#define PREFETCH_W(addr) __builtin_prefetch((addr), 1, 3)
+
+/* Early prefetch: the state lines of a tile are requested while the tile is being
+ * merged, one tile before it is applied, so the memory system also works during
+ * the merge (otherwise it idles there, with only the apply loop's few lookahead
+ * prefetches in flight). mem == NULL: off. */
+static inline void prefetch_new(const early_prefetch *ep, const uint32_t *oi, int from, int to) {
+    if (!ep->mem) return;
+    for (int e = from; e < to; e++) PREFETCH_W(ep->mem + (int64_t)oi[e] * ep->stride);
+}
+
+int stella_merge_window_tile(window_merge *wm, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
+    int n = 0;
+    for (;;) {
+        while (wm->sweep < wm->len) {
+            if (n + 64 > cap + MERGE_SLACK) return n;
+            const int got = sweep_block(wm, wm->sweep, oi + n, og + n);
+            prefetch_new(ep, oi, n, n + got);
+            n += got;
+            wm->sweep += 64;
+        }
+        if (n >= cap || !window_fill(wm)) return n;
+    }
+}
+
+/* One pushed stream: no merge at all, values converted and scaled. */
+int stella_merge_single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
+    int64_t take = a->end - a->pos;
+    if (take > cap) take = cap;
+    for (int64_t j = 0; j < take; j++) {
+        int64_t p = a->pos + j;
+        oi[j] = a->idx ? (uint32_t)a->idx[p] : (uint32_t)p;
+        og[j] = (0.0f + load_val(a->val, a->dt, p)) * scale;
+    }
+    prefetch_new(ep, oi, 0, (int)take);
+    a->pos += take;
+    a->head = stream_head(a);
+    return (int)take;
+}

@@ -1,0 +1,103 @@
+/* Internals shared by the optimizer kernel's sources (not part of the cffi API):
+ * the state record, the merge streams and the tuning constants.
+ *
+ *   optim_state.c  allocation, field copies, bias-correction tables
+ *   merge.c        merge of sorted pushes into tiles (windowed scatter / sweep)
+ *   update.c       the SGD / Adam / AdamW tile updates, apply (threads), gather
+ *   union.c        k-way union of sorted index lists
+ *   optim_tuning.h prefetch distance / tile / prefetch kind (constants; knobs in
+ *                  the bench-only build)
+ */
+#ifndef STELLA_OPTIM_INTERNAL_H
+#define STELLA_OPTIM_INTERNAL_H
+
+#include "stella_native.h"
+
+#include "cdefs/optim.h"
+
+#define TILE_MAX 4096
+#define MERGE_SLACK 64 /* the sweep may store up to 64 entries past the count */
+#define TILE_BUF (TILE_MAX + MERGE_SLACK)
+#define SENTINEL UINT32_MAX /* never a valid index: numel <= INT32_MAX */
+
+/* Coordinates are interleaved records ({p, buf} for SGD, {p, m, v, step} for
+ * Adam/AdamW): a random update costs one cache line, not one per field. */
+struct stella_optim {
+    int32_t kind;
+    int32_t nfields; /* floats per record: 2 (SGD) or 4 (Adam/AdamW) */
+    int64_t numel;
+    float *mem;
+    size_t bytes;
+    uint32_t max_step; /* largest per-coordinate step count (Adam) */
+    /* Bias-correction tables for the betas they were built with; entry k for step k.
+     * tab1[k] = 1 - beta1^k (float64), tab2[k] = (float)sqrt(1 - beta2^k). */
+    double tb1, tb2;
+    double *tab1;
+    float *tab2;
+    float *sstab; /* (float)(lr / tab1[k]) for the lr it was built with */
+    double sslr;
+    int64_t sslen, sscap;
+    int64_t len1, len2; /* entries built (index 0 unused) */
+    int64_t cap1, cap2;
+    int64_t sat1, sat2; /* first k with beta^k < 2^-40: later steps reuse entry sat */
+};
+
+#include "optim_tuning.h"
+
+/* optim_state.c: make the bias-correction tables valid up to step `need`. */
+int stella_optim_tables(stella_optim *st, double lr, double b1, double b2, int64_t need);
+
+/* ---- merge.c ---- */
+
+typedef struct {
+    const int32_t *idx; /* NULL: dense */
+    const void *val;
+    int64_t pos, end;
+    uint32_t head; /* idx[pos], or SENTINEL when exhausted */
+    int32_t dt;
+} stream_t;
+
+static inline uint32_t stream_head(const stream_t *s) {
+    if (s->pos >= s->end) return SENTINEL;
+    return s->idx ? (uint32_t)s->idx[s->pos] : (uint32_t)s->pos;
+}
+
+static inline int64_t lower_bound(const int32_t *a, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)a[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The windowed merge of W >= 2 streams (merge.c explains it). */
+typedef struct {
+    stream_t *s;
+    int W;
+    float scale;
+    int64_t hi;    /* end of the thread's range */
+    int64_t B;     /* window capacity in coordinates, a multiple of 64 */
+    int64_t a;     /* window start */
+    int64_t len;   /* coordinates in the current window, rounded up to 64 */
+    int64_t sweep; /* next 64-coordinate block to sweep */
+    float *acc;    /* B floats, zero outside the current window's pending part */
+    uint8_t *flag; /* B bytes, likewise */
+} window_merge;
+
+/* Early prefetch of a tile's state records while it is merged; mem == NULL: off. */
+typedef struct {
+    float *mem;
+    int64_t stride; /* floats per record */
+} early_prefetch;
+
+/* Merge the next tile (up to cap coordinates, sorted, values summed in push order
+ * and scaled) into oi/og; returns its length, 0 when the streams are exhausted. */
+int stella_merge_window_tile(window_merge *wm, uint32_t *oi, float *og, int cap, const early_prefetch *ep);
+/* The same for one stream: no merge, values converted and scaled. */
+int stella_merge_single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap, const early_prefetch *ep);
+
+#endif

@@ -1,0 +1,85 @@
+/* k-way union of sorted unique index lists: the pull delta since a version is the
+ * union of the steps' touched sets. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim_internal.h"
+
+/* Union of two sorted unique lists; returns its length. */
+static int64_t union2(const int32_t *a, int64_t na, const int32_t *b, int64_t nb, int32_t *out) {
+    int64_t i = 0, j = 0, n = 0;
+    while (i < na && j < nb) {
+        int32_t x = a[i], y = b[j];
+        int32_t m = x < y ? x : y;
+        out[n++] = m;
+        i += x == m;
+        j += y == m;
+    }
+    while (i < na) out[n++] = a[i++];
+    while (j < nb) out[n++] = b[j++];
+    return n;
+}
+
+/* Pairwise rounds of two-way unions: O(N log k) for any k, and every round is a
+ * streaming pass that the hardware prefetcher follows. */
+int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k, int32_t *out,
+                             int64_t out_cap) {
+    if (k < 0 || (k > 0 && (!lists || !lens))) return STELLA_E_ARG;
+    int64_t total = 0;
+    for (int i = 0; i < k; i++) {
+        if (lens[i] < 0 || (lens[i] > 0 && !lists[i])) return STELLA_E_ARG;
+        total += lens[i];
+    }
+    if (out_cap < total || (total > 0 && !out)) return STELLA_E_ARG;
+    if (k == 0 || total == 0) return 0;
+    if (k == 1) {
+        memcpy(out, lists[0], (size_t)lens[0] * 4);
+        return lens[0];
+    }
+    if (k == 2) return union2(lists[0], lens[0], lists[1], lens[1], out);
+    /* Runs live back to back in one of two buffers; merge neighbours each round. */
+    int32_t *buf[2];
+    buf[0] = malloc((size_t)total * 4);
+    buf[1] = malloc((size_t)total * 4);
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(k + 1));
+    if (!buf[0] || !buf[1] || !start) {
+        free(buf[0]);
+        free(buf[1]);
+        free(start);
+        return STELLA_E_NOMEM;
+    }
+    int64_t pos = 0;
+    for (int i = 0; i < k; i++) {
+        start[i] = pos;
+        memcpy(buf[0] + pos, lists[i], (size_t)lens[i] * 4);
+        pos += lens[i];
+    }
+    start[k] = pos;
+    int runs = k, src = 0;
+    while (runs > 1) {
+        int dst = src ^ 1, nr = 0;
+        int64_t wpos = 0;
+        for (int r = 0; r < runs; r += 2) {
+            int64_t s0 = start[r], e0 = start[r + 1];
+            int64_t len;
+            if (r + 1 < runs) {
+                int64_t e1 = start[r + 2];
+                len = union2(buf[src] + s0, e0 - s0, buf[src] + e0, e1 - e0, buf[dst] + wpos);
+            } else {
+                len = e0 - s0;
+                memcpy(buf[dst] + wpos, buf[src] + s0, (size_t)len * 4);
+            }
+            start[nr++] = wpos;
+            wpos += len;
+        }
+        start[nr] = wpos;
+        runs = nr;
+        src = dst;
+    }
+    int64_t n = start[1];
+    memcpy(out, buf[src], (size_t)n * 4);
+    free(buf[0]);
+    free(buf[1]);
+    free(start);
+    return n;
+}
