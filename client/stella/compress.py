@@ -51,6 +51,7 @@ __all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK"]
 
 METHODS = ("exact", "threshold", "block", "dense")
 BLOCK = 16  # floats per block of the "block" method (one 64-byte cache line)
+DENSE_BELOW = 4096  # default cut-off: tensors with fewer elements (biases, norms) are sent dense
 
 # The selected count must land in [LOW * k, HIGH * k] (unless fewer than
 # LOW * k coordinates are nonzero).
@@ -114,7 +115,7 @@ class ErrorFeedbackCompressor:
         self,
         density: float = 0.01,
         method: str = "threshold",
-        dense_below: int = 4096,
+        dense_below: int = DENSE_BELOW,
         *,
         backend: str = "auto",
         value_dtype: str = "f32",
