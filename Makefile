@@ -1,6 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - a real two-worker training run through a real stella-ps
-#   make test   - the test suite
+#   make test   - the test suite (everything; what CI runs)
+# and, once set up:
+#   make test-fast   - the suite without the long training runs (pytest -m "not slow")
+#   make bench-quick - loopback benchmarks, a few minutes, no root needed
 # Both create .venv, install the dependencies and build the C kernels.
 # A torch that is already importable (from the venv or, through
 # --system-site-packages, from the interpreter that creates it) is kept, so a
@@ -13,7 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stella-installed
 NATIVE := $(wildcard native/*.c native/*.h native/cdefs/*.h) native/build_cffi.py
 
-.PHONY: demo test install bench-quick clean
+.PHONY: demo test test-fast install bench-quick clean
 
 install: $(STAMP)
 
@@ -31,6 +34,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench-quick: $(STAMP)
+	$(PY) -m bench.pipeline --quick
+	$(PY) -m bench.stella_e2e --workload digits --steps 50
 
 clean:
 	rm -rf build client/stella/_native*.so client/stella/_native.c *.egg-info
