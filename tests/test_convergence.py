@@ -61,7 +61,7 @@ def steps_to(curve, target, window: int = 3):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(900)  # 2 x 500 steps x 2 workers; ~10 s idle, minutes on a contended 2-core machine
 @pytest.mark.parametrize("method", ["threshold"])
 def test_one_percent_reaches_dense_accuracy_within_1_3x_steps(make_server, method):
     torch.manual_seed(0)

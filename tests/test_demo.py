@@ -12,6 +12,7 @@ from stella.demo import DemoConfig, build_mlp, load_digits_arrays, load_digits_s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 400 steps x 2 workers; ~15 s idle, minutes on a contended 2-core machine
 def test_two_worker_demo_reaches_93_percent(tmp_path):
     out = io.StringIO()
     cfg = DemoConfig(workers=2, steps=400, density=0.05)

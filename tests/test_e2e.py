@@ -16,6 +16,7 @@ _ok, _why = netns_available()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # up to max_seconds=120 of training per run, plus start-up on a busy machine
 @pytest.mark.parametrize("staleness", [1, 0])
 def test_stella_runner_trains_digits_through_a_real_server(staleness, tmp_path):
     res = run_stella("digits", steps=120, max_seconds=120, eval_every=20, staleness=staleness,
@@ -31,6 +32,7 @@ def test_stella_runner_trains_digits_through_a_real_server(staleness, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two systems, each bounded by max_seconds=60 plus start-up
 @pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailable: {_why}")
 def test_both_stella_systems_run_over_shaped_links():
     """Registered under their names; the veth counters see the sparse traffic."""
