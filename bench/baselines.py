@@ -32,15 +32,24 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+
+from bench.harness import (
+    IterRecorder,
+    TrainClock,
+    collect_ranks,
+    fmt_summary,
+    launch_workers,
+    log_tails,
+    site_iface,
+    summarize,
+    wait_workers,
+)
 
 SYSTEMS = ("ddp", "fp16", "powersgd", "batched_powersgd", "powersgd_stock", "batched_powersgd_stock")
 DEFAULT_SYSTEMS = ("ddp", "powersgd", "fp16")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ============================================================ hooks
@@ -139,20 +148,6 @@ def install_hook(model, system: str, rank_: int = 4, start_iter: int = 2):
 # ============================================================ worker
 
 
-def _counters(iface: Optional[str]):
-    if not iface:
-        return None
-    base = f"/sys/class/net/{iface}/statistics/"
-    try:
-        with open(base + "tx_bytes") as f:
-            tx = int(f.read())
-        with open(base + "rx_bytes") as f:
-            rx = int(f.read())
-        return tx, rx
-    except OSError:
-        return None
-
-
 def _trace_collectives(path: str):
     """Log every ``dist.all_reduce`` issued through ``torch.distributed`` (which
     is what powerSGD_hook calls) with its issue order, size and issuing thread;
@@ -176,30 +171,6 @@ def _trace_collectives(path: str):
     dist.all_reduce = all_reduce
 
 
-class TrainClock:
-    """Training wall clock that leaves out held-out evaluations, and the evaluations
-    themselves (``evals``; ``reached``: the first one that met the target)."""
-
-    def __init__(self, wl, model):
-        self.wl, self.model = wl, model
-        self.evals: List[Dict] = []
-        self.reached: Optional[Dict] = None
-        self._eval_time = 0.0
-        self._t0 = time.perf_counter()
-
-    def wall(self) -> float:
-        return time.perf_counter() - self._t0 - self._eval_time
-
-    def evaluate(self, step: int) -> float:
-        t = time.perf_counter()
-        m = self.wl.evaluate(self.model)
-        self._eval_time += time.perf_counter() - t
-        self.evals.append({"step": step, "wall": self.wall(), "metric": m})
-        if self.reached is None and self.wl.reached(m):
-            self.reached = {"step": step, "wall": self.evals[-1]["wall"]}
-        return m
-
-
 def worker(a) -> int:
     import datetime
 
@@ -208,7 +179,6 @@ def worker(a) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sys.path.insert(0, REPO)
     from bench import workloads as W
 
     timeline["imports"] = time.time()
@@ -225,7 +195,6 @@ def worker(a) -> int:
     install_hook(ddp, a.system, a.powersgd_rank, a.start_powersgd_iter)
     opt = wl.make_optimizer(ddp.parameters())
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
-    iface = os.environ.get("STELLA_WAN_IFACE") if os.environ.get("STELLA_WAN_SITE") else None
 
     # pure-compute calibration: backward without communication (no_sync), grads discarded
     calib = []
@@ -239,7 +208,7 @@ def worker(a) -> int:
     bwd_compute = statistics.median(calib) if calib else None
     dist.barrier()
 
-    iters: List[Dict] = []
+    recorder = IterRecorder(site_iface())
     clock = TrainClock(wl, model)
     stop = torch.zeros(1)
     if a.rank == 0:
@@ -247,26 +216,20 @@ def worker(a) -> int:
     timeline["train_start"] = time.time()
     step = 0
     while step < a.steps:
-        c0 = _counters(iface)
-        t0 = time.perf_counter()
+        recorder.begin()
         wl.set_lr(opt, step)
         opt.zero_grad(set_to_none=True)
         b = next(batches)
         loss = wl.loss(ddp, b)
-        t1 = time.perf_counter()
+        recorder.lap()
         loss.backward()  # DDP all-reduces (overlapped) and waits for every bucket here
-        t2 = time.perf_counter()
+        recorder.lap()
         opt.step()
-        t3 = time.perf_counter()
         step += 1
-        rec = {"step": step, "loss": loss.item(), "fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "iter": t3 - t0}
+        rec = recorder.end(step, loss.item())
         comp_bwd = min(rec["bwd"], bwd_compute) if bwd_compute is not None else rec["bwd"]
         rec["compute"] = rec["fwd"] + comp_bwd + rec["opt"]
         rec["net_wait"] = max(0.0, rec["iter"] - rec["compute"])
-        c1 = _counters(iface)
-        if c0 and c1:
-            rec["bytes_up"], rec["bytes_down"] = c1[0] - c0[0], c1[1] - c0[1]
-        iters.append(rec)
         if a.rank == 0 and (step % a.eval_every == 0 or step == a.steps):
             clock.evaluate(step)
         # all ranks agree on stopping (time budget / target): one tiny all-reduce
@@ -279,9 +242,10 @@ def worker(a) -> int:
     if a.rank == 0 and (not clock.evals or clock.evals[-1]["step"] != step):
         clock.evaluate(step)
     timeline["train_end"] = time.time()
-    out = {"timeline": timeline, "launched": a.launched, "rank": a.rank, "world": a.world, "system": a.system, "workload": a.workload,
-           "steps": step, "train_wall": clock.wall(), "bwd_compute_calib": bwd_compute,
-           "iters": iters, "evals": clock.evals, "reached": clock.reached, "site": os.environ.get("STELLA_WAN_SITE")}
+    out = {"timeline": timeline, "launched": a.launched, "rank": a.rank, "world": a.world, "system": a.system,
+           "workload": a.workload, "steps": step, "train_wall": clock.wall(), "bwd_compute_calib": bwd_compute,
+           "iters": recorder.iters, "evals": clock.evals, "reached": clock.reached,
+           "site": os.environ.get("STELLA_WAN_SITE")}
     with open(a.out, "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -300,10 +264,10 @@ def _free_port() -> int:
 
 
 def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0,
-            bed=None, sites: Optional[List[str]] = None, seed: int = 0, eval_every: Optional[int] = None,
-            stop_at_target: bool = False, threads: int = 1, batch_size: Optional[int] = None,
+            bed=None, sites: list[str] | None = None, seed: int = 0, eval_every: int | None = None,
+            stop_at_target: bool = False, threads: int = 1, batch_size: int | None = None,
             bucket_mb: float = 25.0, calib: int = 3, powersgd_rank: int = 4, start_powersgd_iter: int = 2,
-            log_dir: Optional[str] = None, trace: bool = False) -> Dict:
+            log_dir: str | None = None, trace: bool = False) -> dict:
     """Run one DDP job (``world`` processes) and return its summary + raw records.
 
     With ``bed`` (a started WanTestbed) rank ``r`` runs in ``sites[r]`` and
@@ -324,7 +288,7 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
         port = 29500 + (os.getpid() % 1000)
     else:
         master, port = "127.0.0.1", _free_port()
-    procs = []
+    argvs = []
     for r in range(world):
         argv = [sys.executable, "-m", "bench.baselines", "worker", "--rank", str(r), "--world", str(world),
                 "--master", master, "--port", str(port), "--system", system, "--workload", workload,
@@ -339,80 +303,15 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
             argv += ["--batch-size", str(batch_size)]
         if trace:
             argv += ["--trace-collectives", os.path.join(tmp, f"rank{r}.trace")]
-        log = open(os.path.join(tmp, f"rank{r}.log"), "w")
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if bed is not None:
-            p = bed.popen(sites[r], argv, env=env, rank=r, world=world, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        else:
-            p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-        procs.append(p)
-    deadline = time.monotonic() + max_seconds + 120
-    rcs = []
-    try:
-        for p in procs:
-            try:
-                rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                rcs.append(None)
-    finally:  # also on Ctrl-C / errors: never leave workers behind
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, 9)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-    ranks = []
-    for r in range(world):
-        try:
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        except (OSError, ValueError):
-            ranks.append(None)
+        argvs.append(argv)
+    procs = launch_workers(argvs, tmp, bed=bed, sites=sites)
+    rcs = wait_workers(procs, max_seconds + 120)
+    ranks = collect_ranks(tmp, world)
     if any(x is None for x in ranks):
-        tails = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"rank{r}.log")) as f:
-                tails.append(f"--- rank {r} (rc={rcs[r]}) ---\n" + "".join(f.readlines()[-15:]))
-        return {"system": system, "workload": workload, "ok": False, "error": "\n".join(tails), "log_dir": tmp}
+        return {"system": system, "workload": workload, "ok": False, "error": log_tails(tmp, rcs), "log_dir": tmp}
     res = summarize(system, workload, ranks, wl)
     res["log_dir"] = tmp
     return res
-
-
-def summarize(system: str, workload: str, ranks: List[Dict], wl) -> Dict:
-    r0 = ranks[0]
-    iters = r0["iters"]
-    skip = min(2, max(0, len(iters) - 1))  # warm-up iterations (bucket rebuild, PowerSGD start)
-    steady = iters[skip:] or iters
-    med = lambda k: statistics.median(x[k] for x in steady) if steady else None
-
-    def bytes_med(key):
-        vals = [statistics.median(x[key] for x in (r["iters"][skip:] or r["iters"])) for r in ranks
-                if r["iters"] and key in r["iters"][0]]
-        return statistics.mean(vals) if vals else None
-
-    evals = r0["evals"]
-    tl = r0.get("timeline", {})
-    startup = None
-    if tl and r0.get("launched"):
-        t = r0["launched"]
-        startup = {k: round(v - t, 3) for k, v in tl.items()}
-    return {
-        "startup": startup,  # seconds since launch: python+torch imports, gloo rendezvous, DDP broadcast, ...
-        "system": system, "workload": workload, "ok": True, "world": len(ranks),
-        "steps": r0["steps"], "train_wall": r0["train_wall"],
-        "iter_median": med("iter"), "compute_median": med("compute"),
-        "net_wait_fraction": (sum(x["net_wait"] for x in steady) / sum(x["iter"] for x in steady)) if steady else None,
-        "bytes_up_median": bytes_med("bytes_up"), "bytes_down_median": bytes_med("bytes_down"),
-        "bytes_source": "veth counters" if iters and "bytes_up" in iters[0] else None,
-        "final_metric": evals[-1]["metric"] if evals else None, "metric": wl.metric,
-        "target": wl.target, "reached": r0["reached"], "evals": evals,
-        "per_iter": [{k: x.get(k) for k in ("step", "iter", "compute", "net_wait", "bytes_up", "bytes_down", "loss")}
-                     for x in iters],
-        "per_rank_bytes": [{"up_total": sum(x.get("bytes_up", 0) for x in r["iters"]),
-                            "down_total": sum(x.get("bytes_down", 0) for x in r["iters"])} for r in ranks],
-    }
 
 
 def compare_traces(log_dir: str, world: int) -> str:
@@ -421,7 +320,7 @@ def compare_traces(log_dir: str, world: int) -> str:
     for r in range(world):
         try:
             with open(os.path.join(log_dir, f"rank{r}.trace")) as f:
-                seqs.append([l.split(" ", 1)[1].strip() for l in f if l.strip()])
+                seqs.append([line.split(" ", 1)[1].strip() for line in f if line.strip()])
         except OSError:
             return f"(no trace for rank {r})"
     n = min(len(s) for s in seqs)
@@ -435,18 +334,6 @@ def compare_traces(log_dir: str, world: int) -> str:
     return f"first {n} traced all_reduces identical on all ranks (lengths {[len(s) for s in seqs]})"
 
 
-def fmt_summary(r: Dict) -> str:
-    if not r.get("ok"):
-        return f"{r['workload']:>8} {r['system']:>22}  FAILED\n{r.get('error', '')}"
-    mb = lambda v: "n/a" if v is None else f"{v / 1e6:.2f}"
-    reach = r["reached"]
-    return (f"{r['workload']:>8} {r['system']:>22}  steps {r['steps']:4d}  iter {r['iter_median']:.3f}s  "
-            f"compute {r['compute_median']:.3f}s  net-wait {100 * r['net_wait_fraction']:.0f}%  "
-            f"MB/iter up {mb(r['bytes_up_median'])} down {mb(r['bytes_down_median'])}  "
-            f"{r['metric']} {r['final_metric']:.4f}  "
-            f"target@{'-' if not reach else '%d it / %.1f s' % (reach['step'], reach['wall'])}")
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
@@ -456,7 +343,8 @@ def main(argv=None):
                      ("--eval-every", int), ("--threads", int), ("--bucket-mb", float), ("--calib", int),
                      ("--powersgd-rank", int), ("--start-powersgd-iter", int), ("--out", str),
                      ("--batch-size", int), ("--trace-collectives", str), ("--launched", float)):
-            ap.add_argument(k, type=t, default=None if k in ("--batch-size", "--trace-collectives", "--launched") else ...)
+            optional = k in ("--batch-size", "--trace-collectives", "--launched")
+            ap.add_argument(k, type=t, default=None if optional else ...)
         ap.add_argument("--stop-at-target", action="store_true")
         return worker(ap.parse_args(argv[1:]))
     ap = argparse.ArgumentParser(prog="python -m bench.baselines", description=__doc__,
@@ -474,7 +362,6 @@ def main(argv=None):
                     help="log every all_reduce issued via torch.distributed (order, size, thread) per rank")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    sys.path.insert(0, REPO)
     results = []
     bed = None
     try:

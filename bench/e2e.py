@@ -10,17 +10,20 @@ Writes a table to stdout, ``--json PATH``, ``bench/RESULTS.md`` (table, machine,
 command) and ``bench/e2e_heldout.png`` (held-out metric against training wall
 time, one panel per workload x rate).
 
-Systems are pluggable (see :data:`SYSTEMS`, :func:`register_system` and the
-STELLA REGISTRATION POINT below).  A system is a callable
-``runner(spec: RunSpec, bed: WanTestbed) -> dict``; see :class:`RunSpec` and
+Systems are pluggable (see :data:`SYSTEMS` and :func:`register_system`): the DDP
+baselines (``bench.baselines``) and Stella (``bench.stella_e2e``) are registered
+below. A system is a callable ``runner(spec: RunSpec, bed: WanTestbed) -> dict``
+returning the keys of ``bench.harness.summarize``; see :class:`RunSpec` and
 ``docs/testbed.md`` ("Plugging a system into bench.e2e") for the contract.
+
+``RESULTS.md`` holds measurements only (tables, machine, command); what they mean
+is written in ``docs/results-notes.md``, by a person, against a named run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -29,15 +32,13 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from bench import baselines, workloads as W  # noqa: E402
-from bench.wan import Link, WanTestbed  # noqa: E402
+from bench import baselines, stella_e2e
+from bench import workloads as W
+from bench.harness import REPO
+from bench.wan import Link, WanTestbed
 
 
 @dataclass
@@ -54,19 +55,19 @@ class RunSpec:
     workload: str
     rate_mbit: float
     world: int = 2
-    worker_sites: List[str] = field(default_factory=lambda: ["a", "b"])
+    worker_sites: list[str] = field(default_factory=lambda: ["a", "b"])
     ps_site: str = "ps"
     max_steps: int = 100
     max_seconds: float = 300.0
     seed: int = 0
-    eval_every: Optional[int] = None
+    eval_every: int | None = None
     stop_at_target: bool = False
     log_dir: str = ""
     calib: int = 3              # no-communication backward passes to calibrate "compute" (baselines)
 
 
-Runner = Callable[[RunSpec, WanTestbed], Dict]
-SYSTEMS: Dict[str, Runner] = {}
+Runner = Callable[[RunSpec, WanTestbed], dict]
+SYSTEMS: dict[str, Runner] = {}
 
 
 def register_system(name: str, runner: Runner):
@@ -75,7 +76,7 @@ def register_system(name: str, runner: Runner):
 
 
 def _ddp_runner(system: str) -> Runner:
-    def run(spec: RunSpec, bed: WanTestbed) -> Dict:
+    def run(spec: RunSpec, bed: WanTestbed) -> dict:
         return baselines.run_ddp(spec.workload, system, world=spec.world, steps=spec.max_steps,
                                  max_seconds=spec.max_seconds, bed=bed, sites=spec.worker_sites[:spec.world],
                                  seed=spec.seed, eval_every=spec.eval_every, stop_at_target=spec.stop_at_target,
@@ -88,30 +89,10 @@ register_system("ddp", _ddp_runner("ddp"))
 register_system("powersgd", _ddp_runner("powersgd"))
 register_system("fp16", _ddp_runner("fp16"))
 
-# --------------------------------------------------------------------------- #
-# STELLA REGISTRATION POINT
-#
-# The Stella system registers itself here.  Provide a module ``bench/stella_e2e.py``
-# (owned by the Stella team) exposing
-#
-#     def run(spec: RunSpec, bed: WanTestbed) -> dict
-#
-# which starts ``stella-ps`` in ``spec.ps_site`` (``bed.popen(spec.ps_site, [...])``,
-# bind on ``bed.address(spec.ps_site)``), one Stella worker per site in
-# ``spec.worker_sites[:spec.world]`` (``bed.popen(site, [...], rank=r, world=W)``),
-# trains ``bench.workloads.get(spec.workload)`` for at most ``spec.max_steps``
-# steps / ``spec.max_seconds`` of training wall time and returns the result dict
-# described in docs/testbed.md (same keys as ``bench.baselines.summarize``).
-# Until that module exists the system is simply absent from the table.
-try:
-    _stella = importlib.import_module("bench.stella_e2e")
-    register_system("stella", _stella.run)
-    register_system("stella_sync", _stella.run_sync)
-except ModuleNotFoundError as _e:  # only "module not there yet" is silent
-    if _e.name != "bench.stella_e2e":
-        raise
-# --------------------------------------------------------------------------- #
+register_system("stella", stella_e2e.run)
+register_system("stella_sync", stella_e2e.run_sync)
 
+GOAL_BASELINES = ("ddp", "powersgd", "fp16")
 REQUIRED_KEYS = ("ok", "steps", "iter_median", "evals", "final_metric", "reached")
 
 QUICK = {  # per workload: steps, max seconds per system, eval every
@@ -126,8 +107,8 @@ FULL = {
 }
 
 
-def run_cell(system: str, spec: RunSpec, bed: WanTestbed) -> Dict:
-    before = {s: bed.counters(s) for s in spec.worker_sites[:spec.world] + [spec.ps_site]}
+def run_cell(system: str, spec: RunSpec, bed: WanTestbed) -> dict:
+    before = {s: bed.counters(s) for s in [*spec.worker_sites[:spec.world], spec.ps_site]}
     t0 = time.monotonic()
     try:
         res = SYSTEMS[system](spec, bed)
@@ -160,7 +141,7 @@ def _mb(v):
     return "n/a" if v is None else f"{v / 1e6:.2f}"
 
 
-def table(results: List[Dict]) -> str:
+def table(results: list[dict]) -> str:
     hdr = ("| workload | Mbit/s | system | s/it median | compute (s) | net wait* | MB/it up | MB/it down | "
            "steps | to target (it / s) | final metric |")
     lines = [hdr, "|" + "---|" * 11]
@@ -180,7 +161,7 @@ def table(results: List[Dict]) -> str:
             f"| {r['workload']} | {r['rate_mbit']:g} | {r['system']} | {r['iter_median']:.3f} | "
             f"{'n/a' if cm is None else f'{cm:.3f}'} | {'n/a' if nw is None else f'{100 * nw:.0f}%'} | "
             f"{_mb(up)} | {_mb(down)} | {r['steps']} | "
-            f"{'not reached' if not reach else '%d / %.1f' % (reach['step'], reach['wall'])} | "
+            f"{'not reached' if not reach else '{} / {:.1f}'.format(reach['step'], reach['wall'])} | "
             f"{r.get('metric', '')} {r['final_metric']:.4f} |")
     return "\n".join(lines)
 
@@ -191,9 +172,9 @@ def machine() -> str:
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
-            for l in f:
-                if l.startswith("model name"):
-                    cpu = l.split(":", 1)[1].strip()
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
                     break
     except OSError:
         pass
@@ -206,7 +187,7 @@ def machine() -> str:
             f"links: tbf in network namespaces (bench.wan), 1 torch thread per worker")
 
 
-def plot(results: List[Dict], path: str):
+def plot(results: list[dict], path: str):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,43 +219,48 @@ def plot(results: List[Dict], path: str):
     plt.close(fig)
 
 
-GPU_SCALING = (
-    "How this scales to GPU workers: every system's bytes per iteration stay as measured (they depend on "
-    "the model and the density, not on the device), while compute per iteration shrinks by one to two "
-    "orders of magnitude on a GPU (widemlp's forward+backward is ~0.045 s on one idle core of this machine, "
-    "~1 ms on a consumer GPU). DDP's iteration is bounded below by its dense exchange (~40 MB per worker per "
-    "iteration for widemlp: ~3.4 s at 100 Mbit/s), so its time to target barely moves; Stella's wire cost "
-    "(~1.3 MB per iteration at 1% density) stays hidden behind compute only while compute lasts longer than "
-    "the exchange, so on GPUs its iteration time tends to the exchange time (~0.1 s at 100 Mbit/s) and the "
-    "ratio to DDP grows towards the ratio of bytes moved (~30x per iteration), divided by the extra "
-    "iterations Stella needs. On this 2-core machine the workers, the compression and the server also share "
-    "the CPUs, which GPU workers and a separate CPU host for stella-ps do not.")
-
-
-def goals_section(results: List[Dict]) -> str:
-    """Stella against the issue's goals, computed from the rows (only where both ran and reached)."""
+def goal_ratios(results: list[dict]) -> list[dict]:
+    """Stella against the issue's goals, one dict per Stella row (sorted by workload, rate,
+    system): ``iter_over_compute`` (Stella's s/it over its compute), ``speedup`` per
+    baseline (the baseline's time to target over Stella's; ``None`` unless both reached)
+    and ``iterations_vs_ddp`` (Stella's iterations to target over DDP's, or ``None``)."""
     rows = {(r.get("workload"), r.get("rate_mbit"), r.get("system")): r for r in results if r.get("ok")}
-    out = ["| workload | Mbit/s | system | Stella s/it / its compute | time to target: DDP / Stella | "
-           "PowerSGD / Stella | fp16 / Stella | iterations: Stella / DDP |", "|---|---|---|---|---|---|---|---|"]
+    out = []
     for (wl, rate, system), st in sorted(rows.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0, kv[0][2])):
         if not system.startswith("stella"):
             continue
         comp = st.get("compute_median")
-        cells = [f"{st['iter_median'] / comp:.2f}x" if comp else "n/a"]
-        for base in ("ddp", "powersgd", "fp16"):
+        speedup = {}
+        for base in GOAL_BASELINES:
             b = rows.get((wl, rate, base))
-            if b and b.get("reached") and st.get("reached"):
-                cells.append(f"{b['reached']['wall'] / st['reached']['wall']:.1f}x")
-            else:
-                cells.append("n/a (" + ("Stella" if not st.get("reached") else base) + " did not reach)")
+            speedup[base] = (b["reached"]["wall"] / st["reached"]["wall"]
+                             if b and b.get("reached") and st.get("reached") else None)
         d = rows.get((wl, rate, "ddp"))
-        cells.append(f"{st['reached']['step'] / d['reached']['step']:.2f}x" if d and d.get("reached")
-                     and st.get("reached") else "n/a")
-        out.append(f"| {wl} | {rate:g} | {system} | " + " | ".join(cells) + " |")
+        out.append({"workload": wl, "rate_mbit": rate, "system": system,
+                    "iter_over_compute": st["iter_median"] / comp if comp else None, "speedup": speedup,
+                    "stella_reached": bool(st.get("reached")),
+                    "iterations_vs_ddp": (st["reached"]["step"] / d["reached"]["step"]
+                                          if d and d.get("reached") and st.get("reached") else None)})
+    return out
+
+
+def goals_section(results: list[dict]) -> str:
+    """:func:`goal_ratios` as a markdown table."""
+    out = ["| workload | Mbit/s | system | Stella s/it / its compute | time to target: DDP / Stella | "
+           "PowerSGD / Stella | fp16 / Stella | iterations: Stella / DDP |", "|---|---|---|---|---|---|---|---|"]
+    for g in goal_ratios(results):
+        ioc = g["iter_over_compute"]
+        cells = [f"{ioc:.2f}x" if ioc is not None else "n/a"]
+        for base, x in g["speedup"].items():
+            cells.append(f"{x:.1f}x" if x is not None else
+                         "n/a (" + ("Stella" if not g["stella_reached"] else base) + " did not reach)")
+        it = g["iterations_vs_ddp"]
+        cells.append(f"{it:.2f}x" if it is not None else "n/a")
+        out.append(f"| {g['workload']} | {g['rate_mbit']:g} | {g['system']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def write_results_md(results: List[Dict], path: str, command: str, png: str, links: Dict, started: str,
+def write_results_md(results: list[dict], path: str, command: str, png: str, links: dict, started: str,
                      loads: str = ""):
     with open(path, "w") as f:
         f.write("# End-to-end results (bench.e2e)\n\n")
@@ -286,14 +272,15 @@ def write_results_md(results: List[Dict], path: str, command: str, png: str, lin
                 "(header overhead; see docs/testbed.md).\n\n")
         f.write("Columns: median time per iteration after 2 warm-up iterations (rank 0); compute = forward + "
                 "backward (no-communication calibration) + optimizer; net wait = share of iteration time not "
-                "explained by compute (*for fp16/PowerSGD this includes the hooks' compression work); MB/it = bytes through each worker site's veth per iteration (kernel "
+                "explained by compute (*for fp16/PowerSGD this includes the hooks' compression work); "
+                "MB/it = bytes through each worker site's veth per iteration (kernel "
                 "counters, median over iterations, mean over workers); to target = first evaluation at or past "
                 "the workload's target (iterations / training wall seconds, evaluation time excluded).\n\n")
         f.write(table(results) + "\n\n")
         tg = {n: f"{w.metric} {'>=' if w.higher_is_better else '<='} {w.target}" for n, w in W.WORKLOADS.items()}
         f.write("Targets: " + "; ".join(f"{k}: {v}" for k, v in tg.items()) + "\n\n")
         f.write("Stella against the goals (ratios from the table above):\n\n" + goals_section(results) + "\n\n")
-        f.write(GPU_SCALING + "\n\n")
+        f.write("What these numbers mean, and how they carry over to GPU workers: docs/results-notes.md.\n\n")
         if png:
             f.write(f"![held-out metric vs wall time]({os.path.basename(png)})\n")
 
@@ -337,7 +324,7 @@ def main(argv=None):
     rates = a.rate or [100.0, 500.0]
     caps = QUICK if a.quick else FULL
     log_root = tempfile.mkdtemp(prefix="e2e-")
-    results: List[Dict] = []
+    results: list[dict] = []
     per_sys_budget = max((a.max_seconds or caps[w]["max_seconds"]) + 150 for w in wls)
     print(f"# systems {systems}; workloads {wls}; rates {rates} Mbit/s; logs {log_root}", flush=True)
     for wl in wls:

@@ -22,19 +22,13 @@ import platform
 import statistics
 import time
 
-from stella.demo import start_server, stop_server
+from stella.demo import build_mlp
+from stella_ps.process import ServerProcess
 
 
 def build(width: int, depth: int, seed: int = 0):
-    import torch
-
-    torch.manual_seed(seed)
-    layers, d = [], 512
-    for _ in range(depth):
-        layers += [torch.nn.Linear(d, width), torch.nn.ReLU()]
-        d = width
-    layers.append(torch.nn.Linear(d, 10))
-    return torch.nn.Sequential(*layers)
+    """MLP 512 - ``width`` x ``depth`` - 10."""
+    return build_mlp((512, *[width] * depth, 10), seed)
 
 
 def _worker(mode: str, address: str | None, rank: int, args, out) -> None:
@@ -79,7 +73,8 @@ def _worker(mode: str, address: str | None, rank: int, args, out) -> None:
 
 
 def run_mode(mode: str, args) -> dict:
-    proc, address = (None, None) if mode == "compute" else start_server(args.workers)
+    ps = None if mode == "compute" else ServerProcess(args.workers, log_level="WARNING")
+    address = ps.endpoint if ps is not None else None
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(mode, address, r, args, q)) for r in range(args.workers)]
@@ -93,8 +88,8 @@ def run_mode(mode: str, args) -> dict:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        if proc is not None:
-            stop_server(proc)
+        if ps is not None:
+            ps.close()
     per_rank = [statistics.median(r["times"]) for r in results]
     row = {"mode": mode, "workers": args.workers, "iters": args.iters, "median_iter_s": max(per_rank)}
     if mode != "compute":

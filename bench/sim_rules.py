@@ -14,9 +14,7 @@ import time
 import torch
 
 from bench import workloads as W
-
-
-DENSE_BELOW = 4096  # StellaOptimizer's default: smaller tensors go dense
+from stella.compress import DENSE_BELOW  # the library's dense cut-off, also the hybrid rule's
 
 
 def topk_ef(acc: torch.Tensor, density: float, dense_below: int = DENSE_BELOW):
@@ -25,7 +23,7 @@ def topk_ef(acc: torch.Tensor, density: float, dense_below: int = DENSE_BELOW):
         sent = acc.clone()
         acc.zero_()
         return sent
-    k = max(1, int(round(density * n)))
+    k = max(1, round(density * n))
     idx = torch.topk(acc.abs(), k, sorted=False).indices
     sent = torch.zeros_like(acc)
     sent[idx] = acc[idx]
@@ -39,7 +37,6 @@ class Rule:
     def __init__(self, name, params, wl, world, density):
         self.name, self.wl, self.world, self.density = name, wl, world, density
         self.p = [q.detach().reshape(-1).clone() for q in params]
-        n = len(self.p)
         self.res = [[torch.zeros_like(x) for x in self.p] for _ in range(world)]
         self.wm = [[torch.zeros_like(x) for x in self.p] for _ in range(world)]  # worker momentum / m
         self.wv = [[torch.zeros_like(x) for x in self.p] for _ in range(world)]
@@ -106,7 +103,7 @@ class Rule:
 def run(workload, rule, steps, density, world=2, seed=0, staleness=1, log=print):
     wl = W.get(workload)
     model = wl.build_model(seed)
-    params = [q for q in model.parameters()]
+    params = list(model.parameters())
     R = Rule(rule, params, wl, world, density)
     its = [wl.batches(r, world, wl.batch_size, seed) for r in range(world)]
     hist = [[x.clone() for x in R.p]]
@@ -157,7 +154,8 @@ def main(argv=None):
     for rule in a.rules.split(","):
         if a.lr:
             W.WORKLOADS[a.workload].lr = a.lr
-        r = run(a.workload, rule, a.steps, a.density, seed=a.seed, staleness=a.staleness, log=lambda s: print(s, file=sys.stderr, flush=True))
+        r = run(a.workload, rule, a.steps, a.density, seed=a.seed, staleness=a.staleness,
+                log=lambda s: print(s, file=sys.stderr, flush=True))
         out.append(r)
         print(f"{a.workload:8s} {rule:10s} dens {a.density:.3f} reached {r['reached']} final {r['evals'][-1][1]:.4f}",
               flush=True)

@@ -18,20 +18,32 @@ directory; the others read it each iteration.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
-from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.harness import (
+    REPO,
+    IterRecorder,
+    TrainClock,
+    collect_ranks,
+    fmt_summary,
+    launch_workers,
+    log_tails,
+    site_iface,
+    summarize,
+    wait_workers,
+)
+from stella_ps.process import ServerProcess
+
 PS_PORT = 5555
 STOP_AHEAD = 3  # a worker is at most one iteration ahead of another in synchronous mode
 
 
-def server_options(wl) -> Dict:
+def server_options(wl) -> dict:
     if wl.optimizer == "adamw":
         return {"name": "adamw", "lr": wl.lr_at(0), "betas": [0.9, 0.95], "weight_decay": wl.weight_decay}
     return {"name": "sgd", "lr": wl.lr_at(0), "momentum": 0.9, "weight_decay": wl.weight_decay}
@@ -40,9 +52,7 @@ def server_options(wl) -> Dict:
 def worker(a) -> int:
     import torch
 
-    sys.path.insert(0, REPO)
     from bench import workloads as W
-    from bench.baselines import TrainClock, _counters  # the same accounting as the DDP baselines
     from stella import StellaOptimizer
 
     torch.set_num_threads(a.threads)
@@ -52,34 +62,27 @@ def worker(a) -> int:
     opt = StellaOptimizer(model, a.address, optimizer=server_options(wl), density=density, timeout=600,
                           name=f"e2e-{a.rank}", staleness=a.staleness)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
-    iface = os.environ.get("STELLA_WAN_IFACE") if os.environ.get("STELLA_WAN_SITE") else None
     stop_file = os.path.join(a.log_dir, "stop_at")
-    iters: List[Dict] = []
+    recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
     clock = TrainClock(wl, model)
     if a.rank == 0:
         clock.evaluate(0)
     stop_at = a.steps
     step = 0
     while step < stop_at:
-        c0 = _counters(iface)
         w0 = opt.stats.wait_s
-        t0 = time.perf_counter()
+        recorder.begin()
         wl.set_lr(opt, step)  # reaches the server through set_optimizer
         opt.zero_grad()
         loss = wl.loss(model, next(batches))
-        t1 = time.perf_counter()
+        recorder.lap()
         loss.backward()
-        t2 = time.perf_counter()
+        recorder.lap()
         opt.step()
-        t3 = time.perf_counter()
         step += 1
+        rec = recorder.end(step, loss.item())
         wait = opt.stats.wait_s - w0
-        rec = {"step": step, "loss": loss.item(), "fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "iter": t3 - t0,
-               "net_wait": wait, "compute": (t3 - t0) - wait, "density": opt.stats.density}
-        c1 = _counters(iface)
-        if c0 and c1:
-            rec["bytes_up"], rec["bytes_down"] = c1[0] - c0[0], c1[1] - c0[1]
-        iters.append(rec)
+        rec["net_wait"], rec["compute"], rec["density"] = wait, rec["iter"] - wait, opt.stats.density
         if a.rank == 0:
             if step % a.eval_every == 0 or step == stop_at:
                 clock.evaluate(step)
@@ -96,7 +99,7 @@ def worker(a) -> int:
         clock.evaluate(step)
     opt.close()
     out = {"rank": a.rank, "world": a.world, "system": "stella", "workload": a.workload, "steps": step,
-           "train_wall": clock.wall(), "iters": iters, "evals": clock.evals, "reached": clock.reached,
+           "train_wall": clock.wall(), "iters": recorder.iters, "evals": clock.evals, "reached": clock.reached,
            "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density, "final_density": opt.stats.density,
            "staleness": a.staleness,
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
@@ -107,77 +110,55 @@ def worker(a) -> int:
 
 
 def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0, bed=None,
-               sites: Optional[List[str]] = None, ps_site: str = "ps", seed: int = 0,
-               eval_every: Optional[int] = None, stop_at_target: bool = False, threads: int = 1,
-               density="auto", staleness: int = 1, log_dir: Optional[str] = None) -> Dict:
-    """Run one Stella job (server + ``world`` workers) and return its summary."""
+               sites: list[str] | None = None, ps_site: str = "ps", seed: int = 0,
+               eval_every: int | None = None, stop_at_target: bool = False, threads: int = 1,
+               density="auto", staleness: int = 1, log_dir: str | None = None) -> dict:
+    """Run one Stella job (server + ``world`` workers) and return its summary. The
+    server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key)."""
     from bench import workloads as W
-    from bench.baselines import summarize
-    from stella.demo import stop_server, wait_ready
 
     wl = W.get(workload)
     tmp = tempfile.mkdtemp(prefix=f"stella-{workload}-", dir=log_dir)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    ready = os.path.join(tmp, "ps.addr")
     host = bed.address(ps_site) if bed is not None else "127.0.0.1"
-    ps_argv = [sys.executable, "-m", "stella_ps", "--bind", f"tcp://{host}:{PS_PORT if bed else 0}",
-               "--workers", str(world), "--ready-file", ready, "--log-level", "INFO"]
-    ps_log = open(os.path.join(tmp, "ps.log"), "w")
-    procs: List[subprocess.Popen] = []
+    ps = ServerProcess(world, bind=f"tcp://{host}:{PS_PORT if bed else 0}", log_level="INFO", cwd=REPO, timeout=60,
+                       popen=functools.partial(bed.popen, ps_site) if bed is not None else subprocess.Popen)
     try:
         if bed is not None:
-            ps = bed.popen(ps_site, ps_argv, env=env, stdout=ps_log, stderr=subprocess.STDOUT, cwd=REPO)
-        else:
-            ps = subprocess.Popen(ps_argv, env=env, stdout=ps_log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  start_new_session=True)
-        procs.append(ps)
-        address = wait_ready(ready, ps, 60)
-        if bed is not None:
             sites = sites or [s for s in bed.sites if s != ps_site][:world]
+        argvs = []
         for r in range(world):
-            argv = [sys.executable, "-m", "bench.stella_e2e", "worker", "--address", address, "--rank", str(r),
+            argv = [sys.executable, "-m", "bench.stella_e2e", "worker", "--address", ps.endpoint, "--rank", str(r),
                     "--world", str(world), "--workload", workload, "--steps", str(steps),
                     "--max-seconds", str(max_seconds), "--seed", str(seed),
                     "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
-                    "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp, "--out", os.path.join(tmp, f"rank{r}.json")]
+                    "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp,
+                    "--out", os.path.join(tmp, f"rank{r}.json")]
             if stop_at_target:
                 argv.append("--stop-at-target")
-            log = open(os.path.join(tmp, f"rank{r}.log"), "w")
-            if bed is not None:
-                p = bed.popen(sites[r], argv, env=env, rank=r, world=world, stdout=log, stderr=subprocess.STDOUT,
-                              cwd=REPO)
-            else:
-                p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     start_new_session=True)
-            procs.append(p)
-        deadline = time.monotonic() + max_seconds + 180
-        for p in procs[1:]:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        codes = [p.returncode for p in procs[1:]]
-        if any(codes):
-            logs = "".join(open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:] for r in range(world))
-            return {"ok": False, "error": f"stella workers exited {codes}:\n{logs}"}
-        ranks = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        res = summarize("stella", workload, ranks, wl)
-        res["density"] = density
-        # where the time of an exchange goes (profile), per iteration, mean over workers
-        res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
-        res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
-        res["final_density"] = [k.get("final_density") for k in ranks]
-        res["log_dir"] = tmp
-        return res
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"stella job exceeded {max_seconds + 180:.0f} s"}
+            argvs.append(argv)
+        rcs = wait_workers(launch_workers(argvs, tmp, bed=bed, sites=sites), max_seconds + 180)
     finally:
-        for p in procs:
-            stop_server(p)  # terminate, kill after 10 s; also right for the workers
+        ps.close()
+        with open(os.path.join(tmp, "ps.log"), "w") as f:
+            f.write(ps.logs())
+    if None in rcs:
+        return {"ok": False, "error": f"stella job exceeded {max_seconds + 180:.0f} s\n{log_tails(tmp, rcs)}",
+                "log_dir": tmp}
+    ranks = collect_ranks(tmp, world)
+    if any(rcs) or None in ranks:
+        return {"ok": False, "error": f"stella workers exited {rcs}:\n{log_tails(tmp, rcs)}", "log_dir": tmp}
+    res = summarize("stella", workload, ranks, wl)
+    res["density"] = density
+    # where the time of an exchange goes (profile), per iteration, mean over workers
+    res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
+    res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
+    res["final_density"] = [k.get("final_density") for k in ranks]
+    res["log_dir"] = tmp
+    return res
 
 
-def run(spec, bed, staleness: int = 1) -> Dict:
-    """Entry point for ``bench.e2e`` (see its STELLA REGISTRATION POINT)."""
+def run(spec, bed, staleness: int = 1) -> dict:
+    """The ``stella`` system of ``bench.e2e`` (registered there)."""
     res = run_stella(spec.workload, world=spec.world, steps=spec.max_steps, max_seconds=spec.max_seconds, bed=bed,
                      sites=spec.worker_sites[:spec.world], ps_site=spec.ps_site, seed=spec.seed,
                      eval_every=spec.eval_every, stop_at_target=spec.stop_at_target, staleness=staleness,
@@ -187,7 +168,7 @@ def run(spec, bed, staleness: int = 1) -> Dict:
     return res
 
 
-def run_sync(spec, bed) -> Dict:
+def run_sync(spec, bed) -> dict:
     """Stella without the pipeline (``staleness=0``: push, wait for the step, pull, then
     compute): the same compression and server, no stale weights."""
     return run(spec, bed, staleness=0)
@@ -220,8 +201,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker(a)
-    from bench.baselines import fmt_summary
-
     res = run_stella(a.workload, steps=a.steps, max_seconds=a.max_seconds, density=a.density, staleness=a.staleness)
     print(fmt_summary(res))
     return 0 if res.get("ok") else 1

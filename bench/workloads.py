@@ -4,7 +4,9 @@ deterministic by seed).
 * ``bytelm``   byte-level causal Transformer LM (~10.8M params) on the Python
                standard library's own ``.py`` sources; held-out loss (nats/byte)
                on a fixed sample of windows from held-out files.
-* ``digits``   small CNN (~0.55M params) on scikit-learn's 8x8 digits; test accuracy.
+* ``digits``   small CNN (~0.55M params) on scikit-learn's 8x8 digits; test accuracy
+               on the demo's split (``stella.demo.load_digits_split``: 20% held out,
+               stratified).
 * ``widemlp``  communication-bound MLP 64-3072-3072-10 (~9.7M params) on the
                same digits: a dense fp32 exchange at 100 Mbit/s costs ~50-100x
                its compute.
@@ -24,14 +26,16 @@ import hashlib
 import math
 import os
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Dict, Iterator, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from stella.demo import accuracy, build_mlp, load_digits_split
 
 __all__ = ["Workload", "WORKLOADS", "get", "stdlib_corpus", "ByteLM", "count_params"]
 
@@ -45,8 +49,8 @@ class Workload:
     name: str
     description: str
     build_model: Callable[[int], nn.Module]
-    batches: Callable[[int, int, int, int], Iterator[Tuple[torch.Tensor, torch.Tensor]]]
-    loss: Callable[[nn.Module, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+    batches: Callable[[int, int, int, int], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+    loss: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
     evaluate: Callable[[nn.Module], float]
     metric: str                 # name of the held-out metric
     higher_is_better: bool
@@ -57,7 +61,7 @@ class Workload:
     weight_decay: float = 0.0
     optimizer: str = "adamw"    # adamw | sgd (momentum 0.9)
     eval_every: int = 10        # steps between held-out evaluations
-    notes: Dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of (0-based) step ``step``: linear warm-up, then constant."""
@@ -103,7 +107,7 @@ def _stdlib_files():
 
 
 @lru_cache(maxsize=1)
-def stdlib_corpus(heldout_percent: int = 5) -> Dict[str, np.ndarray]:
+def stdlib_corpus(heldout_percent: int = 5) -> dict[str, np.ndarray]:
     """Concatenated bytes of the stdlib's ``.py`` files, split by file: a file is
     held out when ``sha1(relative path) % 100 < heldout_percent``."""
     root, files = _stdlib_files()
@@ -212,33 +216,11 @@ def _build_lm(seed, **kw):
 # ============================================================ digits
 
 
-def _load_digits():
-    """sklearn's digits (the CSV shipped inside scikit-learn), read without
-    importing sklearn (~2.5 s of start-up per worker); identical to
-    ``sklearn.datasets.load_digits()`` (checked in tests/test_workloads.py)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("sklearn")
-    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else ""
-    if os.path.exists(path):
-        d = np.loadtxt(path, delimiter=",")
-        return d[:, :-1], d[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    return d.data, d.target
-
-
 @lru_cache(maxsize=1)
-def digits_data(test_fraction: float = 0.25, split_seed: int = 0):
-    data, target = _load_digits()
-    X = torch.tensor(data, dtype=torch.float32) / 16.0
-    y = torch.tensor(target, dtype=torch.long)
-    g = torch.Generator().manual_seed(split_seed)
-    perm = torch.randperm(len(y), generator=g)
-    n_test = int(round(len(y) * test_fraction))
-    te, tr = perm[:n_test], perm[n_test:]
-    return X[tr], y[tr], X[te], y[te]
+def digits_data():
+    """The demo's digits split (``stella.demo.load_digits_split``: 20% held out,
+    stratified, seed 0): ``(x_train, y_train, x_test, y_test)``, loaded once per process."""
+    return load_digits_split(0)
 
 
 def _digits_batches(rank, world, batch_size, seed):
@@ -256,14 +238,9 @@ def _cls_loss(model, batch):
     return F.cross_entropy(model(x), y)
 
 
-@torch.no_grad()
 def _digits_eval(model):
     _, _, X, y = digits_data()
-    was = model.training
-    model.eval()
-    acc = (model(X).argmax(1) == y).float().mean().item()
-    model.train(was)
-    return acc
+    return accuracy(model, X, y)
 
 
 class DigitsCNN(nn.Module):
@@ -290,24 +267,15 @@ def _cnn(seed):
     return DigitsCNN()
 
 
-def _mlp(seed, widths):
-    torch.manual_seed(seed)
-    layers = []
-    for i in range(len(widths) - 1):
-        layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
 # ============================================================ registry
 
 WIDE = 3072
 
-WORKLOADS: Dict[str, Workload] = {
+WORKLOADS: dict[str, Workload] = {
     "bytelm": Workload(
         name="bytelm",
-        description="byte-level Transformer LM (d384, 6 layers, ctx 128, 10.8M params) on the Python stdlib's .py sources",
+        description="byte-level Transformer LM (d384, 6 layers, ctx 128, 10.8M params) on the Python stdlib's "
+                    ".py sources",
         build_model=lambda seed: _build_lm(seed),
         batches=_lm_batches, loss=_lm_loss, evaluate=_lm_eval,
         metric="heldout_loss", higher_is_better=False, target=2.5,
@@ -315,7 +283,7 @@ WORKLOADS: Dict[str, Workload] = {
     ),
     "digits": Workload(
         name="digits",
-        description="small CNN (conv32-conv64-pool-fc512-fc10, 0.55M params) on sklearn digits (1348 train / 449 test)",
+        description="small CNN (conv32-conv64-pool-fc512-fc10, 0.55M params) on sklearn digits (1438 train / 359 test)",
         build_model=_cnn,
         batches=_digits_batches, loss=_cls_loss, evaluate=_digits_eval,
         metric="test_accuracy", higher_is_better=True, target=0.95,
@@ -324,7 +292,7 @@ WORKLOADS: Dict[str, Workload] = {
     "widemlp": Workload(
         name="widemlp",
         description=f"communication-bound MLP 64-{WIDE}-{WIDE}-10 (9.7M params) on sklearn digits",
-        build_model=lambda seed: _mlp(seed, [64, WIDE, WIDE, 10]),
+        build_model=lambda seed: build_mlp((64, WIDE, WIDE, 10), seed),
         batches=_digits_batches, loss=_cls_loss, evaluate=_digits_eval,
         metric="test_accuracy", higher_is_better=True, target=0.95,
         batch_size=32, lr=0.05, optimizer="sgd", eval_every=5,

@@ -33,25 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZMQ_TERM_TIMEOUT_S = 10.0
 
 
-class ServerProc(ServerProcess):
-    """Transitional spelling of the old test launcher, kept only while
-    ``test_bad_input.py`` (``from conftest import ServerProc``) and ``test_protocol.py``
-    (``srv.stop("terminate")``) still use it: ``ServerProc(workers, extra)`` and
-    ``stop("terminate" | "kill")``. New tests use the fixtures and ``close()``."""
-
-    def __init__(self, workers: int = 1, extra: Sequence[str] | None = None, **kw: Any):
-        kw.setdefault("log_level", "DEBUG")
-        kw.setdefault("cwd", ROOT)
-        super().__init__(workers, extra or (), **kw)
-
-    def stop(self, sig: str = "terminate") -> int:  # type: ignore[override]
-        if sig == "kill":
-            self.kill()
-        elif sig != "terminate":
-            raise ValueError(f"sig must be 'terminate' or 'kill', got {sig!r}")
-        return self.close()
-
-
 ServerFactory = Callable[..., ServerProcess]
 
 
@@ -59,7 +40,9 @@ def _server_factory() -> Iterator[ServerFactory]:
     servers: list[ServerProcess] = []
 
     def make(workers: int = 1, args: Sequence[str] = (), **kw: Any) -> ServerProcess:
-        s = ServerProc(workers, args, **kw)
+        kw.setdefault("log_level", "DEBUG")
+        kw.setdefault("cwd", ROOT)
+        s = ServerProcess(workers, args, **kw)
         servers.append(s)
         return s
 

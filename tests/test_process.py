@@ -48,7 +48,7 @@ def test_args_env_and_cwd_reach_the_server(tmp_path):
 
 def test_a_bad_flag_fails_fast_with_the_log_in_the_error():
     t0 = time.monotonic()
-    with pytest.raises(ServerStartError, match="unrecognized arguments: --no-such-flag") as err:
+    with pytest.raises(ServerStartError, match=r"unrecognized arguments: --no-such-flag") as err:
         ServerProcess(args=["--no-such-flag"])
     assert time.monotonic() - t0 < 15  # the exit is noticed, not the start timeout
     assert err.value.returncode == 2 and "usage: stella-ps" in err.value.log
@@ -61,7 +61,7 @@ def test_start_timeout_names_the_limit_and_kills_the_process():
         started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
         return started[0]
 
-    with pytest.raises(ServerStartError, match="did not listen within 0.5 s"):
+    with pytest.raises(ServerStartError, match=r"did not listen within 0\.5 s"):
         ServerProcess(timeout=0.5, popen=never_listens)
     assert started[0].poll() is not None  # stopped, not left behind
 
@@ -80,9 +80,8 @@ def test_a_stopped_server_is_unavailable_then_still_closes():
     ps = ServerProcess()
     try:
         ps.kill(signal.SIGSTOP)
-        with Client(ps.endpoint, timeout=0.5, join=False) as c:
-            with pytest.raises(ServerUnavailable):
-                c.status()
+        with Client(ps.endpoint, timeout=0.5, join=False) as c, pytest.raises(ServerUnavailable):
+            c.status()
     finally:
         assert ps.close(timeout=5) == 0  # SIGCONT + SIGTERM: still a clean shutdown
     assert not ps.alive()

@@ -1,7 +1,7 @@
 """Slow-link test bed: real namespaces, real veths, real tbf, real TCP bytes.
 
 Skipped (with the reason) when not root or when `ip netns` is unavailable.
-The whole module takes ~20 s.
+The whole module takes ~30 s; the three longest tests are marked slow.
 """
 
 import os
@@ -60,6 +60,7 @@ def test_shaped_link_delivers_configured_rate():
         assert c["tx_bytes"] > 2.0 * 90e6 / 8  # real bytes left the site
 
 
+@pytest.mark.slow
 @needs_netns
 def test_asymmetric_link_is_asymmetric_and_set_rate_works():
     with WanTestbed({"a": Link(100, 20)}, max_lifetime=60) as bed:
@@ -72,6 +73,7 @@ def test_asymmetric_link_is_asymmetric_and_set_rate_works():
         assert 36.0 <= up2 <= 44.0, up2
 
 
+@pytest.mark.slow
 @needs_netns
 def test_rate_schedule_takes_effect():
     change_at = 2.0
@@ -113,6 +115,7 @@ def test_watchdog_bounds_lifetime():
     assert not any(n.startswith(bed.prefix) for n in _netns_names())
 
 
+@pytest.mark.slow
 @needs_netns
 def test_powersgd_ddp_baseline_runs_over_shaped_links():
     """Regression for the gloo issue-order race (docs/testbed.md): the serialized

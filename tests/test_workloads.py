@@ -43,10 +43,8 @@ def test_eval_metrics_in_range():
     assert lm.lr_at(0) < lm.lr_at(100) == lm.lr
 
 
-def test_digits_loader_matches_sklearn():
-    import numpy as np
-    from sklearn.datasets import load_digits
+def test_digits_workloads_use_the_demo_split():
+    from stella.demo import load_digits_split
 
-    data, target = W._load_digits()
-    ref = load_digits()
-    assert np.array_equal(data, ref.data) and np.array_equal(target, ref.target)
+    ref = load_digits_split(0)
+    assert all(torch.equal(a, b) for a, b in zip(W.digits_data(), ref))

@@ -7,8 +7,8 @@ from .client import Client, Pending, PullResult
 from .errors import (
     BadRequest,
     BadValue,
-    ErrorCode,
     CodecError,
+    ErrorCode,
     LayoutConflict,
     NotRegistered,
     OversizedMessage,

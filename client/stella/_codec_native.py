@@ -66,9 +66,9 @@ def idx_encode(idx: np.ndarray, numel: int, coding: str) -> np.ndarray:
     """Sorted unique indices -> coded bytes; ValueError for indices that are not."""
     cid = INDEX_CODING_IDS[coding]
     idx = np.asarray(idx)
-    if idx.dtype != np.int32:
-        if idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= numel):
-            raise ValueError(f"indices must be integers in [0, {numel})")
+    # other integer dtypes are converted, after a range check that int32 could not hold
+    if idx.dtype != np.int32 and idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= numel):
+        raise ValueError(f"indices must be integers in [0, {numel})")
     idx = np.ascontiguousarray(idx, dtype=np.int32).reshape(-1)
     count = idx.shape[0]
     bound = lib.stella_idx_bound(count, int(numel), cid)

@@ -102,7 +102,7 @@ def ef_block_select(res, grad, k: int, state: TopkState, nsample: int, seed: int
     """Like :func:`ef_threshold_select` on whole :data:`BLOCK`-float blocks (by squared
     norm); ``k`` elements means ``round(k / BLOCK)`` blocks, returned as element indices."""
     _check_pair(res, grad)
-    kb = max(1, int(round(k / BLOCK)))
+    kb = max(1, round(k / BLOCK))
     return _ef_select(res, grad, kb, BLOCK, state, nsample, seed, stats)
 
 

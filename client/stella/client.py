@@ -15,8 +15,9 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -25,25 +26,25 @@ import zmq
 from .errors import ProtocolError, ServerUnavailable, from_reply
 from .protocol import (
     Delta,
-    IndexCoding,
-    ModelDtype,
-    PullCoding,
-    ValueDtype,
     Error,
+    IndexCoding,
     Join,
     Joined,
     Leave,
+    ModelDtype,
+    OptimizerSet,
     Pull,
+    PullCoding,
     Push,
     PushOk,
     Received,
     Register,
     Registered,
     SetOptimizer,
-    OptimizerSet,
     Status,
     StatusReply,
     TensorSpec,
+    ValueDtype,
     decode_reply,
     decode_tensors,
     encode,
@@ -126,7 +127,7 @@ class PullResult:
 class Pending(Generic[T]):
     """A request in flight; :meth:`result` waits for its reply (once)."""
 
-    def __init__(self, client: "Client", req: int, parse: Callable[[Received], T], timeout: float | None):
+    def __init__(self, client: Client, req: int, parse: Callable[[Received], T], timeout: float | None):
         self._client, self.req, self._parse, self._timeout = client, req, parse, timeout
 
     def result(self, timeout: float | None = None) -> T:
@@ -355,11 +356,11 @@ class Client:
         if leave and self.worker_id is not None:
             try:
                 self.leave(timeout=timeout)
-            except Exception:  # noqa: BLE001 - best effort: the server may be gone
+            except Exception:
                 pass
         self._finalizer()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -370,5 +371,5 @@ def _expect(rx: Received, cls: type[T]) -> T:
     """The reply's message if it is a ``cls`` (any type for ``object``)."""
     if cls is not object and not isinstance(rx.msg, cls):
         raise ProtocolError(f"expected a {cls.__name__} reply, got {type(rx.msg).__name__}")
-    return rx.msg  # type: ignore[no-any-return]
+    return rx.msg
 

@@ -52,9 +52,10 @@ import torch
 from . import _select_native as _select
 from ._select_native import BLOCK  # floats per block of the "block" method (native/cdefs/compress.h)
 
-__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK"]
+__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK", "DENSE_BELOW"]
 
 METHODS = ("exact", "threshold", "block", "dense")
+DENSE_BELOW = 4096  # default cut-off: tensors with fewer elements (biases, norms) are sent dense
 
 # The selected count must land in [LOW * k, HIGH * k] (unless fewer than
 # LOW * k coordinates are nonzero).
@@ -109,7 +110,7 @@ _VALUE_LIMITS = {
 
 
 def _k_for(density: float, numel: int) -> int:
-    return min(numel, max(1, int(round(density * numel))))
+    return min(numel, max(1, round(density * numel)))
 
 
 class ErrorFeedbackCompressor:
@@ -119,7 +120,7 @@ class ErrorFeedbackCompressor:
         self,
         density: float = 0.01,
         method: str = "threshold",
-        dense_below: int = 4096,
+        dense_below: int = DENSE_BELOW,
         *,
         backend: str = "auto",
         value_dtype: str = "f32",
@@ -323,7 +324,7 @@ class ErrorFeedbackCompressor:
         else:
             pos = torch.randint(0, n, (s,), device=score.device, generator=self._gen(score.device))
             sample = score[pos]
-        m = max(1, min(sample.numel(), int(round(sample.numel() * k / total))))
+        m = max(1, min(sample.numel(), round(sample.numel() * k / total)))
         return float(torch.topk(sample, m, sorted=False).values.min())
 
     def _torch_pick(self, score: torch.Tensor, k: int, thr: float) -> tuple[torch.Tensor, float]:
@@ -336,9 +337,9 @@ class ErrorFeedbackCompressor:
         idx = torch.nonzero(score >= thr).reshape(-1)
         c = idx.numel()
         if c > HIGH * k:
-            top = torch.topk(score[idx], k, sorted=False).values.min()
-            idx = idx[score[idx] >= top]
-            thr = float(top)
+            top_t = torch.topk(score[idx], k, sorted=False).values.min()
+            idx = idx[score[idx] >= top_t]
+            thr = float(top_t)
         elif c < LOW * k and thr > tiny:
             # too few: the exact k-th largest score, then one more mask
             top = float(torch.topk(score, k, sorted=False).values.min())
@@ -362,7 +363,7 @@ class ErrorFeedbackCompressor:
         if pad:
             sq = torch.cat([sq, sq.new_zeros(pad)])
         score = sq.view(nb, BLOCK).sum(1)
-        kb = max(1, min(nb, int(round(k / BLOCK))))
+        kb = max(1, min(nb, round(k / BLOCK)))
         bidx, st.thr = self._torch_pick(score, kb, st.thr)
         idx = (bidx.view(-1, 1) * BLOCK + torch.arange(BLOCK, device=acc.device)).reshape(-1)
         if pad and bidx.numel() and int(bidx[-1]) == nb - 1:

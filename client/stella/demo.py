@@ -2,11 +2,20 @@
 
 Starts a ``stella-ps`` subprocess and ``workers`` worker processes on loopback. Each
 worker trains the same MLP on its shard of scikit-learn's handwritten digits
-(1,797 real 8x8 images that ship with the package; 20% held out), pushing top-k
-compressed gradients with error feedback and pulling back what changed, through
+(1,797 real 8x8 images that ship with the package; 20% held out, stratified), pushing
+top-k compressed gradients with error feedback and pulling back what changed, through
 the one-step-stale pipeline (:class:`stella.StellaOptimizer`). Worker 0 also
 evaluates the held-out accuracy of its replica as training goes, and at the end
 on the final model.
+
+The demo is the application that composes both packages: the client library
+(``stella``) for the workers and the server's launcher
+(:class:`stella_ps.process.ServerProcess`), imported only inside :func:`run_demo` so
+that importing the client library never imports the server package.
+
+It also owns the digits data and model helpers that the benchmarks and tests reuse
+(``bench.workloads``, ``bench.pipeline``, ``tests/test_convergence.py``), so there is
+one split and one MLP: :func:`load_digits_split`, :func:`build_mlp`, :func:`accuracy`.
 """
 from __future__ import annotations
 
@@ -14,13 +23,19 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
-__all__ = ["DemoConfig", "run_demo", "start_server", "stop_server", "wait_ready", "load_digits_split"]
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["DemoConfig", "run_demo", "load_digits_split", "build_mlp", "accuracy", "TEST_FRACTION"]
+
+TEST_FRACTION = 0.2  # held out per class (stratified)
 
 
 @dataclass
@@ -37,34 +52,77 @@ class DemoConfig:
     timeout: float = 60.0
 
 
-def load_digits_split(seed: int = 0):
-    """Digits as float32 tensors: (x_train, y_train, x_test, y_test), 20% held out, stratified."""
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as (data float64 (1797, 64) in 0..16, target int64), read from
+    the CSV that ships inside scikit-learn without importing it (the import costs ~2.5 s
+    per worker process); identical to ``sklearn.datasets.load_digits()``."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec and spec.origin \
+        else ""
+    if os.path.exists(path):
+        d = np.loadtxt(path, delimiter=",")
+        return d[:, :-1], d[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.data, bunch.target.astype(np.int64)
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = TEST_FRACTION):
+    """Digits as float32 tensors scaled to [0, 1]: ``(x_train, y_train, x_test, y_test)``.
+
+    Stratified: ``round(test_fraction * n_c)`` images of each class ``c``, drawn with
+    ``seed``, are held out (359 of 1,797 at 20%); both parts keep the file order.
+    """
     import numpy as np
     import torch
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    return (torch.from_numpy(xtr), torch.from_numpy(ytr).long(), torch.from_numpy(xte), torch.from_numpy(yte).long())
+    data, target = load_digits_arrays()
+    rng = np.random.default_rng(seed)
+    test = np.zeros(len(target), dtype=bool)
+    for c in np.unique(target):
+        members = np.flatnonzero(target == c)
+        test[rng.permutation(members)[:round(test_fraction * len(members))]] = True
+    x = torch.from_numpy((data / 16.0).astype(np.float32))
+    y = torch.from_numpy(target)
+    tr, te = torch.from_numpy(np.flatnonzero(~test)), torch.from_numpy(np.flatnonzero(test))
+    return x[tr], y[tr], x[te], y[te]
 
 
-def build_model(hidden: int, seed: int):
+def build_mlp(widths: Sequence[int], seed: int) -> torch.nn.Sequential:
+    """``Linear(widths[0], widths[1]) - ReLU - ... - Linear(widths[-2], widths[-1])``,
+    initialised from ``torch.manual_seed(seed)``."""
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
+    layers: list[torch.nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
 
 
-def accuracy(model, x, y) -> float:
+def demo_model(hidden: int, seed: int) -> torch.nn.Sequential:
+    """The demo's MLP: 64 pixels - ``hidden`` - ``hidden`` - 10 classes."""
+    return build_mlp((64, hidden, hidden, 10), seed)
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of ``x`` classified as ``y`` (eval mode, no grad; the mode is restored)."""
     import torch
 
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return float((model(x).argmax(1) == y).float().mean())
+    finally:
+        model.train(was_training)
 
 
 def _worker(address: str, rank: int, cfg: DemoConfig, progress) -> None:
@@ -76,7 +134,7 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress) -> None:
     xtr, ytr, xte, yte = load_digits_split(cfg.seed)
     shard = torch.arange(rank, xtr.shape[0], cfg.workers)
     xtr, ytr = xtr[shard], ytr[shard]
-    model = build_model(cfg.hidden, cfg.seed)
+    model = demo_model(cfg.hidden, cfg.seed)
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
                           density=cfg.density, method=cfg.method, dense_below=1024, timeout=cfg.timeout,
                           name=f"demo-worker-{rank}")
@@ -105,50 +163,17 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress) -> None:
     progress.put(("done", rank, opt.client.bytes_pushed, opt.client.bytes_pulled, version, final_acc))
 
 
-def start_server(workers: int, extra: list[str] | None = None, timeout: float = 30.0):
-    """Start ``stella-ps`` on an ephemeral loopback port; returns (process, endpoint)."""
-    fd, ready = tempfile.mkstemp(prefix="stella-ps-", suffix=".addr")
-    os.close(fd)
-    os.unlink(ready)
-    cmd = [sys.executable, "-m", "stella_ps", "--bind", "tcp://127.0.0.1:0", "--workers", str(workers),
-           "--ready-file", ready, "--log-level", "WARNING", *(extra or [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    endpoint = wait_ready(ready, proc, timeout)
-    os.unlink(ready)
-    return proc, endpoint
-
-
-def wait_ready(ready: str, proc: subprocess.Popen, timeout: float) -> str:
-    """Wait until the ``stella-ps`` process ``proc`` writes its endpoint to ``--ready-file
-    ready``; returns the endpoint. Kills ``proc`` and raises if it exits or times out first."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(ready):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"stella-ps did not start (exit code {proc.poll()})")
-        time.sleep(0.02)
-    with open(ready) as f:
-        return f.read().strip()
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out=sys.stdout) -> dict:
+def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Run the demo; prints progress and a summary, returns the figures."""
+    from stella_ps.process import ServerProcess  # the application composes client and server
+
     t0 = time.perf_counter()
-    proc, endpoint = start_server(cfg.workers)
+    ps = ServerProcess(cfg.workers, log_level="WARNING")
+    endpoint = ps.endpoint
     ctx = mp.get_context("spawn")
     progress = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(endpoint, r, cfg, progress), daemon=True) for r in range(cfg.workers)]
@@ -167,7 +192,8 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out=sys.stdout) -
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"demo worker failed (exit codes {[p.exitcode for p in procs]})")
+                    raise RuntimeError(f"demo worker failed (exit codes {[p.exitcode for p in procs]}); "
+                                       f"stella-ps log:\n{ps.logs()[-4000:]}") from None
                 continue
             if msg[0] == "done":
                 done[msg[1]] = msg
@@ -192,9 +218,9 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out=sys.stdout) -
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        stop_server(proc)
+        ps.close()
     wall = time.perf_counter() - t0
-    model = build_model(cfg.hidden, cfg.seed)
+    model = demo_model(cfg.hidden, cfg.seed)
     numel = sum(p.numel() for p in model.parameters())
     pushed = sum(m[2] for m in done.values())
     pulled = sum(m[3] for m in done.values())

@@ -12,7 +12,8 @@ The server imports this public module; it never imports private ``stella._*`` on
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from collections.abc import Mapping
+from typing import Any
 
 from cffi import FFI
 
@@ -24,7 +25,7 @@ bumped together with it."""
 
 _ffi = FFI()  # only to read C strings; the wrappers own their modules' ffi
 
-ExcSpec = Union[type[BaseException], Mapping[Any, type[BaseException]]]
+ExcSpec = type[BaseException] | Mapping[Any, type[BaseException]]
 
 
 def require_abi(lib: Any, module_name: str) -> None:

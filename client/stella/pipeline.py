@@ -33,16 +33,17 @@ import statistics
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from .client import Client, PullResult
-from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
-from .compress import ErrorFeedbackCompressor
+from .compress import DENSE_BELOW, ErrorFeedbackCompressor
 from .errors import StellaError
+from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 
 __all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget"]
 
@@ -136,7 +137,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         min_density: float = 0.01,
         max_density: float = 0.1,
         method: str = "threshold",
-        dense_below: int = 4096,
+        dense_below: int = DENSE_BELOW,
         value_dtype: ValueDtype = "f16",
         index_coding: IndexCoding = "rice",
         staleness: int = 1,
@@ -256,12 +257,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.version = delta.version
 
     # ------------------------------------------------------------------ optimizer API
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - always drops the grads
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():
             p.grad = None
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102
+    def step(self, closure=None):
         if self._closed:
             raise PipelineError("step() after close()")
         loss = None
@@ -318,7 +319,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             self._finish_inflight()
             if flush:
                 def flush_residuals():
-                    rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}
+                    rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}  # noqa: SIM118 - not a dict
                     if rest:
                         self.client.push(rest, self.version, value_dtype="f32")
 
@@ -329,7 +330,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             if self._compress_exec is not None:
                 self._compress_exec.shutdown(wait=True)
 
-    def __enter__(self) -> "StellaOptimizer":
+    def __enter__(self) -> StellaOptimizer:
         return self
 
     def __exit__(self, *exc) -> None:

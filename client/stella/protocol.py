@@ -26,8 +26,9 @@ test fails when they differ.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Iterator, Literal, Sequence, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -98,7 +99,7 @@ EntryCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16", "dense"]
 ValueDtype = Literal["f32", "f16", "bf16"]
 # Optimizer hyper-parameters travel as a map of scalars (and ``betas`` pairs); their
 # names and ranges are the server's to check (stella_ps.optim).
-HParam = Union[bool, int, float, str, list[float]]
+HParam = bool | int | float | str | list[float]
 HParams = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], HParam], msgspec.Meta(max_length=32)]
 
 
@@ -268,10 +269,10 @@ class Error(_Message, tag="error", frozen=True):
     message: str
 
 
-Request = Union[Join, Leave, Register, Push, Pull, Status, SetOptimizer]
-Reply = Union[Joined, Left, Registered, PushOk, Delta, StatusReply, OptimizerSet, Error]
-REQUEST_TYPES: tuple[type, ...] = Request.__args__  # type: ignore[attr-defined]
-REPLY_TYPES: tuple[type, ...] = Reply.__args__  # type: ignore[attr-defined]
+Request = Join | Leave | Register | Push | Pull | Status | SetOptimizer
+Reply = Joined | Left | Registered | PushOk | Delta | StatusReply | OptimizerSet | Error
+REQUEST_TYPES: tuple[type, ...] = Request.__args__
+REPLY_TYPES: tuple[type, ...] = Reply.__args__
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

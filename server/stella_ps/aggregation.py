@@ -11,8 +11,9 @@ number of workers have joined once (``started``, kept by the membership).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any
 
 import numpy as np
 

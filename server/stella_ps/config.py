@@ -28,6 +28,9 @@ ENV = {
 }
 
 
+DEFAULT_OPTIMIZER = OptimizerConfig.from_wire({"name": "sgd"})  # PyTorch's SGD defaults
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the daemon can be told, validated. ``bind`` may use port 0 for an
@@ -37,7 +40,7 @@ class ServerConfig:
     workers: int = 1  # steps wait until this many workers have joined once
     step_deadline: float = 0.0  # seconds after a step's first push; 0 = wait for every live worker
     # the optimizer when a registration names none (plain SGD, PyTorch's defaults, if unset)
-    optimizer: OptimizerConfig = OptimizerConfig.from_wire({"name": "sgd"})
+    optimizer: OptimizerConfig = DEFAULT_OPTIMIZER
     history: int = 64  # applied steps remembered for delta pulls; older `since` gets a snapshot
     max_message_bytes: int = 1 << 30
     log_level: str = "INFO"
@@ -49,7 +52,7 @@ def _parse_optimizer(text: str) -> OptimizerConfig:
     """``adamw`` or ``adamw:lr=0.001,weight_decay=0.01`` or a JSON map, validated."""
     text = text.strip()
     if not text:
-        return ServerConfig.optimizer
+        return DEFAULT_OPTIMIZER
     try:
         if text.startswith("{"):
             obj = json.loads(text)

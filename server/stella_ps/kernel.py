@@ -16,7 +16,7 @@ sees it, and bad input raises :class:`~stella_ps.errors.KernelInputError` (a
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ ENV_THREADS = "STELLA_KERNEL_THREADS"
 F32 = np.float32
 _INT32_LIMIT = 2**31 - 1
 _KIND = {"sgd": lib.STELLA_OPT_SGD, "adam": lib.STELLA_OPT_ADAM, "adamw": lib.STELLA_OPT_ADAMW}
-_FIELDS = {
+_FIELDS: dict[str, dict[str, tuple[int, type]]] = {
     "sgd": {"param": (lib.STELLA_FIELD_PARAM, F32), "momentum_buf": (lib.STELLA_FIELD_MOMENTUM_BUF, F32)},
     "adam": {
         "param": (lib.STELLA_FIELD_PARAM, F32),
@@ -177,7 +177,7 @@ class KernelTensorState:
         self._st = ffi_.gc(ptr, lib_.stella_optim_free, size=int(lib_.stella_optim_bytes(ptr)))
         self._set_field(lib_.STELLA_FIELD_PARAM, np.ascontiguousarray(init.reshape(-1)))
         self._cfg_key: OptimizerConfig | None = None
-        self._cfg_c = None
+        self._cfg_c: object = None
 
     @property
     def nbytes(self) -> int:
@@ -257,7 +257,7 @@ class KernelTensorState:
         return out
 
     def _get_field(self, field: int, dtype: type) -> np.ndarray:
-        out = np.empty(self.numel, dtype)
+        out: np.ndarray = np.empty(self.numel, dtype)
         rc = self._lib.stella_optim_get_field(self._st, field, self._ffi.from_buffer(out, require_writable=True),
                                               self.numel)
         check(self._lib, rc, "get_field", KernelError)
@@ -276,7 +276,7 @@ class KernelTensorState:
         fields = _FIELDS[self.name]
         if set(arrays) != set(fields):
             raise KernelInputError(f"{self.name} state needs arrays {sorted(fields)}, got {sorted(arrays)}")
-        ready = {}
+        ready: dict[int, np.ndarray] = {}
         for name, (f, dt) in fields.items():
             a = np.asarray(arrays[name])
             if a.size != self.numel:

@@ -2,8 +2,8 @@
 has started (the expected number of workers joined once)."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Collection
 
 from stella.errors import ErrorCode, NotRegistered, ServerError
 

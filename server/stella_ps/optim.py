@@ -58,7 +58,7 @@ class OptimizerConfig:
     hparams: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "OptimizerConfig":
+    def from_wire(cls, obj: Any) -> OptimizerConfig:
         """Validate ``{"name": ..., <hyper-parameter>: value, ...}`` from the network."""
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             raise ConfigError("optimizer must be a map with a string 'name'")
@@ -67,7 +67,7 @@ class OptimizerConfig:
             raise ConfigError(f"unknown optimizer {obj['name']!r}; known: {sorted(OPTIMIZERS)}")
         return cls(name, {}).updated({k: v for k, v in obj.items() if k != "name"})
 
-    def updated(self, changes: dict[str, Any]) -> "OptimizerConfig":
+    def updated(self, changes: dict[str, Any]) -> OptimizerConfig:
         """A copy with some hyper-parameters changed (used for learning-rate schedules)."""
         defaults = OPTIMIZERS[self.name]
         unknown = sorted(set(changes) - set(defaults))
@@ -101,7 +101,7 @@ class OptimizerConfig:
                                   "parameters' sign at every step")
         return OptimizerConfig(self.name, out)
 
-    def rule(self) -> "OptimizerConfig":
+    def rule(self) -> OptimizerConfig:
         """The configuration the update rule really runs: SGD with ``momentum_mode="fold"``
         becomes momentum-free SGD at the folded learning rate (float64, rounded to float32
         once by the kernel and the reference alike)."""

@@ -7,8 +7,7 @@ once to float32.
 """
 from __future__ import annotations
 
-import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -116,10 +117,10 @@ class ParameterServer:
             if size > self.config.max_message_bytes:
                 raise OversizedMessage(f"message of {size} bytes > limit {self.config.max_message_bytes}")
             rx = decode_request(body)
-        except Exception as e:  # noqa: BLE001 - every failure is answered
+        except Exception as e:
             self.service.refuse(ident, request_id(body[0]) if body else -1, e)
             return
         try:
             self.service.handle(ident, rx)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.service.refuse(ident, rx.msg.req, e)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -128,7 +129,7 @@ class Service:
                 await coro
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # noqa: BLE001 - reported to the sender or logged
+            except BaseException as e:
                 if ident is not None:
                     self.refuse(ident, req, e)
                 else:

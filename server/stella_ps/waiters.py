@@ -3,8 +3,8 @@ their timeout passes (then with what the server has)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 __all__ = ["PullWaiters"]
 
