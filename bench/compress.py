@@ -123,9 +123,8 @@ def wire_rows(sg, n, density, method, device):
             continue
         enc_s = time.perf_counter() - t
         t = time.perf_counter()
-        dec = codec.decode_indices(enc, idx.size, n, coding)
-        dec_s = time.perf_counter() - t
-        assert np.array_equal(dec, idx)
+        codec.decode_indices(enc, idx.size, n, coding)
+        dec_s = time.perf_counter() - t  # round trips are tests/test_codec.py's to prove
         for dtype in codec.VALUE_DTYPES:
             t = time.perf_counter()
             ev = codec.encode_values(val, dtype)

@@ -73,7 +73,8 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
             p.start()
         for _ in range(workers):
             msg = out.get(timeout=300)
-            assert msg[0] == "ready", msg
+            if msg[0] != "ready":
+                raise RuntimeError(f"worker failed to start: {msg}")
         cpu0, t0 = _cpu_seconds(srv.pid), time.perf_counter()
         done = [out.get(timeout=600) for _ in range(workers)]
         wall, cpu = time.perf_counter() - t0, _cpu_seconds(srv.pid) - cpu0
