@@ -115,36 +115,13 @@ def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
     return out.view(np.uint8)
 
 
-def decode_values(buf, count: int, dtype: str) -> np.ndarray:
-    """Wire bytes -> ``count`` float32 values (for "f32" possibly a read-only view
-    of ``buf``). Raises CodecError when the size is not ``count * itemsize`` or
-    the dtype is unknown. NaN and Inf pass through (the server checks
-    finiteness separately)."""
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        raise CodecError(f"unknown value dtype {dtype!r}")
-    count = int(count)
-    b = _native.byte_view(buf)
-    if count < 0 or b.size != count * size:
-        raise CodecError(f"{dtype}: {b.size} bytes for {count} values (need {count * size})")
-    if dtype == "f32":
-        v = b.view("<f4") if b.ctypes.data % 4 == 0 else np.frombuffer(b.tobytes(), "<f4")
-        return v if _LITTLE else v.astype(np.float32)
-    h = b.view("<u2") if b.ctypes.data % 2 == 0 else np.frombuffer(b.tobytes(), "<u2")
-    if not _LITTLE:  # pragma: no cover
-        h = h.astype(np.uint16)
-    return _native.f16_to_f32(h) if dtype == "f16" else _native.bf16_to_f32(h)
-
-
 _WIRE_VIEW = {"f32": "<f4", "f16": "<f2", "bf16": "<u2"}
 
 
-def wire_values(buf, count: int, dtype: str) -> np.ndarray:
-    """Wire bytes -> a read-only view of ``count`` values as they travel: float32 for
-    "f32", float16 for "f16", uint16 bit patterns for "bf16" (the kernel reads all
-    three). Raises CodecError when the size is not ``count * itemsize`` or the dtype is
-    unknown, and BadValue when a value is NaN or Inf: what this returns is safe to
-    hand to the kernel unchecked."""
+def _wire_view(buf, count: int, dtype: str) -> np.ndarray:
+    """``buf`` as ``count`` values of ``dtype`` as they travel (float32, float16, or
+    uint16 bf16 bit patterns), read-only, aligned (copied only when ``buf`` is not).
+    Raises CodecError when the size is not ``count * itemsize`` or the dtype is unknown."""
     size = _ITEMSIZE.get(dtype)
     if size is None:
         raise CodecError(f"unknown value dtype {dtype!r}")
@@ -154,7 +131,30 @@ def wire_values(buf, count: int, dtype: str) -> np.ndarray:
         raise CodecError(f"{dtype}: {b.size} bytes for {count} values (need {count * size})")
     if b.ctypes.data % size:
         b = np.frombuffer(b.tobytes(), np.uint8)
-    v = b.view(_WIRE_VIEW[dtype])
+    return b.view(_WIRE_VIEW[dtype])
+
+
+def decode_values(buf, count: int, dtype: str) -> np.ndarray:
+    """Wire bytes -> ``count`` float32 values (for "f32" possibly a read-only view
+    of ``buf``). Raises CodecError when the size is not ``count * itemsize`` or
+    the dtype is unknown. NaN and Inf pass through (:func:`wire_values` is the
+    checked decoder the server uses)."""
+    v = _wire_view(buf, count, dtype)
+    if dtype == "f32":
+        return v if _LITTLE else v.astype(np.float32)
+    h = v.view(np.uint16)
+    if not _LITTLE:  # pragma: no cover
+        h = h.astype(np.uint16)
+    return _native.f16_to_f32(h) if dtype == "f16" else _native.bf16_to_f32(h)
+
+
+def wire_values(buf, count: int, dtype: str) -> np.ndarray:
+    """Wire bytes -> a read-only view of ``count`` values as they travel: float32 for
+    "f32", float16 for "f16", uint16 bit patterns for "bf16" (the kernel reads all
+    three). Raises CodecError when the size is not ``count * itemsize`` or the dtype is
+    unknown, and BadValue when a value is NaN or Inf: what this returns is safe to
+    hand to the kernel unchecked."""
+    v = _wire_view(buf, count, dtype)
     _native.values_check(v, dtype)  # one C pass over the bits, no conversion
     return v
 
