@@ -25,6 +25,9 @@ ENV = {
     "log_level": "STELLA_PS_LOG_LEVEL",
     "log_format": "STELLA_PS_LOG_FORMAT",
     "ready_file": "STELLA_PS_READY_FILE",
+    "keys": "STELLA_PS_KEYS",
+    "allow": "STELLA_PS_ALLOW",
+    "insecure": "STELLA_PS_INSECURE",
 }
 
 
@@ -46,6 +49,9 @@ class ServerConfig:
     log_level: str = "INFO"
     log_format: str = "json"
     ready_file: str | None = None  # the bound endpoint is written here once listening
+    keys: str | None = None  # the server's certificate file with its secret key (CurveZMQ)
+    allow: str | None = None  # the allowlist: client public keys admitted
+    insecure: bool = False  # plaintext, no authentication: only with this explicit choice
 
 
 def _parse_optimizer(text: str) -> OptimizerConfig:
@@ -94,11 +100,24 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--log-format", default=env.get(ENV["log_format"], d.log_format), choices=["json", "text"])
     p.add_argument("--ready-file", default=env.get(ENV["ready_file"]),
                    help="write the bound endpoint to this file once listening (for scripts and tests)")
+    p.add_argument("--keys", default=env.get(ENV["keys"]),
+                   help="the server's key pair: the '.key_secret' certificate `stella keygen` writes "
+                   f"(env {ENV['keys']})")
+    p.add_argument("--allow", default=env.get(ENV["allow"]),
+                   help="allowlist of client public keys, one Z85 key per line; re-read on change and on SIGHUP "
+                   f"(env {ENV['allow']})")
+    p.add_argument("--insecure", action="store_true",
+                   default=env.get(ENV["insecure"], "").lower() in ("1", "true", "yes"),
+                   help="plaintext and no authentication: anyone who reaches the port can read the traffic and "
+                   f"change the model (env {ENV['insecure']}=1)")
     a = p.parse_args(argv)
+    if not a.insecure and not (a.keys and a.allow):
+        p.error("stella-ps needs --keys SERVER.key_secret and --allow ALLOWLIST (make them with `stella keygen`), "
+                "or --insecure to run without encryption and authentication")
     if a.workers < 1 or a.history < 1 or a.step_deadline < 0 or a.max_message_bytes < 1024:
         p.error("--workers and --history must be >= 1, --step-deadline >= 0, --max-message-bytes >= 1024")
     return ServerConfig(
         bind=a.bind, workers=a.workers, step_deadline=a.step_deadline, optimizer=a.optimizer,
         history=a.history, max_message_bytes=a.max_message_bytes, log_level=a.log_level,
-        log_format=a.log_format, ready_file=a.ready_file,
+        log_format=a.log_format, ready_file=a.ready_file, keys=a.keys, allow=a.allow, insecure=a.insecure,
     )

@@ -71,6 +71,15 @@ MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
 Send = Callable[[bytes, Any, Sequence[Any]], None]
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a message: its CurveZMQ public key (Z85) and that key's fingerprint;
+    with ``--insecure``, an anonymous peer (empty key)."""
+
+    key: str
+    fingerprint: str
+
+
 @dataclass
 class Stats:
     """Counters reported by ``status``; the transport counts messages and bytes."""
@@ -154,15 +163,23 @@ class Service:
         self._exec.shutdown(wait=True)
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, ident: bytes, rx: Received) -> None:
-        """Serve one request; raises a :class:`StellaError` to refuse it."""
+    def drop_peer(self, key: str) -> None:
+        """Forget the live workers of a key that is no longer admitted, so that steps do
+        not wait for them."""
+        gone = self.members.drop_key(key)
+        if gone:
+            log.warning("workers dropped: their key left the allowlist", extra={"workers": gone})
+            self._maybe_close_steps()
+
+    def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:
+        """Serve one request from ``peer``; raises a :class:`StellaError` to refuse it."""
         match rx.msg:
             case Push():
                 self._push(ident, rx)
             case Pull():
                 self._pull(ident, rx.msg)
             case Join():
-                self._join(ident, rx.msg)
+                self._join(ident, rx.msg, peer)
             case Register():
                 self._register(ident, rx)
             case SetOptimizer():
@@ -175,10 +192,11 @@ class Service:
                 raise ProtocolError(f"no handler for {type(rx.msg).__name__}")
 
     # ------------------------------------------------------------------ handlers
-    def _join(self, ident: bytes, msg: Join) -> None:
-        info = self.members.join(ident, msg.worker, msg.name, reserved=self.agg.pending_workers())
+    def _join(self, ident: bytes, msg: Join, peer: Peer) -> None:
+        info = self.members.join(ident, msg.worker, msg.name, reserved=self.agg.pending_workers(),
+                                 key=peer.key, fingerprint=peer.fingerprint)
         log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
-                                         "live": len(self.members.live)})
+                                         "key_fingerprint": info.fingerprint, "live": len(self.members.live)})
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised), ())
         self._maybe_close_steps()
@@ -195,6 +213,7 @@ class Service:
         self._send(ident, StatusReply(
             req=msg.req, version=self.store.version, initialised=self.store.initialised,
             workers=self.members.ids(), expected_workers=self.config.workers,
+            worker_keys={w: i.fingerprint for w, i in self.members.live.items()}, insecure=self.config.insecure,
             pending_pushes=self.agg.pending_count(), steps=s.steps, pushes=s.pushes, pulls=s.pulls,
             late_pushes=s.late_pushes, bytes_in=s.bytes_in, bytes_out=s.bytes_out, messages=s.messages,
             errors=s.errors, uptime_s=time.time() - s.started, numel=self.store.numel,
