@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import zmq
 
-from stella import Client
 from stella.errors import BadRequest, ErrorCode, from_reply
 from stella.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from stella_ps.config import parse_args
@@ -153,7 +152,7 @@ def _two_workers(make_server, make_client, args):
 
 
 def test_max_queued_pushes_per_worker(make_server, make_client):
-    srv, a, b = _two_workers(make_server, make_client, ["--max-queued-pushes", "2"])
+    _srv, a, b = _two_workers(make_server, make_client, ["--max-queued-pushes", "2"])
     g = {"w": (np.array([1], np.int32), np.array([1.0], np.float32))}
     a.push(g, 0)
     a.push(g, 0)  # b never pushes: a's pushes wait for their step
@@ -169,7 +168,7 @@ def test_max_queued_pushes_per_worker(make_server, make_client):
 
 
 def test_max_queued_push_bytes_per_worker(make_server, make_client):
-    srv, a, b = _two_workers(make_server, make_client, ["--max-queued-push-bytes", "6000"])
+    _srv, a, _b = _two_workers(make_server, make_client, ["--max-queued-push-bytes", "6000"])
     dense = {"w": np.ones(1024, np.float32)}  # 4096 bytes of values
     a.push(dense, 0)  # a push to an empty queue is always taken, whatever its size
     with pytest.raises(BadRequest) as ei:
@@ -257,7 +256,7 @@ def _norm_server(make_server, make_client, *args):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_push_norm_refused(make_server, make_client, dtype):
-    srv, c = _norm_server(make_server, make_client)
+    _srv, c = _norm_server(make_server, make_client)
     with pytest.raises(BadRequest) as ei:  # norm over all tensors: sqrt(9 + 16 + 1) > 5
         c.push({"w": np.array([3.0, 0.0], np.float32), "b": np.array([4.0, 0, 1], np.float32)}, 0,
                value_dtype=dtype)
@@ -270,7 +269,7 @@ def test_push_norm_refused(make_server, make_client, dtype):
 
 
 def test_push_norm_refuses_values_near_float32_max(make_server, make_client):
-    srv, c = _norm_server(make_server, make_client)
+    _srv, c = _norm_server(make_server, make_client)
     with pytest.raises(BadRequest) as ei:
         c.push({"w": np.array([3e38, -3e38], np.float32)}, 0)
     refused(ei, "bad_value", "4.24264e+38", "--max-push-norm")

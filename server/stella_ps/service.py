@@ -302,6 +302,7 @@ class Service:
         to it (float32 copies) with ``--push-norm-action clip``."""
         bound = self.config.max_push_norm
         norm = push_norm(tensors)
+        log.debug("push norm", extra={"worker": worker, "norm": norm})
         if norm <= bound:
             return tensors
         if self.config.push_norm_action == "refuse":
