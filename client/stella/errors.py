@@ -42,6 +42,7 @@ class ErrorCode(str, Enum):
     LAYOUT_CONFLICT = "layout_conflict"  # registration differs from the server's model
     VERSION = "version"  # an impossible version (from the future, too far ahead)
     UNAUTHORISED = "unauthorised"  # the sender's key is no longer on the server's allowlist
+    LIMIT = "limit"  # a resource bound of the server (workers, waiting pulls, queued pushes, model bytes)
     INTERNAL = "internal"  # a bug in the server; the request changed nothing it could undo
     UNAVAILABLE = "unavailable"  # client side only: no answer in time
 
@@ -123,7 +124,8 @@ class Unauthorised(ServerError):
 
 class BadRequest(ServerError, ProtocolError):
     """The server refused a malformed or invalid request (bad frames, indices, values,
-    unknown tensor, oversized message, bad optimizer setting); ``code`` says which."""
+    unknown tensor, oversized message, bad optimizer setting) or one beyond a resource
+    limit of the server (code ``limit``); ``code`` says which."""
 
     code = ErrorCode.PROTOCOL
 

@@ -26,8 +26,9 @@ class WorkerInfo:
 class Membership:
     """Live workers by id. A worker id belongs to the connection that joined with it."""
 
-    def __init__(self, expected: int = 1):
+    def __init__(self, expected: int = 1, max_workers: int = 256):
         self.expected = expected
+        self.max_workers = max_workers  # live workers at most (--max-workers)
         self.live: dict[int, WorkerInfo] = {}
         self.started = False  # set once `expected` workers have been live together
         self._next_id = 0
@@ -54,6 +55,10 @@ class Membership:
                     raise ServerError(f"worker id {want} is in use by another live connection",
                                       ErrorCode.WORKER_ID)
                 return cur
+        if len(self.live) >= self.max_workers:
+            raise ServerError(f"join refused: {len(self.live)} live workers, the server's limit "
+                              f"(--max-workers {self.max_workers})", ErrorCode.LIMIT)
+        if want is not None:
             wid = want
         else:
             while self._next_id in self.live or self._next_id in reserved:

@@ -55,9 +55,10 @@ from stella.protocol import (
     decode_tensors,
 )
 
-from .aggregation import Aggregator, PendingPush
+from .aggregation import Aggregator, PendingPush, push_norm, scaled
 from .config import ServerConfig
 from .errors import ConfigError
+from .kernel import state_bytes
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
 from .store import ModelStore, layout_diff
@@ -106,9 +107,10 @@ class Service:
         self.config = config
         self._send = send
         self.stats = stats or Stats()
-        self.members = Membership(expected=config.workers)
-        self.agg = Aggregator(step_deadline=config.step_deadline)
-        self.waiters = PullWaiters()
+        self.members = Membership(expected=config.workers, max_workers=config.max_workers)
+        self.agg = Aggregator(step_deadline=config.step_deadline, max_queued_pushes=config.max_queued_pushes,
+                              max_queued_push_bytes=config.max_queued_push_bytes)
+        self.waiters = PullWaiters(max_per_worker=config.max_waiting_pulls)
         self.store = ModelStore(history=config.history)
         self.optimizer: OptimizerConfig | None = None  # set when the model is initialised
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-store")
@@ -232,8 +234,11 @@ class Service:
             raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
         try:
             cfg = OptimizerConfig.from_wire(dict(msg.optimizer)) if msg.optimizer else self.config.optimizer
+            self.config.optimizer_limits.check(cfg)
         except ConfigError as e:
             raise _optimizer_error(e) from None
+        if not self.store.initialised:
+            self._check_model_bytes(layout, cfg)
         values = None
         if msg.values:
             values = []
@@ -243,6 +248,17 @@ class Service:
                 except BadValue:
                     raise BadValue(f"register: tensor {spec.name!r} has NaN/Inf initial values") from None
         self._spawn(self._register_async(ident, msg, info, layout, values, cfg), ident, msg.req)
+
+    def _check_model_bytes(self, layout: list, cfg: OptimizerConfig) -> None:
+        """Refuse, before anything is allocated, a model whose parameters and optimizer
+        state (as the kernel allocates them) exceed ``--max-model-bytes``."""
+        need = sum(state_bytes(s.numel, cfg.name) for s in layout)
+        limit = self.config.max_model_bytes
+        if need > limit:
+            numel = sum(s.numel for s in layout)
+            raise ServerError(f"register refused: {numel} coordinates with {cfg.name} need {need} bytes of "
+                              f"parameters and optimizer state, more than the server's limit of {limit} bytes "
+                              f"(--max-model-bytes)", ErrorCode.LIMIT)
 
     async def _register_async(self, ident: bytes, msg: Register, info: WorkerInfo, layout: list,
                               values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
@@ -271,7 +287,7 @@ class Service:
     def _changed_optimizer(self, hparams: dict[str, Any]) -> OptimizerConfig:
         assert self.optimizer is not None  # a registered worker implies a model
         try:
-            return self.optimizer.updated(dict(hparams))
+            return self.config.optimizer_limits.check(self.optimizer.updated(dict(hparams)))
         except ConfigError as e:
             raise _optimizer_error(e) from None
 
@@ -287,15 +303,33 @@ class Service:
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")
+        nbytes = sum(f.nbytes for f in rx.frames)
+        self.agg.check_room(info.worker, nbytes)  # before the work of decoding
         tensors = decode_tensors(rx, self.store.layout)
         if msg.hparams:
             self._changed_optimizer(msg.hparams)  # refused now, not when the step applies
-        nbytes = sum(f.nbytes for f in rx.frames)
+        if self.config.max_push_norm:
+            tensors = self._bounded(info.worker, tensors)
         queued = self.agg.add(PendingPush(info.worker, msg.version, tensors, msg.hparams, nbytes))
         info.pushes += 1
         self.stats.pushes += 1
         self._send(ident, PushOk(req=msg.req, step=self.store.version + queued, version=self.store.version), ())
         self._maybe_close_steps(first_push=True)
+
+    def _bounded(self, worker: int, tensors: list) -> list:
+        """The push's tensors inside ``--max-push-norm``: refused above it, or scaled down
+        to it (float32 copies) with ``--push-norm-action clip``."""
+        bound = self.config.max_push_norm
+        norm = push_norm(tensors)
+        log.debug("push norm", extra={"worker": worker, "norm": norm})
+        if norm <= bound:
+            return tensors
+        if self.config.push_norm_action == "refuse":
+            raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
+                           f"{bound:g} (--max-push-norm)")
+        log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": "--max-push-norm",
+                                           "max_push_norm": bound})
+        return scaled(tensors, bound / norm)
 
     def _pull(self, ident: bytes, msg: Pull) -> None:
         self.members.check(ident, msg.worker)
@@ -305,12 +339,12 @@ class Service:
         wait_for = msg.wait_for or 0
         if wait_for > v + MAX_WAIT_AHEAD:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
-        self.stats.pulls += 1
         if wait_for <= v:
             self._spawn(self._reply_delta(ident, msg), ident, msg.req)
         else:
-            self.waiters.add(wait_for, msg.timeout_ms / 1000,
+            self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
                              lambda: self._spawn(self._reply_delta(ident, msg), ident, msg.req))
+        self.stats.pulls += 1
 
     async def _reply_delta(self, ident: bytes, msg: Pull) -> None:
         enc = await self._in_store(self.store.encoded_delta, msg.since, msg.coding)
