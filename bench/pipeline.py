@@ -31,7 +31,7 @@ def build(width: int, depth: int, seed: int = 0):
     return build_mlp((512, *[width] * depth, 10), seed)
 
 
-def _worker(mode: str, address: str | None, rank: int, args, out) -> None:
+def _worker(mode: str, address: str | None, rank: int, args, out, keys: dict) -> None:
     import torch
 
     from stella import StellaOptimizer
@@ -46,7 +46,7 @@ def _worker(mode: str, address: str | None, rank: int, args, out) -> None:
         opt = StellaOptimizer(model, address, optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
                               density=args.density, staleness=0 if mode == "sync" else 1,
                               compress_in_backward=mode == "pipeline_bwd",
-                              value_dtype=args.value_dtype, index_coding=args.index_coding, timeout=120)
+                              value_dtype=args.value_dtype, index_coding=args.index_coding, timeout=120, **keys)
     times = []
     b0 = (0, 0)
     for it in range(args.warmup + args.iters):
@@ -77,7 +77,8 @@ def run_mode(mode: str, args) -> dict:
     address = ps.endpoint if ps is not None else None
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(mode, address, r, args, q)) for r in range(args.workers)]
+    keys = ps.client_kwargs() if ps is not None else {}
+    procs = [ctx.Process(target=_worker, args=(mode, address, r, args, q, keys)) for r in range(args.workers)]
     try:
         for p in procs:
             p.start()

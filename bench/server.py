@@ -38,10 +38,11 @@ def _layout(numel: int) -> dict[str, np.ndarray]:
     return {f"t{i}": np.zeros(per, np.float32) for i in range(TENSORS)}
 
 
-def _worker(endpoint: str, rank: int, numel: int, density: float, steps: int, optimizer: dict, out) -> None:
+def _worker(endpoint: str, rank: int, numel: int, density: float, steps: int, optimizer: dict, out,
+            keys: dict) -> None:
     rng = np.random.default_rng(rank)
     init = _layout(numel)
-    c = Client(endpoint, timeout=120)
+    c = Client(endpoint, timeout=120, **keys)
     c.register(init, optimizer)
     version = c.pull(None).version
     pushes = []
@@ -67,7 +68,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with ServerProcess(workers=workers, log_level="WARNING") as srv:
-        procs = [ctx.Process(target=_worker, args=(srv.endpoint, r, numel, density, steps, opt, out))
+        procs = [ctx.Process(target=_worker, args=(srv.endpoint, r, numel, density, steps, opt, out, srv.client_kwargs()))
                  for r in range(workers)]
         for p in procs:
             p.start()

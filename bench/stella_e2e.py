@@ -60,7 +60,8 @@ def worker(a) -> int:
     model = wl.build_model(a.seed)
     density = a.density if a.density == "auto" else float(a.density)
     opt = StellaOptimizer(model, a.address, optimizer=server_options(wl), density=density, timeout=600,
-                          name=f"e2e-{a.rank}", staleness=a.staleness)
+                          name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
+                          client_key=a.client_key)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_at")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
@@ -133,6 +134,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                     "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
                     "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp,
                     "--out", os.path.join(tmp, f"rank{r}.json")]
+            for flag, path in ps.client_kwargs().items():  # the CurveZMQ keys made for this job
+                argv += [f"--{flag.replace('_', '-')}", path]
             if stop_at_target:
                 argv.append("--stop-at-target")
             argvs.append(argv)
@@ -193,6 +196,8 @@ def main(argv=None) -> int:
     w.add_argument("--stop-at-target", action="store_true")
     w.add_argument("--log-dir", required=True)
     w.add_argument("--out", required=True)
+    w.add_argument("--server-key", help="the server's public key file (CurveZMQ)")
+    w.add_argument("--client-key", help="this worker's .key_secret file (CurveZMQ)")
     ap.add_argument("--workload", default="digits")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=120)

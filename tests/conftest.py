@@ -27,10 +27,61 @@ import pytest
 import zmq
 
 from stella import Client
+from stella.client import curve_keys as stella_curve_keys
 from stella_ps.process import ServerProcess
+from stella_ps.security import KeySet, write_keyset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZMQ_TERM_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeySet]:
+    """The whole suite runs over CurveZMQ, the default: one key set for the session, in
+    the environment every server (``STELLA_PS_KEYS``/``STELLA_PS_ALLOW``) and every client
+    (``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``) of the tests reads, subprocesses
+    included. ``keys.client_secrets["outsider"]`` is a valid key pair that is NOT on the
+    allowlist."""
+    directory = str(tmp_path_factory.mktemp("curve"))
+    keys = write_keyset(directory, clients=("client",))
+    outsider = write_keyset(os.path.join(directory, "outsider"), clients=("outsider",))
+    keys.client_secrets["outsider"] = outsider.client_secrets["outsider"]
+    env = {"STELLA_PS_KEYS": keys.server_secret, "STELLA_PS_ALLOW": keys.allowlist,
+           "STELLA_SERVER_KEY": keys.server_public, "STELLA_CLIENT_KEY": keys.client_secrets["client"]}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield keys
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def curve_dealer(endpoint: str, ctx: zmq.Context | None = None, *, timeout_ms: int = 10000) -> zmq.Socket:
+    """A bare DEALER with the session's client keys, for hand-made (bad) messages."""
+    sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    keys = stella_curve_keys()
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    sock.connect(endpoint)
+    return sock
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[Callable[[str], zmq.Socket]]:
+    """Factory of bare CurveZMQ DEALER sockets (closed after the test)."""
+    socks: list[zmq.Socket] = []
+
+    def make(endpoint: str) -> zmq.Socket:
+        socks.append(curve_dealer(endpoint))
+        return socks[-1]
+
+    yield make
+    for sock in socks:
+        sock.close(linger=0)
 
 
 ServerFactory = Callable[..., ServerProcess]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from stella.client import Client
+from stella.client import Client, curve_keys
 from stella.protocol import PROTOCOL_VERSION
 
 MAX_MSG = 2 << 20
@@ -22,10 +22,10 @@ def env(module_server_factory):
     good = Client(srv.endpoint, timeout=10)
     init = {"w": np.arange(100, dtype=np.float32).reshape(10, 10), "b": np.zeros(4, np.float32)}
     good.register(init, {"name": "sgd", "lr": 0.1})
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.RCVTIMEO, 10000)
+    raw.curve_serverkey, raw.curve_publickey, raw.curve_secretkey = curve_keys()  # the session's allowed pair
     raw.connect(srv.endpoint)
     state = {"srv": srv, "good": good, "raw": raw, "version": 0}
     hdr = call(raw, {"type": "join", "name": "raw"})

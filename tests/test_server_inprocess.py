@@ -16,8 +16,9 @@ from stella_ps.server import ParameterServer
 class InProcessServer:
     """A ParameterServer on its own event loop in a background thread, on port 0."""
 
-    def __init__(self, **config):
-        self.server = ParameterServer(ServerConfig(bind="tcp://127.0.0.1:0", **config))
+    def __init__(self, keys, **config):
+        self.server = ParameterServer(ServerConfig(bind="tcp://127.0.0.1:0", keys=keys.server_secret,
+                                                   allow=keys.allowlist, **config))
         self.endpoint = self.server.bind()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),),
@@ -32,11 +33,11 @@ class InProcessServer:
 
 
 @pytest.fixture
-def inproc():
+def inproc(curve_keys):
     servers = []
 
     def make(**config) -> InProcessServer:
-        s = InProcessServer(**config)
+        s = InProcessServer(curve_keys, **config)
         servers.append(s)
         return s
 

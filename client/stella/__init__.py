@@ -16,6 +16,7 @@ from .errors import (
     ServerError,
     ServerUnavailable,
     StellaError,
+    Unauthorised,
     VersionError,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "LayoutConflict",
     "NotRegistered",
     "VersionError",
+    "Unauthorised",
 ]
 __version__ = "0.1.0"
 

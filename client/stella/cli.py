@@ -1,4 +1,4 @@
-"""``stella``: the user command line (``stella demo``, ``stella status``)."""
+"""``stella``: the user command line (``stella demo``, ``stella status``, ``stella keygen``)."""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="print a running stella-ps's counters")
     st.add_argument("address", help="e.g. tcp://127.0.0.1:5555")
     st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--server-key", help="the server's public key file (default: env STELLA_SERVER_KEY)")
+    st.add_argument("--client-key", help="this client's .key_secret file (default: env STELLA_CLIENT_KEY)")
+    kg = sub.add_parser("keygen", help="write a CurveZMQ key pair (ZeroMQ certificate files) and print the "
+                        "public key line for an allowlist")
+    kg.add_argument("directory", help="where to write NAME.key (public) and NAME.key_secret (keep it secret)")
+    kg.add_argument("--name", default="stella", help="file name stem (default: stella)")
     a = p.parse_args(argv)
+    if a.cmd == "keygen":
+        return keygen(a.directory, a.name)
     if a.cmd == "demo":
         from .demo import run_demo
 
@@ -36,8 +44,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if res["test_accuracy"] is not None else 1
     from .client import Client
 
-    with Client(a.address, timeout=a.timeout, join=False) as c:
+    with Client(a.address, timeout=a.timeout, join=False, server_key=a.server_key, client_key=a.client_key) as c:
         print(json.dumps(c.status(), indent=2))
+    return 0
+
+
+def keygen(directory: str, name: str) -> int:
+    """Write ``NAME.key`` and ``NAME.key_secret`` (mode 0600) into ``directory``; print the
+    public key with the name, the allowlist line for it."""
+    import os
+
+    import zmq.auth
+
+    os.makedirs(directory, exist_ok=True)
+    secret_path = os.path.join(directory, f"{name}.key_secret")
+    if os.path.exists(secret_path):
+        print(f"stella keygen: {secret_path} exists; not overwriting a key", file=sys.stderr)
+        return 1
+    public_path, secret_path = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret_path, 0o600)
+    public, _ = zmq.auth.load_certificate(public_path)
+    print(f"{public.decode()} {name}")
+    print(f"wrote {public_path} (public: give it out, put the line above on the server's allowlist) and "
+          f"{secret_path} (secret: keep it on this machine)", file=sys.stderr)
     return 0
 
 

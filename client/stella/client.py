@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar, cast
 import msgspec
 import numpy as np
 import zmq
+import zmq.auth
 
 from .errors import ProtocolError, ServerUnavailable, from_reply
 from .protocol import (
@@ -51,12 +52,17 @@ from .protocol import (
     encode_tensors,
 )
 
-__all__ = ["Client", "Pending", "PullResult", "ENV_TIMEOUT", "default_timeout"]
+__all__ = ["Client", "Pending", "PullResult", "ENV_TIMEOUT", "ENV_SERVER_KEY", "ENV_CLIENT_KEY", "default_timeout"]
 
 log = logging.getLogger("stella.client")
 
 ENV_TIMEOUT = "STELLA_TIMEOUT"
 """Environment variable: default timeout of every blocking call, in seconds (60 if unset)."""
+
+ENV_SERVER_KEY = "STELLA_SERVER_KEY"
+"""Environment variable: the server's public key (its ``.key`` certificate file, or the Z85 key)."""
+ENV_CLIENT_KEY = "STELLA_CLIENT_KEY"
+"""Environment variable: this client's key pair (the ``.key_secret`` certificate file)."""
 
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 T = TypeVar("T")
@@ -69,6 +75,36 @@ def default_timeout() -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not a number of seconds") from None
+
+
+def _public_key(spec: str) -> bytes:
+    """A Z85 public key from a certificate file's path or from the key itself."""
+    if os.path.exists(spec):
+        public, _ = zmq.auth.load_certificate(spec)
+        return bytes(public)
+    if len(spec) == 40:
+        return spec.encode()
+    raise ValueError(f"server key {spec!r} is neither a certificate file nor a 40-character Z85 key")
+
+
+def curve_keys(server_key: str | None = None, client_key: str | None = None) -> tuple[bytes, bytes, bytes] | None:
+    """``(server public, client public, client secret)`` for CurveZMQ, from the arguments
+    or ``STELLA_SERVER_KEY`` / ``STELLA_CLIENT_KEY``; None when neither is set (plaintext,
+    for a server started with ``--insecure``)."""
+    server_key = server_key or os.environ.get(ENV_SERVER_KEY) or None
+    client_key = client_key or os.environ.get(ENV_CLIENT_KEY) or None
+    if server_key is None and client_key is None:
+        return None
+    if server_key is None or client_key is None:
+        raise ValueError(f"CurveZMQ needs both the server's public key ({ENV_SERVER_KEY}) and this client's key "
+                         f"pair ({ENV_CLIENT_KEY}); got only one")
+    try:
+        public, secret = zmq.auth.load_certificate(client_key)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the client's key pair from {client_key!r}: {e}") from None
+    if not secret:
+        raise ValueError(f"{client_key!r} holds no secret key: use the '.key_secret' file `stella keygen` wrote")
+    return _public_key(server_key), bytes(public), bytes(secret)
 
 
 def _to_numpy_f32(x: Any) -> np.ndarray:
@@ -143,6 +179,12 @@ class Client:
     registration initialises the server's store); then ``push`` and ``pull`` each step.
     Every blocking call takes ``timeout`` (seconds; default ``STELLA_TIMEOUT`` or 60) and
     raises :class:`ServerUnavailable` when it passes.
+
+    ``server_key`` (the server's public certificate file or Z85 key) and ``client_key``
+    (this client's ``.key_secret`` certificate file), or ``STELLA_SERVER_KEY`` and
+    ``STELLA_CLIENT_KEY``, turn on CurveZMQ: encryption, and authentication on both
+    sides. Without them the client speaks plaintext, which only a server started with
+    ``--insecure`` accepts.
     """
 
     def __init__(
@@ -153,6 +195,8 @@ class Client:
         name: str = "",
         worker_id: int | None = None,
         join: bool = True,
+        server_key: str | None = None,
+        client_key: str | None = None,
         ctx: zmq.Context | None = None,
     ):
         self.address = address
@@ -172,6 +216,10 @@ class Client:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue a request for a peer that is not connected
         sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
+        keys = curve_keys(server_key, client_key)
+        self.secure = keys is not None
+        if keys is not None:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
         sock.connect(address)
         self._sock = sock
         self._finalizer = weakref.finalize(self, sock.close, 0)
@@ -180,8 +228,10 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
     def _unavailable(self, what: str, t: float) -> ServerUnavailable:
+        hint = ("; is this client's key on the server's allowlist, and the server's key the right one?"
+                if self.secure else f"; a server that runs with keys needs {ENV_SERVER_KEY} and {ENV_CLIENT_KEY}")
         return ServerUnavailable(f"{what} stella-ps at {self.address} within {t:.1f}s "
-                                 f"(the timeout argument, or {ENV_TIMEOUT} for the default)")
+                                 f"(the timeout argument, or {ENV_TIMEOUT} for the default){hint}")
 
     def _send(self, msg: Any, frames: Iterable[Any] = (), timeout: float | None = None) -> int:
         """Send a request built without its id; returns the id for :meth:`_wait`."""

@@ -125,7 +125,7 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         model.train(was_training)
 
 
-def _worker(address: str, rank: int, cfg: DemoConfig, progress) -> None:
+def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, str]) -> None:
     import torch
 
     from .pipeline import StellaOptimizer
@@ -137,7 +137,8 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress) -> None:
     model = demo_model(cfg.hidden, cfg.seed)
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
                           density=cfg.density, method=cfg.method, dense_below=1024, timeout=cfg.timeout,
-                          name=f"demo-worker-{rank}")
+                          name=f"demo-worker-{rank}", server_key=keys.get("server_key"),
+                          client_key=keys.get("client_key"))
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
     try:
@@ -176,7 +177,9 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
     endpoint = ps.endpoint
     ctx = mp.get_context("spawn")
     progress = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(endpoint, r, cfg, progress), daemon=True) for r in range(cfg.workers)]
+    # the server runs with CurveZMQ keys made for this run; each worker gets the client's pair
+    procs = [ctx.Process(target=_worker, args=(endpoint, r, cfg, progress, ps.client_kwargs()), daemon=True)
+             for r in range(cfg.workers)]
     print(f"stella demo: stella-ps at {endpoint}, {cfg.workers} workers, digits MLP, top-k density "
           f"{cfg.density:.0%} ({cfg.method}) with error feedback, {cfg.steps} steps", file=out, flush=True)
     try:

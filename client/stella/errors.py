@@ -22,6 +22,7 @@ __all__ = [
     "LayoutConflict",
     "NotRegistered",
     "VersionError",
+    "Unauthorised",
     "BadRequest",
     "from_reply",
 ]
@@ -40,6 +41,8 @@ class ErrorCode(str, Enum):
     NOT_REGISTERED = "not_registered"  # not joined, or the model is not registered yet
     LAYOUT_CONFLICT = "layout_conflict"  # registration differs from the server's model
     VERSION = "version"  # an impossible version (from the future, too far ahead)
+    UNAUTHORISED = "unauthorised"  # the sender's key is no longer on the server's allowlist
+    LIMIT = "limit"  # a resource bound of the server (workers, waiting pulls, queued pushes, model bytes)
     INTERNAL = "internal"  # a bug in the server; the request changed nothing it could undo
     UNAVAILABLE = "unavailable"  # client side only: no answer in time
 
@@ -113,9 +116,16 @@ class VersionError(ServerError):
     code = ErrorCode.VERSION
 
 
+class Unauthorised(ServerError):
+    """The server no longer admits this client's key (it was removed from the allowlist)."""
+
+    code = ErrorCode.UNAUTHORISED
+
+
 class BadRequest(ServerError, ProtocolError):
     """The server refused a malformed or invalid request (bad frames, indices, values,
-    unknown tensor, oversized message, bad optimizer setting); ``code`` says which."""
+    unknown tensor, oversized message, bad optimizer setting) or one beyond a resource
+    limit of the server (code ``limit``); ``code`` says which."""
 
     code = ErrorCode.PROTOCOL
 
@@ -124,6 +134,7 @@ _BY_CODE: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.LAYOUT_CONFLICT: LayoutConflict,
     ErrorCode.NOT_REGISTERED: NotRegistered,
     ErrorCode.VERSION: VersionError,
+    ErrorCode.UNAUTHORISED: Unauthorised,
     ErrorCode.INTERNAL: ServerError,
 }
 

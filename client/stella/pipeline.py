@@ -121,7 +121,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     ``density``: the fraction of each tensor pushed per step, or ``"auto"`` (default):
     a :class:`DensityBudget` from ``min_density`` up to ``max_density``, raised while the
     exchange hides behind the computation. ``method``/``dense_below``: the compressor. ``value_dtype`` and
-    ``index_coding``: wire coding of pushes. ``staleness``: 1 (pipelined) or 0 (push,
+    ``index_coding``: wire coding of pushes. ``server_key``/``client_key``: CurveZMQ
+    keys (see :class:`~stella.client.Client`; or ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``).
+    ``staleness``: 1 (pipelined) or 0 (push,
     wait and install inside ``step()``; the non-overlapped baseline). One step of
     staleness suited the SGD models measured but stalled an AdamW Transformer (see
     bench/RESULTS.md and the README): check it against ``staleness=0`` for a new model.
@@ -144,6 +146,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         timeout: float | None = None,
         name: str = "",
         worker_id: int | None = None,
+        server_key: str | None = None,
+        client_key: str | None = None,
         compress_in_backward: bool = False,
         client: Client | None = None,
     ):
@@ -182,7 +186,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._compress_exec: ThreadPoolExecutor | None = None
 
         def init() -> tuple[Registered, PullResult]:
-            self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id)
+            self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id,
+                                           server_key=server_key, client_key=client_key)
             reply = self.client.register(self.params, optimizer)
             return reply, self.client.pull(None)
 

@@ -241,6 +241,8 @@ class StatusReply(_Message, tag="status", frozen=True):
     version: Version
     initialised: bool
     workers: list[int]  # live worker ids
+    worker_keys: dict[int, str]  # live worker id -> fingerprint of its key ("insecure" without keys)
+    insecure: bool  # the server runs without encryption and authentication
     expected_workers: int
     pending_pushes: int
     steps: int

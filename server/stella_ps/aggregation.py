@@ -7,6 +7,11 @@ Each closed step takes at most one push per worker, oldest first; a push that
 missed its step stays queued and is folded into the next one, never dropped.
 Pushes of a worker that left still count. The first step waits until the expected
 number of workers have joined once (``started``, kept by the membership).
+
+Each worker's queue is bounded (``stella-ps --max-queued-pushes`` and
+``--max-queued-push-bytes``): a push beyond either bound is refused and nothing is
+queued. A push to an empty queue is always taken (the message size limit bounds it),
+so the byte bound limits the backlog, never a worker's only push.
 """
 from __future__ import annotations
 
@@ -17,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from stella.errors import ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
-__all__ = ["PendingPush", "Step", "Aggregator"]
+__all__ = ["PendingPush", "Step", "Aggregator", "push_norm", "scaled"]
+
+_CHUNK = 1 << 20  # values converted to float64 at a time by push_norm
 
 
 @dataclass(frozen=True)
@@ -54,12 +62,33 @@ class Step:
 class Aggregator:
     """Pending pushes per worker and the rule that closes a step."""
 
-    def __init__(self, step_deadline: float = 0.0):
+    def __init__(self, step_deadline: float = 0.0, max_queued_pushes: int = 4,
+                 max_queued_push_bytes: int = 256 << 20):
         self.step_deadline = step_deadline  # seconds; 0 waits for every live worker
+        self.max_queued_pushes = max_queued_pushes  # per worker
+        self.max_queued_push_bytes = max_queued_push_bytes  # per worker, once its queue is not empty
         self._pending: dict[int, deque[PendingPush]] = {}
 
+    def check_room(self, worker: int, nbytes: int) -> None:
+        """Raise a ``limit`` :class:`ServerError` if a push of ``nbytes`` from ``worker``
+        would exceed its queue's bounds."""
+        q = self._pending.get(worker)
+        if not q:
+            return
+        if len(q) >= self.max_queued_pushes:
+            raise ServerError(f"push refused: worker {worker} already has {len(q)} pushes waiting for their "
+                              f"step, the server's limit (--max-queued-pushes {self.max_queued_pushes})",
+                              ErrorCode.LIMIT)
+        queued = sum(p.nbytes for p in q)
+        if queued + nbytes > self.max_queued_push_bytes:
+            raise ServerError(f"push refused: worker {worker} has {queued} bytes of pushes waiting for their step; "
+                              f"{nbytes} more would exceed the server's limit "
+                              f"(--max-queued-push-bytes {self.max_queued_push_bytes})", ErrorCode.LIMIT)
+
     def add(self, push: PendingPush) -> int:
-        """Queue a push; returns how many of this worker's pushes were already waiting."""
+        """Queue a push (refused as :meth:`check_room` says); returns how many of this
+        worker's pushes were already waiting."""
+        self.check_room(push.worker, push.nbytes)
         q = self._pending.setdefault(push.worker, deque())
         q.append(push)
         return len(q) - 1
@@ -111,3 +140,32 @@ class Aggregator:
             late=sum(p.version < version - 1 for p in pushes),
             hparams=[p.hparams for p in pushes if p.hparams],
         )
+
+
+def _as_f32(values: np.ndarray) -> np.ndarray:
+    """Wire values (float32, float16, or bf16 bit patterns as uint16) as float32."""
+    if values.dtype == np.uint16:  # bf16: the upper half of a float32
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)
+
+
+def push_norm(tensors: list[SparseTensor]) -> float:
+    """The L2 norm of a push's values over all its tensors, computed in float64 (the
+    values are finite, but float32 squares of 3e38 overflow), a chunk at a time."""
+    total = 0.0
+    for s in tensors:
+        v = s.values
+        for i in range(0, v.shape[0], _CHUNK):
+            c = _as_f32(v[i:i + _CHUNK]).astype(np.float64)
+            total += float(np.dot(c, c))
+    return float(np.sqrt(total))
+
+
+def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
+    """The push with every value multiplied by ``factor`` (< 1), as float32 copies
+    (the wire views are read-only and may be float16 or bf16)."""
+    out = []
+    for s in tensors:
+        v = (_as_f32(s.values).astype(np.float64) * factor).astype(np.float32)
+        out.append(SparseTensor(s.tensor, s.indices, v))
+    return out

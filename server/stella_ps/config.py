@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .optim import OptimizerConfig
+from .optim import OptimizerConfig, OptimizerLimits
 
 __all__ = ["ServerConfig", "ENV", "parse_args"]
 
@@ -22,13 +23,36 @@ ENV = {
     "optimizer": "STELLA_PS_OPTIMIZER",
     "history": "STELLA_PS_HISTORY",
     "max_message_bytes": "STELLA_PS_MAX_MESSAGE_BYTES",
+    "max_workers": "STELLA_PS_MAX_WORKERS",
+    "max_waiting_pulls": "STELLA_PS_MAX_WAITING_PULLS",
+    "max_queued_pushes": "STELLA_PS_MAX_QUEUED_PUSHES",
+    "max_queued_push_bytes": "STELLA_PS_MAX_QUEUED_PUSH_BYTES",
+    "max_model_bytes": "STELLA_PS_MAX_MODEL_BYTES",
+    "max_lr": "STELLA_PS_MAX_LR",
+    "max_weight_decay": "STELLA_PS_MAX_WEIGHT_DECAY",
+    "max_push_norm": "STELLA_PS_MAX_PUSH_NORM",
+    "push_norm_action": "STELLA_PS_PUSH_NORM_ACTION",
     "log_level": "STELLA_PS_LOG_LEVEL",
     "log_format": "STELLA_PS_LOG_FORMAT",
     "ready_file": "STELLA_PS_READY_FILE",
+    "keys": "STELLA_PS_KEYS",
+    "allow": "STELLA_PS_ALLOW",
+    "insecure": "STELLA_PS_INSECURE",
 }
 
 
 DEFAULT_OPTIMIZER = OptimizerConfig.from_wire({"name": "sgd"})  # PyTorch's SGD defaults
+PUSH_NORM_ACTIONS = ("refuse", "clip")
+
+
+def default_max_model_bytes() -> int:
+    """Half the machine's physical memory (16 GiB where it cannot be read): room for the
+    model's parameters and optimizer state, with the other half for the pushes, pulls
+    and snapshots in flight and for everything else on the host."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 16 << 30
 
 
 @dataclass(frozen=True)
@@ -43,9 +67,25 @@ class ServerConfig:
     optimizer: OptimizerConfig = DEFAULT_OPTIMIZER
     history: int = 64  # applied steps remembered for delta pulls; older `since` gets a snapshot
     max_message_bytes: int = 1 << 30
+    # resource bounds on what peers can make the server hold (README "Limits")
+    max_workers: int = 256  # live workers; a join beyond is refused
+    max_waiting_pulls: int = 8  # pulls per worker waiting for a future version
+    max_queued_pushes: int = 4  # pushes per worker waiting for their step
+    # bytes of pushes per worker waiting for their step; a push to an empty queue is
+    # always taken (max_message_bytes bounds it)
+    max_queued_push_bytes: int = 256 << 20
+    # parameters + optimizer state of the model (kernel.state_bytes), checked before allocating
+    max_model_bytes: int = field(default_factory=default_max_model_bytes)
+    # operator bounds on hyper-parameters (--max-lr, --max-weight-decay); the default optimizer obeys them
+    optimizer_limits: OptimizerLimits = field(default_factory=OptimizerLimits)
+    max_push_norm: float = 0.0  # L2 norm of one push's values; 0 = no bound
+    push_norm_action: str = "refuse"  # above max_push_norm: "refuse" the push or "clip" it to the bound
     log_level: str = "INFO"
     log_format: str = "json"
     ready_file: str | None = None  # the bound endpoint is written here once listening
+    keys: str | None = None  # the server's certificate file with its secret key (CurveZMQ)
+    allow: str | None = None  # the allowlist: client public keys admitted
+    insecure: bool = False  # plaintext, no authentication: only with this explicit choice
 
 
 def _parse_optimizer(text: str) -> OptimizerConfig:
@@ -94,11 +134,72 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--log-format", default=env.get(ENV["log_format"], d.log_format), choices=["json", "text"])
     p.add_argument("--ready-file", default=env.get(ENV["ready_file"]),
                    help="write the bound endpoint to this file once listening (for scripts and tests)")
+    p.add_argument("--keys", default=env.get(ENV["keys"]),
+                   help="the server's key pair: the '.key_secret' certificate `stella keygen` writes "
+                   f"(env {ENV['keys']})")
+    p.add_argument("--allow", default=env.get(ENV["allow"]),
+                   help="allowlist of client public keys, one Z85 key per line; re-read on change and on SIGHUP "
+                   f"(env {ENV['allow']})")
+    p.add_argument("--insecure", action="store_true",
+                   default=env.get(ENV["insecure"], "").lower() in ("1", "true", "yes"),
+                   help="plaintext and no authentication: anyone who reaches the port can read the traffic and "
+                   f"change the model (env {ENV['insecure']}=1)")
+    p.add_argument("--max-workers", type=int, default=int(env.get(ENV["max_workers"], d.max_workers)),
+                   help=f"live workers at most; a join beyond is refused (env {ENV['max_workers']})")
+    p.add_argument("--max-waiting-pulls", type=int,
+                   default=int(env.get(ENV["max_waiting_pulls"], d.max_waiting_pulls)),
+                   help=f"pulls per worker waiting for a future version (env {ENV['max_waiting_pulls']})")
+    p.add_argument("--max-queued-pushes", type=int,
+                   default=int(env.get(ENV["max_queued_pushes"], d.max_queued_pushes)),
+                   help=f"pushes per worker waiting for their step (env {ENV['max_queued_pushes']})")
+    p.add_argument("--max-queued-push-bytes", type=int,
+                   default=int(env.get(ENV["max_queued_push_bytes"], d.max_queued_push_bytes)),
+                   help="bytes of pushes per worker waiting for their step; a push to an empty queue is always "
+                   f"taken (env {ENV['max_queued_push_bytes']})")
+    p.add_argument("--max-model-bytes", type=int, default=int(env.get(ENV["max_model_bytes"], d.max_model_bytes)),
+                   help="parameters plus optimizer state of the registered model, checked before allocating; "
+                   f"default half the physical memory (env {ENV['max_model_bytes']})")
+    p.add_argument("--max-lr", type=float, default=_opt_float(env.get(ENV["max_lr"])),
+                   help=f"largest lr a registration, set_optimizer or push may ask for (env {ENV['max_lr']})")
+    p.add_argument("--max-weight-decay", type=float, default=_opt_float(env.get(ENV["max_weight_decay"])),
+                   help=f"largest weight_decay (env {ENV['max_weight_decay']})")
+    p.add_argument("--max-push-norm", type=float,
+                   default=float(env.get(ENV["max_push_norm"], d.max_push_norm)),
+                   help=f"L2 norm bound of one push's values, 0 = none (env {ENV['max_push_norm']})")
+    p.add_argument("--push-norm-action", choices=PUSH_NORM_ACTIONS,
+                   default=env.get(ENV["push_norm_action"], d.push_norm_action),
+                   help=f"a push above --max-push-norm: refuse it, or clip it to the bound "
+                   f"(env {ENV['push_norm_action']})")
     a = p.parse_args(argv)
+    if not a.insecure and not (a.keys and a.allow):
+        p.error("stella-ps needs --keys SERVER.key_secret and --allow ALLOWLIST (make them with `stella keygen`), "
+                "or --insecure to run without encryption and authentication")
     if a.workers < 1 or a.history < 1 or a.step_deadline < 0 or a.max_message_bytes < 1024:
         p.error("--workers and --history must be >= 1, --step-deadline >= 0, --max-message-bytes >= 1024")
+    if min(a.max_workers, a.max_waiting_pulls, a.max_queued_pushes) < 1:
+        p.error("--max-workers, --max-waiting-pulls and --max-queued-pushes must be >= 1")
+    if a.max_queued_push_bytes < 0 or a.max_model_bytes < 1:
+        p.error("--max-queued-push-bytes must be >= 0 and --max-model-bytes >= 1")
+    if not (math.isfinite(a.max_push_norm) and a.max_push_norm >= 0):
+        p.error("--max-push-norm must be a finite number >= 0 (0: no bound)")
+    try:
+        limits = OptimizerLimits(a.max_lr, a.max_weight_decay)
+    except ConfigError as e:
+        p.error(f"--max-lr/--max-weight-decay: {e}")
+    try:  # the server's own default must obey the operator's bounds
+        limits.check(a.optimizer)
+    except ConfigError as e:
+        p.error(f"--optimizer {a.optimizer.to_wire()}: {e}")
     return ServerConfig(
         bind=a.bind, workers=a.workers, step_deadline=a.step_deadline, optimizer=a.optimizer,
-        history=a.history, max_message_bytes=a.max_message_bytes, log_level=a.log_level,
-        log_format=a.log_format, ready_file=a.ready_file,
+        history=a.history, max_message_bytes=a.max_message_bytes, max_workers=a.max_workers,
+        max_waiting_pulls=a.max_waiting_pulls, max_queued_pushes=a.max_queued_pushes,
+        max_queued_push_bytes=a.max_queued_push_bytes, max_model_bytes=a.max_model_bytes,
+        optimizer_limits=limits, max_push_norm=a.max_push_norm, push_norm_action=a.push_norm_action,
+        log_level=a.log_level, log_format=a.log_format, ready_file=a.ready_file, keys=a.keys, allow=a.allow,
+        insecure=a.insecure,
     )
+
+
+def _opt_float(text: str | None) -> float | None:
+    return float(text) if text not in (None, "") else None

@@ -14,6 +14,7 @@ import sys
 import time
 
 from .config import ServerConfig, parse_args
+from .errors import ConfigError
 from .server import ParameterServer
 
 __all__ = ["main", "run"]
@@ -59,12 +60,14 @@ def _setup_logging(cfg: ServerConfig) -> None:
 
 
 async def run(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S``."""
+    """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S``;
+    SIGHUP reads the allowlist again."""
     server = ParameterServer(cfg)
     endpoint = server.bind()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_allowlist)
     if cfg.ready_file:
         tmp = cfg.ready_file + ".tmp"
         with open(tmp, "w") as f:
@@ -86,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        asyncio.run(run(cfg))
+        runner = asyncio.run
     else:
-        uvloop.run(run(cfg))
+        runner = uvloop.run
+    try:
+        runner(run(cfg))
+    except ConfigError as e:  # bad keys or allowlist: say so, no traceback
+        print(f"stella-ps: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

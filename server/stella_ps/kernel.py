@@ -35,6 +35,8 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "union_indices",
+    "state_bytes",
+    "hugepages_worthwhile",
     "ENV_THREADS",
 ]
 
@@ -57,6 +59,44 @@ _FIELDS["adamw"] = _FIELDS["adam"]
 # Index errors on input the wrapper checked (or was told was checked) are the
 # caller's; anything else is the kernel's.
 _INPUT_ERRORS = {lib.STELLA_E_RANGE: KernelInputError, lib.STELLA_E_ORDER: KernelInputError, None: KernelError}
+
+
+_HUGE_2M = 2 << 20
+_FLOATS_PER_COORD = {"sgd": 2, "adam": 4, "adamw": 4}  # record fields (native/optim_state.c)
+HUGEPAGE_MAX_WASTE = 1 / 8  # round a state up to 2 MiB pages only when that adds at most this
+
+
+def _exact_state_bytes(numel: int, name: str) -> int:
+    return ((numel + 15) & ~15) * _FLOATS_PER_COORD[name] * 4
+
+
+def hugepages_worthwhile(numel: int, name: str) -> bool:
+    """Whether a state of ``numel`` coordinates for optimizer ``name`` should live on
+    2 MiB pages: only when rounding its size up to whole 2 MiB pages adds at most
+    :data:`HUGEPAGE_MAX_WASTE` of it (a 2.1 MiB state would otherwise take 4 MiB)."""
+    exact = _exact_state_bytes(numel, name)
+    if exact < _HUGE_2M:
+        return False
+    rounded = (exact + _HUGE_2M - 1) & ~(_HUGE_2M - 1)
+    return rounded - exact <= exact * HUGEPAGE_MAX_WASTE
+
+
+def state_bytes(numel: int, name: str, hugepages: bool | None = None) -> int:
+    """Bytes the kernel allocates for one tensor's parameters and optimizer state, as
+    ``stella_optim_new`` computes them: a record of 2 float32 per coordinate for SGD
+    (parameter, momentum buffer: SGD keeps the slot even when momentum is folded or
+    0), 4 for Adam/AdamW (parameter, exp_avg, exp_avg_sq, step), coordinates padded to
+    16, and with huge pages the size rounded up to 2 MiB. ``hugepages`` None: the
+    choice :class:`KernelTensorState` makes by default (:func:`hugepages_worthwhile`).
+    Known before anything is allocated, so a registration can be refused up front."""
+    if name not in _FLOATS_PER_COORD:
+        raise KernelInputError(f"unknown optimizer {name!r}")
+    exact = _exact_state_bytes(numel, name)
+    if hugepages is None:
+        hugepages = hugepages_worthwhile(numel, name)
+    if hugepages and exact >= _HUGE_2M:
+        return (exact + _HUGE_2M - 1) & ~(_HUGE_2M - 1)
+    return exact
 
 
 def _threads_from_env() -> int:
@@ -149,7 +189,8 @@ class KernelTensorState:
     """One tensor's float32 parameters and lazy optimizer state, held by the C kernel.
 
     State is one interleaved record per coordinate (docs/optimizer.md); ``hugepages``
-    asks the OS for 2 MiB pages for it.
+    asks the OS for 2 MiB pages for it (None, the default: when that wastes little,
+    :func:`hugepages_worthwhile`); :func:`state_bytes` is its size in advance.
 
     The C calls release the GIL; one state must not be used from two threads at
     once (the server applies a tensor's steps one after another).
@@ -160,7 +201,7 @@ class KernelTensorState:
     _ffi = ffi
     _lib = lib
 
-    def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, hugepages: bool = True):
+    def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, hugepages: bool | None = None):
         ffi_, lib_ = self._ffi, self._lib
         if cfg.name not in _KIND:
             raise KernelInputError(f"unknown optimizer {cfg.name!r}")
@@ -171,6 +212,8 @@ class KernelTensorState:
             raise KernelInputError(f"tensor size {init.size} outside [1, 2**31 - 1]")
         self.numel = int(init.size)
         self.name = cfg.name
+        if hugepages is None:
+            hugepages = hugepages_worthwhile(self.numel, cfg.name)
         ptr = lib_.stella_optim_new(_KIND[cfg.name], self.numel, int(hugepages))
         if ptr == ffi_.NULL:
             raise MemoryError(f"cannot allocate the state of a {self.numel}-coordinate tensor")

@@ -17,6 +17,8 @@ class WorkerInfo:
     worker: int
     routing_id: bytes  # the ZeroMQ connection the worker joined on
     name: str = ""
+    key: str = ""  # the CurveZMQ public key it connected with ("" with --insecure)
+    fingerprint: str = ""  # what logs and status show of that key
     registered: bool = False
     pushes: int = 0
 
@@ -24,8 +26,9 @@ class WorkerInfo:
 class Membership:
     """Live workers by id. A worker id belongs to the connection that joined with it."""
 
-    def __init__(self, expected: int = 1):
+    def __init__(self, expected: int = 1, max_workers: int = 256):
         self.expected = expected
+        self.max_workers = max_workers  # live workers at most (--max-workers)
         self.live: dict[int, WorkerInfo] = {}
         self.started = False  # set once `expected` workers have been live together
         self._next_id = 0
@@ -34,9 +37,17 @@ class Membership:
         return sorted(self.live)
 
     def join(self, routing_id: bytes, want: int | None, name: str = "",
-             reserved: Collection[int] = ()) -> WorkerInfo:
+             reserved: Collection[int] = (), key: str = "", fingerprint: str = "") -> WorkerInfo:
         """Add a worker. ``want`` asks for a specific id (a restarted worker); a new id
-        skips the live ones and ``reserved`` (ids whose pushes are still queued)."""
+        skips the live ones and ``reserved`` (ids whose pushes are still queued). A
+        connection holds one worker id: joining again returns it, asking for another
+        is refused."""
+        held = next((i for i in self.live.values() if i.routing_id == routing_id), None)
+        if held is not None:
+            if want is not None and want != held.worker:
+                raise ServerError(f"this connection already holds worker id {held.worker}; one connection "
+                                  "holds one worker id", ErrorCode.WORKER_ID)
+            return held
         if want is not None:
             cur = self.live.get(want)
             if cur is not None:
@@ -44,6 +55,10 @@ class Membership:
                     raise ServerError(f"worker id {want} is in use by another live connection",
                                       ErrorCode.WORKER_ID)
                 return cur
+        if len(self.live) >= self.max_workers:
+            raise ServerError(f"join refused: {len(self.live)} live workers, the server's limit "
+                              f"(--max-workers {self.max_workers})", ErrorCode.LIMIT)
+        if want is not None:
             wid = want
         else:
             while self._next_id in self.live or self._next_id in reserved:
@@ -52,7 +67,7 @@ class Membership:
                 raise ServerError("no worker id left", ErrorCode.WORKER_ID)
             wid = self._next_id
         self._next_id = max(self._next_id, wid + 1)
-        info = WorkerInfo(wid, routing_id, name)
+        info = WorkerInfo(wid, routing_id, name, key, fingerprint)
         self.live[wid] = info
         if len(self.live) >= self.expected:
             self.started = True
@@ -60,6 +75,13 @@ class Membership:
 
     def leave(self, worker: int) -> None:
         self.live.pop(worker, None)
+
+    def drop_key(self, key: str) -> list[int]:
+        """Remove the live workers that connected with ``key``; returns their ids."""
+        gone = [w for w, i in self.live.items() if i.key == key]
+        for w in gone:
+            del self.live[w]
+        return gone
 
     def check(self, routing_id: bytes, worker: int, *, registered: bool = True) -> WorkerInfo:
         """The live worker ``worker`` of this connection (registered, unless told

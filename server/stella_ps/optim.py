@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["OptimizerConfig", "OPTIMIZERS", "MOMENTUM_MODES", "ConfigError"]
+__all__ = ["OptimizerConfig", "OptimizerLimits", "OPTIMIZERS", "MOMENTUM_MODES", "ConfigError"]
 
 # PyTorch's names and defaults (torch.optim.SGD / Adam / AdamW), plus Stella's
 # ``momentum_mode`` for SGD (see MOMENTUM_MODES).
@@ -116,3 +116,34 @@ class OptimizerConfig:
         if "betas" in d:
             d["betas"] = list(d["betas"])
         return d
+
+
+@dataclass(frozen=True)
+class OptimizerLimits:
+    """Bounds the operator sets on hyper-parameters (``stella-ps --max-lr``,
+    ``--max-weight-decay``), checked beside the mathematical ranges of
+    :meth:`OptimizerConfig.updated` whenever a configuration is made: a registration,
+    ``set_optimizer``, the ``hparams`` of a push, and the server's own default.
+
+    ``max_lr`` bounds ``lr`` as PyTorch names it (SGD's folded momentum moves a
+    coordinate by ``lr / (1 - momentum)``; ``momentum`` itself is only kept below 1).
+    None: no bound."""
+
+    max_lr: float | None = None
+    max_weight_decay: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_lr", "max_weight_decay"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+
+    def check(self, cfg: OptimizerConfig) -> OptimizerConfig:
+        """``cfg`` if inside the bounds; raises :class:`ConfigError` naming the bound."""
+        h = cfg.hparams
+        if self.max_lr is not None and h["lr"] > self.max_lr:
+            raise ConfigError(f"lr={h['lr']:g} is above the server's limit {self.max_lr:g} (--max-lr)")
+        if self.max_weight_decay is not None and h["weight_decay"] > self.max_weight_decay:
+            raise ConfigError(f"weight_decay={h['weight_decay']:g} is above the server's limit "
+                              f"{self.max_weight_decay:g} (--max-weight-decay)")
+        return cfg

@@ -77,6 +77,10 @@ class ServerProcess:
         python: interpreter to run (default: this one).
         popen: how to start the argv; default :class:`subprocess.Popen`. The slow-link
             test bed passes ``functools.partial(bed.popen, site)`` to run it in a site.
+        secure: CurveZMQ (the default). Unless ``args`` (or ``STELLA_PS_KEYS`` in the
+            environment) give keys, a fresh key set is made in the temp dir: a server
+            pair and one allowed client pair, which :meth:`client_kwargs` and
+            :meth:`client_env` hand to clients. ``False`` runs it with ``--insecure``.
 
     Attributes: :attr:`endpoint` (what workers connect to), :attr:`pid`,
     :attr:`returncode` (``None`` while running), :attr:`argv`.
@@ -94,6 +98,7 @@ class ServerProcess:
         timeout: float = START_TIMEOUT_S,
         python: str = sys.executable,
         popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen,
+        secure: bool = True,
     ):
         self._tmpdir = tempfile.mkdtemp(prefix="stella-ps-")
         self._ready = os.path.join(self._tmpdir, "endpoint")
@@ -107,6 +112,16 @@ class ServerProcess:
         self.argv += list(args)
         full_env = dict(os.environ)
         full_env.update(env or {})
+        self._client_keys: dict[str, str] = {}
+        if not secure:
+            if "--insecure" not in self.argv:
+                self.argv.append("--insecure")
+        elif "--keys" not in self.argv and "--insecure" not in self.argv and not full_env.get("STELLA_PS_KEYS"):
+            from .security import write_keyset  # pyzmq only; this module stays light otherwise
+
+            keys = write_keyset(os.path.join(self._tmpdir, "keys"))
+            self.argv += ["--keys", keys.server_secret, "--allow", keys.allowlist]
+            self._client_keys = {"server_key": keys.server_public, "client_key": keys.client_secrets["client"]}
         try:
             with open(self._log_path, "wb") as log:
                 self._proc = popen(self.argv, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
@@ -133,6 +148,18 @@ class ServerProcess:
             time.sleep(0.01)
         with open(self._ready) as f:
             return f.read().strip()
+
+    def client_kwargs(self) -> dict[str, str]:
+        """``server_key`` and ``client_key`` for :class:`stella.Client` / ``StellaOptimizer``
+        when this object made the keys; empty otherwise (insecure, or keys given)."""
+        return dict(self._client_keys)
+
+    def client_env(self) -> dict[str, str]:
+        """The same as environment variables, for worker processes."""
+        if not self._client_keys:
+            return {}
+        return {"STELLA_SERVER_KEY": self._client_keys["server_key"],
+                "STELLA_CLIENT_KEY": self._client_keys["client_key"]}
 
     @property
     def pid(self) -> int:

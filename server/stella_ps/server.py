@@ -1,10 +1,14 @@
-"""Transport and lifecycle: the zmq.asyncio ROUTER socket, receiving, decoding,
-sending, and stopping.
+"""Transport and lifecycle: the zmq.asyncio ROUTER socket (CurveZMQ unless the
+operator chose ``--insecure``), receiving, decoding, sending, and stopping.
 
-Every message is decoded and validated completely (:func:`stella.protocol.decode_request`)
-before the service sees it; a bad one gets an ``error`` reply naming the problem
-and changes nothing. What happens to a valid request is the service's business
-(``service.py``).
+Receiving is bounded before the payload is held: libzmq drops a peer whose single
+frame exceeds ``--max-message-bytes`` without buffering it, and a message with more
+frames than the protocol allows, or more bytes in all, is read and discarded frame by
+frame and answered with an ``oversized`` error. Every message that is kept is
+decoded and validated completely (:func:`stella.protocol.decode_request`) before the
+service sees it; a bad one gets an ``error`` reply naming the problem and changes
+nothing. What happens to a valid request is the service's business (``service.py``);
+who may connect is ``security.py``'s.
 """
 from __future__ import annotations
 
@@ -16,15 +20,18 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from stella.errors import OversizedMessage
-from stella.protocol import decode_request, encode, request_id
+from stella.errors import OversizedMessage, Unauthorised
+from stella.protocol import MAX_FRAMES, decode_request, encode, request_id
 
 from .config import ServerConfig
-from .service import Service, Stats
+from .errors import ConfigError
+from .security import ZAP_DOMAIN, Allowlist, Gatekeeper, fingerprint, load_server_keys
+from .service import Peer, Service, Stats
 
 __all__ = ["ParameterServer"]
 
 log = logging.getLogger("stella_ps.server")
+CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (command, nonce, MAC)
 
 
 class ParameterServer:
@@ -39,16 +46,38 @@ class ParameterServer:
         self.endpoint: str | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._stop = asyncio.Event()
+        self.allowlist: Allowlist | None = None
+        self._gate: Gatekeeper | None = None
+        self._insecure_peer = Peer("", "insecure")
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> str:
         """Bind the ROUTER socket; returns the endpoint (port 0 becomes the port picked)."""
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # libzmq drops a peer whose single frame exceeds this without buffering it;
-        # messages below it but above max_message_bytes get an error reply instead.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        # libzmq drops a peer whose single frame exceeds this without buffering it; the
+        # margin covers CurveZMQ's box around a frame (a frame of exactly the limit still
+        # gets an error reply, larger ones cost the peer its connection)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + CURVE_FRAME_OVERHEAD)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.config.insecure:
+            log.warning("INSECURE: no encryption and no authentication (--insecure); anyone who reaches "
+                        "this port can read the traffic and change the model")
+        else:
+            if not (self.config.keys and self.config.allow):
+                raise ConfigError("CurveZMQ needs the server's key pair (keys) and an allowlist (allow); "
+                                  "or set insecure")
+            keys = load_server_keys(self.config.keys)
+            self.allowlist = Allowlist(self.config.allow)
+            self._gate = Gatekeeper(self.ctx, self.allowlist)  # started by serve(), on its loop
+            sock.curve_server = True
+            sock.curve_secretkey = keys.secret
+            sock.curve_publickey = keys.public
+            sock.zap_domain = ZAP_DOMAIN.encode()
+            # no ZAP handler (yet, or any more) means no admission, never "admit all"
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            log.info("CurveZMQ on", extra={"server_key_fingerprint": fingerprint(keys.public.decode()),
+                                           "allowed_keys": len(self.allowlist)})
         bind = self.config.bind
         if bind.startswith("tcp://") and bind.endswith(":0"):
             bind = bind[:-2] + ":*"
@@ -62,23 +91,45 @@ class ParameterServer:
         if self._sock is None:
             self.bind()
         assert self._sock is not None
+        if self._gate is not None:
+            self._gate.start()
         log.info("listening", extra={"endpoint": self.endpoint, "workers": self.config.workers})
         recv: asyncio.Future | None = None
         stop = asyncio.ensure_future(self._stop.wait())
         try:
             while not self._stop.is_set():
-                recv = asyncio.ensure_future(self._sock.recv_multipart(copy=False))
+                recv = asyncio.ensure_future(self._sock.recv(copy=False))
                 done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if recv not in done:
                     break
-                frames = recv.result()
+                first = recv.result()
                 recv = None
-                self._on_message(frames)
+                self._on_message(*await self._rest_of_message(first))
         finally:
             stop.cancel()
             if recv is not None:
                 recv.cancel()
             await self._shutdown()
+
+    async def _rest_of_message(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int, int]:
+        """The frames of the message ``first`` opens, the count and the bytes; frames past
+        the protocol's or the size limit are read (to keep the stream in step) but not
+        kept. All parts of a ZeroMQ message arrive together, so this never waits."""
+        assert self._sock is not None
+        frames, count, size = [first], 1, 0
+        limit = self.config.max_message_bytes
+        while self._sock.get(zmq.RCVMORE):
+            f = await self._sock.recv(copy=False)
+            count += 1
+            size += len(f)
+            if count <= MAX_FRAMES + 1 and size <= limit:
+                frames.append(f)
+        return frames, count, size
+
+    def reload_allowlist(self) -> None:
+        """Read the allowlist again now (SIGHUP)."""
+        if self.allowlist is not None:
+            self.allowlist.reload()
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return (safe from a signal handler)."""
@@ -93,6 +144,8 @@ class ParameterServer:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._gate is not None:
+            self._gate.stop()
         if self._own_ctx:
             self.ctx.term()
         log.info("stopped", extra={"version": self.service.store.version, "steps": self.stats.steps})
@@ -107,20 +160,38 @@ class ParameterServer:
         except zmq.ZMQError as e:  # peer gone: nothing to do
             log.debug("send failed", extra={"error": str(e)})
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
+    def _on_message(self, frames: list[zmq.Frame], count: int, size: int) -> None:
         self.stats.messages += 1
-        size = sum(len(f) for f in frames)
         self.stats.bytes_in += size
         ident = frames[0].bytes
         body = [f.buffer for f in frames[1:]]
+        req = request_id(body[0]) if body else -1
+        peer = self._peer(frames)
+        if peer is None:  # a key taken off the allowlist while its connection stayed open
+            key = str(frames[1].get("User-Id"))
+            self.service.refuse(ident, req, Unauthorised("this client's key is no longer on the server's allowlist"))
+            self.service.drop_peer(key)
+            return
         try:
+            if count - 1 > MAX_FRAMES:
+                raise OversizedMessage(f"{count - 1} frames > limit {MAX_FRAMES}")
             if size > self.config.max_message_bytes:
                 raise OversizedMessage(f"message of {size} bytes > limit {self.config.max_message_bytes}")
             rx = decode_request(body)
         except Exception as e:
-            self.service.refuse(ident, request_id(body[0]) if body else -1, e)
+            self.service.refuse(ident, req, e)
             return
         try:
-            self.service.handle(ident, rx)
+            self.service.handle(ident, rx, peer)
         except Exception as e:
             self.service.refuse(ident, rx.msg.req, e)
+
+    def _peer(self, frames: list[zmq.Frame]) -> Peer | None:
+        """Who sent this message: its CURVE key (checked against the allowlist as it is
+        now) or, with --insecure, an anonymous peer. None: no longer admitted."""
+        if self.allowlist is None:
+            return self._insecure_peer
+        key = str(frames[1].get("User-Id"))  # the Z85 public key the ZAP handler admitted
+        if not self.allowlist.admits(key):
+            return None
+        return Peer(key, fingerprint(key))

@@ -55,9 +55,10 @@ from stella.protocol import (
     decode_tensors,
 )
 
-from .aggregation import Aggregator, PendingPush
+from .aggregation import Aggregator, PendingPush, push_norm, scaled
 from .config import ServerConfig
 from .errors import ConfigError
+from .kernel import state_bytes
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
 from .store import ModelStore, layout_diff
@@ -69,6 +70,15 @@ log = logging.getLogger("stella_ps.service")
 MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
 
 Send = Callable[[bytes, Any, Sequence[Any]], None]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a message: its CurveZMQ public key (Z85) and that key's fingerprint;
+    with ``--insecure``, an anonymous peer (empty key)."""
+
+    key: str
+    fingerprint: str
 
 
 @dataclass
@@ -97,9 +107,10 @@ class Service:
         self.config = config
         self._send = send
         self.stats = stats or Stats()
-        self.members = Membership(expected=config.workers)
-        self.agg = Aggregator(step_deadline=config.step_deadline)
-        self.waiters = PullWaiters()
+        self.members = Membership(expected=config.workers, max_workers=config.max_workers)
+        self.agg = Aggregator(step_deadline=config.step_deadline, max_queued_pushes=config.max_queued_pushes,
+                              max_queued_push_bytes=config.max_queued_push_bytes)
+        self.waiters = PullWaiters(max_per_worker=config.max_waiting_pulls)
         self.store = ModelStore(history=config.history)
         self.optimizer: OptimizerConfig | None = None  # set when the model is initialised
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-store")
@@ -154,15 +165,23 @@ class Service:
         self._exec.shutdown(wait=True)
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, ident: bytes, rx: Received) -> None:
-        """Serve one request; raises a :class:`StellaError` to refuse it."""
+    def drop_peer(self, key: str) -> None:
+        """Forget the live workers of a key that is no longer admitted, so that steps do
+        not wait for them."""
+        gone = self.members.drop_key(key)
+        if gone:
+            log.warning("workers dropped: their key left the allowlist", extra={"workers": gone})
+            self._maybe_close_steps()
+
+    def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:
+        """Serve one request from ``peer``; raises a :class:`StellaError` to refuse it."""
         match rx.msg:
             case Push():
                 self._push(ident, rx)
             case Pull():
                 self._pull(ident, rx.msg)
             case Join():
-                self._join(ident, rx.msg)
+                self._join(ident, rx.msg, peer)
             case Register():
                 self._register(ident, rx)
             case SetOptimizer():
@@ -175,10 +194,11 @@ class Service:
                 raise ProtocolError(f"no handler for {type(rx.msg).__name__}")
 
     # ------------------------------------------------------------------ handlers
-    def _join(self, ident: bytes, msg: Join) -> None:
-        info = self.members.join(ident, msg.worker, msg.name, reserved=self.agg.pending_workers())
+    def _join(self, ident: bytes, msg: Join, peer: Peer) -> None:
+        info = self.members.join(ident, msg.worker, msg.name, reserved=self.agg.pending_workers(),
+                                 key=peer.key, fingerprint=peer.fingerprint)
         log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
-                                         "live": len(self.members.live)})
+                                         "key_fingerprint": info.fingerprint, "live": len(self.members.live)})
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised), ())
         self._maybe_close_steps()
@@ -195,6 +215,7 @@ class Service:
         self._send(ident, StatusReply(
             req=msg.req, version=self.store.version, initialised=self.store.initialised,
             workers=self.members.ids(), expected_workers=self.config.workers,
+            worker_keys={w: i.fingerprint for w, i in self.members.live.items()}, insecure=self.config.insecure,
             pending_pushes=self.agg.pending_count(), steps=s.steps, pushes=s.pushes, pulls=s.pulls,
             late_pushes=s.late_pushes, bytes_in=s.bytes_in, bytes_out=s.bytes_out, messages=s.messages,
             errors=s.errors, uptime_s=time.time() - s.started, numel=self.store.numel,
@@ -213,8 +234,11 @@ class Service:
             raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
         try:
             cfg = OptimizerConfig.from_wire(dict(msg.optimizer)) if msg.optimizer else self.config.optimizer
+            self.config.optimizer_limits.check(cfg)
         except ConfigError as e:
             raise _optimizer_error(e) from None
+        if not self.store.initialised:
+            self._check_model_bytes(layout, cfg)
         values = None
         if msg.values:
             values = []
@@ -224,6 +248,17 @@ class Service:
                 except BadValue:
                     raise BadValue(f"register: tensor {spec.name!r} has NaN/Inf initial values") from None
         self._spawn(self._register_async(ident, msg, info, layout, values, cfg), ident, msg.req)
+
+    def _check_model_bytes(self, layout: list, cfg: OptimizerConfig) -> None:
+        """Refuse, before anything is allocated, a model whose parameters and optimizer
+        state (as the kernel allocates them) exceed ``--max-model-bytes``."""
+        need = sum(state_bytes(s.numel, cfg.name) for s in layout)
+        limit = self.config.max_model_bytes
+        if need > limit:
+            numel = sum(s.numel for s in layout)
+            raise ServerError(f"register refused: {numel} coordinates with {cfg.name} need {need} bytes of "
+                              f"parameters and optimizer state, more than the server's limit of {limit} bytes "
+                              f"(--max-model-bytes)", ErrorCode.LIMIT)
 
     async def _register_async(self, ident: bytes, msg: Register, info: WorkerInfo, layout: list,
                               values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
@@ -252,7 +287,7 @@ class Service:
     def _changed_optimizer(self, hparams: dict[str, Any]) -> OptimizerConfig:
         assert self.optimizer is not None  # a registered worker implies a model
         try:
-            return self.optimizer.updated(dict(hparams))
+            return self.config.optimizer_limits.check(self.optimizer.updated(dict(hparams)))
         except ConfigError as e:
             raise _optimizer_error(e) from None
 
@@ -268,15 +303,33 @@ class Service:
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")
+        nbytes = sum(f.nbytes for f in rx.frames)
+        self.agg.check_room(info.worker, nbytes)  # before the work of decoding
         tensors = decode_tensors(rx, self.store.layout)
         if msg.hparams:
             self._changed_optimizer(msg.hparams)  # refused now, not when the step applies
-        nbytes = sum(f.nbytes for f in rx.frames)
+        if self.config.max_push_norm:
+            tensors = self._bounded(info.worker, tensors)
         queued = self.agg.add(PendingPush(info.worker, msg.version, tensors, msg.hparams, nbytes))
         info.pushes += 1
         self.stats.pushes += 1
         self._send(ident, PushOk(req=msg.req, step=self.store.version + queued, version=self.store.version), ())
         self._maybe_close_steps(first_push=True)
+
+    def _bounded(self, worker: int, tensors: list) -> list:
+        """The push's tensors inside ``--max-push-norm``: refused above it, or scaled down
+        to it (float32 copies) with ``--push-norm-action clip``."""
+        bound = self.config.max_push_norm
+        norm = push_norm(tensors)
+        log.debug("push norm", extra={"worker": worker, "norm": norm})
+        if norm <= bound:
+            return tensors
+        if self.config.push_norm_action == "refuse":
+            raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
+                           f"{bound:g} (--max-push-norm)")
+        log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": "--max-push-norm",
+                                           "max_push_norm": bound})
+        return scaled(tensors, bound / norm)
 
     def _pull(self, ident: bytes, msg: Pull) -> None:
         self.members.check(ident, msg.worker)
@@ -286,12 +339,12 @@ class Service:
         wait_for = msg.wait_for or 0
         if wait_for > v + MAX_WAIT_AHEAD:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
-        self.stats.pulls += 1
         if wait_for <= v:
             self._spawn(self._reply_delta(ident, msg), ident, msg.req)
         else:
-            self.waiters.add(wait_for, msg.timeout_ms / 1000,
+            self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
                              lambda: self._spawn(self._reply_delta(ident, msg), ident, msg.req))
+        self.stats.pulls += 1
 
     async def _reply_delta(self, ident: bytes, msg: Pull) -> None:
         enc = await self._in_store(self.store.encoded_delta, msg.since, msg.coding)

@@ -44,17 +44,18 @@ class EncodedDelta:
 
 
 def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: int = 5) -> str | None:
-    """A sentence naming how ``got`` differs from ``have``, or None if identical."""
+    """A sentence naming which of the registration's own tensors differ from the
+    server's model (``have``), or None if identical. It names what differs (count,
+    name, shape, dtype) but never the server's values: the sender is not a member of
+    the job yet, and the model's layout is not for it to learn from an error."""
     diffs: list[str] = []
     if len(have) != len(got):
-        diffs.append(f"server model has {len(have)} tensors, registration has {len(got)}")
+        diffs.append(f"the registration's {len(got)} tensors are not the model's count")
     for i, (a, b) in enumerate(zip(have, got)):
-        if a.name != b.name:
-            diffs.append(f"tensor {i}: name {b.name!r} != server's {a.name!r}")
-        if a.shape != b.shape:
-            diffs.append(f"tensor {a.name!r}: shape {list(b.shape)} != server's {list(a.shape)}")
-        if a.dtype != b.dtype:
-            diffs.append(f"tensor {a.name!r}: dtype {b.dtype} != server's {a.dtype}")
+        what = [k for k, x, y in (("name", a.name, b.name), ("shape", a.shape, b.shape), ("dtype", a.dtype, b.dtype))
+                if x != y]
+        if what:
+            diffs.append(f"tensor {i} ({b.name!r}, shape {list(b.shape)}, {b.dtype}): {' and '.join(what)} differ")
     if not diffs:
         return None
     more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""

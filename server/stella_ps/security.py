@@ -1,0 +1,184 @@
+"""Who may talk to the server: CurveZMQ keys, the allowlist of client keys, and the
+ZAP handler that admits only those.
+
+The server authenticates with its key pair (a ZeroMQ certificate file holding the
+secret key, as ``stella keygen`` writes it); every client proves it holds the secret
+of a public key on the allowlist before the first byte of a message reaches the
+server, and everything on the wire is encrypted. The allowlist is a text file, one
+Z85 public key per line, as ``stella keygen`` prints it (anything after the key is a
+comment, and so is a line starting with ``#`` that is not a key). It is read again
+when its modification time changes (looked at, at most once a second, when a peer
+connects or sends) and on SIGHUP, without a restart. A key removed from it can no
+longer connect, and the messages of its open connections are refused from then on
+(the server drops its workers).
+
+A peer is known in logs and ``status`` by the fingerprint of its public key, never by
+the key itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
+
+from .errors import ConfigError
+
+__all__ = ["ServerKeys", "Allowlist", "Gatekeeper", "KeySet", "write_keyset", "fingerprint", "ZAP_DOMAIN",
+           "load_server_keys"]
+
+log = logging.getLogger("stella_ps.security")
+ZAP_DOMAIN = "stella"
+RELOAD_CHECK_S = 1.0  # how often the allowlist file's modification time is looked at
+
+
+def fingerprint(z85_key: str) -> str:
+    """A short, stable name for a public key (16 hex digits of its SHA-256)."""
+    return hashlib.sha256(z85_key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    public: bytes  # Z85
+    secret: bytes  # Z85
+
+
+def load_server_keys(path: str) -> ServerKeys:
+    """The server's key pair from a ZeroMQ certificate file with its secret key."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the server's key pair from {path!r}: {e}") from None
+    if not secret:
+        raise ConfigError(f"{path!r} holds no secret key: give the server the '.key_secret' file "
+                          "that `stella keygen` wrote")
+    return ServerKeys(public, secret)
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """Paths of a job's key files: the server's pair, the clients' pairs, the allowlist."""
+
+    server_public: str  # what clients are given (STELLA_SERVER_KEY)
+    server_secret: str  # stella-ps --keys
+    allowlist: str  # stella-ps --allow
+    client_secrets: dict[str, str]  # name -> the client's .key_secret (STELLA_CLIENT_KEY)
+
+
+def write_keyset(directory: str, clients: tuple[str, ...] = ("client",)) -> KeySet:
+    """Make a server key pair, one pair per client name, and an allowlist admitting
+    those clients, in ``directory`` (the secret files readable by the owner only)."""
+    os.makedirs(directory, exist_ok=True)
+    server_public, server_secret = zmq.auth.create_certificates(directory, "server")
+    secrets, lines = {}, []
+    for name in clients:
+        public, secret = zmq.auth.create_certificates(directory, name)
+        secrets[name] = secret
+        lines.append(f"{zmq.auth.load_certificate(public)[0].decode()} {name}")
+    for path in (server_secret, *secrets.values()):
+        os.chmod(path, 0o600)
+    allowlist = os.path.join(directory, "allowlist")
+    with open(allowlist, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return KeySet(server_public, server_secret, allowlist, secrets)
+
+
+def _parse_key(text: str) -> str | None:
+    try:
+        raw = z85.decode(text.encode())
+    except (ValueError, TypeError, KeyError):
+        return None
+    return text if len(raw) == 32 else None
+
+
+class Allowlist:
+    """The client public keys the server admits, from a text file, reloaded on change."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._keys: dict[str, str] = {}  # Z85 key -> its comment (a name), if any
+        self._mtime: float | None = None
+        self._checked = 0.0
+        self.reload(strict=True)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def reload(self, *, strict: bool = False) -> bool:
+        """Read the file again; returns whether the set of keys changed. A file that
+        cannot be read or holds a malformed line raises at start-up (``strict``) and
+        keeps the previous list afterwards (logged as an error)."""
+        try:
+            mtime = os.stat(self.path).st_mtime
+            with open(self.path) as f:
+                lines = f.read().splitlines()
+            keys: dict[str, str] = {}
+            for n, line in enumerate(lines, 1):
+                line = line.strip()
+                word, _, comment = line.partition(" ")
+                key = _parse_key(word)  # before the comment test: '#' is a Z85 digit
+                if key is None:
+                    if not line or line.startswith("#"):
+                        continue
+                    raise ConfigError(f"{self.path}:{n}: not a Z85 public key (40 characters): {word[:48]!r}")
+                keys[key] = comment.strip()
+        except (OSError, ConfigError) as e:
+            if strict:
+                raise ConfigError(f"allowlist {self.path!r}: {e}") from None
+            log.error("allowlist not reloaded; the previous one stays in force",
+                      extra={"path": self.path, "reason": str(e)})
+            return False
+        changed = keys.keys() != self._keys.keys()
+        self._keys, self._mtime = keys, mtime
+        if changed and not strict:
+            log.warning("allowlist reloaded", extra={"path": self.path, "keys": len(keys)})
+        return changed
+
+    def maybe_reload(self) -> None:
+        """Reload when the file changed (its modification time), looked at most once a second."""
+        now = time.monotonic()
+        if now - self._checked < RELOAD_CHECK_S:
+            return
+        self._checked = now
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError as e:
+            log.error("allowlist unreadable; the previous one stays in force",
+                      extra={"path": self.path, "reason": str(e)})
+            return
+        if mtime != self._mtime:
+            self.reload()
+
+    def admits(self, z85_key: str) -> bool:
+        self.maybe_reload()
+        return z85_key in self._keys
+
+
+class Gatekeeper:
+    """The ZAP handler of one context: admits a CURVE client whose key is on the allowlist."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, allowlist: Allowlist):
+        self.allowlist = allowlist
+        self._auth = AsyncioAuthenticator(ctx, log=logging.getLogger("stella_ps.zap"))
+        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        """Called by the ZAP handler for every new connection."""
+        key = z85_key.decode()
+        ok = self.allowlist.admits(key)
+        if not ok:
+            log.warning("connection refused: key not on the allowlist", extra={"key_fingerprint": fingerprint(key)})
+        return ok
+
+    def start(self) -> None:
+        self._auth.start()
+
+    def stop(self) -> None:
+        self._auth.stop()

@@ -1,0 +1,269 @@
+"""Bounds on what a peer can make the server hold, and operator bounds on values.
+
+Each limit is hit against a real server: the reply names the code and the flag, and
+nothing changed (version, model, optimizer, status counts, memory where it matters).
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from stella.errors import BadRequest, ErrorCode, from_reply
+from stella.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
+from stella_ps.config import parse_args
+from stella_ps.kernel import state_bytes
+from stella_ps.process import ServerStartError
+
+MiB = 1 << 20
+
+
+def call(sock: zmq.Socket, hdr: dict, frames=()) -> dict:
+    sock.send_multipart([msgspec.msgpack.encode({"proto": PROTOCOL_VERSION, "req": 7, **hdr}), *frames])
+    return msgspec.msgpack.decode(sock.recv_multipart()[0])
+
+
+def refused(exc_info, code: str, *fragments: str) -> None:
+    e = exc_info.value
+    assert isinstance(e, BadRequest) and e.code == ErrorCode(code), repr(e)
+    for f in fragments:
+        assert f in str(e), str(e)
+
+
+def rss_hwm(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_limit_code_maps_to_bad_request():
+    e = from_reply("limit", "too many")
+    assert isinstance(e, BadRequest) and e.code is ErrorCode.LIMIT and "[limit] too many" in str(e)
+
+
+def test_flags_env_and_defaults(monkeypatch):
+    d = parse_args([])
+    assert (d.max_workers, d.max_waiting_pulls, d.max_queued_pushes) == (256, 8, 4)
+    assert d.max_queued_push_bytes == 256 * MiB and d.max_model_bytes > 0
+    assert d.max_push_norm == 0 and d.push_norm_action == "refuse"
+    assert d.optimizer_limits.max_lr is None and d.optimizer_limits.max_weight_decay is None
+    monkeypatch.setenv("STELLA_PS_MAX_WORKERS", "3")
+    monkeypatch.setenv("STELLA_PS_MAX_LR", "0.5")
+    monkeypatch.setenv("STELLA_PS_PUSH_NORM_ACTION", "clip")
+    c = parse_args(["--max-waiting-pulls", "2"])
+    assert (c.max_workers, c.max_waiting_pulls, c.push_norm_action) == (3, 2, "clip")
+    assert c.optimizer_limits.max_lr == 0.5
+    assert parse_args(["--max-workers", "5"]).max_workers == 5  # flag > env
+    for bad in (["--max-workers", "0"], ["--max-push-norm", "-1"], ["--max-lr", "nan"],
+                ["--push-norm-action", "ignore"], ["--optimizer", "sgd:lr=0.9"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+# ---------------------------------------------------------------- live workers
+def test_max_workers(make_server, make_client, raw_dealer):
+    srv = make_server(1, ["--max-workers", "2"])
+    a = make_client(srv.endpoint)
+    make_client(srv.endpoint)
+    with pytest.raises(BadRequest) as ei:
+        make_client(srv.endpoint)
+    refused(ei, "limit", "2 live workers", "--max-workers 2")
+    raw = raw_dealer(srv.endpoint)
+    r = call(raw, {"type": "join", "name": "third"})
+    assert r["type"] == "error" and r["code"] == "limit"
+    assert a.status()["workers"] == [0, 1]
+    assert a.join(a.worker_id) == a.worker_id  # a live worker re-joining is not a new one
+    a.leave()
+    assert call(raw, {"type": "join", "name": "third"})["type"] == "joined"  # room again
+    assert "--max-workers" in srv.logs()
+
+
+def test_max_workers_from_the_environment(make_server, make_client):
+    srv = make_server(1, env={"STELLA_PS_MAX_WORKERS": "1"})
+    make_client(srv.endpoint)
+    with pytest.raises(BadRequest) as ei:
+        make_client(srv.endpoint)
+    refused(ei, "limit", "--max-workers 1")
+
+
+def test_huge_worker_name_is_refused_and_nothing_held(server, make_client, raw_dealer):
+    c = make_client(server.endpoint)
+    raw = raw_dealer(server.endpoint)
+    r = call(raw, {"type": "join", "name": "x" * MiB})
+    assert r["type"] == "error" and r["code"] == "oversized" and f"> {MAX_HEADER_BYTES}" in r["message"]
+    r = call(raw, {"type": "join", "name": "x" * 2000})  # below the header bound, above MAX_NAME_BYTES
+    assert r["type"] == "error" and r["code"] == "protocol" and "$.name" in r["message"]
+    assert c.status()["workers"] == [c.worker_id]
+
+
+# ---------------------------------------------------------------- waiting pulls
+def test_max_waiting_pulls_per_worker(make_server, make_client):
+    srv = make_server(1, ["--max-waiting-pulls", "3"])
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    a.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    b.register({"w": np.zeros(4, np.float32)})
+    waiting = [a.pull(0, wait_for=1, wait=False, timeout=30) for _ in range(3)]
+    pulls = a.status()["pulls"]
+    with pytest.raises(BadRequest) as ei:
+        a.pull(0, wait_for=1, timeout=30)
+    refused(ei, "limit", "3 pulls waiting", "--max-waiting-pulls 3")
+    assert a.status()["pulls"] == pulls and a.status()["errors"] >= 1
+    b.pull(0, wait_for=1, wait=False, timeout=30)  # the bound is per worker
+    a.pull(0)  # a pull of the present is not a waiting one
+    # answered waiters are counted out: a step releases them, then there is room again
+    a.push({"w": np.ones(4, np.float32)}, 0)
+    b.push({"w": np.ones(4, np.float32)}, 0)
+    assert [p.result().version for p in waiting] == [1, 1, 1]
+    more = [a.pull(1, wait_for=2, wait=False, timeout=1.0) for _ in range(3)]
+    assert [p.result().version for p in more] == [1, 1, 1]  # expired (timeout): counted out too
+    again = [a.pull(1, wait_for=2, wait=False, timeout=1.0) for _ in range(3)]
+    assert [p.result().version for p in again] == [1, 1, 1]
+
+
+# ---------------------------------------------------------------- queued pushes
+def _two_workers(make_server, make_client, args):
+    srv = make_server(2, args)
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    a.register({"w": np.zeros(1024, np.float32)}, {"name": "sgd", "lr": 1.0})
+    b.register({"w": np.zeros(1024, np.float32)})
+    return srv, a, b
+
+
+def test_max_queued_pushes_per_worker(make_server, make_client):
+    _srv, a, b = _two_workers(make_server, make_client, ["--max-queued-pushes", "2"])
+    g = {"w": (np.array([1], np.int32), np.array([1.0], np.float32))}
+    a.push(g, 0)
+    a.push(g, 0)  # b never pushes: a's pushes wait for their step
+    with pytest.raises(BadRequest) as ei:
+        a.push(g, 0)
+    refused(ei, "limit", "2 pushes waiting", "--max-queued-pushes 2")
+    st = a.status()
+    assert st["pending_pushes"] == 2 and st["pushes"] == 2 and st["version"] == 0
+    b.push(g, 0)  # closes step 1 with a's first push; a has room for one more
+    assert a.pull(0, wait_for=1).version == 1
+    a.push(g, 1)
+    assert a.status()["pending_pushes"] == 2
+
+
+def test_max_queued_push_bytes_per_worker(make_server, make_client):
+    _srv, a, _b = _two_workers(make_server, make_client, ["--max-queued-push-bytes", "6000"])
+    dense = {"w": np.ones(1024, np.float32)}  # 4096 bytes of values
+    a.push(dense, 0)  # a push to an empty queue is always taken, whatever its size
+    with pytest.raises(BadRequest) as ei:
+        a.push(dense, 0)
+    refused(ei, "limit", "4096 bytes of pushes waiting", "--max-queued-push-bytes 6000")
+    a.push({"w": (np.array([1], np.int32), np.array([1.0], np.float32))}, 0)  # small: fits
+    st = a.status()
+    assert st["pending_pushes"] == 2 and st["version"] == 0
+
+
+# ---------------------------------------------------------------- model bytes
+def test_max_model_bytes_refused_before_allocating(make_server, make_client):
+    n = 100_000
+    adam, sgd = state_bytes(n, "adam"), state_bytes(n, "sgd")
+    assert (adam, sgd) == (16 * n, 8 * n)
+    srv = make_server(1, ["--max-model-bytes", str(MiB)])
+    c = make_client(srv.endpoint)
+    with pytest.raises(BadRequest) as ei:
+        c.register({"w": np.zeros(n, np.float32)}, {"name": "adam"})
+    refused(ei, "limit", f"need {adam} bytes", f"limit of {MiB} bytes", "--max-model-bytes")
+    st = c.status()
+    assert not st["initialised"] and st["numel"] == 0 and st["bytes_in"] < 10_000  # the values were never sent
+    c.register({"w": np.zeros(n, np.float32)}, {"name": "sgd"})  # 800 kB: fits
+    assert c.status()["numel"] == n
+
+
+def _registration_growth(make_server, make_client, tensors: int, coords: int) -> tuple[int, int, int]:
+    srv = make_server(1, log_level="WARNING")
+    c = make_client(srv.endpoint, timeout=60)
+    time.sleep(0.2)
+    before = rss_hwm(srv.pid)
+    c.register({f"t{i}": np.ones(coords, np.float32) for i in range(tensors)}, {"name": "adam"})
+    return rss_hwm(srv.pid) - before, tensors * state_bytes(coords, "adam"), 4 * tensors * coords
+
+
+@pytest.mark.parametrize("tensors,coords", [(1, 16 * MiB), (40, 460_000)], ids=["one-64MiB", "40-odd-sized"])
+def test_registration_peak_is_state_plus_message(make_server, make_client, tensors, coords):
+    """Adam keeps 16 bytes a coordinate (4x the values); the registration message (1x)
+    is the only other thing the first registration holds. Before huge pages were
+    rationed, the 40 odd-sized tensors took 5.6x their values (2 MiB rounding)."""
+    grew, state, values = _registration_growth(make_server, make_client, tensors, coords)
+    assert state <= 4.05 * values
+    assert grew <= state + values + 24 * MiB, (grew / values, state / values)
+
+
+# ---------------------------------------------------------------- hyper-parameters
+def test_max_lr_and_weight_decay(make_server, make_client):
+    srv = make_server(1, ["--max-lr", "0.5", "--max-weight-decay", "0.1"])
+    c = make_client(srv.endpoint)
+    w = {"w": np.zeros(4, np.float32)}
+    with pytest.raises(BadRequest) as ei:
+        c.register(w, {"name": "adamw", "lr": 0.6})
+    refused(ei, "optimizer", "lr=0.6 is above the server's limit 0.5", "--max-lr")
+    with pytest.raises(BadRequest) as ei:
+        c.register(w, {"name": "adamw", "weight_decay": 0.2})
+    refused(ei, "optimizer", "weight_decay=0.2", "--max-weight-decay")
+    assert not c.status()["initialised"]
+    c.register(w, {"name": "adamw", "lr": 0.5, "weight_decay": 0.1})
+    opt = c.status()["optimizer"]
+    with pytest.raises(BadRequest) as ei:
+        c.set_optimizer(lr=0.75)
+    refused(ei, "optimizer", "--max-lr")
+    with pytest.raises(BadRequest) as ei:
+        c.push({"w": np.ones(4, np.float32)}, 0, hparams={"weight_decay": 0.5})
+    refused(ei, "optimizer", "--max-weight-decay")
+    st = c.status()
+    assert st["optimizer"] == opt and st["pending_pushes"] == 0 and st["version"] == 0
+    c.set_optimizer(lr=0.25)  # inside the bounds
+    assert c.status()["optimizer"]["lr"] == 0.25
+
+
+def test_default_optimizer_must_obey_the_bounds(make_server):
+    with pytest.raises(ServerStartError) as ei:
+        make_server(1, ["--optimizer", "sgd:lr=1.0", "--max-lr", "0.5"])
+    assert "--max-lr" in ei.value.log
+
+
+# ---------------------------------------------------------------- push norm
+def _norm_server(make_server, make_client, *args):
+    srv = make_server(1, ["--max-push-norm", "5", *args])
+    c = make_client(srv.endpoint)
+    c.register({"w": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)}, {"name": "sgd", "lr": 1.0})
+    return srv, c
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_push_norm_refused(make_server, make_client, dtype):
+    _srv, c = _norm_server(make_server, make_client)
+    with pytest.raises(BadRequest) as ei:  # norm over all tensors: sqrt(9 + 16 + 1) > 5
+        c.push({"w": np.array([3.0, 0.0], np.float32), "b": np.array([4.0, 0, 1], np.float32)}, 0,
+               value_dtype=dtype)
+    refused(ei, "bad_value", "5.09902", "--max-push-norm")
+    st = c.status()
+    assert st["version"] == 0 and st["pending_pushes"] == 0 and st["pushes"] == 0
+    c.push({"w": np.array([3.0, 0.0], np.float32), "b": np.array([4.0, 0, 0], np.float32)}, 0,
+           value_dtype=dtype)  # exactly 5: taken
+    assert c.pull(0, wait_for=1).version == 1
+
+
+def test_push_norm_refuses_values_near_float32_max(make_server, make_client):
+    _srv, c = _norm_server(make_server, make_client)
+    with pytest.raises(BadRequest) as ei:
+        c.push({"w": np.array([3e38, -3e38], np.float32)}, 0)
+    refused(ei, "bad_value", "4.24264e+38", "--max-push-norm")
+    assert c.status()["version"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_push_norm_clip(make_server, make_client, dtype):
+    srv, c = _norm_server(make_server, make_client, "--push-norm-action", "clip")
+    c.push({"w": np.array([30.0, 40.0], np.float32)}, 0, value_dtype=dtype)  # norm 50: scaled by 1/10
+    d = c.pull(0, wait_for=1)
+    assert d.version == 1
+    np.testing.assert_allclose(d.tensors["w"][1], [-3.0, -4.0], rtol=1e-6)
+    assert "push clipped" in srv.logs() and "--max-push-norm" in srv.logs()

@@ -1,0 +1,222 @@
+"""Only the job's machines get in: CurveZMQ keys, the allowlist, one identity per
+connection, nothing readable on the wire. Real servers, real sockets, real handshakes."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from stella import BadRequest, Client, ServerUnavailable, Unauthorised
+from stella_ps.security import write_keyset
+
+SGD1 = {"name": "sgd", "lr": 1.0}
+SECRET_NAME = "layer_secret_weight_name_7f3a"
+
+
+def _train_one_step(c: Client, version: int) -> int:
+    c.push({SECRET_NAME: (np.array([1, 3], np.int32), np.array([0.5, -0.5], np.float32))}, version)
+    return c.pull(version, wait_for=version + 1).version
+
+
+@pytest.fixture
+def two_keys(tmp_path):
+    """A key set with two allowed clients, a and b."""
+    return write_keyset(str(tmp_path / "keys"), clients=("a", "b"))
+
+
+def _server_args(keys) -> list[str]:
+    return ["--keys", keys.server_secret, "--allow", keys.allowlist]
+
+
+def _client(srv, keys, name: str, **kw) -> Client:
+    kw.setdefault("timeout", 10.0)
+    return Client(srv.endpoint, server_key=keys.server_public, client_key=keys.client_secrets[name], **kw)
+
+
+def test_an_unknown_key_gets_nothing_while_an_allowed_one_trains(make_server, curve_keys):
+    srv = make_server(1)
+    good = Client(srv.endpoint, timeout=10)
+    good.register({SECRET_NAME: np.zeros(8, np.float32)}, SGD1)
+    version = good.pull(None).version
+    outsider = curve_keys.client_secrets["outsider"]  # a real key pair, not on the allowlist
+    try:
+        with pytest.raises(ServerUnavailable):
+            Client(srv.endpoint, timeout=1.5, client_key=outsider)  # join
+        c = Client(srv.endpoint, timeout=1.5, client_key=outsider, join=False)
+        try:
+            for call in (c.status, lambda: c.join()):
+                with pytest.raises(ServerUnavailable):
+                    call()
+            c.worker_id, c.layout, c._index = 0, good.layout, good._index  # pose as worker 0
+            for call in (lambda: c.register({SECRET_NAME: np.zeros(8, np.float32)}, SGD1),
+                         lambda: c.push({SECRET_NAME: np.ones(8, np.float32)}, version), lambda: c.pull(None)):
+                with pytest.raises(ServerUnavailable):
+                    call()
+        finally:
+            c.close(leave=False)
+        for _ in range(3):  # and the allowed worker kept training throughout
+            version = _train_one_step(good, version)
+        assert version == 3 and good.status()["workers"] == [good.worker_id]
+        assert "connection refused: key not on the allowlist" in srv.logs()
+    finally:
+        good.close()
+
+
+def test_removing_a_key_takes_effect_without_a_restart(make_server, two_keys):
+    srv = make_server(2, _server_args(two_keys))
+    a, b = _client(srv, two_keys, "a"), _client(srv, two_keys, "b")
+    try:
+        a.register({SECRET_NAME: np.zeros(8, np.float32)}, SGD1)
+        b.register({SECRET_NAME: np.zeros(8, np.float32)})
+        b.push({SECRET_NAME: np.ones(8, np.float32)}, 0)
+        assert _train_one_step(a, 0) == 1
+        lines = open(two_keys.allowlist).read().splitlines()
+        old_mtime = os.stat(two_keys.allowlist).st_mtime
+        with open(two_keys.allowlist, "w") as f:  # take b off the list
+            f.write("\n".join(line for line in lines if not line.endswith(" b")) + "\n")
+        os.utime(two_keys.allowlist, (old_mtime + 5, old_mtime + 5))
+        time.sleep(1.1)  # the file's modification time is looked at once a second
+        with pytest.raises(Unauthorised, match="no longer on the server's allowlist"):
+            b.status()  # b's open connection: refused from now on, and its worker dropped
+        assert a.status()["workers"] == [a.worker_id]
+        assert _train_one_step(a, 1) == 2  # a trains alone: no step waits for b
+        with pytest.raises(ServerUnavailable):  # and b cannot come back
+            _client(srv, two_keys, "b", timeout=1.5)
+        with open(two_keys.allowlist, "w") as f:  # put b back; SIGHUP (not the clock) reloads it
+            f.write("\n".join(lines) + "\n")
+        os.utime(two_keys.allowlist, (old_mtime + 5, old_mtime + 5))
+        os.kill(srv.pid, signal.SIGHUP)
+        b2 = _client(srv, two_keys, "b")
+        assert b2.worker_id is not None
+        b2.close()
+        assert '"allowlist reloaded"' in srv.logs()
+    finally:
+        a.close()
+        b.close(leave=False)
+
+
+def test_one_connection_holds_one_worker_id(server, make_client):
+    a = make_client(server.endpoint)
+    wid = a.worker_id
+    assert a.join(wid) == wid  # joining again is idempotent
+    with pytest.raises(BadRequest, match=r"\[worker_id\] this connection already holds worker id"):
+        a.join(wid + 7)
+    st = a.status()
+    assert st["workers"] == [wid] and len(st["worker_keys"][wid]) == 16  # the key's fingerprint
+    assert st["insecure"] is False
+
+
+class _Relay:
+    """A TCP relay on loopback that keeps every byte it forwards (both directions)."""
+
+    def __init__(self, target_port: int):
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.captured = bytearray()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target)
+            self._socks += [conn, up]
+            for src, dst in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                with self._lock:
+                    self.captured += data
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def _capture(srv, **client_kw) -> bytes:
+    relay = _Relay(int(srv.endpoint.rsplit(":", 1)[1]))
+    try:
+        c = Client(f"tcp://127.0.0.1:{relay.port}", timeout=10, **client_kw)
+        try:
+            c.register({SECRET_NAME: np.arange(8, dtype=np.float32)}, SGD1)
+            _train_one_step(c, 0)
+            c.status()
+        finally:
+            c.close()
+        with relay._lock:
+            return bytes(relay.captured)
+    finally:
+        relay.close()
+
+
+PLAINTEXT_MARKERS = [SECRET_NAME.encode(), b"register", b"tensors", b"proto", b"optimizer", b"push_ok"]
+
+
+def test_the_wire_carries_no_names_and_no_header_plaintext(make_server, monkeypatch):
+    captured = _capture(make_server(1))
+    assert len(captured) > 1000
+    assert not [m for m in PLAINTEXT_MARKERS if m in captured]
+    # the same exchange in plaintext shows them all: the check above can fail
+    monkeypatch.delenv("STELLA_SERVER_KEY")
+    monkeypatch.delenv("STELLA_CLIENT_KEY")
+    plain = _capture(make_server(1, ["--insecure"], env={"STELLA_PS_KEYS": "", "STELLA_PS_ALLOW": ""}))
+    assert all(m in plain for m in PLAINTEXT_MARKERS)
+
+
+def test_insecure_is_explicit_and_says_so(make_server, monkeypatch):
+    env = dict(os.environ, STELLA_PS_KEYS="", STELLA_PS_ALLOW="")
+    refused = subprocess.run([sys.executable, "-m", "stella_ps", "--bind", "tcp://127.0.0.1:0"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--insecure" in refused.stderr and "stella keygen" in refused.stderr
+    srv = make_server(1, ["--insecure"], env={"STELLA_PS_KEYS": "", "STELLA_PS_ALLOW": ""})
+    assert "INSECURE: no encryption and no authentication" in srv.logs()
+    monkeypatch.delenv("STELLA_SERVER_KEY")
+    monkeypatch.delenv("STELLA_CLIENT_KEY")
+    with Client(srv.endpoint, timeout=10, join=False) as c:
+        assert c.status()["insecure"] is True
+
+
+def test_keygen_files_run_a_secure_job(tmp_path, make_server):
+    """The operator's path: `stella keygen` for the server and a worker, the worker's
+    printed line on the allowlist, then train."""
+    def keygen(name: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "stella.cli", "keygen", str(tmp_path), "--name", name],
+                             capture_output=True, text=True, timeout=60, check=True)
+        return out.stdout.strip()
+
+    keygen("server")
+    line = keygen("worker1")
+    assert line.endswith(" worker1") and len(line.split()[0]) == 40
+    assert oct(os.stat(tmp_path / "worker1.key_secret").st_mode & 0o777) == "0o600"
+    (tmp_path / "allowlist").write_text(f"# site A\n{line}\n")
+    srv = make_server(1, ["--keys", str(tmp_path / "server.key_secret"), "--allow", str(tmp_path / "allowlist")])
+    with Client(srv.endpoint, timeout=10, server_key=str(tmp_path / "server.key"),
+                client_key=str(tmp_path / "worker1.key_secret")) as c:
+        c.register({SECRET_NAME: np.zeros(8, np.float32)}, SGD1)
+        assert _train_one_step(c, 0) == 1
+    again = subprocess.run([sys.executable, "-m", "stella.cli", "keygen", str(tmp_path), "--name", "worker1"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "not overwriting" in again.stderr
