@@ -50,7 +50,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import threading
 import time
 from collections import Counter
@@ -60,14 +59,15 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-import zmq.auth
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from stella import Client, codec, protocol
+from stella.client import curve_keys
 from stella.errors import ErrorCode, StellaError
 from stella_ps.process import ServerProcess
+from stella_ps.service import MAX_WAIT_AHEAD
 
 MAX_MSG = 1 << 20
 STEP_DEADLINE_S = 0.05
@@ -90,27 +90,28 @@ VALUE_DTYPES = ["f32", "f16", "bf16"]
 KNOWN_CODES = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL.value, ErrorCode.UNAVAILABLE.value}
 
 # ------------------------------------------------------------------ connections
-# The one place that knows whether stella-ps runs with CurveZMQ: once ServerProcess
-# grows client_kwargs() (CurveZMQ on main), servers are secure and both helpers
-# below use its keys; until then everything is plaintext.
-SECURE = hasattr(ServerProcess, "client_kwargs")
+# The one place that knows whether stella-ps runs with CurveZMQ (the default; in the
+# suite, conftest's session key set in the environment). SECURE = False runs plaintext.
+SECURE = True
 
 
 def start_server(factory, args: list[str], **kw: Any) -> ServerProcess:
-    return factory(1, args, **kw)
+    return factory(1, args, secure=SECURE, **kw)
 
 
 def client_kwargs(srv: ServerProcess) -> dict[str, Any]:
-    return dict(srv.client_kwargs()) if SECURE else {}  # type: ignore[attr-defined]
+    """Keys for stella.Client: the server's own when it made them, else (empty) the
+    STELLA_SERVER_KEY / STELLA_CLIENT_KEY environment the client reads by itself."""
+    return srv.client_kwargs() if SECURE else {}
 
 
 def raw_socket(srv: ServerProcess) -> zmq.Socket:
+    """A bare DEALER for hand-made messages, with an allowed key pair when secure."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    if SECURE:
-        keys = client_kwargs(srv)
-        sock.curve_serverkey = zmq.auth.load_certificate(keys["server_key"])[0]
-        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(keys["client_key"])
+    keys = curve_keys(**client_kwargs(srv)) if SECURE else None
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
     sock.connect(srv.endpoint)
     return sock
 
@@ -300,9 +301,9 @@ class Harness:
             msg = protocol.decode_request(frames).msg
         except StellaError:
             return frames
-        if isinstance(msg, protocol.Pull) and msg.wait_for is not None and msg.wait_for > self.version:
-            if msg.wait_for <= self.version + 1024:  # farther ahead is refused ("version")
-                return protocol.encode(msgspec.structs.replace(msg, wait_for=self.version))
+        if isinstance(msg, protocol.Pull) and msg.wait_for is not None \
+                and self.version < msg.wait_for <= self.version + MAX_WAIT_AHEAD:  # farther: refused
+            return protocol.encode(msgspec.structs.replace(msg, wait_for=self.version))
         return frames
 
     def _settle(self, sock: str, reply: dict, before: dict, desc: str) -> dict:
@@ -352,9 +353,8 @@ class Harness:
 
 def predict(frames: list[bytes]) -> str | None:
     """The code the client library's decoder gives the message (None: it decodes)."""
-    size = sum(len(f) for f in frames)
-    if size > MAX_MSG - 64:  # the server also counts the routing id: near the limit, no prediction
-        return ErrorCode.OVERSIZED.value if size > MAX_MSG else None
+    if len(frames) > protocol.MAX_FRAMES or sum(len(f) for f in frames) > MAX_MSG:
+        return ErrorCode.OVERSIZED.value  # the server's bounds, before it decodes
     try:
         protocol.decode_request(frames)
     except StellaError as e:
@@ -393,7 +393,7 @@ def build_push(rng: np.random.Generator, wid: int, version: int, coding: str | N
     frames: list[bytes] = []
     for t in order:
         t = int(t)
-        c = coding or str(rng.choice(CODINGS + ["dense"]))
+        c = coding or str(rng.choice([*CODINGS, "dense"]))
         vd = str(rng.choice(VALUE_DTYPES))
         if c == "dense":
             entries.append([t, NUMEL[t], "dense", vd, None, len(frames)])
@@ -452,8 +452,8 @@ def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
     out = []
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
-        out.append(prefix + (k,))
-        out.extend(_paths(v, prefix + (k,)))
+        out.append((*prefix, k))
+        out.extend(_paths(v, (*prefix, k)))
     return out
 
 
@@ -529,8 +529,10 @@ def mutate(data: st.DataObject, rng: np.random.Generator, hdr: dict, frames: lis
             frames += [b""] * data.draw(st.integers(1, 300))
         elif op == "none":
             frames = []
-        else:  # a frame bigger than the server's message limit (libzmq's own cap is twice that)
-            frames.append(bytes(MAX_MSG + data.draw(st.integers(1, MAX_MSG // 4))))
+        else:  # frames adding up to more than the server's message limit, none above it (a frame
+            # above the limit costs the peer its connection, by design: libzmq's MAXMSGSIZE)
+            big = data.draw(st.sampled_from([MAX_MSG, MAX_MSG // 2 + 1]))
+            frames += [bytes(big)] * (1 if big == MAX_MSG else 2)
     elif kind == "count":
         e = entries[data.draw(st.integers(0, len(entries) - 1))]
         e[1] = data.draw(st.sampled_from([0, e[1] - 1, e[1] + 1, 2 * e[1], NUMEL[e[0]] + 1, 2**31 - 1, 2**31,
@@ -677,7 +679,9 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def valid_push(self, data: st.DataObject) -> None:
-        """An accepted push of the fuzzer's worker: its step closes with or without the trainer's."""
+        """An accepted push of the fuzzer's worker (one call in four; each waits for its step)."""
+        if data.draw(st.integers(0, 3), label="skip"):
+            return
         hdr, frames = build_push(self._rng(data), self.h.wid, self.h.version)
         hdr.pop("hparams", None)
         reply = self.h.send("reg", _encode(hdr, frames, self.h.next_req()), "valid push")
@@ -751,7 +755,7 @@ def run_fuzz(h: Harness, messages: int, time_limit_s: float) -> dict[str, Any]:
         assert full.tensors[name][1].tobytes() == h.replica[name].reshape(-1).tobytes(), name
     out = h.summary()
     out["final_version"] = final["version"]
-    assert out["rejected"] > 0.7 * out["messages"], out  # the fuzzer mostly sends bad messages
+    assert out["rejected"] > 0.5 * out["messages"], out  # the fuzzer mostly sends bad messages
     assert out["trainer_steps"] > 0
     r = rss(h.srv.pid)
     assert r["VmHWM"] <= h.rss0 + RSS_BOUND, out
