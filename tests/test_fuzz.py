@@ -39,7 +39,7 @@ Two settings: the short one runs in the normal suite (``FUZZ_SHORT`` messages)::
 
     .venv/bin/python -m pytest -q tests/test_fuzz.py
 
-and the long one (``FUZZ_LONG`` = 10,000 messages, several minutes) only with
+and the long one (at least ``FUZZ_LONG`` = 10,000 messages, about 6 minutes) only with
 ``STELLA_FUZZ_LONG=1``; ``-s`` prints the summary (counts per code, peak RSS,
 duration), ``STELLA_FUZZ_REPORT=PATH`` also writes it as JSON::
 
