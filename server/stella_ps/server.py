@@ -103,8 +103,9 @@ class ParameterServer:
                 if recv not in done:
                     break
                 first = recv.result()
-                recv = None
+                done = recv = None  # nothing of this message outlives its handling here
                 self._on_message(*await self._rest_of_message(first))
+                del first
         finally:
             stop.cancel()
             if recv is not None:
