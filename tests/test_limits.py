@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from stella import Client
 from stella.errors import BadRequest, ErrorCode, from_reply
 from stella.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from stella_ps.config import parse_args
@@ -81,6 +82,46 @@ def test_max_workers(make_server, make_client, raw_dealer):
     a.leave()
     assert call(raw, {"type": "join", "name": "third"})["type"] == "joined"  # room again
     assert "--max-workers" in srv.logs()
+
+
+def test_max_workers_per_key(make_server, make_client, tmp_path):
+    """One key (a site's machine) holds at most --max-workers-per-key live workers;
+    another key still joins."""
+    from stella_ps.security import write_keyset
+
+    keys = write_keyset(str(tmp_path), clients=("site_a", "site_b"))
+    srv = make_server(1, ["--keys", keys.server_secret, "--allow", keys.allowlist, "--max-workers-per-key", "2"])
+    site_a = {"server_key": keys.server_public, "client_key": keys.client_secrets["site_a"]}
+    a1 = make_client(srv.endpoint, **site_a)
+    make_client(srv.endpoint, **site_a)
+    with pytest.raises(BadRequest) as ei:
+        make_client(srv.endpoint, **site_a)
+    refused(ei, "limit", "this key already has 2 live workers", "--max-workers-per-key 2")
+    make_client(srv.endpoint, server_key=keys.server_public, client_key=keys.client_secrets["site_b"])
+    st = a1.status()
+    assert len(st["workers"]) == 3 and len(set(st["worker_keys"].values())) == 2
+
+
+def test_a_frame_over_the_limit_costs_the_connection_not_memory(make_server, raw_dealer):
+    """libzmq drops a peer whose frame exceeds --max-message-bytes before buffering it:
+    a 40-frame, 320 MiB message to a 4 MiB server is never held."""
+    srv = make_server(1, ["--max-message-bytes", str(4 * MiB)])
+    rss0 = _rss_kib(srv.pid)
+    raw = raw_dealer(srv.endpoint)
+    frame = b"\0" * (8 * MiB)
+    raw.send_multipart([msgspec.msgpack.encode({"type": "status", "proto": PROTOCOL_VERSION, "req": 1}),
+                        *[frame] * 40])
+    raw.setsockopt(zmq.RCVTIMEO, 2000)
+    with pytest.raises(zmq.Again):  # no reply: the connection was dropped
+        raw.recv_multipart()
+    assert srv.alive() and _rss_kib(srv.pid) - rss0 < 64 * 1024
+    with Client(srv.endpoint, timeout=10, join=False) as c:  # others are served as before
+        assert c.status()["messages"] >= 1
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 def test_max_workers_from_the_environment(make_server, make_client):

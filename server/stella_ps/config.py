@@ -24,6 +24,7 @@ ENV = {
     "history": "STELLA_PS_HISTORY",
     "max_message_bytes": "STELLA_PS_MAX_MESSAGE_BYTES",
     "max_workers": "STELLA_PS_MAX_WORKERS",
+    "max_workers_per_key": "STELLA_PS_MAX_WORKERS_PER_KEY",
     "max_waiting_pulls": "STELLA_PS_MAX_WAITING_PULLS",
     "max_queued_pushes": "STELLA_PS_MAX_QUEUED_PUSHES",
     "max_queued_push_bytes": "STELLA_PS_MAX_QUEUED_PUSH_BYTES",
@@ -69,6 +70,7 @@ class ServerConfig:
     max_message_bytes: int = 1 << 30
     # resource bounds on what peers can make the server hold (README "Limits")
     max_workers: int = 256  # live workers; a join beyond is refused
+    max_workers_per_key: int = 8  # live workers holding one client key (a site's machine or GPUs)
     max_waiting_pulls: int = 8  # pulls per worker waiting for a future version
     max_queued_pushes: int = 4  # pushes per worker waiting for their step
     # bytes of pushes per worker waiting for their step; a push to an empty queue is
@@ -146,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                    f"change the model (env {ENV['insecure']}=1)")
     p.add_argument("--max-workers", type=int, default=int(env.get(ENV["max_workers"], d.max_workers)),
                    help=f"live workers at most; a join beyond is refused (env {ENV['max_workers']})")
+    p.add_argument("--max-workers-per-key", type=int,
+                   default=int(env.get(ENV["max_workers_per_key"], d.max_workers_per_key)),
+                   help=f"live workers with one client key at most (env {ENV['max_workers_per_key']})")
     p.add_argument("--max-waiting-pulls", type=int,
                    default=int(env.get(ENV["max_waiting_pulls"], d.max_waiting_pulls)),
                    help=f"pulls per worker waiting for a future version (env {ENV['max_waiting_pulls']})")
@@ -176,8 +181,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 "or --insecure to run without encryption and authentication")
     if a.workers < 1 or a.history < 1 or a.step_deadline < 0 or a.max_message_bytes < 1024:
         p.error("--workers and --history must be >= 1, --step-deadline >= 0, --max-message-bytes >= 1024")
-    if min(a.max_workers, a.max_waiting_pulls, a.max_queued_pushes) < 1:
-        p.error("--max-workers, --max-waiting-pulls and --max-queued-pushes must be >= 1")
+    if min(a.max_workers, a.max_workers_per_key, a.max_waiting_pulls, a.max_queued_pushes) < 1:
+        p.error("--max-workers, --max-workers-per-key, --max-waiting-pulls and --max-queued-pushes must be >= 1")
     if a.max_queued_push_bytes < 0 or a.max_model_bytes < 1:
         p.error("--max-queued-push-bytes must be >= 0 and --max-model-bytes >= 1")
     if not (math.isfinite(a.max_push_norm) and a.max_push_norm >= 0):
@@ -193,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         bind=a.bind, workers=a.workers, step_deadline=a.step_deadline, optimizer=a.optimizer,
         history=a.history, max_message_bytes=a.max_message_bytes, max_workers=a.max_workers,
+        max_workers_per_key=a.max_workers_per_key,
         max_waiting_pulls=a.max_waiting_pulls, max_queued_pushes=a.max_queued_pushes,
         max_queued_push_bytes=a.max_queued_push_bytes, max_model_bytes=a.max_model_bytes,
         optimizer_limits=limits, max_push_norm=a.max_push_norm, push_norm_action=a.push_norm_action,

@@ -26,9 +26,10 @@ class WorkerInfo:
 class Membership:
     """Live workers by id. A worker id belongs to the connection that joined with it."""
 
-    def __init__(self, expected: int = 1, max_workers: int = 256):
+    def __init__(self, expected: int = 1, max_workers: int = 256, max_workers_per_key: int = 8):
         self.expected = expected
         self.max_workers = max_workers  # live workers at most (--max-workers)
+        self.max_workers_per_key = max_workers_per_key  # of them with one key (--max-workers-per-key)
         self.live: dict[int, WorkerInfo] = {}
         self.started = False  # set once `expected` workers have been live together
         self._next_id = 0
@@ -58,6 +59,9 @@ class Membership:
         if len(self.live) >= self.max_workers:
             raise ServerError(f"join refused: {len(self.live)} live workers, the server's limit "
                               f"(--max-workers {self.max_workers})", ErrorCode.LIMIT)
+        if key and sum(i.key == key for i in self.live.values()) >= self.max_workers_per_key:
+            raise ServerError(f"join refused: this key already has {self.max_workers_per_key} live workers, the "
+                              f"server's limit (--max-workers-per-key {self.max_workers_per_key})", ErrorCode.LIMIT)
         if want is not None:
             wid = want
         else:

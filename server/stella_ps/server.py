@@ -99,12 +99,12 @@ class ParameterServer:
         try:
             while not self._stop.is_set():
                 recv = asyncio.ensure_future(self._sock.recv(copy=False))
-                done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if recv not in done:
+                if recv not in (await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED))[0]:
                     break
                 first = recv.result()
-                recv = None
+                recv = None  # nothing of this message outlives its handling here
                 self._on_message(*await self._rest_of_message(first))
+                del first
         finally:
             stop.cancel()
             if recv is not None:

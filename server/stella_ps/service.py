@@ -107,7 +107,8 @@ class Service:
         self.config = config
         self._send = send
         self.stats = stats or Stats()
-        self.members = Membership(expected=config.workers, max_workers=config.max_workers)
+        self.members = Membership(expected=config.workers, max_workers=config.max_workers,
+                                  max_workers_per_key=config.max_workers_per_key)
         self.agg = Aggregator(step_deadline=config.step_deadline, max_queued_pushes=config.max_queued_pushes,
                               max_queued_push_bytes=config.max_queued_push_bytes)
         self.waiters = PullWaiters(max_per_worker=config.max_waiting_pulls)
