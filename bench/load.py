@@ -114,7 +114,9 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
     go = ctx.Event()
     stop_at = ctx.Value("q", -1)
     with ServerProcess(workers=workers, log_level=log_level, secure=secure,
-                       args=["--max-workers", str(max(256, workers))]) as srv:
+                       args=["--max-workers", str(max(256, workers + 1)),
+                             # every worker (and the observer) holds the one client key
+                             "--max-workers-per-key", str(workers + 1)]) as srv:
         keys = srv.client_kwargs() if secure else {}
         procs = [ctx.Process(target=_worker, args=(srv.endpoint, keys, secure, r, workers, go, stop_at, out),
                              daemon=True) for r in range(workers)]
@@ -142,6 +144,9 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
             final = _snapshot(status, workers)
             status.close()
         finally:
+            with stop_at.get_lock():  # on a failure too: no worker waits for the start or pushes on
+                stop_at.value = 0
+            go.set()
             for p in procs:
                 p.join(30)
                 if p.is_alive():
