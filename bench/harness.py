@@ -120,6 +120,22 @@ class TrainClock:
 # ============================================================ the launcher side
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (from /proc): a server's own
+    cost, whatever its clients do."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def await_ready(queue, workers: int, timeout: float = 300.0) -> None:
+    """Wait for ``workers`` ``("ready", ...)`` messages on a multiprocessing queue."""
+    for _ in range(workers):
+        msg = queue.get(timeout=timeout)
+        if msg[0] != "ready":
+            raise RuntimeError(f"worker failed to start: {msg}")
+
+
 def launch_workers(argvs: Sequence[Sequence[str]], log_dir: str, *, bed=None,
                    sites: Sequence[str] | None = None) -> list[subprocess.Popen]:
     """Start rank ``r`` as ``argvs[r]`` (``python -m bench.X worker ...``) from the

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.harness import await_ready, process_cpu_seconds
 from stella_ps.process import ServerProcess
 
 K = 256  # coordinates each worker owns
@@ -39,12 +40,6 @@ OPTIMIZER = {"name": "sgd", "lr": 1.0}
 CLIENT_TIMEOUT_S = 60.0
 MAX_STEPS = 1_000_000  # a bound on every worker's loop besides the announced end
 KEY_ENV = ("STELLA_SERVER_KEY", "STELLA_CLIENT_KEY")
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def layout(workers: int) -> dict[str, np.ndarray]:
@@ -123,20 +118,17 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
         try:
             for p in procs:
                 p.start()
-            for _ in range(workers):
-                msg = out.get(timeout=300)
-                if msg[0] != "ready":
-                    raise RuntimeError(f"worker failed to start: {msg}")
+            await_ready(out, workers)
             status = make_client(srv.endpoint, keys, secure, "load-observer", join=False)  # never a worker
             s0 = status.status()
-            cpu0, t0 = _cpu_seconds(srv.pid), time.perf_counter()
+            cpu0, t0 = process_cpu_seconds(srv.pid), time.perf_counter()
             go.set()
             time.sleep(seconds)
             # announce the end: a version no worker can have reached (each step needs all of them)
             with stop_at.get_lock():
                 stop_at.value = status.status()["version"] + 3
             done = [out.get(timeout=CLIENT_TIMEOUT_S + 30) for _ in range(workers)]
-            wall, cpu = time.perf_counter() - t0, _cpu_seconds(srv.pid) - cpu0
+            wall, cpu = time.perf_counter() - t0, process_cpu_seconds(srv.pid) - cpu0
             errors = [d for d in done if d[0] != "done"]
             if errors:
                 raise RuntimeError(f"workers failed: {errors[:3]}")

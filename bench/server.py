@@ -16,21 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import time
 
 import numpy as np
 
+from bench.harness import await_ready, process_cpu_seconds
 from stella import Client, protocol
 from stella_ps.process import ServerProcess
 
 TENSORS = 8
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _layout(numel: int) -> dict[str, np.ndarray]:
@@ -68,17 +62,15 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with ServerProcess(workers=workers, log_level="WARNING") as srv:
-        procs = [ctx.Process(target=_worker, args=(srv.endpoint, r, numel, density, steps, opt, out, srv.client_kwargs()))
+        keys = srv.client_kwargs()
+        procs = [ctx.Process(target=_worker, args=(srv.endpoint, r, numel, density, steps, opt, out, keys))
                  for r in range(workers)]
         for p in procs:
             p.start()
-        for _ in range(workers):
-            msg = out.get(timeout=300)
-            if msg[0] != "ready":
-                raise RuntimeError(f"worker failed to start: {msg}")
-        cpu0, t0 = _cpu_seconds(srv.pid), time.perf_counter()
+        await_ready(out, workers)
+        cpu0, t0 = process_cpu_seconds(srv.pid), time.perf_counter()
         done = [out.get(timeout=600) for _ in range(workers)]
-        wall, cpu = time.perf_counter() - t0, _cpu_seconds(srv.pid) - cpu0
+        wall, cpu = time.perf_counter() - t0, process_cpu_seconds(srv.pid) - cpu0
         for p in procs:
             p.join(30)
     k = sum(max(1, int((numel // TENSORS) * density)) for _ in range(TENSORS))
