@@ -71,11 +71,9 @@ class ModelStore:
         self.version = 0
         # (version after the step, touched indices per tensor)
         self._history: deque[tuple[int, list[np.ndarray]]] = deque(maxlen=history)
-        self._delta_cache: tuple[int, int, Delta] | None = None
         # encoded deltas of the current version, by (since, coding): every worker of a
-        # synchronous job pulls the same one each step
+        # synchronous job pulls the same one each step; emptied by every step
         self._encoded: dict[tuple[int, str], EncodedDelta] = {}
-        self._encoded_version = -1
 
     @property
     def initialised(self) -> bool:
@@ -103,6 +101,7 @@ class ModelStore:
                 touched.append(np.empty(0, np.int32))
         self.version += 1
         self._history.append((self.version, touched))
+        self._encoded.clear()
         return self.version
 
     def delta_since(self, since: int) -> Delta:
@@ -111,31 +110,23 @@ class ModelStore:
         A snapshot when ``since`` is negative or older than the history kept.
         """
         v = self.version
-        if self._delta_cache and self._delta_cache[:2] == (since, v):
-            return self._delta_cache[2]
         oldest_base = self._history[0][0] - 1 if self._history else v
         if since < 0 or since < oldest_base:
-            delta = Delta(v, True, [(t, None, s.snapshot()) for t, s in enumerate(self.tensors)])
-        else:
-            steps = [touched for after, touched in self._history if after > since]
-            out: list[tuple[int, np.ndarray | None, np.ndarray]] = []
-            for t, state in enumerate(self.tensors):
-                lists = [s[t] for s in steps if s[t].size]
-                if not lists:
-                    continue
-                # the kernel's own output: sorted and unique already
-                idx = lists[0] if len(lists) == 1 else union_indices(lists, checked=False)
-                out.append((t, idx, state.gather(idx)))
-            delta = Delta(v, False, out)
-        self._delta_cache = (since, v, delta)
-        return delta
+            return Delta(v, True, [(t, None, s.snapshot()) for t, s in enumerate(self.tensors)])
+        steps = [touched for after, touched in self._history if after > since]
+        out: list[tuple[int, np.ndarray | None, np.ndarray]] = []
+        for t, state in enumerate(self.tensors):
+            lists = [s[t] for s in steps if s[t].size]
+            if not lists:
+                continue
+            # the kernel's own output: sorted and unique already
+            idx = lists[0] if len(lists) == 1 else union_indices(lists, checked=False)
+            out.append((t, idx, state.gather(idx)))
+        return Delta(v, False, out)
 
     def encoded_delta(self, since: int, coding: PullCoding) -> EncodedDelta:
         """:meth:`delta_since` encoded for the wire (float32 values, ``coding`` indices),
         built once per version, ``since`` and coding."""
-        if self._encoded_version != self.version:
-            self._encoded.clear()
-            self._encoded_version = self.version
         key = (since, coding)
         enc = self._encoded.get(key)
         if enc is None:
