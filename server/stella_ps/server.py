@@ -48,7 +48,7 @@ class ParameterServer:
         self._stop = asyncio.Event()
         self.allowlist: Allowlist | None = None
         self._gate: Gatekeeper | None = None
-        self._insecure_peer = Peer("", "insecure")
+        self._insecure_peer = Peer("")
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> str:
@@ -165,11 +165,11 @@ class ParameterServer:
         self.stats.bytes_in += size
         ident = frames[0].bytes
         body = [f.buffer for f in frames[1:]]
-        req = request_id(body[0]) if body else -1
-        peer = self._peer(frames)
+        peer = self._peer(frames[1])
         if peer is None:  # a key taken off the allowlist while its connection stayed open
             key = str(frames[1].get("User-Id"))
-            self.service.refuse(ident, req, Unauthorised("this client's key is no longer on the server's allowlist"))
+            self.service.refuse(ident, request_id(body[0]),
+                                Unauthorised("this client's key is no longer on the server's allowlist"))
             self.service.drop_peer(key)
             return
         try:
@@ -178,20 +178,19 @@ class ParameterServer:
             if size > self.config.max_message_bytes:
                 raise OversizedMessage(f"message of {size} bytes > limit {self.config.max_message_bytes}")
             rx = decode_request(body)
-        except Exception as e:
-            self.service.refuse(ident, req, e)
+        except Exception as e:  # the header's request id, if it has one, names what is refused
+            self.service.refuse(ident, request_id(body[0]), e)
             return
         try:
             self.service.handle(ident, rx, peer)
         except Exception as e:
             self.service.refuse(ident, rx.msg.req, e)
 
-    def _peer(self, frames: list[zmq.Frame]) -> Peer | None:
-        """Who sent this message: its CURVE key (checked against the allowlist as it is
-        now) or, with --insecure, an anonymous peer. None: no longer admitted."""
+    def _peer(self, header: zmq.Frame) -> Peer | None:
+        """Who sent the message ``header`` opens: its CURVE key (checked against the
+        allowlist as it is now) or, with --insecure, an anonymous peer. None: no longer
+        admitted."""
         if self.allowlist is None:
             return self._insecure_peer
-        key = str(frames[1].get("User-Id"))  # the Z85 public key the ZAP handler admitted
-        if not self.allowlist.admits(key):
-            return None
-        return Peer(key, fingerprint(key))
+        key = str(header.get("User-Id"))  # the Z85 public key the ZAP handler admitted
+        return Peer(key) if self.allowlist.admits(key) else None

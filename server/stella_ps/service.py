@@ -61,6 +61,7 @@ from .errors import ConfigError
 from .kernel import state_bytes
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
+from .security import fingerprint
 from .store import ModelStore, layout_diff
 from .waiters import PullWaiters
 
@@ -74,11 +75,15 @@ Send = Callable[[bytes, Any, Sequence[Any]], None]
 
 @dataclass(frozen=True)
 class Peer:
-    """Who sent a message: its CurveZMQ public key (Z85) and that key's fingerprint;
-    with ``--insecure``, an anonymous peer (empty key)."""
+    """Who sent a message: its CurveZMQ public key (Z85); with ``--insecure``, an
+    anonymous peer (empty key)."""
 
     key: str
-    fingerprint: str
+
+    @property
+    def fingerprint(self) -> str:
+        """What logs and ``status`` show of the key (computed on join only)."""
+        return fingerprint(self.key) if self.key else "insecure"
 
 
 @dataclass
