@@ -32,6 +32,7 @@ from .protocol import (
     Join,
     Joined,
     Leave,
+    Left,
     ModelDtype,
     OptimizerSet,
     Pull,
@@ -397,7 +398,7 @@ class Client:
 
     def leave(self, *, timeout: float | None = None) -> None:
         if self.worker_id is not None:
-            self._request(Leave(worker=self.worker_id), object, timeout=timeout)
+            self._request(Leave(worker=self.worker_id), Left, timeout=timeout)
 
     def close(self, *, leave: bool = True, timeout: float = 5.0) -> None:
         """Leave the job (best effort) and close the socket; safe to call twice."""
@@ -418,8 +419,8 @@ class Client:
 
 
 def _expect(rx: Received, cls: type[T]) -> T:
-    """The reply's message if it is a ``cls`` (any type for ``object``)."""
-    if cls is not object and not isinstance(rx.msg, cls):
+    """The reply's message if it is a ``cls``."""
+    if not isinstance(rx.msg, cls):
         raise ProtocolError(f"expected a {cls.__name__} reply, got {type(rx.msg).__name__}")
     return rx.msg
 
