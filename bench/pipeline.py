@@ -43,7 +43,7 @@ def _worker(mode: str, address: str | None, rank: int, args, out, keys: dict) ->
     y = torch.randint(0, 10, (args.batch,), generator=gen)
     opt = None
     if mode != "compute":
-        opt = StellaOptimizer(model, address, optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        opt = StellaOptimizer(model, address, mode="gradient", optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
                               density=args.density, staleness=0 if mode == "sync" else 1,
                               compress_in_backward=mode == "pipeline_bwd",
                               value_dtype=args.value_dtype, index_coding=args.index_coding, timeout=120, **keys)

@@ -59,9 +59,14 @@ def worker(a) -> int:
     wl = W.get(a.workload)
     model = wl.build_model(a.seed)
     density = a.density if a.density == "auto" else float(a.density)
-    opt = StellaOptimizer(model, a.address, optimizer=server_options(wl), density=density, timeout=600,
-                          name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
-                          client_key=a.client_key)
+    if a.mode == "update":  # the workload's own optimizer steps on the worker; the server's is the outer step
+        mode_kw = {"mode": "update", "optimizer": wl.make_optimizer(model.parameters()), "outer": a.outer,
+                   "sync_every": a.sync_every}
+    else:
+        mode_kw = {"mode": "gradient", "optimizer": server_options(wl)}
+    opt = StellaOptimizer(model, a.address, density=density, timeout=600, name=f"e2e-{a.rank}",
+                          staleness=a.staleness, server_key=a.server_key, client_key=a.client_key,
+                          value_dtype=a.value_dtype, **mode_kw)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_at")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
@@ -73,7 +78,7 @@ def worker(a) -> int:
     while step < stop_at:
         w0 = opt.stats.wait_s
         recorder.begin()
-        wl.set_lr(opt, step)  # reaches the server through set_optimizer
+        wl.set_lr(opt, step)  # gradient mode: rides to the server with the next push; update mode: local
         opt.zero_grad()
         loss = wl.loss(model, next(batches))
         recorder.lap()
@@ -102,7 +107,8 @@ def worker(a) -> int:
     out = {"rank": a.rank, "world": a.world, "system": "stella", "workload": a.workload, "steps": step,
            "train_wall": clock.wall(), "iters": recorder.iters, "evals": clock.evals, "reached": clock.reached,
            "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density, "final_density": opt.stats.density,
-           "staleness": a.staleness,
+           "staleness": a.staleness, "mode": a.mode, "sync_every": a.sync_every, "value_dtype": a.value_dtype,
+           "outer": a.outer, "rounds": opt.stats.rounds,
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
            "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s}
     with open(a.out, "w") as f:
@@ -113,7 +119,8 @@ def worker(a) -> int:
 def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0, bed=None,
                sites: list[str] | None = None, ps_site: str = "ps", seed: int = 0,
                eval_every: int | None = None, stop_at_target: bool = False, threads: int = 1,
-               density="auto", staleness: int = 1, log_dir: str | None = None) -> dict:
+               density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
+               sync_every: int = 1, value_dtype: str = "f16", outer: str = "average") -> dict:
     """Run one Stella job (server + ``world`` workers) and return its summary. The
     server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key)."""
     from bench import workloads as W
@@ -133,6 +140,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                     "--max-seconds", str(max_seconds), "--seed", str(seed),
                     "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
                     "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp,
+                    "--mode", mode, "--sync-every", str(sync_every), "--value-dtype", value_dtype, "--outer", outer,
                     "--out", os.path.join(tmp, f"rank{r}.json")]
             for flag, path in ps.client_kwargs().items():  # the CurveZMQ keys made for this job
                 argv += [f"--{flag.replace('_', '-')}", path]
@@ -152,6 +160,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
         return {"ok": False, "error": f"stella workers exited {rcs}:\n{log_tails(tmp, rcs)}", "log_dir": tmp}
     res = summarize("stella", workload, ranks, wl)
     res["density"] = density
+    res.update(mode=mode, sync_every=sync_every, value_dtype=value_dtype, outer=outer)
     # where the time of an exchange goes (profile), per iteration, mean over workers
     res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
     res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
@@ -193,6 +202,10 @@ def main(argv=None) -> int:
     w.add_argument("--density", default="auto")
     w.add_argument("--staleness", type=int, default=1)
     w.add_argument("--batch-size", type=int, default=0)
+    w.add_argument("--mode", choices=("gradient", "update"), default="gradient")
+    w.add_argument("--sync-every", type=int, default=1)
+    w.add_argument("--value-dtype", default="f16")
+    w.add_argument("--outer", default="average")
     w.add_argument("--stop-at-target", action="store_true")
     w.add_argument("--log-dir", required=True)
     w.add_argument("--out", required=True)
@@ -203,10 +216,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--density", default="auto")
     ap.add_argument("--staleness", type=int, default=1)
+    ap.add_argument("--mode", choices=("gradient", "update"), default="gradient")
+    ap.add_argument("--sync-every", type=int, default=1)
+    ap.add_argument("--value-dtype", default="f16")
+    ap.add_argument("--outer", default="average")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker(a)
-    res = run_stella(a.workload, steps=a.steps, max_seconds=a.max_seconds, density=a.density, staleness=a.staleness)
+    res = run_stella(a.workload, steps=a.steps, max_seconds=a.max_seconds, density=a.density, staleness=a.staleness,
+                     mode=a.mode, sync_every=a.sync_every, value_dtype=a.value_dtype, outer=a.outer)
     print(fmt_summary(res))
     return 0 if res.get("ok") else 1
 

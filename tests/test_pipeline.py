@@ -24,7 +24,7 @@ def grad_at(t: int, n: int = 8) -> torch.Tensor:
 def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           timeout=10)
     used = []
     for t in range(8):
@@ -40,7 +40,7 @@ def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(ser
 def test_staleness_zero_is_the_synchronous_baseline(server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           staleness=0, timeout=10)
     for t in range(4):
         assert torch.equal(model.w.detach(), w0 - sum((grad_at(u) for u in range(t)), torch.zeros(8)))
@@ -55,7 +55,7 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server):
     with torch.no_grad():
         model.w.zero_()  # large weights would hide the sums in float32 rounding
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
                           method="exact", timeout=10)
     total = torch.zeros(n)
     rng = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server):
 
 def test_lr_scheduler_reaches_the_server(server):
     model = Toy()
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           timeout=10)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for t in range(3):
@@ -99,7 +99,7 @@ def test_lr_scheduler_reaches_the_server(server):
 def test_background_errors_surface_in_the_training_loop(make_server):
     srv = make_server(1)
     model = Toy()
-    opt = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense", timeout=1.0)
+    opt = StellaOptimizer(model, srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense", timeout=1.0)
     (model.w * grad_at(0)).sum().backward()
     opt.step()
     opt.synchronize()
@@ -114,7 +114,7 @@ def test_background_errors_surface_in_the_training_loop(make_server):
 def test_compression_started_in_backward_keeps_exact_staleness(server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           compress_in_backward=True, timeout=10)
     used = []
     for t in range(6):
@@ -148,7 +148,7 @@ def test_density_budget_grows_while_the_exchange_hides_and_shrinks_when_it_does_
 def test_auto_density_rises_to_the_ceiling_when_compute_hides_the_exchange(server):
     n = 50_000
     model = Toy(n)
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 0.01}, density="auto",
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 0.01}, density="auto",
                           min_density=0.01, max_density=0.05, timeout=10)
     assert opt.stats.density == 0.01
     pushed = []

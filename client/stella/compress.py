@@ -171,8 +171,18 @@ class ErrorFeedbackCompressor:
         st = self._states[key]
         return st.residual.view(st.shape)
 
-    def compress(self, key: str, grad: torch.Tensor) -> SparseGrad:
-        """``residual += grad``; select; the rest stays in the residual.
+    def residual_buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """``key``'s residual as a flat float32 tensor the caller may overwrite (created,
+        zero, on ``like``'s device and with its shape on first use).
+
+        For callers that define the residual themselves: the update mode writes the
+        not-yet-sent change of its weights here and then calls ``compress(key, None)``.
+        """
+        return self._state_for(key, like).residual
+
+    def compress(self, key: str, grad: torch.Tensor | None) -> SparseGrad:
+        """``residual += grad`` (``grad`` None: the residual as it is); select; the
+        rest stays in the residual.
 
         With ``value_dtype`` "f16" or "bf16" the returned values are already
         rounded to that dtype (clamped to its finite range; still float32
@@ -182,31 +192,37 @@ class ErrorFeedbackCompressor:
         sg = self._compress(key, grad)
         return self._round_values(self._states[key], sg)
 
-    def _compress(self, key: str, grad: torch.Tensor) -> SparseGrad:
-        if not isinstance(grad, torch.Tensor):
-            raise TypeError("grad must be a torch.Tensor")
-        st = self._state_for(key, grad)
+    def _compress(self, key: str, grad: torch.Tensor | None) -> SparseGrad:
+        g: torch.Tensor | None = None
+        if grad is None:
+            if key not in self._states:
+                raise KeyError(f"{key!r}: no residual to compress (call residual_buffer first)")
+            st = self._states[key]
+        elif not isinstance(grad, torch.Tensor):
+            raise TypeError("grad must be a torch.Tensor or None")
+        else:
+            st = self._state_for(key, grad)
+            g = grad.detach().reshape(-1)
+            if g.dtype != torch.float32:
+                g = g.float()
         res = st.residual
-        g = grad.detach().reshape(-1)
-        if g.dtype != torch.float32:
-            g = g.float()
         n = res.numel()
         st.steps += 1
         self._calls += 1
         if n == 0:
             return SparseGrad(0, np.zeros(0, np.int32), np.zeros(0, np.float32))
         if self.method == "dense" or n < self.dense_below:
-            res.add_(g)
+            _add(res, g)
             return self._take_dense(res)
         k = _k_for(self.density, n)
         use_native = self._use_native(res)
-        if not use_native and g.device != res.device:
+        if g is not None and not use_native and g.device != res.device:
             g = g.to(res.device)
         if self.method == "exact":
-            res.add_(g)
+            _add(res, g)
             return self._exact(res, k)
         if use_native:
-            g = g.contiguous()
+            g = None if g is None else g.contiguous()
             if st.cstate is None:
                 st.cstate, st.cstats = _select.TopkState(), _select.SelectStats()
             if self.method == "threshold":
@@ -220,7 +236,7 @@ class ErrorFeedbackCompressor:
                     self._next_seed(), st.cstats,
                 )
             return SparseGrad(n, idx, val)
-        res.add_(g)
+        _add(res, g)
         if self.method == "threshold":
             return self._torch_threshold(st, k)
         return self._torch_block(st, k)
@@ -371,6 +387,11 @@ class ErrorFeedbackCompressor:
         val = acc[idx]
         acc[idx] = 0.0
         return SparseGrad(n, _host_i32(idx), _host_f32(val))
+
+
+def _add(res: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is not None:
+        res.add_(g)
 
 
 def _host_i32(t: torch.Tensor) -> np.ndarray:

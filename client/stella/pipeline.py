@@ -1,31 +1,53 @@
-"""The one-step-stale training pipeline: a drop-in optimizer for any ``torch.nn.Module``.
+"""The overlapped training pipeline: a drop-in optimizer for any ``torch.nn.Module``.
 
 The training script keeps its loop::
 
-    opt = stella.StellaOptimizer(model, "tcp://ps-host:5555", optimizer={"name": "adamw", "lr": 1e-3})
+    opt = stella.StellaOptimizer(model, "tcp://ps-host:5555",
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     for x, y in loader:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
     opt.close()
 
-``step()`` hands iteration ``t``'s gradient to a background thread and returns at
-once; the thread compresses it (top-k with error feedback), pushes it, waits for the
-server to close the step and pulls the delta. The next ``step()`` first installs that
-delta. So the forward/backward of iteration ``t`` runs on weights that include
-updates ``0..t-2``: exactly one step stale, and communication of step ``t-1`` overlaps
-the computation of step ``t``.
+Two training modes (``docs/optimizer.md`` has the exact rules):
 
-Gradients are double-buffered without copies: ``step()`` takes the ``.grad`` tensors
-autograd just produced (they become the in-flight generation) and leaves ``.grad``
-unset, so the next backward writes a fresh generation while the previous one is being
-compressed.
+``mode="update"`` (the default)
+    The worker runs the optimizer itself (the user's ``torch.optim.Optimizer``, or
+    one built from a config mapping), dense, on its own gradients; its state never
+    leaves the worker. Every ``sync_every`` = H steps it pushes the compressed
+    *pseudo-gradient*: the change of its weights since the model the server last
+    sent, minus what is already in flight (top-k of it, values rounded to the wire
+    dtype; whatever is not sent stays in the weights and goes out with a later
+    round). The server averages the workers' pseudo-gradients and applies an *outer*
+    optimizer lazily (``outer``: plain averaging, or Nesterov momentum). The exchange
+    of round ``r`` runs while the worker computes round ``r+1``; when the server's
+    change arrives it is merged into the local weights without losing the local
+    progress made meanwhile::
 
-The wrapper is a ``torch.optim.Optimizer`` with one parameter group whose
-hyper-parameters mirror the server's optimizer: a learning-rate scheduler (or any code
-that edits ``param_groups[0]``) keeps working; changes travel with the next push and
-apply from the step it joins. Errors in the background thread are raised from the next ``step()``,
-``synchronize()`` or ``close()``, never swallowed.
+        anchor a: the worker's exact copy of the server's model
+        on arrival of version v+1:  G = a_(v+1) - a_v;  w <- w + G + c_r;  a <- a_(v+1)
+
+    where ``c_r`` is the pseudo-gradient this worker pushed (as the server decoded
+    it). Invariant at every sync point: ``a - w = residual + in-flight pushes``.
+``mode="gradient"`` (StellaTrain's)
+    The worker pushes top-k of its gradient plus an error-feedback residual; the
+    server runs the optimizer (``optimizer`` is its config) lazily on the mean.
+    ``step()`` hands iteration ``t``'s gradient to a background thread and returns at
+    once, so the forward/backward of iteration ``t`` runs on weights that include
+    updates ``0..t-2`` (one step stale). It suits SGD; with Adam-family optimizers
+    it needs several times the iterations of dense training (README).
+
+In both modes every use of the connection happens on one background thread, errors
+there are raised from the next ``step()``, ``synchronize()`` or ``close()``, and
+``close()`` pushes what is left unsent, so nothing is lost.
+
+Learning-rate schedules: in update mode the wrapper's ``param_groups`` *are* the
+inner optimizer's, so a scheduler built on the wrapper (or on the user's optimizer)
+drives the local learning rate; ``opt.outer`` mirrors the server's outer optimizer
+(a ``torch.optim.Optimizer`` a scheduler can drive too). In gradient mode the
+wrapper's own group mirrors the server's optimizer. Changed server hyper-parameters
+travel with the next push and apply from the step it joins.
 """
 from __future__ import annotations
 
@@ -36,19 +58,32 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .client import Client, PullResult
-from .compress import DENSE_BELOW, ErrorFeedbackCompressor
+from .compress import DENSE_BELOW, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 
-__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget"]
+__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget", "MODES", "OUTER_PRESETS"]
 
 _SERVER_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps")
 
+Mode = Literal["update", "gradient"]
+MODES = ("update", "gradient")
+DEFAULT_MODE: Mode = "update"
+
+# The server's outer optimizer in update mode. "average": the new model is the mean of
+# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "nesterov": DiLoCo's
+# outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated where the mean
+# pseudo-gradient has coordinates, docs/optimizer.md).
+OUTER_PRESETS: dict[str, dict[str, Any]] = {
+    "average": {"name": "sgd", "lr": 1.0},
+    "nesterov": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"},
+}
 
 class PipelineError(StellaError):
     """The background exchange failed; the cause is chained (``__cause__``)."""
@@ -101,9 +136,11 @@ class DensityBudget:
         return self.density
 
 
+
 @dataclass
 class PipelineStats:
-    iterations: int = 0
+    iterations: int = 0  # step() calls
+    rounds: int = 0  # exchanges started: one per step in gradient mode, one per sync_every steps in update mode
     wait_s: float = 0.0  # time step() spent blocked on the previous exchange
     compress_s: float = 0.0
     exchange_s: float = 0.0  # push + waiting for the step + pull, in the background
@@ -112,21 +149,64 @@ class PipelineStats:
     density: float = 0.0  # the compressor's density for the latest push
 
 
+_INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer a config mapping (the server's names: ``{"name": "adamw", "lr": ...}``)
+    describes, for update mode's local steps. ``momentum_mode`` (a server-side notion) is ignored."""
+    name = str(config.get("name", "")).lower()
+    if name not in _INNER:
+        raise ValueError(f"unknown optimizer {config.get('name')!r}; known: {sorted(_INNER)}")
+    hp = {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k not in ("name", "momentum_mode")}
+    return _INNER[name](params, **hp)
+
+
+class _ServerGroup(torch.optim.Optimizer):
+    """One parameter group mirroring the server's optimizer; a learning-rate scheduler
+    may drive it. ``step()`` does nothing: the server steps, and changed values travel
+    with the next push."""
+
+    def __init__(self, params: list[torch.nn.Parameter], hparams: dict[str, Any]):
+        super().__init__(params, hparams)
+
+    def step(self, closure=None):
+        return None
+
+
+def _server_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k in _SERVER_HPARAMS}
+
+
+def _host_tensor(vals: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    # pulled frames are read-only buffers; torch wants writable memory
+    return torch.from_numpy(vals if vals.flags.writeable else vals.copy()).to(like.device, torch.float32)
+
+
 class StellaOptimizer(torch.optim.Optimizer):
-    """One-step-stale data-parallel training through ``stella-ps`` (see module doc).
+    """Data-parallel training through ``stella-ps`` with the exchange hidden behind the
+    computation (see the module doc for the two modes).
 
     ``model``: any module; every parameter with ``requires_grad`` is registered under
-    its ``named_parameters`` name. ``optimizer``: the server-side optimizer config
-    (None: the server's default, ``stella-ps --optimizer``).
-    ``density``: the fraction of each tensor pushed per step, or ``"auto"`` (default):
-    a :class:`DensityBudget` from ``min_density`` up to ``max_density``, raised while the
-    exchange hides behind the computation. ``method``/``dense_below``: the compressor. ``value_dtype`` and
-    ``index_coding``: wire coding of pushes. ``server_key``/``client_key``: CurveZMQ
-    keys (see :class:`~stella.client.Client`; or ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``).
-    ``staleness``: 1 (pipelined) or 0 (push,
-    wait and install inside ``step()``; the non-overlapped baseline). One step of
-    staleness suited the SGD models measured but stalled an AdamW Transformer (see
-    bench/RESULTS.md and the README): check it against ``staleness=0`` for a new model.
+    its ``named_parameters`` name.
+
+    ``optimizer``: update mode: the worker's optimizer, a ``torch.optim.Optimizer`` over
+    the model's parameters or a config mapping (``{"name": "adamw", "lr": 1e-3, ...}``)
+    to build one. Gradient mode: the server's optimizer config (None: the server's
+    default, ``stella-ps --optimizer``).
+    ``mode``: "update" (default) or "gradient". ``outer``: update mode's server-side
+    optimizer, "average" (default), "nesterov" or a config mapping.
+    ``sync_every``: update mode's local steps per exchange (H; 1 = every step).
+
+    ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
+    (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
+    raised while the exchange hides behind the computation. ``method``/``dense_below``:
+    the compressor. ``value_dtype`` and ``index_coding``: wire coding of pushes.
+    ``server_key``/``client_key``: CurveZMQ keys (see :class:`~stella.client.Client`;
+    or ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``). ``staleness``: 1 (overlapped) or 0
+    (each exchange finishes inside the ``step()`` that starts it; the non-overlapped
+    baseline). ``compress_in_backward`` (gradient mode): compress each gradient from
+    its autograd hook.
     """
 
     def __init__(
@@ -134,7 +214,10 @@ class StellaOptimizer(torch.optim.Optimizer):
         model: torch.nn.Module,
         address: str,
         *,
-        optimizer: Mapping[str, Any] | None = None,
+        optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
+        mode: Mode | None = None,
+        outer: str | Mapping[str, Any] = "average",
+        sync_every: int = 1,
         density: float | str = "auto",
         min_density: float = 0.01,
         max_density: float = 0.1,
@@ -151,14 +234,46 @@ class StellaOptimizer(torch.optim.Optimizer):
         compress_in_backward: bool = False,
         client: Client | None = None,
     ):
+        mode = mode or DEFAULT_MODE
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if staleness not in (0, 1):
             raise ValueError("staleness must be 0 or 1")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        if isinstance(density, str) and density != "auto":
+            raise ValueError(f"density must be a number or 'auto', got {density!r}")
         # tensors without elements never change: nothing to exchange
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise ValueError("model has no trainable parameters")
+        params = [p for _, p in named]
+        self.mode: Mode = mode
+        self.inner: torch.optim.Optimizer | None = None
+        if mode == "update":
+            if optimizer is None:
+                raise ValueError("update mode runs the optimizer on the worker: pass optimizer= a torch "
+                                 "optimizer over the model's parameters or a config such as "
+                                 "{'name': 'adamw', 'lr': 1e-3}")
+            if compress_in_backward:
+                raise ValueError("compress_in_backward is for gradient mode (update mode compresses weight changes)")
+            self.inner = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                          else build_inner(optimizer, params))
+            if any(not p.is_contiguous() for p in params):
+                raise ValueError("update mode needs contiguous parameters")
+            if isinstance(outer, str) and outer not in OUTER_PRESETS:
+                raise ValueError(f"outer must be one of {sorted(OUTER_PRESETS)} or a config mapping, got {outer!r}")
+            server_config: Mapping[str, Any] | None = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
+        else:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError("gradient mode runs the optimizer on the server: pass its config as a mapping, "
+                                 "or use mode='update' to step this torch optimizer on the worker")
+            if sync_every != 1:
+                raise ValueError("sync_every is for update mode (gradient mode exchanges every step)")
+            server_config = optimizer
         self.names = [n for n, _ in named]
         self.params = dict(named)
+        self.sync_every = sync_every
         self.staleness = staleness
         self.value_dtype = value_dtype
         self.index_coding = index_coding
@@ -168,14 +283,13 @@ class StellaOptimizer(torch.optim.Optimizer):
         if density == "auto":
             self.budget = DensityBudget(min_density, max_density)
             density = self.budget.density
-        elif isinstance(density, str):
-            raise ValueError(f"density must be a number or 'auto', got {density!r}")
         # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
         self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below,
                                                   value_dtype=value_dtype)
         self.stats = PipelineStats(density=float(density))
         self._last_step_end: float | None = None
         self._last_exchange_s = 0.0
+        self._local_steps = 0  # update mode: inner steps since the last exchange started
         # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
@@ -188,7 +302,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         def init() -> tuple[Registered, PullResult]:
             self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id,
                                            server_key=server_key, client_key=client_key)
-            reply = self.client.register(self.params, optimizer)
+            reply = self.client.register(self.params, server_config)
             return reply, self.client.pull(None)
 
         try:
@@ -197,17 +311,28 @@ class StellaOptimizer(torch.optim.Optimizer):
             self._exec.shutdown(wait=False)
             raise
         self.server_optimizer: dict[str, Any] = reply.optimizer or {}
-        # the parameter group mirrors the server's optimizer, so that schedulers can edit it
-        defaults = {k: (tuple(v) if k == "betas" else v) for k, v in self.server_optimizer.items()
-                    if k in _SERVER_HPARAMS}
-        super().__init__([p for _, p in named], defaults)
-        if compress_in_backward:
-            self._compress_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-compress")
-            for n, p in self.params.items():
-                p.register_post_accumulate_grad_hook(self._early_hook(n))
         with torch.no_grad():
             snap.apply_to(self.params)
-        self.version = snap.version  # the version the local replica holds
+        self.version = snap.version  # the version of the server's model the replica (anchor) holds
+        if self.inner is not None:
+            # the wrapper's groups are the inner optimizer's (schedulers built on either drive the
+            # local steps); `outer` mirrors the server's optimizer
+            super().__init__(params, self.inner.defaults)
+            self.param_groups = self.inner.param_groups
+            self.state = self.inner.state
+            self.outer: torch.optim.Optimizer | None = _ServerGroup(params, _server_defaults(self.server_optimizer))
+            self._server_group = self.outer.param_groups[0]
+            # update mode's replica of the server's model, exact (float32, flat, the parameter's device)
+            self._anchor = {n: p.detach().reshape(-1).to(torch.float32, copy=True) for n, p in named}
+        else:
+            # the parameter group mirrors the server's optimizer, so that schedulers can edit it
+            super().__init__(params, _server_defaults(self.server_optimizer))
+            self.outer = None
+            self._server_group = self.param_groups[0]
+            if compress_in_backward:
+                self._compress_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-compress")
+                for n, p in self.params.items():
+                    p.register_post_accumulate_grad_hook(self._early_hook(n))
         self._sent_hparams = self._hparams()
 
     # ------------------------------------------------------------------ helpers
@@ -221,12 +346,14 @@ class StellaOptimizer(torch.optim.Optimizer):
         return hook
 
     def _hparams(self) -> dict[str, Any]:
-        g = self.param_groups[0]
+        g = self._server_group
         return {k: (list(g[k]) if k == "betas" else g[k]) for k in _SERVER_HPARAMS if k in g}
 
-    def _exchange(self, grads: dict[str, torch.Tensor | Future], version: int, since: int,
-                  hparams: dict | None) -> PullResult:
-        """Background thread: compress, push, wait for the step, pull the delta."""
+    def _exchange(self, grads: Mapping[str, torch.Tensor | Future | None], version: int, since: int,
+                  hparams: dict | None) -> tuple[PullResult, dict[str, SparseGrad]]:
+        """Background thread: compress (a gradient, an early compression's future, or,
+        for None, the residual as the update mode left it), push, wait for the step,
+        pull the delta."""
         t0 = time.perf_counter()
         sparse = {n: g.result() if isinstance(g, Future) else self.compressor.compress(n, g)
                   for n, g in grads.items()}
@@ -244,7 +371,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._last_exchange_s = t2 - t0
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
-        return delta
+        return delta, sparse
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight exchange and install its delta into the replica."""
@@ -253,13 +380,72 @@ class StellaOptimizer(torch.optim.Optimizer):
         fut, self._inflight = self._inflight, None
         t0 = time.perf_counter()
         try:
-            delta = fut.result()
+            delta, sent = fut.result()
         except Exception as e:
             raise PipelineError(f"background exchange failed: {type(e).__name__}: {e}") from e
         self.stats.wait_s += time.perf_counter() - t0
-        with torch.no_grad():
+        self._install(delta, sent)
+
+    @torch.no_grad()
+    def _install(self, delta: PullResult, sent: Mapping[str, SparseGrad]) -> None:
+        """Gradient mode: the pulled values replace the replica's. Update mode: the merge
+        rule, ``w <- w + (a_new - a) + c`` and ``a <- a_new`` (module doc), where ``c`` is
+        what this worker sent in the exchange that just finished."""
+        if self.inner is None:
             delta.apply_to(self.params)
+            self.version = delta.version
+            return
+        for n, (idx, vals) in delta.tensors.items():
+            a, w = self._anchor[n], self.params[n].detach().view(-1)
+            new = _host_tensor(vals, a)
+            if idx is None:
+                w.add_((new - a).to(w.dtype))
+                a.copy_(new)
+            else:
+                at = torch.from_numpy(idx.astype(np.int64)).to(a.device)
+                w.index_add_(0, at, (new - a.index_select(0, at)).to(w.dtype))
+                a.index_copy_(0, at, new)
+        for n, sg in sent.items():
+            w = self.params[n].detach().view(-1)
+            c = _host_tensor(sg.values, w).to(w.dtype)
+            if sg.indices is None:
+                w.add_(c)
+            else:
+                w.index_add_(0, torch.from_numpy(sg.indices.astype(np.int64)).to(w.device), c)
         self.version = delta.version
+
+    @torch.no_grad()
+    def _load_residuals(self) -> None:
+        """Update mode, main thread: each tensor's residual becomes ``a - w``, the
+        pseudo-gradient not sent yet (nothing is in flight when this runs)."""
+        for n, p in self.params.items():
+            torch.sub(self._anchor[n], p.detach().reshape(-1), out=self.compressor.residual_buffer(n, p))
+
+    def _start_exchange(self, grads: Mapping[str, torch.Tensor | Future | None], compute_version: int) -> None:
+        """Finish the exchange in flight (installing it), adapt the density, start the next one."""
+        entered = time.perf_counter()
+        had_inflight = self._inflight is not None
+        self._finish_inflight()
+        if self.budget is not None and had_inflight and self._last_step_end is not None:
+            # the exchange just finished ran alongside the computation since the last one started
+            density = self.budget.observe(entered - self._last_step_end, self._last_exchange_s)
+            if density != self.compressor.density:
+                self.compressor.set_density(density)  # safe: the background thread is idle now
+        self.stats.density = self.compressor.density
+        if self.inner is not None:
+            self._load_residuals()
+            grads = dict.fromkeys(self.names)
+            compute_version = self.version
+            assert self.outer is not None
+            self.outer.step()  # counts the round for a scheduler driving the outer group
+        hp = self._hparams()
+        changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
+        self._sent_hparams = hp
+        self._inflight = self._exec.submit(self._exchange, grads, compute_version, self.version, changed)
+        self.stats.rounds += 1
+        if self.staleness == 0:
+            self._finish_inflight()
+        self._last_step_end = time.perf_counter()
 
     # ------------------------------------------------------------------ optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -274,30 +460,21 @@ class StellaOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads: dict[str, torch.Tensor | Future] = dict(self._early)  # compressions started in backward
+        self.stats.iterations += 1
+        if self.inner is not None:
+            self.inner.step()  # the local step, dense, on this worker's gradient
+            self._local_steps += 1
+            if self._local_steps >= self.sync_every:
+                self._local_steps = 0
+                self._start_exchange({}, self.version)
+            return loss
+        grads: dict[str, torch.Tensor | Future | None] = dict(self._early)  # compressions started in backward
         self._early = {}
         for n, p in self.params.items():
             if p.grad is not None:
                 grads[n] = p.grad
                 p.grad = None  # this generation is now in flight; backward makes a new one
-        compute_version = self.version  # the weights this gradient was computed on
-        entered = time.perf_counter()
-        had_inflight = self._inflight is not None
-        self._finish_inflight()  # install update t-1: the next forward sees 0..t-1
-        if self.budget is not None and had_inflight and self._last_step_end is not None:
-            # the exchange just finished ran alongside the computation between the two step() calls
-            density = self.budget.observe(entered - self._last_step_end, self._last_exchange_s)
-            if density != self.compressor.density:
-                self.compressor.set_density(density)  # safe: the background thread is idle now
-        self.stats.density = self.compressor.density
-        hp = self._hparams()
-        changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
-        self._sent_hparams = hp
-        self._inflight = self._exec.submit(self._exchange, grads, compute_version, self.version, changed)
-        self.stats.iterations += 1
-        if self.staleness == 0:
-            self._finish_inflight()
-        self._last_step_end = time.perf_counter()
+        self._start_exchange(grads, self.version)  # the version this gradient was computed on
         return loss
 
     def synchronize(self) -> int:
@@ -306,23 +483,26 @@ class StellaOptimizer(torch.optim.Optimizer):
         return self.version
 
     def pull_latest(self) -> int:
-        """Install everything the server has applied so far (e.g. after training)."""
+        """Install everything the server has applied so far (e.g. after training). In
+        update mode the server's changes are merged: local progress not sent yet stays."""
         self._finish_inflight()
         delta = self._exec.submit(self.client.pull, self.version).result()
-        with torch.no_grad():
-            delta.apply_to(self.params)
-        self.version = delta.version
+        self._install(delta, {})
         return self.version
 
     def close(self, *, flush: bool = True) -> None:
-        """Finish the in-flight exchange, push what is left in the residuals (so no
-        gradient mass is lost), leave the job and close the connection. Idempotent."""
+        """Finish the in-flight exchange, push what has not been sent (gradient mode:
+        the residuals; update mode: the rest of the weights' change), so nothing is lost,
+        leave the job and close the connection. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             self._finish_inflight()
             if flush:
+                if self.inner is not None:
+                    self._load_residuals()
+
                 def flush_residuals():
                     rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}  # noqa: SIM118 - not a dict
                     if rest:

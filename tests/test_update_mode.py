@@ -1,0 +1,217 @@
+"""Update mode (worker-side optimizer, compressed pseudo-gradients, outer step on the
+server) against a real stella-ps: the merge rule, exactly, on deterministic toys;
+conservation of the weights' change; the replica never drifting from the server."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from stella import StellaOptimizer
+from stella.client import Client
+from stella.pipeline import OUTER_PRESETS, build_inner
+
+N = 8
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, n: int = N, init: torch.Tensor | None = None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(n, dtype=torch.float32) if init is None else init.clone())
+
+
+def grad_of(rank: int, t: int, n: int = N) -> torch.Tensor:
+    """Dyadic gradients (multiples of 1/8, small): every sum below is exact in float32."""
+    return (torch.arange(n, dtype=torch.float32) % 5 - 2 + 0.125 * (t + 1) * (rank + 1)) * (1 if t % 3 else -1)
+
+
+def local_step(model: Toy, opt: StellaOptimizer, rank: int, t: int) -> torch.Tensor:
+    """One iteration with inner SGD(lr=1): the weights move by exactly -grad_of(rank, t)."""
+    used = model.w.detach().clone()
+    opt.zero_grad()
+    (model.w * grad_of(rank, t, model.w.numel())).sum().backward()
+    opt.step()
+    return used
+
+
+def reference_run(h: int, steps: int, w0: torch.Tensor) -> list[list[torch.Tensor]]:
+    """The merge rule as docs/optimizer.md writes it, for two workers, dense pushes,
+    inner SGD lr 1, outer plain averaging, one round of overlap. Returns the weights
+    each worker computed each iteration on."""
+    x = w0.clone()  # the server's model
+    a = [w0.clone(), w0.clone()]  # each worker's anchor
+    w = [w0.clone(), w0.clone()]
+    inflight: list[torch.Tensor | None] = [None, None]  # c: the pseudo-gradient a worker has in flight
+    server_after: list[torch.Tensor] = []  # the server's model after each round
+    used: list[list[torch.Tensor]] = [[], []]
+    for t in range(steps):
+        for i in (0, 1):
+            used[i].append(w[i].clone())
+            w[i] = w[i] - grad_of(i, t)
+        if (t + 1) % h:
+            continue
+        r = len(server_after)  # the round that starts now
+        for i in (0, 1):
+            if inflight[i] is not None:  # round r-1 has finished: merge it
+                new = server_after[r - 1]
+                w[i] = w[i] + (new - a[i]) + inflight[i]
+                a[i] = new.clone()
+            inflight[i] = a[i] - w[i]  # dense: everything not yet sent goes
+        x = x - (inflight[0] + inflight[1]) / 2  # outer SGD, lr 1, on the mean
+        server_after.append(x.clone())
+    return used
+
+
+@pytest.mark.parametrize("h", [1, 2, 3])
+def test_merge_rule_is_exact_on_a_deterministic_toy(make_server, h):
+    steps = 9
+    srv = make_server(2)
+    w0 = torch.arange(N, dtype=torch.float32)
+    models = [Toy(), Toy()]
+    opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync_every=h, method="dense",
+                            value_dtype="f32", timeout=10, worker_id=i) for i, m in enumerate(models)]
+    assert all(o.mode == "update" for o in opts)
+    used: list[list[torch.Tensor]] = [[], []]
+    for t in range(steps):  # one thread drives both: each step() returns once its round is started
+        for i in (0, 1):
+            used[i].append(local_step(models[i], opts[i], i, t))
+    expect = reference_run(h, steps, w0)
+    for i in (0, 1):
+        for t in range(steps):
+            assert torch.equal(used[i][t], expect[i][t]), f"worker {i}, iteration {t}: {used[i][t]} != {expect[i][t]}"
+    for o in opts:
+        o.close()
+
+
+def test_one_worker_never_waits_for_its_own_update(server):
+    """With one worker and plain averaging the global change *is* the worker's own
+    update: the merge rule keeps the local trajectory exact, no step is stale."""
+    model = Toy()
+    w0 = model.w.detach().clone()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                          value_dtype="f32", timeout=10)
+    total = torch.zeros(N)
+    for t in range(6):
+        used = local_step(model, opt, 0, t)
+        assert torch.equal(used, w0 - total)
+        total += grad_of(0, t)
+    opt.close()
+
+
+def _server_model(srv, numel: int, version: int) -> torch.Tensor:
+    """The server's model once it reaches ``version`` (read by an observer that registers
+    after the workers have left: a registered worker takes part in every step)."""
+    with Client(srv.endpoint, timeout=10, join=False) as c:
+        for _ in range(250):  # a step closed by the last push is applied right after it is acknowledged
+            if c.status()["version"] >= version:
+                break
+            time.sleep(0.02)
+    with Client(srv.endpoint, timeout=10) as c:
+        c.register({"w": np.zeros(numel, np.float32)})
+        snap = c.pull(None)
+        assert snap.version == version
+        return torch.from_numpy(snap.tensors["w"][1].copy())
+
+
+@pytest.mark.parametrize("value_dtype", ["f32", "f16"])
+def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_server(make_server, value_dtype):
+    """Top-k pushes: what a worker has not sent stays in its weights. After the last
+    exchange, for each worker ``a - w = (sum of its local steps) - (sum of what it
+    sent)``, and the server moved by minus the mean of what was sent, so
+    ``sum_i (a - w_i) = sum_i sum_t g_i(t) + 2 (x_final - x_0)`` exactly; the anchor
+    equals the server's model bit for bit."""
+    n, steps = 64, 10
+    srv = make_server(2)
+    init = torch.zeros(n)
+    models = [Toy(n, init), Toy(n, init)]
+    opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, density=0.125, method="exact",
+                            dense_below=0, value_dtype=value_dtype, timeout=10, worker_id=i)
+            for i, m in enumerate(models)]
+    total = [torch.zeros(n), torch.zeros(n)]
+    for t in range(steps):
+        for i in (0, 1):
+            local_step(models[i], opts[i], i, t)
+            total[i] += grad_of(i, t, n)
+    for o in opts:
+        o.synchronize()
+    for o in opts:
+        assert o.pull_latest() == steps  # nothing else is in flight: the replica catches up
+        o.close(flush=False)
+    x = _server_model(srv, n, steps)
+    unsent = []
+    for i, o in enumerate(opts):
+        a = o._anchor["w"]
+        assert torch.equal(a, x), "the replica drifted from the server's model"
+        unsent.append(a - models[i].w.detach())
+        assert unsent[i].abs().sum() > 0  # top-k left something behind, in the weights
+    assert torch.equal(unsent[0] + unsent[1], total[0] + total[1] + 2 * (x - init))
+
+
+def test_close_flushes_what_was_not_sent(server):
+    n = 256
+    model = Toy(n, torch.zeros(n))
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, density=0.05, method="exact",
+                          dense_below=0, value_dtype="f32", timeout=10)
+    total = torch.zeros(n)
+    for t in range(5):
+        local_step(model, opt, 0, t)
+        total += grad_of(0, t, n)
+    opt.close()
+    # one worker, plain averaging: the server's model is the worker's, everything delivered
+    assert torch.equal(_server_model(server, n, 6), -total)  # 5 rounds and the flush
+
+
+def test_nesterov_outer_step_matches_torch_sgd(server):
+    """The outer step on the server is torch's SGD(nesterov) on the pseudo-gradient
+    (dense here, so lazy == dense)."""
+    n = 16
+    model = Toy(n, torch.zeros(n))
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, outer="nesterov",
+                          method="dense", value_dtype="f32", staleness=0, timeout=10)
+    ref_p = torch.nn.Parameter(torch.zeros(n))
+    outer = OUTER_PRESETS["nesterov"]
+    ref = torch.optim.SGD([ref_p], lr=outer["lr"], momentum=outer["momentum"], nesterov=True)
+    for t in range(4):
+        local_step(model, opt, 0, t)
+        ref_p.grad = grad_of(0, t, n)  # the pseudo-gradient of one local SGD(lr 1) step
+        ref.step()
+        # staleness 0, one worker, everything sent: the replica is the server's model
+        assert torch.allclose(model.w.detach(), ref_p.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(model.w.detach(), opt._anchor["w"])
+    opt.close(flush=False)
+    assert torch.equal(_server_model(server, n, 4), model.w.detach())
+
+
+def test_update_mode_refuses_what_it_cannot_do(server):
+    model = Toy()
+    with pytest.raises(ValueError, match="update mode runs the optimizer on the worker"):
+        StellaOptimizer(model, server.endpoint)
+    with pytest.raises(ValueError, match="gradient mode runs the optimizer on the server"):
+        StellaOptimizer(model, server.endpoint, mode="gradient", optimizer=torch.optim.SGD(model.parameters(), lr=1))
+    with pytest.raises(ValueError, match="sync_every"):
+        StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync_every=0)
+    with pytest.raises(ValueError, match="outer"):
+        StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, outer="adam")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        build_inner({"name": "lion"}, list(model.parameters()))
+
+
+def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
+    model = Toy()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = StellaOptimizer(model, server.endpoint, optimizer=inner, method="dense", value_dtype="f32", timeout=10)
+    sched_in = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)  # on the wrapper: the inner groups
+    assert opt.outer is not None
+    sched_out = torch.optim.lr_scheduler.LambdaLR(opt.outer, lambda s: 0.25 if s else 1.0)
+    local_step(model, opt, 0, 0)
+    sched_in.step()
+    sched_out.step()
+    assert inner.param_groups[0]["lr"] == 0.5
+    assert opt.outer.param_groups[0]["lr"] == 0.25
+    local_step(model, opt, 0, 1)  # the outer lr rides with this push
+    opt.synchronize()
+    with Client(server.endpoint, timeout=10) as c:
+        assert c.status()["optimizer"]["lr"] == 0.25
+    opt.close()
