@@ -280,7 +280,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         # block16 codes only whole blocks, which the union a pull returns need not be
         self.pull_coding: PullCoding = "rice" if index_coding == "block16" else index_coding
         self.budget: DensityBudget | None = None
-        if density == "auto":
+        if isinstance(density, str):  # "auto", checked above
             self.budget = DensityBudget(min_density, max_density)
             density = self.budget.density
         # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
