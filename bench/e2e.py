@@ -89,8 +89,8 @@ register_system("ddp", _ddp_runner("ddp"))
 register_system("powersgd", _ddp_runner("powersgd"))
 register_system("fp16", _ddp_runner("fp16"))
 
-register_system("stella", stella_e2e.run)
-register_system("stella_sync", stella_e2e.run_sync)
+for _name, _kw in stella_e2e.SYSTEMS.items():
+    register_system(_name, stella_e2e.system(_name, **_kw))
 
 GOAL_BASELINES = ("ddp", "powersgd", "fp16")
 REQUIRED_KEYS = ("ok", "steps", "iter_median", "evals", "final_metric", "reached")

@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 from bench.harness import (
     REPO,
@@ -169,21 +171,32 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     return res
 
 
-def run(spec, bed, staleness: int = 1) -> dict:
-    """The ``stella`` system of ``bench.e2e`` (registered there)."""
-    res = run_stella(spec.workload, world=spec.world, steps=spec.max_steps, max_seconds=spec.max_seconds, bed=bed,
-                     sites=spec.worker_sites[:spec.world], ps_site=spec.ps_site, seed=spec.seed,
-                     eval_every=spec.eval_every, stop_at_target=spec.stop_at_target, staleness=staleness,
-                     log_dir=spec.log_dir or None)
-    if staleness == 0:
-        res["system"] = "stella_sync"
-    return res
+def system(name: str, **kw) -> Callable[[Any, Any], dict]:
+    """A ``bench.e2e`` runner for one Stella configuration (``run_stella`` keywords)."""
+    def run(spec, bed) -> dict:
+        res = run_stella(spec.workload, world=spec.world, steps=spec.max_steps, max_seconds=spec.max_seconds,
+                         bed=bed, sites=spec.worker_sites[:spec.world], ps_site=spec.ps_site, seed=spec.seed,
+                         eval_every=spec.eval_every, stop_at_target=spec.stop_at_target,
+                         log_dir=spec.log_dir or None, **kw)
+        res["system"] = name
+        return res
+
+    run.__name__ = f"run_{name}"
+    return run
 
 
-def run_sync(spec, bed) -> dict:
-    """Stella without the pipeline (``staleness=0``: push, wait for the step, pull, then
-    compute): the same compression and server, no stale weights."""
-    return run(spec, bed, staleness=0)
+# The configurations bench.e2e registers (name -> run_stella keywords). "stella" is the
+# default mode with default settings; the others vary one thing each.
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "stella": {"mode": "update"},  # update mode, H = 1, f16 values, plain averaging, density "auto"
+    "stella_h4": {"mode": "update", "sync_every": 4},
+    "stella_h16": {"mode": "update", "sync_every": 16},
+    "stella_q4": {"mode": "update", "value_dtype": "q4"},
+    "stella_q2": {"mode": "update", "value_dtype": "q2"},
+    "stella_nesterov": {"mode": "update", "sync_every": 4, "outer": "nesterov"},
+    "stella_grad": {"mode": "gradient"},  # StellaTrain's gradient mode, one step stale
+    "stella_grad_sync": {"mode": "gradient", "staleness": 0},  # gradient mode without overlap
+}
 
 
 def main(argv=None) -> int:

@@ -215,3 +215,47 @@ def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     with Client(server.endpoint, timeout=10) as c:
         assert c.status()["optimizer"]["lr"] == 0.25
     opt.close()
+
+
+def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server):
+    """state_dict() holds the inner optimizer's state and the unsent progress; a
+    restarted worker keeps that progress on top of the server's current model (which
+    another worker moved meanwhile)."""
+    n = 64
+    srv = make_server(1)
+    model = Toy(n, torch.zeros(n))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.125)
+    opt = StellaOptimizer(model, srv.endpoint, optimizer=inner, density=0.125, method="exact", dense_below=0,
+                          value_dtype="f32", timeout=10)
+    for t in range(4):
+        local_step(model, opt, 0, t)
+    saved = opt.state_dict()
+    before = opt._anchor["w"].clone()
+    unsent = saved["unsent"]["w"]
+    assert torch.equal(unsent, before - model.w.detach()) and unsent.abs().sum() > 0
+    opt.close(flush=False)  # the worker dies: its unsent progress is only in the checkpoint
+
+    other = Toy(n, torch.zeros(n))  # meanwhile another worker moves the server's model
+    o2 = StellaOptimizer(other, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                         value_dtype="f32", staleness=0, timeout=10)
+    local_step(other, o2, 1, 7)
+    o2.close(flush=False)
+
+    model2 = Toy(n, torch.ones(n))
+    opt2 = StellaOptimizer(model2, srv.endpoint, optimizer=torch.optim.AdamW(model2.parameters(), lr=0.125),
+                           density=0.125, method="exact", dense_below=0, value_dtype="f32", timeout=10)
+    opt2.load_state_dict(saved)
+    x = opt2._anchor["w"]
+    assert opt2.version == 5 and not torch.equal(x, before)  # the server moved on
+    assert torch.allclose(x, other.w.detach(), atol=1e-6)  # ... to what the other worker made of it
+    assert torch.allclose(x - model2.w.detach(), unsent, atol=1e-6)  # the unsent progress survived
+    st, st2 = inner.state_dict()["state"][0], opt2.inner.state_dict()["state"][0]
+    assert torch.equal(st["exp_avg"], st2["exp_avg"]) and torch.equal(st["exp_avg_sq"], st2["exp_avg_sq"])
+    local_step(model2, opt2, 0, 4)  # and training goes on
+    opt2.close()
+    with pytest.raises(ValueError, match="gradient"):
+        g = StellaOptimizer(Toy(n), srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, timeout=10)
+        try:
+            g.load_state_dict(saved)
+        finally:
+            g.close(flush=False)

@@ -490,6 +490,54 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._install(delta, {})
         return self.version
 
+    # ------------------------------------------------------------------ worker checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The worker's own side, for a checkpoint: the inner optimizer's state and what
+        was not sent yet (update mode: ``anchor - weights``; gradient mode: the
+        error-feedback residuals). Finishes the exchange in flight first, so nothing is
+        half-merged. The weights themselves are the server's business (and
+        ``model.state_dict()``'s)."""
+        self._finish_inflight()
+        out: dict[str, Any] = {"mode": self.mode, "version": self.version, "local_steps": self._local_steps,
+                               "density": self.compressor.density}
+        if self.inner is not None:
+            out["inner"] = self.inner.state_dict()
+            out["unsent"] = {n: (a - self.params[n].detach().reshape(-1).float()).cpu()
+                             for n, a in self._anchor.items()}
+        else:
+            out["residuals"] = {n: self.compressor.residual(n).detach().cpu().clone() for n in self.compressor.keys()}  # noqa: SIM118
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a fresh wrapper, rebased on the server's
+        current model (which may have moved on, or been restored from an older
+        checkpoint): the weights become the server's model minus the saved unsent
+        progress (update mode) or the server's model with the saved residuals
+        (gradient mode)."""
+        if state.get("mode") != self.mode:
+            raise ValueError(f"a {state.get('mode')!r}-mode state cannot load into a {self.mode!r}-mode optimizer")
+        self._finish_inflight()
+        unsent = None
+        if self.inner is not None:
+            unsent = {n: state["unsent"][n].to(a.device, torch.float32).reshape(-1) for n, a in self._anchor.items()}
+            self.inner.load_state_dict(state["inner"])
+        else:
+            for n, r in state.get("residuals", {}).items():
+                p = self.params[n]
+                self.compressor.residual_buffer(n, p).copy_(r.reshape(-1).to(p.device, torch.float32))
+        self._local_steps = int(state.get("local_steps", 0))
+        if self.budget is None and "density" in state:
+            self.compressor.set_density(float(state["density"]))
+        snap = self._exec.submit(self.client.pull, None).result()
+        snap.apply_to(self.params)
+        self.version = snap.version
+        if unsent is not None:
+            for n, p in self.params.items():
+                a = self._anchor[n]
+                a.copy_(p.detach().reshape(-1))
+                p.detach().view(-1).copy_((a - unsent[n]).to(p.dtype))
+
     def close(self, *, flush: bool = True) -> None:
         """Finish the in-flight exchange, push what has not been sent (gradient mode:
         the residuals; update mode: the rest of the weights' change), so nothing is lost,
