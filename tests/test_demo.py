@@ -13,7 +13,10 @@ from stella.demo import DemoConfig, build_mlp, load_digits_arrays, load_digits_s
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # 400 steps x 2 workers; ~15 s idle, minutes on a contended 2-core machine
-def test_two_worker_demo_reaches_93_percent(tmp_path):
+def test_two_worker_demo_reaches_93_percent(tmp_path, monkeypatch):
+    # as `make demo` runs it: no keys in the environment, the demo makes its own for the run
+    for var in ("STELLA_PS_KEYS", "STELLA_PS_ALLOW", "STELLA_SERVER_KEY", "STELLA_CLIENT_KEY"):
+        monkeypatch.delenv(var, raising=False)
     out = io.StringIO()
     cfg = DemoConfig(workers=2, steps=400, density=0.05)
     res = run_demo(cfg, json_path=str(tmp_path / "demo.json"), out=out)

@@ -215,7 +215,7 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
         status = None
         from .client import Client
 
-        with Client(endpoint, timeout=10, join=False) as c:
+        with Client(endpoint, timeout=10, join=False, **ps.client_kwargs()) as c:
             status = c.status()
     finally:
         for p in procs:
