@@ -1,4 +1,5 @@
-/* Wire coding of sparse pushes: sorted unique int32 indices, float values.
+/* Wire coding of sparse pushes: sorted unique int32 indices, float values
+ * (f16, bf16 and the low-bit q4/q2 of pushes, whose format is above stella_q_size).
  *
  * Index codings (STELLA_IDX_* in cdefs/codec.h; docs/compression.md has the
  * byte-level format):
@@ -129,6 +130,10 @@ static inline void store32le(uint8_t *p, uint32_t v) {
     p[1] = (uint8_t)(v >> 8);
     p[2] = (uint8_t)(v >> 16);
     p[3] = (uint8_t)(v >> 24);
+}
+
+static inline uint32_t load32le(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
 /* LSB-first bit writer: whole 32-bit words go out as soon as they are complete, so
@@ -321,8 +326,7 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
         int64_t prev = -1;
         for (int64_t i = 0; i < count; i++) {
             const uint8_t *p = buf + 4 * i;
-            int64_t x = (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                                  (uint32_t)p[3] << 24);
+            int64_t x = (int32_t)load32le(p);
             /* distinct codes so the sender learns which rule it broke */
             if (STELLA_UNLIKELY(x < 0 || x >= numel)) return STELLA_E_RANGE;
             if (STELLA_UNLIKELY(x <= prev)) return STELLA_E_ORDER;
@@ -452,4 +456,103 @@ int stella_values_check(const void *val, int64_t n, int32_t dtype) {
     default: return STELLA_E_ARG;
     }
     return ok ? STELLA_OK : STELLA_E_NONFINITE;
+}
+
+/* ---- q4 / q2 --------------------------------------------------------------
+ *
+ * A frame of n values coded with b = 4 (q4) or b = 2 (q2) bits, L = 2^b levels:
+ *   ceil(n / QCHUNK) scales, little-endian float32, one per chunk of QCHUNK (64)
+ *   consecutive values (the last chunk may be short); then ceil(n b / 8) bytes of
+ *   codes: value i's code k (0 <= k < L) in bits (i b) mod 8 .. + b of byte (i b) / 8,
+ *   least significant bit first; the last byte's unused high bits are zero.
+ * A chunk's scale m is its largest magnitude, and code k decodes to m * lv[k] with
+ * lv[k] = (float)((2k - (L-1)) / (double)(L-1)): the mid-rise levels +-m/(L-1),
+ * +-3m/(L-1), ..., +-m (step s = 2m/(L-1); zero is not a level). The encoder takes
+ * the nearest level, k = floor(x h + (h + 1/2)) with x = v / m and h = (L-1)/2, each
+ * operation a float32 one (a tie goes up; separate statements, and GCC's ISO mode
+ * does not contract them into an FMA, so NumPy and torch compute the same bits), and
+ * k = L/2 (+0) in a chunk whose m is 0. The largest magnitude travels exactly, so
+ * quantising decoded values again reproduces them bit for bit. Decoders refuse a
+ * scale with its sign bit set, NaN or Inf (STELLA_E_SCALE): every level of a valid
+ * scale is finite.
+ */
+static inline int q_bits(int32_t dtype) {
+    return dtype == STELLA_VAL_Q4 ? 4 : dtype == STELLA_VAL_Q2 ? 2 : 0;
+}
+
+static void q_levels(int b, float *lv) {
+    const int top = (1 << b) - 1;
+    for (int k = 0; k <= top; k++) lv[k] = (float)((double)(2 * k - top) / (double)top);
+}
+
+static inline int64_t q_chunks(int64_t n) { return (n + STELLA_QCHUNK - 1) / STELLA_QCHUNK; }
+
+int64_t stella_q_size(int64_t n, int32_t dtype) {
+    const int b = q_bits(dtype);
+    if (!b || n < 0 || n > MAX_NUMEL) return STELLA_E_ARG;
+    return 4 * q_chunks(n) + (n * b + 7) / 8;
+}
+
+int64_t stella_q_encode(const float *in, int64_t n, int32_t dtype, uint8_t *out, int64_t cap,
+                        float *deq) {
+    const int64_t size = stella_q_size(n, dtype);
+    if (size < 0) return size;
+    if (n > 0 && (!in || (out && cap < size))) return STELLA_E_ARG;
+    const int b = q_bits(dtype), top = (1 << b) - 1;
+    const float h = 0.5f * (float)top, hh = h + 0.5f;
+    float lv[16];
+    q_levels(b, lv);
+    const int64_t nchunks = q_chunks(n);
+    uint8_t *codes = out ? out + 4 * nchunks : NULL;
+    if (codes) memset(codes, 0, (size_t)(size - 4 * nchunks));
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t i0 = c * STELLA_QCHUNK;
+        const int64_t i1 = n - i0 < STELLA_QCHUNK ? n : i0 + STELLA_QCHUNK;
+        /* finite magnitudes order as their bit patterns; NaN/Inf have all exponent bits */
+        uint32_t amax = 0, bad = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            const uint32_t a = stella_f32_bits(in[i]) & 0x7fffffffu;
+            bad |= a >= 0x7f800000u;
+            amax = a > amax ? a : amax;
+        }
+        if (bad) return STELLA_E_NONFINITE;
+        const float m = stella_bits_f32(amax);
+        if (out) store32le(out + 4 * c, amax);
+        for (int64_t i = i0; i < i1; i++) {
+            int k = (top + 1) / 2;
+            if (amax) {
+                const float x = in[i] / m;
+                const float y = x * h;
+                const float t = y + hh;
+                k = (int)t; /* floor: |x| <= 1, so t >= 1/2 */
+                k = k > top ? top : k;
+            }
+            if (codes) codes[(i * b) >> 3] |= (uint8_t)(k << ((i * b) & 7));
+            if (deq) deq[i] = m * lv[k]; /* after in[i] is read: deq may be in */
+        }
+    }
+    return size;
+}
+
+int64_t stella_q_decode(const uint8_t *buf, int64_t len, int64_t n, int32_t dtype, float *out) {
+    const int64_t size = stella_q_size(n, dtype);
+    if (size < 0) return size;
+    if (len != size) return STELLA_E_CORRUPT;
+    if (n == 0) return 0;
+    if (!buf || !out) return STELLA_E_ARG;
+    const int b = q_bits(dtype), top = (1 << b) - 1;
+    const int64_t nchunks = q_chunks(n), nbits = n * b;
+    const uint8_t *codes = buf + 4 * nchunks;
+    if ((nbits & 7) && (codes[nbits >> 3] >> (nbits & 7))) return STELLA_E_CORRUPT;
+    for (int64_t c = 0; c < nchunks; c++) /* sign bit, NaN or Inf: all >= 0x7f800000 */
+        if (load32le(buf + 4 * c) >= 0x7f800000u) return STELLA_E_SCALE;
+    float lv[16];
+    q_levels(b, lv);
+    for (int64_t c = 0; c < nchunks; c++) {
+        const float m = stella_bits_f32(load32le(buf + 4 * c));
+        const int64_t i0 = c * STELLA_QCHUNK;
+        const int64_t i1 = n - i0 < STELLA_QCHUNK ? n : i0 + STELLA_QCHUNK;
+        for (int64_t i = i0; i < i1; i++) out[i] = m * lv[(codes[(i * b) >> 3] >> ((i * b) & 7)) & top];
+    }
+    return n;
 }

@@ -13,6 +13,7 @@ const char *stella_strerror(int rc) {
     case STELLA_E_CORRUPT: return "corrupt or truncated coded bytes";
     case STELLA_E_ARG: return "bad argument";
     case STELLA_E_NOMEM: return "out of memory";
+    case STELLA_E_SCALE: return "q4/q2 scale negative, NaN or Inf";
     default: return "unknown error";
     }
 }

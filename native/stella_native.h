@@ -11,7 +11,7 @@
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
  * wrappers (stella.native_errors.require_abi) assert it at import so a stale build
  * fails loudly. */
-#define STELLA_ABI_VERSION 2
+#define STELLA_ABI_VERSION 3
 
 /* Return codes shared by all kernels (0 = ok, negative = error); stella_strerror()
  * has their text. */
@@ -22,11 +22,16 @@
 #define STELLA_E_CORRUPT (-4)   /* coded bytes are malformed or truncated */
 #define STELLA_E_ARG (-5)       /* bad argument (size, count, config) */
 #define STELLA_E_NOMEM (-6)     /* allocation failed */
+#define STELLA_E_SCALE (-7)     /* a q4/q2 scale is negative, NaN or +-Inf */
 
-/* Value dtypes of wire frames and of pushes (bf16 travels as uint16 bit patterns). */
+/* Value dtypes of wire frames and of pushes (bf16 travels as uint16 bit patterns).
+ * q4/q2 (per-chunk scaled 4-/2-bit codes, codec.c) exist only on the wire: they are
+ * dequantised to float32 before anything else reads them, and the kernel refuses them. */
 #define STELLA_VAL_F32 0
 #define STELLA_VAL_F16 1
 #define STELLA_VAL_BF16 2
+#define STELLA_VAL_Q4 3
+#define STELLA_VAL_Q2 4
 
 #if defined(__GNUC__)
 #define STELLA_LIKELY(x) __builtin_expect(!!(x), 1)

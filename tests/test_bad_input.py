@@ -159,6 +159,22 @@ CASES = {
                                    None), "bad_value", "NaN/Inf"),
     "NaN value (bf16)": (lambda e: (push_hdr(e, [e_(0, 1, vd="bf16")]), [i32(3), np.uint16([0x7fc0]).tobytes()],
                                     None), "bad_value", "NaN/Inf"),
+    "q4 value frame wrong size": (lambda e: (push_hdr(e, [e_(0, 2, vd="q4")]), [i32(1, 2), f32(1) + b"\x00\x00"],
+                                            None), "codec", "6 bytes for 2 values (need 5)"),
+    "q2 dense value frame wrong size": (lambda e: (push_hdr(e, [e_(1, 4, "dense", vd="q2")]), [f32(1)], None),
+                                        "codec", "4 bytes for 4 values (need 5)"),
+    "q4 NaN scale": (lambda e: (push_hdr(e, [e_(0, 2, vd="q4")]), [i32(1, 2), f32(np.nan) + b"\x21"], None),
+                     "bad_value", "scale negative, NaN or Inf"),
+    "q2 Inf scale": (lambda e: (push_hdr(e, [e_(1, 4, "dense", vd="q2")]), [f32(np.inf) + b"\x1b"], None),
+                     "bad_value", "scale negative, NaN or Inf"),
+    "q4 negative scale": (lambda e: (push_hdr(e, [e_(0, 2, vd="q4")]), [i32(1, 2), f32(-1.0) + b"\x21"], None),
+                          "bad_value", "scale negative, NaN or Inf"),
+    "q2 scale -0.0": (lambda e: (push_hdr(e, [e_(0, 1, vd="q2")]), [i32(3), f32(-0.0) + b"\x02"], None),
+                      "bad_value", "scale negative, NaN or Inf"),
+    "q2 pad bits set": (lambda e: (push_hdr(e, [e_(0, 1, vd="q2")]), [i32(3), f32(1.0) + b"\x06"], None),
+                        "codec", "corrupt"),
+    "q4 pad bits set": (lambda e: (push_hdr(e, [e_(0, 3, vd="q4")]), [i32(1, 2, 3), f32(1.0) + b"\x21\x13"], None),
+                        "codec", "corrupt"),
     "dense count wrong": (lambda e: (push_hdr(e, [e_(1, 3, "dense")]), [f32(1, 1, 1)], None),
                           "protocol", "needs 4 values"),
     "unknown tensor": (lambda e: (push_hdr(e, [e_(7, 1)]), [i32(1), f32(1)], None), "unknown_tensor",
@@ -255,3 +271,19 @@ def test_good_worker_keeps_training_after_bad_input(env):
     d = good.pull(v, wait_for=v + 1)
     assert d.version == v + 1
     np.testing.assert_allclose(d.tensors["b"][1], [-0.1])
+
+
+def test_quantised_push_applies_what_it_decodes_to(env):
+    """A q4 push that the server takes: the step applies the dequantised values."""
+    good = env["good"]
+    v = good.status()["version"]
+    before = snapshot(env)[1]["w"].reshape(-1)
+    scale_and_codes = f32(2.5) + bytes([0x0B])  # [1.0, -2.5] -> codes 11, 0: levels 7/15 * 2.5, -2.5
+    assert call(env["raw"], push_hdr(env, [e(0, 2, vd="q4")], version=v), [i32(5, 6), scale_and_codes])["type"] \
+        == "push_ok"
+    good.push({"b": (np.array([0], np.int32), np.array([0.0], np.float32))}, v)
+    d = good.pull(v, wait_for=v + 1)
+    assert d.version == v + 1
+    after = snapshot(env)[1]["w"].reshape(-1)
+    sent = np.array([np.float32(2.5) * np.float32(7 / 15), -2.5], np.float32)
+    np.testing.assert_allclose(after[5:7], before[5:7] - np.float32(0.1) * sent / 2, rtol=1e-6)

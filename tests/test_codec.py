@@ -11,6 +11,7 @@ from stella import codec
 from stella.errors import BadValue, CodecError, StellaError
 
 CODINGS = codec.INDEX_CODINGS
+EXACT_DTYPES = tuple(d for d in codec.VALUE_DTYPES if d not in codec.QUANT_DTYPES)  # f32, f16, bf16
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -46,7 +47,8 @@ def _roundtrip(idx: np.ndarray, numel: int, coding: str) -> bytes:
 
 def test_codings_listed():
     assert "raw32" in CODINGS and "rice" in CODINGS and len(set(CODINGS)) == len(CODINGS)
-    assert codec.VALUE_DTYPES == ("f32", "f16", "bf16")
+    assert codec.VALUE_DTYPES == ("f32", "f16", "bf16", "q4", "q2")
+    assert codec.QUANT_DTYPES == ("q4", "q2")
 
 
 @FAST
@@ -269,7 +271,7 @@ def test_values_match_torch(dtype, tdtype):
     np.testing.assert_array_equal(back, ref.float().numpy())
 
 
-@pytest.mark.parametrize("dtype", codec.VALUE_DTYPES)
+@pytest.mark.parametrize("dtype", EXACT_DTYPES)
 def test_values_roundtrip_and_size_checked(dtype):
     v = np.array([1.5, -2.25, np.nan, np.inf, 0.0], np.float32)
     enc = codec.encode_values(v, dtype)
@@ -300,7 +302,7 @@ def test_f16_nan_stays_nan():
         assert np.isnan(codec.decode_values(codec.encode_values(v, dtype), 2, dtype)).all()
 
 
-@pytest.mark.parametrize("dtype", codec.VALUE_DTYPES)
+@pytest.mark.parametrize("dtype", EXACT_DTYPES)
 def test_wire_values_view_and_finiteness(dtype):
     """A zero-copy view as the values travel; NaN/Inf anywhere (the C scan works in
     blocks: first, middle, last position) raises BadValue."""
@@ -329,3 +331,186 @@ def test_wire_values_view_and_finiteness(dtype):
     with pytest.raises(CodecError):
         codec.wire_values(bytes(enc)[:-1], n, dtype)
     assert codec.wire_values(b"", 0, dtype).size == 0
+
+
+# ---- q4 / q2 ----------------------------------------------------------------------
+def _q_reference(v: np.ndarray, dtype: str) -> tuple[bytes, np.ndarray]:
+    """docs/compression.md's q4/q2 format in NumPy: (frame, decoded values)."""
+    bits = codec.QUANT_BITS[dtype]
+    top = (1 << bits) - 1
+    h = np.float32(top / 2)
+    levels = np.array([(2 * k - top) / top for k in range(top + 1)], np.float32)
+    n = v.size
+    nch = -(-n // codec.QCHUNK)
+    chunks = np.zeros(nch * codec.QCHUNK, np.float32)
+    chunks[:n] = v
+    chunks = chunks.reshape(nch, codec.QCHUNK)
+    m = np.abs(chunks).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = chunks / m
+        y = x * h
+        t = y + np.float32(h + 0.5)
+        k = np.where(m > 0, np.minimum(np.floor(t), top), (top + 1) // 2).astype(np.int64).reshape(-1)[:n]
+    dec = (np.repeat(m[:, 0], codec.QCHUNK)[:n] * levels[k]).astype(np.float32)
+    packed = np.zeros(-(-n * bits // 8), np.uint8)
+    pos = np.arange(n) * bits
+    np.bitwise_or.at(packed, pos // 8, (k << (pos % 8)).astype(np.uint8))
+    return m.astype("<f4").tobytes() + packed.tobytes(), dec
+
+
+def _q_inputs():
+    rng = np.random.default_rng(11)
+    yield "count 1", np.array([-3.25], np.float32)
+    yield "count 1, zero", np.zeros(1, np.float32)
+    for n in (63, 64, 65, 127, 129, 1000, 4099):
+        yield f"normal {n}", rng.standard_normal(n).astype(np.float32)
+    v = rng.standard_normal(300).astype(np.float32)
+    v[64:128] = 0.0  # a chunk of zeros
+    v[130:140] = 0.0  # zeros inside a chunk
+    v[200] = -0.0
+    yield "zeros", v
+    wide = rng.standard_normal(5000) * 10.0 ** rng.integers(-38, 38, 5000)
+    yield "magnitudes", wide.astype(np.float32)
+    yield "huge", np.array([np.finfo(np.float32).max, -np.finfo(np.float32).max, 1e38, 3.0], np.float32)
+    yield "tiny", np.array([1e-38, -1e-40, 1e-45, 0.0, 2e-45, -1.4e-45], np.float32)
+    yield "ties", np.array([1.0, 0.0, -1.0, 1 / 3, 2 / 3, -1 / 3, 0.2, 0.6, -0.2, -0.6] * 7, np.float32)
+    yield "random bits", rng.integers(0, 2**32, 3000, dtype=np.uint32).view(np.float32)
+
+
+_Q_CASES = [(name, v[np.isfinite(v)]) for name, v in _q_inputs()]
+
+
+@pytest.mark.parametrize("dtype", codec.QUANT_DTYPES)
+@pytest.mark.parametrize("name,v", _Q_CASES, ids=[c[0] for c in _Q_CASES])
+def test_q_matches_numpy_reference_bit_for_bit(dtype, name, v):
+    frame, dec = _q_reference(v, dtype)
+    enc = codec.encode_values(v, dtype)
+    assert enc.dtype == np.uint8 and enc.size == codec.value_frame_size(dtype, v.size) == len(frame)
+    assert bytes(enc) == frame
+    back = codec.decode_values(bytes(enc), v.size, dtype)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back.view(np.uint32), dec.view(np.uint32))
+    np.testing.assert_array_equal(codec.quantise(v, dtype).view(np.uint32), dec.view(np.uint32))
+    np.testing.assert_array_equal(codec.wire_values(enc, v.size, dtype), back)
+
+
+@pytest.mark.parametrize("dtype", codec.QUANT_DTYPES)
+@pytest.mark.parametrize("name,v", _Q_CASES, ids=[c[0] for c in _Q_CASES])
+def test_q_error_bound_exact_top_level_and_idempotence(dtype, name, v):
+    """|decoded - v| <= s / 2 with the step s = 2 m / (L - 1) (m the chunk's largest
+    magnitude, sent exactly), and quantising decoded values again changes nothing."""
+    top = (1 << codec.QUANT_BITS[dtype]) - 1
+    q = codec.quantise(v, dtype)
+    assert np.isfinite(q).all()
+    pad = -v.size % codec.QCHUNK
+    m = np.abs(np.concatenate([v, np.zeros(pad, np.float32)])).reshape(-1, codec.QCHUNK).max(1)
+    m_each = np.repeat(m, codec.QCHUNK)[: v.size].astype(np.float64)
+    err = np.abs(q.astype(np.float64) - v.astype(np.float64))
+    # half a step, plus float32 rounding of the level (relative) and of subnormals (absolute)
+    assert (err <= m_each / top * (1 + 1e-6) + 2.0**-149 * 4).all()
+    qm = np.abs(np.concatenate([q, np.zeros(pad, np.float32)])).reshape(-1, codec.QCHUNK).max(1)
+    np.testing.assert_array_equal(qm, m)
+    np.testing.assert_array_equal(codec.quantise(q, dtype).view(np.uint32), q.view(np.uint32))
+    assert bytes(codec.encode_values(q, dtype)) == bytes(codec.encode_values(v, dtype))
+
+
+def test_q_worked_example_and_sizes():
+    """docs/compression.md's example; 4.5 and 2.5 bits a value with 64-value chunks."""
+    v = np.array([1.0, -2.5], np.float32)
+    assert bytes(codec.encode_values(v, "q4")).hex(" ") == "00 00 20 40 0b"
+    assert bytes(codec.encode_values(v, "q2")).hex(" ") == "00 00 20 40 02"
+    np.testing.assert_array_equal(codec.decode_values(b"\x00\x00\x20\x40\x0b", 2, "q4"),
+                                  np.float32([np.float32(2.5) * np.float32(7 / 15), -2.5]))
+    assert codec.QCHUNK == 64
+    for dtype, bits in (("q4", 4.5), ("q2", 2.5)):
+        assert codec.value_frame_size(dtype, 64 * 1000) * 8 / (64 * 1000) == bits
+        assert codec.value_frame_size(dtype, 0) == 0
+        assert codec.value_frame_size(dtype, 1) == 5
+    assert codec.value_frame_size("q4", 65) == 8 + 33 and codec.value_frame_size("q2", 65) == 8 + 17
+
+
+@pytest.mark.parametrize("dtype", codec.QUANT_DTYPES)
+def test_q_corrupt_input_rejected(dtype):
+    n = 130  # 3 chunks, the last of 2 values
+    v = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    enc = bytes(codec.encode_values(v, dtype))
+    assert codec.decode_values(b"", 0, dtype).size == 0
+    for bad, count in ((enc[:-1], n), (enc + b"\x00", n), (enc, n + 3), (enc, n - 3), (b"\x00", 0)):
+        with pytest.raises(CodecError, match="bytes for"):
+            codec.decode_values(bad, count, dtype)
+    with pytest.raises(CodecError):  # q2: the same size as 130 values, but its pad bits are set
+        codec.decode_values(enc, n - 1, dtype)
+    for count in (-1, 2**31 + 1, 2**62):  # refused before anything is allocated for it
+        with pytest.raises(CodecError, match="impossible count"):
+            codec.decode_values(enc, count, dtype)
+    for scale in (np.nan, np.inf, -np.inf, -1.0, -0.0, -1e-45):
+        for chunk in (0, 2):
+            bad = bytearray(enc)
+            bad[4 * chunk:4 * chunk + 4] = np.float32(scale).tobytes()
+            with pytest.raises(BadValue, match="scale negative, NaN or Inf"):
+                codec.wire_values(bytes(bad), n, dtype)
+    # 130 values: 260 (q2) or 520 (q4) code bits, so the last byte has 4 (q2) or 0 (q4) pad bits
+    if dtype == "q2":
+        bad = bytearray(enc)
+        bad[-1] |= 0x10
+        with pytest.raises(CodecError, match="corrupt"):
+            codec.wire_values(bytes(bad), n, dtype)
+    odd = bytes(codec.encode_values(v[:3], dtype))  # 3 values: 12 or 6 bits, pad above
+    bad = bytearray(odd)
+    bad[-1] |= 0x80
+    with pytest.raises(CodecError, match="corrupt"):
+        codec.decode_values(bytes(bad), 3, dtype)
+    shifted = memoryview(b"\x00" + enc)[1:]  # unaligned buffers decode too
+    np.testing.assert_array_equal(codec.decode_values(shifted, n, dtype), codec.decode_values(enc, n, dtype))
+    for x in (np.nan, np.inf, -np.inf):
+        w = v.copy()
+        w[77] = x
+        with pytest.raises(BadValue, match="NaN/Inf"):
+            codec.encode_values(w, dtype)
+        with pytest.raises(BadValue, match="NaN/Inf"):
+            codec.quantise(w, dtype)
+    with pytest.raises(ValueError):
+        codec.quantise(v, "f16")
+
+
+@FAST
+@given(st.binary(max_size=200), st.integers(0, 400), st.sampled_from(codec.QUANT_DTYPES))
+def test_q_fuzz_decodes_or_refuses(buf, count, dtype):
+    """Any bytes: finite values of the right count, or CodecError / BadValue."""
+    try:
+        out = codec.wire_values(buf, count, dtype)
+    except (CodecError, BadValue):
+        return
+    assert len(buf) == codec.value_frame_size(dtype, count)
+    assert out.shape == (count,) and out.dtype == np.float32 and np.isfinite(out).all()
+
+
+@FAST
+@given(st.integers(1, 300), st.sampled_from(codec.QUANT_DTYPES), st.integers(0, 2**32 - 1))
+def test_q_fuzz_valid_frames_round_trip(count, dtype, seed):
+    """A frame with random codes and valid scales decodes to values that encode back to
+    the same codes (canonical when no chunk's scale is 0)."""
+    rng = np.random.default_rng(seed)
+    size = codec.value_frame_size(dtype, count)
+    nch = -(-count // codec.QCHUNK)
+    scales = np.abs(rng.standard_normal(nch)).astype("<f4") + np.float32(0.5)
+    codes = bytearray(rng.integers(0, 256, size - 4 * nch, dtype=np.uint8).tobytes())
+    used = count * codec.QUANT_BITS[dtype]
+    if used % 8:
+        codes[-1] &= (1 << (used % 8)) - 1
+    frame = scales.tobytes() + bytes(codes)
+    out = codec.decode_values(frame, count, dtype)
+    again = codec.decode_values(codec.encode_values(out, dtype), count, dtype)
+    np.testing.assert_array_equal(again, codec.quantise(out, dtype))
+    np.testing.assert_array_equal(codec.quantise(again, dtype), again)
+
+
+def test_delta_refuses_quantised_values():
+    from stella.errors import ProtocolError
+    from stella.protocol import Delta, TensorSpec, decode_reply, encode, encode_tensors
+
+    layout = [TensorSpec("w", (10,), "float32")]
+    entries, frames = encode_tensors([(0, np.array([1, 4], np.int32), np.ones(2, np.float32))], layout,
+                                     "raw32", "q4")
+    with pytest.raises(ProtocolError, match="for pushes only"):
+        decode_reply(encode(Delta(version=1, full=False, tensors=entries), frames))

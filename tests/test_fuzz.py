@@ -85,7 +85,7 @@ SPECS = [{"name": n, "shape": list(s), "dtype": "float32"} for n, s in LAYOUT.it
 OPTIMIZER = {"name": "sgd", "lr": 0.5}
 CODINGS = ["raw32", "varint", "u16chunk", "rice", "block16"]
 PULL_CODINGS = ["raw32", "varint", "u16chunk", "rice"]
-VALUE_DTYPES = ["f32", "f16", "bf16"]
+VALUE_DTYPES = ["f32", "f16", "bf16", "q4", "q2"]
 # codes a server may answer a hostile message with: everything but a bug and the client-only code
 KNOWN_CODES = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL.value, ErrorCode.UNAVAILABLE.value}
 
@@ -472,6 +472,8 @@ def _parent(obj: Any, path: tuple) -> Any:
 NAN_BITS = {"f32": [b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f", b"\x00\x00\x80\xff", b"\x01\x00\x80\x7f"],
             "f16": [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc", b"\x01\x7c"],
             "bf16": [b"\xc0\x7f", b"\x80\x7f", b"\x80\xff", b"\x81\x7f"]}
+# q4/q2: a chunk's float32 scale NaN, Inf, negative or -0.0
+NAN_BITS["q4"] = NAN_BITS["q2"] = [*NAN_BITS["f32"], b"\x00\x00\x80\xbf", b"\x00\x00\x00\x80"]
 
 
 def mutate(data: st.DataObject, rng: np.random.Generator, hdr: dict, frames: list[bytes]) -> tuple[dict, list, str]:
@@ -545,8 +547,11 @@ def mutate(data: st.DataObject, rng: np.random.Generator, hdr: dict, frames: lis
     elif kind == "nan_value":
         e = entries[data.draw(st.integers(0, len(entries) - 1))]
         f = bytearray(frames[e[5]])
-        item = 4 if e[3] == "f32" else 2
-        pos = int(rng.integers(max(e[1], 1))) * item
+        if e[3] in codec.QUANT_DTYPES:  # a scale: the frame starts with one per chunk
+            item, pos = 4, 4 * int(rng.integers(max(-(-e[1] // codec.QCHUNK), 1)))
+        else:
+            item = 4 if e[3] == "f32" else 2
+            pos = int(rng.integers(max(e[1], 1))) * item
         f[pos:pos + item] = data.draw(st.sampled_from(NAN_BITS[e[3]]))
         frames[e[5]] = bytes(f[: len(frames[e[5]])])
     elif kind == "value_size":

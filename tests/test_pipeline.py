@@ -49,14 +49,17 @@ def test_staleness_zero_is_the_synchronous_baseline(server):
     opt.close()
 
 
-def test_close_flushes_residual_so_no_gradient_mass_is_lost(server):
+@pytest.mark.parametrize("value_dtype", ["f16", "q4", "q2"])
+def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype):
+    """With every value coding, the quantised ones included: what the server applied
+    (decoded) plus the flushed residual is the sum of the gradients."""
     n = 10_000
     model = Toy(n)
     with torch.no_grad():
         model.w.zero_()  # large weights would hide the sums in float32 rounding
     w0 = model.w.detach().clone()
     opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
-                          method="exact", timeout=10)
+                          method="exact", value_dtype=value_dtype, timeout=10)
     total = torch.zeros(n)
     rng = torch.Generator().manual_seed(0)
     for t in range(5):

@@ -74,6 +74,33 @@ def test_mean_of_two_workers_applied_once_per_step(make_server, make_client):
     assert a.status()["steps"] == 1
 
 
+@pytest.mark.parametrize("value_dtype", ["q4", "q2"])
+def test_quantised_push_applies_exactly_the_decoded_values(server, make_client, value_dtype):
+    """A q4/q2 push (sparse and dense entries) costs its frame size on the wire, and
+    the server applies exactly what the codec decodes (SGD lr 1, one worker)."""
+    from stella import codec
+
+    c = make_client(server.endpoint)
+    m = model()
+    c.register(m, SGD1)
+    rng = np.random.default_rng(3)
+    idx = np.sort(rng.choice(200, 130, replace=False)).astype(np.int32)
+    vals = (rng.standard_normal(130) * 10.0 ** rng.integers(-3, 3, 130)).astype(np.float32)
+    dense_b = rng.standard_normal(10).astype(np.float32)
+    bytes_in = c.status()["bytes_in"]
+    c.push({"w": (idx, vals), "b": dense_b}, 0, value_dtype=value_dtype, index_coding="raw32")
+    d = c.pull(0, wait_for=1)
+    sent = c.status()["bytes_in"] - bytes_in
+    need = 4 * 130 + codec.value_frame_size(value_dtype, 130) + codec.value_frame_size(value_dtype, 10)
+    assert need <= sent < need + 512  # the frames plus a small header (and the status request)
+    w = m["w"].reshape(-1).copy()
+    w[idx] -= codec.quantise(vals, value_dtype)
+    got_idx, got = d.tensors["w"]
+    np.testing.assert_array_equal(got_idx, idx)
+    np.testing.assert_array_equal(got, w[idx])
+    np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - codec.quantise(dense_b, value_dtype))
+
+
 def test_replicas_equal_server_bit_for_bit(make_server, make_client):
     srv = make_server(2)
     rng = np.random.default_rng(3)

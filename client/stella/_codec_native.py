@@ -1,5 +1,5 @@
 """Checked wrappers of ``native/codec.c`` (module ``stella._native``): index codings,
-f16/bf16 conversion and the finiteness scan of value frames.
+f16/bf16 conversion, q4/q2 quantisation and the finiteness scan of value frames.
 
 The only caller of the codec functions of ``lib``; :mod:`stella.codec` is the public
 API on top. Buffers go to C through ``ffi.from_buffer`` (typed, kept alive for the
@@ -29,6 +29,12 @@ __all__ = [
     "f16_to_f32",
     "bf16_to_f32",
     "values_check",
+    "QCHUNK",
+    "QUANT_BITS",
+    "q_size",
+    "q_encode",
+    "q_round",
+    "q_decode",
 ]
 
 INDEX_CODING_IDS = {
@@ -40,8 +46,15 @@ INDEX_CODING_IDS = {
 }
 """Wire name of an index coding -> its id in native/cdefs/codec.h."""
 
-VALUE_DTYPE_IDS = {"f32": lib.STELLA_VAL_F32, "f16": lib.STELLA_VAL_F16, "bf16": lib.STELLA_VAL_BF16}
+VALUE_DTYPE_IDS = {"f32": lib.STELLA_VAL_F32, "f16": lib.STELLA_VAL_F16, "bf16": lib.STELLA_VAL_BF16,
+                   "q4": lib.STELLA_VAL_Q4, "q2": lib.STELLA_VAL_Q2}
 """Wire name of a value dtype -> its id in native/stella_native.h."""
+
+QCHUNK: int = lib.STELLA_QCHUNK
+"""Values per scale of the q4/q2 codings (native/cdefs/codec.h)."""
+
+QUANT_BITS = {"q4": 4, "q2": 2}
+"""Bits per code of each low-bit value dtype."""
 
 # The fewest bits an index can take in each coding (raw32 4 bytes, varint 1 byte,
 # u16chunk 2 bytes, rice 1 bit, block16 1 bit a block): a count the buffer cannot
@@ -140,3 +153,48 @@ def values_check(values: np.ndarray, dtype: str) -> None:
     uint16 bf16 bits, as ``dtype`` says) is finite: one C pass, no conversion."""
     rc = lib.stella_values_check(ffi.from_buffer(values), values.shape[0], VALUE_DTYPE_IDS[dtype])
     check(lib, rc, f"{dtype}: {values.shape[0]} values", BadValue)
+
+
+def q_size(count: int, dtype: str) -> int:
+    """Bytes of a ``dtype`` ("q4"/"q2") frame of ``count`` values."""
+    return check(lib, lib.stella_q_size(int(count), VALUE_DTYPE_IDS[dtype]), f"{dtype}: {count} values", ValueError)
+
+
+def _q_encode(values: np.ndarray, dtype: str, frame: bool) -> np.ndarray:
+    """stella_q_encode: the frame (``frame``) or the values it decodes to (not ``frame``)."""
+    v = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    n = v.shape[0]
+    out = np.empty(q_size(n, dtype) if frame else n, dtype=np.uint8 if frame else np.float32)
+    buf = ffi.from_buffer("uint8_t[]" if frame else "float[]", out, require_writable=True)
+    rc = lib.stella_q_encode(ffi.from_buffer("float[]", v), n, VALUE_DTYPE_IDS[dtype],
+                             buf if frame else ffi.NULL, out.shape[0] if frame else 0, ffi.NULL if frame else buf)
+    check(lib, rc, f"{dtype} encode of {n} values", {lib.STELLA_E_NONFINITE: BadValue, None: ValueError})
+    return out
+
+
+def q_encode(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> the ``dtype`` ("q4"/"q2") frame; BadValue for NaN/Inf."""
+    return _q_encode(values, dtype, True)
+
+
+def q_round(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> the float32 values their ``dtype`` frame decodes to; BadValue for NaN/Inf."""
+    return _q_encode(values, dtype, False)
+
+
+def q_decode(buf, count: int, dtype: str) -> np.ndarray:
+    """A ``dtype`` frame -> ``count`` float32 values. CodecError for a frame of the wrong
+    size or with pad bits set, BadValue for a negative, NaN or Inf scale."""
+    b = byte_view(buf)
+    count = int(count)
+    need = lib.stella_q_size(count, VALUE_DTYPE_IDS[dtype]) if 0 <= count < 2**62 else -1
+    if need < 0:
+        raise CodecError(f"{dtype}: impossible count {count}")
+    if need != b.shape[0]:  # checked before anything is allocated for count
+        raise CodecError(f"{dtype}: {b.shape[0]} bytes for {count} values (need {need})")
+    out = np.empty(count, dtype=np.float32)
+    rc = lib.stella_q_decode(ffi.from_buffer("uint8_t[]", b), b.shape[0], count, VALUE_DTYPE_IDS[dtype],
+                             ffi.from_buffer("float[]", out, require_writable=True))
+    check(lib, rc, f"{dtype} decode ({b.shape[0]} bytes, {count} values)",
+          {lib.STELLA_E_SCALE: BadValue, None: CodecError})
+    return out

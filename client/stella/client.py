@@ -334,8 +334,9 @@ class Client:
         and ``values``, e.g. :class:`stella.compress.SparseGrad`, or a pair
         ``(indices, values)`` with sorted unique indices; ``indices`` None means dense)
         or to a dense array. Values travel as ``value_dtype``: "f32" by default, exact;
-        "f16"/"bf16" round them (the compressor keeps that rounding error in its
-        residual when it is told the dtype). ``hparams`` change optimizer
+        "f16"/"bf16" round them and "q4"/"q2" quantise them to 4 or 2 bits with a
+        scale per 64 values, dense entries included (the compressor keeps that error
+        in its residual when it is told the dtype; docs/compression.md). ``hparams`` change optimizer
         hyper-parameters from the step this push joins on (no extra round trip).
         Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
         :class:`Pending` of it with ``wait=False``.

@@ -24,14 +24,20 @@ message header, not in these bytes):
                  ~0.5 bits an index at 1% density.
 
 Value dtypes (``VALUE_DTYPES``): ``"f32"`` (little-endian IEEE float32),
-``"f16"`` (IEEE binary16, round to nearest even, overflow to +-inf) and
+``"f16"`` (IEEE binary16, round to nearest even, overflow to +-inf),
 ``"bf16"`` (upper half of float32 after round to nearest even; NaN -> 0x7fc0
-with its sign, as torch).
+with its sign, as torch), and for pushes only (``QUANT_DTYPES``) ``"q4"`` and
+``"q2"``: per chunk of ``QCHUNK`` (64) values a float32 scale, the chunk's largest
+magnitude ``m``, then 4- or 2-bit codes of the mid-rise levels ``+-m/(L-1), +-3m/(L-1),
+..., +-m`` (``L = 2**bits``), all scales first, then all codes; 4.5 and 2.5 bits a
+value. :func:`quantise` gives the values a receiver decodes, so that a sender can
+keep the quantisation error (error feedback).
 
 Every coding of zero indices or values is the empty byte string.
 
 The C code is ``native/codec.c`` behind the checked wrapper ``stella._codec_native``
-(index coding ids, f16/bf16 conversion, the finiteness scan of :func:`wire_values`).
+(index coding ids, f16/bf16 conversion, q4/q2 quantisation, the finiteness scan of
+:func:`wire_values`).
 """
 from __future__ import annotations
 
@@ -45,6 +51,9 @@ from .errors import CodecError
 __all__ = [
     "INDEX_CODINGS",
     "VALUE_DTYPES",
+    "QUANT_DTYPES",
+    "QUANT_BITS",
+    "QCHUNK",
     "DEFAULT_INDEX_CODING",
     "DEFAULT_VALUE_DTYPE",
     "encode_indices",
@@ -52,7 +61,8 @@ __all__ = [
     "encode_values",
     "decode_values",
     "wire_values",
-    "value_itemsize",
+    "quantise",
+    "value_frame_size",
     "rice_parameter",
 ]
 
@@ -61,14 +71,21 @@ VALUE_DTYPES: tuple[str, ...] = tuple(_native.VALUE_DTYPE_IDS)
 DEFAULT_INDEX_CODING = "rice"
 DEFAULT_VALUE_DTYPE = "f16"
 
+QUANT_DTYPES: tuple[str, ...] = tuple(_native.QUANT_BITS)
+QUANT_BITS: dict[str, int] = dict(_native.QUANT_BITS)
+QCHUNK: int = _native.QCHUNK
+
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 _LITTLE = sys.byteorder == "little"
 
 
-def value_itemsize(dtype: str) -> int:
-    """Bytes per value on the wire for ``dtype``."""
+def value_frame_size(dtype: str, count: int) -> int:
+    """Bytes of the wire frame of ``count`` values of ``dtype``: ``itemsize * count``,
+    or for q4/q2 ``4 * ceil(count / QCHUNK) + ceil(count * bits / 8)``."""
+    if dtype in QUANT_BITS:
+        return _native.q_size(count, dtype)
     try:
-        return _ITEMSIZE[dtype]
+        return _ITEMSIZE[dtype] * int(count)
     except KeyError:
         raise ValueError(f"value dtype must be one of {VALUE_DTYPES}, got {dtype!r}") from None
 
@@ -99,9 +116,14 @@ def decode_indices(buf, count: int, numel: int, coding: str) -> np.ndarray:
 
 
 def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values -> wire bytes (a uint8 array, ``itemsize * len(values)`` long)."""
-    value_itemsize(dtype)
+    """float32 values -> wire bytes (a uint8 array, :func:`value_frame_size` long).
+
+    q4/q2 raise BadValue for NaN or Inf (f32/f16/bf16 carry them, and the server
+    refuses them)."""
+    value_frame_size(dtype, 0)
     v = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    if dtype in QUANT_BITS:
+        return _native.q_encode(v, dtype)
     if dtype == "f32":
         if not _LITTLE:  # pragma: no cover - big-endian hosts
             v = v.astype("<f4")
@@ -136,9 +158,12 @@ def _wire_view(buf, count: int, dtype: str) -> np.ndarray:
 
 def decode_values(buf, count: int, dtype: str) -> np.ndarray:
     """Wire bytes -> ``count`` float32 values (for "f32" possibly a read-only view
-    of ``buf``). Raises CodecError when the size is not ``count * itemsize`` or
+    of ``buf``). Raises CodecError when the size is not :func:`value_frame_size` or
     the dtype is unknown. NaN and Inf pass through (:func:`wire_values` is the
-    checked decoder the server uses)."""
+    checked decoder the server uses); q4/q2 frames cannot hold them, and a scale
+    that is negative, NaN or Inf raises BadValue."""
+    if dtype in QUANT_BITS:
+        return _native.q_decode(buf, count, dtype)
     v = _wire_view(buf, count, dtype)
     if dtype == "f32":
         return v if _LITTLE else v.astype(np.float32)
@@ -151,12 +176,25 @@ def decode_values(buf, count: int, dtype: str) -> np.ndarray:
 def wire_values(buf, count: int, dtype: str) -> np.ndarray:
     """Wire bytes -> a read-only view of ``count`` values as they travel: float32 for
     "f32", float16 for "f16", uint16 bit patterns for "bf16" (the kernel reads all
-    three). Raises CodecError when the size is not ``count * itemsize`` or the dtype is
-    unknown, and BadValue when a value is NaN or Inf: what this returns is safe to
-    hand to the kernel unchecked."""
+    three); q4/q2 frames are dequantised (in C) into a new float32 array. Raises
+    CodecError when the size is not :func:`value_frame_size`, the dtype is unknown or a
+    q4/q2 pad bit is set, and BadValue when a value is NaN or Inf or a q4/q2 scale is
+    negative, NaN or Inf: what this returns is safe to hand to the kernel unchecked."""
+    if dtype in QUANT_BITS:
+        return _native.q_decode(buf, count, dtype)
     v = _wire_view(buf, count, dtype)
     _native.values_check(v, dtype)  # one C pass over the bits, no conversion
     return v
+
+
+def quantise(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The float32 values a receiver decodes from ``encode_values(values, dtype)``
+    for ``dtype`` "q4"/"q2" (without building the frame): each within half a step,
+    ``m / (L - 1)``, of its input, and quantising them again changes nothing.
+    BadValue for NaN or Inf."""
+    if dtype not in QUANT_BITS:
+        raise ValueError(f"quantise: dtype must be one of {QUANT_DTYPES}, got {dtype!r}")
+    return _native.q_round(values, dtype)
 
 
 def rice_parameter(idx: np.ndarray) -> int:

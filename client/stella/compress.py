@@ -6,9 +6,10 @@ Each step :meth:`ErrorFeedbackCompressor.compress` forms ``acc = residual + grad
 coordinates of largest magnitude, returns them as a :class:`SparseGrad` in host
 memory, and leaves everything that was not sent in the residual (the selected
 coordinates become exactly zero, or hold the rounding error of the values when
-``value_dtype`` is "f16"/"bf16"). Nothing is lost: for every key, the sum of all
-values ever sent plus the current residual equals the running sum of gradients
-(up to float32 rounding of the additions).
+``value_dtype`` is "f16"/"bf16", or their quantisation error when it is "q4"/"q2").
+Nothing is lost: for every key, the sum of all values ever sent plus the current
+residual equals the running sum of gradients (up to float32 rounding of the
+additions).
 
 Methods (see ``docs/compression.md``):
 
@@ -50,9 +51,11 @@ import numpy as np
 import torch
 
 from . import _select_native as _select
+from . import codec
 from ._select_native import BLOCK  # floats per block of the "block" method (native/cdefs/compress.h)
+from .errors import BadValue
 
-__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK", "DENSE_BELOW"]
+__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK", "DENSE_BELOW", "quantise_torch"]
 
 METHODS = ("exact", "threshold", "block", "dense")
 DENSE_BELOW = 4096  # default cut-off: tensors with fewer elements (biases, norms) are sent dense
@@ -107,6 +110,7 @@ _VALUE_LIMITS = {
     "f16": (65504.0, torch.float16),
     "bf16": (3.3895313892515355e38, torch.bfloat16),
 }
+VALUE_DTYPES = (*_VALUE_LIMITS, *codec.QUANT_DTYPES)
 
 
 def _k_for(density: float, numel: int) -> int:
@@ -133,8 +137,8 @@ class ErrorFeedbackCompressor:
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
         if dense_below < 0:
             raise ValueError("dense_below must be >= 0")
-        if value_dtype not in _VALUE_LIMITS:
-            raise ValueError(f"value_dtype must be one of {tuple(_VALUE_LIMITS)}, got {value_dtype!r}")
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype!r}")
         self.set_density(density)
         self.value_dtype = value_dtype
         self.method = method
@@ -188,6 +192,10 @@ class ErrorFeedbackCompressor:
         rounded to that dtype (clamped to its finite range; still float32
         arrays, encoded exactly by ``codec.encode_values``) and the rounding
         error stays in the residual, so nothing is lost to the wire format.
+        With "q4" or "q2" they are the values the receiver decodes
+        (``codec.quantise``, or :func:`quantise_torch` on the torch path: the same
+        bits), dense tensors included, and the quantisation error stays in the
+        residual; a NaN or Inf raises :class:`~stella.errors.BadValue`.
         """
         sg = self._compress(key, grad)
         return self._round_values(self._states[key], sg)
@@ -261,17 +269,26 @@ class ErrorFeedbackCompressor:
     def _round_values(self, st: _State, sg: SparseGrad) -> SparseGrad:
         if self.value_dtype == "f32" or sg.count == 0:
             return sg
-        limit, tdtype = _VALUE_LIMITS[self.value_dtype]
-        vals = torch.from_numpy(sg.values)
-        q = vals.clamp(-limit, limit).to(tdtype).float()
-        err = vals - q  # exact in float32 (q is vals rounded to fewer mantissa bits)
         res = st.residual
+        vals = torch.from_numpy(sg.values)
+        if self.value_dtype in codec.QUANT_BITS:
+            if self._use_native(res):
+                q = torch.from_numpy(codec.quantise(sg.values, self.value_dtype))
+            else:  # on the residual's device
+                vals = vals.to(res.device)
+                q = quantise_torch(vals, self.value_dtype)
+        else:
+            limit, tdtype = _VALUE_LIMITS[self.value_dtype]
+            q = vals.clamp(-limit, limit).to(tdtype).float()
+        # exact for f16/bf16 (q is vals rounded to fewer mantissa bits); one float32
+        # rounding of the error for q4/q2
+        err = vals - q
         if sg.indices is None:
             res.add_(err.to(res.device))
         else:
             idx = torch.from_numpy(sg.indices).to(device=res.device, dtype=torch.long)
             res.index_put_((idx,), err.to(res.device), accumulate=True)
-        return SparseGrad(sg.numel, sg.indices, q.numpy())
+        return SparseGrad(sg.numel, sg.indices, _host_f32(q))
 
     def _state_for(self, key: str, grad: torch.Tensor) -> _State:
         st = self._states.get(key)
@@ -392,6 +409,27 @@ class ErrorFeedbackCompressor:
 def _add(res: torch.Tensor, g: torch.Tensor | None) -> None:
     if g is not None:
         res.add_(g)
+
+
+def quantise_torch(values: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``codec.quantise`` as torch ops on ``values``' device: the float32 values a
+    receiver decodes from the "q4"/"q2" frame of the flat float32 ``values``, bit for
+    bit the C encoder's (the same float32 operations in the same order; the format is
+    in docs/compression.md). BadValue for NaN or Inf."""
+    bits = codec.QUANT_BITS[dtype]
+    top = (1 << bits) - 1
+    h = top / 2
+    n = values.numel()
+    if not bool(torch.isfinite(values).all()):
+        raise BadValue(f"{dtype} encode of {n} values: NaN/Inf value")
+    chunks = torch.nn.functional.pad(values, (0, -n % codec.QCHUNK)).view(-1, codec.QCHUNK)
+    m = chunks.abs().amax(1, keepdim=True)  # the scale: each chunk's largest magnitude
+    x = chunks / m
+    y = x * h  # separate ops, never fused: C computes t = (v / m) * h + (h + 1/2) the same way
+    t = y + (h + 0.5)
+    k = torch.where(m > 0, t.floor().clamp(max=top), float((top + 1) // 2)).long()
+    levels = torch.tensor([(2 * j - top) / top for j in range(top + 1)], dtype=torch.float32, device=values.device)
+    return (m * levels[k]).view(-1)[:n]
 
 
 def _host_i32(t: torch.Tensor) -> np.ndarray:

@@ -19,7 +19,7 @@ from cffi import FFI
 
 __all__ = ["ABI_VERSION", "require_abi", "strerror", "check"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """The ``STELLA_ABI_VERSION`` these wrappers were written against (native/stella_native.h);
 bumped together with it."""
 

@@ -201,7 +201,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
     (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
     raised while the exchange hides behind the computation. ``method``/``dense_below``:
-    the compressor. ``value_dtype`` and ``index_coding``: wire coding of pushes.
+    the compressor. ``value_dtype`` and ``index_coding``: wire coding of pushes
+    (``value_dtype`` "q4"/"q2": 4.5 or 2.5 bits a value, the quantisation error kept in
+    the residual).
     ``server_key``/``client_key``: CurveZMQ keys (see :class:`~stella.client.Client`;
     or ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``). ``staleness``: 1 (overlapped) or 0
     (each exchange finishes inside the ``step()`` that starts it; the non-overlapped

@@ -96,7 +96,7 @@ ModelDtype = Literal["float32", "float16", "bfloat16"]
 IndexCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16"]
 PullCoding = Literal["raw32", "varint", "u16chunk", "rice"]  # block16 codes only whole blocks
 EntryCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16", "dense"]
-ValueDtype = Literal["f32", "f16", "bf16"]
+ValueDtype = Literal["f32", "f16", "bf16", "q4", "q2"]  # q4/q2: pushes only (codec.QUANT_DTYPES)
 # Optimizer hyper-parameters travel as a map of scalars (and ``betas`` pairs); their
 # names and ranges are the server's to check (stella_ps.optim).
 HParam = bool | int | float | str | list[float]
@@ -128,6 +128,8 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
 
     ``coding`` "dense" means no index frame (``index_frame`` is nil) and ``count``
     equal to the tensor's size; frame numbers count the payload frames from 0.
+    ``value_dtype`` "q4"/"q2" (quantised, see ``docs/compression.md``) is refused in
+    a ``delta``.
     """
 
     tensor: Int32  # position in the registered layout
@@ -387,9 +389,6 @@ def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
         raise ProtocolError(f"{_tag(msg)}: expected no payload frames, got {len(payload)}")
 
 
-_ITEMSIZE = {d: codec.value_itemsize(d) for d in ("f32", "f16", "bf16")}
-
-
 def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
     seen: set[int] = set()
     nframes = len(payload)
@@ -412,7 +411,11 @@ def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
         expect += 1
         if expect > nframes:
             raise ProtocolError(f"{_tag(msg)}: tensor {t}: frame {expect - 1} missing ({nframes} payload frames)")
-        need = e.count * _ITEMSIZE[e.value_dtype]
+        if isinstance(msg, Delta) and e.value_dtype in codec.QUANT_DTYPES:
+            # quantised pulls would make replicas drift from the server's exact values
+            raise ProtocolError(f"delta: tensor {t}: value dtype {e.value_dtype!r} is for pushes only "
+                                "(deltas carry exact values)")
+        need = codec.value_frame_size(e.value_dtype, e.count)
         if payload[fv].nbytes != need:
             raise CodecError(f"{_tag(msg)}: tensor {t} value frame ({e.value_dtype}): "
                              f"{payload[fv].nbytes} bytes for {e.count} values (need {need})")
@@ -442,7 +445,7 @@ class SparseTensor:
     """One tensor's part of a push or delta, decoded and proved valid against the
     model: ``indices`` strictly increasing int32 inside the tensor (None: dense, every
     coordinate in order) and ``values`` as they travelled (float32, float16, or bf16
-    bit patterns as uint16), all finite. Built only by :func:`decode_tensors`, so the
+    bit patterns as uint16; q4/q2 dequantised to float32), all finite. Built only by :func:`decode_tensors`, so the
     kernel applies it without checking again."""
 
     tensor: int
@@ -456,7 +459,8 @@ def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTen
     Raises :class:`ServerError` with code ``unknown_tensor`` for a tensor not in the
     layout, :class:`OversizedMessage` for more values than the tensor has,
     :class:`ProtocolError` for a dense entry of the wrong count, :class:`CodecError`
-    for corrupt indices and :class:`~stella.errors.BadValue` for NaN or Inf."""
+    for corrupt indices (or q4/q2 pad bits) and :class:`~stella.errors.BadValue` for
+    NaN or Inf (or a negative, NaN or Inf q4/q2 scale)."""
     kind = _tag(rx.msg)
     out = []
     for e, index_frame, value_frame in rx.entries():
