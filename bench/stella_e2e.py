@@ -189,11 +189,12 @@ def system(name: str, **kw) -> Callable[[Any, Any], dict]:
 # default mode with default settings; the others vary one thing each.
 SYSTEMS: dict[str, dict[str, Any]] = {
     "stella": {"mode": "update"},  # update mode, H = 1, f16 values, plain averaging, density "auto"
-    "stella_h4": {"mode": "update", "sync_every": 4},
-    "stella_h16": {"mode": "update", "sync_every": 16},
-    "stella_q4": {"mode": "update", "value_dtype": "q4"},
-    "stella_q2": {"mode": "update", "value_dtype": "q2"},
-    "stella_nesterov": {"mode": "update", "sync_every": 4, "outer": "nesterov"},
+    "stella_q4": {"mode": "update", "value_dtype": "q4"},  # the same with 4-bit values
+    "stella_q2": {"mode": "update", "value_dtype": "q2"},  # ... and 2-bit values
+    "stella_lean": {"mode": "update", "value_dtype": "q2", "density": 0.005},  # H = 1, fewest bytes
+    "stella_h16": {"mode": "update", "value_dtype": "q2", "density": 0.01, "sync_every": 16},  # local steps
+    "stella_nesterov": {"mode": "update", "value_dtype": "q2", "density": 0.01, "sync_every": 16,
+                        "outer": "nesterov"},
     "stella_grad": {"mode": "gradient"},  # StellaTrain's gradient mode, one step stale
     "stella_grad_sync": {"mode": "gradient", "staleness": 0},  # gradient mode without overlap
 }
