@@ -215,7 +215,9 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
         status = None
         from .client import Client
 
-        with Client(endpoint, timeout=10, join=False, **ps.client_kwargs()) as c:
+        keys = ps.client_kwargs()
+        with Client(endpoint, timeout=10, join=False, server_key=keys.get("server_key"),
+                    client_key=keys.get("client_key")) as c:
             status = c.status()
     finally:
         for p in procs:
