@@ -219,11 +219,25 @@ def plot(results: list[dict], path: str):
     plt.close(fig)
 
 
+def _bytes_per_iter(r: dict) -> float | None:
+    """Bytes through a worker site's link per iteration, both directions (median, mean over workers)."""
+    up, down = r.get("bytes_up_median"), r.get("bytes_down_median")
+    if up is None or down is None:
+        hb = r.get("harness_bytes")
+        if not hb:
+            return None
+        up, down = hb["worker_up_per_step"], hb["worker_down_per_step"]
+    return up + down
+
+
 def goal_ratios(results: list[dict]) -> list[dict]:
     """Stella against the issue's goals, one dict per Stella row (sorted by workload, rate,
     system): ``iter_over_compute`` (Stella's s/it over its compute), ``speedup`` per
-    baseline (the baseline's time to target over Stella's; ``None`` unless both reached)
-    and ``iterations_vs_ddp`` (Stella's iterations to target over DDP's, or ``None``)."""
+    baseline (the baseline's time to target over Stella's; ``None`` unless both reached),
+    ``iterations_vs_ddp`` (Stella's iterations to target over DDP's, or ``None``),
+    ``bytes_vs_ddp`` (Stella's bytes per iteration per worker, both directions, over
+    DDP's) and ``ideal`` (DDP's s/it over its compute-only s/it: the most any system can
+    gain over DDP on this machine; ``of_ideal`` = DDP/Stella time to target over it)."""
     rows = {(r.get("workload"), r.get("rate_mbit"), r.get("system")): r for r in results if r.get("ok")}
     out = []
     for (wl, rate, system), st in sorted(rows.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0, kv[0][2])):
@@ -236,18 +250,24 @@ def goal_ratios(results: list[dict]) -> list[dict]:
             speedup[base] = (b["reached"]["wall"] / st["reached"]["wall"]
                              if b and b.get("reached") and st.get("reached") else None)
         d = rows.get((wl, rate, "ddp"))
+        sb, db = _bytes_per_iter(st), (_bytes_per_iter(d) if d else None)
+        ideal = d["iter_median"] / d["compute_median"] if d and d.get("compute_median") else None
         out.append({"workload": wl, "rate_mbit": rate, "system": system,
                     "iter_over_compute": st["iter_median"] / comp if comp else None, "speedup": speedup,
                     "stella_reached": bool(st.get("reached")),
                     "iterations_vs_ddp": (st["reached"]["step"] / d["reached"]["step"]
-                                          if d and d.get("reached") and st.get("reached") else None)})
+                                          if d and d.get("reached") and st.get("reached") else None),
+                    "bytes_vs_ddp": sb / db if sb is not None and db else None,
+                    "ideal": ideal,
+                    "of_ideal": speedup["ddp"] / ideal if ideal and speedup["ddp"] is not None else None})
     return out
 
 
 def goals_section(results: list[dict]) -> str:
     """:func:`goal_ratios` as a markdown table."""
     out = ["| workload | Mbit/s | system | Stella s/it / its compute | time to target: DDP / Stella | "
-           "PowerSGD / Stella | fp16 / Stella | iterations: Stella / DDP |", "|---|---|---|---|---|---|---|---|"]
+           "PowerSGD / Stella | fp16 / Stella | iterations: Stella / DDP | bytes/it: Stella / DDP | "
+           "ideal DDP / Stella (DDP s/it / compute) | measured / ideal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in goal_ratios(results):
         ioc = g["iter_over_compute"]
         cells = [f"{ioc:.2f}x" if ioc is not None else "n/a"]
@@ -256,6 +276,10 @@ def goals_section(results: list[dict]) -> str:
                          "n/a (" + ("Stella" if not g["stella_reached"] else base) + " did not reach)")
         it = g["iterations_vs_ddp"]
         cells.append(f"{it:.2f}x" if it is not None else "n/a")
+        b = g["bytes_vs_ddp"]
+        cells.append(f"1/{1 / b:.0f}" if b else "n/a")
+        cells.append(f"{g['ideal']:.1f}x" if g["ideal"] else "n/a")
+        cells.append(f"{g['of_ideal']:.2f}" if g["of_ideal"] is not None else "n/a")
         out.append(f"| {g['workload']} | {g['rate_mbit']:g} | {g['system']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

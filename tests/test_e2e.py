@@ -48,18 +48,24 @@ def test_both_stella_systems_run_over_shaped_links():
             assert 0 < r["bytes_down_median"] < 0.15 * dense
 
 
-def _row(system, wall, step, it=0.1, comp=0.1, workload="widemlp", rate=100.0):
+def _row(system, wall, step, it=0.1, comp=0.1, workload="widemlp", rate=100.0, up=1e6, down=1e6):
     return {"ok": True, "system": system, "workload": workload, "rate_mbit": rate, "iter_median": it,
-            "compute_median": comp, "reached": {"step": step, "wall": wall} if wall else None}
+            "compute_median": comp, "reached": {"step": step, "wall": wall} if wall else None,
+            "bytes_up_median": up, "bytes_down_median": down}
 
 
 def test_goal_ratios_are_computed_from_the_rows():
-    rows = [_row("ddp", 200.0, 50, it=4.0), _row("powersgd", 20.0, 50), _row("fp16", 100.0, 50),
-            _row("stella", 10.0, 65, it=0.15, comp=0.1), _row("stella_sync", None, 0)]
+    rows = [_row("ddp", 200.0, 50, it=4.0, comp=0.5, up=40e6, down=40e6), _row("powersgd", 20.0, 50),
+            _row("fp16", 100.0, 50), _row("stella", 10.0, 65, it=0.15, comp=0.1, up=0.2e6, down=0.6e6),
+            _row("stella_sync", None, 0)]
     stella, sync = e2e.goal_ratios(rows)
     assert stella["system"] == "stella" and sync["system"] == "stella_sync"
     assert stella["iter_over_compute"] == pytest.approx(1.5)
     assert stella["speedup"] == pytest.approx({"ddp": 20.0, "powersgd": 2.0, "fp16": 10.0})
     assert stella["iterations_vs_ddp"] == pytest.approx(1.3)
+    assert stella["bytes_vs_ddp"] == pytest.approx(0.8 / 80)
+    assert stella["ideal"] == pytest.approx(8.0) and stella["of_ideal"] == pytest.approx(20.0 / 8.0)
     assert not sync["stella_reached"]
     assert sync["speedup"] == {"ddp": None, "powersgd": None, "fp16": None} and sync["iterations_vs_ddp"] is None
+    assert sync["of_ideal"] is None
+    assert "1/100" in e2e.goals_section(rows)
