@@ -192,8 +192,8 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "stella_q4": {"mode": "update", "value_dtype": "q4"},  # the same with 4-bit values
     "stella_q2": {"mode": "update", "value_dtype": "q2"},  # ... and 2-bit values
     "stella_lean": {"mode": "update", "value_dtype": "q2", "density": 0.005},  # H = 1, fewest bytes
-    "stella_h16": {"mode": "update", "value_dtype": "q2", "density": 0.01, "sync_every": 16},  # local steps
-    "stella_nesterov": {"mode": "update", "value_dtype": "q2", "density": 0.01, "sync_every": 16,
+    "stella_h8": {"mode": "update", "value_dtype": "q2", "density": 0.006, "sync_every": 8},  # local steps
+    "stella_nesterov": {"mode": "update", "value_dtype": "q2", "density": 0.006, "sync_every": 8,
                         "outer": "nesterov"},
     "stella_grad": {"mode": "gradient"},  # StellaTrain's gradient mode, one step stale
     "stella_grad_sync": {"mode": "gradient", "staleness": 0},  # gradient mode without overlap
