@@ -47,6 +47,7 @@ from .protocol import (
     StatusReply,
     TensorSpec,
     ValueDtype,
+    WorkerReport,
     decode_reply,
     decode_tensors,
     encode,
@@ -325,6 +326,7 @@ class Client:
         value_dtype: ValueDtype = "f32",
         index_coding: IndexCoding = "rice",
         hparams: Mapping[str, Any] | None = None,
+        report: WorkerReport | None = None,
         timeout: float | None = None,
         wait: bool = True,
     ) -> Any:
@@ -338,6 +340,7 @@ class Client:
         scale per 64 values, dense entries included (the compressor keeps that error
         in its residual when it is told the dtype; docs/compression.md). ``hparams`` change optimizer
         hyper-parameters from the step this push joins on (no extra round trip).
+        ``report``: this worker's timings, shown by ``stella status`` and the metrics.
         Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
         :class:`Pending` of it with ``wait=False``.
         """
@@ -352,7 +355,7 @@ class Client:
             items.append((self._tensor(name), None if idx is None else np.asarray(idx), _to_numpy_f32(vals)))
         entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)
         msg = Push(worker=self._worker(), version=int(version), tensors=entries,
-                   hparams=dict(hparams) if hparams else None)
+                   hparams=dict(hparams) if hparams else None, report=report)
         pending = Pending(self, self._send(msg, frames, timeout), lambda rx: _expect(rx, PushOk), timeout)
         return pending if not wait else pending.result()
 
@@ -390,7 +393,8 @@ class Client:
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The server's counters (see docs/protocol.md, ``status``)."""
         reply = self._request(Status(), StatusReply, timeout=timeout)
-        return {k: v for k, v in msgspec.structs.asdict(reply).items() if k not in ("proto", "req")}
+        out = msgspec.to_builtins(reply)  # nested structs (the live workers) as plain dicts too
+        return {k: v for k, v in out.items() if k not in ("proto", "req", "type")}
 
     def set_optimizer(self, *, timeout: float | None = None, **hparams: Any) -> dict[str, Any]:
         """Change optimizer hyper-parameters (e.g. ``lr``) from the next step on."""

@@ -49,6 +49,8 @@ __all__ = [
     "MODEL_DTYPES",
     "TensorSpec",
     "TensorEntry",
+    "WorkerReport",
+    "WorkerStatus",
     "Join",
     "Leave",
     "Register",
@@ -140,6 +142,39 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     value_frame: FrameNo
 
 
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
+class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a worker measured over its latest iteration, carried by its push (optional)
+    so that the server's status and metrics show the whole job: seconds of computation
+    (the training loop between two ``step()`` calls), of exchange (compress, push, the
+    server's step, pull; in the background) and of waiting for that exchange inside
+    ``step()``, the density of the push, and the bytes sent and received so far."""
+
+    step: Count  # the worker's iterations so far
+    compute_s: Seconds
+    exchange_s: Seconds
+    wait_s: Seconds
+    density: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+    bytes_pushed: Count = 0
+    bytes_pulled: Count = 0
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One live worker as ``status`` reports it: who it is, when the server last heard
+    from it, what it sent, and its latest :class:`WorkerReport` (None before its first)."""
+
+    worker: WorkerId
+    name: Name
+    key_fingerprint: str  # "insecure" without keys
+    last_seen_s: Seconds  # seconds since its last request
+    pushes: Count
+    pulls: Count
+    report: WorkerReport | None = None
+
+
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
     proto: int = PROTOCOL_VERSION
     req: ReqId = 0
@@ -177,6 +212,7 @@ class Push(_Message, tag="push", frozen=True):
     version: Version
     tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_TENSORS)]
     hparams: HParams | None = None
+    report: WorkerReport | None = None  # the worker's timings, for status and metrics
 
 
 class Pull(_Message, tag="pull", frozen=True):
@@ -259,6 +295,9 @@ class StatusReply(_Message, tag="status", frozen=True):
     numel: int
     tensors: int
     optimizer: dict[str, Any] | None
+    server_version: str = ""  # the stella-ps release
+    live: list[WorkerStatus] | None = None  # per live worker, in id order
+    checkpoint_age_s: float | None = None  # seconds since the last checkpoint; None: none written
 
 
 class OptimizerSet(_Message, tag="optimizer_set", frozen=True):

@@ -16,5 +16,8 @@ Where each concern lives:
   of the lazy optimizers) and ``kernel`` (the C kernel behind a checked wrapper).
 - ``process``: ``ServerProcess``, the one way to start a ``stella-ps`` from Python
   (demo, benchmarks, tests).
+- ``metrics``: the Prometheus endpoint (``--metrics``) and ``/healthz``.
+- ``health``: ``stella-ps-health``, the container health check asking that endpoint.
 - ``errors``: the package's exception root.
 """
+__version__ = "0.1.0"  # the release, as pyproject.toml says

@@ -39,6 +39,7 @@ ENV = {
     "keys": "STELLA_PS_KEYS",
     "allow": "STELLA_PS_ALLOW",
     "insecure": "STELLA_PS_INSECURE",
+    "metrics": "STELLA_PS_METRICS",
 }
 
 
@@ -88,6 +89,7 @@ class ServerConfig:
     keys: str | None = None  # the server's certificate file with its secret key (CurveZMQ)
     allow: str | None = None  # the allowlist: client public keys admitted
     insecure: bool = False  # plaintext, no authentication: only with this explicit choice
+    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint and /healthz; None = off
 
 
 def _parse_optimizer(text: str) -> OptimizerConfig:
@@ -175,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                    default=env.get(ENV["push_norm_action"], d.push_norm_action),
                    help=f"a push above --max-push-norm: refuse it, or clip it to the bound "
                    f"(env {ENV['push_norm_action']})")
+    p.add_argument("--metrics", metavar="HOST:PORT", default=env.get(ENV["metrics"]) or None,
+                   help="serve Prometheus metrics (/metrics) and a health check (/healthz) over HTTP here, "
+                   f"e.g. 0.0.0.0:9100; off unless given (env {ENV['metrics']})")
     a = p.parse_args(argv)
     if not a.insecure and not (a.keys and a.allow):
         p.error("stella-ps needs --keys SERVER.key_secret and --allow ALLOWLIST (make them with `stella keygen`), "
@@ -187,6 +192,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         p.error("--max-queued-push-bytes must be >= 0 and --max-model-bytes >= 1")
     if not (math.isfinite(a.max_push_norm) and a.max_push_norm >= 0):
         p.error("--max-push-norm must be a finite number >= 0 (0: no bound)")
+    if a.metrics:
+        from .metrics import parse_bind
+
+        try:
+            parse_bind(a.metrics)
+        except ConfigError as e:
+            p.error(f"--metrics: {e}")
     try:
         limits = OptimizerLimits(a.max_lr, a.max_weight_decay)
     except ConfigError as e:
@@ -203,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_queued_push_bytes=a.max_queued_push_bytes, max_model_bytes=a.max_model_bytes,
         optimizer_limits=limits, max_push_norm=a.max_push_norm, push_norm_action=a.push_norm_action,
         log_level=a.log_level, log_format=a.log_format, ready_file=a.ready_file, keys=a.keys, allow=a.allow,
-        insecure=a.insecure,
+        insecure=a.insecure, metrics=a.metrics,
     )
 
 

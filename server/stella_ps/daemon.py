@@ -64,6 +64,12 @@ async def run(cfg: ServerConfig) -> None:
     SIGHUP reads the allowlist again."""
     server = ParameterServer(cfg)
     endpoint = server.bind()
+    metrics = None
+    if cfg.metrics:
+        from .metrics import MetricsServer
+
+        metrics = MetricsServer(server.service, cfg.metrics)
+        print(f"stella-ps metrics on http://{await metrics.start()}/metrics", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
@@ -78,6 +84,8 @@ async def run(cfg: ServerConfig) -> None:
     await server.stop_requested()
     log.info("shutting down")
     try:
+        if metrics is not None:
+            await metrics.close()
         await asyncio.wait_for(task, SHUTDOWN_TIMEOUT_S)
     except asyncio.TimeoutError:
         log.error("shutdown timed out")

@@ -2,10 +2,12 @@
 has started (the expected number of workers joined once)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stella.errors import ErrorCode, NotRegistered, ServerError
+from stella.protocol import WorkerReport
 
 __all__ = ["WorkerInfo", "Membership"]
 
@@ -21,6 +23,9 @@ class WorkerInfo:
     fingerprint: str = ""  # what logs and status show of that key
     registered: bool = False
     pushes: int = 0
+    pulls: int = 0
+    last_seen: float = field(default_factory=time.time)  # time.time() of its latest push or pull (or join)
+    report: WorkerReport | None = None  # the latest its pushes carried
 
 
 class Membership:

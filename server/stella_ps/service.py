@@ -52,6 +52,7 @@ from stella.protocol import (
     SetOptimizer,
     Status,
     StatusReply,
+    WorkerStatus,
     decode_tensors,
 )
 
@@ -99,6 +100,24 @@ class Stats:
     pulls: int = 0
     steps: int = 0
     late_pushes: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+    # steps' timings (sum and count, exported as Prometheus summaries): the wall time
+    # between two consecutive steps closing, the store's apply, and how long a step
+    # stayed open after its first push (waiting for the last worker, or the deadline)
+    step_interval_s: float = 0.0
+    step_intervals: int = 0
+    apply_s: float = 0.0
+    straggler_wait_s: float = 0.0
+    last_step_at: float | None = None  # time.time() when the latest step closed
+    # time.time() of the latest completed checkpoint. The checkpoint writer (issue 11)
+    # sets it; until one exists the age reads as absent (status) or NaN (metrics).
+    last_checkpoint: float | None = None
+
+    def checkpoint_age(self, now: float | None = None) -> float | None:
+        """Seconds since the latest checkpoint, None when none has been written."""
+        if self.last_checkpoint is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.last_checkpoint)
 
 
 def _optimizer_error(e: ConfigError) -> ServerError:
@@ -124,6 +143,7 @@ class Service:
         self._applying = False
         self._deadline: asyncio.TimerHandle | None = None
         self._init_lock = asyncio.Lock()
+        self._step_opened: float | None = None  # perf_counter of the open step's first push
 
     # ------------------------------------------------------------------ plumbing
     def refuse(self, ident: bytes, req: int, exc: BaseException) -> None:
@@ -136,6 +156,7 @@ class Service:
         else:  # a bug must not take the server down
             code, message = ErrorCode.INTERNAL, f"internal server error: {type(exc).__name__}: {exc}"
             log.error("internal error", exc_info=exc)
+        self.stats.errors_by_code[code.value] = self.stats.errors_by_code.get(code.value, 0) + 1
         self._send(ident, Error(req=max(req, 0), code=code.value, message=message), ())
 
     def _spawn(self, coro: Awaitable[None], ident: bytes | None = None, req: int = 0) -> None:
@@ -216,7 +237,17 @@ class Service:
         self._send(ident, Left(req=msg.req, worker=info.worker, version=self.store.version), ())
         self._maybe_close_steps()
 
+    def worker_statuses(self, now: float | None = None) -> list[WorkerStatus]:
+        """The live workers as ``status`` and the metrics report them, in id order."""
+        now = time.time() if now is None else now
+        return [WorkerStatus(worker=w, name=i.name, key_fingerprint=i.fingerprint,
+                             last_seen_s=max(0.0, now - i.last_seen), pushes=i.pushes, pulls=i.pulls,
+                             report=i.report)
+                for w, i in sorted(self.members.live.items())]
+
     def _status(self, ident: bytes, msg: Status) -> None:
+        from . import __version__
+
         s = self.stats
         self._send(ident, StatusReply(
             req=msg.req, version=self.store.version, initialised=self.store.initialised,
@@ -227,6 +258,7 @@ class Service:
             errors=s.errors, uptime_s=time.time() - s.started, numel=self.store.numel,
             tensors=len(self.store.layout),
             optimizer=self.optimizer.to_wire() if self.optimizer else None,
+            server_version=__version__, live=self.worker_statuses(), checkpoint_age_s=s.checkpoint_age(),
         ), ())
 
     def _register(self, ident: bytes, rx: Received) -> None:
@@ -316,8 +348,13 @@ class Service:
             self._changed_optimizer(msg.hparams)  # refused now, not when the step applies
         if self.config.max_push_norm:
             tensors = self._bounded(info.worker, tensors)
+        if not self.agg.has_pending():
+            self._step_opened = time.perf_counter()
         queued = self.agg.add(PendingPush(info.worker, msg.version, tensors, msg.hparams, nbytes))
         info.pushes += 1
+        info.last_seen = time.time()
+        if msg.report is not None:
+            info.report = msg.report
         self.stats.pushes += 1
         self._send(ident, PushOk(req=msg.req, step=self.store.version + queued, version=self.store.version), ())
         self._maybe_close_steps(first_push=True)
@@ -338,7 +375,9 @@ class Service:
         return scaled(tensors, bound / norm)
 
     def _pull(self, ident: bytes, msg: Pull) -> None:
-        self.members.check(ident, msg.worker)
+        info = self.members.check(ident, msg.worker)
+        info.pulls += 1
+        info.last_seen = time.time()
         v = self.store.version
         if msg.since > v:
             raise VersionError(f"pull since version {msg.since}, but the server is at {v} (from the future)")
@@ -387,6 +426,19 @@ class Service:
         assert self.optimizer is not None
         return self.optimizer
 
+    def _count_step(self, late: int, t0: float, opened: float | None) -> None:
+        s = self.stats
+        s.steps += 1
+        s.late_pushes += late
+        s.apply_s += time.perf_counter() - t0
+        if opened is not None:
+            s.straggler_wait_s += max(0.0, t0 - opened)
+        now = time.time()
+        if s.last_step_at is not None:
+            s.step_interval_s += now - s.last_step_at
+            s.step_intervals += 1
+        s.last_step_at = now
+
     async def _apply_ready(self, force: bool = False) -> None:
         try:
             while force or self.agg.should_close(self.members.live, self.members.started):
@@ -399,9 +451,9 @@ class Service:
                     break
                 cfg = self._step_optimizer(step.hparams)
                 t0 = time.perf_counter()
+                opened, self._step_opened = self._step_opened, (t0 if self.agg.has_pending() else None)
                 version = await self._in_store(self.store.apply_step, step, cfg)
-                self.stats.steps += 1
-                self.stats.late_pushes += step.late
+                self._count_step(step.late, t0, opened)
                 log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
                                                   "apply_ms": round(1e3 * (time.perf_counter() - t0), 3)})
                 self.waiters.release(version)

@@ -1,0 +1,53 @@
+"""``stella-ps-health``: the container health check. It asks the running server itself,
+through its ``/healthz`` (served on the daemon's event loop, see :mod:`.metrics`), so
+a wedged loop fails the check as surely as a dead process.
+
+The address is ``--url``, else the port of ``STELLA_PS_METRICS`` on 127.0.0.1 (the
+image sets both that variable and this check). Exit status 0: healthy; 1: not.
+Standard library only, so that the check stays cheap every few seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+from .metrics import ENV_METRICS, parse_bind
+
+__all__ = ["main", "health_url"]
+
+
+def health_url(metrics: str | None) -> str:
+    """The ``/healthz`` URL on this host for the metrics address ``metrics``."""
+    if not metrics:
+        raise ValueError(f"no metrics endpoint: set {ENV_METRICS} (e.g. 0.0.0.0:9100) or pass --url")
+    host, port = parse_bind(metrics)
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}/healthz"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stella-ps-health", description="exit 0 if the local stella-ps answers "
+                                "its health check, 1 otherwise")
+    p.add_argument("--url", help=f"the /healthz URL (default: from {ENV_METRICS})")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    p.add_argument("--quiet", "-q", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        url = a.url or health_url(os.environ.get(ENV_METRICS))
+        with urllib.request.urlopen(url, timeout=a.timeout) as r:
+            body = json.loads(r.read())
+    except (ValueError, OSError, urllib.error.URLError) as e:
+        print(f"stella-ps-health: unhealthy: {e}", file=sys.stderr)
+        return 1
+    if not a.quiet:
+        print(json.dumps(body))
+    return 0 if body.get("status") == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The Prometheus endpoint (``--metrics HOST:PORT``) and ``/healthz``, served on the
+daemon's own event loop.
+
+Nothing is counted twice: a collector reads the service's counters
+(:class:`~stella_ps.service.Stats`, the live workers and the reports their pushes
+carry) when Prometheus scrapes, so that metrics cost nothing between scrapes and
+``status`` and ``/metrics`` always agree. The HTTP side is a few lines of
+``asyncio.start_server`` rather than prometheus-client's threaded server: the
+collector then reads the service's state on the loop that writes it, and a health
+check that gets an answer knows that loop is turning.
+
+Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name``):
+
+=================================  =======  ==============================================
+``info``                           gauge    1, labels ``version`` (release), ``protocol``
+``model_version``                  gauge    applied steps (the model's version)
+``live_workers``                   gauge    workers that joined and did not leave
+``expected_workers``               gauge    ``--workers``
+``steps_total``                    counter  steps applied
+``step_seconds``                   summary  wall time between two steps closing
+``step_apply_seconds``             summary  the store's apply of a step (C kernel)
+``straggler_wait_seconds``         summary  a step's first push to its close
+``pushes_total`` / ``pulls_total`` counter  per worker
+``late_pushes_total``              counter  pushes folded into a later step
+``bytes_received_total``           counter  bytes in (all messages)
+``bytes_sent_total``               counter  bytes out
+``errors_total``                   counter  refused requests, label ``code``
+``worker_last_seen_seconds``       gauge    since the worker's last push or pull
+``worker_density``                 gauge    the fraction its latest push carried
+``worker_compute_seconds``         gauge    its latest iteration's computation
+``worker_exchange_seconds``        gauge    its latest exchange (background)
+``worker_wait_seconds``            gauge    its latest wait for the exchange in ``step()``
+``worker_steps``                   gauge    its iterations so far
+``checkpoint_age_seconds``         gauge    NaN until a checkpoint has been written
+=================================  =======  ==============================================
+
+The ``worker_*`` timings are what the workers report with their pushes
+(:class:`stella.protocol.WorkerReport`); a worker that sends none has no such series.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from stella.protocol import PROTOCOL_VERSION
+
+from . import __version__
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .service import Service
+
+__all__ = ["JobCollector", "MetricsServer", "parse_bind", "ENV_METRICS", "CONTENT_TYPE"]
+
+log = logging.getLogger("stella_ps.metrics")
+ENV_METRICS = "STELLA_PS_METRICS"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REQUEST_TIMEOUT_S = 10.0
+MAX_REQUEST_BYTES = 8192
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` or ``PORT`` (all interfaces) -> ``(host, port)``; port 0
+    picks a free one."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host = ""
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        p = int(port)
+    except ValueError:
+        raise ConfigError(f"metrics address {text!r}: need HOST:PORT") from None
+    if not 0 <= p <= 65535:
+        raise ConfigError(f"metrics address {text!r}: port out of range")
+    return host, p
+
+
+class JobCollector(Collector):
+    """Reads the service's state at scrape time (see the module's table)."""
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        svc, s = self.service, self.service.stats
+        now = time.time()
+        info = GaugeMetricFamily("stella_info", "stella-ps release and protocol version",
+                                 labels=["version", "protocol"])
+        info.add_metric([__version__, str(PROTOCOL_VERSION)], 1)
+        yield info
+        yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version",
+                                value=svc.store.version)
+        yield GaugeMetricFamily("stella_live_workers", "workers joined and not left", value=len(svc.members.live))
+        yield GaugeMetricFamily("stella_expected_workers", "workers the first step waits for (--workers)",
+                                value=svc.config.workers)
+        yield CounterMetricFamily("stella_steps", "steps applied", value=s.steps)
+        yield SummaryMetricFamily("stella_step_seconds", "wall time between two steps closing",
+                                  count_value=s.step_intervals, sum_value=s.step_interval_s)
+        yield SummaryMetricFamily("stella_step_apply_seconds", "the store's apply of a step",
+                                  count_value=s.steps, sum_value=s.apply_s)
+        yield SummaryMetricFamily("stella_straggler_wait_seconds",
+                                  "from a step's first push until it closed (waiting for stragglers)",
+                                  count_value=s.steps, sum_value=s.straggler_wait_s)
+        yield CounterMetricFamily("stella_late_pushes", "pushes folded into a later step", value=s.late_pushes)
+        yield CounterMetricFamily("stella_bytes_received", "bytes received, all messages", value=s.bytes_in)
+        yield CounterMetricFamily("stella_bytes_sent", "bytes sent, all messages", value=s.bytes_out)
+        errors = CounterMetricFamily("stella_errors", "refused requests by error code", labels=["code"])
+        for code, n in sorted(s.errors_by_code.items()):
+            errors.add_metric([code], n)
+        yield errors
+        age = s.checkpoint_age(now)
+        yield GaugeMetricFamily("stella_checkpoint_age_seconds", "seconds since the latest checkpoint (NaN: none)",
+                                value=math.nan if age is None else age)
+        labels = ["worker", "name"]
+        fams: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "pushes": CounterMetricFamily("stella_pushes", "pushes per worker", labels=labels),
+            "pulls": CounterMetricFamily("stella_pulls", "pulls per worker", labels=labels),
+            "seen": GaugeMetricFamily("stella_worker_last_seen_seconds", "seconds since its latest push or pull",
+                                      labels=labels),
+            "density": GaugeMetricFamily("stella_worker_density", "fraction of each tensor its latest push carried",
+                                         labels=labels),
+            "compute": GaugeMetricFamily("stella_worker_compute_seconds", "its latest iteration's computation",
+                                         labels=labels),
+            "exchange": GaugeMetricFamily("stella_worker_exchange_seconds", "its latest exchange (background)",
+                                          labels=labels),
+            "wait": GaugeMetricFamily("stella_worker_wait_seconds", "its latest wait for the exchange in step()",
+                                      labels=labels),
+            "steps": GaugeMetricFamily("stella_worker_steps", "its iterations so far", labels=labels),
+        }
+        for ws in svc.worker_statuses(now):
+            lv = [str(ws.worker), ws.name]
+            fams["pushes"].add_metric(lv, ws.pushes)
+            fams["pulls"].add_metric(lv, ws.pulls)
+            fams["seen"].add_metric(lv, ws.last_seen_s)
+            r = ws.report
+            if r is not None:
+                fams["density"].add_metric(lv, r.density)
+                fams["compute"].add_metric(lv, r.compute_s)
+                fams["exchange"].add_metric(lv, r.exchange_s)
+                fams["wait"].add_metric(lv, r.wait_s)
+                fams["steps"].add_metric(lv, r.step)
+        yield from fams.values()
+
+
+class MetricsServer:
+    """``GET /metrics`` (Prometheus text format) and ``GET /healthz`` (a small JSON
+    object; 200 while the server runs) on ``host:port``, on the running loop."""
+
+    def __init__(self, service: Service, bind: str):
+        self.host, self.port = parse_bind(bind)
+        self.service = service
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(JobCollector(service))
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        """Listen; returns ``host:port`` as bound (port 0 becomes the port picked)."""
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("metrics listening", extra={"metrics": f"{self.host}:{self.port}"})
+        return f"{self.host}:{self.port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    def health(self) -> dict:
+        svc = self.service
+        return {"status": "ok", "version": svc.store.version, "live_workers": len(svc.members.live),
+                "steps": svc.stats.steps, "release": __version__}
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            if len(head) > MAX_REQUEST_BYTES:
+                raise ValueError("request too large")
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            path = path.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif path == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE, generate_latest(self.registry)
+            elif path == "/healthz":
+                status, ctype, body = "200 OK", "application/json", json.dumps(self.health()).encode() + b"\n"
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"try /metrics or /healthz\n"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         f"Connection: close\r\n\r\n".encode() + (b"" if method == "HEAD" else body))
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                ConnectionError):
+            pass  # a client that sends no complete request gets nothing
+        except Exception:  # pragma: no cover - a bug must not take the server down
+            log.exception("metrics request failed")
+        finally:
+            writer.close()
