@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 __all__ = ["main"]
@@ -23,8 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--lr", type=float, default=d.lr)
     demo.add_argument("--seed", type=int, default=d.seed)
     demo.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    st = sub.add_parser("status", help="print a running stella-ps's counters")
+    demo.add_argument("--progress-every", type=int, default=100, metavar="N",
+                      help="each worker logs a progress line every N steps (0: none)")
+    demo.add_argument("--server", metavar="ADDRESS",
+                      help="run one worker of the demo against this stella-ps (e.g. in a container) instead of "
+                      "starting a server and all the workers here; keys from STELLA_SERVER_KEY/STELLA_CLIENT_KEY")
+    demo.add_argument("--rank", type=int, default=0, help="with --server: this worker's shard (0..workers-1); "
+                      "rank 0 evaluates and prints the final accuracy")
+    st = sub.add_parser("status", help="a running job: one line for the job, a table of its workers")
     st.add_argument("address", help="e.g. tcp://127.0.0.1:5555")
+    st.add_argument("--json", action="store_true", help="the raw reply and the rates as JSON (for scripts)")
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 2) until interrupted")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--server-key", help="the server's public key file (default: env STELLA_SERVER_KEY)")
     st.add_argument("--client-key", help="this client's .key_secret file (default: env STELLA_CLIENT_KEY)")
@@ -36,17 +45,29 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "keygen":
         return keygen(a.directory, a.name)
     if a.cmd == "demo":
+        if a.workers < 1 or not 0 <= a.rank < a.workers or a.steps < 1 or a.progress_every < 0:
+            p.error("demo: need --workers >= 1, 0 <= --rank < --workers, --steps >= 1, --progress-every >= 0")
+        cfg = DemoConfig(workers=a.workers, steps=a.steps, batch_size=a.batch_size, density=a.density,
+                         method=a.method, lr=a.lr, seed=a.seed, progress_every=a.progress_every)
+        if a.server:
+            from .demo import run_demo_worker
+
+            return run_demo_worker(a.server, a.rank, cfg, json_path=a.json)
         from .demo import run_demo
 
-        cfg = DemoConfig(workers=a.workers, steps=a.steps, batch_size=a.batch_size, density=a.density,
-                         method=a.method, lr=a.lr, seed=a.seed)
         res = run_demo(cfg, json_path=a.json)
         return 0 if res["test_accuracy"] is not None else 1
     from .client import Client
+    from .errors import StellaError
+    from .status import watch
 
-    with Client(a.address, timeout=a.timeout, join=False, server_key=a.server_key, client_key=a.client_key) as c:
-        print(json.dumps(c.status(), indent=2))
-    return 0
+    try:
+        with Client(a.address, timeout=a.timeout, join=False, server_key=a.server_key,
+                    client_key=a.client_key) as c:
+            return watch(c.status, address=a.address, as_json=a.json, interval=a.watch)
+    except (StellaError, ValueError) as e:
+        print(f"stella status: {e}", file=sys.stderr)
+        return 1
 
 
 def keygen(directory: str, name: str) -> int:

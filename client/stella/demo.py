@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["DemoConfig", "run_demo", "load_digits_split", "build_mlp", "accuracy", "TEST_FRACTION"]
+__all__ = ["DemoConfig", "run_demo", "run_demo_worker", "load_digits_split", "build_mlp", "accuracy", "TEST_FRACTION"]
 
 TEST_FRACTION = 0.2  # held out per class (stratified)
 
@@ -50,6 +50,7 @@ class DemoConfig:
     seed: int = 0
     eval_every: int = 25
     timeout: float = 60.0
+    progress_every: int = 100  # each worker logs a progress line every this many steps (0: none)
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +132,10 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
     from .pipeline import StellaOptimizer
 
     torch.set_num_threads(1)
+    if cfg.progress_every:
+        from .progress import log_to_stderr
+
+        log_to_stderr()
     xtr, ytr, xte, yte = load_digits_split(cfg.seed)
     shard = torch.arange(rank, xtr.shape[0], cfg.workers)
     xtr, ytr = xtr[shard], ytr[shard]
@@ -138,7 +143,7 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
                           density=cfg.density, method=cfg.method, dense_below=1024, timeout=cfg.timeout,
                           name=f"demo-worker-{rank}", server_key=keys.get("server_key"),
-                          client_key=keys.get("client_key"))
+                          client_key=keys.get("client_key"), progress_every=cfg.progress_every)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
     try:
@@ -255,3 +260,45 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+class _PrintProgress:
+    """The progress sink of a lone demo worker (``stella demo --server``): rank 0's
+    evaluations, printed as they come."""
+
+    def __init__(self, cfg: DemoConfig, out: TextIO):
+        self.cfg, self.out = cfg, out
+        self.final: tuple | None = None
+
+    def put(self, msg: tuple) -> None:
+        if msg[0] == "done":
+            self.final = msg
+            return
+        _, _rank, step, loss, pushed, pulled, acc, version = msg
+        if acc is not None:
+            print(f"step {step:4d}/{self.cfg.steps} | loss {loss:.4f} | test acc {acc:.4f} | version {version} | "
+                  f"pushed {_mb(pushed)} | pulled {_mb(pulled)}", file=self.out, flush=True)
+
+
+def run_demo_worker(address: str, rank: int, cfg: DemoConfig, *, json_path: str | None = None,
+                    out: TextIO = sys.stdout) -> int:
+    """One worker of the demo against a running ``stella-ps`` at ``address`` (keys from
+    ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``): what each site's container runs in
+    the lab compose file. Rank 0 prints the final held-out accuracy; returns 0."""
+    t0 = time.perf_counter()
+    print(f"stella demo worker {rank}/{cfg.workers}: stella-ps at {address}, {cfg.steps} steps, density "
+          f"{cfg.density:.0%} ({cfg.method})", file=out, flush=True)
+    sink = _PrintProgress(cfg, out)
+    _worker(address, rank, cfg, sink, {})
+    assert sink.final is not None
+    _, _, pushed, pulled, version, final_acc = sink.final
+    wall = time.perf_counter() - t0
+    result = {"rank": rank, "test_accuracy": final_acc, "steps": cfg.steps, "server_version": version,
+              "wall_s": round(wall, 3), "bytes_pushed": pushed, "bytes_pulled": pulled, "config": asdict(cfg)}
+    acc = "" if final_acc is None else f"test accuracy {final_acc:.4f} "
+    print(f"result: {acc}after {cfg.steps} steps in {wall:.1f} s (server version {version}); "
+          f"pushed {_mb(pushed)}, pulled {_mb(pulled)}", file=out, flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -66,6 +66,7 @@ import torch
 from .client import Client, PullResult
 from .compress import DENSE_BELOW, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
+from .progress import Progress
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 
 __all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget", "MODES", "OUTER_PRESETS"]
@@ -209,6 +210,8 @@ class StellaOptimizer(torch.optim.Optimizer):
     (each exchange finishes inside the ``step()`` that starts it; the non-overlapped
     baseline). ``compress_in_backward`` (gradient mode): compress each gradient from
     its autograd hook.
+    ``progress_every``: log a one-line summary every that many steps (0: none; see
+    :mod:`stella.progress`). The timings travel with the pushes in any case.
     """
 
     def __init__(
@@ -235,6 +238,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         client_key: str | None = None,
         compress_in_backward: bool = False,
         client: Client | None = None,
+        progress_every: int = 0,
     ):
         mode = mode or DEFAULT_MODE
         if mode not in MODES:
@@ -289,6 +293,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below,
                                                   value_dtype=value_dtype)
         self.stats = PipelineStats(density=float(density))
+        self.progress = Progress(progress_every)
         self._last_step_end: float | None = None
         self._last_exchange_s = 0.0
         self._local_steps = 0  # update mode: inner steps since the last exchange started
@@ -363,7 +368,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
         push = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
-                                hparams=hparams or None, wait=False)
+                                hparams=hparams or None, report=self.progress.report(), wait=False)
         pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
         delta = pull.result()
@@ -463,6 +468,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.stats.iterations += 1
+        self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
         if self.inner is not None:
             self.inner.step()  # the local step, dense, on this worker's gradient
             self._local_steps += 1
