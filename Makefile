@@ -4,6 +4,8 @@
 # and, once set up:
 #   make test-fast   - the suite without the long training runs (pytest -m "not slow")
 #   make bench-quick - loopback benchmarks, a few minutes, no root needed
+#   make docker-test - images, the lab compose file at a shaped rate, training, metrics
+#                      (needs a Docker engine; says why it did not run where none is reachable)
 # Both create .venv, install the dependencies and build the C kernels.
 # A torch that is already importable (from the venv or, through
 # --system-site-packages, from the interpreter that creates it) is kept, so a
@@ -18,7 +20,13 @@ STAMP := $(VENV)/.stella-installed
 # native/bench/ is compiled on first use by bench/_native_bench.py (into build/).
 NATIVE := $(wildcard native/*.c native/*.h native/cdefs/*.h) native/build_cffi.py
 
-.PHONY: demo test test-fast lint install bench-quick clean
+# The images install only from this wheelhouse (no index inside a build): the project's
+# wheel, built for the portable x86-64 level $(NATIVE_ARCH) (docker/README.md), and its
+# dependencies with the CPU torch wheel. Copy it to a site without internet as it is.
+WHEELHOUSE ?= docker/wheelhouse
+NATIVE_ARCH ?= x86-64-v2
+
+.PHONY: demo test test-fast lint install bench-quick clean wheelhouse docker-images docker-test
 
 install: $(STAMP)
 
@@ -48,6 +56,22 @@ test-fast: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m bench.pipeline --quick
 	$(PY) -m bench.stella_e2e --workload digits --steps 50
+
+wheelhouse: $(WHEELHOUSE)/.complete
+
+$(WHEELHOUSE)/.complete: pyproject.toml setup.py $(NATIVE) $(wildcard client/stella/*.py server/stella_ps/*.py)
+	rm -rf $(WHEELHOUSE) build/wheel && mkdir -p $(WHEELHOUSE)
+	STELLA_NATIVE_ARCH=$(NATIVE_ARCH) $(PY) -m pip wheel --no-deps --no-build-isolation -w $(WHEELHOUSE) .
+	$(PY) -m pip wheel -w $(WHEELHOUSE) "$$(ls $(WHEELHOUSE)/stella-*.whl)[worker,demo]" "torch==$(TORCH_VERSION)"
+	@touch $@
+
+# the server and CPU worker images from the wheelhouse, on the base image made with
+# debootstrap when no registry is reachable (docker/make-base-image.sh)
+docker-images: wheelhouse
+	$(PY) docker/lab.py images
+
+docker-test: $(STAMP)
+	$(PY) docker/lab.py test
 
 clean:
 	rm -rf build *.egg-info client/stella/_native*.so client/stella/_native.c \

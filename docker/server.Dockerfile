@@ -1,0 +1,44 @@
+# stella-ps: the parameter server. CPU only, no torch, non-root, checkpoints on a volume.
+#
+#   make wheelhouse
+#   docker build -f docker/server.Dockerfile -t stella-ps:0.1.0 docker/
+#
+# Installs only from the wheelhouse in the build context (docker/wheelhouse, made by
+# `make wheelhouse`): no package index is needed inside the build. BASE_IMAGE must have
+# python3 with venv and the wheelhouse's Python version (3.11); without a registry, make
+# one with docker/make-base-image.sh and pass --build-arg BASE_IMAGE=stella-base:bookworm.
+# No `# syntax=` line on purpose: it would make BuildKit pull a frontend image.
+ARG BASE_IMAGE=python:3.11.10-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+ARG STELLA_VERSION=0.1.0
+COPY wheelhouse /wheelhouse
+RUN python3 -m venv /opt/stella \
+ && /opt/stella/bin/pip install --no-cache-dir --no-index --find-links /wheelhouse "stella==${STELLA_VERSION}" \
+ && /opt/stella/bin/pip uninstall -y pip \
+ && /opt/stella/bin/python -c "import stella_ps.kernel, stella_ps.metrics" \
+ && ! /opt/stella/bin/python -c "import torch" 2>/dev/null
+
+FROM ${BASE_IMAGE}
+ARG STELLA_UID=10001
+LABEL org.opencontainers.image.title="stella-ps" \
+      org.opencontainers.image.description="Stella parameter server (CPU only)" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid ${STELLA_UID} stella \
+ && useradd --system --uid ${STELLA_UID} --gid stella --home-dir /var/lib/stella --shell /usr/sbin/nologin stella \
+ && mkdir -p /var/lib/stella/checkpoints \
+ && chown -R stella:stella /var/lib/stella
+COPY --from=build /opt/stella /opt/stella
+ENV PATH=/opt/stella/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    STELLA_PS_BIND=tcp://0.0.0.0:5555 \
+    STELLA_PS_METRICS=0.0.0.0:9100 \
+    STELLA_PS_LOG_FORMAT=json
+# checkpoints land here once the server writes them (the liveness/checkpoint work)
+VOLUME ["/var/lib/stella/checkpoints"]
+WORKDIR /var/lib/stella
+EXPOSE 5555 9100
+USER stella
+# asks the server itself: /healthz is answered by the daemon's own event loop
+HEALTHCHECK --interval=10s --timeout=5s --start-period=15s --retries=3 CMD ["stella-ps-health", "--quiet"]
+ENTRYPOINT ["stella-ps"]
