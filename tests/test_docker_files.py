@@ -103,29 +103,53 @@ def test_dockerignore_lets_in_only_wheels_and_the_entrypoint():
     assert not any("key" in r or "env" in r for r in rules)
 
 
-def _fake_tc(tmp_path) -> str:
+def _fake_tc(tmp_path, lacking: str = "") -> str:
+    """A ``tc`` that logs its arguments and fails for those containing ``lacking``
+    (a kernel without netem, police...)."""
     bindir = tmp_path / "bin"
-    bindir.mkdir()
+    bindir.mkdir(exist_ok=True)
     tc = bindir / "tc"
-    tc.write_text(f"#!/bin/sh\necho \"tc $*\" >> {tmp_path}/tc.log\n")
+    fail = f'case "$*" in *{lacking}*) exit 2;; esac\n' if lacking else ""
+    tc.write_text(f"#!/bin/sh\n{fail}echo \"tc $*\" >> {tmp_path}/tc.log\n")
     tc.chmod(0o755)
     return str(bindir)
+
+
+def entrypoint(env: dict, *cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", os.path.join(DOCKER, "worker-entrypoint.sh"), *cmd], capture_output=True,
+                          text=True, env=env, timeout=30)
 
 
 def test_worker_entrypoint_shapes_then_runs_the_command(tmp_path):
     env = {"PATH": _fake_tc(tmp_path) + ":" + os.environ["PATH"], "STELLA_RUN_AS_ROOT": "1",
            "STELLA_SHAPE_RATE": "20mbit", "STELLA_SHAPE_DELAY": "10ms"}
-    p = subprocess.run(["sh", os.path.join(DOCKER, "worker-entrypoint.sh"), "echo", "ran", "a b"],
-                       capture_output=True, text=True, env=env, timeout=30)
+    p = entrypoint(env, "echo", "ran", "a b")
     assert p.returncode == 0, p.stderr
-    assert p.stdout == "ran a b\n" and "shaped to 20mbit each way, +10ms" in p.stderr
+    assert p.stdout == "ran a b\n" and "eth0 shaped: uplink 20mbit +10ms, downlink 20mbit" in p.stderr
     tc = (tmp_path / "tc.log").read_text().splitlines()
     assert tc[0] == "tc qdisc replace dev eth0 root handle 1: netem delay 10ms"
     assert "tbf rate 20mbit" in tc[1] and "ingress" in tc[2] and "police rate 20mbit" in tc[3]
     # unshaped: no tc at all, the command's exit status comes through
-    p = subprocess.run(["sh", os.path.join(DOCKER, "worker-entrypoint.sh"), "sh", "-c", "exit 3"],
-                       env={**env, "STELLA_SHAPE_RATE": ""}, timeout=30)
+    p = entrypoint({**env, "STELLA_SHAPE_RATE": ""}, "sh", "-c", "exit 3")
     assert p.returncode == 3 and len((tmp_path / "tc.log").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("lacking", ["netem", "police"])
+def test_worker_entrypoint_says_what_the_kernel_lacks(tmp_path, lacking):
+    env = {"PATH": _fake_tc(tmp_path, lacking) + ":" + os.environ["PATH"], "STELLA_RUN_AS_ROOT": "1",
+           "STELLA_SHAPE_RATE": "5mbit", "STELLA_SHAPE_DELAY": "10ms"}
+    p = entrypoint(env, "true")
+    assert p.returncode == 0, p.stderr
+    tc = (tmp_path / "tc.log").read_text()
+    assert "tbf rate 5mbit" in tc  # the uplink is always shaped
+    assert ("no delay: this kernel has no netem" in p.stderr) == (lacking == "netem")
+    assert ("downlink not shaped" in p.stderr) == (lacking == "police")
+
+
+def test_worker_entrypoint_fails_when_the_uplink_cannot_be_shaped(tmp_path):
+    env = {"PATH": _fake_tc(tmp_path, "tbf") + ":" + os.environ["PATH"], "STELLA_RUN_AS_ROOT": "1",
+           "STELLA_SHAPE_RATE": "5mbit"}
+    assert entrypoint(env, "echo", "never").returncode != 0
 
 
 def test_server_entrypoint_reads_the_images_environment(monkeypatch):
