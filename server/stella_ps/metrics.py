@@ -164,7 +164,8 @@ class MetricsServer:
 
     async def start(self) -> str:
         """Listen; returns ``host:port`` as bound (port 0 becomes the port picked)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        # the reader's limit bounds a request head before it is held
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_REQUEST_BYTES)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("metrics listening", extra={"metrics": f"{self.host}:{self.port}"})
         return f"{self.host}:{self.port}"
