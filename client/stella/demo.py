@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["DemoConfig", "run_demo", "run_demo_worker", "load_digits_split", "build_mlp", "accuracy", "TEST_FRACTION"]
+__all__ = ["DemoConfig", "run_demo", "run_demo_worker", "load_digits_split", "build_mlp", "accuracy",
+           "TEST_FRACTION"]
 
 TEST_FRACTION = 0.2  # held out per class (stratified)
 
