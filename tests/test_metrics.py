@@ -13,15 +13,14 @@ import urllib.request
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_server_inprocess import InProcessServer
 
-from stella import Client
+from stella import Client, VersionError
 from stella.cli import main as stella_main
 from stella.protocol import WorkerReport
 from stella.status import rates, render, watch
 from stella_ps import health
 from stella_ps.metrics import MetricsServer, parse_bind
-
-from test_server_inprocess import InProcessServer
 
 
 @pytest.fixture
@@ -70,7 +69,7 @@ def test_metrics_in_process_show_the_whole_job(inproc):
                                bytes_pushed=123, bytes_pulled=456)
             c.push({"w": (np.array([1, 3], np.int32), np.array([1.0, 2.0], np.float32))}, 0, report=rep)
             c.pull(0, wait_for=1)
-            with pytest.raises(Exception):  # a refused request shows under its code
+            with pytest.raises(VersionError):  # a refused request shows under its code
                 c.pull(10**6)
             st = c.status()
             fams = scrape(base + "/metrics")
@@ -146,3 +145,57 @@ def test_status_cli_against_a_daemon_with_metrics_and_its_health_check(make_serv
 def test_status_cli_names_an_unreachable_server(capsys):
     assert stella_main(["status", "tcp://127.0.0.1:9", "--timeout", "0.3"]) == 1
     assert "stella status:" in capsys.readouterr().err
+
+
+def test_optimizer_reports_its_timings_and_logs_progress(inproc, caplog):
+    import logging
+
+    import torch
+
+    from stella import StellaOptimizer
+    from stella.progress import LOGGER
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    opt = StellaOptimizer(model, inproc.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 0.1},
+                          density=0.5, timeout=10, name="reporter", progress_every=2)
+    try:
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        opt.synchronize()
+        report = opt.progress.report()
+        with Client(inproc.endpoint, timeout=10, join=False) as c:
+            (live,) = c.status()["live"]
+    finally:
+        opt.close()
+    assert report is not None and report.step == 5 and report.density == 0.5
+    assert live["name"] == "reporter" and live["report"] is not None and live["report"]["step"] >= 2
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert [line.split(" |")[0] for line in lines] == ["stella step 2", "stella step 4"]
+    assert all("s/it" in line and "wait" in line and "density 50.00%" in line for line in lines)
+
+
+def test_no_progress_lines_by_default(inproc, caplog):
+    import logging
+
+    import torch
+
+    from stella import StellaOptimizer
+    from stella.progress import LOGGER, Progress
+
+    with pytest.raises(ValueError):
+        Progress(-1)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = torch.nn.Linear(4, 1)
+    opt = StellaOptimizer(model, inproc.endpoint, mode="gradient", density=1.0, timeout=10)
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    finally:
+        opt.close()
+    assert not [r for r in caplog.records if r.name == LOGGER]
