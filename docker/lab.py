@@ -366,10 +366,13 @@ def crash_test(lab: Lab, metrics_url: str, address: str, keys: dict[str, str]) -
 
 
 def _live(address: str, keys: dict[str, str]) -> list[dict]:
-    p = status(address, keys, "--json", "--timeout", "5")
-    if p.returncode != 0:
-        return []
-    return json.loads(p.stdout).get("live") or []
+    """The live workers as `stella status --json` lists them ([] if it fails 3 times)."""
+    for _ in range(3):
+        p = status(address, keys, "--json", "--timeout", "10")
+        if p.returncode == 0:
+            return json.loads(p.stdout).get("live") or []
+        say(f"  (stella status failed: {p.stderr.strip()[-300:]})")
+    return []
 
 
 def main(argv: list[str]) -> int:
