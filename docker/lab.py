@@ -79,7 +79,8 @@ def engine() -> list[str]:
                      "debootstrap; then start it: dockerd &")
     p = run(["docker", "info", "--format", "{{.ServerVersion}}"], check=False)
     if p.returncode != 0:
-        raise NotRun(f"no Docker engine reachable ({(p.stderr or p.stdout).strip().splitlines()[-1:]}). "
+        why = ((p.stderr or p.stdout).strip().splitlines() or ["docker info failed"])[-1]
+        raise NotRun(f"no Docker engine reachable ({why}). "
                      "Start one: dockerd & (installed with apt-get install -y docker.io)")
     say(f"Docker engine {p.stdout.strip()}")
     if shutil.which("docker-compose"):
