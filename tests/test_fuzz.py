@@ -177,7 +177,7 @@ class Harness:
     def _call(self, sock: str, hdr: dict) -> dict:
         """A well-formed request of ours and its reply (set-up and clean-up only)."""
         req = self.next_req()
-        self.socks[sock].send_multipart([msgspec.msgpack.encode({"proto": 2, "req": req, **hdr})])
+        self.socks[sock].send_multipart([msgspec.msgpack.encode({"proto": protocol.PROTOCOL_VERSION, "req": req, **hdr})])
         return self._recv(sock, req)[0]
 
     def _recv(self, sock: str, req: int) -> tuple[dict, list[bytes]]:
@@ -502,7 +502,8 @@ def mutate(data: st.DataObject, rng: np.random.Generator, hdr: dict, frames: lis
         p = _parent(hdr, path)
         p[path[-1]] = [p[path[-1]]]
     elif kind == "proto":
-        hdr["proto"] = data.draw(st.one_of(st.sampled_from([1, 3, 2.0, True, "2", None, [2]]), JUNK))
+        V = protocol.PROTOCOL_VERSION
+        hdr["proto"] = data.draw(st.one_of(st.sampled_from([V - 1, V + 1, float(V), True, str(V), None, [V]]), JUNK))
     elif kind == "type":
         hdr["type"] = data.draw(st.one_of(st.sampled_from(["joined", "delta", "error", "Push", "push ", ""]), JUNK))
     elif kind == "frames":
