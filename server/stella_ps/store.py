@@ -88,6 +88,26 @@ class ModelStore:
         self.tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout = layout
 
+    def state_copy(self) -> tuple[int, list[dict[str, np.ndarray]]]:
+        """The version and a copy of every tensor's state arrays (parameters and
+        whatever optimizer state the kernel keeps): what a checkpoint holds. The only
+        part of writing a checkpoint that runs on the store thread, so the only part
+        that holds steps back."""
+        return self.version, [s.state_arrays() for s in self.tensors]
+
+    def restore(self, layout: list[TensorSpec], arrays: list[dict[str, np.ndarray]], cfg: OptimizerConfig,
+                version: int) -> None:
+        """Become the model of a checkpoint: ``layout``, state ``arrays`` for ``cfg``'s
+        optimizer, at ``version``; no history (every pull's first answer is a snapshot)."""
+        tensors = []
+        for _spec, a in zip(layout, arrays, strict=True):
+            st = KernelTensorState(a["param"], cfg)
+            st.load_state_arrays(a)
+            tensors.append(st)
+        self.tensors, self.layout, self.version = tensors, layout, version
+        self._history.clear()
+        self._encoded.clear()
+
     def apply_step(self, step: Step, cfg: OptimizerConfig) -> int:
         """Apply one closed step with optimizer ``cfg``; returns the new version.
 
