@@ -72,7 +72,7 @@ def _pad(n: int) -> int:
 
 
 def _crc(a: np.ndarray) -> int:
-    mv = memoryview(a).cast("B")
+    mv = a.data.cast("B")
     c = 0
     for i in range(0, len(mv), _CHUNK):
         c = zlib.crc32(mv[i:i + _CHUNK], c)
@@ -108,7 +108,7 @@ def write(path: str, ckpt: Checkpoint) -> int:
             pos = 0
             for e, a in zip(entries, flat):
                 f.write(b"\0" * (e["offset"] - pos))
-                mv = memoryview(a).cast("B")
+                mv = a.data.cast("B")
                 for i in range(0, len(mv), _CHUNK):
                     f.write(mv[i:i + _CHUNK])
                 pos = e["offset"] + a.nbytes
@@ -177,7 +177,7 @@ def read(path: str) -> Checkpoint:
                     raise CheckpointError(f"{path}: bad array entry {e}")
                 a = np.empty(e["nbytes"] // np.dtype(dt).itemsize, dt)
                 f.seek(base + e["offset"])
-                if f.readinto(memoryview(a).cast("B")) != e["nbytes"]:
+                if f.readinto(a.data.cast("B")) != e["nbytes"]:
                     raise CheckpointError(f"{path}: truncated array {e['name']} of tensor {e['tensor']}")
                 if _crc(a) != e["crc32"]:
                     raise CheckpointError(f"{path}: checksum mismatch in {e['name']} of tensor {e['tensor']}")

@@ -309,9 +309,10 @@ class Client:
         self.reconnects = 0
         self.server_version = 0  # the server's version in its last join/register reply
         self._seen_version = 0  # the newest version any reply showed
-        # after a reconnect to a server that went back (restarted from an older
-        # checkpoint): that version, until a full snapshot arrives
-        self._rolled_back_to: int | None = None
+        # after a reconnect: the newest version this server has shown since (a push computed
+        # on a newer one, which a server restarted from an older checkpoint never had, is tagged with it)
+        self._seen_since_reconnect: int | None = None
+        self._need_snapshot = False  # the server went back: the next pull is a full snapshot
         self._heartbeat_on = heartbeat
         self._joined = False  # a join succeeded: from then on a lost connection is reconnected
         self._live = _Liveness()
@@ -513,13 +514,14 @@ class Client:
         if v < self._seen_version:
             log.warning("the server went back to an older version (restarted from a checkpoint); the next pull "
                         "is a full snapshot", extra={"version": v, "had": self._seen_version})
-            self._rolled_back_to = v
+            self._need_snapshot = True
+        self._seen_since_reconnect = v
         for req in sorted(self._sent):
             msg, frames, _ = self._sent[req]
             if isinstance(msg, Push):
                 msg = msgspec.structs.replace(msg, version=min(msg.version, v))
-            elif isinstance(msg, Pull) and msg.since > v:  # the server went back: a snapshot, at once
-                msg = msgspec.structs.replace(msg, since=-1, wait_for=None)
+            elif isinstance(msg, Pull) and (msg.since > v or (self._need_snapshot and msg.since >= 0)):
+                msg = msgspec.structs.replace(msg, since=-1, wait_for=None)  # a snapshot, at once
             if hasattr(msg, "worker"):
                 msg = msgspec.structs.replace(msg, worker=self.worker_id)
             self._sent[req] = (msg, frames, self._sent[req][2])
@@ -614,8 +616,8 @@ class Client:
                 idx, vals = None, g
             items.append((self._tensor(name), None if idx is None else np.asarray(idx), _to_numpy_f32(vals)))
         entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)
-        if self._rolled_back_to is not None:  # computed on a version the server no longer has
-            version = min(int(version), self._rolled_back_to)
+        if self._seen_since_reconnect is not None:  # computed on a version this server never had
+            version = min(int(version), self._seen_since_reconnect)
         msg = Push(worker=self._worker(), version=int(version), tensors=entries,
                    hparams=dict(hparams) if hparams else None)
         pending = Pending(self, self._send(msg, frames, timeout), self._push_ok, timeout)
@@ -637,8 +639,8 @@ class Client:
         (or ``timeout`` passes, then it answers with what it has).
         """
         t = self.timeout if timeout is None else timeout
-        if self._rolled_back_to is not None and since is not None and since > self._rolled_back_to:
-            since, wait_for = None, None  # the replica is ahead of the server: take its snapshot
+        if self._need_snapshot and since is not None:
+            since, wait_for = None, None  # the replica is of a history the server lost: its snapshot
         msg = Pull(worker=self._worker(), since=-1 if since is None else int(since), coding=index_coding,
                    wait_for=None if wait_for is None else int(wait_for),
                    timeout_ms=int(t * 1000 * 0.9))  # the server answers before we give up
@@ -647,14 +649,19 @@ class Client:
 
     def _push_ok(self, rx: Received) -> PushOk:
         ok = _expect(rx, PushOk)
-        self._seen_version = max(self._seen_version, ok.version)
+        self._saw(ok.version)
         return ok
+
+    def _saw(self, version: int) -> None:
+        self._seen_version = max(self._seen_version, version)
+        if self._seen_since_reconnect is not None:
+            self._seen_since_reconnect = max(self._seen_since_reconnect, version)
 
     def _pull_result(self, rx: Received) -> PullResult:
         _expect(rx, Delta)
-        self._seen_version = max(self._seen_version, rx.msg.version)
+        self._saw(rx.msg.version)
         if rx.msg.full:
-            self._rolled_back_to = None
+            self._need_snapshot = False
         out: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
         for s in decode_tensors(rx, self.layout):
             if s.values.dtype != np.float32:  # exact values, so that replicas never drift

@@ -107,6 +107,7 @@ class Aggregator:
         self.max_queued_push_bytes = max_queued_push_bytes  # per worker, once its queue is not empty
         self._pending: dict[int, deque[PendingPush]] = {}
         self._last_close = 0.0  # monotonic time the previous step closed
+        self._pushed_before: set[int] = set()  # workers with a step behind them
 
     def check_room(self, worker: int, nbytes: int) -> None:
         """Raise a ``limit`` :class:`ServerError` if a push of ``nbytes`` from ``worker``
@@ -179,7 +180,10 @@ class Aggregator:
                 del self._pending[w]
         if not pushes:
             return None
-        if complete and self.adaptive is not None and len(pushes) > 1:
+        newcomer = any(p.worker not in self._pushed_before for p in pushes)
+        self._pushed_before.update(p.worker for p in pushes)
+        # a worker's first push comes after its start-up, not after a step: no sample
+        if complete and not newcomer and self.adaptive is not None and len(pushes) > 1:
             opened = max(self._last_close, min(p.arrived for p in pushes))
             self.adaptive.observe(max(p.arrived for p in pushes) - opened)
         self._last_close = now

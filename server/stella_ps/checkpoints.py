@@ -5,7 +5,8 @@ The file format (atomic write, checksums) is :mod:`stella.checkpoint`'s. Writing
 one costs steps only the copy of the state arrays, made on the store thread
 between two steps (:meth:`ModelStore.state_copy`); the file is written and
 fsynced on a thread of its own while steps go on. At most one write is in
-progress: a checkpoint due meanwhile is skipped, not queued. On start,
+progress: a checkpoint that falls due meanwhile is written when it finishes (of the
+version then current). On start,
 :func:`newest_valid` tries the checkpoints newest first: a damaged one is
 reported in the log and the next older one is used.
 """

@@ -143,6 +143,9 @@ class Service:
                                                 last_time=time.monotonic())
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-checkpoint")
         self._writing: asyncio.Future | None = None
+        self._closing = False
+        self._scheduled = False  # a periodic checkpoint task is spawned or running
+        self.checkpoint_version: int | None = None  # the newest checkpoint on disk (written or resumed from)
 
     # ------------------------------------------------------------------ plumbing
     def refuse(self, ident: bytes, req: int, exc: BaseException) -> None:
@@ -157,7 +160,7 @@ class Service:
             log.error("internal error", exc_info=exc)
         self._send(ident, Error(req=max(req, 0), code=code.value, message=message), ())
 
-    def _spawn(self, coro: Awaitable[None], ident: bytes | None = None, req: int = 0) -> None:
+    def _spawn(self, coro: Awaitable[Any], ident: bytes | None = None, req: int = 0) -> None:
         """Run ``coro`` as a task; if it fails, the request ``req`` of ``ident`` is refused."""
 
         async def guarded() -> None:
@@ -181,9 +184,10 @@ class Service:
     async def close(self) -> None:
         """Write a last checkpoint (when checkpoints are on and the model moved on since
         the last one), cancel pending work and stop the store and writer threads."""
+        self._closing = True
         if self._sweeper:
             self._sweeper.cancel()
-        if self._writing is not None:
+        while self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
         if self.checkpoints is not None and self.store.initialised and \
                 self.store.version > self.checkpoints.last_version:
@@ -234,20 +238,31 @@ class Service:
         cfg = OptimizerConfig.from_wire(ck.optimizer)
         self.store.restore(layout, ck.tensors, cfg, ck.version)
         self.optimizer = cfg
-        self.checkpoints.last_version = ck.version
+        self.checkpoints.last_version = self.checkpoint_version = ck.version
         log.info("resumed from checkpoint", extra={"path": path, "version": ck.version, "numel": self.store.numel,
                                                    "optimizer": cfg.to_wire()})
         return ck.version
 
     def _maybe_checkpoint(self) -> None:
         cp = self.checkpoints
-        if cp is not None and self._writing is None and cp.due(self.store.version):
-            self._spawn(self.checkpoint())
+        if cp is not None and not self._closing and not self._scheduled and cp.due(self.store.version):
+            self._scheduled = True  # set now: steps that close before the task starts schedule no second one
+            self._spawn(self._scheduled_checkpoint())
+
+    async def _scheduled_checkpoint(self) -> None:
+        try:
+            await self.checkpoint()
+        finally:
+            self._scheduled = False
+            self._maybe_checkpoint()  # one that fell due while this one was written
 
     async def checkpoint(self) -> str:
         """Write a checkpoint of the model now; returns its path. Steps wait only for
-        the copy of the state (on the store thread)."""
+        the copy of the state (on the store thread). One at a time: ``_writing`` is
+        set before the first await, so no second one starts meanwhile."""
         assert self.checkpoints is not None and self.optimizer is not None
+        while self._writing is not None:
+            await asyncio.gather(self._writing, return_exceptions=True)
         cp = self.checkpoints
         loop = asyncio.get_running_loop()
         self._writing = loop.create_future()
@@ -262,6 +277,7 @@ class Service:
             cp.last_version, cp.last_time = version, time.monotonic()
             path, size, write_s = await loop.run_in_executor(self._writer, write_and_prune, cp, ck)
             self.stats.checkpoints += 1
+            self.checkpoint_version = version
             log.info("checkpoint written", extra={"path": path, "version": version, "bytes": size,
                                                   "stall_ms": round(1e3 * stall, 3), "write_s": round(write_s, 3)})
             return path
@@ -347,8 +363,7 @@ class Service:
             last_seen_s={w: round(now - i.last_seen, 3) for w, i in self.members.live.items()},
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
             liveness_timeout_s=self.config.liveness_timeout, step_deadline_s=self.agg.current_deadline(),
-            checkpoint_version=(self.checkpoints.last_version if self.checkpoints is not None
-                                and self.checkpoints.last_version >= 0 else None),
+            checkpoint_version=self.checkpoint_version,
         ), ())
 
     def _register(self, ident: bytes, rx: Received) -> None:
