@@ -372,7 +372,50 @@ def test_periodic_checkpoints_are_bounded_in_number(make_server, make_client, tm
     for _ in range(10):
         c.push({"w": np.ones(64, np.float32)}, v)
         v = c.pull(v, wait_for=v + 1).version
-    _wait_until(lambda: c.status()["checkpoint_version"] == 10, 10, "the checkpoint of version 10")
+    _wait_until(lambda: (c.status()["checkpoint_version"] or 0) >= 8, 10, "a checkpoint of version 8 or later")
     _wait_until(lambda: len(ckfmt.names(str(tmp_path))) == 2, 10, "two checkpoints kept")
-    assert [ckfmt.read(str(tmp_path / n)).version for n in ckfmt.names(str(tmp_path))] == [10, 8]
+    time.sleep(0.5)  # any write still running ends and prunes
+    kept = [ckfmt.read(str(tmp_path / n)).version for n in ckfmt.names(str(tmp_path))]
+    assert len(kept) == 2 and kept[0] > kept[1] >= 4 and kept[0] == c.status()["checkpoint_version"], kept
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary files left
+
+
+@pytest.mark.parametrize("opt", [{"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
+                                 {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}])
+def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
+    """A checkpoint copies the state a slice at a time while steps go on; the logged
+    steps, applied to the slices copied before them, give exactly the store's state."""
+    from stella.protocol import TensorSpec
+    from stella_ps.aggregation import Step
+    from stella_ps.optim import OptimizerConfig
+    from stella_ps.store import ModelStore, roll_forward
+
+    cfg = OptimizerConfig.from_wire(opt)
+    layout = [TensorSpec("a", (1000,), "float32"), TensorSpec("b", (37,), "float32")]
+    rng = np.random.default_rng(3)
+    s = ModelStore()
+    s.initialise(layout, [rng.standard_normal(n).astype(np.float32) for n in (1000, 37)], cfg)
+
+    def step() -> None:
+        idx = [np.unique(rng.integers(0, 1000, 150)).astype(np.int32) for _ in range(2)]
+        per_tensor = [[(i, rng.standard_normal(i.size).astype(np.float32)) for i in idx],
+                      [(None, rng.standard_normal(37).astype(np.float32))]]
+        s.apply_step(Step(per_tensor, 0.5, [0, 1], 0, []), cfg)
+
+    for _ in range(3):
+        step()
+    s.begin_copy()
+    copies: list[list] = [[], []]
+    for t, numel, size in ((0, 1000, 128), (1, 37, 16)):
+        for start in range(0, numel, size):
+            copies[t].append(s.copy_records(t, start, min(size, numel - start)))
+            step()  # a step between every two slices
+    version, redo = s.end_copy()
+    assert len(redo) == 8 + 3 and version == 14
+    kind = OptimizerConfig.from_wire({"name": cfg.name})
+    rolled = roll_forward(kind, [1000, 37], copies, redo)
+    _, truth = s.state_copy()
+    for got, want in zip(rolled, truth):
+        assert set(got) == set(want)
+        for k in want:
+            assert np.array_equal(got[k], want[k]), k

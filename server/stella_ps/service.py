@@ -65,13 +65,14 @@ from .kernel import state_bytes
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
 from .security import fingerprint
-from .store import ModelStore, layout_diff
+from .store import ModelStore, RecordCopy, layout_diff, roll_forward
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Stats", "MAX_WAIT_AHEAD"]
 
 log = logging.getLogger("stella_ps.service")
 MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
+CHECKPOINT_SLICE = 1 << 18  # coordinates a checkpoint copies per store-thread task (4 MiB of Adam records)
 
 Send = Callable[[bytes, Any, Sequence[Any]], None]
 
@@ -267,19 +268,42 @@ class Service:
         loop = asyncio.get_running_loop()
         self._writing = loop.create_future()
         try:
-            t0 = time.perf_counter()
-            version, arrays = await self._in_store(self.store.state_copy)
-            stall = time.perf_counter() - t0
+            # the state is copied a slice at a time, each slice one store-thread task, so a
+            # step waits for one slice at most; the steps applied meanwhile are logged and
+            # rolled forward on the writer's thread (store.roll_forward)
+            t_copy = time.perf_counter()
+            await self._in_store(self.store.begin_copy)
+            copies: list[list[RecordCopy]] = []
+            stall = 0.0
+            for t, spec in enumerate(self.store.layout):
+                slices = []
+                for start in range(0, spec.numel, CHECKPOINT_SLICE):
+                    t0 = time.perf_counter()
+                    slices.append(await self._in_store(self.store.copy_records, t, start,
+                                                       min(CHECKPOINT_SLICE, spec.numel - start)))
+                    stall = max(stall, time.perf_counter() - t0)
+                copies.append(slices)
+            version, redo = await self._in_store(self.store.end_copy)
+            copy_s = time.perf_counter() - t_copy
             self.stats.checkpoint_stall_s = max(self.stats.checkpoint_stall_s, stall)
             from stella.checkpoint import layout_of
 
-            ck = Checkpoint(version, layout_of(self.store.layout), self.optimizer.to_wire(), arrays, time.time())
+            kind = self.store.tensors[0].name if self.store.tensors else self.optimizer.name
+            scratch_cfg = OptimizerConfig.from_wire({"name": kind})
+            numels = [s.numel for s in self.store.layout]
+            layout, opt = layout_of(self.store.layout), self.optimizer.to_wire()
+
+            def build_and_write() -> tuple[str, int, float]:
+                arrays = roll_forward(scratch_cfg, numels, copies, redo)
+                return write_and_prune(cp, Checkpoint(version, layout, opt, arrays, time.time()))
+
             cp.last_version, cp.last_time = version, time.monotonic()
-            path, size, write_s = await loop.run_in_executor(self._writer, write_and_prune, cp, ck)
+            path, size, write_s = await loop.run_in_executor(self._writer, build_and_write)
             self.stats.checkpoints += 1
             self.checkpoint_version = version
             log.info("checkpoint written", extra={"path": path, "version": version, "bytes": size,
-                                                  "stall_ms": round(1e3 * stall, 3), "write_s": round(write_s, 3)})
+                                                  "stall_ms": round(1e3 * stall, 3), "copy_s": round(copy_s, 3),
+                                                  "steps_rolled_forward": len(redo), "write_s": round(write_s, 3)})
             return path
         finally:
             fut, self._writing = self._writing, None
