@@ -239,6 +239,9 @@ class Service:
         cfg = OptimizerConfig.from_wire(ck.optimizer)
         self.store.restore(layout, ck.tensors, cfg, ck.version)
         self.optimizer = cfg
+        # the job had started: steps close with whoever is back, not once --workers have joined
+        # again (workers that come back later fold their pushes in; waiting for all could be forever)
+        self.members.started = True
         self.checkpoints.last_version = self.checkpoint_version = ck.version
         log.info("resumed from checkpoint", extra={"path": path, "version": ck.version, "numel": self.store.numel,
                                                    "optimizer": cfg.to_wire()})
