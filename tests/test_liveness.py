@@ -421,3 +421,54 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
         assert set(got) == set(want)
         for k in want:
             assert np.array_equal(got[k], want[k]), k
+
+
+def test_the_adaptive_deadline_follows_the_arrival_spreads_within_its_bounds():
+    from stella_ps.aggregation import AdaptiveDeadline
+
+    d = AdaptiveDeadline(quantile=0.9, factor=3.0, minimum=0.5, maximum=30.0, window=20, min_samples=5)
+    assert d.value() == 30.0  # nothing learnt: the upper bound
+    for x in (0.01, 0.02, 0.01, 0.03):
+        d.observe(x)
+    assert d.value() == 30.0
+    d.observe(0.02)
+    assert d.value() == 0.5  # 3 x 0.03 is below the lower bound
+    for _ in range(20):
+        d.observe(1.0)  # a slower job: the window forgets the old spreads
+    assert d.value() == pytest.approx(3.0)
+    for _ in range(20):
+        d.observe(100.0)
+    assert d.value() == 30.0
+
+
+def test_membership_declares_silent_workers_gone_revives_them_and_lets_a_session_reclaim_an_id():
+    from stella.errors import NotRegistered, ServerError
+    from stella_ps.membership import Membership
+
+    m = Membership(expected=2)
+    a = m.join(b"conn-a", None)
+    b = m.join(b"conn-b", None)
+    a.registered = True  # b joined but never registered
+    now = time.monotonic()
+    assert m.sweep(1.0, now + 0.5) == []
+    a.last_seen = now + 1.0  # a heartbeat; b sends nothing
+    assert m.sweep(1.0, now + 1.6) == [b.worker]
+    assert set(m.gone) == {b.worker} and set(m.live) == {a.worker}
+    # a's old connection is still live: a new connection without the session is refused...
+    with pytest.raises(ServerError, match="in use"):
+        m.join(b"conn-a2", a.worker)
+    # ...with it, the id moves over (a reconnect), keeping the worker's state
+    a.last_push_req = 7
+    moved = m.join(b"conn-a2", a.worker, session=a.session)
+    assert moved is a and a.routing_id == b"conn-a2" and a.last_push_req == 7
+    # a gone id is given again to a new connection (a restarted process)
+    again = m.join(b"conn-b2", b.worker)
+    assert again.worker == b.worker and b.worker not in m.gone
+    # heartbeats: an unknown session is refused; a gone registered worker is revived by one
+    with pytest.raises(NotRegistered):
+        m.heartbeat(a.worker, a.session + 1, "")
+    assert m.sweep(1.0, time.monotonic() + 5) == [a.worker, again.worker]
+    info, revived = m.heartbeat(a.worker, a.session, "")
+    assert revived and info is a and a.worker in m.live
+    # a gone worker speaking on its own connection is live again
+    assert m.revive(b"conn-b2", again.worker) is again and again.worker in m.live
