@@ -72,6 +72,7 @@ def _version(c: Client) -> int:
 
 
 # --------------------------------------------------------------------------- kill -9 of a worker
+@pytest.mark.slow
 def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejoins(make_server, make_client,
                                                                                       tmp_path):
     srv = make_server(3, ["--liveness-timeout", str(LIVENESS_S)])
@@ -220,6 +221,7 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
 
 
 # --------------------------------------------------------------------------- kill -9 of the server
+@pytest.mark.slow
 def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(make_server, make_client, tmp_path):
     port = _free_port()
     ckdir = tmp_path / "ck"
