@@ -29,6 +29,7 @@ restart and resumes from the server's version.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -167,6 +168,21 @@ def _heartbeats(state: _Liveness, make_socket: Callable[[], zmq.Socket]) -> None
                     state.refused = sessions.get(rx.msg.req, -1)
     finally:
         sock.close(linger=0)
+
+
+def _dealer(ctx: zmq.Context, address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
+    """A connected DEALER socket as every client socket is set up."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue a request for a peer that is not connected
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    sock.connect(address)
+    return sock
 
 
 def _stop_heartbeats(state: _Liveness, thread: threading.Thread | None) -> None:
@@ -338,17 +354,7 @@ class Client:
             self.join(worker_id)
 
     def _new_socket(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue a request for a peer that is not connected
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if self._keys is not None:
-            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self._keys
-        sock.connect(self.address)
-        return sock
+        return _dealer(self._ctx, self.address, self._keys)
 
     @staticmethod
     def _release(sock: zmq.Socket, live: _Liveness, thread: threading.Thread | None) -> None:
@@ -366,7 +372,9 @@ class Client:
         if not self._heartbeat_on or reply.heartbeat_s <= 0 or self._hb_thread is not None:
             return
         self._live.last_ok = time.monotonic()
-        self._hb_thread = threading.Thread(target=_heartbeats, args=(self._live, self._new_socket),
+        # the thread holds no reference to the client: a client dropped without close() is still finalized
+        make = functools.partial(_dealer, self._ctx, self.address, self._keys)
+        self._hb_thread = threading.Thread(target=_heartbeats, args=(self._live, make),
                                            name="stella-heartbeat", daemon=True)
         self._hb_thread.start()
         self._arm_finalizer()
