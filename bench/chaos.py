@@ -19,7 +19,8 @@ of importing torch on a loaded 2-core machine, is not part of either). Reported 
 run: the time until the server's version first reached the target
 (and the ratio chaos / undisturbed, the goal being <= 1.25), the steps lost (versions
 the server went back on its restart), the longest stall (longest time the version
-did not move, as seen by a monitor polling ``status`` every 0.1 s), the reconnects and
+did not move between the first step and the target, as seen by a monitor polling
+``status`` every 0.2 s), the reconnects of the workers running at the end and
 the workers' held-out accuracy at the end.
 """
 from __future__ import annotations
@@ -153,9 +154,10 @@ def run(chaos: bool, a: argparse.Namespace, workdir: str) -> dict[str, Any]:
         for s in servers:
             s.close()
     stall, prev_t, prev_v = 0.0, None, None
+    end = started + reached if started is not None and reached is not None else float("inf")
     for t, v in samples:
-        if started is None or t < started:
-            continue  # start-up: workers import torch and join; the job has not started
+        if started is None or t < started or t > end:
+            continue  # start-up (workers import torch and join) and wind-down are not stalls
         if prev_v is None or v != prev_v:
             prev_t, prev_v = t, v
         elif prev_t is not None:
