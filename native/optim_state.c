@@ -82,6 +82,29 @@ int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int
     return STELLA_OK;
 }
 
+/* Whole records (all fields of coordinates start..start+n-1, interleaved as held):
+ * one memcpy, for checkpoints that copy a state a slice at a time between steps. */
+int stella_optim_get_records(const stella_optim *st, void *dst, int64_t start, int64_t n) {
+    if (!st || !dst || start < 0 || n < 0 || start > st->numel - n) return STELLA_E_ARG;
+    memcpy(dst, (const uint32_t *)st->mem + start * st->nfields, (size_t)n * (size_t)st->nfields * 4u);
+    return STELLA_OK;
+}
+
+int stella_optim_set_records(stella_optim *st, const void *src, int64_t start, int64_t n) {
+    if (!st || !src || start < 0 || n < 0 || start > st->numel - n) return STELLA_E_ARG;
+    uint32_t *out = (uint32_t *)st->mem + start * st->nfields;
+    memcpy(out, src, (size_t)n * (size_t)st->nfields * 4u);
+    if (st->kind != STELLA_OPT_SGD) {
+        uint32_t mx = st->max_step;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t v = out[i * 4 + STELLA_FIELD_STEP];
+            mx = v > mx ? v : mx;
+        }
+        st->max_step = mx;
+    }
+    return STELLA_OK;
+}
+
 /* ------------------------------------------------------- bias-correction tables */
 
 static int64_t saturation_step(double b) {

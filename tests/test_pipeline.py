@@ -99,7 +99,8 @@ def test_lr_scheduler_reaches_the_server(server):
     opt.close()
 
 
-def test_background_errors_surface_in_the_training_loop(make_server):
+def test_background_errors_surface_in_the_training_loop(make_server, monkeypatch):
+    monkeypatch.setenv("STELLA_RECONNECT_S", "2")  # the client tries to reconnect for 2 s, then gives up
     srv = make_server(1)
     model = Toy()
     opt = StellaOptimizer(model, srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense", timeout=1.0)

@@ -1,4 +1,5 @@
-"""``stella``: the user command line (``stella demo``, ``stella status``, ``stella keygen``)."""
+"""``stella``: the user command line (``stella demo``, ``stella status``, ``stella keygen``,
+``stella export``)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
                         "public key line for an allowlist")
     kg.add_argument("directory", help="where to write NAME.key (public) and NAME.key_secret (keep it secret)")
     kg.add_argument("--name", default="stella", help="file name stem (default: stella)")
+    ex = sub.add_parser("export", help="write a stella-ps checkpoint's parameters as a plain PyTorch state_dict")
+    ex.add_argument("checkpoint", help="a checkpoint file from stella-ps --checkpoint-dir")
+    ex.add_argument("out", help="the .pt file to write (torch.save of {name: tensor})")
     a = p.parse_args(argv)
+    if a.cmd == "export":
+        return export(a.checkpoint, a.out)
     if a.cmd == "keygen":
         return keygen(a.directory, a.name)
     if a.cmd == "demo":
@@ -68,6 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     except (StellaError, ValueError) as e:
         print(f"stella status: {e}", file=sys.stderr)
         return 1
+
+
+def export(checkpoint: str, out: str) -> int:
+    """Write the parameters of ``checkpoint`` (verified first) to ``out`` as a PyTorch
+    ``state_dict``: each tensor named and shaped as registered, in its registered dtype,
+    ready for ``model.load_state_dict(torch.load(out))``. Optimizer state is not part of
+    it (the server's lazy optimizer state has no PyTorch counterpart)."""
+    import torch
+
+    from .checkpoint import CheckpointError, read
+
+    try:
+        ck = read(checkpoint)
+    except (CheckpointError, OSError) as e:
+        print(f"stella export: {e}", file=sys.stderr)
+        return 1
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    state = {spec["name"]: torch.from_numpy(arrays["param"].copy()).reshape(spec["shape"]).to(dtypes[spec["dtype"]])
+             for spec, arrays in zip(ck.layout, ck.tensors)}
+    torch.save(state, out)
+    print(f"wrote {out}: {len(state)} tensors at version {ck.version}", file=sys.stderr)
+    return 0
 
 
 def keygen(directory: str, name: str) -> int:

@@ -58,6 +58,7 @@ __all__ = [
     "Pull",
     "Status",
     "SetOptimizer",
+    "Heartbeat",
     "Joined",
     "Left",
     "Registered",
@@ -65,6 +66,7 @@ __all__ = [
     "Delta",
     "StatusReply",
     "OptimizerSet",
+    "HeartbeatOk",
     "Error",
     "Request",
     "Reply",
@@ -90,6 +92,7 @@ MODEL_DTYPES = ("float32", "float16", "bfloat16")
 Int32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
 Version = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Session = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 WorkerId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 FrameNo = Annotated[int, msgspec.Meta(ge=0, lt=MAX_FRAMES)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_BYTES)]
@@ -182,10 +185,14 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 # ----------------------------------------------------------------------- requests
 class Join(_Message, tag="join", frozen=True):
-    """Join the job; the server assigns a worker id, or confirms the one asked for."""
+    """Join the job; the server assigns a worker id, or confirms the one asked for.
+    ``session`` (the token of an earlier ``joined`` reply) moves a worker id that is
+    still live on another connection to this one: a client reconnecting after a
+    network failure keeps its id and its queued pushes."""
 
     worker: WorkerId | None = None
     name: Name = ""
+    session: Session | None = None
 
 
 class Leave(_Message, tag="leave", frozen=True):
@@ -237,12 +244,24 @@ class SetOptimizer(_Message, tag="set_optimizer", frozen=True):
     hparams: HParams
 
 
+class Heartbeat(_Message, tag="heartbeat", frozen=True):
+    """"This worker is alive", from any connection of the client that holds the
+    ``session`` token of the worker's ``joined`` reply (the client sends it every
+    ``heartbeat_s`` from a socket of its own, so a busy training loop never misses
+    one). The reply is the server's heartbeat."""
+
+    worker: WorkerId
+    session: Session
+
+
 # ------------------------------------------------------------------------ replies
 class Joined(_Message, tag="joined", frozen=True):
     worker: WorkerId
     version: Version
     workers: int  # live workers
     initialised: bool
+    session: Session = 0  # token for heartbeats and for taking the id back on reconnect
+    heartbeat_s: float = 0.0  # send a heartbeat this often; 0: the server checks no liveness
 
 
 class Left(_Message, tag="left", frozen=True):
@@ -298,6 +317,17 @@ class StatusReply(_Message, tag="status", frozen=True):
     server_version: str = ""  # the stella-ps release
     live: list[WorkerStatus] | None = None  # per live worker, in id order
     checkpoint_age_s: float | None = None  # seconds since the last checkpoint; None: none written
+    # liveness (README "Operations"): seconds since each live worker was last heard from,
+    # and the workers declared gone (no heartbeat for liveness_timeout_s), with their age
+    last_seen_s: dict[int, float] = {}
+    gone_workers: dict[int, float] = {}  # gone worker id -> seconds since it was last heard from
+    liveness_timeout_s: float = 0.0  # 0: liveness is not checked
+    step_deadline_s: float | None = None  # the deadline a step waits for missing workers now; None: no deadline
+    checkpoint_version: int | None = None  # version of the newest checkpoint written or resumed from
+
+
+class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):
+    version: Version
 
 
 class OptimizerSet(_Message, tag="optimizer_set", frozen=True):
@@ -312,8 +342,8 @@ class Error(_Message, tag="error", frozen=True):
     message: str
 
 
-Request = Join | Leave | Register | Push | Pull | Status | SetOptimizer
-Reply = Joined | Left | Registered | PushOk | Delta | StatusReply | OptimizerSet | Error
+Request = Join | Leave | Register | Push | Pull | Status | SetOptimizer | Heartbeat
+Reply = Joined | Left | Registered | PushOk | Delta | StatusReply | OptimizerSet | HeartbeatOk | Error
 REQUEST_TYPES: tuple[type, ...] = Request.__args__
 REPLY_TYPES: tuple[type, ...] = Reply.__args__
 

@@ -52,6 +52,9 @@ void stella_optim_free(stella_optim *st);
 int64_t stella_optim_bytes(const stella_optim *st);
 int stella_optim_set_field(stella_optim *st, int32_t field, const void *src, int64_t n);
 int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int64_t n);
+/* Records (every field, interleaved) of coordinates start..start+n-1, copied out or in. */
+int stella_optim_get_records(const stella_optim *st, void *dst, int64_t start, int64_t n);
+int stella_optim_set_records(stella_optim *st, const void *src, int64_t start, int64_t n);
 /* Returns the number of touched coordinates written to out_idx (sorted), or STELLA_E_*. */
 int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
                            const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,

@@ -1,8 +1,12 @@
 """Synchronous step aggregation: when a step closes, which pushes it takes, their
 grouping per tensor, the mean's scale, and late pushes.
 
-A step closes when every live worker has a pending push (or, with a step deadline,
-when the deadline after the step's first push passes, see :meth:`Aggregator.deadline`).
+A step closes when every live worker has a pending push, or when the step deadline
+after the step's first push passes (:meth:`Aggregator.deadline`). The deadline is
+adaptive by default (:class:`AdaptiveDeadline`): a quantile of the recent spreads
+of push arrivals within complete steps, times a factor, within the operator's
+bounds; so a healthy job never waits a fixed guess, and a straggler costs a
+bounded multiple of the usual spread. ``--step-deadline S`` fixes it instead.
 Each closed step takes at most one push per worker, oldest first; a push that
 missed its step stays queued and is folded into the next one, never dropped.
 Pushes of a worker that left still count. The first step waits until the expected
@@ -15,9 +19,11 @@ so the byte bound limits the backlog, never a worker's only push.
 """
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,7 +31,7 @@ import numpy as np
 from stella.errors import ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
-__all__ = ["PendingPush", "Step", "Aggregator", "push_norm", "scaled"]
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "push_norm", "scaled"]
 
 _CHUNK = 1 << 20  # values converted to float64 at a time by push_norm
 
@@ -39,6 +45,7 @@ class PendingPush:
     tensors: list[SparseTensor]
     hparams: dict[str, Any] | None = None  # optimizer changes from this push's step on
     nbytes: int = 0
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -59,15 +66,48 @@ class Step:
     hparams: list[dict[str, Any]]
 
 
+@dataclass
+class AdaptiveDeadline:
+    """The step deadline learnt from the job: ``factor`` times the ``quantile`` of the
+    arrival spreads (seconds from a step's opening, the later of the previous close
+    and its first push, to its last push) of the last ``window`` steps that closed
+    complete, clamped to ``[minimum, maximum]``; ``maximum`` until ``min_samples``
+    spreads are known. Steps closed by the deadline are not samples: their spread is
+    only known to be longer, and counting them would let stragglers raise it."""
+
+    quantile: float = 0.9
+    factor: float = 3.0
+    minimum: float = 1.0
+    maximum: float = 60.0
+    window: int = 100
+    min_samples: int = 5
+    spreads: deque[float] = field(default_factory=deque)
+
+    def observe(self, spread: float) -> None:
+        self.spreads.append(max(0.0, spread))
+        while len(self.spreads) > self.window:
+            self.spreads.popleft()
+
+    def value(self) -> float:
+        if len(self.spreads) < self.min_samples:
+            return self.maximum
+        xs = sorted(self.spreads)
+        q = xs[min(len(xs) - 1, max(0, math.ceil(self.quantile * len(xs)) - 1))]
+        return min(self.maximum, max(self.minimum, self.factor * q))
+
+
 class Aggregator:
     """Pending pushes per worker and the rule that closes a step."""
 
     def __init__(self, step_deadline: float = 0.0, max_queued_pushes: int = 4,
-                 max_queued_push_bytes: int = 256 << 20):
-        self.step_deadline = step_deadline  # seconds; 0 waits for every live worker
+                 max_queued_push_bytes: int = 256 << 20, adaptive: AdaptiveDeadline | None = None):
+        self.step_deadline = step_deadline  # seconds; 0: the adaptive deadline, or none
+        self.adaptive = adaptive  # used when step_deadline is 0; None: wait for every live worker
         self.max_queued_pushes = max_queued_pushes  # per worker
         self.max_queued_push_bytes = max_queued_push_bytes  # per worker, once its queue is not empty
         self._pending: dict[int, deque[PendingPush]] = {}
+        self._last_close = 0.0  # monotonic time the previous step closed
+        self._pushed_before: set[int] = set()  # workers with a step behind them
 
     def check_room(self, worker: int, nbytes: int) -> None:
         """Raise a ``limit`` :class:`ServerError` if a push of ``nbytes`` from ``worker``
@@ -115,11 +155,22 @@ class Aggregator:
     def deadline(self, started: bool) -> float | None:
         """Seconds after the open step's first push at which it closes without the
         missing workers, or None to wait for all of them."""
-        return self.step_deadline if started and self.step_deadline > 0 else None
+        if not started:
+            return None
+        if self.step_deadline > 0:
+            return self.step_deadline
+        return self.adaptive.value() if self.adaptive is not None else None
 
-    def take_step(self, version: int, ntensors: int) -> Step | None:
+    def current_deadline(self) -> float | None:
+        """The deadline in force (for ``status``)."""
+        return self.deadline(True)
+
+    def take_step(self, version: int, ntensors: int, complete: bool = True) -> Step | None:
         """Remove the open step's pushes (the oldest pending push of each worker) and
-        group them; ``version`` is the model's version before the step."""
+        group them; ``version`` is the model's version before the step. ``complete``:
+        every live worker's push is in (not closed by the deadline), so the step's
+        arrival spread teaches the adaptive deadline."""
+        now = time.monotonic()
         pushes = []
         for w in sorted(self._pending):
             q = self._pending[w]
@@ -129,6 +180,13 @@ class Aggregator:
                 del self._pending[w]
         if not pushes:
             return None
+        newcomer = any(p.worker not in self._pushed_before for p in pushes)
+        self._pushed_before.update(p.worker for p in pushes)
+        # a worker's first push comes after its start-up, not after a step: no sample
+        if complete and not newcomer and self.adaptive is not None and len(pushes) > 1:
+            opened = max(self._last_close, min(p.arrived for p in pushes))
+            self.adaptive.observe(max(p.arrived for p in pushes) - opened)
+        self._last_close = now
         per_tensor: list[list[tuple[np.ndarray | None, np.ndarray]]] = [[] for _ in range(ntensors)]
         for p in pushes:
             for s in p.tensors:

@@ -40,6 +40,16 @@ ENV = {
     "allow": "STELLA_PS_ALLOW",
     "insecure": "STELLA_PS_INSECURE",
     "metrics": "STELLA_PS_METRICS",
+    "liveness_timeout": "STELLA_PS_LIVENESS_TIMEOUT",
+    "adaptive_deadline": "STELLA_PS_ADAPTIVE_DEADLINE",
+    "deadline_min": "STELLA_PS_DEADLINE_MIN",
+    "deadline_max": "STELLA_PS_DEADLINE_MAX",
+    "deadline_quantile": "STELLA_PS_DEADLINE_QUANTILE",
+    "deadline_factor": "STELLA_PS_DEADLINE_FACTOR",
+    "checkpoint_dir": "STELLA_PS_CHECKPOINT_DIR",
+    "checkpoint_every_steps": "STELLA_PS_CHECKPOINT_EVERY_STEPS",
+    "checkpoint_every_s": "STELLA_PS_CHECKPOINT_EVERY_S",
+    "checkpoint_keep": "STELLA_PS_CHECKPOINT_KEEP",
 }
 
 
@@ -90,6 +100,19 @@ class ServerConfig:
     allow: str | None = None  # the allowlist: client public keys admitted
     insecure: bool = False  # plaintext, no authentication: only with this explicit choice
     metrics: str | None = None  # HOST:PORT of the Prometheus endpoint and /healthz; None = off
+    # liveness: a worker not heard from (requests, heartbeats) for this long is declared gone; 0 = never
+    liveness_timeout: float = 20.0
+    # the adaptive step deadline (aggregation.AdaptiveDeadline), used when step_deadline is 0
+    adaptive_deadline: bool = True
+    deadline_min: float = 1.0
+    deadline_max: float = 60.0
+    deadline_quantile: float = 0.9
+    deadline_factor: float = 3.0
+    # checkpoints (checkpoints.py): resumed from on start, written every N steps and/or S seconds and on SIGTERM
+    checkpoint_dir: str | None = None
+    checkpoint_every_steps: int = 0  # 0: not by step count
+    checkpoint_every_s: float = 300.0  # 0: not by time
+    checkpoint_keep: int = 3
 
 
 def _parse_optimizer(text: str) -> OptimizerConfig:
@@ -180,7 +203,41 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--metrics", metavar="HOST:PORT", default=env.get(ENV["metrics"]) or None,
                    help="serve Prometheus metrics (/metrics) and a health check (/healthz) over HTTP here, "
                    f"e.g. 0.0.0.0:9100; off unless given (env {ENV['metrics']})")
+    p.add_argument("--liveness-timeout", type=float,
+                   default=float(env.get(ENV["liveness_timeout"], d.liveness_timeout)),
+                   help="declare a worker gone when neither a request nor a heartbeat came from it for this many "
+                   f"seconds (a joined, unregistered one: no request); 0 never does (env {ENV['liveness_timeout']})")
+    p.add_argument("--adaptive-deadline", action=argparse.BooleanOptionalAction,
+                   default=env.get(ENV["adaptive_deadline"], "1").lower() in ("1", "true", "yes"),
+                   help="without --step-deadline, close a step missing workers after the deadline learnt from push "
+                   f"arrivals (default on; env {ENV['adaptive_deadline']})")
+    p.add_argument("--deadline-min", type=float, default=float(env.get(ENV["deadline_min"], d.deadline_min)),
+                   help=f"adaptive deadline's lower bound, seconds (env {ENV['deadline_min']})")
+    p.add_argument("--deadline-max", type=float, default=float(env.get(ENV["deadline_max"], d.deadline_max)),
+                   help=f"adaptive deadline's upper bound, and its value until learnt (env {ENV['deadline_max']})")
+    p.add_argument("--deadline-quantile", type=float,
+                   default=float(env.get(ENV["deadline_quantile"], d.deadline_quantile)),
+                   help=f"quantile of recent arrival spreads (env {ENV['deadline_quantile']})")
+    p.add_argument("--deadline-factor", type=float,
+                   default=float(env.get(ENV["deadline_factor"], d.deadline_factor)),
+                   help=f"multiple of that quantile (env {ENV['deadline_factor']})")
+    p.add_argument("--checkpoint-dir", default=env.get(ENV["checkpoint_dir"]),
+                   help="write checkpoints here, and resume from the newest valid one on start "
+                   f"(env {ENV['checkpoint_dir']})")
+    p.add_argument("--checkpoint-every-steps", type=int,
+                   default=int(env.get(ENV["checkpoint_every_steps"], d.checkpoint_every_steps)),
+                   help=f"a checkpoint every this many steps, 0 = not by steps (env {ENV['checkpoint_every_steps']})")
+    p.add_argument("--checkpoint-every-s", type=float,
+                   default=float(env.get(ENV["checkpoint_every_s"], d.checkpoint_every_s)),
+                   help=f"a checkpoint every this many seconds, 0 = not by time (env {ENV['checkpoint_every_s']})")
+    p.add_argument("--checkpoint-keep", type=int, default=int(env.get(ENV["checkpoint_keep"], d.checkpoint_keep)),
+                   help=f"checkpoints kept (the oldest are deleted) (env {ENV['checkpoint_keep']})")
     a = p.parse_args(argv)
+    if a.liveness_timeout < 0 or a.checkpoint_every_steps < 0 or a.checkpoint_every_s < 0 or a.checkpoint_keep < 1:
+        p.error("--liveness-timeout, --checkpoint-every-steps and --checkpoint-every-s must be >= 0, "
+                "--checkpoint-keep >= 1")
+    if not (0 < a.deadline_min <= a.deadline_max and 0 < a.deadline_quantile <= 1 and a.deadline_factor > 0):
+        p.error("need 0 < --deadline-min <= --deadline-max, 0 < --deadline-quantile <= 1, --deadline-factor > 0")
     if not a.insecure and not (a.keys and a.allow):
         p.error("stella-ps needs --keys SERVER.key_secret and --allow ALLOWLIST (make them with `stella keygen`), "
                 "or --insecure to run without encryption and authentication")
@@ -215,7 +272,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         max_queued_push_bytes=a.max_queued_push_bytes, max_model_bytes=a.max_model_bytes,
         optimizer_limits=limits, max_push_norm=a.max_push_norm, push_norm_action=a.push_norm_action,
         log_level=a.log_level, log_format=a.log_format, ready_file=a.ready_file, keys=a.keys, allow=a.allow,
-        insecure=a.insecure, metrics=a.metrics,
+        metrics=a.metrics,
+        insecure=a.insecure, liveness_timeout=a.liveness_timeout, adaptive_deadline=a.adaptive_deadline,
+        deadline_min=a.deadline_min, deadline_max=a.deadline_max, deadline_quantile=a.deadline_quantile,
+        deadline_factor=a.deadline_factor, checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every_steps=a.checkpoint_every_steps, checkpoint_every_s=a.checkpoint_every_s,
+        checkpoint_keep=a.checkpoint_keep,
     )
 
 

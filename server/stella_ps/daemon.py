@@ -21,6 +21,7 @@ __all__ = ["main", "run"]
 
 log = logging.getLogger("stella_ps")
 SHUTDOWN_TIMEOUT_S = 10.0
+CHECKPOINT_SHUTDOWN_TIMEOUT_S = 600.0  # with --checkpoint-dir: the last checkpoint of a large model takes time
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -60,7 +61,8 @@ def _setup_logging(cfg: ServerConfig) -> None:
 
 
 async def run(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S``;
+    """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S`` (with
+    ``--checkpoint-dir``, ``CHECKPOINT_SHUTDOWN_TIMEOUT_S``: the last checkpoint is written);
     SIGHUP reads the allowlist again."""
     server = ParameterServer(cfg)
     endpoint = server.bind()
@@ -86,7 +88,7 @@ async def run(cfg: ServerConfig) -> None:
     try:
         if metrics is not None:
             await metrics.close()
-        await asyncio.wait_for(task, SHUTDOWN_TIMEOUT_S)
+        await asyncio.wait_for(task, CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoint_dir else SHUTDOWN_TIMEOUT_S)
     except asyncio.TimeoutError:
         log.error("shutdown timed out")
 

@@ -314,6 +314,31 @@ class KernelTensorState:
         """Parameters and optimizer state as flat arrays, named as in RefTensorState."""
         return {name: self._get_field(f, dt) for name, (f, dt) in _FIELDS[self.name].items()}
 
+    @property
+    def fields(self) -> int:
+        """uint32-sized fields per coordinate record (2 for SGD, 4 for Adam/AdamW)."""
+        return len(_FIELDS[self.name])
+
+    def records(self, start: int, n: int) -> np.ndarray:
+        """A copy of the records of coordinates ``start..start+n-1`` (every field,
+        interleaved as held: ``n * fields`` uint32); one memcpy."""
+        if not (start >= 0 and n >= 0 and start + n <= self.numel):
+            raise KernelInputError(f"records {start}..{start + n} outside a {self.numel}-coordinate tensor")
+        out: np.ndarray = np.empty(n * self.fields, np.uint32)
+        rc = self._lib.stella_optim_get_records(self._st, self._ffi.from_buffer(out, require_writable=True),
+                                                start, n)
+        check(self._lib, rc, "get_records", KernelError)
+        return out
+
+    def load_records(self, records: np.ndarray, start: int) -> None:
+        """Overwrite the records from ``start`` with ``records`` (as :meth:`records` gives them)."""
+        records = np.ascontiguousarray(records, np.uint32)
+        n, rem = divmod(records.size, self.fields)
+        if rem or not (start >= 0 and start + n <= self.numel):
+            raise KernelInputError(f"{records.size} record words do not fit from coordinate {start}")
+        rc = self._lib.stella_optim_set_records(self._st, self._ffi.from_buffer(records), start, n)
+        check(self._lib, rc, "set_records", KernelError)
+
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace the whole state by arrays from :meth:`state_arrays` (checked first)."""
         fields = _FIELDS[self.name]

@@ -1,8 +1,23 @@
-"""Who takes part: worker ids, the connection each belongs to, and whether the job
-has started (the expected number of workers joined once)."""
+"""Who takes part: worker ids, the connection each belongs to, whether the job has
+started (the expected number of workers joined once), and liveness.
+
+Liveness: a registered worker is heard from by its requests and by its heartbeats
+(sent from a socket of the client's own, so a long forward/backward never misses
+one); one not heard from for the liveness timeout is declared *gone*: it leaves the
+live set (the open step stops waiting for it; its queued pushes still count), and
+``status`` lists it among the gone. A worker that joined but never registered is
+gone once the same timeout passes after its last request, heartbeats or not, so a
+stray ``join`` never holds steps back. A gone worker that speaks again on its own
+connection (a process that was stopped, a link that came back) is live again at
+once; its id is free for a new connection to take (a restarted process rejoining
+with its old id), and a client that holds the worker's session token takes the id
+to a new connection even while it is still live (a reconnect).
+"""
 from __future__ import annotations
 
+import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -24,8 +39,12 @@ class WorkerInfo:
     registered: bool = False
     pushes: int = 0
     pulls: int = 0
-    last_seen: float = field(default_factory=time.time)  # time.time() of its latest push or pull (or join)
     report: WorkerReport | None = None  # the latest its pushes carried
+    session: int = field(default_factory=lambda: secrets.randbits(63))  # token for heartbeats and reconnects
+    last_seen: float = field(default_factory=time.monotonic)  # any request or heartbeat
+    last_request: float = field(default_factory=time.monotonic)  # a request on its own connection
+    last_push_req: int = 0  # request id of the newest push taken (a re-sent push is not queued twice)
+    gone_at: float | None = None
 
 
 class Membership:
@@ -36,6 +55,7 @@ class Membership:
         self.max_workers = max_workers  # live workers at most (--max-workers)
         self.max_workers_per_key = max_workers_per_key  # of them with one key (--max-workers-per-key)
         self.live: dict[int, WorkerInfo] = {}
+        self.gone: OrderedDict[int, WorkerInfo] = OrderedDict()  # declared gone, oldest first (bounded)
         self.started = False  # set once `expected` workers have been live together
         self._next_id = 0
 
@@ -43,24 +63,36 @@ class Membership:
         return sorted(self.live)
 
     def join(self, routing_id: bytes, want: int | None, name: str = "",
-             reserved: Collection[int] = (), key: str = "", fingerprint: str = "") -> WorkerInfo:
-        """Add a worker. ``want`` asks for a specific id (a restarted worker); a new id
-        skips the live ones and ``reserved`` (ids whose pushes are still queued). A
-        connection holds one worker id: joining again returns it, asking for another
-        is refused."""
+             reserved: Collection[int] = (), key: str = "", fingerprint: str = "",
+             session: int | None = None) -> WorkerInfo:
+        """Add a worker. ``want`` asks for a specific id (a restarted worker): a live
+        id is refused unless ``session`` is its token (then the id moves to this
+        connection, keeping its state); a gone id is given again. A new id skips the
+        live ones and ``reserved`` (ids whose pushes are still queued). A connection
+        holds one worker id: joining again returns it, asking for another is refused."""
         held = next((i for i in self.live.values() if i.routing_id == routing_id), None)
         if held is not None:
             if want is not None and want != held.worker:
                 raise ServerError(f"this connection already holds worker id {held.worker}; one connection "
                                   "holds one worker id", ErrorCode.WORKER_ID)
+            held.last_seen = held.last_request = time.monotonic()
             return held
         if want is not None:
             cur = self.live.get(want)
             if cur is not None:
-                if cur.routing_id != routing_id:
-                    raise ServerError(f"worker id {want} is in use by another live connection",
-                                      ErrorCode.WORKER_ID)
-                return cur
+                if session is not None and session == cur.session and key == cur.key:
+                    cur.routing_id = routing_id  # a reconnect: same worker, new connection
+                    cur.last_seen = cur.last_request = time.monotonic()
+                    return cur
+                raise ServerError(f"worker id {want} is in use by another live connection (it is freed when "
+                                  "that connection is declared gone)", ErrorCode.WORKER_ID)
+            old = self.gone.get(want)
+            if old is not None and session is not None and session == old.session and key == old.key:
+                del self.gone[want]  # the same client back: its state (push dedup) goes on
+                old.routing_id, old.gone_at = routing_id, None
+                old.last_seen = old.last_request = time.monotonic()
+                self.live[want] = old
+                return old
         if len(self.live) >= self.max_workers:
             raise ServerError(f"join refused: {len(self.live)} live workers, the server's limit "
                               f"(--max-workers {self.max_workers})", ErrorCode.LIMIT)
@@ -77,6 +109,7 @@ class Membership:
             wid = self._next_id
         self._next_id = max(self._next_id, wid + 1)
         info = WorkerInfo(wid, routing_id, name, key, fingerprint)
+        self.gone.pop(wid, None)
         self.live[wid] = info
         if len(self.live) >= self.expected:
             self.started = True
@@ -84,6 +117,53 @@ class Membership:
 
     def leave(self, worker: int) -> None:
         self.live.pop(worker, None)
+
+    def sweep(self, timeout: float, now: float | None = None) -> list[int]:
+        """Declare gone the live workers not heard from for ``timeout`` seconds (and
+        those joined but unregistered for that long since their last request);
+        returns their ids."""
+        now = time.monotonic() if now is None else now
+        out = [w for w, i in self.live.items()
+               if now - (i.last_seen if i.registered else i.last_request) > timeout]
+        for w in out:
+            info = self.live.pop(w)
+            info.gone_at = now
+            self.gone[w] = info
+            self.gone.move_to_end(w)
+        while len(self.gone) > self.max_workers:
+            self.gone.popitem(last=False)
+        return out
+
+    def revive(self, routing_id: bytes, worker: int) -> WorkerInfo | None:
+        """A gone worker speaking again on its own connection is live again (if its
+        id was not given to another connection meanwhile); returns it, or None."""
+        info = self.gone.get(worker)
+        if info is None or info.routing_id != routing_id or worker in self.live:
+            return None
+        del self.gone[worker]
+        info.gone_at = None
+        info.last_seen = info.last_request = time.monotonic()
+        self.live[worker] = info
+        return info
+
+    def heartbeat(self, worker: int, session: int, key: str) -> tuple[WorkerInfo, bool]:
+        """Record a heartbeat; returns the worker and whether it was revived (a gone,
+        registered worker whose client beats again). Raises :class:`NotRegistered`
+        for a worker or session the server does not know (e.g. after a restart)."""
+        info = self.live.get(worker)
+        revived = False
+        if info is None:
+            old = self.gone.get(worker)
+            if old is not None and old.session == session and old.key == key and old.registered:
+                del self.gone[worker]
+                old.gone_at = None
+                self.live[worker] = info = old
+                revived = True
+        if info is None or info.session != session or info.key != key:
+            raise NotRegistered(f"worker {worker} with this session is not known to the server (restarted, or "
+                                "the worker was declared gone and its id taken): join again")
+        info.last_seen = time.monotonic()
+        return info, revived
 
     def drop_key(self, key: str) -> list[int]:
         """Remove the live workers that connected with ``key``; returns their ids."""
@@ -102,4 +182,5 @@ class Membership:
             raise NotRegistered(f"worker {worker} belongs to another connection")
         if registered and not info.registered:
             raise NotRegistered(f"worker {worker} has not registered the model")
+        info.last_seen = info.last_request = time.monotonic()
         return info

@@ -136,7 +136,7 @@ class JobCollector(Collector):
                                       labels=labels),
             "steps": GaugeMetricFamily("stella_worker_steps", "its iterations so far", labels=labels),
         }
-        for ws in svc.worker_statuses(now):
+        for ws in svc.worker_statuses():
             lv = [str(ws.worker), ws.name]
             fams["pushes"].add_metric(lv, ws.pushes)
             fams["pulls"].add_metric(lv, ws.pulls)

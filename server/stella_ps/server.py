@@ -83,6 +83,7 @@ class ParameterServer:
             bind = bind[:-2] + ":*"
         sock.bind(bind)
         self._sock = sock
+        self.service.resume()  # before the ready file: the first request sees the resumed model
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.endpoint
 
@@ -93,6 +94,7 @@ class ParameterServer:
         assert self._sock is not None
         if self._gate is not None:
             self._gate.start()
+        self.service.start()
         log.info("listening", extra={"endpoint": self.endpoint, "workers": self.config.workers})
         recv: asyncio.Future | None = None
         stop = asyncio.ensure_future(self._stop.wait())

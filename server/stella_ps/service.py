@@ -38,6 +38,8 @@ from stella.errors import (
 from stella.protocol import (
     Delta,
     Error,
+    Heartbeat,
+    HeartbeatOk,
     Join,
     Joined,
     Leave,
@@ -56,20 +58,22 @@ from stella.protocol import (
     decode_tensors,
 )
 
-from .aggregation import Aggregator, PendingPush, push_norm, scaled
+from .aggregation import AdaptiveDeadline, Aggregator, PendingPush, push_norm, scaled
+from .checkpoints import Checkpoint, CheckpointPolicy, newest_valid, write_and_prune
 from .config import ServerConfig
 from .errors import ConfigError
 from .kernel import state_bytes
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
 from .security import fingerprint
-from .store import ModelStore, layout_diff
+from .store import ModelStore, RecordCopy, layout_diff, roll_forward
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Stats", "MAX_WAIT_AHEAD"]
 
 log = logging.getLogger("stella_ps.service")
 MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
+CHECKPOINT_SLICE = 1 << 18  # coordinates a checkpoint copies per store-thread task (4 MiB of Adam records)
 
 Send = Callable[[bytes, Any, Sequence[Any]], None]
 
@@ -118,6 +122,10 @@ class Stats:
         if self.last_checkpoint is None:
             return None
         return max(0.0, (time.time() if now is None else now) - self.last_checkpoint)
+    gone: int = 0  # workers declared gone (liveness timeout)
+    duplicate_pushes: int = 0  # pushes re-sent after a reconnect and not queued again
+    checkpoints: int = 0
+    checkpoint_stall_s: float = 0.0  # the longest time a checkpoint's state copy held steps back
 
 
 def _optimizer_error(e: ConfigError) -> ServerError:
@@ -133,8 +141,11 @@ class Service:
         self.stats = stats or Stats()
         self.members = Membership(expected=config.workers, max_workers=config.max_workers,
                                   max_workers_per_key=config.max_workers_per_key)
+        adaptive = (AdaptiveDeadline(quantile=config.deadline_quantile, factor=config.deadline_factor,
+                                     minimum=config.deadline_min, maximum=config.deadline_max)
+                    if config.adaptive_deadline else None)
         self.agg = Aggregator(step_deadline=config.step_deadline, max_queued_pushes=config.max_queued_pushes,
-                              max_queued_push_bytes=config.max_queued_push_bytes)
+                              max_queued_push_bytes=config.max_queued_push_bytes, adaptive=adaptive)
         self.waiters = PullWaiters(max_per_worker=config.max_waiting_pulls)
         self.store = ModelStore(history=config.history)
         self.optimizer: OptimizerConfig | None = None  # set when the model is initialised
@@ -144,6 +155,18 @@ class Service:
         self._deadline: asyncio.TimerHandle | None = None
         self._init_lock = asyncio.Lock()
         self._step_opened: float | None = None  # perf_counter of the open step's first push
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._lost_worker = False  # a worker was declared gone while the open step waited
+        self.checkpoints: CheckpointPolicy | None = None
+        if config.checkpoint_dir:
+            self.checkpoints = CheckpointPolicy(config.checkpoint_dir, config.checkpoint_every_steps,
+                                                config.checkpoint_every_s, config.checkpoint_keep,
+                                                last_time=time.monotonic())
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-checkpoint")
+        self._writing: asyncio.Future | None = None
+        self._closing = False
+        self._scheduled = False  # a periodic checkpoint task is spawned or running
+        self.checkpoint_version: int | None = None  # the newest checkpoint on disk (written or resumed from)
 
     # ------------------------------------------------------------------ plumbing
     def refuse(self, ident: bytes, req: int, exc: BaseException) -> None:
@@ -159,7 +182,7 @@ class Service:
         self.stats.errors_by_code[code.value] = self.stats.errors_by_code.get(code.value, 0) + 1
         self._send(ident, Error(req=max(req, 0), code=code.value, message=message), ())
 
-    def _spawn(self, coro: Awaitable[None], ident: bytes | None = None, req: int = 0) -> None:
+    def _spawn(self, coro: Awaitable[Any], ident: bytes | None = None, req: int = 0) -> None:
         """Run ``coro`` as a task; if it fails, the request ``req`` of ``ident`` is refused."""
 
         async def guarded() -> None:
@@ -181,7 +204,19 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
     async def close(self) -> None:
-        """Cancel pending work and stop the store thread."""
+        """Write a last checkpoint (when checkpoints are on and the model moved on since
+        the last one), cancel pending work and stop the store and writer threads."""
+        self._closing = True
+        if self._sweeper:
+            self._sweeper.cancel()
+        while self._writing is not None:
+            await asyncio.gather(self._writing, return_exceptions=True)
+        if self.checkpoints is not None and self.store.initialised and \
+                self.store.version > self.checkpoints.last_version:
+            try:
+                await self.checkpoint()
+            except Exception as e:
+                log.error("final checkpoint failed", exc_info=e)
         self.waiters.cancel_all()
         for t in list(self._tasks):
             t.cancel()
@@ -190,6 +225,114 @@ class Service:
         if self._deadline:
             self._deadline.cancel()
         self._exec.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ liveness and checkpoints
+    def start(self) -> None:
+        """Start the liveness sweep (on the running loop)."""
+        if self.config.liveness_timeout > 0 and self._sweeper is None:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        timeout = self.config.liveness_timeout
+        gone = self.members.sweep(timeout)
+        if gone:
+            self.stats.gone += len(gone)
+            self._lost_worker = True  # the open step's spread now includes the wait for the gone one
+            log.warning("workers declared gone: not heard from within the liveness timeout",
+                        extra={"workers": gone, "liveness_timeout_s": timeout, "live": len(self.members.live)})
+            self._maybe_close_steps()
+        self._sweeper = asyncio.get_running_loop().call_later(max(0.05, timeout / 8), self._sweep)
+
+    def resume(self) -> int | None:
+        """Become the newest valid checkpoint of ``--checkpoint-dir`` (before serving);
+        returns its version, or None when there is none."""
+        if self.checkpoints is None:
+            return None
+        found = newest_valid(self.checkpoints.directory)
+        if found is None:
+            log.info("no checkpoint to resume from", extra={"checkpoint_dir": self.checkpoints.directory})
+            return None
+        path, ck = found
+        from stella.protocol import TensorSpec
+
+        layout = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.layout]
+        cfg = OptimizerConfig.from_wire(ck.optimizer)
+        self.store.restore(layout, ck.tensors, cfg, ck.version)
+        self.optimizer = cfg
+        # the job had started: steps close with whoever is back, not once --workers have joined
+        # again (workers that come back later fold their pushes in; waiting for all could be forever)
+        self.members.started = True
+        self.checkpoints.last_version = self.checkpoint_version = ck.version
+        log.info("resumed from checkpoint", extra={"path": path, "version": ck.version, "numel": self.store.numel,
+                                                   "optimizer": cfg.to_wire()})
+        return ck.version
+
+    def _maybe_checkpoint(self) -> None:
+        cp = self.checkpoints
+        if cp is not None and not self._closing and not self._scheduled and cp.due(self.store.version):
+            self._scheduled = True  # set now: steps that close before the task starts schedule no second one
+            self._spawn(self._scheduled_checkpoint())
+
+    async def _scheduled_checkpoint(self) -> None:
+        try:
+            await self.checkpoint()
+        finally:
+            self._scheduled = False
+            self._maybe_checkpoint()  # one that fell due while this one was written
+
+    async def checkpoint(self) -> str:
+        """Write a checkpoint of the model now; returns its path. Steps wait only for
+        the copy of the state (on the store thread). One at a time: ``_writing`` is
+        set before the first await, so no second one starts meanwhile."""
+        assert self.checkpoints is not None and self.optimizer is not None
+        while self._writing is not None:
+            await asyncio.gather(self._writing, return_exceptions=True)
+        cp = self.checkpoints
+        loop = asyncio.get_running_loop()
+        self._writing = loop.create_future()
+        try:
+            # the state is copied a slice at a time, each slice one store-thread task, so a
+            # step waits for one slice at most; the steps applied meanwhile are logged and
+            # rolled forward on the writer's thread (store.roll_forward)
+            t_copy = time.perf_counter()
+            await self._in_store(self.store.begin_copy)
+            copies: list[list[RecordCopy]] = []
+            stall = 0.0
+            for t, spec in enumerate(self.store.layout):
+                slices = []
+                for start in range(0, spec.numel, CHECKPOINT_SLICE):
+                    t0 = time.perf_counter()
+                    slices.append(await self._in_store(self.store.copy_records, t, start,
+                                                       min(CHECKPOINT_SLICE, spec.numel - start)))
+                    stall = max(stall, time.perf_counter() - t0)
+                copies.append(slices)
+            version, redo = await self._in_store(self.store.end_copy)
+            copy_s = time.perf_counter() - t_copy
+            self.stats.checkpoint_stall_s = max(self.stats.checkpoint_stall_s, stall)
+            from stella.checkpoint import layout_of
+
+            kind = self.store.tensors[0].name if self.store.tensors else self.optimizer.name
+            scratch_cfg = OptimizerConfig.from_wire({"name": kind})
+            numels = [s.numel for s in self.store.layout]
+            layout, opt = layout_of(self.store.layout), self.optimizer.to_wire()
+
+            def build_and_write() -> tuple[str, int, float]:
+                arrays = roll_forward(scratch_cfg, numels, copies, redo)
+                return write_and_prune(cp, Checkpoint(version, layout, opt, arrays, time.time()))
+
+            cp.last_version, cp.last_time = version, time.monotonic()
+            path, size, write_s = await loop.run_in_executor(self._writer, build_and_write)
+            self.stats.checkpoints += 1
+            self.stats.last_checkpoint = time.time()  # status's and the metrics' checkpoint age
+            self.checkpoint_version = version
+            log.info("checkpoint written", extra={"path": path, "version": version, "bytes": size,
+                                                  "stall_ms": round(1e3 * stall, 3), "copy_s": round(copy_s, 3),
+                                                  "steps_rolled_forward": len(redo), "write_s": round(write_s, 3)})
+            return path
+        finally:
+            fut, self._writing = self._writing, None
+            fut.set_result(None)
 
     # ------------------------------------------------------------------ dispatch
     def drop_peer(self, key: str) -> None:
@@ -217,21 +360,38 @@ class Service:
                 self._status(ident, rx.msg)
             case Leave():
                 self._leave(ident, rx.msg)
+            case Heartbeat():
+                self._heartbeat(ident, rx.msg, peer)
             case _:  # pragma: no cover - decode_request returns only the types above
                 raise ProtocolError(f"no handler for {type(rx.msg).__name__}")
 
     # ------------------------------------------------------------------ handlers
+    def _member(self, ident: bytes, worker: int, registered: bool = True) -> WorkerInfo:
+        """The live worker ``worker`` of this connection; a gone one speaking again on
+        its own connection is live again first."""
+        if worker not in self.members.live and self.members.revive(ident, worker) is not None:
+            log.info("worker back", extra={"worker": worker, "live": len(self.members.live)})
+        return self.members.check(ident, worker, registered=registered)
+
     def _join(self, ident: bytes, msg: Join, peer: Peer) -> None:
         info = self.members.join(ident, msg.worker, msg.name, reserved=self.agg.pending_workers(),
-                                 key=peer.key, fingerprint=peer.fingerprint)
+                                 key=peer.key, fingerprint=peer.fingerprint, session=msg.session)
         log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
                                          "key_fingerprint": info.fingerprint, "live": len(self.members.live)})
+        timeout = self.config.liveness_timeout
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
-                                 workers=len(self.members.live), initialised=self.store.initialised), ())
+                                 workers=len(self.members.live), initialised=self.store.initialised,
+                                 session=info.session, heartbeat_s=timeout / 4 if timeout > 0 else 0.0), ())
         self._maybe_close_steps()
 
+    def _heartbeat(self, ident: bytes, msg: Heartbeat, peer: Peer) -> None:
+        _, revived = self.members.heartbeat(msg.worker, msg.session, peer.key)
+        if revived:
+            log.info("worker back (heartbeat)", extra={"worker": msg.worker, "live": len(self.members.live)})
+        self._send(ident, HeartbeatOk(req=msg.req, version=self.store.version), ())
+
     def _leave(self, ident: bytes, msg: Leave) -> None:
-        info = self.members.check(ident, msg.worker, registered=False)
+        info = self._member(ident, msg.worker, registered=False)
         self.members.leave(info.worker)
         log.info("worker left", extra={"worker": info.worker, "live": len(self.members.live)})
         self._send(ident, Left(req=msg.req, worker=info.worker, version=self.store.version), ())
@@ -239,7 +399,7 @@ class Service:
 
     def worker_statuses(self, now: float | None = None) -> list[WorkerStatus]:
         """The live workers as ``status`` and the metrics report them, in id order."""
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         return [WorkerStatus(worker=w, name=i.name, key_fingerprint=i.fingerprint,
                              last_seen_s=max(0.0, now - i.last_seen), pushes=i.pushes, pulls=i.pulls,
                              report=i.report)
@@ -249,6 +409,7 @@ class Service:
         from . import __version__
 
         s = self.stats
+        now = time.monotonic()
         self._send(ident, StatusReply(
             req=msg.req, version=self.store.version, initialised=self.store.initialised,
             workers=self.members.ids(), expected_workers=self.config.workers,
@@ -259,11 +420,15 @@ class Service:
             tensors=len(self.store.layout),
             optimizer=self.optimizer.to_wire() if self.optimizer else None,
             server_version=__version__, live=self.worker_statuses(), checkpoint_age_s=s.checkpoint_age(),
+            last_seen_s={w: round(now - i.last_seen, 3) for w, i in self.members.live.items()},
+            gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
+            liveness_timeout_s=self.config.liveness_timeout, step_deadline_s=self.agg.current_deadline(),
+            checkpoint_version=self.checkpoint_version,
         ), ())
 
     def _register(self, ident: bytes, rx: Received) -> None:
         msg: Register = rx.msg
-        info = self.members.check(ident, msg.worker, registered=False)
+        info = self._member(ident, msg.worker, registered=False)
         layout = list(msg.tensors)
         if len({s.name for s in layout}) != len(layout):
             raise ProtocolError("register: tensor names must be unique")
@@ -330,14 +495,18 @@ class Service:
             raise _optimizer_error(e) from None
 
     def _set_optimizer(self, ident: bytes, msg: SetOptimizer) -> None:
-        self.members.check(ident, msg.worker)
+        self._member(ident, msg.worker)
         self.optimizer = self._changed_optimizer(msg.hparams)
         self._send(ident, OptimizerSet(req=msg.req, optimizer=self.optimizer.to_wire(),
                                        version=self.store.version), ())
 
     def _push(self, ident: bytes, rx: Received) -> None:
         msg: Push = rx.msg
-        info = self.members.check(ident, msg.worker)
+        info = self._member(ident, msg.worker)
+        if msg.req and msg.req <= info.last_push_req:  # re-sent after a reconnect: queued already
+            self.stats.duplicate_pushes += 1
+            self._send(ident, PushOk(req=msg.req, step=self.store.version, version=self.store.version), ())
+            return
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")
@@ -351,8 +520,8 @@ class Service:
         if not self.agg.has_pending():
             self._step_opened = time.perf_counter()
         queued = self.agg.add(PendingPush(info.worker, msg.version, tensors, msg.hparams, nbytes))
+        info.last_push_req = msg.req
         info.pushes += 1
-        info.last_seen = time.time()
         if msg.report is not None:
             info.report = msg.report
         self.stats.pushes += 1
@@ -375,9 +544,8 @@ class Service:
         return scaled(tensors, bound / norm)
 
     def _pull(self, ident: bytes, msg: Pull) -> None:
-        info = self.members.check(ident, msg.worker)
+        info = self._member(ident, msg.worker)
         info.pulls += 1
-        info.last_seen = time.time()
         v = self.store.version
         if msg.since > v:
             raise VersionError(f"pull since version {msg.since}, but the server is at {v} (from the future)")
@@ -442,11 +610,12 @@ class Service:
     async def _apply_ready(self, force: bool = False) -> None:
         try:
             while force or self.agg.should_close(self.members.live, self.members.started):
-                force = False
+                complete = not force and not self._lost_worker
+                force = self._lost_worker = False
                 if self._deadline:
                     self._deadline.cancel()
                     self._deadline = None
-                step = self.agg.take_step(self.store.version, len(self.store.layout))
+                step = self.agg.take_step(self.store.version, len(self.store.layout), complete=complete)
                 if step is None:
                     break
                 cfg = self._step_optimizer(step.hparams)
@@ -457,6 +626,7 @@ class Service:
                 log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
                                                   "apply_ms": round(1e3 * (time.perf_counter() - t0), 3)})
                 self.waiters.release(version)
+                self._maybe_checkpoint()
         finally:
             self._applying = False
         if self.agg.has_pending():

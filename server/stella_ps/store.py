@@ -21,7 +21,19 @@ from .aggregation import Step
 from .kernel import KernelTensorState, union_indices
 from .optim import OptimizerConfig
 
-__all__ = ["ModelStore", "Delta", "EncodedDelta", "layout_diff"]
+__all__ = ["ModelStore", "Delta", "EncodedDelta", "layout_diff", "RecordCopy", "roll_forward"]
+
+RedoEntry = tuple[int, Step, OptimizerConfig]  # (version after the step, the step, its optimizer configuration)
+
+
+@dataclass
+class RecordCopy:
+    """Records of coordinates ``start..start+n-1`` of one tensor, copied at ``version``."""
+
+    start: int
+    n: int
+    version: int
+    records: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,8 @@ class ModelStore:
         # encoded deltas of the current version, by (since, coding): every worker of a
         # synchronous job pulls the same one each step; emptied by every step
         self._encoded: dict[tuple[int, str], EncodedDelta] = {}
+        # while a checkpoint copies the state a slice at a time: the steps applied meanwhile
+        self._redo: list[RedoEntry] | None = None
 
     @property
     def initialised(self) -> bool:
@@ -88,6 +102,41 @@ class ModelStore:
         self.tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout = layout
 
+    def state_copy(self) -> tuple[int, list[dict[str, np.ndarray]]]:
+        """The version and a copy of every tensor's state arrays (parameters and
+        whatever optimizer state the kernel keeps): what a checkpoint holds. The only
+        part of writing a checkpoint that runs on the store thread, so the only part
+        that holds steps back."""
+        return self.version, [s.state_arrays() for s in self.tensors]
+
+    def begin_copy(self) -> int:
+        """Start a checkpoint's copy: from now on the steps applied are logged, so that
+        slices copied at different versions can be rolled forward to one (:func:`roll_forward`)."""
+        self._redo = []
+        return self.version
+
+    def copy_records(self, tensor: int, start: int, n: int) -> RecordCopy:
+        """One slice of a checkpoint's copy (a memcpy: steps wait only this long)."""
+        return RecordCopy(start, n, self.version, self.tensors[tensor].records(start, n))
+
+    def end_copy(self) -> tuple[int, list[RedoEntry]]:
+        """The version now and the steps applied since :meth:`begin_copy`."""
+        redo, self._redo = self._redo or [], None
+        return self.version, redo
+
+    def restore(self, layout: list[TensorSpec], arrays: list[dict[str, np.ndarray]], cfg: OptimizerConfig,
+                version: int) -> None:
+        """Become the model of a checkpoint: ``layout``, state ``arrays`` for ``cfg``'s
+        optimizer, at ``version``; no history (every pull's first answer is a snapshot)."""
+        tensors = []
+        for _spec, a in zip(layout, arrays, strict=True):
+            st = KernelTensorState(a["param"], cfg)
+            st.load_state_arrays(a)
+            tensors.append(st)
+        self.tensors, self.layout, self.version = tensors, layout, version
+        self._history.clear()
+        self._encoded.clear()
+
     def apply_step(self, step: Step, cfg: OptimizerConfig) -> int:
         """Apply one closed step with optimizer ``cfg``; returns the new version.
 
@@ -100,6 +149,8 @@ class ModelStore:
             else:
                 touched.append(np.empty(0, np.int32))
         self.version += 1
+        if self._redo is not None:
+            self._redo.append((self.version, step, cfg))
         self._history.append((self.version, touched))
         self._encoded.clear()
         return self.version
@@ -134,3 +185,48 @@ class ModelStore:
             entries, frames = encode_tensors(delta.tensors, self.layout, coding, "f32")
             enc = self._encoded[key] = EncodedDelta(delta.version, delta.full, entries, frames)
         return enc
+
+
+def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[RecordCopy]],
+                 redo: list[RedoEntry]) -> list[dict[str, np.ndarray]]:
+    """The state arrays of every tensor at the version of the last ``redo`` step (or
+    of the copies, if none): each slice, copied at its own version, gets the logged
+    steps after that version applied to its coordinates only. The lazy optimizers
+    are per coordinate (each coordinate's parameter, moments and step count change
+    only with the contributions to that coordinate, merged in the same order), so
+    this gives bit for bit the state the store itself reached. Runs on the
+    checkpoint writer's thread, on a scratch state; ``kind`` names the optimizer."""
+    out = []
+    for t, (numel, slices) in enumerate(zip(numels, copies, strict=True)):
+        st = KernelTensorState(np.zeros(numel, np.float32), kind)
+        for c in slices:
+            assert c.records is not None
+            st.load_records(c.records, c.start)
+            c.records = None  # the memory goes as soon as it is in the scratch state
+        starts = np.array([c.start for c in slices], np.int64)
+        versions = np.array([c.version for c in slices], np.int64)
+        for after, step, cfg in redo:
+            contributions = step.per_tensor[t]
+            if not contributions:
+                continue
+            stale = versions < after  # slices copied before this step
+            if not stale.any():
+                continue
+            keep = []
+            for idx, vals in contributions:
+                if stale.all():
+                    keep.append((idx, vals))
+                    continue
+                if idx is None:
+                    idx_all = np.concatenate([np.arange(c.start, c.start + c.n, dtype=np.int32)
+                                              for c, s in zip(slices, stale) if s])
+                    keep.append((idx_all, np.ascontiguousarray(vals[idx_all])))
+                    continue
+                m = stale[np.searchsorted(starts, idx, side="right") - 1]
+                if m.any():
+                    keep.append((np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
+            if keep:
+                st.apply(keep, step.scale, cfg, checked=False)
+        out.append(st.state_arrays())
+        del st
+    return out
