@@ -77,9 +77,11 @@ def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejo
                                                                                       tmp_path):
     srv = make_server(3, ["--liveness-timeout", str(LIVENESS_S)])
     mon = make_client(srv.endpoint, join=False)
-    target = 220
+    target = 400
     logs = [tmp_path / f"w{r}.jsonl" for r in range(3)]
-    procs = [_worker(srv.endpoint, r, 3, target, logs[r]) for r in range(3)]
+    # 50 ms of extra "compute" per step: the survivors must not finish before the replacement (a new
+    # process importing torch on a loaded machine) is back
+    procs = [_worker(srv.endpoint, r, 3, target, logs[r], "--step-sleep", "0.05") for r in range(3)]
     try:
         _wait_until(lambda: _version(mon) >= 50, 120, "50 steps with three workers")
         victim = next(x for x in _lines(logs[2]) if x.get("joined"))["worker"]
@@ -94,7 +96,7 @@ def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejo
         st = mon.status()
         assert victim not in st["workers"] and len(st["workers"]) == 2
         # a replacement asks for the dead worker's id: it is free once the old connection is gone
-        procs[2] = _worker(srv.endpoint, 2, 3, target, logs[2], "--worker-id", str(victim))
+        procs[2] = _worker(srv.endpoint, 2, 3, target, logs[2], "--worker-id", str(victim), "--step-sleep", "0.05")
         _wait_until(lambda: victim in mon.status()["workers"], 60, "the replacement live under the old id")
 
         # a replica that joins now equals the server's model after its pulls, coordinate for coordinate
