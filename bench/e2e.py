@@ -220,14 +220,15 @@ def plot(results: list[dict], path: str):
 
 
 def _bytes_per_iter(r: dict) -> float | None:
-    """Bytes through a worker site's link per iteration, both directions (median, mean over workers)."""
+    """Bytes through a worker site's link per training iteration, both directions: each
+    rank's total over its iterations (kernel counters; start-up and evaluation excluded)
+    over its iteration count, mean over ranks. A mean, not the table's median, which
+    reads 0 for a system that exchanges every H > 1 iterations."""
+    per_rank, steps = r.get("per_rank_bytes"), r.get("steps")
+    if per_rank and steps:
+        return sum(b["up_total"] + b["down_total"] for b in per_rank) / len(per_rank) / steps
     up, down = r.get("bytes_up_median"), r.get("bytes_down_median")
-    if up is None or down is None:
-        hb = r.get("harness_bytes")
-        if not hb:
-            return None
-        up, down = hb["worker_up_per_step"], hb["worker_down_per_step"]
-    return up + down
+    return None if up is None or down is None else up + down
 
 
 def goal_ratios(results: list[dict]) -> list[dict]:

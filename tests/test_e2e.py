@@ -51,7 +51,7 @@ def test_both_stella_systems_run_over_shaped_links():
 def _row(system, wall, step, it=0.1, comp=0.1, workload="widemlp", rate=100.0, up=1e6, down=1e6):
     return {"ok": True, "system": system, "workload": workload, "rate_mbit": rate, "iter_median": it,
             "compute_median": comp, "reached": {"step": step, "wall": wall} if wall else None,
-            "bytes_up_median": up, "bytes_down_median": down}
+            "steps": 10, "per_rank_bytes": [{"up_total": 10 * up, "down_total": 10 * down}] * 2}
 
 
 def test_goal_ratios_are_computed_from_the_rows():
