@@ -258,8 +258,9 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     assert torch.equal(st["exp_avg"], st2["exp_avg"]) and torch.equal(st["exp_avg_sq"], st2["exp_avg_sq"])
     local_step(model2, opt2, 0, 4)  # and training goes on
     opt2.close()
-    with pytest.raises(ValueError, match="gradient"):
-        g = StellaOptimizer(Toy(n), srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, timeout=10)
+    with pytest.raises(ValueError, match="gradient"):  # (another job: this one refuses gradient-mode workers)
+        g = StellaOptimizer(Toy(n), make_server(1).endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                            timeout=10)
         try:
             g.load_state_dict(saved)
         finally:

@@ -70,6 +70,7 @@ from .protocol import (
     Status,
     StatusReply,
     TensorSpec,
+    TrainingMode,
     ValueDtype,
     WorkerReport,
     decode_reply,
@@ -336,6 +337,7 @@ class Client:
         self._hb_thread: threading.Thread | None = None
         self._sent: dict[int, tuple[Any, list[Any], float | None]] = {}  # requests waiting for replies
         self._registration: tuple[list[tuple[str, Any]], dict[str, Any]] | None = None
+        self._mode: TrainingMode | None = None  # sent with every registration, a reconnect's too
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.name = name or f"pid{os.getpid()}"
         self.worker_id: int | None = worker_id
@@ -563,9 +565,13 @@ class Client:
         tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
         optimizer: Mapping[str, Any] | None = None,
         *,
+        mode: TrainingMode | None = None,
         timeout: float | None = None,
     ) -> Registered:
         """Declare the model layout; the first registration also sends the initial values.
+
+        ``mode`` ("gradient" or "update", as :class:`~stella.StellaOptimizer` sends it)
+        makes the server refuse workers of the other mode in the same job.
 
         ``optimizer`` is the server-side optimizer (``{"name": "adamw", "lr": ...}``);
         None takes the server's default (``stella-ps --optimizer``). Later workers with
@@ -573,6 +579,7 @@ class Client:
         different layout raises :class:`LayoutConflict`.
         """
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        self._mode = mode
         reply = self._register(items, dict(optimizer or {}), timeout)
         # kept for a reconnect: a server that lost the model gets these tensors' values then
         self._registration = (items, dict(optimizer or {}))
@@ -581,7 +588,7 @@ class Client:
 
     def _register(self, items: list[tuple[str, Any]], optimizer: dict[str, Any], timeout: float | None) -> Registered:
         layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
-        msg = Register(worker=self._worker(), tensors=layout, optimizer=optimizer, values=False)
+        msg = Register(worker=self._worker(), tensors=layout, optimizer=optimizer, values=False, mode=self._mode)
         # joining a model sends no values; Register is not re-sent by a reconnect, which redoes it
         reply = _expect(self._wait(self._send(msg, (), timeout), timeout), Registered)
         if reply.needs_values:  # this registration initialises the model

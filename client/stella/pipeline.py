@@ -309,7 +309,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         def init() -> tuple[Registered, PullResult]:
             self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id,
                                            server_key=server_key, client_key=client_key)
-            reply = self.client.register(self.params, server_config)
+            reply = self.client.register(self.params, server_config, mode=self.mode)
             return reply, self.client.pull(None)
 
         try:

@@ -40,6 +40,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "IndexCoding",
     "PullCoding",
+    "TrainingMode",
     "ValueDtype",
     "ModelDtype",
     "MAX_HEADER_BYTES",
@@ -99,6 +100,7 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_BYTES)]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_BYTES)]
 ModelDtype = Literal["float32", "float16", "bfloat16"]
 IndexCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16"]
+TrainingMode = Literal["gradient", "update"]
 PullCoding = Literal["raw32", "varint", "u16chunk", "rice"]  # block16 codes only whole blocks
 EntryCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16", "dense"]
 ValueDtype = Literal["f32", "f16", "bf16", "q4", "q2"]  # q4/q2: pushes only (codec.QUANT_DTYPES)
@@ -209,6 +211,9 @@ class Register(_Message, tag="register", frozen=True):
     tensors: Annotated[list[TensorSpec], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
     optimizer: HParams
     values: bool
+    # what the workers push: "gradient" or "update" (docs/optimizer.md); None: not said. A job
+    # takes the mode of its first registration that says one and refuses the other.
+    mode: TrainingMode | None = None
 
 
 class Push(_Message, tag="push", frozen=True):
@@ -278,6 +283,7 @@ class Registered(_Message, tag="registered", frozen=True):
     needs_values: bool
     optimizer: dict[str, Any] | None
     numel: int
+    mode: TrainingMode | None = None  # the job's training mode, once a registration said one
 
 
 class PushOk(_Message, tag="push_ok", frozen=True):

@@ -54,6 +54,7 @@ from stella.protocol import (
     SetOptimizer,
     Status,
     StatusReply,
+    TrainingMode,
     WorkerStatus,
     decode_tensors,
 )
@@ -149,6 +150,8 @@ class Service:
         self.waiters = PullWaiters(max_per_worker=config.max_waiting_pulls)
         self.store = ModelStore(history=config.history)
         self.optimizer: OptimizerConfig | None = None  # set when the model is initialised
+        # the job's training mode ("gradient"/"update"), from the first registration that names one
+        self.mode: TrainingMode | None = None
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-store")
         self._tasks: set[asyncio.Task] = set()
         self._applying = False
@@ -467,6 +470,9 @@ class Service:
                               values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
         async with self._init_lock:  # two first registrations must not both initialise
             created = False
+            if msg.mode is not None and self.mode is not None and msg.mode != self.mode:
+                raise LayoutConflict(f"this job trains in {self.mode} mode: a {msg.mode}-mode worker cannot join it "
+                                     f"(StellaOptimizer(mode={self.mode!r}))")
             if not self.store.initialised:
                 if values is None:  # the client's cheap probe: send the values next
                     self._send(ident, Registered(req=msg.req, version=self.store.version, created=False,
@@ -482,10 +488,11 @@ class Service:
                 if diff:
                     raise LayoutConflict(f"layout differs from the server's model: {diff}")
             info.registered = True
+            self.mode = self.mode or msg.mode
             assert self.optimizer is not None
             self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
                                          needs_values=False, optimizer=self.optimizer.to_wire(),
-                                         numel=self.store.numel), ())
+                                         numel=self.store.numel, mode=self.mode), ())
 
     def _changed_optimizer(self, hparams: dict[str, Any]) -> OptimizerConfig:
         assert self.optimizer is not None  # a registered worker implies a model
