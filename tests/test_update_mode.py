@@ -265,3 +265,19 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
             g.load_state_dict(saved)
         finally:
             g.close(flush=False)
+
+
+def test_a_job_refuses_workers_of_the_other_mode(server):
+    """The first registration names the job's mode; a worker of the other mode is refused
+    before it can mix gradients with weight changes, and the job goes on."""
+    from stella.errors import LayoutConflict
+
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, timeout=10)
+    with pytest.raises(LayoutConflict, match="update mode"):
+        StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, timeout=10)
+    with Client(server.endpoint, timeout=10) as c:  # a client that names no mode is not refused
+        assert c.register({"w": np.zeros(N, np.float32)}).mode == "update"
+        c.leave()
+    local_step(model, opt, 0, 0)
+    opt.close()
