@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from stella import StellaOptimizer
-    from stella.demo import accuracy, demo_model, load_digits_split
+    from stella.demo import accuracy, demo_model, load_digits_split, shuffled_batches
 
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = load_digits_split(a.seed)
@@ -56,14 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     log.write(json.dumps({"t": time.time(), "joined": True, "worker": opt.client.worker_id,
                           "version": opt.version, "pid": os.getpid()}) + "\n")
     gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank + 7919 * (a.worker_id or 0))
-    perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
+    batches = shuffled_batches(xtr.shape[0], a.batch_size, gen)
     step = 0
     try:
         while opt.version < a.target_version and step < a.max_steps:
-            if pos + a.batch_size > perm.numel():
-                perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
-            b = perm[pos:pos + a.batch_size]
-            pos += a.batch_size
+            b = next(batches)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xtr[b]), ytr[b])
             loss.backward()

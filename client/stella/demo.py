@@ -25,7 +25,7 @@ import os
 import queue
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DemoConfig", "run_demo", "run_demo_worker", "load_digits_split", "build_mlp", "accuracy",
+           "shuffled_batches",
            "TEST_FRACTION"]
 
 TEST_FRACTION = 0.2  # held out per class (stratified)
@@ -114,6 +115,17 @@ def demo_model(hidden: int, seed: int) -> torch.nn.Sequential:
     return build_mlp((64, hidden, hidden, 10), seed)
 
 
+def shuffled_batches(n: int, batch_size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """Index batches of ``range(n)``, epoch after epoch, each epoch a fresh permutation
+    from ``gen`` (the tail shorter than a batch is dropped)."""
+    import torch
+
+    while True:
+        perm = torch.randperm(n, generator=gen)
+        for pos in range(0, n - batch_size + 1, batch_size):
+            yield perm[pos:pos + batch_size]
+
+
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Share of ``x`` classified as ``y`` (eval mode, no grad; the mode is restored)."""
     import torch
@@ -146,13 +158,10 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
                           name=f"demo-worker-{rank}", server_key=keys.get("server_key"),
                           client_key=keys.get("client_key"), progress_every=cfg.progress_every)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
+    batches = shuffled_batches(xtr.shape[0], cfg.batch_size, gen)
     try:
         for step in range(cfg.steps):
-            if pos + cfg.batch_size > perm.numel():
-                perm, pos = torch.randperm(xtr.shape[0], generator=gen), 0
-            b = perm[pos:pos + cfg.batch_size]
-            pos += cfg.batch_size
+            b = next(batches)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xtr[b]), ytr[b])
             loss.backward()
