@@ -222,6 +222,53 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
             b.wait()
 
 
+# --------------------------------------------------------------------------- a long stall
+def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queue(make_server):
+    """A worker whose steps cannot close (the job waits for its second worker) waits:
+    its pulls expire every 0.45 s, but it does not push again into a queue the server
+    bounds at 2 (which used to end it with a PipelineError)."""
+    import threading
+
+    from stella import StellaOptimizer
+
+    srv = make_server(2, ["--max-queued-pushes", "2", "--liveness-timeout", "30"])
+    errors: list[BaseException] = []
+    opts: list[StellaOptimizer] = []
+
+    def train(seed: int, steps: int) -> None:
+        try:
+            torch.manual_seed(seed)
+            model = torch.nn.Linear(8, 2)
+            opt = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=0.5,
+                                  method="dense")
+            opts.append(opt)
+            x = torch.randn(16, 8)
+            for _ in range(steps):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            opt.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    a = threading.Thread(target=train, args=(0, 6))
+    a.start()
+    time.sleep(4.0)  # ~9 expired waits: without the fix the third push is refused (limit)
+    assert a.is_alive() and not errors, errors
+    with Client(srv.endpoint, join=False, timeout=5) as mon:
+        st = mon.status()
+    assert st["version"] == 0 and st["pending_pushes"] <= 1, st  # held back, not queueing
+    b = threading.Thread(target=train, args=(1, 6))
+    b.start()
+    a.join(60)
+    b.join(60)
+    assert not a.is_alive() and not b.is_alive()
+    assert not errors, errors
+    with Client(srv.endpoint, join=False, timeout=5) as mon:
+        st = mon.status()
+    assert st["version"] >= 6 and not st["errors"], st
+
+
 # --------------------------------------------------------------------------- kill -9 of the server
 @pytest.mark.slow
 def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(make_server, make_client, tmp_path):

@@ -51,6 +51,7 @@ travel with the next push and apply from the step it joins.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import weakref
@@ -68,6 +69,8 @@ from .compress import DENSE_BELOW, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .progress import Progress
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
+
+log = logging.getLogger("stella.pipeline")
 
 __all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget", "MODES", "OUTER_PRESETS"]
 
@@ -371,7 +374,7 @@ class StellaOptimizer(torch.optim.Optimizer):
                                 hparams=hparams or None, report=self.progress.report(), wait=False)
         pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
-        delta = pull.result()
+        delta = self._wait_step(pull.result(), since)
         self.stats.compress_s += t1 - t0
         t2 = time.perf_counter()
         self.stats.exchange_s += t2 - t1
@@ -379,6 +382,24 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta, sparse
+
+    def _wait_step(self, delta: PullResult, since: int) -> PullResult:
+        """The delta of the step after ``since``. The server answers a waiting pull when
+        its wait expires even if no step closed (it waits for workers: before the job
+        starts, or for a missing one within the step deadline); then pull again rather
+        than go on, since every further push would only queue up on the server (and
+        after ``--max-queued-pushes`` be refused). A snapshot (the server restarted
+        from an older checkpoint) is the answer whatever its version."""
+        t0 = time.monotonic()
+        warned = t0
+        while not delta.full and delta.version <= since:
+            now = time.monotonic()
+            if now - warned >= 60.0:
+                warned = now
+                log.warning("waiting %.0f s for the server's step after version %d (the server waits for "
+                            "workers; `stella status` shows which)", now - t0, since)
+            delta = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding)
+        return delta
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight exchange and install its delta into the replica."""
