@@ -479,10 +479,15 @@ def test_the_adaptive_deadline_follows_the_arrival_spreads_within_its_bounds():
 
     d = AdaptiveDeadline(quantile=0.9, factor=3.0, minimum=0.5, maximum=30.0, window=20, min_samples=5)
     assert d.value() == 30.0  # nothing learnt: the upper bound
+    d.observe(2.0)
+    assert d.value() == pytest.approx(12.0)  # one sample: twice the factor times the largest
+    d.spreads.clear()
     for x in (0.01, 0.02, 0.01, 0.03):
         d.observe(x)
-    assert d.value() == 30.0
-    d.observe(0.02)
+    assert d.value() == 0.5  # 6 x 0.03 is below the lower bound
+    d.spreads.clear()
+    for x in (0.01, 0.02, 0.01, 0.03, 0.02):
+        d.observe(x)
     assert d.value() == 0.5  # 3 x 0.03 is below the lower bound
     for _ in range(20):
         d.observe(1.0)  # a slower job: the window forgets the old spreads

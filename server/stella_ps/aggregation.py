@@ -71,9 +71,12 @@ class AdaptiveDeadline:
     """The step deadline learnt from the job: ``factor`` times the ``quantile`` of the
     arrival spreads (seconds from a step's opening, the later of the previous close
     and its first push, to its last push) of the last ``window`` steps that closed
-    complete, clamped to ``[minimum, maximum]``; ``maximum`` until ``min_samples``
-    spreads are known. Steps closed by the deadline are not samples: their spread is
-    only known to be longer, and counting them would let stragglers raise it."""
+    complete, clamped to ``[minimum, maximum]``. Until ``min_samples`` spreads are
+    known, twice that of the largest one seen (a quantile of a few is no estimate,
+    but waiting out ``maximum`` on every step of a young job, or of a server just
+    restarted, would be the fixed guess this replaces); ``maximum`` before the first.
+    Steps closed by the deadline are not samples: their spread is only known to be
+    longer, and counting them would let stragglers raise it."""
 
     quantile: float = 0.9
     factor: float = 3.0
@@ -89,11 +92,14 @@ class AdaptiveDeadline:
             self.spreads.popleft()
 
     def value(self) -> float:
-        if len(self.spreads) < self.min_samples:
+        if not self.spreads:
             return self.maximum
-        xs = sorted(self.spreads)
-        q = xs[min(len(xs) - 1, max(0, math.ceil(self.quantile * len(xs)) - 1))]
-        return min(self.maximum, max(self.minimum, self.factor * q))
+        if len(self.spreads) < self.min_samples:
+            wait = 2.0 * self.factor * max(self.spreads)
+        else:
+            xs = sorted(self.spreads)
+            wait = self.factor * xs[min(len(xs) - 1, max(0, math.ceil(self.quantile * len(xs)) - 1))]
+        return min(self.maximum, max(self.minimum, wait))
 
 
 class Aggregator:
