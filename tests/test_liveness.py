@@ -222,6 +222,56 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
             b.wait()
 
 
+# --------------------------------------------------------------------------- the server's heartbeat
+def _established_from(port: int) -> int:
+    """TCP connections in state ESTABLISHED whose local port is ``port`` (IPv4)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    return sum(int(r[1].split(":")[1], 16) == port and r[3] == "01" for r in rows)
+
+
+_PAUSABLE = r"""
+import sys, numpy as np
+from stella import Client
+c = Client(sys.argv[1], timeout=10, name="pausable")
+c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+print("ready", flush=True)
+sys.stdin.readline()                      # SIGSTOP lands here
+c.push({"w": np.ones(4, np.float32)}, 0)
+print("pushed", c.pull(0, wait_for=1).version, c.reconnects, flush=True)
+c.close()
+"""
+
+
+def test_the_server_heartbeat_drops_the_connection_of_a_peer_that_stopped_answering(make_server):
+    """The server PINGs its peers in the transport: the connections of a process that
+    no longer answers (stopped here; a vanished host in life) are closed after twice
+    the liveness timeout, and the process, once back, reconnects by itself."""
+    port = _free_port()
+    srv = make_server(1, ["--liveness-timeout", "1"], bind=f"tcp://127.0.0.1:{port}")
+    p = subprocess.Popen([sys.executable, "-c", _PAUSABLE, srv.endpoint], cwd=ROOT, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline().startswith("ready")
+        assert _established_from(port) >= 2  # its request socket and its heartbeat socket
+        p.send_signal(signal.SIGSTOP)
+        took = _wait_until(lambda: _established_from(port) == 0, 10, "the server drops the stopped peer",
+                           every=0.1)
+        assert took >= 1.0  # not before the worker could be declared gone
+        p.send_signal(signal.SIGCONT)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out = p.stdout.readline().split()
+        assert out[:2] == ["pushed", "1"] and int(out[2]) >= 1, out  # back, through a reconnect
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
 # --------------------------------------------------------------------------- a long stall
 def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queue(make_server):
     """A worker whose steps cannot close (the job waits for its second worker) waits:

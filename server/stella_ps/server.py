@@ -60,6 +60,15 @@ class ParameterServer:
         # gets an error reply, larger ones cost the peer its connection)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + CURVE_FRAME_OVERHEAD)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.config.liveness_timeout > 0:
+            # the server's own heartbeat, in the transport: libzmq PINGs every connected peer
+            # (a few bytes each) and drops a connection whose peer has not answered for twice
+            # the liveness timeout, long after its worker was declared gone. So the half-open
+            # TCP connection of a host that vanished (a revoked spot machine sends no FIN)
+            # does not keep its buffers for ever; a worker reconnects with its session token.
+            t = self.config.liveness_timeout
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(t * 1000 / 4)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1000, int(t * 2000)))
         if self.config.insecure:
             log.warning("INSECURE: no encryption and no authentication (--insecure); anyone who reaches "
                         "this port can read the traffic and change the model")
