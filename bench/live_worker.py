@@ -5,7 +5,8 @@ again, and reports what it did as JSON lines.
     python -m bench.live_worker ADDRESS --rank 0 --world 3 --target-version 200 --log w0.jsonl
 
 It trains the demo's MLP on its shard of the digits (``stella.demo``) with
-:class:`stella.StellaOptimizer` (AdamW on the server, top-k with error feedback)
+:class:`stella.StellaOptimizer` (the default update mode: a local AdamW, top-k of
+the weight changes with error feedback, averaged on the server)
 until the server's version reaches ``--target-version`` (or ``--max-steps``), so
 that workers that come and go finish together. Each step appends
 ``{"t", "step", "version", "loss"}`` to the log; the end appends ``{"done": true,
