@@ -6,7 +6,8 @@ the server a site of its own, each worker site's access link shaped with ``tbf``
 network namespaces are not available it says so and runs on loopback, and
 ``--loopback`` asks for loopback. ``--workers`` worker processes
 (``bench.live_worker``: the demo's MLP on the digits, the default update mode with a
-local AdamW, 5% top-k) train until the server's version reaches ``--target``,
+local AdamW, 5% top-k, plus ``--step-sleep`` seconds per step standing in for a
+GPU's compute) train until the server's version reaches ``--target``,
 through a ``stella-ps`` with ``--checkpoint-dir`` and a short liveness timeout.
 
 - **undisturbed**: nothing happens.
@@ -123,7 +124,8 @@ def run(chaos: bool, a: argparse.Namespace, workdir: str, bed: Any = None) -> di
         extra = ["--worker-id", str(worker_id)] if worker_id is not None else []
         return launcher(f"w{rank}")(
             [sys.executable, "-m", "bench.live_worker", endpoint, "--rank", str(rank), "--world", str(a.workers),
-             "--target-version", str(a.target), "--log", log, "--timeout", "5", "--hidden", str(a.hidden), *extra],
+             "--target-version", str(a.target), "--log", log, "--timeout", "5", "--hidden", str(a.hidden),
+             "--step-sleep", str(a.step_sleep), *extra],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def worker_id(rank: int) -> int | None:
@@ -261,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--target", type=int, default=1500, help="server version to reach")
     p.add_argument("--hidden", type=int, default=64, help="hidden width of the workers' MLP")
+    p.add_argument("--step-sleep", type=float, default=0.03,
+                   help="seconds of stand-in 'GPU compute' per step (a sleep: no CPU, so that on a small machine "
+                        "a killed worker does not speed the others up by freeing a core)")
     p.add_argument("--rate", type=float, default=20.0, help="Mbit/s of each worker site's link, each way")
     p.add_argument("--ps-rate", type=float, default=100.0, help="Mbit/s of the server site's link, each way")
     p.add_argument("--loopback", action="store_true", help="loopback instead of the test bed")
