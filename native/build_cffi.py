@@ -1,6 +1,6 @@
 """cffi builds of Stella's native code (out-of-line API mode): one module per owner.
 
-``stella._native`` (client)       codec.c (wire coding), compress.c (top-k selection)
+``stella._native`` (client)       codec.c, half.c (wire coding), compress.c (top-k selection)
 ``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer)
 
 Both also compile core.c (ABI version, ``stella_strerror``, the sortedness check)
@@ -13,8 +13,17 @@ declaration of one area: the functions of that area's sources and its constants
 :func:`builder` (the kernel compiled with ``-DSTELLA_TUNABLE`` plus ``native/bench/``).
 
 ``STELLA_NATIVE_ARCH`` picks ``-march`` (default ``native``: the package is built
-where it runs; set a portable level such as ``x86-64-v3`` to build for other
-machines). ``STELLA_NATIVE_DEBUG=1`` builds with ``-O0 -g``.
+where it runs; set a portable level such as ``x86-64-v2``, what wheels and images
+use, to build for other machines). ``STELLA_NATIVE_DEBUG=1`` builds with ``-O0 -g``.
+
+Run-time dispatch (``stella_isa.h``): the sources with SIMD paths (compress.c,
+half.c, merge.c, update.c) are also compiled through ``isa/<source>_v3.c`` and
+``_v4.c``, which set ``#pragma GCC target("arch=x86-64-v3")`` (v4) and include the
+source, so one module holds a portable copy (at ``-march``), an AVX2/F16C copy and an
+AVX-512 copy of their entry points, and picks one at run time from the CPU (override:
+``STELLA_NATIVE_ISA=auto|portable|x86-64-v3|x86-64-v4``; ``stella_native_isa()``
+names the choice). Off x86-64, or with a compiler other than GCC 11+, the wrappers
+compile to nothing and the portable copy is the only one.
 """
 from __future__ import annotations
 
@@ -26,12 +35,21 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 
+# Sources whose entry points are dispatched by ISA level (stella_isa.h): each is also
+# compiled as isa/<name>_v3.c and isa/<name>_v4.c (empty where dispatch is off).
+ISA_LEVELS = ("v3", "v4")
+
+
+def _with_variants(*sources: str) -> list[str]:
+    return [*sources, *(f"isa/{s[:-2]}_{lv}.c" for s in sources for lv in ISA_LEVELS)]
+
+
 # area -> (C header the generated module includes, sources); the cdef is cdefs/<area>.h
 AREAS = {
     "core": ("stella_native.h", ["core.c"]),
-    "codec": ("cdefs/codec.h", ["codec.c"]),
-    "compress": ("cdefs/compress.h", ["compress.c"]),
-    "optim": ("cdefs/optim.h", ["optim_state.c", "merge.c", "update.c", "union.c"]),
+    "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c")]),
+    "compress": ("cdefs/compress.h", _with_variants("compress.c")),
+    "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", *_with_variants("merge.c", "update.c")]),
     "bench": ("optim_tuning.h", ["bench/tuning.c", "bench/probe.c"]),
 }
 

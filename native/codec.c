@@ -24,7 +24,6 @@
 #include <string.h>
 
 #include "stella_native.h"
-#include "stella_half.h"
 
 #include "cdefs/codec.h"
 #include "cdefs/compress.h"
@@ -409,18 +408,7 @@ int64_t stella_idx_decode(const uint8_t *buf, int64_t len, int64_t count, int64_
 
 /* ---- values ---------------------------------------------------------------- */
 
-/* The converters live in stella_half.h (shared with the kernel's merge). */
-void stella_f32_to_f16(const float *in, int64_t n, uint16_t *out) { stella_f32_to_f16_n(in, n, out); }
-
-void stella_f16_to_f32(const uint16_t *in, int64_t n, float *out) { stella_f16_to_f32_n(in, n, out); }
-
-void stella_f32_to_bf16(const float *in, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = stella_float_to_bf16(in[i]);
-}
-
-void stella_bf16_to_f32(const uint16_t *in, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = stella_bf16_to_float(in[i]);
-}
+/* The bulk f16/bf16 converters are in half.c (dispatched by ISA level, stella_isa.h). */
 
 /* A value is NaN or Inf exactly when its exponent bits are all ones. No branch per
  * value (the loops vectorise); each block of 4096 can end the scan. */

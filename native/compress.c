@@ -96,6 +96,7 @@ static float kth_largest_key(const float *v, int64_t n, int64_t k, uint32_t *his
     return stella_bits_f32(((uint32_t)b << 16) | (uint32_t)lo);
 }
 
+#if !STELLA_ISA_VARIANT /* not dispatched: scalar radix passes */
 float stella_kth_largest_abs(const float *v, int64_t n, int64_t k) {
     if (!v || n < 1 || k < 1 || k > n) return NAN;
     uint32_t *hist = malloc(65536 * sizeof(uint32_t));
@@ -104,6 +105,7 @@ float stella_kth_largest_abs(const float *v, int64_t n, int64_t k) {
     free(hist);
     return t;
 }
+#endif
 
 /* Sum of squares of one 16-float block (a partial block is zero-padded by the
  * caller). The same reduction order everywhere, so a threshold computed on
@@ -510,9 +512,12 @@ static float finalize(float *res, int unit, int32_t *idx, float *val, float *sco
 /* Returns the number of elements written to out->idx/out->val (sorted indices), or
  * a negative STELLA_E_* code. res is the residual, updated in place (acc = res +
  * grad, minus what is sent); grad may be NULL (select from the residual alone).
- * Types and fields: cdefs/compress.h. */
-int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
-                       stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats) {
+ * Types and fields: cdefs/compress.h. Dispatched by ISA level (stella_isa.h): the
+ * x86-64-v4 copy runs the AVX-512 scan and block kernels above, the v3 copy the
+ * plain C ones at AVX2 width; all give the same selection and residual. */
+int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, const stella_topk_args *args,
+                                      stella_topk_state *state, const stella_topk_out *out,
+                                      stella_topk_stats *stats) {
     if (!res || !args || !state || !out || !out->idx || !out->val || n < 0 || n > INT32_MAX)
         return STELLA_E_ARG;
     const int64_t k_units = args->k_units;
@@ -682,3 +687,12 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_to
     free(samp);
     return p.elems;
 }
+
+#if STELLA_ISA_BASE
+STELLA_ISA_VARIANTS(stella_ef_topk);
+
+int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
+                       stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats) {
+    return STELLA_ISA_PICK(stella_ef_topk)(res, grad, n, args, state, out, stats);
+}
+#endif

@@ -1,5 +1,9 @@
 /* Compiled into both native modules: the ABI version, the text of the return codes,
- * and the one order/range check of sorted sparse index arrays. */
+ * the one order/range check of sorted sparse index arrays, and the choice of the
+ * x86-64 level the dispatched kernels run at (stella_isa.h). */
+#include <stdatomic.h>
+#include <stdlib.h>
+
 #include "stella_native.h"
 
 int stella_abi_version(void) { return STELLA_ABI_VERSION; }
@@ -35,4 +39,70 @@ int stella_check_sorted(const int32_t *idx, int64_t n, int64_t numel, int64_t *w
         prev = x;
     }
     return STELLA_OK;
+}
+
+/* ---- run-time ISA level (stella_isa.h) ------------------------------------- */
+
+static const char *const isa_names[STELLA_ISA_LEVELS] = STELLA_ISA_NAMES;
+/* What STELLA_NATIVE_ISA may ask for: "auto" (or unset, or empty), a level's name;
+ * anything else reads as "unknown" and is treated as auto. */
+#define REQ_AUTO 0
+#define REQ_UNKNOWN (STELLA_ISA_LEVELS + 1)
+static const char *const isa_requests[] = {"auto", "portable", "x86-64-v3", "x86-64-v4", "unknown"};
+_Static_assert(sizeof isa_requests / sizeof *isa_requests == REQ_UNKNOWN + 1, "one request a level");
+
+/* Levels this module holds and this CPU runs (bit 1 << STELLA_ISA_*). The levels'
+ * checks include the operating system's support of the wider registers. */
+static int isa_runnable(void) {
+    int mask = 1 << STELLA_ISA_PORTABLE;
+#if STELLA_ISA_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v3")) mask |= 1 << STELLA_ISA_V3;
+    if (__builtin_cpu_supports("x86-64-v4")) mask |= 1 << STELLA_ISA_V4;
+#endif
+    return mask;
+}
+
+/* 0 until resolved, then 0x100 | request << 4 | level. A race of two first calls
+ * resolves twice, to the same value. */
+static atomic_int isa_state;
+
+static int isa_resolve(void) {
+    int req = REQ_AUTO;
+    const char *env = getenv("STELLA_NATIVE_ISA");
+    if (env && *env) {
+        req = REQ_UNKNOWN;
+        for (int r = 0; r < REQ_UNKNOWN; r++)
+            if (!strcmp(env, isa_requests[r])) req = r;
+    }
+    const int mask = isa_runnable();
+    /* the level asked for, or the best one this CPU runs when it lacks that */
+    int level = (req == REQ_AUTO || req == REQ_UNKNOWN) ? STELLA_ISA_LEVELS - 1 : req - 1;
+    while (level > STELLA_ISA_PORTABLE && !(mask & (1 << level))) level--;
+    return 0x100 | req << 4 | level;
+}
+
+static int isa_state_get(void) {
+    int s = atomic_load_explicit(&isa_state, memory_order_relaxed);
+    if (STELLA_UNLIKELY(!s)) {
+        s = isa_resolve();
+        atomic_store_explicit(&isa_state, s, memory_order_relaxed);
+    }
+    return s;
+}
+
+int stella_isa_level(void) { return isa_state_get() & 0xf; }
+
+/* The level the dispatched kernels run at: "portable", "x86-64-v3" or "x86-64-v4". */
+const char *stella_native_isa(void) { return isa_names[stella_isa_level()]; }
+
+/* What STELLA_NATIVE_ISA asked for when the level was chosen: "auto", a level's name,
+ * or "unknown". A level other than stella_native_isa() means it fell back. */
+const char *stella_native_isa_requested(void) { return isa_requests[(isa_state_get() >> 4) & 0xf]; }
+
+/* Bit 1 << STELLA_ISA_* for every level compiled into this module (runnable == 0), or
+ * for those this CPU also runs (runnable != 0). */
+int stella_native_isa_levels(int runnable) {
+    const int compiled = STELLA_ISA_DISPATCH ? (1 << STELLA_ISA_LEVELS) - 1 : 1 << STELLA_ISA_PORTABLE;
+    return runnable ? compiled & isa_runnable() : compiled;
 }

@@ -167,7 +167,8 @@ static inline void prefetch_new(const early_prefetch *ep, const uint32_t *oi, in
     for (int e = from; e < to; e++) PREFETCH_W(ep->mem + (int64_t)oi[e] * ep->stride);
 }
 
-int stella_merge_window_tile(window_merge *wm, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
+int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, float *og, int cap,
+                                            const early_prefetch *ep) {
     int n = 0;
     for (;;) {
         while (wm->sweep < wm->len) {
@@ -182,7 +183,8 @@ int stella_merge_window_tile(window_merge *wm, uint32_t *oi, float *og, int cap,
 }
 
 /* One pushed stream: no merge at all, values converted and scaled. */
-int stella_merge_single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap, const early_prefetch *ep) {
+int STELLA_ISA_FN(stella_merge_single_tile)(stream_t *a, float scale, uint32_t *oi, float *og, int cap,
+                                            const early_prefetch *ep) {
     int64_t take = a->end - a->pos;
     if (take > cap) take = cap;
     for (int64_t j = 0; j < take; j++) {

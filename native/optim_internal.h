@@ -4,6 +4,8 @@
  *   optim_state.c  allocation, field copies, bias-correction tables
  *   merge.c        merge of sorted pushes into tiles (windowed scatter / sweep)
  *   update.c       the SGD / Adam / AdamW tile updates, apply (threads), gather
+ *                  (merge.c and update.c's apply are compiled once per ISA level,
+ *                  stella_isa.h; the wrappers are native/isa/merge_v*.c, update_v*.c)
  *   union.c        k-way union of sorted index lists
  *   optim_tuning.h prefetch distance / tile / prefetch kind (constants; knobs in
  *                  the bench-only build)
@@ -95,9 +97,12 @@ typedef struct {
 } early_prefetch;
 
 /* Merge the next tile (up to cap coordinates, sorted, values summed in push order
- * and scaled) into oi/og; returns its length, 0 when the streams are exhausted. */
-int stella_merge_window_tile(window_merge *wm, uint32_t *oi, float *og, int cap, const early_prefetch *ep);
+ * and scaled) into oi/og; returns its length, 0 when the streams are exhausted.
+ * One copy per ISA level, called by the same level's stella_optim_apply (stella_isa.h). */
+int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, float *og, int cap,
+                                            const early_prefetch *ep);
 /* The same for one stream: no merge, values converted and scaled. */
-int stella_merge_single_tile(stream_t *a, float scale, uint32_t *oi, float *og, int cap, const early_prefetch *ep);
+int STELLA_ISA_FN(stella_merge_single_tile)(stream_t *a, float scale, uint32_t *oi, float *og, int cap,
+                                            const early_prefetch *ep);
 
 #endif

@@ -1,8 +1,10 @@
 /* The one f16 / bf16 <-> f32 converter: scalar and array forms, static inline so
- * that codec.c (wire values) and merge.c (pushes in f16/bf16) share one
- * implementation and one rounding. f16 uses F16C / AVX-512 where the build has
- * them; every path gives the same bits (f16 -> f32 is exact, f32 -> f16 rounds to
- * nearest even in hardware and in the soft version alike). */
+ * that half.c (wire values) and merge.c (pushes in f16/bf16) share one
+ * implementation and one rounding. f16 uses F16C / AVX-512 where the translation
+ * unit is compiled for them (the build's -march, or the x86-64-v3/v4 copies of
+ * run-time dispatch, stella_isa.h); every path gives the same bits (f16 -> f32 is
+ * exact, NaNs made quiet; f32 -> f16 rounds to nearest even in hardware and in the
+ * soft version alike). */
 #ifndef STELLA_HALF_H
 #define STELLA_HALF_H
 
@@ -32,7 +34,8 @@ static inline uint16_t stella_f32_to_f16_soft(float f) {
 static inline float stella_f16_to_f32_soft(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return stella_bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e == 0x1f) /* inf, or NaN made quiet (as F16C does: the same bits on every path) */
+        return stella_bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x00400000u : 0u));
     if (e == 0) { /* zero / subnormal: m * 2^-24 exactly */
         float v = (float)m * stella_bits_f32(0x33800000u);
         return stella_bits_f32(sign | stella_f32_bits(v));

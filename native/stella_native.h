@@ -8,10 +8,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "stella_isa.h"
+
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
  * wrappers (stella.native_errors.require_abi) assert it at import so a stale build
  * fails loudly. */
-#define STELLA_ABI_VERSION 3
+#define STELLA_ABI_VERSION 4
 
 /* Return codes shared by all kernels (0 = ok, negative = error); stella_strerror()
  * has their text. */
@@ -59,5 +61,8 @@ static inline float stella_bits_f32(uint32_t u) {
 int stella_abi_version(void);
 const char *stella_strerror(int rc);
 int stella_check_sorted(const int32_t *idx, int64_t n, int64_t numel, int64_t *where);
+const char *stella_native_isa(void);
+const char *stella_native_isa_requested(void);
+int stella_native_isa_levels(int runnable);
 
 #endif

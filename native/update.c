@@ -190,9 +190,10 @@ static void run_range(range_job *job) {
         memset(wm.flag, 0, (size_t)B);
     }
     const early_prefetch ep = {TUNE_EARLY ? st->mem : NULL, st->nfields};
-#define NEXT_TILE(oi, og)                                                                      \
-    (live > 1 ? stella_merge_window_tile(&wm, (oi), (og), tile, &ep)                           \
-              : live ? stella_merge_single_tile(streams, job->scale, (oi), (og), tile, &ep) : 0)
+#define NEXT_TILE(oi, og)                                                                           \
+    (live > 1 ? STELLA_ISA_FN(stella_merge_window_tile)(&wm, (oi), (og), tile, &ep)                 \
+     : live   ? STELLA_ISA_FN(stella_merge_single_tile)(streams, job->scale, (oi), (og), tile, &ep) \
+              : 0)
     int cur = 0;
     int n = NEXT_TILE(ibuf[0], gbuf[0]);
     int64_t total = 0;
@@ -233,9 +234,12 @@ static void *run_range_thread(void *arg) {
 #define MAX_THREADS 64
 #define PARALLEL_MIN_WORK ((int64_t)1 << 15)
 
-int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
-                           const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
-                           int32_t nthreads) {
+/* Dispatched by ISA level (stella_isa.h): each level's copy runs that level's merge
+ * (merge.c: AVX-512 sweep, F16C loads) and Adam arithmetic (vectorised to its
+ * width); all give the same bits (no FMA contraction in ISO C mode). */
+int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *pushes, int32_t npush,
+                                          float scale, const stella_optim_cfg *cfg, int32_t *out_idx,
+                                          int64_t out_cap, int32_t nthreads) {
     if (!st || npush < 0 || (npush > 0 && !pushes) || !cfg || cfg->kind != st->kind) return STELLA_E_ARG;
     int64_t work = 0;
     int dense = 0, longest = -1;
@@ -315,7 +319,19 @@ int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t 
     return total;
 }
 
+#if STELLA_ISA_BASE
+STELLA_ISA_VARIANTS(stella_optim_apply);
+
+int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
+                           const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
+                           int32_t nthreads) {
+    return STELLA_ISA_PICK(stella_optim_apply)(st, pushes, npush, scale, cfg, out_idx, out_cap, nthreads);
+}
+#endif
+
 /* ----------------------------------------------------------------- gather */
+
+#if !STELLA_ISA_VARIANT /* not dispatched: the gather is bound by memory latency */
 
 typedef struct {
     const stella_optim *st;
@@ -373,3 +389,4 @@ int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, f
     }
     return rc;
 }
+#endif

@@ -20,6 +20,7 @@ from stella.cli import main as stella_main
 from stella.protocol import WorkerReport
 from stella.status import rates, render, watch
 from stella_ps import health
+from stella_ps.kernel import native_isa
 from stella_ps.metrics import MetricsServer, parse_bind
 
 
@@ -79,6 +80,7 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     finally:
         asyncio.run_coroutine_threadsafe(metrics.close(), srv.loop).result(10)
     assert value(fams, "stella_info", version="0.1.0") == 1
+    assert value(fams, "stella_info", native_isa=native_isa().level) == 1  # the C kernel's x86-64 level
     assert value(fams, "stella_model_version") == 1
     assert value(fams, "stella_live_workers") == 1
     assert value(fams, "stella_steps_total") == 1

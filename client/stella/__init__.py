@@ -3,6 +3,7 @@
 Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer)
 or :class:`Client` (push / pull against a ``stella-ps``) directly.
 """
+from ._codec_native import native_isa
 from .client import Client, Pending, PullResult
 from .errors import (
     BadRequest,
@@ -42,6 +43,7 @@ __all__ = [
     "NotRegistered",
     "VersionError",
     "Unauthorised",
+    "native_isa",
 ]
 __version__ = "0.1.0"
 

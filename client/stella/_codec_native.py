@@ -13,9 +13,10 @@ import numpy as np
 
 from ._native import ffi, lib
 from .errors import BadValue, CodecError
-from .native_errors import check, require_abi
+from .native_errors import NativeIsa, check, isa_info, require_abi, warn_isa_fallback
 
 require_abi(lib, "stella._native")
+warn_isa_fallback(lib, "stella._native")
 
 __all__ = [
     "INDEX_CODING_IDS",
@@ -35,6 +36,7 @@ __all__ = [
     "q_encode",
     "q_round",
     "q_decode",
+    "native_isa",
 ]
 
 INDEX_CODING_IDS = {
@@ -61,6 +63,12 @@ QUANT_BITS = {"q4": 4, "q2": 2}
 # hold is refused before anything is allocated for it.
 _MIN_BITS = {"raw32": 32, "varint": 8, "u16chunk": 16, "rice": 1, "block16": 1 / 16}
 
+
+
+def native_isa() -> NativeIsa:
+    """The x86-64 level of ``stella._native``'s dispatched kernels (top-k selection,
+    f16/bf16 conversion); :func:`stella.native_isa` is the public name."""
+    return isa_info(lib)
 
 
 def byte_view(buf) -> np.ndarray:

@@ -8,18 +8,26 @@ call that returns a code, as PyNaCl's ``ensure`` and pyzmq's ``_check_rc`` do. T
 return codes (``lib.STELLA_E_*``) and their text (``stella_strerror``) come from
 ``native/stella_native.h`` through cffi: nothing here mirrors a C table.
 
+Both modules also choose, once, the x86-64 level their hot kernels run at
+(``native/stella_isa.h``): :func:`isa_info` reads the choice, :func:`warn_isa_fallback`
+says when ``STELLA_NATIVE_ISA`` asked for a level this CPU lacks.
+
 The server imports this public module; it never imports private ``stella._*`` ones.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cffi import FFI
 
-__all__ = ["ABI_VERSION", "require_abi", "strerror", "check"]
+__all__ = ["ABI_VERSION", "require_abi", "strerror", "check", "ISA_ENV", "NativeIsa", "isa_info",
+           "warn_isa_fallback"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 """The ``STELLA_ABI_VERSION`` these wrappers were written against (native/stella_native.h);
 bumped together with it."""
 
@@ -61,3 +69,59 @@ def check(lib: Any, rc: int, what: str, exc: ExcSpec) -> int:
     else:
         cls = MemoryError if rc == lib.STELLA_E_NOMEM else exc
     raise cls(f"{what}: {strerror(lib, rc)} (code {rc})")
+
+
+ISA_ENV = "STELLA_NATIVE_ISA"
+"""Environment override of the kernels' x86-64 level: ``auto`` (default), ``portable``,
+``x86-64-v3`` or ``x86-64-v4``; read once per module, at its first native call."""
+
+ISA_LEVELS = ("portable", "x86-64-v3", "x86-64-v4")
+"""The levels, in the order of their bits (``STELLA_ISA_*``, native/stella_isa.h)."""
+
+
+@dataclass(frozen=True)
+class NativeIsa:
+    """The x86-64 level a native module's dispatched kernels run at."""
+
+    level: str
+    """The chosen level: one of :data:`ISA_LEVELS`."""
+    requested: str
+    """What ``STELLA_NATIVE_ISA`` asked for: ``auto``, a level, or ``unknown``."""
+    compiled: tuple[str, ...]
+    """The levels the module holds (only ``portable`` off x86-64 or without GCC)."""
+    runnable: tuple[str, ...]
+    """The compiled levels this CPU runs."""
+
+    @property
+    def fell_back(self) -> bool:
+        """True when the level asked for was not taken (the CPU lacks it, or the name is unknown)."""
+        return self.requested != "auto" and self.requested != self.level
+
+
+def isa_info(lib: Any) -> NativeIsa:
+    """The ISA level of ``lib`` (``stella._native`` or ``stella_ps._kernel``); the first
+    call of a process chooses it."""
+    def levels(mask: int) -> tuple[str, ...]:
+        return tuple(name for bit, name in enumerate(ISA_LEVELS) if mask >> bit & 1)
+
+    return NativeIsa(
+        level=_ffi.string(lib.stella_native_isa()).decode(),
+        requested=_ffi.string(lib.stella_native_isa_requested()).decode(),
+        compiled=levels(lib.stella_native_isa_levels(0)),
+        runnable=levels(lib.stella_native_isa_levels(1)),
+    )
+
+
+def warn_isa_fallback(lib: Any, module_name: str) -> NativeIsa:
+    """:func:`isa_info`, with a :class:`RuntimeWarning` when ``STELLA_NATIVE_ISA`` asked
+    for a level that was not taken."""
+    info = isa_info(lib)
+    if info.fell_back:
+        asked = os.environ.get(ISA_ENV, "") if info.requested == "unknown" else info.requested
+        warnings.warn(
+            f"{module_name}: {ISA_ENV}={asked!r} is not a level this CPU runs "
+            f"(runnable: {', '.join(info.runnable)}); running {info.level}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return info

@@ -20,13 +20,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stella.native_errors import check, require_abi
+from stella.native_errors import NativeIsa, check, isa_info, require_abi, warn_isa_fallback
 
 from ._kernel import ffi, lib
 from .errors import KernelError, KernelInputError
 from .optim import OptimizerConfig
 
 require_abi(lib, "stella_ps._kernel")
+warn_isa_fallback(lib, "stella_ps._kernel")
 
 __all__ = [
     "KernelTensorState",
@@ -38,6 +39,7 @@ __all__ = [
     "state_bytes",
     "hugepages_worthwhile",
     "ENV_THREADS",
+    "native_isa",
 ]
 
 ENV_THREADS = "STELLA_KERNEL_THREADS"
@@ -64,6 +66,12 @@ _INPUT_ERRORS = {lib.STELLA_E_RANGE: KernelInputError, lib.STELLA_E_ORDER: Kerne
 _HUGE_2M = 2 << 20
 _FLOATS_PER_COORD = {"sgd": 2, "adam": 4, "adamw": 4}  # record fields (native/optim_state.c)
 HUGEPAGE_MAX_WASTE = 1 / 8  # round a state up to 2 MiB pages only when that adds at most this
+
+
+def native_isa() -> NativeIsa:
+    """The x86-64 level the kernel's apply (merge and update) runs at: ``portable``,
+    ``x86-64-v3`` or ``x86-64-v4`` (``STELLA_NATIVE_ISA`` overrides; native/stella_isa.h)."""
+    return isa_info(lib)
 
 
 def _exact_state_bytes(numel: int, name: str) -> int:

@@ -12,7 +12,8 @@ check that gets an answer knows that loop is turning.
 Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name``):
 
 =================================  =======  ==============================================
-``info``                           gauge    1, labels ``version`` (release), ``protocol``
+``info``                           gauge    1, labels ``version`` (release), ``protocol``,
+                                            ``native_isa`` (the C kernel's x86-64 level)
 ``model_version``                  gauge    applied steps (the model's version)
 ``live_workers``                   gauge    workers that joined and did not leave
 ``expected_workers``               gauge    ``--workers``
@@ -55,6 +56,7 @@ from stella.protocol import PROTOCOL_VERSION
 
 from . import __version__
 from .errors import ConfigError
+from .kernel import native_isa
 
 if TYPE_CHECKING:
     from .service import Service
@@ -93,9 +95,9 @@ class JobCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         svc, s = self.service, self.service.stats
         now = time.time()
-        info = GaugeMetricFamily("stella_info", "stella-ps release and protocol version",
-                                 labels=["version", "protocol"])
-        info.add_metric([__version__, str(PROTOCOL_VERSION)], 1)
+        info = GaugeMetricFamily("stella_info", "stella-ps release, protocol version, C kernel's x86-64 level",
+                                 labels=["version", "protocol", "native_isa"])
+        info.add_metric([__version__, str(PROTOCOL_VERSION), native_isa().level], 1)
         yield info
         yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version",
                                 value=svc.store.version)

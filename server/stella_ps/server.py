@@ -25,6 +25,7 @@ from stella.protocol import MAX_FRAMES, decode_request, encode, request_id
 
 from .config import ServerConfig
 from .errors import ConfigError
+from .kernel import native_isa
 from .security import ZAP_DOMAIN, Allowlist, Gatekeeper, fingerprint, load_server_keys
 from .service import Peer, Service, Stats
 
@@ -104,7 +105,8 @@ class ParameterServer:
         if self._gate is not None:
             self._gate.start()
         self.service.start()
-        log.info("listening", extra={"endpoint": self.endpoint, "workers": self.config.workers})
+        log.info("listening", extra={"endpoint": self.endpoint, "workers": self.config.workers,
+                                     "native_isa": native_isa().level})
         recv: asyncio.Future | None = None
         stop = asyncio.ensure_future(self._stop.wait())
         try:

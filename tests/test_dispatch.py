@@ -1,0 +1,235 @@
+"""Run-time dispatch of the C kernels by x86-64 level (native/stella_isa.h).
+
+Every level this CPU runs is forced in a subprocess (``STELLA_NATIVE_ISA``, read once
+per process) that runs the dispatched kernels on fixed inputs: top-k selection with
+error feedback (threshold and block methods, carried thresholds, ties), the f16/bf16
+converters of the codec, and the optimizer's apply (merge of f32/f16/bf16 and dense
+pushes, SGD and Adam). The outputs must be the same bits at every level, and match the
+references (mass conservation and top-ness of the selection, numpy/torch conversion,
+``stella_ps.optim_ref``). A level the CPU lacks must fall back, visibly, not crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import stella
+from stella.native_errors import ISA_ENV, ISA_LEVELS
+from stella_ps import kernel
+from stella_ps.optim import OptimizerConfig
+from stella_ps.optim_ref import RefTensorState
+
+HERE = pathlib.Path(__file__).resolve().parent
+F32 = np.float32
+N_TOPK, K_TOPK, TOPK_STEPS = 50_003, 500, 4
+N_OPT, OPT_STEPS = 20_011, 3
+CONFIGS = {
+    "sgd": {"name": "sgd", "lr": 0.05, "weight_decay": 0.01, "momentum": 0.9, "nesterov": True,
+            "momentum_mode": "lazy"},
+    "adam": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "betas": (0.8, 0.95)},
+}
+
+
+def _conversion_input() -> np.ndarray:
+    rng = np.random.default_rng(3)
+    special = np.array([0.0, -0.0, 1.0, 65504.0, 65520.0, 6e-8, 2.98e-8, 1e-45, -1e-40, 3.4e38, np.inf,
+                        -np.inf, np.nan, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.00390625, 1.01171875], F32)
+    return np.concatenate([special, (rng.standard_normal(4001) * 10.0 ** rng.integers(-9, 6, 4001)).astype(F32),
+                           rng.integers(0, 2**32, 2001, dtype=np.uint32).view(F32)])
+
+
+def _topk_inputs():
+    """(method, residual, gradients per step): plain random, and heavy ties."""
+    rng = np.random.default_rng(11)
+    for method in ("threshold", "block"):
+        res = np.zeros(N_TOPK, F32)
+        grads = [rng.standard_normal(N_TOPK).astype(F32) * (1 + s) for s in range(TOPK_STEPS)]
+        yield method, res, grads
+    ties = np.round(rng.standard_normal(N_TOPK) * 2).astype(F32)  # a handful of distinct values
+    yield "threshold", ties, [None]
+
+
+def _opt_pushes(step: int):
+    rng = np.random.default_rng(100 + step)
+    pushes = []
+    for w, dt in enumerate(("f32", "f16", "bf16", "f32")):
+        idx = np.sort(rng.choice(N_OPT, N_OPT // (4 + w), replace=False)).astype(np.int32)
+        v = rng.standard_normal(idx.size).astype(F32)
+        if dt == "f16":
+            v = v.astype(np.float16)
+        elif dt == "bf16":
+            v = (v.view(np.uint32) >> 16).astype(np.uint16)
+        pushes.append((idx, v))
+    if step == 1:  # a dense push as well
+        pushes.append((None, rng.standard_normal(N_OPT).astype(F32)))
+    return pushes
+
+
+def _as_ref(push):
+    idx, v = push
+    if v.dtype == np.uint16:  # bf16 bits -> float32
+        v = (v.astype(np.uint32) << 16).view(F32)
+    return (np.arange(N_OPT, dtype=np.int32) if idx is None else idx), v.astype(F32)
+
+
+def run_kernels(out: str) -> None:
+    """The subprocess's work: every dispatched kernel on the fixed inputs, into ``out`` (npz)."""
+    from stella import _codec_native as codec_native
+    from stella._native import ffi, lib
+
+    res_: dict[str, np.ndarray] = {}
+    info = stella.native_isa()
+    res_["level"] = np.array([info.level, kernel.native_isa().level])
+    for case, (method, res, grads) in enumerate(_topk_inputs()):
+        unit = 1 if method == "threshold" else lib.STELLA_BLOCK
+        state = ffi.new("stella_topk_state *")
+        for step, g in enumerate(grads):
+            k_units = K_TOPK if unit == 1 else K_TOPK // unit
+            cap = 2 * k_units + 1024
+            idx, val, score = np.empty(cap * unit, np.int32), np.empty(cap * unit, F32), np.empty(cap, F32)
+            args = ffi.new("stella_topk_args *", {"k_units": k_units, "unit": unit, "nsample": 4096, "seed": step})
+            outp = ffi.new("stella_topk_out *", {"idx": ffi.from_buffer("int32_t[]", idx),
+                                                 "val": ffi.from_buffer("float[]", val),
+                                                 "score": ffi.from_buffer("float[]", score), "cap_units": cap})
+            stats = ffi.new("stella_topk_stats *")
+            gp = ffi.NULL if g is None else ffi.from_buffer("float[]", g)
+            n = lib.stella_ef_topk(ffi.from_buffer("float[]", res), gp, res.size, args, state, outp, stats)
+            assert n >= 0, n
+            key = f"topk{case}_{step}"
+            res_[key + "_idx"], res_[key + "_val"], res_[key + "_res"] = idx[:n], val[:n], res.copy()
+            res_[key + "_state"] = np.array([state.emit_threshold, state.last_threshold, state.zero_threshold], F32)
+            res_[key + "_passes"] = np.array([stats.passes, stats.exact_fallback])
+    v = _conversion_input()
+    res_["f16"], res_["bf16"] = codec_native.f32_to_f16(v), codec_native.f32_to_bf16(v)
+    res_["f16_back"] = codec_native.f16_to_f32(res_["f16"])
+    res_["bf16_back"] = codec_native.bf16_to_f32(res_["bf16"])
+    res_["f16_all"] = codec_native.f16_to_f32(np.arange(2**16, dtype=np.uint16))  # every half, sNaNs too
+    for name, wire in CONFIGS.items():
+        cfg = OptimizerConfig.from_wire(wire)
+        st = kernel.KernelTensorState(np.linspace(-1, 1, N_OPT, dtype=F32), cfg)
+        for step in range(OPT_STEPS):
+            res_[f"{name}_touched{step}"] = st.apply(_opt_pushes(step), 0.25, cfg)
+        for field, a in st.state_arrays().items():
+            res_[f"{name}_{field}"] = a
+    res_["union"] = kernel.union_indices([p[0] for p in _opt_pushes(0)])
+    np.savez(out, **res_)
+
+
+def _run(level: str, tmp_path: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
+    out = tmp_path / f"{level}.npz"
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_dispatch; "
+            f"test_dispatch.run_kernels({str(out)!r})")
+    env = {**os.environ, ISA_ENV: level}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"{level}: rc {p.returncode}\n{p.stderr[-3000:]}"
+    with np.load(out) as z:
+        return {k: z[k] for k in z.files}, p.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict[str, np.ndarray], str]]:
+    tmp = tmp_path_factory.mktemp("dispatch")
+    return {level: _run(level, tmp) for level in stella.native_isa().runnable}
+
+
+def test_levels_reported_and_runnable_ones_chosen_by_default():
+    info, kinfo = stella.native_isa(), kernel.native_isa()
+    assert info == kinfo  # one choice, made the same way in both modules
+    assert info.runnable[0] == "portable" and set(info.runnable) <= set(info.compiled) <= set(ISA_LEVELS)
+    if os.environ.get(ISA_ENV, "auto") == "auto":
+        assert info.level == info.runnable[-1] and not info.fell_back
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 only")
+def test_variants_compiled_in_and_avx512_only_where_the_cpu_has_it():
+    info = stella.native_isa()
+    assert info.compiled == ISA_LEVELS  # GCC on x86-64: portable, v3 and v4 copies
+    flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
+    assert ("x86-64-v4" in info.runnable) == ({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags)
+    assert ("x86-64-v3" in info.runnable) == ({"avx2", "f16c", "fma", "bmi2", "movbe"} <= flags)
+
+
+def test_every_level_gives_the_same_bits(runs):
+    base, _ = runs["portable"]
+    for level, (got, stderr) in runs.items():
+        assert list(got["level"]) == [level, level]
+        assert "RuntimeWarning" not in stderr
+        assert got.keys() == base.keys()
+        for key in base:
+            if key != "level":
+                assert got[key].dtype == base[key].dtype and got[key].tobytes() == base[key].tobytes(), (level, key)
+
+
+def test_results_match_the_references(runs):
+    import torch
+
+    got, _ = runs[stella.native_isa().runnable[-1]]
+    # top-k: mass conserved exactly (res + grad == residual + sent), and a top set
+    for case, (method, res, grads) in enumerate(_topk_inputs()):
+        res = res.copy()
+        for step, g in enumerate(grads):
+            acc = res + g if g is not None else res
+            key = f"topk{case}_{step}"
+            idx, val, res = got[key + "_idx"], got[key + "_val"], got[key + "_res"]
+            assert np.all(np.diff(idx) > 0) and idx.size > 0
+            back = res.copy()
+            back[idx] += val
+            assert back.tobytes() == acc.tobytes()
+            assert np.all(res[idx] == 0)
+            if method == "threshold":
+                assert np.abs(val).min() >= np.abs(np.delete(acc, idx)).max()
+            else:
+                blocks = np.pad(acc, (0, -acc.size % 16)).reshape(-1, 16).astype(np.float64)
+                score = (blocks**2).sum(1)
+                sent = np.unique(idx // 16)
+                assert np.all(idx // 16 == np.repeat(sent, 16)[: idx.size])
+                assert score[sent].min() >= np.delete(score, sent).max() * (1 - 1e-6)
+    # conversions: numpy (f16) and torch (bf16), NaN stays NaN
+    v = _conversion_input()
+    nan = np.isnan(v)
+    with np.errstate(over="ignore"):  # (to inf, as it should)
+        assert got["f16"][~nan].tobytes() == v[~nan].astype(np.float16).view(np.uint16).tobytes()
+    bf = torch.from_numpy(v).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert got["bf16"][~nan].tobytes() == bf[~nan].tobytes()
+    assert np.all(np.isnan(got["f16_back"][nan])) and np.all(np.isnan(got["bf16_back"][nan]))
+    assert got["f16_back"].tobytes() == got["f16"].view(np.float16).astype(F32).tobytes()
+    every = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(F32)
+    nan = np.isnan(every)
+    assert got["f16_all"][~nan].tobytes() == every[~nan].tobytes()
+    assert np.all(got["f16_all"].view(np.uint32)[nan] & 0x7FC00000 == 0x7FC00000)  # quiet NaNs
+    # the optimizer's apply: bit-identical to optim_ref, union as numpy's
+    for name, wire in CONFIGS.items():
+        cfg = OptimizerConfig.from_wire(wire)
+        ref = RefTensorState(np.linspace(-1, 1, N_OPT, dtype=F32), cfg)
+        for step in range(OPT_STEPS):
+            touched = ref.apply([_as_ref(p) for p in _opt_pushes(step)], 0.25, cfg)
+            np.testing.assert_array_equal(got[f"{name}_touched{step}"], touched)
+        for field in ("param", "momentum_buf", "exp_avg", "exp_avg_sq", "step"):
+            if f"{name}_{field}" in got:
+                assert got[f"{name}_{field}"].tobytes() == getattr(ref, field).tobytes(), (name, field)
+    assert got["union"].tobytes() == np.unique(np.concatenate([p[0] for p in _opt_pushes(0)])).tobytes()
+
+
+@pytest.mark.parametrize("ask", ["x86-64-v4", "x86-64-v3", "bogus"])
+def test_a_level_the_cpu_lacks_falls_back_visibly(ask, tmp_path):
+    info = stella.native_isa()
+    if ask in info.runnable:
+        pytest.skip(f"this CPU runs {ask}")
+    got, stderr = _run(ask, tmp_path)  # must not die of SIGILL
+    best = info.runnable[-1] if ask != "x86-64-v3" else "portable"
+    assert list(got["level"]) == [best, best]
+    assert f"{ISA_ENV}={ask!r}" in stderr and "RuntimeWarning" in stderr
+
+
+def test_stella_ps_logs_its_level(make_server, make_client):
+    ps = make_server(1, env={ISA_ENV: "portable"})
+    make_client(ps.endpoint, join=False).status()  # answered: serve() has logged "listening"
+    lines = [json.loads(line) for line in ps.logs().splitlines() if line.startswith("{")]
+    (listening,) = [r for r in lines if r["msg"] == "listening"]
+    assert listening["native_isa"] == "portable"
