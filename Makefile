@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stella-installed
 # Production modules: stella._native (client) and stella_ps._kernel (server).
 # native/bench/ is compiled on first use by bench/_native_bench.py (into build/).
-NATIVE := $(wildcard native/*.c native/*.h native/cdefs/*.h) native/build_cffi.py
+NATIVE := $(wildcard native/*.c native/*.h native/isa/*.c native/cdefs/*.h) native/build_cffi.py
 
 # The images install only from this wheelhouse (no index inside a build): the project's
 # wheel, built for the portable x86-64 level $(NATIVE_ARCH) (docker/README.md), and its
