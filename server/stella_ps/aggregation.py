@@ -2,7 +2,11 @@
 grouping per tensor, the mean's scale, and late pushes.
 
 A step closes when every live worker has a pending push, or when the step deadline
-after the step's first push passes (:meth:`Aggregator.deadline`). The deadline is
+after the step's first push passes (:meth:`Aggregator.deadline`). A worker a deadline
+closed a step without is *behind* (:meth:`Aggregator.mark_behind`): later steps do not
+wait for it until its next push arrives, so a dead worker costs one deadline, not one
+per step until the liveness timeout declares it gone, and a stopped or slow one lets
+the others run at their own pace, its pushes folded in as they come. The deadline is
 adaptive by default (:class:`AdaptiveDeadline`): a quantile of the recent spreads
 of push arrivals within complete steps, times a factor, within the operator's
 bounds; so a healthy job never waits a fixed guess, and a straggler costs a
@@ -114,6 +118,7 @@ class Aggregator:
         self._pending: dict[int, deque[PendingPush]] = {}
         self._last_close = 0.0  # monotonic time the previous step closed
         self._pushed_before: set[int] = set()  # workers with a step behind them
+        self._behind: set[int] = set()  # missed a step closed by the deadline; not waited for until they push
 
     def check_room(self, worker: int, nbytes: int) -> None:
         """Raise a ``limit`` :class:`ServerError` if a push of ``nbytes`` from ``worker``
@@ -137,6 +142,7 @@ class Aggregator:
         self.check_room(push.worker, push.nbytes)
         q = self._pending.setdefault(push.worker, deque())
         q.append(push)
+        self._behind.discard(push.worker)
         return len(q) - 1
 
     def pending_count(self) -> int:
@@ -150,8 +156,16 @@ class Aggregator:
         return {w for w, q in self._pending.items() if q}
 
     def missing(self, live: Collection[int]) -> list[int]:
-        """Live workers the open step still waits for."""
-        return [w for w in live if not self._pending.get(w)]
+        """Live workers the open step still waits for (those behind excepted)."""
+        return [w for w in live if not self._pending.get(w) and w not in self._behind]
+
+    def mark_behind(self, workers: Collection[int]) -> None:
+        """``workers`` missed a step the deadline closed: wait for none of them until
+        its next push arrives."""
+        self._behind.update(workers)
+
+    def behind(self) -> list[int]:
+        return sorted(self._behind)
 
     def should_close(self, live: Collection[int], started: bool) -> bool:
         """Does the open step close now: some push pending and every live worker's in

@@ -585,8 +585,9 @@ class Service:
     def _on_deadline(self) -> None:
         self._deadline = None
         if not self._applying and self.agg.has_pending():
-            log.info("step deadline passed", extra={"missing_workers": self.agg.missing(self.members.live),
-                                                    "version": self.store.version})
+            missing = self.agg.missing(self.members.live)
+            log.info("step deadline passed", extra={"missing_workers": missing, "version": self.store.version})
+            self.agg.mark_behind(missing)  # the next steps do not wait for them until they push
             self._applying = True
             self._spawn(self._apply_ready(force=True))
 
