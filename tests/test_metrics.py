@@ -7,6 +7,8 @@ import asyncio
 import io
 import json
 import math
+import os
+import re
 import socket
 import urllib.request
 
@@ -22,6 +24,8 @@ from stella.status import rates, render, watch
 from stella_ps import health
 from stella_ps.kernel import native_isa
 from stella_ps.metrics import MetricsServer, parse_bind
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -106,6 +110,12 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     assert "version 1" in table and "checkpoint none" in table
     row = next(line for line in table.splitlines() if "site-a" in line)
     assert "25.00%" in row and "0.060" in row and "17" in row  # density, s/it, wait %
+    # every series the Grafana dashboard queries is one the server exports
+    with open(os.path.join(ROOT, "docker", "grafana-dashboard.json")) as f:
+        exprs = re.findall(r'"expr":\s*"([^"]*)"', f.read())
+    queried = {m for e in exprs for m in re.findall(r"\bstella_[a-z0-9_]+", e)}
+    exported = {smp.name for fam in fams.values() for smp in fam}
+    assert len(exprs) >= 10 and queried and not queried - exported, sorted(queried - exported)
 
 
 def test_status_table_watch_and_json():
