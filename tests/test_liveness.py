@@ -205,13 +205,18 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
         took = time.monotonic() - t0
         # one deadline for the first step; the next ones do not wait for a worker that is behind
         assert took < before["step_deadline_s"] + 1.0, took
+        mid = a.status()
+        assert mid["behind_workers"] == [w for w in mid["workers"] if w != a.worker_id], mid
+        from stella.status import rates, render
+
+        assert "(behind)" in render(mid, rates(mid, None, None))
         b.send_signal(signal.SIGCONT)
         assert b.stdout.readline().startswith("pushed")
         a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)  # the step the late push joins
         v = a.pull(v, wait_for=v + 1).version
         assert b.wait(30) == 0
         st = a.status()
-        assert st["late_pushes"] >= 1
+        assert st["late_pushes"] >= 1 and st["behind_workers"] == []  # it pushed: waited for again
         final = a.pull(None).tensors["w"][1]
         # conserved: the marker's mass 8 reached the model, scaled by the mean over its step's 1 or 2
         # contributors (lr 1): -8 or -4, never 0 (dropped)
@@ -299,7 +304,7 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
                 model(x).square().mean().backward()
                 opt.step()
             opt.close()
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     a = threading.Thread(target=train, args=(0, 6))

@@ -56,6 +56,7 @@ def render(st: dict[str, Any], r: dict[str, float], address: str = "") -> str:
             f"/{st['expected_workers']} | {opt}{' | INSECURE' if st.get('insecure') else ''}")
     cols = ("worker", "name", "key", "last seen", "steps", "density", "s/it", "wait %")
     rows = []
+    behind = set(st.get("behind_workers") or ())
     live = st.get("live")
     if live is None:  # a server before per-worker status: ids and keys only
         live = [{"worker": w, "name": "", "key_fingerprint": st["worker_keys"].get(w, ""), "last_seen_s": None,
@@ -68,9 +69,10 @@ def render(st: dict[str, Any], r: dict[str, float], address: str = "") -> str:
                      f"{100 * rep['wait_s'] / it:.0f}" if it > 0 else "0")
         else:
             cells = ("-", "-", "-", "-")
-        seen = w.get("last_seen_s")
-        rows.append((str(w["worker"]), w.get("name") or "-", w.get("key_fingerprint") or "-",
-                     "-" if seen is None else _age(seen), *cells))
+        seen = "-" if w.get("last_seen_s") is None else _age(w["last_seen_s"])
+        if w["worker"] in behind:
+            seen += " (behind)"  # a deadline closed a step without it: not waited for until it pushes
+        rows.append((str(w["worker"]), w.get("name") or "-", w.get("key_fingerprint") or "-", seen, *cells))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = [head, "", "  ".join(c.ljust(wd) for c, wd in zip(cols, widths))]
     lines += ["  ".join(v.ljust(wd) for v, wd in zip(row, widths)).rstrip() for row in rows]

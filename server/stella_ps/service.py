@@ -427,6 +427,7 @@ class Service:
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
             liveness_timeout_s=self.config.liveness_timeout, step_deadline_s=self.agg.current_deadline(),
             checkpoint_version=self.checkpoint_version,
+            behind_workers=[w for w in self.agg.behind() if w in self.members.live],
         ), ())
 
     def _register(self, ident: bytes, rx: Received) -> None:
