@@ -125,7 +125,7 @@ def run(chaos: bool, a: argparse.Namespace, workdir: str, bed: Any = None) -> di
         return launcher(f"w{rank}")(
             [sys.executable, "-m", "bench.live_worker", endpoint, "--rank", str(rank), "--world", str(a.workers),
              "--target-version", str(a.target), "--log", log, "--timeout", "5", "--hidden", str(a.hidden),
-             "--step-sleep", str(a.step_sleep), *extra],
+             "--step-sleep", str(a.step_sleep), "--max-steps", str(10 * a.target), *extra],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def worker_id(rank: int) -> int | None:
