@@ -561,7 +561,9 @@ def test_a_worker_a_deadline_closed_a_step_without_is_not_waited_for_until_it_pu
     agg.add(PendingPush(0, 0, []))
     agg.add(PendingPush(1, 0, []))
     assert agg.missing(live) == [2] and not agg.should_close(live, True)
-    agg.mark_behind(agg.missing(live))  # the deadline closes the step without worker 2
+    agg.mark_behind([7], [7])
+    agg.mark_behind(agg.missing(live), live)  # the deadline closes the step without worker 2; 7 left
+    assert agg.behind() == [2]
     assert agg.take_step(0, 0, complete=False) is not None
     agg.add(PendingPush(0, 1, []))
     agg.add(PendingPush(1, 1, []))

@@ -159,9 +159,11 @@ class Aggregator:
         """Live workers the open step still waits for (those behind excepted)."""
         return [w for w in live if not self._pending.get(w) and w not in self._behind]
 
-    def mark_behind(self, workers: Collection[int]) -> None:
+    def mark_behind(self, workers: Collection[int], live: Collection[int]) -> None:
         """``workers`` missed a step the deadline closed: wait for none of them until
-        its next push arrives."""
+        its next push arrives. Workers no longer ``live`` are forgotten (the set
+        stays bounded by the live workers in a job of many comings and goings)."""
+        self._behind.intersection_update(live)
         self._behind.update(workers)
 
     def behind(self) -> list[int]:

@@ -588,7 +588,7 @@ class Service:
         if not self._applying and self.agg.has_pending():
             missing = self.agg.missing(self.members.live)
             log.info("step deadline passed", extra={"missing_workers": missing, "version": self.store.version})
-            self.agg.mark_behind(missing)  # the next steps do not wait for them until they push
+            self.agg.mark_behind(missing, self.members.live)  # not waited for again until they push
             self._applying = True
             self._spawn(self._apply_ready(force=True))
 
