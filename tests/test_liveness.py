@@ -198,13 +198,24 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
         b.send_signal(signal.SIGSTOP)
         before = a.status()
         assert before["step_deadline_s"] is not None and before["step_deadline_s"] < 1.0  # learnt, not the 30 s
+        deadline = before["step_deadline_s"]
         t0 = time.monotonic()
-        for _ in range(6):  # the other worker goes on: each step closes after the adaptive deadline
+        waited = []
+        while not a.status()["behind_workers"]:  # the other worker goes on
+            assert time.monotonic() - t0 < 15, "the stopped worker was never counted behind"
+            ts = time.monotonic()
             a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
             v = a.pull(v, wait_for=v + 1, timeout=5).version
-        took = time.monotonic() - t0
-        # one deadline for the first step; the next ones do not wait for a worker that is behind
-        assert took < before["step_deadline_s"] + 1.0, took
+            waited.append(time.monotonic() - ts)
+        # each step waited the deadline while the stopped worker was not yet silent (its last heartbeat
+        # less than 1.5 intervals of 1.5 s ago), and it was silent soon after
+        assert waited and min(waited) >= 0.8 * deadline, (waited, deadline)
+        assert time.monotonic() - t0 < 2.25 + deadline + 1.5, waited
+        t1 = time.monotonic()
+        for _ in range(5):  # behind: the steps do not wait for it any more
+            a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
+            v = a.pull(v, wait_for=v + 1, timeout=5).version
+        assert time.monotonic() - t1 < min(1.0, 4 * deadline), (time.monotonic() - t1, deadline)
         mid = a.status()
         assert mid["behind_workers"] == [w for w in mid["workers"] if w != a.worker_id], mid
         from stella.status import rates, render
@@ -226,6 +237,35 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
             b.send_signal(signal.SIGCONT)
             b.kill()
             b.wait()
+
+
+def test_a_slow_worker_still_heard_from_is_waited_for_every_step(make_server, make_client):
+    """A worker that computes long but heartbeats is slow, not behind: every step waits
+    for it up to the deadline (a synchronous job), and none runs on without it."""
+    srv = make_server(2, ["--liveness-timeout", "6", "--deadline-min", "0.3", "--deadline-max", "30"])
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)  # b heartbeats from its own thread
+    for c in (a, b):
+        c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    v = 0
+    for _ in range(8):
+        for c in (a, b):
+            c.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
+        v = a.pull(v, wait_for=v + 1).version
+        b.pull(v - 1, wait_for=v)
+    deadline = a.status()["step_deadline_s"]
+    assert deadline is not None and deadline < 1.0
+    t0 = time.monotonic()
+    for _ in range(4):  # b "computes" for ~4 heartbeat intervals: every step waits the deadline for it
+        a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
+        v = a.pull(v, wait_for=v + 1, timeout=5).version
+        time.sleep(1.0)
+        assert a.status()["behind_workers"] == []
+    took = time.monotonic() - t0 - 4.0
+    assert took >= 4 * 0.8 * deadline, (took, deadline)
+    b.push({"w": (np.array([1], np.int32), np.ones(1, np.float32))}, 8)  # its late push, folded
+    a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
+    v = a.pull(v, wait_for=v + 1).version
+    assert a.status()["late_pushes"] >= 1
 
 
 # --------------------------------------------------------------------------- the server's heartbeat

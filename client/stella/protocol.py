@@ -330,7 +330,7 @@ class StatusReply(_Message, tag="status", frozen=True):
     liveness_timeout_s: float = 0.0  # 0: liveness is not checked
     step_deadline_s: float | None = None  # the deadline a step waits for missing workers now; None: no deadline
     checkpoint_version: int | None = None  # version of the newest checkpoint written or resumed from
-    behind_workers: list[int] = []  # live workers a deadline closed a step without: not waited for until they push
+    behind_workers: list[int] = []  # silent, and a deadline closed a step without them: not waited for until they push
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):

@@ -71,7 +71,7 @@ def render(st: dict[str, Any], r: dict[str, float], address: str = "") -> str:
             cells = ("-", "-", "-", "-")
         seen = "-" if w.get("last_seen_s") is None else _age(w["last_seen_s"])
         if w["worker"] in behind:
-            seen += " (behind)"  # a deadline closed a step without it: not waited for until it pushes
+            seen += " (behind)"  # silent, a deadline closed a step without it: not waited for until it pushes
         rows.append((str(w["worker"]), w.get("name") or "-", w.get("key_fingerprint") or "-", seen, *cells))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = [head, "", "  ".join(c.ljust(wd) for c, wd in zip(cols, widths))]

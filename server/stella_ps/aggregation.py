@@ -3,10 +3,11 @@ grouping per tensor, the mean's scale, and late pushes.
 
 A step closes when every live worker has a pending push, or when the step deadline
 after the step's first push passes (:meth:`Aggregator.deadline`). A worker a deadline
-closed a step without is *behind* (:meth:`Aggregator.mark_behind`): later steps do not
-wait for it until its next push arrives, so a dead worker costs one deadline, not one
-per step until the liveness timeout declares it gone, and a stopped or slow one lets
-the others run at their own pace, its pushes folded in as they come. The deadline is
+closed a step without, and that is silent too (the service tells: no heartbeat for a
+while), is *behind* (:meth:`Aggregator.mark_behind`): later steps do not wait for it
+until its next push arrives, so a dead or stopped worker costs a deadline or two, not
+one per step until the liveness timeout declares it gone. One that is still heard from
+is only slow, and every step waits for it up to the deadline. The deadline is
 adaptive by default (:class:`AdaptiveDeadline`): a quantile of the recent spreads
 of push arrivals within complete steps, times a factor, within the operator's
 bounds; so a healthy job never waits a fixed guess, and a straggler costs a
@@ -118,7 +119,7 @@ class Aggregator:
         self._pending: dict[int, deque[PendingPush]] = {}
         self._last_close = 0.0  # monotonic time the previous step closed
         self._pushed_before: set[int] = set()  # workers with a step behind them
-        self._behind: set[int] = set()  # missed a step closed by the deadline; not waited for until they push
+        self._behind: set[int] = set()  # silent, missed a step the deadline closed: not waited for until they push
 
     def check_room(self, worker: int, nbytes: int) -> None:
         """Raise a ``limit`` :class:`ServerError` if a push of ``nbytes`` from ``worker``
@@ -160,8 +161,8 @@ class Aggregator:
         return [w for w in live if not self._pending.get(w) and w not in self._behind]
 
     def mark_behind(self, workers: Collection[int], live: Collection[int]) -> None:
-        """``workers`` missed a step the deadline closed: wait for none of them until
-        its next push arrives. Workers no longer ``live`` are forgotten (the set
+        """``workers`` missed a step the deadline closed, and are silent: wait for none
+        of them until its next push arrives. Workers no longer ``live`` are forgotten (the set
         stays bounded by the live workers in a job of many comings and goings)."""
         self._behind.intersection_update(live)
         self._behind.update(workers)

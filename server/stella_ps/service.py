@@ -75,6 +75,7 @@ __all__ = ["Service", "Stats", "MAX_WAIT_AHEAD"]
 log = logging.getLogger("stella_ps.service")
 MAX_WAIT_AHEAD = 1024  # a pull may wait for at most this many future steps
 CHECKPOINT_SLICE = 1 << 18  # coordinates a checkpoint copies per store-thread task (4 MiB of Adam records)
+SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals is silent (README "Stragglers")
 
 Send = Callable[[bytes, Any, Sequence[Any]], None]
 
@@ -231,6 +232,12 @@ class Service:
         self._writer.shutdown(wait=True)
 
     # ------------------------------------------------------------------ liveness and checkpoints
+    @property
+    def heartbeat_s(self) -> float:
+        """How often clients send a heartbeat (the ``joined`` reply says it); 0: never."""
+        t = self.config.liveness_timeout
+        return t / 4 if t > 0 else 0.0
+
     def start(self) -> None:
         """Start the liveness sweep (on the running loop)."""
         if self.config.liveness_timeout > 0 and self._sweeper is None:
@@ -381,10 +388,9 @@ class Service:
                                  key=peer.key, fingerprint=peer.fingerprint, session=msg.session)
         log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
                                          "key_fingerprint": info.fingerprint, "live": len(self.members.live)})
-        timeout = self.config.liveness_timeout
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised,
-                                 session=info.session, heartbeat_s=timeout / 4 if timeout > 0 else 0.0), ())
+                                 session=info.session, heartbeat_s=self.heartbeat_s), ())
         self._maybe_close_steps()
 
     def _heartbeat(self, ident: bytes, msg: Heartbeat, peer: Peer) -> None:
@@ -587,8 +593,13 @@ class Service:
         self._deadline = None
         if not self._applying and self.agg.has_pending():
             missing = self.agg.missing(self.members.live)
-            log.info("step deadline passed", extra={"missing_workers": missing, "version": self.store.version})
-            self.agg.mark_behind(missing, self.members.live)  # not waited for again until they push
+            # of those, the silent ones (no heartbeat for 1.5 intervals: dead, stopped, cut off) are
+            # behind, not waited for again until they push; one still heard from is only slow
+            hb, now = self.heartbeat_s, time.monotonic()
+            silent = [w for w in missing if hb > 0 and now - self.members.live[w].last_seen > SILENT_BEATS * hb]
+            log.info("step deadline passed", extra={"missing_workers": missing, "silent_workers": silent,
+                                                    "version": self.store.version})
+            self.agg.mark_behind(silent, self.members.live)
             self._applying = True
             self._spawn(self._apply_ready(force=True))
 
