@@ -365,6 +365,66 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
     assert st["version"] >= 6 and not st["errors"], st
 
 
+def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_waiting_for_each_other(
+        make_server, tmp_path):
+    """A worker's push is acknowledged, then the server is killed before its step closes
+    and resumes from a checkpoint of the version the push was computed on: the push is
+    gone, and the worker must not wait for a step that waits for its push."""
+    import threading
+
+    from stella import StellaOptimizer
+
+    port = _free_port()
+    args = ["--liveness-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every-steps", "1"]
+    srv = make_server(2, args, bind=f"tcp://127.0.0.1:{port}")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+    a = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=2, method="dense")
+    b = Client(srv.endpoint, timeout=2)
+    b.register({n: p.detach().numpy() for n, p in model.named_parameters()})
+
+    def a_step() -> None:
+        a.zero_grad()
+        model(x).square().mean().backward()
+        a.step()
+
+    def b_step(v: int) -> int:
+        b.push({n: np.full(p.numel(), 0.01, np.float32) for n, p in model.named_parameters()}, v)
+        return b.pull(v, wait_for=v + 1, timeout=20).version
+
+    a_step()  # exchange 0 in the background: push on version 0, wait for 1
+    assert b_step(0) == 1
+    a_step()  # exchange 1: a's push on version 1, queued until b's comes
+    with Client(srv.endpoint, join=False, timeout=5) as mon:
+        _wait_until(lambda: mon.status()["pending_pushes"] == 1 and mon.status()["checkpoint_version"] == 1, 10,
+                    "a's push queued on a checkpoint of version 1")
+    srv.kill()  # a's acknowledged push dies with the server
+    srv.wait(10)
+    srv2 = make_server(2, args, bind=f"tcp://127.0.0.1:{port}")
+    with Client(srv2.endpoint, join=False, timeout=5) as mon:  # a finds the new server by itself
+        _wait_until(lambda: len(mon.status()["workers"]) == 1, 15, "a reconnected")
+    errors: list[BaseException] = []
+
+    def a_more() -> None:
+        try:
+            a_step()  # waits for exchange 1, then pushes again on version 1
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=a_more)
+    t.start()
+    t0 = time.monotonic()
+    v = b_step(1)  # the step after the restart needs a's push: a must not wait for it (60 s) in turn
+    took = time.monotonic() - t0
+    t.join(30)
+    assert not errors, errors
+    assert v == 2 and took < 15.0, (v, took)
+    assert "resumed from checkpoint" in srv2.logs()
+    b.close()  # first: a's flush on close then closes a step of its own
+    a.close()
+
+
 # --------------------------------------------------------------------------- kill -9 of the server
 @pytest.mark.slow
 def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(make_server, make_client, tmp_path):
