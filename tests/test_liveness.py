@@ -380,7 +380,9 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     x = torch.randn(8, 4)
-    a = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=2, method="dense")
+    # a's requests time out after 30 s: it must learn of the restart by its heartbeats, and its
+    # re-sent pull must not wait (for 27 s) for the step that waits for its lost push
+    a = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=30, method="dense")
     b = Client(srv.endpoint, timeout=2)
     b.register({n: p.detach().numpy() for n, p in model.named_parameters()})
 

@@ -22,8 +22,10 @@ back), registers again (sending the values of the tensors it registered if the
 server lost the model), and re-sends every request still waiting for its reply,
 rebased on the server's version: a push computed on a version the server no
 longer has is tagged with the server's version, a pull since such a version
-becomes a full snapshot. A push that reached the server before the link broke is
-not queued twice (the server remembers each worker's newest push). So a training
+becomes a full snapshot, and a pull that waited for a step is answered at once
+(the push that step would take may have been lost with a restarted server). A
+push that reached the server before the link broke is not queued twice (the
+server remembers each worker's newest push). So a training
 loop, and :class:`~stella.StellaOptimizer` on top of it, goes on through a server
 restart and resumes from the server's version.
 """
@@ -533,6 +535,11 @@ class Client:
                 msg = msgspec.structs.replace(msg, version=min(msg.version, v))
             elif isinstance(msg, Pull) and (msg.since > v or (self._need_snapshot and msg.since >= 0)):
                 msg = msgspec.structs.replace(msg, since=-1, wait_for=None)  # a snapshot, at once
+            elif isinstance(msg, Pull) and msg.wait_for is not None:
+                # answered at once, not when a step comes: the push that step would take may have
+                # been lost with the server (acknowledged, then the server restarted) and then the
+                # step waits for this worker while it waits for the step
+                msg = msgspec.structs.replace(msg, wait_for=None)
             if hasattr(msg, "worker"):
                 msg = msgspec.structs.replace(msg, worker=self.worker_id)
             self._sent[req] = (msg, frames, self._sent[req][2])
