@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from bench.harness import (
     summarize,
     wait_workers,
 )
+from stella_ps.process import free_port
 
 SYSTEMS = ("ddp", "fp16", "powersgd", "batched_powersgd", "powersgd_stock", "batched_powersgd_stock")
 DEFAULT_SYSTEMS = ("ddp", "powersgd", "fp16")
@@ -255,14 +255,6 @@ def worker(a) -> int:
 # ============================================================ launcher
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_seconds: float = 300.0,
             bed=None, sites: list[str] | None = None, seed: int = 0, eval_every: int | None = None,
             stop_at_target: bool = False, threads: int = 1, batch_size: int | None = None,
@@ -287,7 +279,7 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
         master = bed.address(sites[0])
         port = 29500 + (os.getpid() % 1000)
     else:
-        master, port = "127.0.0.1", _free_port()
+        master, port = "127.0.0.1", free_port()
     argvs = []
     for r in range(world):
         argv = [sys.executable, "-m", "bench.baselines", "worker", "--rank", str(r), "--world", str(world),

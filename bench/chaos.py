@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,19 +44,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stella_ps.process import ServerProcess
+from stella_ps.process import ServerProcess, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLL_S = 0.2
 Launch = Callable[..., subprocess.Popen]  # Popen-like: (argv, **kw)
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def monitor(endpoint: str, out: str, max_seconds: float) -> int:
@@ -102,7 +93,7 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
 def run(chaos: bool, a: argparse.Namespace, workdir: str, bed: Any = None) -> dict[str, Any]:
     """One run; ``bed``: the test bed (None: loopback)."""
     host = bed.address("ps") if bed is not None else "127.0.0.1"
-    bind = f"tcp://{host}:{_port() if bed is None else 5555 + int(chaos)}"
+    bind = f"tcp://{host}:{free_port() if bed is None else 5555 + int(chaos)}"
     ckdir = os.path.join(workdir, "ck")
     args = ["--liveness-timeout", str(a.liveness), "--checkpoint-dir", ckdir,
             "--checkpoint-every-steps", str(a.checkpoint_every)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,11 @@ import torch
 from stella import Client
 from stella import checkpoint as ckfmt
 from stella.protocol import Join, encode
+from stella_ps.process import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIVENESS_S = 1.5
 TARGET_ACCURACY = 0.85  # the undisturbed 3-worker run reaches ~0.89 at version 150 (bench.live_worker)
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _worker(endpoint: str, rank: int, world: int, target: int, log: Path, *extra: str) -> subprocess.Popen:
@@ -293,7 +285,7 @@ def test_the_server_heartbeat_drops_the_connection_of_a_peer_that_stopped_answer
     """The server PINGs its peers in the transport: the connections of a process that
     no longer answers (stopped here; a vanished host in life) are closed after twice
     the liveness timeout, and the process, once back, reconnects by itself."""
-    port = _free_port()
+    port = free_port()
     srv = make_server(1, ["--liveness-timeout", "1"], bind=f"tcp://127.0.0.1:{port}")
     p = subprocess.Popen([sys.executable, "-c", _PAUSABLE, srv.endpoint], cwd=ROOT, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
@@ -374,7 +366,7 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
 
     from stella import StellaOptimizer
 
-    port = _free_port()
+    port = free_port()
     args = ["--liveness-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every-steps", "1"]
     srv = make_server(2, args, bind=f"tcp://127.0.0.1:{port}")
     torch.manual_seed(0)
@@ -430,7 +422,7 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
 # --------------------------------------------------------------------------- kill -9 of the server
 @pytest.mark.slow
 def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(make_server, make_client, tmp_path):
-    port = _free_port()
+    port = free_port()
     ckdir = tmp_path / "ck"
     args = ["--liveness-timeout", "2", "--checkpoint-dir", str(ckdir), "--checkpoint-every-steps", "10"]
     srv = make_server(2, args, bind=f"tcp://127.0.0.1:{port}")

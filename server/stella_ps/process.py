@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,12 +33,23 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ServerProcess", "ServerStartError", "DEFAULT_BIND"]
+__all__ = ["ServerProcess", "ServerStartError", "DEFAULT_BIND", "free_port"]
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0  # the daemon's own graceful shutdown is bounded by 10 s (daemon.SHUTDOWN_TIMEOUT_S)
 LOG_TAIL_CHARS = 8000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a server that must come back on the same
+    address after a restart (``--bind tcp://HOST:PORT``) or another service's fixed port."""
+    s = socket.socket()
+    try:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+    finally:
+        s.close()
 
 
 class ServerStartError(RuntimeError):
