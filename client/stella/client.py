@@ -105,22 +105,24 @@ _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.
 T = TypeVar("T")
 
 
-def default_timeout() -> float:
-    """``STELLA_TIMEOUT`` (seconds), read at call time; 60 when unset."""
-    raw = os.environ.get(ENV_TIMEOUT, "60")
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
     try:
         return float(raw)
     except ValueError:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def default_timeout() -> float:
+    """``STELLA_TIMEOUT`` (seconds), read at call time; 60 when unset."""
+    return _env_seconds(ENV_TIMEOUT, 60.0)
 
 
 def default_reconnect() -> float:
     """``STELLA_RECONNECT_S`` (seconds), read at call time; 300 when unset."""
-    raw = os.environ.get(ENV_RECONNECT, "300")
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_RECONNECT}={raw!r} is not a number of seconds") from None
+    return _env_seconds(ENV_RECONNECT, 300.0)
 
 
 class _Lost(Exception):
