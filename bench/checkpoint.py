@@ -20,6 +20,7 @@ Prints a table; ``--json PATH`` writes the figures.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -30,12 +31,12 @@ import time
 
 import numpy as np
 
-from stella import checkpoint as ckfmt
+from stella import checkpoint_file as ckfmt
 from stella.protocol import TensorSpec
 from stella_ps.aggregation import Step
+from stella_ps.checkpoints import CHECKPOINT_SLICE, copy_in_slices
 from stella_ps.optim import OptimizerConfig
-from stella_ps.service import CHECKPOINT_SLICE
-from stella_ps.store import ModelStore, RecordCopy, roll_forward
+from stella_ps.store import ModelStore, roll_forward
 
 
 def _step(rng: np.random.Generator, layout: list[TensorSpec], density: float) -> Step:
@@ -67,25 +68,24 @@ def run(numel: int, density: float, tensors: int, directory: str) -> dict:
     t0 = time.perf_counter()
     store.state_copy()
     whole_copy_ms = 1e3 * (time.perf_counter() - t0)
-    # the server's way (Service.checkpoint): slices of CHECKPOINT_SLICE coordinates, one
-    # store-thread task each, steps in between (here one after every 4 slices); the steps
-    # applied meanwhile are rolled forward on the writer's thread
-    store.begin_copy()
-    copies: list[list[RecordCopy]] = []
-    slice_times, k = [], 0
-    t_copy = time.perf_counter()
-    for t, spec in enumerate(layout):
-        slices = []
-        for start in range(0, spec.numel, CHECKPOINT_SLICE):
-            t0 = time.perf_counter()
-            slices.append(store.copy_records(t, start, min(CHECKPOINT_SLICE, spec.numel - start)))
+    # the server's way (Checkpointer.write): copy_in_slices, one task per slice of
+    # CHECKPOINT_SLICE coordinates, with steps in between (here one after every 4 slices); the
+    # steps applied meanwhile are rolled forward on the writer's thread
+    slice_times: list[float] = []
+
+    async def run(fn, *args):  # the store thread's run, in this thread, a step between slices
+        t0 = time.perf_counter()
+        out = fn(*args)
+        if fn == store.copy_records:
             slice_times.append(time.perf_counter() - t0)
-            k += 1
-            if k % 4 == 0:
-                store.apply_step(steps[k % 4], cfg)
-        copies.append(slices)
-    version, redo = store.end_copy()
+            if len(slice_times) % 4 == 0:
+                store.apply_step(steps[len(slice_times) % 4], cfg)
+        return out
+
+    t_copy = time.perf_counter()
+    sliced = asyncio.run(copy_in_slices(store, run, CHECKPOINT_SLICE))
     copy_s = time.perf_counter() - t_copy
+    version, copies, redo = sliced.version, sliced.copies, sliced.redo
     path = os.path.join(directory, ckfmt.file_name(version, 1))
     out: dict = {}
     kind = OptimizerConfig.from_wire({"name": "adamw"})

@@ -48,7 +48,7 @@ def test_limit_code_maps_to_bad_request():
 
 
 def test_flags_env_and_defaults(monkeypatch):
-    d = parse_args([])
+    d = parse_args([]).limits
     assert (d.max_workers, d.max_waiting_pulls, d.max_queued_pushes) == (256, 8, 4)
     assert d.max_queued_push_bytes == 256 * MiB and d.max_model_bytes > 0
     assert d.max_push_norm == 0 and d.push_norm_action == "refuse"
@@ -56,10 +56,10 @@ def test_flags_env_and_defaults(monkeypatch):
     monkeypatch.setenv("STELLA_PS_MAX_WORKERS", "3")
     monkeypatch.setenv("STELLA_PS_MAX_LR", "0.5")
     monkeypatch.setenv("STELLA_PS_PUSH_NORM_ACTION", "clip")
-    c = parse_args(["--max-waiting-pulls", "2"])
+    c = parse_args(["--max-waiting-pulls", "2"]).limits
     assert (c.max_workers, c.max_waiting_pulls, c.push_norm_action) == (3, 2, "clip")
     assert c.optimizer_limits.max_lr == 0.5
-    assert parse_args(["--max-workers", "5"]).max_workers == 5  # flag > env
+    assert parse_args(["--max-workers", "5"]).limits.max_workers == 5  # flag > env
     for bad in (["--max-workers", "0"], ["--max-push-norm", "-1"], ["--max-lr", "nan"],
                 ["--push-norm-action", "ignore"], ["--optimizer", "sgd:lr=0.9"]):
         with pytest.raises(SystemExit):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stella import Client
-from stella import checkpoint as ckfmt
+from stella import checkpoint_file as ckfmt
 from stella.protocol import Join, encode
 from stella_ps.process import free_port
 

@@ -23,7 +23,9 @@ from stella.protocol import WorkerReport
 from stella.status import rates, render, watch
 from stella_ps import health
 from stella_ps.kernel import native_isa
-from stella_ps.metrics import MetricsServer, parse_bind
+from stella_ps.config import parse_bind
+from stella_ps.errors import ConfigError
+from stella_ps.metrics import MetricsServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +60,7 @@ def test_parse_bind():
     assert parse_bind(":9100") == ("0.0.0.0", 9100)
     assert parse_bind("9100") == ("0.0.0.0", 9100)
     assert parse_bind("127.0.0.1:0") == ("127.0.0.1", 0)
-    with pytest.raises(Exception, match="HOST:PORT"):
+    with pytest.raises(ConfigError, match="HOST:PORT"):
         parse_bind("localhost:http")
 
 

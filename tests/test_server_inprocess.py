@@ -19,14 +19,16 @@ class InProcessServer:
     def __init__(self, keys, **config):
         self.server = ParameterServer(ServerConfig(bind="tcp://127.0.0.1:0", keys=keys.server_secret,
                                                    allow=keys.allowlist, **config))
-        self.endpoint = self.server.bind()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        self.endpoint = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        self.serving = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.server.stop)
+        self.serving.result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         assert not self.thread.is_alive(), "server did not stop"
         self.loop.close()
@@ -56,7 +58,7 @@ def test_round_trip_and_clean_stop(inproc):
         np.testing.assert_array_equal(d.tensors["w"][1], [1.0, 6.0])
     service = srv.server.service
     assert service.store.version == 1 and srv.server.stats.steps == 1
-    assert len(service.waiters) == 0 and not service.agg.has_pending()
+    assert len(service.waiters) == 0 and not service.steps.agg.has_pending()
 
 
 def test_set_optimizer_during_an_apply_is_not_lost(inproc):

@@ -83,7 +83,7 @@ def export(checkpoint: str, out: str) -> int:
     it (the server's lazy optimizer state has no PyTorch counterpart)."""
     import torch
 
-    from .checkpoint import CheckpointError, read
+    from .checkpoint_file import CheckpointError, read
 
     try:
         ck = read(checkpoint)

@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from . import codec
-from .errors import CodecError, ErrorCode, OversizedMessage, ProtocolError, ServerError
+from .errors import BadValue, CodecError, ErrorCode, OversizedMessage, ProtocolError, ServerError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -78,6 +78,7 @@ __all__ = [
     "decode_reply",
     "encode_tensors",
     "decode_tensors",
+    "decode_register_values",
 ]
 
 PROTOCOL_VERSION = 3
@@ -331,6 +332,7 @@ class StatusReply(_Message, tag="status", frozen=True):
     step_deadline_s: float | None = None  # the deadline a step waits for missing workers now; None: no deadline
     checkpoint_version: int | None = None  # version of the newest checkpoint written or resumed from
     behind_workers: list[int] = []  # silent, and a deadline closed a step without them: not waited for until they push
+    mode: TrainingMode | None = None  # the job's training mode, once a registration said one
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):
@@ -560,6 +562,21 @@ def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTen
         except ProtocolError as err:
             raise type(err)(f"{kind}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
         out.append(SparseTensor(e.tensor, idx, vals))
+    return out
+
+
+def decode_register_values(rx: Received) -> list[np.ndarray]:
+    """The initial float32 values a ``register`` with ``values`` carries, one flat array
+    per tensor of its layout (frame sizes were checked by the decoder); raises
+    :class:`~stella.errors.BadValue` naming the first tensor with a NaN or Inf."""
+    msg = rx.msg
+    assert isinstance(msg, Register) and msg.values
+    out = []
+    for spec, frame in zip(msg.tensors, rx.frames):
+        try:
+            out.append(codec.wire_values(frame, spec.numel, "f32"))
+        except BadValue:
+            raise BadValue(f"register: tensor {spec.name!r} has NaN/Inf initial values") from None
     return out
 
 

@@ -24,20 +24,22 @@ so the byte bound limits the backlog, never a worker's only push.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from stella.errors import ErrorCode, ServerError
+from stella.errors import BadValue, ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "push_norm", "scaled"]
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "push_norm", "scaled", "bounded"]
 
+log = logging.getLogger("stella_ps.aggregation")
 _CHUNK = 1 << 20  # values converted to float64 at a time by push_norm
 
 
@@ -111,7 +113,9 @@ class Aggregator:
     """Pending pushes per worker and the rule that closes a step."""
 
     def __init__(self, step_deadline: float = 0.0, max_queued_pushes: int = 4,
-                 max_queued_push_bytes: int = 256 << 20, adaptive: AdaptiveDeadline | None = None):
+                 max_queued_push_bytes: int = 256 << 20, adaptive: AdaptiveDeadline | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._clock = clock  # the time a step closes (push arrivals are stamped by whoever makes them)
         self.step_deadline = step_deadline  # seconds; 0: the adaptive deadline, or none
         self.adaptive = adaptive  # used when step_deadline is 0; None: wait for every live worker
         self.max_queued_pushes = max_queued_pushes  # per worker
@@ -193,7 +197,7 @@ class Aggregator:
         group them; ``version`` is the model's version before the step. ``complete``:
         every live worker's push is in (not closed by the deadline), so the step's
         arrival spread teaches the adaptive deadline."""
-        now = time.monotonic()
+        now = self._clock()
         pushes = []
         for w in sorted(self._pending):
             q = self._pending[w]
@@ -250,3 +254,19 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
         v = (_as_f32(s.values).astype(np.float64) * factor).astype(np.float32)
         out.append(SparseTensor(s.tensor, s.indices, v))
     return out
+
+
+def bounded(tensors: list[SparseTensor], bound: float, action: str, worker: int) -> list[SparseTensor]:
+    """A push inside the L2 norm ``bound`` (``--max-push-norm``): as it is when inside,
+    else refused (``action`` "refuse": :class:`~stella.errors.BadValue`) or scaled down
+    to the bound (``"clip"``, float32 copies)."""
+    norm = push_norm(tensors)
+    log.debug("push norm", extra={"worker": worker, "norm": norm})
+    if norm <= bound:
+        return tensors
+    if action == "refuse":
+        raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
+                       f"{bound:g} (--max-push-norm)")
+    log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": "--max-push-norm",
+                                       "max_push_norm": bound})
+    return scaled(tensors, bound / norm)

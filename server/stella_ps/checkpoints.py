@@ -1,28 +1,45 @@
-"""Checkpoints of the server's model: when they are written, where, how many are
-kept, and which one a restarted server resumes from.
+"""Checkpoints of the server's model: when they are written, how, where, how many are
+kept, and which one a restarted server resumes from (:class:`Checkpointer`).
 
-The file format (atomic write, checksums) is :mod:`stella.checkpoint`'s. Writing
-one costs steps only the copy of the state arrays, made on the store thread
-between two steps (:meth:`ModelStore.state_copy`); the file is written and
-fsynced on a thread of its own while steps go on. At most one write is in
-progress: a checkpoint that falls due meanwhile is written when it finishes (of the
-version then current). On start,
-:func:`newest_valid` tries the checkpoints newest first: a damaged one is
+The file format (atomic write, checksums) is :mod:`stella.checkpoint_file`'s.
+Writing one costs the steps only a copy of the state, made on the store thread a
+slice at a time (:func:`copy_in_slices`, a memcpy of :data:`CHECKPOINT_SLICE`
+coordinates per store-thread task), so a step waits for one slice at most; the steps
+applied while the copy goes on are logged by the store and rolled forward onto the
+slices copied before them (:func:`stella_ps.store.roll_forward`) on the writer's own
+thread, which also writes and fsyncs the file while steps go on. The result is the
+exact state of one version. At most one write is in progress: a checkpoint that
+falls due meanwhile is written when it finishes (of the version then current). On
+start, :func:`newest_valid` tries the checkpoints newest first: a damaged one is
 reported in the log and the next older one is used.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from stella import checkpoint as ckpt_format
-from stella.checkpoint import Checkpoint, CheckpointError
+from stella import checkpoint_file as ckpt_format
+from stella.checkpoint_file import Checkpoint, CheckpointError
+from stella.protocol import TensorSpec
 
-__all__ = ["CheckpointPolicy", "newest_valid", "write_and_prune", "Checkpoint", "CheckpointError"]
+from .config import Checkpoints
+from .optim import OptimizerConfig
+from .runtime import StoreThread, Tasks
+from .stats import Stats
+from .store import ModelStore, RecordCopy, RedoEntry, roll_forward
+
+__all__ = ["Checkpointer", "CheckpointPolicy", "SlicedCopy", "copy_in_slices", "newest_valid", "write_and_prune",
+           "Checkpoint", "CheckpointError", "CHECKPOINT_SLICE"]
 
 log = logging.getLogger("stella_ps.checkpoints")
+CHECKPOINT_SLICE = 1 << 18  # coordinates a checkpoint copies per store-thread task (4 MiB of Adam records)
+
+Run = Callable[..., Awaitable[Any]]
 
 
 @dataclass
@@ -45,6 +62,38 @@ class CheckpointPolicy:
         by_steps = self.every_steps > 0 and version - max(self.last_version, 0) >= self.every_steps
         by_time = self.every_s > 0 and now - self.last_time >= self.every_s
         return by_steps or by_time
+
+
+@dataclass
+class SlicedCopy:
+    """A checkpoint's copy of the store: the slices of each tensor (each copied at its
+    own version), the steps applied meanwhile, and the version they reach."""
+
+    version: int
+    copies: list[list[RecordCopy]]
+    redo: list[RedoEntry]
+    stall_s: float  # the longest one slice's task took: the longest a step waited
+    slices: int
+
+
+async def copy_in_slices(store: ModelStore, run: Run, slice_size: int = CHECKPOINT_SLICE) -> SlicedCopy:
+    """Copy ``store``'s state a slice of ``slice_size`` coordinates at a time, each slice
+    one ``await run(fn, *args)`` (the store thread's :meth:`~StoreThread.run` on the
+    server), so that steps go on between slices; :func:`~stella_ps.store.roll_forward`
+    turns the result into the state of one version."""
+    await run(store.begin_copy)
+    copies: list[list[RecordCopy]] = []
+    stall, slices = 0.0, 0
+    for t, spec in enumerate(store.layout):
+        per_tensor = []
+        for start in range(0, spec.numel, slice_size):
+            t0 = time.perf_counter()
+            per_tensor.append(await run(store.copy_records, t, start, min(slice_size, spec.numel - start)))
+            stall = max(stall, time.perf_counter() - t0)
+            slices += 1
+        copies.append(per_tensor)
+    version, redo = await run(store.end_copy)
+    return SlicedCopy(version, copies, redo, stall, slices)
 
 
 def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
@@ -78,3 +127,105 @@ def write_and_prune(policy: CheckpointPolicy, ckpt: Checkpoint) -> tuple[str, in
         except FileNotFoundError:
             pass
     return path, size, time.perf_counter() - t0
+
+
+class Checkpointer:
+    """Resume on start, periodic checkpoints, and the last one on the way out, of one
+    store. ``optimizer()`` gives the configuration in force (the step scheduler's)."""
+
+    def __init__(self, cfg: Checkpoints, store: ModelStore, store_thread: StoreThread, tasks: Tasks, stats: Stats,
+                 optimizer: Callable[[], OptimizerConfig | None]):
+        self.store, self._store_thread, self._tasks, self._stats = store, store_thread, tasks, stats
+        self._optimizer = optimizer
+        self.policy: CheckpointPolicy | None = None
+        if cfg.dir:
+            self.policy = CheckpointPolicy(cfg.dir, cfg.every_steps, cfg.every_s, cfg.keep,
+                                           last_time=time.monotonic())
+        self._writer = StoreThread("stella-checkpoint")
+        self._writing: asyncio.Future[None] | None = None
+        self._closing = False
+        self._scheduled = False  # a periodic checkpoint task is spawned or running
+        self.version: int | None = None  # the newest checkpoint on disk (written or resumed from)
+
+    def resume(self) -> OptimizerConfig | None:
+        """Become the newest valid checkpoint of the directory (before serving); returns
+        the optimizer configuration it was written with, or None when there is none."""
+        if self.policy is None:
+            return None
+        found = newest_valid(self.policy.directory)
+        if found is None:
+            log.info("no checkpoint to resume from", extra={"checkpoint_dir": self.policy.directory})
+            return None
+        path, ck = found
+        layout = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.layout]
+        cfg = OptimizerConfig.from_wire(ck.optimizer)
+        self.store.restore(layout, ck.tensors, cfg, ck.version)
+        self.policy.last_version = self.version = ck.version
+        log.info("resumed from checkpoint", extra={"path": path, "version": ck.version, "numel": self.store.numel,
+                                                   "optimizer": cfg.to_wire()})
+        return cfg
+
+    def maybe(self, version: int) -> None:
+        """After a step: start a checkpoint if one is due (one at a time)."""
+        cp = self.policy
+        if cp is not None and not self._closing and not self._scheduled and cp.due(version):
+            self._scheduled = True  # set now: steps that close before the task starts schedule no second one
+            self._tasks.spawn(self._scheduled_write())
+
+    async def _scheduled_write(self) -> None:
+        try:
+            await self.write()
+        finally:
+            self._scheduled = False
+            self.maybe(self.store.version)  # one that fell due while this one was written
+
+    async def write(self) -> str:
+        """Write a checkpoint of the model now; returns its path. Steps wait only for the
+        slices of the copy. One at a time: ``_writing`` is set before the first await,
+        so no second one starts meanwhile."""
+        optimizer = self._optimizer()
+        assert self.policy is not None and optimizer is not None
+        while self._writing is not None:
+            await asyncio.gather(self._writing, return_exceptions=True)
+        cp = self.policy
+        self._writing = asyncio.get_running_loop().create_future()
+        try:
+            t_copy = time.perf_counter()
+            copy = await copy_in_slices(self.store, self._store_thread.run)
+            copy_s = time.perf_counter() - t_copy
+            self._stats.checkpoint_stall_s = max(self._stats.checkpoint_stall_s, copy.stall_s)
+            kind = OptimizerConfig.from_wire({"name": self.store.tensors[0].name if self.store.tensors
+                                              else optimizer.name})
+            numels = [s.numel for s in self.store.layout]
+            layout, opt = ckpt_format.layout_of(self.store.layout), optimizer.to_wire()
+
+            def build_and_write() -> tuple[str, int, float]:
+                arrays = roll_forward(kind, numels, copy.copies, copy.redo)
+                return write_and_prune(cp, Checkpoint(copy.version, layout, opt, arrays, time.time()))
+
+            cp.last_version, cp.last_time = copy.version, time.monotonic()
+            path, size, write_s = await self._writer.run(build_and_write)
+            self._stats.checkpoints += 1
+            self._stats.last_checkpoint = time.time()
+            self.version = copy.version
+            log.info("checkpoint written", extra={"path": path, "version": copy.version, "bytes": size,
+                                                  "stall_ms": round(1e3 * copy.stall_s, 3),
+                                                  "copy_s": round(copy_s, 3), "steps_rolled_forward": len(copy.redo),
+                                                  "write_s": round(write_s, 3)})
+            return path
+        finally:
+            fut, self._writing = self._writing, None
+            fut.set_result(None)
+
+    async def close(self) -> None:
+        """Wait for a write in progress, then write a last checkpoint when the model moved
+        on since the last one; stop the writer thread."""
+        self._closing = True
+        while self._writing is not None:
+            await asyncio.gather(self._writing, return_exceptions=True)
+        if self.policy is not None and self.store.initialised and self.store.version > self.policy.last_version:
+            try:
+                await self.write()
+            except Exception as e:
+                log.error("final checkpoint failed", exc_info=e)
+        self._writer.close()

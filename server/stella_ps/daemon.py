@@ -60,18 +60,15 @@ def _setup_logging(cfg: ServerConfig) -> None:
     root.setLevel(cfg.log_level)
 
 
-async def run(cfg: ServerConfig) -> None:
+async def run(cfg: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S`` (with
     ``--checkpoint-dir``, ``CHECKPOINT_SHUTDOWN_TIMEOUT_S``: the last checkpoint is written);
-    SIGHUP reads the allowlist again."""
+    SIGHUP reads the allowlist again. Returns the exit status: 0 after a requested stop,
+    1 if serving ended by itself (a bug: docker or systemd should restart the server)."""
     server = ParameterServer(cfg)
-    endpoint = server.bind()
-    metrics = None
-    if cfg.metrics:
-        from .metrics import MetricsServer
-
-        metrics = MetricsServer(server.service, cfg.metrics)
-        print(f"stella-ps metrics on http://{await metrics.start()}/metrics", flush=True)
+    endpoint = await server.start()
+    if server.metrics is not None:
+        print(f"stella-ps metrics on http://{server.metrics.host}:{server.metrics.port}/metrics", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
@@ -83,14 +80,19 @@ async def run(cfg: ServerConfig) -> None:
         os.replace(tmp, cfg.ready_file)  # readers never see a half-written file
     print(f"stella-ps listening on {endpoint}", flush=True)
     task = asyncio.ensure_future(server.serve())
-    await server.stop_requested()
+    stop = asyncio.ensure_future(server.stop_requested())
+    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if not stop.done():
+        stop.cancel()
+        exc = None if task.cancelled() else task.exception()
+        log.critical("the server stopped serving without being asked to; exiting", exc_info=exc)
+        return 1
     log.info("shutting down")
     try:
-        if metrics is not None:
-            await metrics.close()
-        await asyncio.wait_for(task, CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoint_dir else SHUTDOWN_TIMEOUT_S)
+        await asyncio.wait_for(task, CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoints.dir else SHUTDOWN_TIMEOUT_S)
     except asyncio.TimeoutError:
         log.error("shutdown timed out")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runner = uvloop.run
     try:
-        runner(run(cfg))
+        return runner(run(cfg))
     except ConfigError as e:  # bad keys or allowlist: say so, no traceback
         print(f"stella-ps: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

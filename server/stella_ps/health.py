@@ -4,7 +4,8 @@ a wedged loop fails the check as surely as a dead process.
 
 The address is ``--url``, else the port of ``STELLA_PS_METRICS`` on 127.0.0.1 (the
 image sets both that variable and this check). Exit status 0: healthy; 1: not.
-Standard library only, so that the check stays cheap every few seconds.
+Standard library only (it imports :mod:`.config`, itself free of C extensions), so
+that the check stays cheap every few seconds.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import sys
 import urllib.error
 import urllib.request
 
-from .metrics import ENV_METRICS, parse_bind
+from .config import ENV, parse_bind
+
+ENV_METRICS = ENV["metrics"]
 
 __all__ = ["main", "health_url"]
 

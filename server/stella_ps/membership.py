@@ -18,7 +18,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from stella.errors import ErrorCode, NotRegistered, ServerError
@@ -50,7 +50,9 @@ class WorkerInfo:
 class Membership:
     """Live workers by id. A worker id belongs to the connection that joined with it."""
 
-    def __init__(self, expected: int = 1, max_workers: int = 256, max_workers_per_key: int = 8):
+    def __init__(self, expected: int = 1, max_workers: int = 256, max_workers_per_key: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
         self.expected = expected
         self.max_workers = max_workers  # live workers at most (--max-workers)
         self.max_workers_per_key = max_workers_per_key  # of them with one key (--max-workers-per-key)
@@ -75,14 +77,14 @@ class Membership:
             if want is not None and want != held.worker:
                 raise ServerError(f"this connection already holds worker id {held.worker}; one connection "
                                   "holds one worker id", ErrorCode.WORKER_ID)
-            held.last_seen = held.last_request = time.monotonic()
+            held.last_seen = held.last_request = self._clock()
             return held
         if want is not None:
             cur = self.live.get(want)
             if cur is not None:
                 if session is not None and session == cur.session and key == cur.key:
                     cur.routing_id = routing_id  # a reconnect: same worker, new connection
-                    cur.last_seen = cur.last_request = time.monotonic()
+                    cur.last_seen = cur.last_request = self._clock()
                     return cur
                 raise ServerError(f"worker id {want} is in use by another live connection (it is freed when "
                                   "that connection is declared gone)", ErrorCode.WORKER_ID)
@@ -90,7 +92,7 @@ class Membership:
             if old is not None and session is not None and session == old.session and key == old.key:
                 del self.gone[want]  # the same client back: its state (push dedup) goes on
                 old.routing_id, old.gone_at = routing_id, None
-                old.last_seen = old.last_request = time.monotonic()
+                old.last_seen = old.last_request = self._clock()
                 self.live[want] = old
                 return old
         if len(self.live) >= self.max_workers:
@@ -109,6 +111,7 @@ class Membership:
             wid = self._next_id
         self._next_id = max(self._next_id, wid + 1)
         info = WorkerInfo(wid, routing_id, name, key, fingerprint)
+        info.last_seen = info.last_request = self._clock()
         self.gone.pop(wid, None)
         self.live[wid] = info
         if len(self.live) >= self.expected:
@@ -122,7 +125,7 @@ class Membership:
         """Declare gone the live workers not heard from for ``timeout`` seconds (and
         those joined but unregistered for that long since their last request);
         returns their ids."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         out = [w for w, i in self.live.items()
                if now - (i.last_seen if i.registered else i.last_request) > timeout]
         for w in out:
@@ -142,7 +145,7 @@ class Membership:
             return None
         del self.gone[worker]
         info.gone_at = None
-        info.last_seen = info.last_request = time.monotonic()
+        info.last_seen = info.last_request = self._clock()
         self.live[worker] = info
         return info
 
@@ -162,8 +165,16 @@ class Membership:
         if info is None or info.session != session or info.key != key:
             raise NotRegistered(f"worker {worker} with this session is not known to the server (restarted, or "
                                 "the worker was declared gone and its id taken): join again")
-        info.last_seen = time.monotonic()
+        info.last_seen = self._clock()
         return info, revived
+
+    def silent(self, workers: Collection[int], after: float) -> list[int]:
+        """Of ``workers``, the live ones not heard from (requests or heartbeats) for more
+        than ``after`` seconds; none when ``after`` is 0 (liveness is off)."""
+        if after <= 0:
+            return []
+        now = self._clock()
+        return [w for w in workers if w in self.live and now - self.live[w].last_seen > after]
 
     def drop_key(self, key: str) -> list[int]:
         """Remove the live workers that connected with ``key``; returns their ids."""
@@ -182,5 +193,5 @@ class Membership:
             raise NotRegistered(f"worker {worker} belongs to another connection")
         if registered and not info.registered:
             raise NotRegistered(f"worker {worker} has not registered the model")
-        info.last_seen = info.last_request = time.monotonic()
+        info.last_seen = info.last_request = self._clock()
         return info

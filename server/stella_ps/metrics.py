@@ -1,10 +1,10 @@
 """The Prometheus endpoint (``--metrics HOST:PORT``) and ``/healthz``, served on the
 daemon's own event loop.
 
-Nothing is counted twice: a collector reads the service's counters
-(:class:`~stella_ps.service.Stats`, the live workers and the reports their pushes
-carry) when Prometheus scrapes, so that metrics cost nothing between scrapes and
-``status`` and ``/metrics`` always agree. The HTTP side is a few lines of
+Nothing is counted twice: at each scrape the collector renders one
+:class:`~stella_ps.stats.JobSnapshot`, the same the ``status`` reply is built from
+(:meth:`stella_ps.service.Service.snapshot`), so metrics cost nothing between scrapes
+and ``status`` and ``/metrics`` always agree. The HTTP side is a few lines of
 ``asyncio.start_server`` rather than prometheus-client's threaded server: the
 collector then reads the service's state on the loop that writes it, and a health
 check that gets an answer knows that loop is turning.
@@ -23,6 +23,10 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 ``straggler_wait_seconds``         summary  a step's first push to its close
 ``pushes_total`` / ``pulls_total`` counter  per worker
 ``late_pushes_total``              counter  pushes folded into a later step
+``duplicate_pushes_total``         counter  pushes re-sent after a reconnect, not queued twice
+``workers_gone_total``             counter  workers declared gone (liveness timeout)
+``checkpoints_total``              counter  checkpoints written since start
+``checkpoint_stall_seconds``       gauge    the longest a checkpoint's copy held a step back
 ``bytes_received_total``           counter  bytes in (all messages)
 ``bytes_sent_total``               counter  bytes out
 ``errors_total``                   counter  refused requests, label ``code``
@@ -44,7 +48,6 @@ import asyncio
 import json
 import logging
 import math
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -55,35 +58,19 @@ from prometheus_client.registry import Collector
 from stella.protocol import PROTOCOL_VERSION
 
 from . import __version__
-from .errors import ConfigError
+from .config import ENV, parse_bind
 from .kernel import native_isa
 
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["JobCollector", "MetricsServer", "parse_bind", "ENV_METRICS", "CONTENT_TYPE"]
+__all__ = ["JobCollector", "MetricsServer", "ENV_METRICS", "CONTENT_TYPE"]
 
 log = logging.getLogger("stella_ps.metrics")
-ENV_METRICS = "STELLA_PS_METRICS"
+ENV_METRICS = ENV["metrics"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 8192
-
-
-def parse_bind(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``:PORT`` or ``PORT`` (all interfaces) -> ``(host, port)``; port 0
-    picks a free one."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep:
-        host = ""
-    host = host.strip("[]") or "0.0.0.0"
-    try:
-        p = int(port)
-    except ValueError:
-        raise ConfigError(f"metrics address {text!r}: need HOST:PORT") from None
-    if not 0 <= p <= 65535:
-        raise ConfigError(f"metrics address {text!r}: port out of range")
-    return host, p
 
 
 class JobCollector(Collector):
@@ -93,35 +80,40 @@ class JobCollector(Collector):
         self.service = service
 
     def collect(self) -> Iterator[Metric]:
-        svc, s = self.service, self.service.stats
-        now = time.time()
+        snap = self.service.snapshot()
         info = GaugeMetricFamily("stella_info", "stella-ps release, protocol version, C kernel's x86-64 level",
                                  labels=["version", "protocol", "native_isa"])
         info.add_metric([__version__, str(PROTOCOL_VERSION), native_isa().level], 1)
         yield info
-        yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version",
-                                value=svc.store.version)
-        yield GaugeMetricFamily("stella_live_workers", "workers joined and not left", value=len(svc.members.live))
+        yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version", value=snap.version)
+        yield GaugeMetricFamily("stella_live_workers", "workers joined and not left", value=len(snap.workers))
         yield GaugeMetricFamily("stella_expected_workers", "workers the first step waits for (--workers)",
-                                value=svc.config.workers)
-        yield CounterMetricFamily("stella_steps", "steps applied", value=s.steps)
+                                value=snap.expected_workers)
+        yield CounterMetricFamily("stella_steps", "steps applied", value=snap.steps)
         yield SummaryMetricFamily("stella_step_seconds", "wall time between two steps closing",
-                                  count_value=s.step_intervals, sum_value=s.step_interval_s)
+                                  count_value=snap.step_intervals, sum_value=snap.step_interval_s)
         yield SummaryMetricFamily("stella_step_apply_seconds", "the store's apply of a step",
-                                  count_value=s.steps, sum_value=s.apply_s)
+                                  count_value=snap.steps, sum_value=snap.apply_s)
         yield SummaryMetricFamily("stella_straggler_wait_seconds",
                                   "from a step's first push until it closed (waiting for stragglers)",
-                                  count_value=s.steps, sum_value=s.straggler_wait_s)
-        yield CounterMetricFamily("stella_late_pushes", "pushes folded into a later step", value=s.late_pushes)
-        yield CounterMetricFamily("stella_bytes_received", "bytes received, all messages", value=s.bytes_in)
-        yield CounterMetricFamily("stella_bytes_sent", "bytes sent, all messages", value=s.bytes_out)
+                                  count_value=snap.steps, sum_value=snap.straggler_wait_s)
+        yield CounterMetricFamily("stella_late_pushes", "pushes folded into a later step", value=snap.late_pushes)
+        yield CounterMetricFamily("stella_duplicate_pushes", "pushes re-sent after a reconnect and not queued twice",
+                                  value=snap.duplicate_pushes)
+        yield CounterMetricFamily("stella_workers_gone", "workers declared gone (liveness timeout)",
+                                  value=snap.workers_gone)
+        yield CounterMetricFamily("stella_bytes_received", "bytes received, all messages", value=snap.bytes_in)
+        yield CounterMetricFamily("stella_bytes_sent", "bytes sent, all messages", value=snap.bytes_out)
         errors = CounterMetricFamily("stella_errors", "refused requests by error code", labels=["code"])
-        for code, n in sorted(s.errors_by_code.items()):
+        for code, n in sorted(snap.errors_by_code.items()):
             errors.add_metric([code], n)
         yield errors
-        age = s.checkpoint_age(now)
+        age = snap.checkpoint_age_s
         yield GaugeMetricFamily("stella_checkpoint_age_seconds", "seconds since the latest checkpoint (NaN: none)",
                                 value=math.nan if age is None else age)
+        yield CounterMetricFamily("stella_checkpoints", "checkpoints written since start", value=snap.checkpoints)
+        yield GaugeMetricFamily("stella_checkpoint_stall_seconds", "the longest a checkpoint's copy held a step back",
+                                value=snap.checkpoint_stall_s)
         labels = ["worker", "name"]
         fams: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "pushes": CounterMetricFamily("stella_pushes", "pushes per worker", labels=labels),
@@ -138,7 +130,7 @@ class JobCollector(Collector):
                                       labels=labels),
             "steps": GaugeMetricFamily("stella_worker_steps", "its iterations so far", labels=labels),
         }
-        for ws in svc.worker_statuses():
+        for ws in snap.live:
             lv = [str(ws.worker), ws.name]
             fams["pushes"].add_metric(lv, ws.pushes)
             fams["pulls"].add_metric(lv, ws.pulls)
@@ -177,6 +169,13 @@ class MetricsServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+
+    async def __aenter__(self) -> MetricsServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def health(self) -> dict:
         svc = self.service

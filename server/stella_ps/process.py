@@ -33,6 +33,8 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .errors import StellaPSError
+
 __all__ = ["ServerProcess", "ServerStartError", "DEFAULT_BIND", "free_port"]
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
@@ -52,7 +54,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.close()
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(StellaPSError, RuntimeError):
     """The ``stella-ps`` process exited, or did not listen in time, before it wrote its
     endpoint. The message ends with the tail of the server's log; ``log`` holds all of it."""
 

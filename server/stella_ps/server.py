@@ -13,8 +13,9 @@ who may connect is ``security.py``'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -26,8 +27,10 @@ from stella.protocol import MAX_FRAMES, decode_request, encode, request_id
 from .config import ServerConfig
 from .errors import ConfigError
 from .kernel import native_isa
+from .metrics import MetricsServer
 from .security import ZAP_DOMAIN, Allowlist, Gatekeeper, fingerprint, load_server_keys
-from .service import Peer, Service, Stats
+from .service import Peer, Service
+from .stats import Stats
 
 __all__ = ["ParameterServer"]
 
@@ -36,7 +39,9 @@ CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (command
 
 
 class ParameterServer:
-    """One stella-ps instance: ``bind()``, then ``await serve()`` until ``stop()``."""
+    """One stella-ps instance: ``await start()`` (or ``async with``), then ``await
+    serve()`` until :meth:`stop`; :meth:`close` (called by ``serve`` on its way out)
+    releases everything :meth:`start` took, in reverse order."""
 
     def __init__(self, config: ServerConfig, ctx: zmq.asyncio.Context | None = None):
         self.config = config
@@ -48,65 +53,102 @@ class ParameterServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._stop = asyncio.Event()
         self.allowlist: Allowlist | None = None
-        self._gate: Gatekeeper | None = None
         self._insecure_peer = Peer("")
+        self._resources: contextlib.AsyncExitStack | None = None
+        self.metrics: MetricsServer | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def bind(self) -> str:
-        """Bind the ROUTER socket; returns the endpoint (port 0 becomes the port picked)."""
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # libzmq drops a peer whose single frame exceeds this without buffering it; the
-        # margin covers CurveZMQ's box around a frame (a frame of exactly the limit still
-        # gets an error reply, larger ones cost the peer its connection)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + CURVE_FRAME_OVERHEAD)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if self.config.liveness_timeout > 0:
-            # the server's own heartbeat, in the transport: libzmq PINGs every connected peer
-            # (a few bytes each) and drops a connection whose peer has not answered for twice
-            # the liveness timeout, long after its worker was declared gone. So the half-open
-            # TCP connection of a host that vanished (a revoked spot machine sends no FIN)
-            # does not keep its buffers for ever; a worker reconnects with its session token.
-            t = self.config.liveness_timeout
-            sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(t * 1000 / 4)))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1000, int(t * 2000)))
-        if self.config.insecure:
-            log.warning("INSECURE: no encryption and no authentication (--insecure); anyone who reaches "
-                        "this port can read the traffic and change the model")
-        else:
-            if not (self.config.keys and self.config.allow):
-                raise ConfigError("CurveZMQ needs the server's key pair (keys) and an allowlist (allow); "
-                                  "or set insecure")
-            keys = load_server_keys(self.config.keys)
-            self.allowlist = Allowlist(self.config.allow)
-            self._gate = Gatekeeper(self.ctx, self.allowlist)  # started by serve(), on its loop
-            sock.curve_server = True
-            sock.curve_secretkey = keys.secret
-            sock.curve_publickey = keys.public
-            sock.zap_domain = ZAP_DOMAIN.encode()
-            # no ZAP handler (yet, or any more) means no admission, never "admit all"
-            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-            log.info("CurveZMQ on", extra={"server_key_fingerprint": fingerprint(keys.public.decode()),
-                                           "allowed_keys": len(self.allowlist)})
-        bind = self.config.bind
-        if bind.startswith("tcp://") and bind.endswith(":0"):
-            bind = bind[:-2] + ":*"
-        sock.bind(bind)
-        self._sock = sock
-        self.service.resume()  # before the ready file: the first request sees the resumed model
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return self.endpoint
-
-    async def serve(self) -> None:
-        """Receive and serve messages until :meth:`stop`, then shut down."""
-        if self._sock is None:
-            self.bind()
-        assert self._sock is not None
-        if self._gate is not None:
-            self._gate.start()
-        self.service.start()
+    async def start(self) -> str:
+        """Take every resource, each with its release registered as it is taken: the
+        context, the bound socket (CurveZMQ unless ``--insecure``) and its ZAP handler,
+        the service (resumed from the newest checkpoint: the first request sees it),
+        and the metrics endpoint. Returns the endpoint (port 0 becomes the port picked)."""
+        assert self._resources is None, "started already"
+        async with contextlib.AsyncExitStack() as stack:
+            if self._own_ctx:
+                stack.callback(self.ctx.term)
+            self._sock = stack.enter_context(self._bound_socket())
+            if self.allowlist is not None:
+                gate = Gatekeeper(self.ctx, self.allowlist)
+                gate.start()
+                stack.callback(gate.stop)
+            await stack.enter_async_context(self.service.running())
+            if self.config.metrics:
+                self.metrics = await stack.enter_async_context(MetricsServer(self.service, self.config.metrics))
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._resources = stack.pop_all()
         log.info("listening", extra={"endpoint": self.endpoint, "workers": self.config.workers,
                                      "native_isa": native_isa().level})
+        return self.endpoint
+
+    async def __aenter__(self) -> ParameterServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Release what :meth:`start` took (the service writes its last checkpoint
+        first); safe to call twice."""
+        stack, self._resources = self._resources, None
+        if stack is not None:
+            await stack.aclose()
+            self._sock = None
+            log.info("stopped", extra={"version": self.service.store.version, "steps": self.stats.steps})
+
+    @contextlib.contextmanager
+    def _bound_socket(self) -> Iterator[zmq.asyncio.Socket]:
+        sock = self.ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            # libzmq drops a peer whose single frame exceeds this without buffering it; the
+            # margin covers CurveZMQ's box around a frame (a frame of exactly the limit still
+            # gets an error reply, larger ones cost the peer its connection)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes + CURVE_FRAME_OVERHEAD)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            if self.config.liveness.timeout > 0:
+                # the server's own heartbeat, in the transport: libzmq PINGs every connected peer
+                # (a few bytes each) and drops a connection whose peer has not answered for twice
+                # the liveness timeout, long after its worker was declared gone. So the half-open
+                # TCP connection of a host that vanished (a revoked spot machine sends no FIN)
+                # does not keep its buffers for ever; a worker reconnects with its session token.
+                t = self.config.liveness.timeout
+                sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(t * 1000 / 4)))
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1000, int(t * 2000)))
+            if self.config.insecure:
+                log.warning("INSECURE: no encryption and no authentication (--insecure); anyone who reaches "
+                            "this port can read the traffic and change the model")
+            else:
+                self._secure(sock)
+            bind = self.config.bind
+            if bind.startswith("tcp://") and bind.endswith(":0"):
+                bind = bind[:-2] + ":*"
+            sock.bind(bind)
+            yield sock
+        finally:
+            sock.close(linger=0)
+
+    def _secure(self, sock: zmq.asyncio.Socket) -> None:
+        if not (self.config.keys and self.config.allow):
+            raise ConfigError("CurveZMQ needs the server's key pair (keys) and an allowlist (allow); "
+                              "or set insecure")
+        keys = load_server_keys(self.config.keys)
+        self.allowlist = Allowlist(self.config.allow)
+        sock.curve_server = True
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        # no ZAP handler (yet, or any more) means no admission, never "admit all"
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        log.info("CurveZMQ on", extra={"server_key_fingerprint": fingerprint(keys.public.decode()),
+                                       "allowed_keys": len(self.allowlist)})
+
+    async def serve(self) -> None:
+        """Receive and serve messages until :meth:`stop`, then :meth:`close`."""
+        if self._resources is None:
+            await self.start()
+        assert self._sock is not None
         recv: asyncio.Future | None = None
         stop = asyncio.ensure_future(self._stop.wait())
         try:
@@ -122,7 +164,7 @@ class ParameterServer:
             stop.cancel()
             if recv is not None:
                 recv.cancel()
-            await self._shutdown()
+            await self.close()
 
     async def _rest_of_message(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int, int]:
         """The frames of the message ``first`` opens, the count and the bytes; frames past
@@ -130,7 +172,7 @@ class ParameterServer:
         kept. All parts of a ZeroMQ message arrive together, so this never waits."""
         assert self._sock is not None
         frames, count, size = [first], 1, 0
-        limit = self.config.max_message_bytes
+        limit = self.config.limits.max_message_bytes
         while self._sock.get(zmq.RCVMORE):
             f = await self._sock.recv(copy=False)
             count += 1
@@ -151,17 +193,6 @@ class ParameterServer:
     async def stop_requested(self) -> None:
         """Wait until :meth:`stop` has been called."""
         await self._stop.wait()
-
-    async def _shutdown(self) -> None:
-        await self.service.close()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._gate is not None:
-            self._gate.stop()
-        if self._own_ctx:
-            self.ctx.term()
-        log.info("stopped", extra={"version": self.service.store.version, "steps": self.stats.steps})
 
     # ------------------------------------------------------------------ transport
     def _send(self, ident: bytes, msg: Any, frames: Sequence[Any]) -> None:
@@ -188,8 +219,8 @@ class ParameterServer:
         try:
             if count - 1 > MAX_FRAMES:
                 raise OversizedMessage(f"{count - 1} frames > limit {MAX_FRAMES}")
-            if size > self.config.max_message_bytes:
-                raise OversizedMessage(f"message of {size} bytes > limit {self.config.max_message_bytes}")
+            if size > self.config.limits.max_message_bytes:
+                raise OversizedMessage(f"message of {size} bytes > limit {self.config.limits.max_message_bytes}")
             rx = decode_request(body)
         except Exception as e:  # the header's request id, if it has one, names what is refused
             self.service.refuse(ident, request_id(body[0]), e)

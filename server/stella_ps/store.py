@@ -15,13 +15,15 @@ from typing import Any
 
 import numpy as np
 
+from stella.errors import ErrorCode, ServerError
 from stella.protocol import PullCoding, TensorEntry, TensorSpec, encode_tensors
 
 from .aggregation import Step
-from .kernel import KernelTensorState, union_indices
+from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 
-__all__ = ["ModelStore", "Delta", "EncodedDelta", "layout_diff", "RecordCopy", "roll_forward"]
+__all__ = ["ModelStore", "Delta", "EncodedDelta", "layout_diff", "check_model_bytes", "RecordCopy", "roll_forward",
+           "RedoEntry"]
 
 RedoEntry = tuple[int, Step, OptimizerConfig]  # (version after the step, the step, its optimizer configuration)
 
@@ -72,6 +74,18 @@ def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: in
         return None
     more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
     return "; ".join(diffs[:limit]) + more
+
+
+def check_model_bytes(layout: Sequence[TensorSpec], cfg: OptimizerConfig, limit: int) -> None:
+    """Refuse (a ``limit`` :class:`ServerError`), before anything is allocated, a model
+    whose parameters and optimizer state, as the kernel allocates them, exceed ``limit``
+    bytes (``--max-model-bytes``)."""
+    need = sum(state_bytes(s.numel, cfg.name) for s in layout)
+    if need > limit:
+        numel = sum(s.numel for s in layout)
+        raise ServerError(f"register refused: {numel} coordinates with {cfg.name} need {need} bytes of parameters "
+                          f"and optimizer state, more than the server's limit of {limit} bytes (--max-model-bytes)",
+                          ErrorCode.LIMIT)
 
 
 class ModelStore:

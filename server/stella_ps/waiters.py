@@ -4,11 +4,12 @@ their timeout passes (then with what the server has). Each worker may have at mo
 holds a timer and its request until it is answered."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stella.errors import ErrorCode, ServerError
+
+from .runtime import Clock, LoopClock, Timer
 
 __all__ = ["PullWaiters"]
 
@@ -18,14 +19,15 @@ class _Waiter:
     worker: int
     wait_for: int
     answer: Callable[[], None]
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    timer: Timer | None = field(default=None, repr=False)
 
 
 class PullWaiters:
     """Pending pulls and their timers; ``answer`` is called exactly once for each."""
 
-    def __init__(self, max_per_worker: int = 8) -> None:
+    def __init__(self, max_per_worker: int = 8, clock: Clock | None = None) -> None:
         self.max_per_worker = max_per_worker
+        self._clock = clock or LoopClock()
         self._waiting: list[_Waiter] = []
         self._per_worker: dict[int, int] = {}
 
@@ -45,7 +47,7 @@ class PullWaiters:
                               f"version, the server's limit (--max-waiting-pulls {self.max_per_worker})",
                               ErrorCode.LIMIT)
         w = _Waiter(worker, wait_for, answer)
-        w.timer = asyncio.get_running_loop().call_later(max(0.0, timeout_s), self._expire, w)
+        w.timer = self._clock.call_later(max(0.0, timeout_s), lambda: self._expire(w))
         self._waiting.append(w)
         self._per_worker[worker] = n + 1
 

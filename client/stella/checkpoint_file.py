@@ -34,6 +34,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .errors import StellaError
+
 __all__ = ["Checkpoint", "CheckpointError", "write", "read", "read_header", "names", "file_name", "iter_valid",
            "layout_of", "FORMAT", "SUFFIX"]
 
@@ -46,7 +48,7 @@ _CHUNK = 64 << 20  # bytes checksummed / written at a time
 _DTYPES = {"float32": np.float32, "uint32": np.uint32}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(StellaError, ValueError):
     """A checkpoint file that is truncated, corrupt, or not a checkpoint."""
 
 

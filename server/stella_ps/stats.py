@@ -1,0 +1,116 @@
+"""What the job looks like from outside: the server's counters (:class:`Stats`) and
+one :class:`JobSnapshot` of the whole state, built in one place
+(:meth:`stella_ps.service.Service.snapshot`) and rendered by both the ``status``
+reply (:meth:`JobSnapshot.status_reply`) and the Prometheus collector
+(:mod:`stella_ps.metrics`), so the two can never disagree.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stella.protocol import StatusReply, TrainingMode, WorkerStatus
+
+__all__ = ["Stats", "JobSnapshot", "STATUS_FIELDS"]
+
+# the fields of the status reply a snapshot fills (all but the envelope's)
+STATUS_FIELDS = tuple(f for f in StatusReply.__struct_fields__ if f not in ("proto", "req"))
+
+
+@dataclass
+class Stats:
+    """Counters the service, the step scheduler, the checkpointer and the transport
+    write (each its own); read only through a :class:`JobSnapshot`."""
+
+    started: float = field(default_factory=time.time)  # wall clock, for the uptime
+    bytes_in: int = 0
+    bytes_out: int = 0
+    messages: int = 0
+    errors: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+    pushes: int = 0
+    duplicate_pushes: int = 0  # pushes re-sent after a reconnect and not queued again
+    pulls: int = 0
+    steps: int = 0
+    late_pushes: int = 0
+    workers_gone: int = 0  # workers declared gone (liveness timeout)
+    # steps' timings, exported as Prometheus summaries (sum and count): the time between
+    # two consecutive steps closing, the store's apply, and how long a step stayed open
+    # after its first push (waiting for the last worker, or the deadline)
+    step_interval_s: float = 0.0
+    step_intervals: int = 0
+    apply_s: float = 0.0
+    straggler_wait_s: float = 0.0
+    last_step_at: float | None = None  # monotonic time the latest step closed
+    checkpoints: int = 0  # written since start
+    checkpoint_stall_s: float = 0.0  # the longest a checkpoint's copy held a step back
+    last_checkpoint: float | None = None  # wall clock of the latest checkpoint written
+
+    def count_step(self, late: int, now: float, applied_s: float, opened: float | None) -> None:
+        """One step closed at ``now`` (monotonic) after ``applied_s`` of apply; ``opened``:
+        when its first push arrived."""
+        self.steps += 1
+        self.late_pushes += late
+        self.apply_s += applied_s
+        if opened is not None:
+            self.straggler_wait_s += max(0.0, now - applied_s - opened)
+        if self.last_step_at is not None:
+            self.step_interval_s += now - self.last_step_at
+            self.step_intervals += 1
+        self.last_step_at = now
+
+    def count_error(self, code: str) -> None:
+        self.errors += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """The job at one instant. Its first fields are named exactly as
+    :class:`~stella.protocol.StatusReply`'s (the reply is built from them by name);
+    the rest only the metrics show."""
+
+    # --- the status reply's
+    version: int
+    initialised: bool
+    workers: list[int]
+    worker_keys: dict[int, str]
+    insecure: bool
+    expected_workers: int
+    pending_pushes: int
+    steps: int
+    pushes: int
+    pulls: int
+    late_pushes: int
+    bytes_in: int
+    bytes_out: int
+    messages: int
+    errors: int
+    uptime_s: float
+    numel: int
+    tensors: int
+    optimizer: dict[str, Any] | None
+    server_version: str
+    live: list[WorkerStatus]
+    checkpoint_age_s: float | None
+    last_seen_s: dict[int, float]
+    gone_workers: dict[int, float]
+    liveness_timeout_s: float
+    step_deadline_s: float | None
+    checkpoint_version: int | None
+    behind_workers: list[int]
+    mode: TrainingMode | None
+    # --- the metrics' only
+    errors_by_code: dict[str, int]
+    duplicate_pushes: int
+    workers_gone: int
+    step_interval_s: float
+    step_intervals: int
+    apply_s: float
+    straggler_wait_s: float
+    checkpoints: int
+    checkpoint_stall_s: float
+
+    def status_reply(self, req: int) -> StatusReply:
+        return StatusReply(req=req, **{f: getattr(self, f) for f in STATUS_FIELDS})

@@ -1,0 +1,205 @@
+"""When a step closes, and with which optimizer configuration: :class:`StepScheduler`.
+
+The rules (README "Stragglers", docs/protocol.md):
+
+- A step closes when every live worker has a pending push (:meth:`Aggregator.should_close`),
+  once the job has started (``--workers`` joined once).
+- Otherwise the deadline after the step's first push closes it without the missing
+  workers (fixed, or learnt from the job: :class:`~stella_ps.aggregation.AdaptiveDeadline`).
+- Of the missing workers, the *silent* ones (no request or heartbeat for
+  :data:`SILENT_BEATS` heartbeat intervals: dead, stopped, cut off) are then *behind*:
+  later steps do not wait for them until their next push arrives. One still heard from
+  (a long evaluation, a slow machine) is only slow and waited for up to the deadline.
+- A push that missed its step is folded into the next one (the aggregator keeps it).
+- A worker declared gone (liveness) or dropped (allowlist) stops being waited for at
+  once; the step its loss closes is not a sample for the adaptive deadline.
+
+The scheduler is the only writer of the optimizer configuration in force:
+``set_optimizer`` and the ``hparams`` pushes carry change it on the event loop (each
+checked on arrival against the operator's bounds), and each step takes the
+configuration in force when it closes. Applying runs on the store thread; the event
+loop keeps receiving. Time comes from a :class:`~stella_ps.runtime.Clock`, so
+``tests/test_steps.py`` drives every rule with a fake clock and no sleeps.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stella.errors import ErrorCode, ServerError
+from stella.protocol import SparseTensor
+
+from .aggregation import AdaptiveDeadline, Aggregator, PendingPush
+from .config import Deadline, Limits, Liveness
+from .errors import ConfigError
+from .optim import OptimizerConfig
+from .runtime import Clock, StoreThread, Tasks, Timer
+from .stats import Stats
+from .store import ModelStore
+
+__all__ = ["StepScheduler", "SILENT_BEATS"]
+
+log = logging.getLogger("stella_ps.steps")
+SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals is silent
+
+StepListener = Callable[[int], None]
+
+
+class StepScheduler:
+    """Pending pushes, the deadline, and the apply loop of one job."""
+
+    def __init__(self, store: ModelStore, members: Any, store_thread: StoreThread, tasks: Tasks, clock: Clock,
+                 stats: Stats, *, deadline: Deadline, limits: Limits, liveness: Liveness,
+                 default_optimizer: OptimizerConfig):
+        self.store, self.members, self._store_thread, self._tasks = store, members, store_thread, tasks
+        self._clock, self._stats = clock, stats
+        self._limits = limits.optimizer_limits
+        self._silent_after = SILENT_BEATS * liveness.heartbeat_s
+        self.default_optimizer = default_optimizer
+        adaptive = (AdaptiveDeadline(quantile=deadline.quantile, factor=deadline.factor, minimum=deadline.min,
+                                     maximum=deadline.max) if deadline.adaptive else None)
+        self.agg = Aggregator(step_deadline=deadline.fixed, max_queued_pushes=limits.max_queued_pushes,
+                              max_queued_push_bytes=limits.max_queued_push_bytes, adaptive=adaptive,
+                              clock=clock.now)
+        self.optimizer: OptimizerConfig | None = None  # in force; set when the model is initialised
+        self._listeners: list[StepListener] = []
+        self._applying = False
+        self._timer: Timer | None = None
+        self._opened: float | None = None  # when the open step's first push arrived
+        self._lost_worker = False  # a worker was lost while the open step waited: not a complete step
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def on_step(self, listener: StepListener) -> None:
+        """Call ``listener(version)`` after each step is applied."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ the optimizer in force
+    def checked(self, cfg: OptimizerConfig) -> OptimizerConfig:
+        """``cfg`` if inside the operator's bounds; a ``optimizer`` refusal otherwise."""
+        try:
+            return self._limits.check(cfg)
+        except ConfigError as e:
+            raise ServerError(str(e), ErrorCode.OPTIMIZER) from None
+
+    def initial(self, wire: dict[str, Any] | None) -> OptimizerConfig:
+        """The configuration a registration asks for (``None``/empty: the server's default), checked."""
+        try:
+            cfg = OptimizerConfig.from_wire(dict(wire)) if wire else self.default_optimizer
+        except ConfigError as e:
+            raise ServerError(str(e), ErrorCode.OPTIMIZER) from None
+        return self.checked(cfg)
+
+    def change(self, hparams: dict[str, Any]) -> OptimizerConfig:
+        """The configuration in force with ``hparams`` changed, checked; not applied."""
+        assert self.optimizer is not None  # a registered worker implies a model
+        try:
+            return self.checked(self.optimizer.updated(dict(hparams)))
+        except ConfigError as e:
+            raise ServerError(str(e), ErrorCode.OPTIMIZER) from None
+
+    def set_optimizer(self, hparams: dict[str, Any]) -> OptimizerConfig:
+        """Change the configuration from the next step that closes on."""
+        self.optimizer = self.change(hparams)
+        return self.optimizer
+
+    def _for_step(self, changes: list[dict[str, Any]]) -> OptimizerConfig:
+        """The configuration a step runs with, after the changes its pushes carry (each
+        was checked when its push arrived; one valid alone may not be after another)."""
+        for hp in changes:
+            try:
+                self.optimizer = self.change(hp)
+            except ServerError as e:
+                log.warning("optimizer change dropped", extra={"hparams": hp, "reason": str(e)})
+        assert self.optimizer is not None
+        return self.optimizer
+
+    # ------------------------------------------------------------------ events
+    def offer(self, worker: int, version: int, tensors: list[SparseTensor], hparams: dict[str, Any] | None,
+              nbytes: int) -> int:
+        """Queue a validated push (refused, changing nothing, beyond the queue bounds or with
+        ``hparams`` out of bounds); returns how many of its worker's pushes wait before it."""
+        self.agg.check_room(worker, nbytes)
+        if hparams:
+            self.change(hparams)  # refused now, not when the step applies
+        now = self._clock.now()
+        if not self.agg.has_pending():
+            self._opened = now
+        queued = self.agg.add(PendingPush(worker, version, tensors, hparams, nbytes, arrived=now))
+        self._maybe_close(first_push=True)
+        return queued
+
+    def membership_changed(self) -> None:
+        """A worker joined or left: the open step may close now."""
+        self._maybe_close()
+
+    def workers_lost(self, workers: Sequence[int]) -> None:
+        """``workers`` were declared gone or dropped while steps may wait for them."""
+        if workers:
+            self._lost_worker = True  # the open step's spread now includes the wait for the lost ones
+            self._maybe_close()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def idle(self) -> None:
+        """Wait until no step is being applied."""
+        await self._idle.wait()
+
+    # ------------------------------------------------------------------ closing steps
+    def _maybe_close(self, first_push: bool = False) -> None:
+        if self._applying:
+            return  # the running apply loop checks again when it finishes
+        if self.agg.should_close(self.members.live, self.members.started):
+            self._start_applying(force=False)
+        elif first_push and self._timer is None and self.agg.has_pending():
+            after = self.agg.deadline(self.members.started)
+            if after is not None:
+                self._timer = self._clock.call_later(after, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self._applying or not self.agg.has_pending():
+            return
+        missing = self.agg.missing(self.members.live)
+        silent = self.members.silent(missing, self._silent_after)
+        log.info("step deadline passed", extra={"missing_workers": missing, "silent_workers": silent,
+                                                "version": self.store.version})
+        self.agg.mark_behind(silent, self.members.live)
+        self._start_applying(force=True)
+
+    def _start_applying(self, force: bool) -> None:
+        self._applying = True
+        self._idle.clear()
+        self._tasks.spawn(self._apply_ready(force))
+
+    async def _apply_ready(self, force: bool) -> None:
+        try:
+            while force or self.agg.should_close(self.members.live, self.members.started):
+                complete = not force and not self._lost_worker
+                force = self._lost_worker = False
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                step = self.agg.take_step(self.store.version, len(self.store.layout), complete=complete)
+                if step is None:
+                    break
+                cfg = self._for_step(step.hparams)
+                t0 = self._clock.now()
+                opened, self._opened = self._opened, (t0 if self.agg.has_pending() else None)
+                version = await self._store_thread.run(self.store.apply_step, step, cfg)
+                now = self._clock.now()
+                self._stats.count_step(step.late, now, now - t0, opened)
+                log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
+                                                 "apply_ms": round(1e3 * (now - t0), 3)})
+                for listener in self._listeners:
+                    listener(version)
+        finally:
+            self._applying = False
+            self._idle.set()
+        if self.agg.has_pending():
+            self._maybe_close(first_push=True)

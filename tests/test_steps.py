@@ -1,0 +1,334 @@
+"""The server's policies, driven directly with a fake clock and no sleeps: when a step
+closes (complete, deadline, silent or slow, behind, late fold, lost worker), pulls
+waiting for a version, and the encoded-delta cache. The real store, kernel and store
+thread do the work; only time is simulated."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from stella.errors import ServerError
+from stella.protocol import SparseTensor, TensorSpec
+from stella_ps.config import Deadline, Limits, Liveness
+from stella_ps.membership import Membership
+from stella_ps.optim import OptimizerConfig
+from stella_ps.runtime import StoreThread, Tasks
+from stella_ps.stats import Stats
+from stella_ps.steps import SILENT_BEATS, StepScheduler
+from stella_ps.store import ModelStore
+from stella_ps.waiters import PullWaiters
+
+LIVENESS_S = 20.0  # heartbeats every 5 s: silent after 7.5 s
+SGD = OptimizerConfig.from_wire({"name": "sgd", "lr": 1.0})
+
+
+class FakeClock:
+    """Monotonic time that moves only when told to; timers fire in order as it does."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self._timers: list[_Timer] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> _Timer:
+        timer = _Timer(self.t + max(0.0, delay), fn)
+        self._timers.append(timer)
+        return timer
+
+    def advance(self, dt: float) -> None:
+        end = self.t + dt
+        while True:
+            due = [h for h in self._timers if not h.cancelled and h.when <= end]
+            if not due:
+                break
+            h = min(due, key=lambda h: h.when)
+            self._timers.remove(h)
+            self.t = h.when
+            h.fn()
+        self.t = end
+
+    def pending(self) -> list[float]:
+        """When the armed timers fire, in seconds from now."""
+        return sorted(h.when - self.t for h in self._timers if not h.cancelled)
+
+
+class _Timer:
+    def __init__(self, when: float, fn: Callable[[], None]):
+        self.when, self.fn, self.cancelled = when, fn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Job:
+    """A StepScheduler over a real one-tensor store, with ``n`` registered workers."""
+
+    def __init__(self, n: int = 2, *, deadline: Deadline | None = None, started: bool = True):
+        self.clock = FakeClock()
+        self.members = Membership(expected=n, clock=self.clock.now)
+        self.store = ModelStore()
+        self.store.initialise([TensorSpec("w", (8,), "float32")], [np.zeros(8, np.float32)], SGD)
+        self.thread, self.tasks, self.stats = StoreThread(), Tasks(), Stats()
+        self.steps = StepScheduler(self.store, self.members, self.thread, self.tasks, self.clock, self.stats,
+                                   deadline=deadline or Deadline(fixed=5.0), limits=Limits(),
+                                   liveness=Liveness(timeout=LIVENESS_S), default_optimizer=SGD)
+        self.steps.optimizer = SGD
+        self.applied: list[int] = []
+        self.steps.on_step(self.applied.append)
+        for w in range(n):
+            self.members.join(f"conn-{w}".encode(), None).registered = True
+        self.members.started = started
+
+    def push(self, worker: int, version: int | None = None, value: float = 1.0) -> int:
+        v = self.store.version if version is None else version
+        t = SparseTensor(0, np.array([worker], np.int32), np.array([value], np.float32))
+        return self.steps.offer(worker, v, [t], None, 8)
+
+    async def settle(self) -> None:
+        """Let the spawned apply task run to its end (store thread included)."""
+        for _ in range(3):
+            await asyncio.sleep(0)
+            await self.steps.idle()
+
+    def heartbeat(self, worker: int) -> None:
+        info = self.members.live[worker]
+        self.members.heartbeat(worker, info.session, "")
+
+    async def close(self) -> None:
+        self.steps.close()
+        await self.tasks.close()
+        self.thread.close()
+
+
+def run(test: Callable[[], object]) -> None:
+    asyncio.run(test())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ step closing
+def test_a_step_closes_when_every_live_worker_has_pushed_and_not_before():
+    async def main() -> None:
+        job = Job(2)
+        assert job.push(0) == 0
+        await job.settle()
+        assert job.store.version == 0 and job.applied == [] and job.clock.pending() == [5.0]
+        job.clock.advance(1.0)
+        job.push(1)
+        await job.settle()
+        assert job.store.version == 1 and job.applied == [1] and job.clock.pending() == []
+        assert job.stats.steps == 1 and job.stats.straggler_wait_s == pytest.approx(1.0)
+        np.testing.assert_array_equal(job.store.tensors[0].snapshot()[:2], [-0.5, -0.5])  # the mean, lr 1
+        await job.close()
+
+    run(main)
+
+
+def test_no_step_closes_before_the_expected_workers_have_joined_once():
+    async def main() -> None:
+        job = Job(2, started=False)
+        job.push(0)
+        job.push(1)
+        job.clock.advance(100.0)  # no deadline either: the job has not started
+        await job.settle()
+        assert job.store.version == 0 and job.clock.pending() == []
+        job.members.started = True
+        job.steps.membership_changed()
+        await job.settle()
+        assert job.store.version == 1
+        await job.close()
+
+    run(main)
+
+
+def test_the_deadline_closes_a_step_without_a_slow_worker_that_is_still_heard_from():
+    async def main() -> None:
+        job = Job(3)
+        job.push(0)
+        job.push(1)
+        job.clock.advance(4.9)
+        job.heartbeat(2)  # slow, not silent
+        await job.settle()
+        assert job.store.version == 0
+        job.clock.advance(0.2)  # the deadline: 5 s after the first push
+        await job.settle()
+        assert job.store.version == 1 and job.steps.agg.behind() == []
+        # the next step waits for the slow worker again, up to the deadline
+        job.push(0)
+        job.push(1)
+        await job.settle()
+        assert job.store.version == 1 and job.clock.pending() == [pytest.approx(5.0)]
+        job.heartbeat(2)
+        job.clock.advance(5.0)
+        await job.settle()
+        assert job.store.version == 2 and job.steps.agg.behind() == []
+        await job.close()
+
+    run(main)
+
+
+def test_a_silent_worker_missed_by_a_deadline_is_behind_until_its_late_push_is_folded_in():
+    async def main() -> None:
+        job = Job(3)
+        job.clock.advance(SILENT_BEATS * LIVENESS_S / 4 + 0.1)  # worker 2 sends nothing: silent
+        for w in (0, 1):
+            job.heartbeat(w)
+        job.push(0)
+        job.push(1)
+        job.clock.advance(5.0)
+        await job.settle()
+        assert job.store.version == 1 and job.steps.agg.behind() == [2]
+        # behind: the following steps do not wait for it, nor for a deadline
+        for _ in range(3):
+            job.push(0)
+            job.push(1)
+            await job.settle()
+        assert job.store.version == 4 and job.clock.pending() == []
+        # its push computed on version 0 arrives: folded into the next step, counted late,
+        # and it is waited for again
+        job.push(2, version=0, value=4.0)
+        assert job.steps.agg.behind() == []
+        job.push(0)
+        job.push(1)
+        await job.settle()
+        assert job.store.version == 5 and job.stats.late_pushes == 1
+        assert job.store.tensors[0].snapshot()[2] == pytest.approx(-4.0 / 3)  # its value, in a mean of 3
+        job.push(0)
+        await job.settle()
+        assert job.store.version == 5 and job.clock.pending() == [pytest.approx(5.0)]
+        await job.close()
+
+    run(main)
+
+
+def test_a_lost_worker_closes_the_open_step_at_once_and_is_no_sample_for_the_adaptive_deadline():
+    async def main() -> None:
+        job = Job(2, deadline=Deadline())  # adaptive: 60 s until learnt
+        for _ in range(2):  # two complete steps, 0.5 s apart: learnt from the second
+            job.push(0)
+            job.clock.advance(0.5)
+            job.push(1)
+            await job.settle()
+        adaptive = job.steps.agg.adaptive
+        assert adaptive is not None and list(adaptive.spreads) == [pytest.approx(0.5)]
+        assert job.steps.agg.current_deadline() == pytest.approx(6 * 0.5)  # 2 x factor 3 x the largest
+        job.push(0)
+        job.clock.advance(2.0)
+        job.heartbeat(0)
+        gone = job.members.sweep(1.0)  # worker 1 not heard from for more than 1 s
+        assert gone == [1]
+        job.steps.workers_lost(gone)
+        await job.settle()
+        assert job.store.version == 3 and len(adaptive.spreads) == 1  # closed, and learnt nothing
+        assert job.clock.pending() == []
+        await job.close()
+
+    run(main)
+
+
+def test_optimizer_changes_ride_on_pushes_and_apply_from_the_step_they_join():
+    async def main() -> None:
+        job = Job(1)
+        t = SparseTensor(0, np.array([0], np.int32), np.array([1.0], np.float32))
+        with pytest.raises(ServerError, match="lr"):
+            job.steps.offer(0, 0, [t], {"lr": -1.0}, 8)  # refused on arrival: nothing queued
+        assert not job.steps.agg.has_pending()
+        job.steps.offer(0, 0, [t], {"lr": 0.25}, 8)
+        await job.settle()
+        assert job.steps.optimizer is not None and job.steps.optimizer.hparams["lr"] == 0.25
+        assert job.store.tensors[0].snapshot()[0] == pytest.approx(-0.25)
+        await job.close()
+
+    run(main)
+
+
+# ------------------------------------------------------------------ waiting pulls
+@pytest.mark.parametrize(("waits", "release", "answered"), [
+    ([(0, 3, 10.0), (1, 4, 10.0), (0, 5, 10.0)], 4, [3, 4]),
+    ([(0, 3, 10.0)], 2, []),
+    ([(0, 1, 10.0), (1, 1, 10.0)], 9, [1, 1]),
+    ([], 1, []),
+])
+def test_release_answers_every_pull_waiting_for_that_version_or_older(waits, release, answered):
+    clock = FakeClock()
+    w = PullWaiters(max_per_worker=4, clock=clock)
+    got: list[int] = []
+    for worker, version, timeout in waits:
+        w.add(worker, version, timeout, lambda v=version: got.append(v))
+    w.release(release)
+    assert sorted(got) == answered and len(w) == len(waits) - len(answered)
+    clock.advance(100.0)  # the rest expire, each answered exactly once
+    assert len(got) == len(waits) and len(w) == 0 and all(w.waiting(k) == 0 for k in range(2))
+
+
+def test_a_waiting_pull_expires_at_its_timeout_and_a_worker_waits_for_at_most_its_limit():
+    clock = FakeClock()
+    w = PullWaiters(max_per_worker=2, clock=clock)
+    got: list[str] = []
+    w.add(0, 5, 1.0, lambda: got.append("a"))
+    w.add(0, 5, 3.0, lambda: got.append("b"))
+    with pytest.raises(ServerError, match="--max-waiting-pulls 2"):
+        w.add(0, 5, 1.0, lambda: got.append("c"))
+    w.add(1, 5, 1.0, lambda: got.append("d"))  # the limit is per worker
+    clock.advance(1.5)
+    assert sorted(got) == ["a", "d"] and w.waiting(0) == 1
+    w.release(5)
+    assert sorted(got) == ["a", "b", "d"]
+    clock.advance(10.0)  # a released pull's timer does not answer it twice
+    assert len(got) == 3
+    w.add(0, 9, 1.0, lambda: got.append("e"))
+    w.cancel_all()
+    clock.advance(10.0)
+    assert len(got) == 3 and len(w) == 0
+
+
+# ------------------------------------------------------------------ the encoded-delta cache
+def _store(history: int = 3) -> ModelStore:
+    s = ModelStore(history=history)
+    s.initialise([TensorSpec("a", (100,), "float32"), TensorSpec("b", (4,), "float32")],
+                 [np.zeros(100, np.float32), np.zeros(4, np.float32)], SGD)
+    return s
+
+
+def _step(s: ModelStore, idx: list[int]) -> None:
+    from stella_ps.aggregation import Step
+
+    i = np.array(idx, np.int32)
+    s.apply_step(Step([[(i, np.ones(i.size, np.float32))], []], 1.0, [0], 0, []), SGD)
+
+
+@pytest.mark.parametrize(("since", "full", "indices"), [
+    (-1, True, None),  # a new worker: a snapshot
+    (0, True, None),  # older than the history kept (3 steps of 4): a snapshot
+    (1, False, [1, 2, 3, 9]),  # steps 2..4
+    (2, False, [2, 3, 9]),
+    (3, False, [3, 9]),
+    (4, False, []),  # up to date: nothing
+])
+def test_the_delta_since_a_version_is_the_union_of_the_steps_after_it(since, full, indices):
+    s = _store()
+    for idx in ([0], [1, 2], [2, 3], [3, 9]):
+        _step(s, idx)
+    enc = s.encoded_delta(since, "rice")
+    assert enc.version == 4 and enc.full == full
+    if full:
+        assert [e.tensor for e in enc.entries] == [0, 1] and all(e.coding == "dense" for e in enc.entries)
+    else:
+        got = [e for e in enc.entries if e.tensor == 0]
+        assert sum(e.count for e in got) == len(indices) and all(e.tensor != 1 for e in enc.entries)
+
+
+def test_an_encoded_delta_is_built_once_per_version_since_and_coding():
+    s = _store()
+    _step(s, [1, 5])
+    a = s.encoded_delta(0, "rice")
+    assert s.encoded_delta(0, "rice") is a  # every worker of the step gets the same bytes
+    b = s.encoded_delta(0, "raw32")
+    assert b is not a and b.entries[0].coding == "raw32"
+    assert s.encoded_delta(-1, "rice") is not a
+    _step(s, [2])  # a step empties the cache: the next answer is of the new version
+    c = s.encoded_delta(0, "rice")
+    assert c is not a and c.version == 2 and c.entries[0].count == 3
