@@ -25,7 +25,6 @@ from stella_ps import kernel
 from stella_ps.optim import OptimizerConfig
 from stella_ps.optim_ref import RefTensorState
 
-HERE = pathlib.Path(__file__).resolve().parent
 F32 = np.float32
 N_TOPK, K_TOPK, TOPK_STEPS = 50_003, 500, 4
 N_OPT, OPT_STEPS = 20_011, 3
@@ -123,10 +122,9 @@ def run_kernels(out: str) -> None:
 
 def _run(level: str, tmp_path: pathlib.Path) -> tuple[dict[str, np.ndarray], str]:
     out = tmp_path / f"{level}.npz"
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_dispatch; "
-            f"test_dispatch.run_kernels({str(out)!r})")
     env = {**os.environ, ISA_ENV: level}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # this file, run as a script (__main__ below): it imports the installed packages only
+    p = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, f"{level}: rc {p.returncode}\n{p.stderr[-3000:]}"
     with np.load(out) as z:
         return {k: z[k] for k in z.files}, p.stderr
@@ -233,3 +231,7 @@ def test_stella_ps_logs_its_level(make_server, make_client):
     lines = [json.loads(line) for line in ps.logs().splitlines() if line.startswith("{")]
     (listening,) = [r for r in lines if r["msg"] == "listening"]
     assert listening["native_isa"] == "portable"
+
+
+if __name__ == "__main__":  # one level's kernels in a process of their own (_run)
+    run_kernels(sys.argv[1])

@@ -1,0 +1,86 @@
+"""The packages' layering: no import cycle inside ``stella`` or ``stella_ps`` (type-only
+imports count), the client never imports the server (one documented exception), and
+the container's health check loads no C extension."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"stella": os.path.join(ROOT, "client", "stella"), "stella_ps": os.path.join(ROOT, "server", "stella_ps")}
+CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process")}  # the demo starts its own stella-ps (README Layout)
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of either package it imports (anywhere in the file)."""
+    graph: dict[str, set[str]] = {}
+    for name in sorted(os.listdir(PACKAGES[package])):
+        if not name.endswith(".py"):
+            continue
+        mod = f"{package}.{name[:-3]}" if name != "__init__.py" else package
+        tree = ast.parse(open(os.path.join(PACKAGES[package], name)).read())
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = package + ("." + base if base else "")
+                deps.add(base)
+                deps.update(f"{base}.{a.name}" for a in node.names)
+        graph[mod] = {d for d in deps if d.split(".")[0] in PACKAGES}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in graph or d == m or d == m.rsplit(".", 1)[0]:
+                continue  # a name from a module, or the package's own __init__ (`from . import __version__`)
+            if state.get(d) == 1:
+                return [*stack[stack.index(d):], d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in graph:
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycle(package):
+    graph = _imports(package)
+    assert len(graph) > 10
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_client_imports_the_server_only_where_documented():
+    ups = {(m, d) for m, deps in _imports("stella").items() for d in deps if d.startswith("stella_ps")}
+    undocumented = {(m, d) for m, d in ups if not any(m == a and (d == b or d.startswith(b + "."))
+                                                       for a, b in CLIENT_TO_SERVER)}
+    assert ups and not undocumented, sorted(undocumented)
+
+
+def test_the_health_check_loads_no_c_extension():
+    code = ("import sys, stella_ps.health; bad = [m for m in sys.modules if m in ('cffi', 'numpy') or "
+            "m.endswith(('._native', '._kernel'))]; print(bad); sys.exit(bool(bad))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
