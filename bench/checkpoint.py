@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from stella import checkpoint_file as ckfmt
-from stella.protocol import TensorSpec
+from stella.protocol import SparseTensor, TensorSpec
 from stella_ps.aggregation import Step
 from stella_ps.checkpoints import CHECKPOINT_SLICE, copy_in_slices
 from stella_ps.optim import OptimizerConfig
@@ -41,10 +41,10 @@ from stella_ps.store import ModelStore, roll_forward
 
 def _step(rng: np.random.Generator, layout: list[TensorSpec], density: float) -> Step:
     per_tensor = []
-    for s in layout:
+    for t, s in enumerate(layout):
         k = max(1, int(s.numel * density))
         idx = np.unique(rng.integers(0, s.numel, k)).astype(np.int32)
-        per_tensor.append([(idx, rng.standard_normal(idx.size).astype(np.float32))])
+        per_tensor.append([SparseTensor(t, idx, rng.standard_normal(idx.size).astype(np.float32))])
     return Step(per_tensor, 1.0, [0], 0, [])
 
 

@@ -92,7 +92,8 @@ def header_decode_cost(tensors: int, reps: int) -> dict:
     layout = [protocol.TensorSpec(f"t{i}", (100_000,), "float32") for i in range(tensors)]
     idx = np.arange(0, 100_000, 100, dtype=np.int32)
     vals = np.ones(idx.size, np.float32)
-    entries, frames = protocol.encode_tensors([(t, idx, vals) for t in range(tensors)], layout, "rice", "f16")
+    entries, frames = protocol.encode_tensors([protocol.SparseTensor(t, idx, vals) for t in range(tensors)], layout,
+                                              "rice", "f16")
     parts = protocol.encode(protocol.Push(req=1, worker=0, version=0, tensors=entries), frames)
     parts = [memoryview(bytes(p)) for p in parts]
     t0 = time.perf_counter()

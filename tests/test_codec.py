@@ -507,10 +507,10 @@ def test_q_fuzz_valid_frames_round_trip(count, dtype, seed):
 
 def test_delta_refuses_quantised_values():
     from stella.errors import ProtocolError
-    from stella.protocol import Delta, TensorSpec, decode_reply, encode, encode_tensors
+    from stella.protocol import Delta, SparseTensor, TensorSpec, decode_reply, encode, encode_tensors
 
     layout = [TensorSpec("w", (10,), "float32")]
-    entries, frames = encode_tensors([(0, np.array([1, 4], np.int32), np.ones(2, np.float32))], layout,
+    entries, frames = encode_tensors([SparseTensor(0, np.array([1, 4], np.int32), np.ones(2, np.float32))], layout,
                                      "raw32", "q4")
     with pytest.raises(ProtocolError, match="for pushes only"):
         decode_reply(encode(Delta(version=1, full=False, tensors=entries), frames))

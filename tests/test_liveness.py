@@ -472,7 +472,7 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(
 def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
     """The store's whole state (parameters and Adam moments and step counts), restored
     from a checkpoint and copied out again, equals what was written."""
-    from stella.protocol import TensorSpec
+    from stella.protocol import SparseTensor, TensorSpec
     from stella_ps.aggregation import Step
     from stella_ps.optim import OptimizerConfig
     from stella_ps.store import ModelStore
@@ -485,8 +485,9 @@ def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
                  cfg)
     for _ in range(5):
         idx = np.unique(rng.integers(0, 150, 20)).astype(np.int32)
-        s.apply_step(Step([[(idx, rng.standard_normal(idx.size).astype(np.float32))],
-                           [(None, rng.standard_normal(7).astype(np.float32))]], 1.0, [0], 0, []), cfg)
+        s.apply_step(Step([[SparseTensor(0, idx, rng.standard_normal(idx.size).astype(np.float32))],
+                           [SparseTensor(1, None, rng.standard_normal(7).astype(np.float32))]], 1.0, [0], 0, []),
+                     cfg)
     version, arrays = s.state_copy()
     path = str(tmp_path / ckfmt.file_name(version, 1))
     ckfmt.write(path, ckfmt.Checkpoint(version, ckfmt.layout_of(layout), cfg.to_wire(), arrays))
@@ -588,7 +589,7 @@ def test_periodic_checkpoints_are_bounded_in_number(make_server, make_client, tm
 def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
     """A checkpoint copies the state a slice at a time while steps go on; the logged
     steps, applied to the slices copied before them, give exactly the store's state."""
-    from stella.protocol import TensorSpec
+    from stella.protocol import SparseTensor, TensorSpec
     from stella_ps.aggregation import Step
     from stella_ps.optim import OptimizerConfig
     from stella_ps.store import ModelStore, roll_forward
@@ -601,8 +602,8 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
 
     def step() -> None:
         idx = [np.unique(rng.integers(0, 1000, 150)).astype(np.int32) for _ in range(2)]
-        per_tensor = [[(i, rng.standard_normal(i.size).astype(np.float32)) for i in idx],
-                      [(None, rng.standard_normal(37).astype(np.float32))]]
+        per_tensor = [[SparseTensor(0, i, rng.standard_normal(i.size).astype(np.float32)) for i in idx],
+                      [SparseTensor(1, None, rng.standard_normal(37).astype(np.float32))]]
         s.apply_step(Step(per_tensor, 0.5, [0, 1], 0, []), cfg)
 
     for _ in range(3):

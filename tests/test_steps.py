@@ -297,7 +297,7 @@ def _step(s: ModelStore, idx: list[int]) -> None:
     from stella_ps.aggregation import Step
 
     i = np.array(idx, np.int32)
-    s.apply_step(Step([[(i, np.ones(i.size, np.float32))], []], 1.0, [0], 0, []), SGD)
+    s.apply_step(Step([[SparseTensor(0, i, np.ones(i.size, np.float32))], []], 1.0, [0], 0, []), SGD)
 
 
 @pytest.mark.parametrize(("since", "full", "indices"), [

@@ -69,6 +69,7 @@ from .protocol import (
     Register,
     Registered,
     SetOptimizer,
+    SparseTensor,
     Status,
     StatusReply,
     TensorSpec,
@@ -642,7 +643,8 @@ class Client:
                 idx, vals = g
             else:
                 idx, vals = None, g
-            items.append((self._tensor(name), None if idx is None else np.asarray(idx), _to_numpy_f32(vals)))
+            items.append(SparseTensor(self._tensor(name), None if idx is None else np.asarray(idx),
+                                      _to_numpy_f32(vals)))
         entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)
         if self._seen_since_reconnect is not None:  # computed on a version this server never had
             version = min(int(version), self._seen_since_reconnect)

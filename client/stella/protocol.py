@@ -523,8 +523,10 @@ class SparseTensor:
     """One tensor's part of a push or delta, decoded and proved valid against the
     model: ``indices`` strictly increasing int32 inside the tensor (None: dense, every
     coordinate in order) and ``values`` as they travelled (float32, float16, or bf16
-    bit patterns as uint16; q4/q2 dequantised to float32), all finite. Built only by :func:`decode_tensors`, so the
-    kernel applies it without checking again."""
+    bit patterns as uint16; q4/q2 dequantised to float32), all finite. The one shape of a
+    sparse tensor from the wire to the kernel and back: :func:`decode_tensors` makes it
+    (so the kernel applies it without checking again), the server's store holds it, and
+    :func:`encode_tensors` takes it (then ``values`` are float32 to be coded)."""
 
     tensor: int
     indices: np.ndarray | None
@@ -581,16 +583,17 @@ def decode_register_values(rx: Received) -> list[np.ndarray]:
 
 
 def encode_tensors(
-    tensors: Sequence[tuple[int, np.ndarray | None, np.ndarray]],
+    tensors: Sequence[SparseTensor],
     layout: Sequence[TensorSpec],
     coding: IndexCoding,
     value_dtype: ValueDtype,
 ) -> tuple[list[TensorEntry], list[Any]]:
-    """Entries and payload frames for ``(tensor, sorted indices or None for dense,
-    float32 values)`` triples: the one encoder of pushes and deltas."""
+    """Entries and payload frames for sparse tensors (sorted unique indices or None for
+    dense; float32 values, sent as ``value_dtype``): the one encoder of pushes and deltas."""
     entries: list[TensorEntry] = []
     frames: list[Any] = []
-    for t, idx, vals in tensors:
+    for s in tensors:
+        t, idx, vals = s.tensor, s.indices, s.values
         if idx is None:
             entries.append(TensorEntry(t, int(vals.size), "dense", value_dtype, None, len(frames)))
         else:

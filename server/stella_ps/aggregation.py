@@ -59,14 +59,14 @@ class PendingPush:
 class Step:
     """What one closed step applies.
 
-    ``per_tensor[t]`` holds the ``(indices or None for dense, values)`` contributions
-    to tensor ``t``; their sum is applied times ``scale``, the mean over the step's
+    ``per_tensor[t]`` holds the pushes' parts for tensor ``t`` as the wire decoder
+    made them (:class:`~stella.protocol.SparseTensor`); their sum is applied times ``scale``, the mean over the step's
     contributors. ``late`` counts pushes computed on a version older than the one
     before this step (they missed their own step and were folded into this one).
     ``hparams`` are the optimizer changes the step's pushes carry, in worker order.
     """
 
-    per_tensor: list[list[tuple[np.ndarray | None, np.ndarray]]]
+    per_tensor: list[list[SparseTensor]]
     scale: float
     contributors: list[int]
     late: int
@@ -214,10 +214,10 @@ class Aggregator:
             opened = max(self._last_close, min(p.arrived for p in pushes))
             self.adaptive.observe(max(p.arrived for p in pushes) - opened)
         self._last_close = now
-        per_tensor: list[list[tuple[np.ndarray | None, np.ndarray]]] = [[] for _ in range(ntensors)]
+        per_tensor: list[list[SparseTensor]] = [[] for _ in range(ntensors)]
         for p in pushes:
             for s in p.tensors:
-                per_tensor[s.tensor].append((s.indices, s.values))
+                per_tensor[s.tensor].append(s)
         return Step(
             per_tensor=per_tensor,
             scale=1.0 / len(pushes),

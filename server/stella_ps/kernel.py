@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stella.native_errors import NativeIsa, check, isa_info, require_abi, warn_isa_fallback
+from stella.protocol import SparseTensor
 
 from ._kernel import ffi, lib
 from .errors import KernelError, KernelInputError
@@ -133,25 +134,25 @@ def get_num_threads() -> int:
     return _num_threads
 
 
-def _sorted_indices(ffi_, lib_, idx: object, numel: int, what: str) -> np.ndarray:
+def _sorted_indices(idx: object, numel: int, what: str) -> np.ndarray:
     """``idx`` as a contiguous 1-D int32 array, strictly increasing, inside [0, numel)."""
     if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
         got = f"{idx.dtype}[{idx.ndim}-D]" if isinstance(idx, np.ndarray) else type(idx).__name__
         raise KernelInputError(f"{what}: indices must be a 1-D int32 array, got {got}")
     if not idx.flags.c_contiguous:
         raise KernelInputError(f"{what}: indices must be contiguous")
-    where = ffi_.new("int64_t *")
-    rc = lib_.stella_check_sorted(ffi_.from_buffer("int32_t[]", idx), idx.shape[0], numel, where)
-    if rc == lib_.STELLA_E_RANGE:
+    where = ffi.new("int64_t *")
+    rc = lib.stella_check_sorted(ffi.from_buffer("int32_t[]", idx), idx.shape[0], numel, where)
+    if rc == lib.STELLA_E_RANGE:
         pos = where[0]
         raise KernelInputError(f"{what}: index {int(idx[pos])} at position {pos} is outside [0, {numel})")
-    if rc == lib_.STELLA_E_ORDER:
+    if rc == lib.STELLA_E_ORDER:
         raise KernelInputError(f"{what}: indices not strictly increasing at position {where[0]}")
-    check(lib_, rc, what, KernelError)
+    check(lib, rc, what, KernelError)
     return idx
 
 
-def _value_code(lib_, vals: object, n: int, what: str) -> int:
+def _value_code(vals: object, n: int, what: str) -> int:
     if not isinstance(vals, np.ndarray) or vals.ndim != 1:
         raise KernelInputError(f"{what}: values must be a 1-D array")
     if vals.shape[0] != n:
@@ -159,19 +160,19 @@ def _value_code(lib_, vals: object, n: int, what: str) -> int:
     if not vals.flags.c_contiguous:
         raise KernelInputError(f"{what}: values must be contiguous")
     if vals.dtype == np.float32:
-        return lib_.STELLA_VAL_F32
+        return int(lib.STELLA_VAL_F32)
     if vals.dtype == np.float16:
-        return lib_.STELLA_VAL_F16
+        return int(lib.STELLA_VAL_F16)
     if vals.dtype == np.uint16 or vals.dtype.name == "bfloat16":  # bf16 as raw bit patterns
-        return lib_.STELLA_VAL_BF16
+        return int(lib.STELLA_VAL_BF16)
     raise KernelInputError(f"{what}: values must be float32, float16 or bfloat16 (uint16 bits), got {vals.dtype}")
 
 
-def _c_config(ffi_, cfg: OptimizerConfig) -> object:
+def _c_config(cfg: OptimizerConfig) -> object:
     """The hyper-parameters rounded to float32 by the same expressions as optim_ref."""
     cfg = cfg.rule()
     h = cfg.hparams
-    c = ffi_.new("stella_optim_cfg *")
+    c = ffi.new("stella_optim_cfg *")
     c.kind = _KIND[cfg.name]
     c.lr = F32(h["lr"])
     c.lr_d = float(h["lr"])
@@ -204,13 +205,7 @@ class KernelTensorState:
     once (the server applies a tensor's steps one after another).
     """
 
-    # The cffi module behind the state; the bench-only build (bench/_native_bench.py)
-    # subclasses with its own, everything else here stays the same.
-    _ffi = ffi
-    _lib = lib
-
     def __init__(self, init: np.ndarray, cfg: OptimizerConfig, *, hugepages: bool | None = None):
-        ffi_, lib_ = self._ffi, self._lib
         if cfg.name not in _KIND:
             raise KernelInputError(f"unknown optimizer {cfg.name!r}")
         init = np.asarray(init)
@@ -222,33 +217,37 @@ class KernelTensorState:
         self.name = cfg.name
         if hugepages is None:
             hugepages = hugepages_worthwhile(self.numel, cfg.name)
-        ptr = lib_.stella_optim_new(_KIND[cfg.name], self.numel, int(hugepages))
-        if ptr == ffi_.NULL:
+        ptr = lib.stella_optim_new(_KIND[cfg.name], self.numel, int(hugepages))
+        if ptr == ffi.NULL:
             raise MemoryError(f"cannot allocate the state of a {self.numel}-coordinate tensor")
-        self._st = ffi_.gc(ptr, lib_.stella_optim_free, size=int(lib_.stella_optim_bytes(ptr)))
-        self._set_field(lib_.STELLA_FIELD_PARAM, np.ascontiguousarray(init.reshape(-1)))
+        self._st = ffi.gc(ptr, lib.stella_optim_free, size=int(lib.stella_optim_bytes(ptr)))
+        self._set_field(lib.STELLA_FIELD_PARAM, np.ascontiguousarray(init.reshape(-1)))
         self._cfg_key: OptimizerConfig | None = None
         self._cfg_c: object = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of parameter and optimizer state held in C."""
-        return int(self._lib.stella_optim_bytes(self._st))
+        return int(lib.stella_optim_bytes(self._st))
 
     def _set_field(self, field: int, arr: np.ndarray) -> None:
-        rc = self._lib.stella_optim_set_field(self._st, field, self._ffi.from_buffer(arr), arr.shape[0])
-        check(self._lib, rc, "set_field", KernelError)
+        rc = lib.stella_optim_set_field(self._st, field, ffi.from_buffer(arr), arr.shape[0])
+        check(lib, rc, "set_field", KernelError)
 
     def _config(self, cfg: OptimizerConfig) -> object:
         if cfg is not self._cfg_key:
             if cfg.name != self.name:
                 raise KernelInputError(f"state was built for {self.name}, apply got {cfg.name}")
-            self._cfg_c, self._cfg_key = _c_config(self._ffi, cfg), cfg
+            self._cfg_c, self._cfg_key = _c_config(cfg), cfg
         return self._cfg_c
 
-    def apply(self, pushes: Sequence[tuple[np.ndarray | None, np.ndarray]], scale: float,
+    def apply(self, pushes: Sequence[SparseTensor | tuple[np.ndarray | None, np.ndarray]], scale: float,
               cfg: OptimizerConfig, *, checked: bool = True) -> np.ndarray:
         """Merge ``pushes``, apply ``scale`` times their sum with the lazy optimizer.
+
+        A push is the :class:`~stella.protocol.SparseTensor` the wire decoder made (the
+        server's path), or an ``(indices or None for dense, values)`` pair (tests, the
+        reference's duck type).
 
         Returns the sorted union of the touched indices (int32). Every push is
         checked first (dtype, shape, contiguity, strictly increasing, in range: the
@@ -259,39 +258,41 @@ class KernelTensorState:
         float32, float16 or bfloat16 bits (uint16); finiteness is not checked here
         (:func:`stella.codec.wire_values` does it on the server's path).
         """
-        ffi_, lib_ = self._ffi, self._lib
         c_cfg = self._config(cfg)
         w = len(pushes)
         keep = []  # cffi buffers must outlive the call
-        c_push = ffi_.new("stella_push[]", max(w, 1))
+        c_push = ffi.new("stella_push[]", max(w, 1))
         total = 0
         for k, push in enumerate(pushes):
-            try:
-                idx, vals = push
-            except (TypeError, ValueError):
-                raise KernelInputError(f"push {k}: expected an (indices, values) pair") from None
+            if isinstance(push, SparseTensor):
+                idx, vals = push.indices, push.values
+            else:
+                try:
+                    idx, vals = push
+                except (TypeError, ValueError):
+                    raise KernelInputError(f"push {k}: expected a SparseTensor or an (indices, values) pair") from None
             what = f"push {k}"
             if idx is None:
                 n = self.numel
-                c_push[k].idx = ffi_.NULL
+                c_push[k].idx = ffi.NULL
             else:
                 if checked:
-                    _sorted_indices(ffi_, lib_, idx, self.numel, what)
+                    _sorted_indices(idx, self.numel, what)
                 n = idx.shape[0]
-                ib = ffi_.from_buffer("int32_t[]", idx)
+                ib = ffi.from_buffer("int32_t[]", idx)
                 keep.append(ib)
                 c_push[k].idx = ib
-            c_push[k].dtype = _value_code(lib_, vals, n, what)
-            vb = ffi_.from_buffer(vals)
+            c_push[k].dtype = _value_code(vals, n, what)
+            vb = ffi.from_buffer(vals)
             keep.append(vb)
             c_push[k].val = vb
             c_push[k].n = n
             total += n
         bound = min(total, self.numel)
         out = np.empty(bound, np.int32)
-        rc = lib_.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
-                                     ffi_.from_buffer("int32_t[]", out, require_writable=True), bound, _num_threads)
-        count = check(lib_, rc, "apply", _INPUT_ERRORS)
+        rc = lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
+                                    ffi.from_buffer("int32_t[]", out, require_writable=True), bound, _num_threads)
+        count = check(lib, rc, "apply", _INPUT_ERRORS)
         # Heavy overlap leaves most of the bound unused: do not keep it alive.
         return out[:count] if 2 * count >= bound else out[:count].copy()
 
@@ -299,24 +300,23 @@ class KernelTensorState:
         """Current float32 parameters at ``idx`` (int32, any order, inside [0, numel))."""
         if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1:
             raise KernelInputError("gather: indices must be a 1-D int32 array")
-        ffi_, lib_ = self._ffi, self._lib
         idx = np.ascontiguousarray(idx)
         out = np.empty(idx.shape[0], F32)
-        rc = lib_.stella_optim_gather(self._st, ffi_.from_buffer("int32_t[]", idx), idx.shape[0],
-                                      ffi_.from_buffer("float[]", out, require_writable=True), _num_threads)
-        check(lib_, rc, f"gather: an index outside [0, {self.numel})", _INPUT_ERRORS)
+        rc = lib.stella_optim_gather(self._st, ffi.from_buffer("int32_t[]", idx), idx.shape[0],
+                                     ffi.from_buffer("float[]", out, require_writable=True), _num_threads)
+        check(lib, rc, f"gather: an index outside [0, {self.numel})", _INPUT_ERRORS)
         return out
 
     def _get_field(self, field: int, dtype: type) -> np.ndarray:
         out: np.ndarray = np.empty(self.numel, dtype)
-        rc = self._lib.stella_optim_get_field(self._st, field, self._ffi.from_buffer(out, require_writable=True),
+        rc = lib.stella_optim_get_field(self._st, field, ffi.from_buffer(out, require_writable=True),
                                               self.numel)
-        check(self._lib, rc, "get_field", KernelError)
+        check(lib, rc, "get_field", KernelError)
         return out
 
     def snapshot(self) -> np.ndarray:
         """A float32 copy of all parameters (flat)."""
-        return self._get_field(self._lib.STELLA_FIELD_PARAM, F32)
+        return self._get_field(lib.STELLA_FIELD_PARAM, F32)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Parameters and optimizer state as flat arrays, named as in RefTensorState."""
@@ -333,9 +333,9 @@ class KernelTensorState:
         if not (start >= 0 and n >= 0 and start + n <= self.numel):
             raise KernelInputError(f"records {start}..{start + n} outside a {self.numel}-coordinate tensor")
         out: np.ndarray = np.empty(n * self.fields, np.uint32)
-        rc = self._lib.stella_optim_get_records(self._st, self._ffi.from_buffer(out, require_writable=True),
+        rc = lib.stella_optim_get_records(self._st, ffi.from_buffer(out, require_writable=True),
                                                 start, n)
-        check(self._lib, rc, "get_records", KernelError)
+        check(lib, rc, "get_records", KernelError)
         return out
 
     def load_records(self, records: np.ndarray, start: int) -> None:
@@ -344,8 +344,8 @@ class KernelTensorState:
         n, rem = divmod(records.size, self.fields)
         if rem or not (start >= 0 and start + n <= self.numel):
             raise KernelInputError(f"{records.size} record words do not fit from coordinate {start}")
-        rc = self._lib.stella_optim_set_records(self._st, self._ffi.from_buffer(records), start, n)
-        check(self._lib, rc, "set_records", KernelError)
+        rc = lib.stella_optim_set_records(self._st, ffi.from_buffer(records), start, n)
+        check(lib, rc, "set_records", KernelError)
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace the whole state by arrays from :meth:`state_arrays` (checked first)."""
@@ -369,7 +369,7 @@ def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.nd
 
     ``checked=False`` trusts the lists (the kernel's own output of earlier steps)."""
     if checked:
-        keep = [_sorted_indices(ffi, lib, a, _INT32_LIMIT + 1, f"list {k}") for k, a in enumerate(lists)]
+        keep = [_sorted_indices(a, _INT32_LIMIT + 1, f"list {k}") for k, a in enumerate(lists)]
     else:
         keep = list(lists)
     k = len(keep)

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from stella.errors import ErrorCode, ServerError
-from stella.protocol import PullCoding, TensorEntry, TensorSpec, encode_tensors
+from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, encode_tensors
 
 from .aggregation import Step
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 
-__all__ = ["ModelStore", "Delta", "EncodedDelta", "layout_diff", "check_model_bytes", "RecordCopy", "roll_forward",
+__all__ = ["ModelStore", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "RecordCopy", "roll_forward",
            "RedoEntry"]
 
 RedoEntry = tuple[int, Step, OptimizerConfig]  # (version after the step, the step, its optimizer configuration)
@@ -39,17 +39,18 @@ class RecordCopy:
 
 
 @dataclass(frozen=True)
-class Delta:
-    """The answer to a pull: per tensor ``(tensor, indices or None for dense, float32 values)``."""
+class Changes:
+    """What changed after a version, the answer to a pull: the touched coordinates of
+    each tensor with their current float32 values (``full``: every tensor, dense)."""
 
     version: int
     full: bool
-    tensors: list[tuple[int, np.ndarray | None, np.ndarray]]
+    tensors: list[SparseTensor]
 
 
 @dataclass(frozen=True)
-class EncodedDelta:
-    """A :class:`Delta` as it goes on the wire, for one index coding."""
+class EncodedChanges:
+    """:class:`Changes` as they go on the wire (a ``delta`` reply), for one index coding."""
 
     version: int
     full: bool
@@ -99,7 +100,7 @@ class ModelStore:
         self._history: deque[tuple[int, list[np.ndarray]]] = deque(maxlen=history)
         # encoded deltas of the current version, by (since, coding): every worker of a
         # synchronous job pulls the same one each step; emptied by every step
-        self._encoded: dict[tuple[int, str], EncodedDelta] = {}
+        self._encoded: dict[tuple[int, str], EncodedChanges] = {}
         # while a checkpoint copies the state a slice at a time: the steps applied meanwhile
         self._redo: list[RedoEntry] | None = None
 
@@ -169,7 +170,7 @@ class ModelStore:
         self._encoded.clear()
         return self.version
 
-    def delta_since(self, since: int) -> Delta:
+    def changes_since(self, since: int) -> Changes:
         """Coordinates changed after version ``since`` with their current values.
 
         A snapshot when ``since`` is negative or older than the history kept.
@@ -177,27 +178,27 @@ class ModelStore:
         v = self.version
         oldest_base = self._history[0][0] - 1 if self._history else v
         if since < 0 or since < oldest_base:
-            return Delta(v, True, [(t, None, s.snapshot()) for t, s in enumerate(self.tensors)])
+            return Changes(v, True, [SparseTensor(t, None, s.snapshot()) for t, s in enumerate(self.tensors)])
         steps = [touched for after, touched in self._history if after > since]
-        out: list[tuple[int, np.ndarray | None, np.ndarray]] = []
+        out: list[SparseTensor] = []
         for t, state in enumerate(self.tensors):
             lists = [s[t] for s in steps if s[t].size]
             if not lists:
                 continue
             # the kernel's own output: sorted and unique already
             idx = lists[0] if len(lists) == 1 else union_indices(lists, checked=False)
-            out.append((t, idx, state.gather(idx)))
-        return Delta(v, False, out)
+            out.append(SparseTensor(t, idx, state.gather(idx)))
+        return Changes(v, False, out)
 
-    def encoded_delta(self, since: int, coding: PullCoding) -> EncodedDelta:
-        """:meth:`delta_since` encoded for the wire (float32 values, ``coding`` indices),
+    def encoded_delta(self, since: int, coding: PullCoding) -> EncodedChanges:
+        """:meth:`changes_since` encoded for the wire (float32 values, ``coding`` indices),
         built once per version, ``since`` and coding."""
         key = (since, coding)
         enc = self._encoded.get(key)
         if enc is None:
-            delta = self.delta_since(since)
-            entries, frames = encode_tensors(delta.tensors, self.layout, coding, "f32")
-            enc = self._encoded[key] = EncodedDelta(delta.version, delta.full, entries, frames)
+            changes = self.changes_since(since)
+            entries, frames = encode_tensors(changes.tensors, self.layout, coding, "f32")
+            enc = self._encoded[key] = EncodedChanges(changes.version, changes.full, entries, frames)
         return enc
 
 
@@ -227,18 +228,19 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
             if not stale.any():
                 continue
             keep = []
-            for idx, vals in contributions:
+            for part in contributions:
                 if stale.all():
-                    keep.append((idx, vals))
+                    keep.append(part)
                     continue
+                idx, vals = part.indices, part.values
                 if idx is None:
                     idx_all = np.concatenate([np.arange(c.start, c.start + c.n, dtype=np.int32)
                                               for c, s in zip(slices, stale) if s])
-                    keep.append((idx_all, np.ascontiguousarray(vals[idx_all])))
+                    keep.append(SparseTensor(t, idx_all, np.ascontiguousarray(vals[idx_all])))
                     continue
                 m = stale[np.searchsorted(starts, idx, side="right") - 1]
                 if m.any():
-                    keep.append((np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
+                    keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
             if keep:
                 st.apply(keep, step.scale, cfg, checked=False)
         out.append(st.state_arrays())
