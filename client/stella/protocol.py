@@ -401,7 +401,7 @@ def request_id(header: bytes | memoryview) -> int:
     return req if type(req) is int and 0 <= req < 2**63 else -1
 
 
-def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder, kind: str) -> Received:
+def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder[Any], kind: str) -> Received:
     if not frames:
         raise ProtocolError("empty message: no header frame")
     if len(frames) > MAX_FRAMES:

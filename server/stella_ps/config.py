@@ -283,7 +283,7 @@ class ServerConfig:
 
 
 # ------------------------------------------------------------------ generated: flags and environment
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field[Any]) -> Any:
     """A field's default value (its factory called if it has one)."""
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -301,11 +301,11 @@ def _groups() -> dict[str, type]:
     return out
 
 
-def _flag_of(struct: type, f: dataclasses.Field) -> str:
+def _flag_of(struct: type, f: dataclasses.Field[Any]) -> str:
     return "--" + (f.metadata.get("flag") or _PREFIX.get(struct, "") + f.name.replace("_", "-"))
 
 
-def _settings() -> Iterator[tuple[str | None, type, dataclasses.Field]]:
+def _settings() -> Iterator[tuple[str | None, type, dataclasses.Field[Any]]]:
     """``(group field or None, struct, field)`` for every setting, in declaration order."""
     groups = _groups()
     for f in dataclasses.fields(ServerConfig):
@@ -324,15 +324,15 @@ ENV: dict[str, str] = {_flag_of(s, f)[2:]: _env_name(_flag_of(s, f)) for _, s, f
 """Every setting's environment variable, by flag name (``"checkpoint-dir": "STELLA_PS_CHECKPOINT_DIR"``)."""
 
 
-def _parser_of(f: dataclasses.Field) -> Callable[[str], Any]:
-    parse = f.metadata.get("parse")
+def _parser_of(f: dataclasses.Field[Any]) -> Callable[[str], Any]:
+    parse: Callable[[str], Any] | None = f.metadata.get("parse")
     if parse is not None:
         return parse
     default = _default(f)
     return _bool if isinstance(default, bool) else type(default)
 
 
-def _shown(f: dataclasses.Field, value: Any) -> str:
+def _shown(f: dataclasses.Field[Any], value: Any) -> str:
     if f.metadata.get("show") and value == _default(f):
         return str(f.metadata["show"])
     return "unset" if value is None else repr(value) if isinstance(value, str) else str(value)

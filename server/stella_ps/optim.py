@@ -43,11 +43,11 @@ def _num(name: str, x: Any, lo: float = 0.0, hi: float = F32_MAX, *, lo_open: bo
     """``x`` as a float inside its range (``lo``/``hi`` closed unless said open)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise ConfigError(f"{name} must be a number, got {type(x).__name__}")
-    x = float(x)
-    if (not math.isfinite(x) or (x <= lo if lo_open else x < lo) or (x >= hi if hi_open else x > hi)):
+    v = float(x)
+    if (not math.isfinite(v) or (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi)):
         bound = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ConfigError(f"{name}={x:g} is outside {bound}")
-    return x
+        raise ConfigError(f"{name}={v:g} is outside {bound}")
+    return v
 
 
 @dataclass(frozen=True)
