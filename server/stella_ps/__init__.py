@@ -3,15 +3,23 @@
 Where each concern lives:
 
 - ``daemon``: the ``stella-ps`` entry point: logging, signals, the uvloop event loop.
-- ``config``: flags and environment overrides, parsed into a frozen ``ServerConfig``.
+- ``config``: every setting declared once (flag, environment variable, help, check),
+  parsed into a frozen ``ServerConfig`` of ``Limits``, ``Liveness``, ``Deadline`` and
+  ``Checkpoints``; ``parse_bind``.
 - ``server``: transport and lifecycle: the ROUTER socket, decoding every message
-  with :mod:`stella.protocol`, sending replies, stopping.
-- ``service``: one handler per request type, the optimizer configuration (its only
-  writer) and the scheduling of steps.
-- ``membership``: worker ids and the connections they belong to.
-- ``aggregation``: when a step closes, what it takes, the mean's scale, late pushes.
+  with :mod:`stella.protocol`, sending replies, taking and releasing every resource.
+- ``security``: CurveZMQ keys, the allowlist and the ZAP handler that enforces it.
+- ``service``: one handler per request type, and the composition of the parts below.
+- ``steps``: when a step closes and with which optimizer configuration (its only
+  writer): the deadline, silent and behind workers, lost workers, the apply loop.
+- ``aggregation``: pending pushes, what a closed step takes, the mean's scale, late
+  pushes, the adaptive deadline, the push-norm bound.
+- ``membership``: worker ids, the connections they belong to, liveness.
 - ``waiters``: pulls waiting for a future version.
 - ``store``: the model, its version, the history of touched coordinates, encoded deltas.
+- ``checkpoints``: resume, periodic and final checkpoints, the sliced copy.
+- ``stats``: the counters and the one ``JobSnapshot`` that ``status`` and the metrics render.
+- ``runtime``: the store thread, background tasks, the clock (faked in tests).
 - ``optim`` (configuration and validation), ``optim_ref`` (the executable specification
   of the lazy optimizers) and ``kernel`` (the C kernel behind a checked wrapper).
 - ``process``: ``ServerProcess``, the one way to start a ``stella-ps`` from Python

@@ -3,7 +3,7 @@ grouping per tensor, the mean's scale, and late pushes.
 
 A step closes when every live worker has a pending push, or when the step deadline
 after the step's first push passes (:meth:`Aggregator.deadline`). A worker a deadline
-closed a step without, and that is silent too (the service tells: no heartbeat for a
+closed a step without, and that is silent too (the step scheduler tells: no heartbeat for a
 while), is *behind* (:meth:`Aggregator.mark_behind`): later steps do not wait for it
 until its next push arrives, so a dead or stopped worker costs a deadline or two, not
 one per step until the liveness timeout declares it gone. One that is still heard from

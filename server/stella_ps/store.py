@@ -3,7 +3,7 @@ history of which coordinates each step touched, and the encoded answers to pulls
 
 All methods run on the server's single store thread, so a step and a pull never
 interleave: a pull always sees the model exactly at the version it reports. The
-store never holds the optimizer configuration: the service owns it and passes it
+store never holds the optimizer configuration: the step scheduler owns it and passes it
 to every step.
 """
 from __future__ import annotations
@@ -119,9 +119,9 @@ class ModelStore:
 
     def state_copy(self) -> tuple[int, list[dict[str, np.ndarray]]]:
         """The version and a copy of every tensor's state arrays (parameters and
-        whatever optimizer state the kernel keeps): what a checkpoint holds. The only
-        part of writing a checkpoint that runs on the store thread, so the only part
-        that holds steps back."""
+        whatever optimizer state the kernel keeps), in one go. The server never does
+        this (a checkpoint copies a slice at a time: :func:`stella_ps.checkpoints.copy_in_slices`);
+        tests compare against it, and ``bench.checkpoint`` times it for contrast."""
         return self.version, [s.state_arrays() for s in self.tensors]
 
     def begin_copy(self) -> int:
