@@ -42,12 +42,19 @@ struct stella_optim {
     int64_t len1, len2; /* entries built (index 0 unused) */
     int64_t cap1, cap2;
     int64_t sat1, sat2; /* first k with beta^k < 2^-40: later steps reuse entry sat */
+    /* The undo log of the last apply: the records of its touched coordinates as they
+     * were before it, in the order of its out_idx (stella_optim_rollback). */
+    float *undo;
+    int64_t undo_cap; /* coordinates */
+    int64_t undo_len;
 };
 
 #include "optim_tuning.h"
 
 /* optim_state.c: make the bias-correction tables valid up to step `need`. */
 int stella_optim_tables(stella_optim *st, double lr, double b1, double b2, int64_t need);
+/* optim_state.c: room for the undo records of `n` coordinates. */
+int stella_optim_reserve_undo(stella_optim *st, int64_t n);
 
 /* ---- merge.c ---- */
 

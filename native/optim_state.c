@@ -50,6 +50,7 @@ void stella_optim_free(stella_optim *st) {
     free(st->tab1);
     free(st->tab2);
     free(st->sstab);
+    free(st->undo);
     free(st);
 }
 
@@ -79,6 +80,19 @@ int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int
     } else {
         for (int64_t i = 0; i < n; i++) out[i] = in[4 * i];
     }
+    return STELLA_OK;
+}
+
+/* Put back the records the last apply changed, from its undo log: `idx` is that
+ * apply's out_idx (n entries, as it returned them). */
+int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n) {
+    if (!st || n < 0 || n != st->undo_len || (n > 0 && !idx)) return STELLA_E_ARG;
+    const int64_t s = st->nfields;
+    for (int64_t j = 0; j < n; j++) {
+        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= st->numel)) return STELLA_E_RANGE;
+        memcpy(st->mem + (int64_t)idx[j] * s, st->undo + j * s, (size_t)s * sizeof(float));
+    }
+    st->undo_len = 0;
     return STELLA_OK;
 }
 
@@ -129,6 +143,10 @@ static int grow(void **tab, size_t elem, int64_t *cap, int64_t want) {
     *tab = t;
     *cap = c;
     return STELLA_OK;
+}
+
+int stella_optim_reserve_undo(stella_optim *st, int64_t n) {
+    return grow((void **)&st->undo, (size_t)st->nfields * sizeof(float), &st->undo_cap, n);
 }
 
 /* Make tab1/tab2 valid for every step up to `need` (or their saturation step). */

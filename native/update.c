@@ -10,8 +10,16 @@
  * Every float operation follows server/stella_ps/optim_ref.py in order and in
  * float32, so results are bit-identical to the reference (the build is ISO C11:
  * GCC does not contract a*b+c into FMAs there).
+ *
+ * The finite-step guard: each tile copies the records it is about to change into
+ * the state's undo log (sequential writes, in the order of the touched indices) and
+ * checks that every value it writes is finite. A step with one non-finite result
+ * anywhere puts every touched record back and returns STELLA_E_NONFINITE, so a step
+ * either applies whole or changes nothing; stella_optim_rollback undoes the last
+ * successful apply the same way (a step over several tensors fails as a whole).
  */
 #define _GNU_SOURCE
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -37,26 +45,38 @@ static inline void prefetch_coord(float *mem, int64_t stride, int32_t i, int pmo
         __builtin_prefetch(base, 1, 3);
 }
 
-/* One record per coordinate: {p, buf} (stride 2). */
-static inline __attribute__((always_inline)) void sgd_tile(float *mem,
-                                                           const uint32_t *ix, const float *g, int n,
-                                                           const uint32_t *nx, int nn,
-                                                           const stella_optim_cfg *c, int pd, int pmode) {
+/* |x| <= FLT_MAX: false for NaN and +-Inf. */
+#define FINITE(x) ((uint32_t)(fabsf(x) <= FLT_MAX))
+
+/* One record per coordinate: {p, buf} (stride 2). Returns 1 when every value
+ * written is finite; U receives the records as they were. */
+static inline __attribute__((always_inline)) uint32_t sgd_tile(float *mem,
+                                                               const uint32_t *ix, const float *g, int n,
+                                                               const uint32_t *nx, int nn,
+                                                               const stella_optim_cfg *c, int pd, int pmode,
+                                                               float *STELLA_RESTRICT U) {
     const float lr = c->lr, wd = c->weight_decay, mom = c->momentum, omd = c->one_minus_dampening;
     const int has_wd = c->has_weight_decay, has_mom = c->has_momentum, nest = c->nesterov;
+    uint32_t ok = 1;
     for (int j = 0; j < n; j++) {
         if (pd) prefetch_coord(mem, 2, ahead_index(ix, n, nx, nn, j, pd), pmode);
         float *P = mem + (int64_t)ix[j] * 2;
         float *B = P + 1;
         float p = *P, d = g[j];
+        U[2 * j] = p;
+        U[2 * j + 1] = *B;
         if (has_wd) d = d + wd * p;
         if (has_mom) {
             float buf = mom * *B + omd * d;
             *B = buf;
+            ok &= FINITE(buf);
             d = nest ? d + mom * buf : buf;
         }
-        *P = p - lr * d;
+        const float np = p - lr * d;
+        *P = np;
+        ok &= FINITE(np);
     }
+    return ok;
 }
 
 /* The vectorised middle pass of adam_tile (separate so that the restrict
@@ -99,18 +119,23 @@ static inline __attribute__((always_inline)) uint32_t adam_tile(float *mem,
                                                                 const stella_optim_cfg *c, int pd, int pmode,
                                                                 const float *sstab, uint32_t last1,
                                                                 const float *tab2, uint32_t last2,
-                                                                float *buf) {
+                                                                float *buf, float *STELLA_RESTRICT U,
+                                                                uint32_t *ok) {
     float *tp = buf, *tm = buf + TILE_BUF, *tv = buf + 2 * TILE_BUF;
     uint32_t *tk = (uint32_t *)(buf + 3 * TILE_BUF);
     for (int j = 0; j < n; j++) {
         if (pd) prefetch_coord(mem, 4, ahead_index(ix, n, nx, nn, j, pd), pmode);
         const float *R = mem + (int64_t)ix[j] * 4;
+        memcpy(U + 4 * j, R, 16);
         tp[j] = R[0];
         tm[j] = R[1];
         tv[j] = R[2];
         tk[j] = ((const uint32_t *)R)[3];
     }
     const uint32_t kmax = adam_math(tp, tm, tv, tk, g, n, c, sstab, last1, tab2, last2);
+    uint32_t good = 1;
+    for (int j = 0; j < n; j++) good &= FINITE(tp[j]) & FINITE(tm[j]) & FINITE(tv[j]);
+    *ok &= good;
     for (int j = 0; j < n; j++) {
         float *R = mem + (int64_t)ix[j] * 4;
         R[0] = tp[j];
@@ -131,8 +156,10 @@ typedef struct {
     const stella_optim_cfg *cfg;
     int64_t lo, hi;
     uint32_t *out; /* this range's slice of the output */
+    float *undo;   /* and of the undo log (records, in the order of out) */
     int64_t count;
     uint32_t kmax;
+    uint32_t finite; /* every value written was finite */
     int rc;
 } range_job;
 
@@ -201,15 +228,19 @@ static void run_range(range_job *job) {
     const stella_optim_cfg *c = job->cfg;
     float *mem = st->mem;
     const uint32_t last1 = (uint32_t)(st->len1 - 1), last2 = (uint32_t)(st->len2 - 1);
+    const int64_t nf = st->nfields;
+    uint32_t finite = 1;
     while (n > 0) {
         int nxt = cur ^ 1;
         int nn = NEXT_TILE(ibuf[nxt], gbuf[nxt]);
         const uint32_t *ix = ibuf[cur], *nx = ibuf[nxt];
         const float *g = gbuf[cur];
+        float *U = job->undo + total * nf;
         if (st->kind == STELLA_OPT_SGD) {
-            sgd_tile(mem, ix, g, n, nx, nn, c, pd, pmode);
+            finite &= sgd_tile(mem, ix, g, n, nx, nn, c, pd, pmode, U);
         } else {
-            uint32_t k = adam_tile(mem, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2, abuf);
+            uint32_t k = adam_tile(mem, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2, abuf,
+                                   U, &finite);
             kmax = k > kmax ? k : kmax;
         }
         memcpy(job->out + total, ix, (size_t)n * 4);
@@ -223,6 +254,7 @@ static void run_range(range_job *job) {
     free(wm.flag);
     job->count = total;
     job->kmax = kmax;
+    job->finite = finite;
     job->rc = STELLA_OK;
 }
 
@@ -257,7 +289,9 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
     }
     int64_t bound = work < st->numel ? work : st->numel;
     if (out_cap < bound || (bound > 0 && !out_idx)) return STELLA_E_ARG;
+    st->undo_len = 0;
     if (bound == 0) return 0;
+    if (stella_optim_reserve_undo(st, bound) != STELLA_OK) return STELLA_E_NOMEM;
     if (st->kind != STELLA_OPT_SGD) {
         int rc = stella_optim_tables(st, cfg->lr_d, cfg->beta1_d, cfg->beta2_d, (int64_t)st->max_step + 1);
         if (rc != STELLA_OK) return rc;
@@ -292,8 +326,8 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
             cnt += p->idx ? lower_bound(p->idx, p->n, hi) - lower_bound(p->idx, p->n, lo) : hi - lo;
         }
         if (cnt > hi - lo) cnt = hi - lo;
-        jobs[t] = (range_job){st, pushes, npush, scale, cfg, lo, hi, (uint32_t *)out_idx + off, 0, 0,
-                              STELLA_OK};
+        jobs[t] = (range_job){st, pushes, npush, scale, cfg, lo, hi, (uint32_t *)out_idx + off,
+                              st->undo + off * st->nfields, 0, 0, 1, STELLA_OK};
         off += cnt;
     }
     pthread_t tid[MAX_THREADS];
@@ -306,16 +340,31 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
         else
             run_range(&jobs[t]); /* could not start a thread: do its range here */
     }
+    const int64_t nf = st->nfields;
+    int failed = 0;
+    int rc = STELLA_OK;
+    for (int t = 0; t < T; t++) {
+        if (jobs[t].rc != STELLA_OK) rc = jobs[t].rc;
+        failed |= jobs[t].rc != STELLA_OK || !jobs[t].finite;
+    }
+    if (failed) { /* the whole step is undone: every range's touched records back as they were */
+        for (int t = 0; t < T; t++)
+            for (int64_t j = 0; j < jobs[t].count; j++)
+                memcpy(st->mem + (int64_t)jobs[t].out[j] * nf, jobs[t].undo + j * nf, (size_t)nf * sizeof(float));
+        return rc != STELLA_OK ? rc : STELLA_E_NONFINITE;
+    }
     int64_t total = 0;
     uint32_t kmax = st->max_step;
     for (int t = 0; t < T; t++) {
-        if (jobs[t].rc != STELLA_OK) return jobs[t].rc;
-        if ((uint32_t *)out_idx + total != jobs[t].out)
+        if ((uint32_t *)out_idx + total != jobs[t].out) {
             memmove(out_idx + total, jobs[t].out, (size_t)jobs[t].count * 4);
+            memmove(st->undo + total * nf, jobs[t].undo, (size_t)(jobs[t].count * nf) * sizeof(float));
+        }
         total += jobs[t].count;
         kmax = jobs[t].kmax > kmax ? jobs[t].kmax : kmax;
     }
     st->max_step = kmax;
+    st->undo_len = total;
     return total;
 }
 

@@ -52,7 +52,10 @@ def test_flags_env_and_defaults(monkeypatch):
     assert (d.max_workers, d.max_waiting_pulls, d.max_queued_pushes) == (256, 8, 4)
     assert d.max_queued_push_bytes == 256 * MiB and d.max_model_bytes > 0
     assert d.max_push_norm == 0 and d.push_norm_action == "refuse"
-    assert d.optimizer_limits.max_lr is None and d.optimizer_limits.max_weight_decay is None
+    # bounds no real job reaches are on by default (issue 25); '' turns one off
+    lim = d.optimizer_limits
+    assert (lim.max_lr, lim.max_weight_decay, lim.min_eps) == (100.0, 10.0, 1e-16)
+    assert parse_args(["--max-lr", ""]).limits.max_lr is None
     monkeypatch.setenv("STELLA_PS_MAX_WORKERS", "3")
     monkeypatch.setenv("STELLA_PS_MAX_LR", "0.5")
     monkeypatch.setenv("STELLA_PS_PUSH_NORM_ACTION", "clip")

@@ -81,7 +81,7 @@ class Job:
         self.applied: list[int] = []
         self.steps.on_step(self.applied.append)
         for w in range(n):
-            self.members.join(f"conn-{w}".encode(), None).registered = True
+            self.members.register(self.members.join(f"conn-{w}".encode(), None))
         self.members.started = started
 
     def push(self, worker: int, version: int | None = None, value: float = 1.0) -> int:

@@ -48,9 +48,13 @@ class ErrorCode(str, Enum):
 
 
 class StellaError(Exception):
-    """Root of every exception raised by Stella; never raised itself."""
+    """Root of every exception raised by Stella; never raised itself.
+
+    ``req``: the request id a refusal answers, where the message's header could be read
+    far enough to know it (set by the decoder); -1 otherwise."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    req: int = -1
 
 
 class ProtocolError(StellaError):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import numpy as np
@@ -356,9 +356,23 @@ Reply = Joined | Left | Registered | PushOk | Delta | StatusReply | OptimizerSet
 REQUEST_TYPES: tuple[type, ...] = Request.__args__
 REPLY_TYPES: tuple[type, ...] = Reply.__args__
 
+
+
+def _on_the_wire(cls: type[_Message]) -> type[_Message]:
+    """The decoders' twin of a message class: the same message with ``proto`` and ``req``
+    required (a header without them is refused; in code both have defaults, so that a
+    message can be built before its request id is known). A subclass, so handlers
+    matching ``case Push():`` match it."""
+    tag = cls.__struct_config__.tag
+    ns = {"__annotations__": {"proto": int, "req": ReqId}, "__doc__": cls.__doc__, "__module__": __name__}
+    return type(cls.__name__, (cls,), ns, tag=tag, frozen=True, kw_only=True)
+
+
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_request_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    Union[tuple(_on_the_wire(t) for t in REQUEST_TYPES)])  # noqa: UP007
+_reply_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    Union[tuple(_on_the_wire(t) for t in REPLY_TYPES)])  # noqa: UP007
 
 
 class _Envelope(msgspec.Struct):
@@ -392,11 +406,11 @@ class Received:
 
 
 def request_id(header: bytes | memoryview) -> int:
-    """The ``req`` of a header that may be malformed (-1 when it has none), so that an
-    error reply can still name the request it refuses."""
+    """The ``req`` of a header that may be malformed (-1 when it has none or cannot be
+    read), so that an error reply can still name the request it refuses. Never raises."""
     try:
         req = _envelope_decoder.decode(header).req
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # anything a hostile header makes msgspec raise
         return -1
     return req if type(req) is int and 0 <= req < 2**63 else -1
 
@@ -409,33 +423,54 @@ def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder[Any], kind: 
     views = tuple(f if type(f) is memoryview else memoryview(f) for f in frames)
     header = views[0]
     if header.nbytes > MAX_HEADER_BYTES:
-        raise OversizedMessage(f"oversized header: {header.nbytes} bytes > {MAX_HEADER_BYTES}")
+        err = OversizedMessage(f"oversized header: {header.nbytes} bytes > {MAX_HEADER_BYTES}")
+        err.req = request_id(header)  # not decoded otherwise: only its envelope, for the refusal
+        raise err
     try:
         msg = decoder.decode(header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except Exception as e:  # msgspec's errors, RecursionError (nesting), UnicodeDecodeError...
         raise _explain(header, e, kind) from None
-    if msg.proto != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
-    payload = views[1:]
-    _check_frames(msg, payload)
+    try:
+        if msg.proto != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {msg.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
+        payload = views[1:]
+        _check_frames(msg, payload)
+    except ProtocolError as e:
+        e.req = msg.req
+        raise
     return Received(msg, payload)
 
 
 def _explain(header: memoryview, err: Exception, kind: str) -> ProtocolError:
     """A protocol error that names the problem, the version first: a peer speaking
-    another version should hear that, not which field it lacks."""
+    another version should hear that, not which field it lacks. Carries the header's
+    ``req`` where the envelope can be read (the refusal names the request), else -1."""
     try:
         env = _envelope_decoder.decode(header)
     except msgspec.ValidationError:  # a subclass of DecodeError: valid MessagePack, not a map
         return ProtocolError("header must be a map")
-    except msgspec.DecodeError:
-        return ProtocolError(f"malformed MessagePack header: {err}")
+    except Exception:  # corrupt, too deeply nested, invalid UTF-8: nothing more to read
+        return ProtocolError(f"malformed MessagePack header: {_reason(err)}")
+    out = _explained(env, err, kind)
+    out.req = env.req if type(env.req) is int and 0 <= env.req < 2**63 else -1
+    return out
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, RecursionError):
+        return "nested too deeply"
+    if isinstance(err, UnicodeDecodeError):
+        return "a string is not valid UTF-8"
+    return str(err)
+
+
+def _explained(env: _Envelope, err: Exception, kind: str) -> ProtocolError:
     if env.proto != PROTOCOL_VERSION or type(env.proto) is not int:
         return ProtocolError(f"protocol version {env.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
     known = sorted(_tag(t) for t in (REQUEST_TYPES if kind == "request" else REPLY_TYPES))
     if not isinstance(env.type, str) or env.type not in known:
         return ProtocolError(f"unknown {kind} type {env.type!r}; known: {known}")
-    return ProtocolError(f"{env.type}: {_entry_field_names(str(err))}")
+    return ProtocolError(f"{env.type}: {_entry_field_names(_reason(err))}")
 
 
 _ENTRY_FIELDS = TensorEntry.__struct_fields__

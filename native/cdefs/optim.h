@@ -55,10 +55,13 @@ int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int
 /* Records (every field, interleaved) of coordinates start..start+n-1, copied out or in. */
 int stella_optim_get_records(const stella_optim *st, void *dst, int64_t start, int64_t n);
 int stella_optim_set_records(stella_optim *st, const void *src, int64_t start, int64_t n);
-/* Returns the number of touched coordinates written to out_idx (sorted), or STELLA_E_*. */
+/* Returns the number of touched coordinates written to out_idx (sorted), or STELLA_E_*;
+ * STELLA_E_NONFINITE when a value it would write is NaN or +-Inf: then nothing changed. */
 int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
                            const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
                            int32_t nthreads);
+/* Undo the last successful apply (idx: its out_idx, n: its count); then it changed nothing. */
+int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n);
 int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, float *out,
                         int32_t nthreads);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,

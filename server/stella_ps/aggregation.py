@@ -15,7 +15,8 @@ bounded multiple of the usual spread. ``--step-deadline S`` fixes it instead.
 Each closed step takes at most one push per worker, oldest first; a push that
 missed its step stays queued and is folded into the next one, never dropped.
 Pushes of a worker that left still count. The first step waits until the expected
-number of workers have joined once (``started``, kept by the membership).
+number of workers have registered once (``started``, kept by the membership); the
+membership also says which live workers a step waits for (``waited``).
 
 Each worker's queue is bounded (``stella-ps --max-queued-pushes`` and
 ``--max-queued-push-bytes``): a push beyond either bound is refused and nothing is
@@ -37,7 +38,7 @@ import numpy as np
 from stella.errors import BadValue, ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "push_norm", "scaled", "bounded"]
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled"]
 
 log = logging.getLogger("stella_ps.aggregation")
 _CHUNK = 1 << 20  # values converted to float64 at a time by push_norm
@@ -71,6 +72,23 @@ class Step:
     contributors: list[int]
     late: int
     hparams: list[dict[str, Any]]
+    owners: list[list[int]] | None = None  # owners[t][i]: the worker of per_tensor[t][i]
+
+    def without(self, workers: Collection[int]) -> Step:
+        """This step without the pushes of ``workers``, the mean over the others (a step
+        with no contributor left changes nothing)."""
+        assert self.owners is not None, "a step built without owners cannot drop a worker's push"
+        drop = set(workers)
+        keep = [w for w in self.contributors if w not in drop]
+        per_tensor = [[p for p, w in zip(parts, owners) if w not in drop]
+                      for parts, owners in zip(self.per_tensor, self.owners)]
+        owners = [[w for w in owners if w not in drop] for owners in self.owners]
+        return Step(per_tensor, 1.0 / len(keep) if keep else 0.0, keep, self.late, self.hparams, owners)
+
+    def only(self, worker: int) -> Step:
+        """The push of ``worker`` alone, at this step's scale (the others as zero)."""
+        s = self.without([w for w in self.contributors if w != worker])
+        return Step(s.per_tensor, self.scale, s.contributors, 0, [], s.owners)
 
 
 @dataclass
@@ -215,15 +233,18 @@ class Aggregator:
             self.adaptive.observe(max(p.arrived for p in pushes) - opened)
         self._last_close = now
         per_tensor: list[list[SparseTensor]] = [[] for _ in range(ntensors)]
+        owners: list[list[int]] = [[] for _ in range(ntensors)]
         for p in pushes:
             for s in p.tensors:
                 per_tensor[s.tensor].append(s)
+                owners[s.tensor].append(p.worker)
         return Step(
             per_tensor=per_tensor,
             scale=1.0 / len(pushes),
             contributors=[p.worker for p in pushes],
             late=sum(p.version < version - 1 for p in pushes),
             hparams=[p.hparams for p in pushes if p.hparams],
+            owners=owners,
         )
 
 
@@ -256,17 +277,54 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
     return out
 
 
-def bounded(tensors: list[SparseTensor], bound: float, action: str, worker: int) -> list[SparseTensor]:
-    """A push inside the L2 norm ``bound`` (``--max-push-norm``): as it is when inside,
-    else refused (``action`` "refuse": :class:`~stella.errors.BadValue`) or scaled down
-    to the bound (``"clip"``, float32 copies)."""
-    norm = push_norm(tensors)
-    log.debug("push norm", extra={"worker": worker, "norm": norm})
-    if norm <= bound:
+class PushNormBound:
+    """The bounds on one push's L2 norm (over all its values, float64):
+
+    - ``absolute`` (``--max-push-norm``, 0: none): above it a push is refused
+      (``action`` "refuse") or scaled down to it ("clip");
+    - ``factor`` (``--push-norm-factor``, 0: none): above ``factor`` times the median
+      norm of the last ``window`` pushes of the job (once ``min_samples`` are known) a
+      push is scaled down to that bound. On by default: a push thousands of times the
+      usual (a bug, or a hostile worker) moves the model by at most ``factor`` usual
+      pushes, and the median follows honest changes of scale within a window. The
+      norms recorded are those after clipping, so clipped pushes cannot raise the bound
+      by themselves (a key with most of a job's workers can still move it: docs/security.md).
+    """
+
+    def __init__(self, absolute: float = 0.0, action: str = "refuse", factor: float = 0.0, window: int = 64,
+                 min_samples: int = 8):
+        self.absolute, self.action, self.factor = absolute, action, factor
+        self.min_samples = min_samples
+        self._norms: deque[float] = deque(maxlen=window)
+        self.clipped = 0  # pushes scaled down (either bound)
+
+    def relative_limit(self) -> float | None:
+        """``factor`` times the median of the recent nonzero norms; None until learnt."""
+        if not self.factor or len(self._norms) < self.min_samples:
+            return None
+        xs = sorted(self._norms)
+        return self.factor * xs[len(xs) // 2]
+
+    def apply(self, worker: int, tensors: list[SparseTensor]) -> list[SparseTensor]:
+        """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
+        or scaled down (float32 copies)."""
+        if not (self.absolute or self.factor):
+            return tensors
+        norm = push_norm(tensors)
+        log.debug("push norm", extra={"worker": worker, "norm": norm})
+        limit, which = math.inf, ""
+        if self.absolute and norm > self.absolute:
+            if self.action == "refuse":
+                raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
+                               f"{self.absolute:g} (--max-push-norm)")
+            limit, which = self.absolute, "--max-push-norm"
+        relative = self.relative_limit()
+        if relative is not None and norm > relative and relative < limit:
+            limit, which = relative, "--push-norm-factor"
+        if norm > limit:
+            log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": which, "bound": limit})
+            self.clipped += 1
+            tensors, norm = scaled(tensors, limit / norm), limit
+        if norm > 0:
+            self._norms.append(norm)
         return tensors
-    if action == "refuse":
-        raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
-                       f"{bound:g} (--max-push-norm)")
-    log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": "--max-push-norm",
-                                       "max_push_norm": bound})
-    return scaled(tensors, bound / norm)

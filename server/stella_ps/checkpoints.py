@@ -96,10 +96,15 @@ async def copy_in_slices(store: ModelStore, run: Run, slice_size: int = CHECKPOI
     return SlicedCopy(version, copies, redo, stall, slices)
 
 
+DAMAGED = "damaged"  # the subfolder damaged checkpoints are moved into
+
+
 def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
-    """The newest checkpoint of ``directory`` that reads back intact, or None; each
-    newer one that does not is logged (and left in place for the operator). Temporary
-    files of a write that a crash interrupted are deleted."""
+    """The newest checkpoint of ``directory`` that reads back intact, or None. Each newer
+    one that does not is logged and moved into ``damaged/`` (kept for the operator, out
+    of the way: it never counts towards ``--checkpoint-keep``, so pruning never deletes
+    a valid checkpoint in its place). Temporary files of a write that a crash
+    interrupted are deleted."""
     try:
         for n in os.listdir(directory):
             if n.startswith(".ckpt-") and ".tmp" in n:
@@ -109,19 +114,28 @@ def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
     for path, got in ckpt_format.iter_valid(directory):
         if isinstance(got, Checkpoint):
             return path, got
-        log.error("checkpoint damaged, skipped; trying the previous one", extra={"path": path, "reason": str(got)})
+        aside = os.path.join(directory, DAMAGED, os.path.basename(path))
+        try:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.replace(path, aside)
+        except OSError as e:
+            aside = f"(not moved: {e})"
+        log.error("checkpoint damaged, moved aside; trying the previous one",
+                  extra={"path": path, "moved_to": aside, "reason": str(got)})
     return None
 
 
 def write_and_prune(policy: CheckpointPolicy, ckpt: Checkpoint) -> tuple[str, int, float]:
     """Write ``ckpt`` into the policy's directory and delete all but the newest
-    ``keep``; returns (path, bytes, seconds). Runs on the writer thread."""
+    ``keep`` (never the one just written); returns (path, bytes, seconds). Runs on the
+    writer thread."""
     t0 = time.perf_counter()
     os.makedirs(policy.directory, exist_ok=True)
     policy.seq += 1
     path = os.path.join(policy.directory, ckpt_format.file_name(ckpt.version, policy.seq))
     size = ckpt_format.write(path, ckpt)
-    for old in ckpt_format.names(policy.directory)[policy.keep:]:
+    older = [n for n in ckpt_format.names(policy.directory) if n != os.path.basename(path)]
+    for old in older[policy.keep - 1:]:
         try:
             os.unlink(os.path.join(policy.directory, old))
         except FileNotFoundError:

@@ -160,14 +160,20 @@ class Limits:
     max_model_bytes: int = setting(factory=default_max_model_bytes, check=at_least(1), show="half the physical memory",
                                    help="parameters plus optimizer state of the registered model, checked before "
                                         "allocating")
-    max_lr: float | None = setting(None, parse=_optional(float), check=_optional_finite_at_least(0),
-                                   help="largest lr a registration, set_optimizer or push may ask for; unset: none")
-    max_weight_decay: float | None = setting(None, parse=_optional(float), check=_optional_finite_at_least(0),
-                                             help="largest weight_decay; unset: none")
+    # bounds no real job reaches (README "Limits"), on by default; '' turns one off
+    max_lr: float | None = setting(100.0, parse=_optional(float), check=_optional_finite_at_least(0),
+                                   help="largest lr a registration, set_optimizer or push may ask for; '': none")
+    max_weight_decay: float | None = setting(10.0, parse=_optional(float), check=_optional_finite_at_least(0),
+                                             help="largest weight_decay; '': none")
+    min_eps: float | None = setting(1e-16, parse=_optional(float), check=_optional_finite_at_least(0),
+                                    help="smallest Adam eps; '': none")
     max_push_norm: float = setting(0.0, check=_finite_at_least(0),
                                    help="L2 norm bound of one push's values; 0: none")
     push_norm_action: str = setting("refuse", choices=PUSH_NORM_ACTIONS,
                                     help="a push above --max-push-norm: refuse it, or clip it to the bound")
+    push_norm_factor: float = setting(10.0, check=_finite_at_least(0),
+                                      help="clip a push whose L2 norm is above this many times the median of the "
+                                           "job's recent pushes; 0: never")
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -175,7 +181,7 @@ class Limits:
     @property
     def optimizer_limits(self) -> OptimizerLimits:
         """The hyper-parameter bounds, as :meth:`OptimizerLimits.check` applies them."""
-        return OptimizerLimits(self.max_lr, self.max_weight_decay)
+        return OptimizerLimits(self.max_lr, self.max_weight_decay, self.min_eps)
 
 
 @dataclass(frozen=True)

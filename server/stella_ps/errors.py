@@ -7,7 +7,7 @@ refusals by the service where a request caused them.
 """
 from __future__ import annotations
 
-__all__ = ["StellaPSError", "ConfigError", "KernelInputError", "KernelError"]
+__all__ = ["StellaPSError", "ConfigError", "KernelInputError", "KernelError", "NonFiniteStep"]
 
 
 class StellaPSError(Exception):
@@ -24,3 +24,8 @@ class KernelInputError(StellaPSError, ValueError):
 
 class KernelError(StellaPSError, RuntimeError):
     """The C kernel returned an error code for input that passed the wrapper's checks."""
+
+
+class NonFiniteStep(StellaPSError, ArithmeticError):
+    """A step would have written NaN or Inf into the model or its optimizer state; it
+    changed nothing (the kernel's finite-step guard undid it)."""

@@ -24,7 +24,7 @@ from stella.native_errors import NativeIsa, check, isa_info, require_abi, warn_i
 from stella.protocol import SparseTensor
 
 from ._kernel import ffi, lib
-from .errors import KernelError, KernelInputError
+from .errors import KernelError, KernelInputError, NonFiniteStep
 from .optim import OptimizerConfig
 
 require_abi(lib, "stella_ps._kernel")
@@ -62,6 +62,8 @@ _FIELDS["adamw"] = _FIELDS["adam"]
 # Index errors on input the wrapper checked (or was told was checked) are the
 # caller's; anything else is the kernel's.
 _INPUT_ERRORS = {lib.STELLA_E_RANGE: KernelInputError, lib.STELLA_E_ORDER: KernelInputError, None: KernelError}
+# What apply may answer besides: a step whose result would not be finite was undone.
+_APPLY_ERRORS = {**_INPUT_ERRORS, lib.STELLA_E_NONFINITE: NonFiniteStep}
 
 
 _HUGE_2M = 2 << 20
@@ -292,9 +294,20 @@ class KernelTensorState:
         out = np.empty(bound, np.int32)
         rc = lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
                                     ffi.from_buffer("int32_t[]", out, require_writable=True), bound, _num_threads)
-        count = check(lib, rc, "apply", _INPUT_ERRORS)
+        count = check(lib, rc, "apply: a result would be NaN or Inf, the step was undone" if
+                      rc == lib.STELLA_E_NONFINITE else "apply", _APPLY_ERRORS)
         # Heavy overlap leaves most of the bound unused: do not keep it alive.
         return out[:count] if 2 * count >= bound else out[:count].copy()
+
+    def rollback(self, touched: np.ndarray) -> None:
+        """Undo the last :meth:`apply` (``touched``: what it returned): its records go back
+        to what they were, from the kernel's undo log. Only the last apply, and only
+        before any other call changed the state."""
+        if not isinstance(touched, np.ndarray) or touched.dtype != np.int32 or touched.ndim != 1:
+            raise KernelInputError("rollback: touched must be the int32 array apply returned")
+        touched = np.ascontiguousarray(touched)
+        rc = lib.stella_optim_rollback(self._st, ffi.from_buffer("int32_t[]", touched), touched.shape[0])
+        check(lib, rc, "rollback: not the last apply's touched indices", _INPUT_ERRORS)
 
     def gather(self, idx: np.ndarray) -> np.ndarray:
         """Current float32 parameters at ``idx`` (int32, any order, inside [0, numel))."""

@@ -1,5 +1,11 @@
 """Who takes part: worker ids, the connection each belongs to, whether the job has
-started (the expected number of workers joined once), and liveness.
+started (the expected number of workers registered once), which workers steps wait
+for, and liveness.
+
+Waited for: a registered worker that has pushed, or that registered before the job's
+first step closed (the job's first cohort: a job started with ``--workers N`` waits
+for its N workers' first pushes). A connection that joined, or even registered later,
+holds no step back until its first push arrives; so stray joins cost nothing.
 
 Liveness: a registered worker is heard from by its requests and by its heartbeats
 (sent from a socket of the client's own, so a long forward/backward never misses
@@ -21,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from stella.errors import ErrorCode, NotRegistered, ServerError
+from stella.errors import BadValue, ErrorCode, NotRegistered, ServerError
 from stella.protocol import WorkerReport
 
 __all__ = ["WorkerInfo", "Membership"]
@@ -37,6 +43,7 @@ class WorkerInfo:
     key: str = ""  # the CurveZMQ public key it connected with ("" with --insecure)
     fingerprint: str = ""  # what logs and status show of that key
     registered: bool = False
+    waited: bool = False  # steps wait for its push (see the module doc)
     pushes: int = 0
     pulls: int = 0
     report: WorkerReport | None = None  # the latest its pushes carried
@@ -45,6 +52,7 @@ class WorkerInfo:
     last_request: float = field(default_factory=time.monotonic)  # a request on its own connection
     last_push_req: int = 0  # request id of the newest push taken (a re-sent push is not queued twice)
     gone_at: float | None = None
+    refusal: str | None = None  # why its next request is refused (a push the server dropped)
 
 
 class Membership:
@@ -58,7 +66,8 @@ class Membership:
         self.max_workers_per_key = max_workers_per_key  # of them with one key (--max-workers-per-key)
         self.live: dict[int, WorkerInfo] = {}
         self.gone: OrderedDict[int, WorkerInfo] = OrderedDict()  # declared gone, oldest first (bounded)
-        self.started = False  # set once `expected` workers have been live together
+        self.started = False  # set once `expected` workers have been registered and live together
+        self.stepped = False  # a step has closed (since start, or the job resumed from a checkpoint)
         self._next_id = 0
 
     def ids(self) -> list[int]:
@@ -114,9 +123,25 @@ class Membership:
         info.last_seen = info.last_request = self._clock()
         self.gone.pop(wid, None)
         self.live[wid] = info
-        if len(self.live) >= self.expected:
-            self.started = True
         return info
+
+    def register(self, info: WorkerInfo) -> None:
+        """``info``'s worker registered the model: it takes part, and is waited for at once
+        if the job's first step has not closed yet."""
+        info.registered = True
+        info.waited = info.waited or not self.stepped
+        if sum(i.registered for i in self.live.values()) >= self.expected:
+            self.started = True
+
+    def pushed(self, worker: int) -> None:
+        """A push of ``worker`` arrived: from now on steps wait for it."""
+        info = self.live.get(worker)
+        if info is not None:
+            info.waited = True
+
+    def waited(self) -> list[int]:
+        """The live workers steps wait for."""
+        return [w for w, i in self.live.items() if i.waited]
 
     def leave(self, worker: int) -> None:
         self.live.pop(worker, None)
@@ -168,6 +193,12 @@ class Membership:
         info.last_seen = self._clock()
         return info, revived
 
+    def refuse_next(self, worker: int, why: str) -> None:
+        """Refuse the next request of ``worker`` with ``why`` (:meth:`check` raises it)."""
+        info = self.live.get(worker) or self.gone.get(worker)
+        if info is not None:
+            info.refusal = why
+
     def silent(self, workers: Collection[int], after: float) -> list[int]:
         """Of ``workers``, the live ones not heard from (requests or heartbeats) for more
         than ``after`` seconds; none when ``after`` is 0 (liveness is off)."""
@@ -194,4 +225,7 @@ class Membership:
         if registered and not info.registered:
             raise NotRegistered(f"worker {worker} has not registered the model")
         info.last_seen = info.last_request = self._clock()
+        if info.refusal is not None:
+            why, info.refusal = info.refusal, None
+            raise BadValue(why)
         return info

@@ -27,6 +27,9 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 ``workers_gone_total``             counter  workers declared gone (liveness timeout)
 ``checkpoints_total``              counter  checkpoints written since start
 ``checkpoint_stall_seconds``       gauge    the longest a checkpoint's copy held a step back
+``rejected_steps_total``           counter  steps undone by the finite-step guard (NaN/Inf result)
+``rejected_pushes_total``          counter  pushes those steps dropped
+``clipped_pushes_total``           counter  pushes scaled down to a push-norm bound
 ``bytes_received_total``           counter  bytes in (all messages)
 ``bytes_sent_total``               counter  bytes out
 ``errors_total``                   counter  refused requests, label ``code``
@@ -112,6 +115,11 @@ class JobCollector(Collector):
         yield GaugeMetricFamily("stella_checkpoint_age_seconds", "seconds since the latest checkpoint (NaN: none)",
                                 value=math.nan if age is None else age)
         yield CounterMetricFamily("stella_checkpoints", "checkpoints written since start", value=snap.checkpoints)
+        yield CounterMetricFamily("stella_rejected_steps", "steps the finite-step guard undid (a result was NaN/Inf)",
+                                  value=snap.rejected_steps)
+        yield CounterMetricFamily("stella_rejected_pushes", "pushes such steps dropped", value=snap.rejected_pushes)
+        yield CounterMetricFamily("stella_clipped_pushes", "pushes scaled down to a push-norm bound",
+                                  value=snap.clipped_pushes)
         yield GaugeMetricFamily("stella_checkpoint_stall_seconds", "the longest a checkpoint's copy held a step back",
                                 value=snap.checkpoint_stall_s)
         labels = ["worker", "name"]

@@ -7,6 +7,7 @@ C kernel and the NumPy reference (``optim_ref``), are in ``docs/optimizer.md``.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +35,15 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 MOMENTUM_MODES = ("fold", "lazy")
 
 
-# The kernel computes in float32: a hyper-parameter must stay finite there.
+# The kernel computes in float32: every hyper-parameter, and every product of them the
+# kernel forms, must be finite (and nonzero where it divides) there.
 F32_MAX = 3.4028234663852886e38
+F32_TINY = 1.1754943508222875e-38  # the smallest positive normal float32
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32, as the kernel holds it."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def _num(name: str, x: Any, lo: float = 0.0, hi: float = F32_MAX, *, lo_open: bool = False,
@@ -89,12 +97,32 @@ class OptimizerConfig:
             if hp["momentum_mode"] not in MOMENTUM_MODES:
                 raise ConfigError(f"momentum_mode must be one of {list(MOMENTUM_MODES)}, got {hp['momentum_mode']!r}")
             out["momentum_mode"] = hp["momentum_mode"]
+            if f32(out["momentum"]) >= 1.0:
+                raise ConfigError(f"momentum={out['momentum']!r} is 1 in float32, the kernel's precision")
+            lr = out["lr"]
+            if out["momentum_mode"] == "fold" and out["momentum"]:
+                lr = lr * (1.0 - out["dampening"]) / (1.0 - out["momentum"])  # the folded step (rule())
+                if lr > F32_MAX:
+                    raise ConfigError(f"lr * (1 - dampening) / (1 - momentum) = {lr:g}, the folded step, overflows "
+                                      "float32")
+            if lr * out["weight_decay"] > F32_MAX:  # the kernel forms lr * (g + weight_decay * p)
+                raise ConfigError(f"lr * weight_decay = {lr * out['weight_decay']:g} overflows float32")
         else:
             b = hp["betas"]
             if not isinstance(b, (list, tuple)) or len(b) != 2:
                 raise ConfigError("betas must be a pair")
             out["betas"] = tuple(_num(f"betas[{i}]", b[i], 0.0, 1.0, hi_open=True) for i in (0, 1))
-            out["eps"] = _num("eps", hp["eps"], 0.0, lo_open=True)  # eps = 0 divides 0 by 0
+            for i, beta in enumerate(out["betas"]):
+                if f32(beta) >= 1.0:  # 1 - beta would be 0 in the kernel's float32
+                    raise ConfigError(f"betas[{i}]={beta!r} is 1 in float32, the kernel's precision")
+            # eps = 0 divides 0 by 0; a subnormal (or one that underflows to 0) in float32 is no better
+            out["eps"] = _num("eps", hp["eps"], 0.0, lo_open=True)
+            if f32(out["eps"]) < F32_TINY:
+                raise ConfigError(f"eps={out['eps']:g} is below the smallest normal float32 ({F32_TINY:g}), the "
+                                  "kernel's precision")
+            first = out["lr"] / (1.0 - out["betas"][0])  # the first step's bias-corrected step size
+            if first > F32_MAX:
+                raise ConfigError(f"lr / (1 - betas[0]) = {first:g}, the first step's size, overflows float32")
             if self.name == "adamw" and out["lr"] * out["weight_decay"] > 1.0:
                 # AdamW multiplies a touched parameter by 1 - lr * weight_decay
                 raise ConfigError(f"lr * weight_decay = {out['lr'] * out['weight_decay']} > 1 flips the "
@@ -126,14 +154,16 @@ class OptimizerLimits:
     ``set_optimizer``, the ``hparams`` of a push, and the server's own default.
 
     ``max_lr`` bounds ``lr`` as PyTorch names it (SGD's folded momentum moves a
-    coordinate by ``lr / (1 - momentum)``; ``momentum`` itself is only kept below 1).
-    None: no bound."""
+    coordinate by ``lr / (1 - momentum)``; ``momentum`` itself is only kept below 1);
+    ``min_eps`` bounds Adam's ``eps`` from below (a tiny ``eps`` turns a gradient whose
+    square underflows into a step of ``lr * m / eps``). None: no bound."""
 
     max_lr: float | None = None
     max_weight_decay: float | None = None
+    min_eps: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_lr", "max_weight_decay"):
+        for name in ("max_lr", "max_weight_decay", "min_eps"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -146,4 +176,6 @@ class OptimizerLimits:
         if self.max_weight_decay is not None and h["weight_decay"] > self.max_weight_decay:
             raise ConfigError(f"weight_decay={h['weight_decay']:g} is above the server's limit "
                               f"{self.max_weight_decay:g} (--max-weight-decay)")
+        if self.min_eps is not None and "eps" in h and h["eps"] < self.min_eps:
+            raise ConfigError(f"eps={h['eps']:g} is below the server's limit {self.min_eps:g} (--min-eps)")
         return cfg

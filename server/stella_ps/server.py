@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from stella.errors import OversizedMessage, Unauthorised
+from stella.errors import OversizedMessage, StellaError, Unauthorised
 from stella.protocol import MAX_FRAMES, decode_request, encode, request_id
 
 from .config import ServerConfig
@@ -158,8 +158,13 @@ class ParameterServer:
                     break
                 first = recv.result()
                 recv = None  # nothing of this message outlives its handling here
-                self._on_message(*await self._rest_of_message(first))
-                del first
+                frames, count, size = await self._rest_of_message(first)
+                try:
+                    self._on_message(frames, count, size)
+                except Exception as e:  # a bug must cost one message, never the receive loop
+                    log.error("message handling failed", exc_info=e)
+                    self._refuse_unread(frames, e)
+                del first, frames
         finally:
             stop.cancel()
             if recv is not None:
@@ -208,6 +213,8 @@ class ParameterServer:
         self.stats.messages += 1
         self.stats.bytes_in += size
         ident = frames[0].bytes
+        if len(frames) < 2:  # a ROUTER hands over at least the identity and one frame
+            return
         body = [f.buffer for f in frames[1:]]
         peer = self._peer(frames[1])
         if peer is None:  # a key taken off the allowlist while its connection stayed open
@@ -216,19 +223,29 @@ class ParameterServer:
                                 Unauthorised("this client's key is no longer on the server's allowlist"))
             self.service.drop_peer(key)
             return
+        if count - 1 > MAX_FRAMES or size > self.config.limits.max_message_bytes:
+            what = (f"{count - 1} frames > limit {MAX_FRAMES}" if count - 1 > MAX_FRAMES else
+                    f"message of {size} bytes > limit {self.config.limits.max_message_bytes}")
+            self.service.refuse(ident, request_id(body[0]), OversizedMessage(what))
+            return
         try:
-            if count - 1 > MAX_FRAMES:
-                raise OversizedMessage(f"{count - 1} frames > limit {MAX_FRAMES}")
-            if size > self.config.limits.max_message_bytes:
-                raise OversizedMessage(f"message of {size} bytes > limit {self.config.limits.max_message_bytes}")
             rx = decode_request(body)
-        except Exception as e:  # the header's request id, if it has one, names what is refused
-            self.service.refuse(ident, request_id(body[0]), e)
+        except StellaError as e:  # decode_request raises nothing else; e.req names the request if it could
+            self.service.refuse(ident, e.req, e)
             return
         try:
             self.service.handle(ident, rx, peer)
         except Exception as e:
             self.service.refuse(ident, rx.msg.req, e)
+
+    def _refuse_unread(self, frames: list[zmq.Frame], exc: BaseException) -> None:
+        """The last resort of the receive loop: an ``internal`` reply to the message whose
+        handling failed, if its sender can be named at all."""
+        try:
+            if frames:
+                self.service.refuse(frames[0].bytes, -1, exc)
+        except Exception as e:
+            log.error("could not refuse a message", exc_info=e)
 
     def _peer(self, header: zmq.Frame) -> Peer | None:
         """Who sent the message ``header`` opens: its CURVE key (checked against the

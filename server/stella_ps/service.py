@@ -55,7 +55,7 @@ from stella.protocol import (
 )
 
 from . import __version__
-from .aggregation import bounded
+from .aggregation import PushNormBound
 from .checkpoints import Checkpointer
 from .config import ServerConfig
 from .membership import Membership, WorkerInfo
@@ -110,6 +110,7 @@ class Service:
                                          lambda: self.steps.optimizer)
         self.steps.on_step(self.waiters.release)
         self.steps.on_step(self.checkpointer.maybe)
+        self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor)
         self.mode: TrainingMode | None = None  # the job's, from the first registration that names one
         self._sweeper: Timer | None = None
         self._init_lock = asyncio.Lock()  # two first registrations must not both initialise
@@ -138,7 +139,7 @@ class Service:
             self.steps.optimizer = cfg
             # the job had started: steps close with whoever is back, not once --workers have joined
             # again (workers that come back later fold their pushes in; waiting for all could be forever)
-            self.members.started = True
+            self.members.started = self.members.stepped = True
 
     def _sweep(self) -> None:
         timeout = self.config.liveness.timeout
@@ -201,7 +202,8 @@ class Service:
             behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode,
             errors_by_code=dict(s.errors_by_code), duplicate_pushes=s.duplicate_pushes, workers_gone=s.workers_gone,
             step_interval_s=s.step_interval_s, step_intervals=s.step_intervals, apply_s=s.apply_s,
-            straggler_wait_s=s.straggler_wait_s, checkpoints=s.checkpoints, checkpoint_stall_s=s.checkpoint_stall_s)
+            straggler_wait_s=s.straggler_wait_s, checkpoints=s.checkpoints, checkpoint_stall_s=s.checkpoint_stall_s,
+            rejected_steps=s.rejected_steps, rejected_pushes=s.rejected_pushes, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:
@@ -294,7 +296,8 @@ class Service:
                 diff = layout_diff(self.store.layout, layout)
                 if diff:
                     raise LayoutConflict(f"layout differs from the server's model: {diff}")
-            info.registered = True
+            self.members.register(info)
+            self.steps.membership_changed()
             self.mode = self.mode or msg.mode
             assert self.steps.optimizer is not None
             self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
@@ -313,9 +316,7 @@ class Service:
         nbytes = sum(f.nbytes for f in rx.frames)
         self.steps.agg.check_room(info.worker, nbytes)  # before the work of decoding
         tensors = decode_tensors(rx, self.store.layout)
-        limits = self.config.limits
-        if limits.max_push_norm:
-            tensors = bounded(tensors, limits.max_push_norm, limits.push_norm_action, info.worker)
+        tensors = self.push_bound.apply(info.worker, tensors)
         queued = self.steps.offer(info.worker, msg.version, tensors, msg.hparams, nbytes)
         info.last_push_req = msg.req
         info.pushes += 1

@@ -43,6 +43,8 @@ class Stats:
     apply_s: float = 0.0
     straggler_wait_s: float = 0.0
     last_step_at: float | None = None  # monotonic time the latest step closed
+    rejected_steps: int = 0  # steps the finite-step guard undid (and applied without some pushes, or empty)
+    rejected_pushes: int = 0  # pushes those steps dropped
     checkpoints: int = 0  # written since start
     checkpoint_stall_s: float = 0.0  # the longest a checkpoint's copy held a step back
     last_checkpoint: float | None = None  # wall clock of the latest checkpoint written
@@ -111,6 +113,9 @@ class JobSnapshot:
     straggler_wait_s: float
     checkpoints: int
     checkpoint_stall_s: float
+    rejected_steps: int
+    rejected_pushes: int
+    clipped_pushes: int
 
     def status_reply(self, req: int) -> StatusReply:
         return StatusReply(req=req, **{f: getattr(self, f) for f in STATUS_FIELDS})

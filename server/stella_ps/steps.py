@@ -2,8 +2,9 @@
 
 The rules (README "Stragglers", docs/protocol.md):
 
-- A step closes when every live worker has a pending push (:meth:`Aggregator.should_close`),
-  once the job has started (``--workers`` joined once).
+- A step closes when every worker it waits for (:meth:`Membership.waited`: those that
+  pushed, and the job's first cohort) has a pending push (:meth:`Aggregator.should_close`),
+  once the job has started (``--workers`` registered once).
 - Otherwise the deadline after the step's first push closes it without the missing
   workers (fixed, or learnt from the job: :class:`~stella_ps.aggregation.AdaptiveDeadline`).
 - Of the missing workers, the *silent* ones (no request or heartbeat for
@@ -13,6 +14,9 @@ The rules (README "Stragglers", docs/protocol.md):
 - A push that missed its step is folded into the next one (the aggregator keeps it).
 - A worker declared gone (liveness) or dropped (allowlist) stops being waited for at
   once; the step its loss closes is not a sample for the adaptive deadline.
+- The finite-step guard: a step whose result would hold a NaN or Inf anywhere is undone
+  by the kernel; it is applied again without the pushes that are non-finite on their
+  own (their workers' next request is refused), or as an empty step.
 
 The scheduler is the only writer of the optimizer configuration in force:
 ``set_optimizer`` and the ``hparams`` pushes carry change it on the event loop (each
@@ -31,9 +35,10 @@ from typing import Any
 from stella.errors import ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
-from .aggregation import AdaptiveDeadline, Aggregator, PendingPush
+from .aggregation import AdaptiveDeadline, Aggregator, PendingPush, Step
 from .config import Deadline, Limits, Liveness
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteStep
+from .membership import Membership
 from .optim import OptimizerConfig
 from .runtime import Clock, StoreThread, Tasks, Timer
 from .stats import Stats
@@ -50,7 +55,7 @@ StepListener = Callable[[int], None]
 class StepScheduler:
     """Pending pushes, the deadline, and the apply loop of one job."""
 
-    def __init__(self, store: ModelStore, members: Any, store_thread: StoreThread, tasks: Tasks, clock: Clock,
+    def __init__(self, store: ModelStore, members: Membership, store_thread: StoreThread, tasks: Tasks, clock: Clock,
                  stats: Stats, *, deadline: Deadline, limits: Limits, liveness: Liveness,
                  default_optimizer: OptimizerConfig):
         self.store, self.members, self._store_thread, self._tasks = store, members, store_thread, tasks
@@ -128,6 +133,7 @@ class StepScheduler:
         if not self.agg.has_pending():
             self._opened = now
         queued = self.agg.add(PendingPush(worker, version, tensors, hparams, nbytes, arrived=now))
+        self.members.pushed(worker)
         self._maybe_close(first_push=True)
         return queued
 
@@ -150,11 +156,36 @@ class StepScheduler:
         """Wait until no step is being applied."""
         await self._idle.wait()
 
+    # ------------------------------------------------------------------ the finite-step guard
+    def _apply_guarded(self, step: Step, cfg: OptimizerConfig) -> int:
+        """On the store thread, after ``step`` was undone for a non-finite result: the
+        pushes that are non-finite alone (at the step's scale) are the offenders; the
+        step is applied without them, or, if that is not finite either, as an empty
+        step (the version moves on, the model does not). Offenders' next request is
+        refused (:meth:`Membership.refuse_next`)."""
+        offenders = [w for w in step.contributors if not self.store.finite_alone(step.only(w), cfg)]
+        rest = step.without(offenders) if offenders else step.without(step.contributors)
+        try:
+            version = self.store.apply_step(rest, cfg)
+        except NonFiniteStep:
+            rest = step.without(step.contributors)
+            version = self.store.apply_step(rest, cfg)
+        dropped = [w for w in step.contributors if w not in rest.contributors]
+        self._stats.rejected_steps += 1
+        self._stats.rejected_pushes += len(dropped)
+        log.error("step would have made the model non-finite: pushes dropped", extra={
+            "version": version, "offenders": offenders, "dropped_workers": dropped,
+            "applied_workers": rest.contributors})
+        for w in offenders:
+            self.members.refuse_next(w, f"the push of worker {w} for step {version} was not applied: it would have "
+                                        "made the model non-finite (NaN/Inf)")
+        return version
+
     # ------------------------------------------------------------------ closing steps
     def _maybe_close(self, first_push: bool = False) -> None:
         if self._applying:
             return  # the running apply loop checks again when it finishes
-        if self.agg.should_close(self.members.live, self.members.started):
+        if self.agg.should_close(self.members.waited(), self.members.started):
             self._start_applying(force=False)
         elif first_push and self._timer is None and self.agg.has_pending():
             after = self.agg.deadline(self.members.started)
@@ -165,7 +196,7 @@ class StepScheduler:
         self._timer = None
         if self._applying or not self.agg.has_pending():
             return
-        missing = self.agg.missing(self.members.live)
+        missing = self.agg.missing(self.members.waited())
         silent = self.members.silent(missing, self._silent_after)
         log.info("step deadline passed", extra={"missing_workers": missing, "silent_workers": silent,
                                                 "version": self.store.version})
@@ -179,7 +210,7 @@ class StepScheduler:
 
     async def _apply_ready(self, force: bool) -> None:
         try:
-            while force or self.agg.should_close(self.members.live, self.members.started):
+            while force or self.agg.should_close(self.members.waited(), self.members.started):
                 complete = not force and not self._lost_worker
                 force = self._lost_worker = False
                 if self._timer is not None:
@@ -191,11 +222,15 @@ class StepScheduler:
                 cfg = self._for_step(step.hparams)
                 t0 = self._clock.now()
                 opened, self._opened = self._opened, (t0 if self.agg.has_pending() else None)
-                version = await self._store_thread.run(self.store.apply_step, step, cfg)
+                try:
+                    version = await self._store_thread.run(self.store.apply_step, step, cfg)
+                except NonFiniteStep:
+                    version = await self._store_thread.run(self._apply_guarded, step, cfg)
                 now = self._clock.now()
                 self._stats.count_step(step.late, now, now - t0, opened)
                 log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
                                                  "apply_ms": round(1e3 * (now - t0), 3)})
+                self.members.stepped = True
                 for listener in self._listeners:
                     listener(version)
         finally:

@@ -19,6 +19,7 @@ from stella.errors import ErrorCode, ServerError
 from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, encode_tensors
 
 from .aggregation import Step
+from .errors import NonFiniteStep
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 
@@ -156,19 +157,43 @@ class ModelStore:
         """Apply one closed step with optimizer ``cfg``; returns the new version.
 
         The contributions were validated by the wire decoder (sorted, unique,
-        in-range indices; finite values), so the kernel does not scan them again."""
-        touched = []
-        for state, contributions in zip(self.tensors, step.per_tensor):
-            if contributions:
-                touched.append(state.apply(contributions, step.scale, cfg, checked=False))
-            else:
-                touched.append(np.empty(0, np.int32))
+        in-range indices; finite values), so the kernel does not scan them again.
+        Raises :class:`NonFiniteStep` when a value the step would write (parameter or
+        optimizer state, in any tensor) is NaN or Inf: then the step changed nothing
+        (the kernel undid its tensor, the tensors before it are rolled back)."""
+        touched = self._apply(step, cfg)
         self.version += 1
         if self._redo is not None:
             self._redo.append((self.version, step, cfg))
         self._history.append((self.version, touched))
         self._encoded.clear()
         return self.version
+
+    def _apply(self, step: Step, cfg: OptimizerConfig) -> list[np.ndarray]:
+        touched: list[np.ndarray] = []
+        try:
+            for state, contributions in zip(self.tensors, step.per_tensor):
+                if contributions:
+                    touched.append(state.apply(contributions, step.scale, cfg, checked=False))
+                else:
+                    touched.append(np.empty(0, np.int32))
+        except NonFiniteStep:
+            self._rollback(touched)
+            raise
+        return touched
+
+    def _rollback(self, touched: list[np.ndarray]) -> None:
+        for state, t in zip(self.tensors, touched):
+            if t.size:
+                state.rollback(t)
+
+    def finite_alone(self, step: Step, cfg: OptimizerConfig) -> bool:
+        """Would ``step`` leave every value finite? Applied and undone: nothing changes."""
+        try:
+            self._rollback(self._apply(step, cfg))
+        except NonFiniteStep:
+            return False
+        return True
 
     def changes_since(self, since: int) -> Changes:
         """Coordinates changed after version ``since`` with their current values.
