@@ -1,7 +1,13 @@
-"""The session's pure rules, without sockets: how a reconnect rebases the requests still
-waiting for their replies (:func:`stella._session.rebase`)."""
+"""The session's reconnect rules: how a reconnect rebases the requests still waiting for
+their replies (:func:`stella._session.rebase`, a pure table test, no sockets), and that
+a pull's answer says when it was rebased (against a real server)."""
 from __future__ import annotations
 
+import signal
+import threading
+import time
+
+import numpy as np
 import pytest
 
 from stella._session import rebase
@@ -69,3 +75,26 @@ def test_rebase_is_pure():
     assert msg == Pull(worker=OLD, since=12, wait_for=13, req=5)  # frozen; the request itself is unchanged
     assert got.req == 5  # the request id travels with it (a re-send keeps its id)
     assert rebase(got, 7, True, NEW) == got  # a rebased request is rebased already
+
+
+# --------------------------------------------------------------------------- against a real server
+def test_a_pull_waiting_through_a_reconnect_is_answered_at_once_and_says_so(make_server, make_client):
+    """The server stops answering while a pull waits for a step that cannot come (no
+    push); the client reconnects when it is back, and the re-sent pull, its wait
+    dropped, is answered at once, marked ``rebased``. A pull made afterwards is not."""
+    srv = make_server(1, ["--liveness-timeout", "1"])
+    c = make_client(srv.endpoint, timeout=30)
+    c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    assert not c.pull(None).rebased
+    pending = c.pull(0, wait_for=1, wait=False)
+    srv.kill(signal.SIGSTOP)
+    resume = threading.Timer(2.5, srv.kill, (signal.SIGCONT,))
+    resume.start()
+    try:
+        t0 = time.monotonic()
+        delta = pending.result()
+    finally:
+        resume.join()
+    assert delta.rebased and delta.version == 0 and c.reconnects >= 1
+    assert time.monotonic() - t0 < 20  # not held until the pull's 27 s wait expired
+    assert not c.pull(0).rebased

@@ -277,6 +277,7 @@ class Session:
         self._live = _Liveness()
         self._hb_thread: threading.Thread | None = None
         self._sent: dict[int, tuple[Any, list[Any], float | None]] = {}  # requests waiting for replies
+        self._rebased: set[int] = set()  # pulls that a reconnect rebased (rebase: wait_for dropped or a snapshot)
         self._registration: _Registration | None = None
         self._req = itertools.count(1)
         self._replies: dict[int, Received] = {}
@@ -348,6 +349,13 @@ class Session:
             return version
         return min(version, self._seen_since_reconnect)
 
+    def was_rebased(self, req: int) -> bool:
+        """Whether a reconnect rebased the pull ``req`` (asked once, with its reply)."""
+        if req in self._rebased:
+            self._rebased.discard(req)
+            return True
+        return False
+
     # ------------------------------------------------------------------ heartbeats
     def _new_socket(self) -> zmq.Socket:
         return _dealer(self._ctx, self.address, self._keys)
@@ -398,15 +406,18 @@ class Session:
         if self._sock.closed:
             raise ServerUnavailable("client is closed")
         t = self.timeout if timeout is None else timeout
+        rebased = False
         if not self._sock.poll(int(t * 1000), zmq.POLLOUT):
             if not self._resilient(msg):
                 raise self._unavailable("cannot reach", t)
             self._reconnect(f"cannot reach the server within {t:.1f}s")
-            msg = self._rebase(msg)  # made before the reconnect, sent after it
+            msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
         req = next(self._req)
         frames = list(frames)
         self._transmit(msgspec.structs.replace(msg, req=req), frames)
         self._outstanding.add(req)
+        if rebased:
+            self._rebased.add(req)
         if self._resilient(msg):
             self._sent[req] = (msg, frames, timeout)
         return req
@@ -426,6 +437,7 @@ class Session:
                 if req in self._sent:
                     raise _Lost(f"no reply within {t:.1f}s")
                 self._outstanding.discard(req)
+                self._rebased.discard(req)
                 raise self._unavailable("no reply from", t)
             if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
                 why = self._lost() if req in self._sent else None
@@ -446,6 +458,7 @@ class Session:
                     and self._registration is not None):
                 raise _Lost(f"the server does not know this worker: {rx.msg.message}")
             self._sent.pop(req, None)
+            self._rebased.discard(req)
             raise from_reply(rx.msg.code, rx.msg.message)
         self._sent.pop(req, None)
         return rx
@@ -463,9 +476,10 @@ class Session:
         return expect(self.wait_resilient(self.send(msg, frames, timeout), timeout), reply)
 
     # ------------------------------------------------------------------ reconnect
-    def _rebase(self, msg: Any) -> Any:
-        """:func:`rebase` on this session's state."""
-        return rebase(msg, self.server_version, self.need_snapshot, self.worker())
+    def _rebase(self, msg: Any) -> tuple[Any, bool]:
+        """:func:`rebase` on this session's state; whether a pull's answer is now rebased."""
+        new = rebase(msg, self.server_version, self.need_snapshot, self.worker())
+        return new, isinstance(msg, Pull) and (new.since, new.wait_for) != (msg.since, msg.wait_for)
 
     def _reconnect(self, why: str) -> None:
         """Connect again (backoff with full jitter, within ``reconnect_s`` seconds): join,
@@ -523,7 +537,9 @@ class Session:
         self._seen_since_reconnect = v
         for req in sorted(self._sent):
             msg, frames, timeout = self._sent[req]
-            msg = self._rebase(msg)
+            msg, rebased = self._rebase(msg)
+            if rebased:
+                self._rebased.add(req)
             self._sent[req] = (msg, frames, timeout)
             self._transmit(msgspec.structs.replace(msg, req=req), frames)
             self._outstanding.add(req)

@@ -96,11 +96,17 @@ def _values(items: list[tuple[str, Any]]) -> list[np.ndarray]:
 
 @dataclass
 class PullResult:
-    """What changed on the server: per tensor name ``(indices or None if dense, float32 values)``."""
+    """What changed on the server: per tensor name ``(indices or None if dense, float32 values)``.
+
+    ``rebased``: the pull was made before a reconnect and rebased after it (its
+    ``wait_for`` dropped, or turned into a snapshot; :func:`stella._session.rebase`), so
+    this answer need not contain the step it waited for.
+    """
 
     version: int
     full: bool
     tensors: dict[str, tuple[np.ndarray | None, np.ndarray]]
+    rebased: bool = False
 
     @property
     def count(self) -> int:
@@ -330,7 +336,7 @@ class Client:
             if s.values.dtype != np.float32:  # exact values, so that replicas never drift
                 raise ProtocolError(f"delta values must be f32, got {s.values.dtype}")
             out[self.layout[s.tensor].name] = (s.indices, s.values)
-        return PullResult(delta.version, delta.full, out)
+        return PullResult(delta.version, delta.full, out, rebased=self._session.was_rebased(delta.req))
 
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The server's counters (see docs/protocol.md, ``status``)."""

@@ -370,12 +370,11 @@ class StellaOptimizer(torch.optim.Optimizer):
         t1 = time.perf_counter()
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
-        reconnects = self.client.reconnects
         push = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
                                 hparams=hparams or None, report=self.progress.report(), wait=False)
         pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
-        delta = self._wait_step(pull.result(), since, reconnects)
+        delta = self._wait_step(pull.result(), since)
         self.stats.compress_s += t1 - t0
         t2 = time.perf_counter()
         self.stats.exchange_s += t2 - t1
@@ -384,19 +383,19 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.values_pulled += delta.count
         return delta, sparse
 
-    def _wait_step(self, delta: PullResult, since: int, reconnects: int) -> PullResult:
+    def _wait_step(self, delta: PullResult, since: int) -> PullResult:
         """The delta of the step after ``since``. The server answers a waiting pull when
         its wait expires even if no step closed (it waits for workers: before the job
         starts, or for a missing one within the step deadline); then pull again rather
         than go on, since every further push would only queue up on the server (and
         after ``--max-queued-pushes`` be refused). A snapshot (the server restarted
-        from an older checkpoint) is the answer whatever its version. So is any answer
-        after a reconnect since the push (the client's count passed as ``reconnects``):
-        a server that restarted may have lost the push it had acknowledged, and the
-        step would then wait for this worker while it waits for the step."""
+        from an older checkpoint) is the answer whatever its version. So is a rebased
+        answer (the client reconnected while the pull waited, ``PullResult.rebased``): a
+        server that restarted may have lost the push it had acknowledged, and the step
+        would then wait for this worker while it waits for the step."""
         t0 = time.monotonic()
         warned = t0
-        while not delta.full and delta.version <= since and self.client.reconnects == reconnects:
+        while not delta.full and delta.version <= since and not delta.rebased:
             now = time.monotonic()
             if now - warned >= 60.0:
                 warned = now
