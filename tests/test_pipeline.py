@@ -70,10 +70,10 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype)
     opt.close()
     with Client(server.endpoint, timeout=10, join=False) as c:
         for _ in range(100):  # the flush step is applied right after close() returns
-            if c.status()["version"] == 6:  # 5 steps + the flush
+            if c.status().version == 6:  # 5 steps + the flush
                 break
             time.sleep(0.02)
-        assert c.status()["version"] == 6
+        assert c.status().version == 6
     c2 = Client(server.endpoint, timeout=10)
     try:
         c2.register({"w": model.w})
@@ -95,7 +95,7 @@ def test_lr_scheduler_reaches_the_server(server):
         sched.step()
     opt.synchronize()
     with Client(server.endpoint, timeout=10, join=False) as c:
-        assert c.status()["optimizer"]["lr"] == pytest.approx(0.25)
+        assert c.status().optimizer["lr"] == pytest.approx(0.25)
     opt.close()
 
 

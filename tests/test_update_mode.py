@@ -105,7 +105,7 @@ def _server_model(srv, numel: int, version: int) -> torch.Tensor:
     after the workers have left: a registered worker takes part in every step)."""
     with Client(srv.endpoint, timeout=10, join=False) as c:
         for _ in range(250):  # a step closed by the last push is applied right after it is acknowledged
-            if c.status()["version"] >= version:
+            if c.status().version >= version:
                 break
             time.sleep(0.02)
     with Client(srv.endpoint, timeout=10) as c:
@@ -218,7 +218,7 @@ def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     local_step(model, opt, 0, 1)  # the outer lr rides with this push
     opt.synchronize()
     with Client(server.endpoint, timeout=10) as c:
-        assert c.status()["optimizer"]["lr"] == 0.25
+        assert c.status().optimizer["lr"] == 0.25
     opt.close()
 
 

@@ -21,9 +21,8 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -254,6 +253,20 @@ class Client:
         self._index = {s.name: i for i, s in enumerate(layout)}
         return reply
 
+    @overload
+    def push(self, grads: Mapping[str, Any], version: int, *, value_dtype: ValueDtype = ...,
+             index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
+             report: WorkerReport | None = ..., timeout: float | None = ..., wait: Literal[True] = ...) -> PushOk: ...
+    @overload
+    def push(self, grads: Mapping[str, Any], version: int, *, value_dtype: ValueDtype = ...,
+             index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
+             report: WorkerReport | None = ..., timeout: float | None = ...,
+             wait: Literal[False]) -> Pending[PushOk]: ...
+    @overload
+    def push(self, grads: Mapping[str, Any], version: int, *, value_dtype: ValueDtype = ...,
+             index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
+             report: WorkerReport | None = ..., timeout: float | None = ...,
+             wait: bool) -> PushOk | Pending[PushOk]: ...
     def push(
         self,
         grads: Mapping[str, Any],
@@ -265,7 +278,7 @@ class Client:
         report: WorkerReport | None = None,
         timeout: float | None = None,
         wait: bool = True,
-    ) -> Any:
+    ) -> PushOk | Pending[PushOk]:
         """Push one step's update, computed on model ``version``.
 
         ``grads`` maps tensor names to a sparse update (an object with ``indices``
@@ -296,6 +309,15 @@ class Client:
         pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
         return pending if not wait else pending.result()
 
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., wait: Literal[True] = ...) -> PullResult: ...
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., wait: Literal[False]) -> Pending[PullResult]: ...
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., wait: bool) -> PullResult | Pending[PullResult]: ...
     def pull(
         self,
         since: int | None = None,
@@ -304,7 +326,7 @@ class Client:
         index_coding: PullCoding = "rice",
         timeout: float | None = None,
         wait: bool = True,
-    ) -> Any:
+    ) -> PullResult | Pending[PullResult]:
         """What changed after version ``since`` (None: a full snapshot), a :class:`PullResult`
         (or a :class:`Pending` of it with ``wait=False``).
 
@@ -338,11 +360,9 @@ class Client:
             out[self.layout[s.tensor].name] = (s.indices, s.values)
         return PullResult(delta.version, delta.full, out, rebased=self._session.was_rebased(delta.req))
 
-    def status(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """The server's counters (see docs/protocol.md, ``status``)."""
-        reply = self._session.request(Status(), StatusReply, timeout=timeout)
-        out = msgspec.to_builtins(reply)  # nested structs (the live workers) as plain dicts too
-        return {k: v for k, v in out.items() if k not in ("proto", "req", "type")}
+    def status(self, *, timeout: float | None = None) -> StatusReply:
+        """The server's counters (see docs/protocol.md, ``status``); needs no join."""
+        return self._session.request(Status(), StatusReply, timeout=timeout)
 
     def set_optimizer(self, *, timeout: float | None = None, **hparams: Any) -> dict[str, Any]:
         """Change optimizer hyper-parameters (e.g. ``lr``) from the next step on."""

@@ -248,7 +248,7 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
     result = {
         "test_accuracy": done[0][5],
         "steps": cfg.steps,
-        "server_version": status["version"],
+        "server_version": status.version,
         "wall_s": round(wall, 3),
         "bytes_pushed": pushed,
         "bytes_pulled": pulled,
@@ -258,8 +258,8 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
         "density": cfg.density,
         "method": cfg.method,
         "params": numel,
-        "server_bytes_in": status["bytes_in"],
-        "server_bytes_out": status["bytes_out"],
+        "server_bytes_in": status.bytes_in,
+        "server_bytes_out": status.bytes_out,
         "config": asdict(cfg),
     }
     print(f"\nresult: test accuracy {result['test_accuracy']:.4f} after {result['steps']} steps in {wall:.1f} s",
