@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ import torch
 from .client import Client, PullResult
 from .compress import DENSE_BELOW, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
+from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .progress import Progress
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 
@@ -75,19 +76,6 @@ log = logging.getLogger("stella.pipeline")
 __all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget", "MODES", "OUTER_PRESETS"]
 
 _SERVER_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps")
-
-Mode = Literal["update", "gradient"]
-MODES = ("update", "gradient")
-DEFAULT_MODE: Mode = "update"
-
-# The server's outer optimizer in update mode. "average": the new model is the mean of
-# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "nesterov": DiLoCo's
-# outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated where the mean
-# pseudo-gradient has coordinates, docs/optimizer.md).
-OUTER_PRESETS: dict[str, dict[str, Any]] = {
-    "average": {"name": "sgd", "lr": 1.0},
-    "nesterov": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"},
-}
 
 class PipelineError(StellaError):
     """The background exchange failed; the cause is chained (``__cause__``)."""

@@ -331,6 +331,7 @@ class StatusReply(_Message, tag="status", frozen=True):
     step_deadline_s: float | None = None  # the deadline a step waits for missing workers now; None: no deadline
     checkpoint_version: int | None = None  # version of the newest checkpoint written or resumed from
     behind_workers: list[int] = []  # silent, and a deadline closed a step without them: not waited for until they push
+    mode: TrainingMode | None = None  # the job's training mode, once a registration said one
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):

@@ -1,8 +1,10 @@
 """``stella status ADDRESS``: a running job at a glance.
 
-One line for the job (version, steps/s, bytes/s each way, checkpoint age) and a table
-with a row per live worker (id, name, key fingerprint, last seen, steps, density,
-s/it, wait %), from the server's ``status`` reply. The workers' columns come from the
+One line for the job (version, steps/s, bytes/s each way, checkpoint age, workers, and
+the training mode with the server's optimizer: ``mode update, outer average`` or
+``outer nesterov(lr 0.7, momentum 0.9)``, ``mode gradient, optimizer adamw(lr 0.001,
+...)``) and a table with a row per live worker (id, name, key fingerprint, last seen,
+steps, density, s/it, wait %), from the server's ``status`` reply. The workers' columns come from the
 report each push carries (:class:`stella.protocol.WorkerReport`); ``-`` where a worker
 has sent none yet. Rates are averages since the server started, or, with ``--watch``,
 over the last refresh.
@@ -12,11 +14,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import msgspec
 
+from .modes import OUTER_PRESETS, outer_preset
 from .protocol import StatusReply, WorkerReport
 
 __all__ = ["render", "rates", "watch", "plain"]
@@ -57,9 +60,38 @@ def plain(st: StatusReply) -> dict[str, Any]:
     return {k: v for k, v in msgspec.to_builtins(st).items() if k not in ("proto", "req", "type")}
 
 
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_value(x) for x in v) + ")"
+    return str(v)
+
+
+def _hparams(config: dict[str, Any], keys: Iterable[str] | None = None) -> str:
+    """``(hparam value, ...)``: the hyper-parameters in ``keys``, or all but those that
+    are off (0 or False: they change nothing)."""
+    shown = [k for k in config if k != "name" and config[k] is not False and config[k] != 0] if keys is None else keys
+    return "(" + ", ".join(f"{k} {_value(config[k])}" for k in shown) + ")"
+
+
 def _job(st: StatusReply) -> str:
-    """What the job trains with: the server's optimizer's name."""
-    return (st.optimizer or {}).get("name", "-")
+    """What the job trains with: the mode and the server's optimizer (update mode: the
+    outer step, named by its preset); a server that does not say its mode: the name."""
+    config = st.optimizer or {}
+    name = config.get("name", "-")
+    if st.mode == "gradient":
+        return f"mode gradient, optimizer {name}{_hparams(config)}"
+    if st.mode != "update":
+        return name
+    preset = outer_preset(config)
+    if preset == "average":  # its one number, lr 1, is what makes it the mean of the workers' models
+        outer = "average"
+    elif preset is not None:  # the preset's name, with its numbers
+        outer = preset + _hparams(config, [k for k, v in OUTER_PRESETS[preset].items() if type(v) in (int, float)])
+    else:
+        outer = name + _hparams(config)
+    return f"mode update, outer {outer}"
 
 
 def _cells(rep: WorkerReport | None) -> tuple[str, ...]:
