@@ -167,3 +167,23 @@ def test_auto_density_rises_to_the_ceiling_when_compute_hides_the_exchange(serve
     assert pushed[-1] > 4 * pushed[2]  # really pushed denser (values counted one step late)
     with pytest.raises(ValueError, match="auto"):
         StellaOptimizer(Toy(), server.endpoint, density="fast")
+
+
+def test_the_wrapper_mirrors_the_hyper_parameters_the_server_names(server):
+    """The group's names come from the server's answer, not from a copied list: every one
+    of them is there, and a change to any (not only lr) rides on the next push."""
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "adamw", "lr": 0.5},
+                          method="dense", timeout=10)
+    try:
+        group = opt.param_groups[0]
+        assert set(opt.server_optimizer) - {"name"} == {"lr", "betas", "eps", "weight_decay"} <= set(group)
+        assert group["betas"] == (0.9, 0.999)  # a tuple, as torch's Adam keeps it
+        group["betas"] = (0.8, 0.99)
+        (model.w * grad_at(0)).sum().backward()
+        opt.step()
+        opt.synchronize()
+        with Client(server.endpoint, timeout=10, join=False) as c:
+            assert c.status().optimizer["betas"] == [0.8, 0.99]
+    finally:
+        opt.close()

@@ -35,8 +35,6 @@ __all__ = ["build_inner"]
 # already started (a future of its SparseGrad), or None (the residual as it stands).
 Grads = dict[str, torch.Tensor | Future[SparseGrad] | None]
 
-_SERVER_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps")
-
 _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
@@ -62,10 +60,6 @@ class _ServerGroup(torch.optim.Optimizer):
         return None
 
 
-def _server_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k in _SERVER_HPARAMS}
-
-
 def _host_tensor(vals: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     # pulled frames are read-only buffers; torch wants writable memory
     return torch.from_numpy(vals if vals.flags.writeable else vals.copy()).to(like.device, torch.float32)
@@ -89,16 +83,28 @@ class _Exchange:
     def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor):
         self.params, self.compressor = params, compressor
         self.local_steps = 0  # update mode: inner steps since the last exchange started
+        self._hparam_names: list[str] = []  # the server's, from its answer to the registration
 
     def attach(self, server_optimizer: Mapping[str, Any]) -> None:
         """After the registration, with the replica holding the server's model: set up
         the groups (``server_optimizer``: the config the server answered with)."""
         raise NotImplementedError
 
+    def _mirror(self, server_optimizer: Mapping[str, Any]) -> _ServerGroup:
+        """A group mirroring the server's optimizer, its names taken from the config the server
+        answered with (every key but "name"), never copied from the server's code. A param_group
+        is a plain dict, so it holds the server-only string ``momentum_mode`` too, and the server
+        takes every name it answered with as a change: none is left out. Schedulers touch only
+        the keys they know (lr, momentum, betas). Lists (``betas``) are tuples there, as torch's
+        own optimizers keep them."""
+        hparams = {k: (tuple(v) if isinstance(v, list) else v) for k, v in server_optimizer.items() if k != "name"}
+        self._hparam_names = list(hparams)
+        return _ServerGroup(list(self.params.values()), hparams)
+
     def hparams(self) -> dict[str, Any]:
         """The server's hyper-parameters as the mirror holds them now (a scheduler may have moved them)."""
         g = self.server.param_groups[0]
-        return {k: (list(g[k]) if k == "betas" else g[k]) for k in _SERVER_HPARAMS if k in g}
+        return {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in self._hparam_names if k in g}
 
     def step(self) -> Grads | None:
         """The training loop's ``step()``: what the round to start now pushes, or None (no round)."""
@@ -157,7 +163,7 @@ class _UpdateExchange(_Exchange):
         # the wrapper's groups are the inner optimizer's (schedulers built on either drive the
         # local steps); `outer` mirrors the server's optimizer
         self.groups = self.inner
-        self.outer = self.server = _ServerGroup(list(self.params.values()), _server_defaults(server_optimizer))
+        self.outer = self.server = self._mirror(server_optimizer)
         # the replica of the server's model, exact (float32, flat, the parameter's device)
         self.anchor = {n: p.detach().reshape(-1).to(torch.float32, copy=True) for n, p in self.params.items()}
 
@@ -241,7 +247,7 @@ class _GradientExchange(_Exchange):
 
     def attach(self, server_optimizer: Mapping[str, Any]) -> None:
         # the wrapper's group mirrors the server's optimizer, so that schedulers can edit it
-        self.groups = self.server = _ServerGroup(list(self.params.values()), _server_defaults(server_optimizer))
+        self.groups = self.server = self._mirror(server_optimizer)
         if self._compress_in_backward:
             self._compress_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-compress")
             for n, p in self.params.items():
