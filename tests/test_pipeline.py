@@ -1,6 +1,7 @@
 """The one-step-stale pipeline against a real stella-ps."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -187,3 +188,50 @@ def test_the_wrapper_mirrors_the_hyper_parameters_the_server_names(server):
             assert c.status().optimizer["betas"] == [0.8, 0.99]
     finally:
         opt.close()
+
+
+def test_compression_settings_are_checked():
+    from stella import Compression
+
+    assert Compression() == Compression(density="auto", min_density=0.01, max_density=0.1, method="threshold",
+                                        dense_below=4096, value_dtype="f16", index_coding="rice")
+    for bad in ({"density": "fast"}, {"density": 0.0}, {"density": 1.5}, {"density": float("nan")},
+                {"min_density": 0.2}, {"max_density": 0.0}, {"method": "nope"}, {"dense_below": -1},
+                {"value_dtype": "q3"}, {"index_coding": "zip"}):
+        with pytest.raises(ValueError):
+            Compression(**bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Compression().density = 0.5  # type: ignore[misc]
+
+
+def test_the_old_compression_keywords_warn_and_give_the_same_settings(server):
+    from stella import Compression
+
+    old_form = {"density": 0.5, "method": "exact", "dense_below": 0, "value_dtype": "f32", "index_coding": "varint"}
+    with pytest.warns(DeprecationWarning) as warned:
+        old = StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                              timeout=10, **old_form)
+    new = StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          timeout=10, compression=Compression(**old_form))
+    try:
+        messages = [str(w.message) for w in warned]
+        assert len(messages) == 5 and all(f"compression=stella.Compression({k}=...)" in " ".join(messages)
+                                          for k in old_form)
+        assert all(w.filename == __file__ for w in warned)  # the warning names the caller's line
+        assert old.compression == new.compression == Compression(**old_form)
+        for o in (old, new):
+            c = o.compressor
+            assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 0, "f32")
+            assert o.budget is None and o.pull_coding == "varint"
+    finally:
+        old.close()
+        new.close()
+
+
+def test_compression_and_the_old_keywords_together_are_refused():
+    from stella import Compression
+
+    with pytest.raises(TypeError, match="not both"):
+        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", compression=Compression(), density=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'densty'"):
+        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", densty=0.5)

@@ -26,6 +26,7 @@ __all__ = [
     "PullResult",
     "Pending",
     "StellaOptimizer",
+    "Compression",
     "PipelineError",
     "DensityBudget",
     "ErrorFeedbackCompressor",
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 # stella-ps does) never imports torch.
 _LAZY = {
     "StellaOptimizer": "pipeline",
+    "Compression": "pipeline",
     "PipelineError": "pipeline",
     "DensityBudget": "pipeline",
     "ErrorFeedbackCompressor": "compress",

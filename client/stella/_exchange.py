@@ -29,7 +29,7 @@ from .client import PullResult
 from .compress import ErrorFeedbackCompressor, SparseGrad
 from .modes import OUTER_PRESETS
 
-__all__ = ["build_inner"]
+__all__ = ["build_inner", "exchange_for", "Grads"]
 
 # What a round hands the background thread per tensor: a gradient, a compression
 # already started (a future of its SparseGrad), or None (the residual as it stands).
@@ -290,3 +290,14 @@ class _GradientExchange(_Exchange):
     def close(self) -> None:
         if self._compress_exec is not None:
             self._compress_exec.shutdown(wait=True)
+
+
+def exchange_for(mode: str, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
+                 optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any], *,
+                 sync_every: int, compress_in_backward: bool) -> _Exchange:
+    """The exchange of ``mode`` ("update" or "gradient"), its arguments checked."""
+    if mode == "update":
+        return _UpdateExchange(params, compressor, optimizer, outer, sync_every=sync_every,
+                               compress_in_backward=compress_in_backward)
+    return _GradientExchange(params, compressor, optimizer, sync_every=sync_every,
+                             compress_in_backward=compress_in_backward)

@@ -142,7 +142,7 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, str]) -> None:
     import torch
 
-    from .pipeline import StellaOptimizer
+    from .pipeline import Compression, StellaOptimizer
 
     torch.set_num_threads(1)
     if cfg.progress_every:
@@ -154,7 +154,8 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
     xtr, ytr = xtr[shard], ytr[shard]
     model = demo_model(cfg.hidden, cfg.seed)
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
-                          density=cfg.density, method=cfg.method, dense_below=1024, timeout=cfg.timeout,
+                          compression=Compression(density=cfg.density, method=cfg.method, dense_below=1024),
+                          timeout=cfg.timeout,
                           name=f"demo-worker-{rank}", server_key=keys.get("server_key"),
                           client_key=keys.get("client_key"), progress_every=cfg.progress_every)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)

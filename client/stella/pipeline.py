@@ -58,18 +58,19 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
 import torch
 
-from ._exchange import Grads, _Exchange, _GradientExchange, _UpdateExchange, build_inner
+from ._exchange import Grads, build_inner, exchange_for
 from .client import Client, PullResult
-from .compress import DENSE_BELOW, ErrorFeedbackCompressor, SparseGrad
+from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .progress import Progress
@@ -77,8 +78,8 @@ from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 
 log = logging.getLogger("stella.pipeline")
 
-__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget", "MODES", "OUTER_PRESETS",
-           "build_inner"]
+__all__ = ["StellaOptimizer", "Compression", "PipelineError", "PipelineStats", "DensityBudget", "MODES",
+           "OUTER_PRESETS", "build_inner"]
 
 
 class PipelineError(StellaError):
@@ -132,6 +133,63 @@ class DensityBudget:
         return self.density
 
 
+@dataclass(frozen=True)
+class Compression:
+    """How :class:`StellaOptimizer` compresses its pushes (``docs/compression.md``).
+
+    ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
+    (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
+    raised while the exchange hides behind the computation. ``method`` ("threshold",
+    "block", "exact" or "dense") and ``dense_below`` (smaller tensors go dense): the
+    compressor, :mod:`stella.compress`. ``value_dtype`` and ``index_coding``: the wire
+    coding of pushes (``value_dtype`` "q4"/"q2": 4.5 or 2.5 bits a value, the
+    quantisation error kept in the residual).
+    """
+
+    density: float | Literal["auto"] = "auto"
+    min_density: float = 0.01
+    max_density: float = 0.1
+    method: str = "threshold"
+    dense_below: int = DENSE_BELOW
+    value_dtype: ValueDtype = "f16"
+    index_coding: IndexCoding = "rice"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.density, str):
+            if self.density != "auto":
+                raise ValueError(f"density must be a number or 'auto', got {self.density!r}")
+        elif not 0.0 < self.density <= 1.0:  # NaN too
+            raise ValueError(f"density must be in (0, 1] or 'auto', got {self.density!r}")
+        if not 0.0 < self.min_density <= self.max_density <= 1.0:
+            raise ValueError(f"need 0 < min_density <= max_density <= 1, got {self.min_density}, {self.max_density}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not self.dense_below >= 0:
+            raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if self.index_coding not in get_args(IndexCoding):
+            raise ValueError(f"index_coding must be one of {get_args(IndexCoding)}, got {self.index_coding!r}")
+
+
+_COMPRESSION_FIELDS = tuple(f.name for f in fields(Compression))
+
+
+def _compression(compression: Compression | None, old: Mapping[str, Any]) -> Compression:
+    """``compression=``, or the keyword arguments it took over (deprecated: each warns)."""
+    unknown = sorted(set(old) - set(_COMPRESSION_FIELDS))
+    if unknown:
+        raise TypeError(f"StellaOptimizer() got an unexpected keyword argument {unknown[0]!r}")
+    if not old:
+        return Compression() if compression is None else compression
+    if compression is not None:
+        raise TypeError(f"StellaOptimizer() takes compression= or the old {', '.join(f'{k}=' for k in old)}, "
+                        f"not both: pass compression=stella.Compression({', '.join(f'{k}=...' for k in old)})")
+    for k in old:  # stacklevel 3: the caller of StellaOptimizer()
+        warnings.warn(f"StellaOptimizer({k}=...) is deprecated: pass compression=stella.Compression({k}=...)",
+                      DeprecationWarning, stacklevel=3)
+    return Compression(**old)
+
 
 @dataclass
 class PipelineStats:
@@ -143,6 +201,28 @@ class PipelineStats:
     values_pushed: int = 0
     values_pulled: int = 0
     density: float = 0.0  # the compressor's density for the latest push
+
+
+def _wait_for_step(client: Client, delta: PullResult, since: int, coding: PullCoding) -> PullResult:
+    """The delta of the step after ``since``, given the answer ``delta`` to a pull that
+    waited for it. The server answers a waiting pull when its wait expires even if no
+    step closed (it waits for workers: before the job starts, or for a missing one within
+    the step deadline); then pull again rather than go on, since every further push would
+    only queue up on the server (and after ``--max-queued-pushes`` be refused). A snapshot
+    (the server restarted from an older checkpoint) is the answer whatever its version.
+    So is a rebased answer (``PullResult.rebased``: the client reconnected while the pull
+    waited): a server that restarted may have lost the push it had acknowledged, and the
+    step would then wait for this worker while it waits for the step."""
+    t0 = time.monotonic()
+    warned = t0
+    while not delta.full and delta.version <= since and not delta.rebased:
+        now = time.monotonic()
+        if now - warned >= 60.0:
+            warned = now
+            log.warning("waiting %.0f s for the server's step after version %d (the server waits for "
+                        "workers; `stella status` shows which)", now - t0, since)
+        delta = client.pull(since, wait_for=since + 1, index_coding=coding)
+    return delta
 
 
 class StellaOptimizer(torch.optim.Optimizer):
@@ -160,12 +240,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     optimizer, "average" (default), "nesterov" or a config mapping.
     ``sync_every``: update mode's local steps per exchange (H; 1 = every step).
 
-    ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
-    (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
-    raised while the exchange hides behind the computation. ``method``/``dense_below``:
-    the compressor. ``value_dtype`` and ``index_coding``: wire coding of pushes
-    (``value_dtype`` "q4"/"q2": 4.5 or 2.5 bits a value, the quantisation error kept in
-    the residual).
+    ``compression``: a :class:`Compression` (density, method, wire coding; its
+    defaults when None). Its fields are also accepted as keyword arguments of their
+    own, the old form, with a :class:`DeprecationWarning`; not both.
     ``server_key``/``client_key``: CurveZMQ keys (see :class:`~stella.client.Client`;
     or ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``). ``staleness``: 1 (overlapped) or 0
     (each exchange finishes inside the ``step()`` that starts it; the non-overlapped
@@ -184,13 +261,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         mode: Mode | None = None,
         outer: str | Mapping[str, Any] = "average",
         sync_every: int = 1,
-        density: float | str = "auto",
-        min_density: float = 0.01,
-        max_density: float = 0.1,
-        method: str = "threshold",
-        dense_below: int = DENSE_BELOW,
-        value_dtype: ValueDtype = "f16",
-        index_coding: IndexCoding = "rice",
+        compression: Compression | None = None,
         staleness: int = 1,
         timeout: float | None = None,
         name: str = "",
@@ -200,7 +271,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         compress_in_backward: bool = False,
         client: Client | None = None,
         progress_every: int = 0,
+        **deprecated: Any,
     ):
+        self.compression = c = _compression(compression, deprecated)
         mode = mode or DEFAULT_MODE
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -208,30 +281,24 @@ class StellaOptimizer(torch.optim.Optimizer):
             raise ValueError("staleness must be 0 or 1")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-        if isinstance(density, str) and density != "auto":
-            raise ValueError(f"density must be a number or 'auto', got {density!r}")
         # tensors without elements never change: nothing to exchange
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
         if not self.params:
             raise ValueError("model has no trainable parameters")
         self.mode: Mode = mode
         self.staleness = staleness
-        self.value_dtype = value_dtype
-        self.index_coding = index_coding
         # block16 codes only whole blocks, which the union a pull returns need not be
-        self.pull_coding: PullCoding = "rice" if index_coding == "block16" else index_coding
+        self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
         self.budget: DensityBudget | None = None
-        if isinstance(density, str):  # "auto", checked above
-            self.budget = DensityBudget(min_density, max_density)
+        density = c.density
+        if isinstance(density, str):  # "auto"
+            self.budget = DensityBudget(c.min_density, c.max_density)
             density = self.budget.density
         # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
-        self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below,
-                                                  value_dtype=value_dtype)
-        self._exchange: _Exchange = (
-            _UpdateExchange(self.params, self.compressor, optimizer, outer, sync_every=sync_every,
-                            compress_in_backward=compress_in_backward) if mode == "update" else
-            _GradientExchange(self.params, self.compressor, optimizer, sync_every=sync_every,
-                              compress_in_backward=compress_in_backward))
+        self.compressor = ErrorFeedbackCompressor(density, method=c.method, dense_below=c.dense_below,
+                                                  value_dtype=c.value_dtype)
+        self._exchange = exchange_for(mode, self.params, self.compressor, optimizer, outer, sync_every=sync_every,
+                                      compress_in_backward=compress_in_backward)
         self.stats = PipelineStats(density=float(density))
         self.progress = Progress(progress_every)
         self._last_step_end: float | None = None
@@ -288,11 +355,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         t1 = time.perf_counter()
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
-        push = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
-                                hparams=hparams or None, report=self.progress.report(), wait=False)
+        push = self.client.push(sparse, version, value_dtype=self.compression.value_dtype,
+                                index_coding=self.compression.index_coding, hparams=hparams or None,
+                                report=self.progress.report(), wait=False)
         pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
-        delta = self._wait_step(pull.result(), since)
+        delta = _wait_for_step(self.client, pull.result(), since, self.pull_coding)
         self.stats.compress_s += t1 - t0
         t2 = time.perf_counter()
         self.stats.exchange_s += t2 - t1
@@ -300,27 +368,6 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta, sparse
-
-    def _wait_step(self, delta: PullResult, since: int) -> PullResult:
-        """The delta of the step after ``since``. The server answers a waiting pull when
-        its wait expires even if no step closed (it waits for workers: before the job
-        starts, or for a missing one within the step deadline); then pull again rather
-        than go on, since every further push would only queue up on the server (and
-        after ``--max-queued-pushes`` be refused). A snapshot (the server restarted
-        from an older checkpoint) is the answer whatever its version. So is a rebased
-        answer (the client reconnected while the pull waited, ``PullResult.rebased``): a
-        server that restarted may have lost the push it had acknowledged, and the step
-        would then wait for this worker while it waits for the step."""
-        t0 = time.monotonic()
-        warned = t0
-        while not delta.full and delta.version <= since and not delta.rebased:
-            now = time.monotonic()
-            if now - warned >= 60.0:
-                warned = now
-                log.warning("waiting %.0f s for the server's step after version %d (the server waits for "
-                            "workers; `stella status` shows which)", now - t0, since)
-            delta = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding)
-        return delta
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight exchange and install its delta into the replica."""
