@@ -62,7 +62,7 @@ def monitor(endpoint: str, out: str, max_seconds: float) -> int:
         while time.monotonic() < t_end:
             try:
                 with Client(endpoint, timeout=0.5, join=False) as c:
-                    v = int(c.status(timeout=0.5)["version"])
+                    v = int(c.status(timeout=0.5).version)
                 f.write(f"{time.monotonic():.3f} {v}\n")
             except StellaError:
                 pass

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from stella import StellaOptimizer
+    from stella import Compression, StellaOptimizer
     from stella.demo import accuracy, demo_model, load_digits_split, shuffled_batches
 
     torch.set_num_threads(1)
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     model = demo_model(a.hidden, a.seed)
     log = open(a.log, "a", buffering=1)
     opt = StellaOptimizer(model, a.address, optimizer={"name": "adamw", "lr": a.lr, "weight_decay": 0.0},
-                          density=a.density, method="threshold", dense_below=1024, timeout=a.timeout,
+                          compression=Compression(density=a.density, method="threshold", dense_below=1024),
+                          timeout=a.timeout,
                           name=f"live-worker-{a.rank}", worker_id=a.worker_id)
     log.write(json.dumps({"t": time.time(), "joined": True, "worker": opt.client.worker_id,
                           "version": opt.version, "pid": os.getpid()}) + "\n")

@@ -126,7 +126,7 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
             time.sleep(seconds)
             # announce the end: a version no worker can have reached (each step needs all of them)
             with stop_at.get_lock():
-                stop_at.value = status.status()["version"] + 3
+                stop_at.value = status.status().version + 3
             done = [out.get(timeout=CLIENT_TIMEOUT_S + 30) for _ in range(workers)]
             wall, cpu = time.perf_counter() - t0, process_cpu_seconds(srv.pid) - cpu0
             errors = [d for d in done if d[0] != "done"]
@@ -144,14 +144,14 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-    steps = s1["steps"] - s0["steps"]
+    steps = s1.steps - s0.steps
     oks = sum(d[2] for d in done)
-    expect = expected_model(workers, s1["version"])
+    expect = expected_model(workers, s1.version)
     digests = {d[8] for d in done}
     conserved = {
-        "push_ok": oks, "server_pushes": s1["pushes"] - s0["pushes"], "steps": steps,
-        "final_version": s1["version"],
-        "pushes_accounted": oks == s1["pushes"] - s0["pushes"] == workers * steps and s1["pending_pushes"] == 0,
+        "push_ok": oks, "server_pushes": s1.pushes - s0.pushes, "steps": steps,
+        "final_version": s1.version,
+        "pushes_accounted": oks == s1.pushes - s0.pushes == workers * steps and s1.pending_pushes == 0,
         "model_exact": final.tobytes() == expect.tobytes(),
         "max_abs_error": float(np.max(np.abs(final - expect))),
         "replicas_agree": digests == {hashlib.sha256(final.tobytes()).hexdigest()},

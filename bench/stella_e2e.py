@@ -55,7 +55,7 @@ def worker(a) -> int:
     import torch
 
     from bench import workloads as W
-    from stella import StellaOptimizer
+    from stella import Compression, StellaOptimizer
 
     torch.set_num_threads(a.threads)
     wl = W.get(a.workload)
@@ -66,9 +66,9 @@ def worker(a) -> int:
                    "sync_every": a.sync_every}
     else:
         mode_kw = {"mode": "gradient", "optimizer": server_options(wl)}
-    opt = StellaOptimizer(model, a.address, density=density, timeout=600, name=f"e2e-{a.rank}",
-                          staleness=a.staleness, server_key=a.server_key, client_key=a.client_key,
-                          value_dtype=a.value_dtype, **mode_kw)
+    opt = StellaOptimizer(model, a.address, compression=Compression(density=density, value_dtype=a.value_dtype),
+                          timeout=600, name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
+                          client_key=a.client_key, **mode_kw)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_at")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines

@@ -254,7 +254,7 @@ e_ = e
 def test_bad_input_rejected_and_changes_nothing(env, case):
     build, code, fragment = CASES[case]
     before = snapshot(env)
-    opt_before = env["good"].status()["optimizer"]
+    opt_before = env["good"].status().optimizer
     hdr, frames, raw_header = build(env)
     reply = call(env["raw"], hdr, frames, raw_header=raw_header)
     assert reply["type"] == "error", reply
@@ -265,13 +265,13 @@ def test_bad_input_rejected_and_changes_nothing(env, case):
     for k in before[1]:
         assert after[1][k].tobytes() == before[1][k].tobytes()
     st = env["good"].status()
-    assert st["optimizer"] == opt_before and st["pending_pushes"] == 0
+    assert st.optimizer == opt_before and st.pending_pushes == 0
     assert env["srv"].alive()
 
 
 def test_good_worker_keeps_training_after_bad_input(env):
     good = env["good"]
-    v = good.status()["version"]
+    v = good.status().version
     # the raw worker is live too: it must push for the step to close
     call(env["raw"], push_hdr(env, [e(1, 1)], version=v), [i32(0), f32(1)])
     good.push({"b": (np.array([0], np.int32), np.array([1.0], np.float32))}, v)
@@ -283,7 +283,7 @@ def test_good_worker_keeps_training_after_bad_input(env):
 def test_quantised_push_applies_what_it_decodes_to(env):
     """A q4 push that the server takes: the step applies the dequantised values."""
     good = env["good"]
-    v = good.status()["version"]
+    v = good.status().version
     before = snapshot(env)[1]["w"].reshape(-1)
     scale_and_codes = f32(2.5) + bytes([0x0B])  # [1.0, -2.5] -> codes 11, 0: levels 7/15 * 2.5, -2.5
     assert call(env["raw"], push_hdr(env, [e(0, 2, vd="q4")], version=v), [i32(5, 6), scale_and_codes])["type"] \

@@ -160,7 +160,7 @@ class Harness:
         self.rss0 = rss(srv.pid)["VmRSS"]
         self.peak_rss = self.rss0
         self.t0 = time.monotonic()
-        self.version = self.observer.status()["version"]
+        self.version = self.observer.status().version
         self._thread = threading.Thread(target=self._train, name="trainer", daemon=True)
         self._thread.start()
 
@@ -202,8 +202,8 @@ class Harness:
         h = hashlib.sha256()
         for name in NAMES:
             h.update(name.encode() + b"\0" + full.tensors[name][1].tobytes())
-        return {"version": s["version"], "snapshot_version": full.version, "model": h.hexdigest(),
-                "pending_pushes": s["pending_pushes"], "optimizer": s["optimizer"], "workers": s["workers"]}
+        return {"version": s.version, "snapshot_version": full.version, "model": h.hexdigest(),
+                "pending_pushes": s.pending_pushes, "optimizer": s.optimizer, "workers": s.workers}
 
     def check_memory(self) -> None:
         r = rss(self.srv.pid)["VmRSS"]
@@ -319,7 +319,7 @@ class Harness:
             self._register_reg()
         elif kind == "push_ok":  # the step deadline closes the step with this push alone
             deadline = time.monotonic() + REPLY_TIMEOUT_S
-            while (s := self.observer.status())["pending_pushes"] or s["version"] <= before["version"]:
+            while (s := self.observer.status()).pending_pushes or s.version <= before["version"]:
                 assert time.monotonic() < deadline, "an accepted push's step never closed"
                 time.sleep(0.01)
         after = self.state()

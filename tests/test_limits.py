@@ -80,7 +80,7 @@ def test_max_workers(make_server, make_client, raw_dealer):
     raw = raw_dealer(srv.endpoint)
     r = call(raw, {"type": "join", "name": "third"})
     assert r["type"] == "error" and r["code"] == "limit"
-    assert a.status()["workers"] == [0, 1]
+    assert a.status().workers == [0, 1]
     assert a.join(a.worker_id) == a.worker_id  # a live worker re-joining is not a new one
     a.leave()
     assert call(raw, {"type": "join", "name": "third"})["type"] == "joined"  # room again
@@ -102,7 +102,7 @@ def test_max_workers_per_key(make_server, make_client, tmp_path):
     refused(ei, "limit", "this key already has 2 live workers", "--max-workers-per-key 2")
     make_client(srv.endpoint, server_key=keys.server_public, client_key=keys.client_secrets["site_b"])
     st = a1.status()
-    assert len(st["workers"]) == 3 and len(set(st["worker_keys"].values())) == 2
+    assert len(st.workers) == 3 and len(set(st.worker_keys.values())) == 2
 
 
 def test_a_frame_over_the_limit_costs_the_connection_not_memory(make_server, raw_dealer):
@@ -119,7 +119,7 @@ def test_a_frame_over_the_limit_costs_the_connection_not_memory(make_server, raw
         raw.recv_multipart()
     assert srv.alive() and _rss_kib(srv.pid) - rss0 < 64 * 1024
     with Client(srv.endpoint, timeout=10, join=False) as c:  # others are served as before
-        assert c.status()["messages"] >= 1
+        assert c.status().messages >= 1
 
 
 def _rss_kib(pid: int) -> int:
@@ -142,7 +142,7 @@ def test_huge_worker_name_is_refused_and_nothing_held(server, make_client, raw_d
     assert r["type"] == "error" and r["code"] == "oversized" and f"> {MAX_HEADER_BYTES}" in r["message"]
     r = call(raw, {"type": "join", "name": "x" * 2000})  # below the header bound, above MAX_NAME_BYTES
     assert r["type"] == "error" and r["code"] == "protocol" and "$.name" in r["message"]
-    assert c.status()["workers"] == [c.worker_id]
+    assert c.status().workers == [c.worker_id]
 
 
 # ---------------------------------------------------------------- waiting pulls
@@ -152,11 +152,11 @@ def test_max_waiting_pulls_per_worker(make_server, make_client):
     a.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
     b.register({"w": np.zeros(4, np.float32)})
     waiting = [a.pull(0, wait_for=1, wait=False, timeout=30) for _ in range(3)]
-    pulls = a.status()["pulls"]
+    pulls = a.status().pulls
     with pytest.raises(BadRequest) as ei:
         a.pull(0, wait_for=1, timeout=30)
     refused(ei, "limit", "3 pulls waiting", "--max-waiting-pulls 3")
-    assert a.status()["pulls"] == pulls and a.status()["errors"] >= 1
+    assert a.status().pulls == pulls and a.status().errors >= 1
     b.pull(0, wait_for=1, wait=False, timeout=30)  # the bound is per worker
     a.pull(0)  # a pull of the present is not a waiting one
     # answered waiters are counted out: a step releases them, then there is room again
@@ -187,11 +187,11 @@ def test_max_queued_pushes_per_worker(make_server, make_client):
         a.push(g, 0)
     refused(ei, "limit", "2 pushes waiting", "--max-queued-pushes 2")
     st = a.status()
-    assert st["pending_pushes"] == 2 and st["pushes"] == 2 and st["version"] == 0
+    assert st.pending_pushes == 2 and st.pushes == 2 and st.version == 0
     b.push(g, 0)  # closes step 1 with a's first push; a has room for one more
     assert a.pull(0, wait_for=1).version == 1
     a.push(g, 1)
-    assert a.status()["pending_pushes"] == 2
+    assert a.status().pending_pushes == 2
 
 
 def test_max_queued_push_bytes_per_worker(make_server, make_client):
@@ -203,7 +203,7 @@ def test_max_queued_push_bytes_per_worker(make_server, make_client):
     refused(ei, "limit", "4096 bytes of pushes waiting", "--max-queued-push-bytes 6000")
     a.push({"w": (np.array([1], np.int32), np.array([1.0], np.float32))}, 0)  # small: fits
     st = a.status()
-    assert st["pending_pushes"] == 2 and st["version"] == 0
+    assert st.pending_pushes == 2 and st.version == 0
 
 
 # ---------------------------------------------------------------- model bytes
@@ -217,9 +217,9 @@ def test_max_model_bytes_refused_before_allocating(make_server, make_client):
         c.register({"w": np.zeros(n, np.float32)}, {"name": "adam"})
     refused(ei, "limit", f"need {adam} bytes", f"limit of {MiB} bytes", "--max-model-bytes")
     st = c.status()
-    assert not st["initialised"] and st["numel"] == 0 and st["bytes_in"] < 10_000  # the values were never sent
+    assert not st.initialised and st.numel == 0 and st.bytes_in < 10_000  # the values were never sent
     c.register({"w": np.zeros(n, np.float32)}, {"name": "sgd"})  # 800 kB: fits
-    assert c.status()["numel"] == n
+    assert c.status().numel == n
 
 
 def _registration_growth(make_server, make_client, tensors: int, coords: int) -> tuple[int, int, int]:
@@ -252,9 +252,9 @@ def test_max_lr_and_weight_decay(make_server, make_client):
     with pytest.raises(BadRequest) as ei:
         c.register(w, {"name": "adamw", "weight_decay": 0.2})
     refused(ei, "optimizer", "weight_decay=0.2", "--max-weight-decay")
-    assert not c.status()["initialised"]
+    assert not c.status().initialised
     c.register(w, {"name": "adamw", "lr": 0.5, "weight_decay": 0.1})
-    opt = c.status()["optimizer"]
+    opt = c.status().optimizer
     with pytest.raises(BadRequest) as ei:
         c.set_optimizer(lr=0.75)
     refused(ei, "optimizer", "--max-lr")
@@ -262,9 +262,9 @@ def test_max_lr_and_weight_decay(make_server, make_client):
         c.push({"w": np.ones(4, np.float32)}, 0, hparams={"weight_decay": 0.5})
     refused(ei, "optimizer", "--max-weight-decay")
     st = c.status()
-    assert st["optimizer"] == opt and st["pending_pushes"] == 0 and st["version"] == 0
+    assert st.optimizer == opt and st.pending_pushes == 0 and st.version == 0
     c.set_optimizer(lr=0.25)  # inside the bounds
-    assert c.status()["optimizer"]["lr"] == 0.25
+    assert c.status().optimizer["lr"] == 0.25
 
 
 def test_default_optimizer_must_obey_the_bounds(make_server):
@@ -289,7 +289,7 @@ def test_push_norm_refused(make_server, make_client, dtype):
                value_dtype=dtype)
     refused(ei, "bad_value", "5.09902", "--max-push-norm")
     st = c.status()
-    assert st["version"] == 0 and st["pending_pushes"] == 0 and st["pushes"] == 0
+    assert st.version == 0 and st.pending_pushes == 0 and st.pushes == 0
     c.push({"w": np.array([3.0, 0.0], np.float32), "b": np.array([4.0, 0, 0], np.float32)}, 0,
            value_dtype=dtype)  # exactly 5: taken
     assert c.pull(0, wait_for=1).version == 1
@@ -300,7 +300,7 @@ def test_push_norm_refuses_values_near_float32_max(make_server, make_client):
     with pytest.raises(BadRequest) as ei:
         c.push({"w": np.array([3e38, -3e38], np.float32)}, 0)
     refused(ei, "bad_value", "4.24264e+38", "--max-push-norm")
-    assert c.status()["version"] == 0
+    assert c.status().version == 0
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])

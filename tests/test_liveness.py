@@ -60,7 +60,7 @@ def _reap(procs: list[subprocess.Popen], timeout: float = 120.0) -> list[int]:
 
 
 def _version(c: Client) -> int:
-    return int(c.status()["version"])
+    return int(c.status().version)
 
 
 # --------------------------------------------------------------------------- kill -9 of a worker
@@ -83,13 +83,13 @@ def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejo
         # the next steps close without it, within the liveness timeout (the adaptive deadline may be sooner)
         _wait_until(lambda: _version(mon) >= v_kill + 3, LIVENESS_S + 2.0, "steps after the kill")
         stalled = time.monotonic() - t_kill
-        _wait_until(lambda: victim in {int(k) for k in mon.status()["gone_workers"]}, LIVENESS_S + 2.0,
+        _wait_until(lambda: victim in {int(k) for k in mon.status().gone_workers}, LIVENESS_S + 2.0,
                     "the killed worker shown gone")
         st = mon.status()
-        assert victim not in st["workers"] and len(st["workers"]) == 2
+        assert victim not in st.workers and len(st.workers) == 2
         # a replacement asks for the dead worker's id: it is free once the old connection is gone
         procs[2] = _worker(srv.endpoint, 2, 3, target, logs[2], "--worker-id", str(victim), "--step-sleep", "0.05")
-        _wait_until(lambda: victim in mon.status()["workers"], 60, "the replacement live under the old id")
+        _wait_until(lambda: victim in mon.status().workers, 60, "the replacement live under the old id")
 
         # a replica that joins now equals the server's model after its pulls, coordinate for coordinate
         from stella.demo import demo_model
@@ -152,9 +152,9 @@ def test_a_join_without_registration_stops_nobody_beyond_the_timeout(make_server
     assert v == 10
     assert took < 1.0 + 2.0, f"10 steps took {took:.2f}s"
     assert "step deadline passed" not in srv.logs()  # no step waited for the stray
-    _wait_until(lambda: stray_id in {int(k) for k in a.status()["gone_workers"]}, 5, "the stray declared gone")
+    _wait_until(lambda: stray_id in a.status().gone_workers, 5, "the stray declared gone")
     st = a.status()
-    assert stray_id in {int(k) for k in st["gone_workers"]} and st["workers"] == [a.worker_id]
+    assert stray_id in {int(k) for k in st.gone_workers} and st.workers == [a.worker_id]
 
 
 # --------------------------------------------------------------------------- SIGSTOP / SIGCONT
@@ -192,11 +192,11 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
         assert b.stdout.readline().startswith("ready")
         b.send_signal(signal.SIGSTOP)
         before = a.status()
-        assert before["step_deadline_s"] is not None and before["step_deadline_s"] < 1.0  # learnt, not the 30 s
-        deadline = before["step_deadline_s"]
+        assert before.step_deadline_s is not None and before.step_deadline_s < 1.0  # learnt, not the 30 s
+        deadline = before.step_deadline_s
         t0 = time.monotonic()
         waited = []
-        while not a.status()["behind_workers"]:  # the other worker goes on
+        while not a.status().behind_workers:  # the other worker goes on
             assert time.monotonic() - t0 < 15, "the stopped worker was never counted behind"
             ts = time.monotonic()
             a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
@@ -212,7 +212,7 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
             v = a.pull(v, wait_for=v + 1, timeout=5).version
         assert time.monotonic() - t1 < min(1.0, 4 * deadline), (time.monotonic() - t1, deadline)
         mid = a.status()
-        assert mid["behind_workers"] == [w for w in mid["workers"] if w != a.worker_id], mid
+        assert mid.behind_workers == [w for w in mid.workers if w != a.worker_id], mid
         from stella.status import rates, render
 
         assert "(behind)" in render(mid, rates(mid, None, None))
@@ -222,7 +222,7 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
         v = a.pull(v, wait_for=v + 1).version
         assert b.wait(30) == 0
         st = a.status()
-        assert st["late_pushes"] >= 1 and st["behind_workers"] == []  # it pushed: waited for again
+        assert st.late_pushes >= 1 and st.behind_workers == []  # it pushed: waited for again
         final = a.pull(None).tensors["w"][1]
         # conserved: the marker's mass 8 reached the model, scaled by the mean over its step's 1 or 2
         # contributors (lr 1): -8 or -4, never 0 (dropped)
@@ -247,20 +247,20 @@ def test_a_slow_worker_still_heard_from_is_waited_for_every_step(make_server, ma
             c.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
         v = a.pull(v, wait_for=v + 1).version
         b.pull(v - 1, wait_for=v)
-    deadline = a.status()["step_deadline_s"]
+    deadline = a.status().step_deadline_s
     assert deadline is not None and deadline < 1.0
     t0 = time.monotonic()
     for _ in range(4):  # b "computes" for ~4 heartbeat intervals: every step waits the deadline for it
         a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
         v = a.pull(v, wait_for=v + 1, timeout=5).version
         time.sleep(1.0)
-        assert a.status()["behind_workers"] == []
+        assert a.status().behind_workers == []
     took = time.monotonic() - t0 - 4.0
     assert took >= 4 * 0.8 * deadline, (took, deadline)
     b.push({"w": (np.array([1], np.int32), np.ones(1, np.float32))}, 8)  # its late push, folded
     a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
     v = a.pull(v, wait_for=v + 1).version
-    assert a.status()["late_pushes"] >= 1
+    assert a.status().late_pushes >= 1
 
 
 # --------------------------------------------------------------------------- the server's heartbeat
@@ -348,7 +348,7 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
     assert a.is_alive() and not errors, errors
     with Client(srv.endpoint, join=False, timeout=5) as mon:
         st = mon.status()
-    assert st["version"] == 0 and st["pending_pushes"] <= 1, st  # held back, not queueing
+    assert st.version == 0 and st.pending_pushes <= 1, st  # held back, not queueing
     b = threading.Thread(target=train, args=(1, 6))
     b.start()
     a.join(60)
@@ -357,7 +357,7 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
     assert not errors, errors
     with Client(srv.endpoint, join=False, timeout=5) as mon:
         st = mon.status()
-    assert st["version"] >= 6 and not st["errors"], st
+    assert st.version >= 6 and not st.errors, st
 
 
 def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_waiting_for_each_other(
@@ -394,13 +394,13 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     assert b_step(0) == 1
     a_step()  # exchange 1: a's push on version 1, queued until b's comes
     with Client(srv.endpoint, join=False, timeout=5) as mon:
-        _wait_until(lambda: mon.status()["pending_pushes"] == 1 and mon.status()["checkpoint_version"] == 1, 10,
+        _wait_until(lambda: mon.status().pending_pushes == 1 and mon.status().checkpoint_version == 1, 10,
                     "a's push queued on a checkpoint of version 1")
     srv.kill()  # a's acknowledged push dies with the server
     srv.wait(10)
     srv2 = make_server(2, args, bind=f"tcp://127.0.0.1:{port}")
     with Client(srv2.endpoint, join=False, timeout=5) as mon:  # a finds the new server by itself
-        _wait_until(lambda: len(mon.status()["workers"]) == 1, 15, "a reconnected")
+        _wait_until(lambda: len(mon.status().workers) == 1, 15, "a reconnected")
     errors: list[BaseException] = []
 
     def a_more() -> None:
@@ -534,7 +534,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(make_
     srv = make_server(1, ["--checkpoint-dir", str(tmp_path)])
     c = make_client(srv.endpoint)
     st = c.status()
-    assert st["version"] == 10 and st["checkpoint_version"] == 10
+    assert st.version == 10 and st.checkpoint_version == 10
     c.register({"w": np.zeros(1000, np.float32)})
     vals = c.pull(None).tensors["w"][1]
     assert np.all(vals == 10.0)
@@ -579,11 +579,11 @@ def test_periodic_checkpoints_are_bounded_in_number(make_server, make_client, tm
     for _ in range(10):
         c.push({"w": np.ones(64, np.float32)}, v)
         v = c.pull(v, wait_for=v + 1).version
-    _wait_until(lambda: (c.status()["checkpoint_version"] or 0) >= 8, 10, "a checkpoint of version 8 or later")
+    _wait_until(lambda: (c.status().checkpoint_version or 0) >= 8, 10, "a checkpoint of version 8 or later")
     _wait_until(lambda: len(ckfmt.names(str(tmp_path))) == 2, 10, "two checkpoints kept")
     time.sleep(0.5)  # any write still running ends and prunes
     kept = [ckfmt.read(str(tmp_path / n)).version for n in ckfmt.names(str(tmp_path))]
-    assert len(kept) == 2 and kept[0] > kept[1] >= 4 and kept[0] == c.status()["checkpoint_version"], kept
+    assert len(kept) == 2 and kept[0] > kept[1] >= 4 and kept[0] == c.status().checkpoint_version, kept
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary files left
 
 

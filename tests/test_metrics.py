@@ -12,6 +12,7 @@ import re
 import socket
 import urllib.request
 
+import msgspec
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,7 +20,7 @@ from test_server_inprocess import InProcessServer
 
 from stella import Client, VersionError
 from stella.cli import main as stella_main
-from stella.protocol import WorkerReport
+from stella.protocol import StatusReply, WorkerReport, WorkerStatus
 from stella.status import rates, render, watch
 from stella_ps import health
 from stella_ps.kernel import native_isa
@@ -105,9 +106,9 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     assert value(fams, "stella_late_pushes_total") == 0
     assert healthz["status"] == "ok" and healthz["version"] == 1
     # the status reply carries the same: per worker, with the report its push carried
-    (live,) = st["live"]
-    assert live["name"] == "site-a" and live["pushes"] == 1 and live["report"]["density"] == 0.25
-    assert st["checkpoint_age_s"] is None and st["server_version"] == "0.1.0"
+    (live,) = st.live
+    assert live.name == "site-a" and live.pushes == 1 and live.report.density == 0.25
+    assert st.checkpoint_age_s is None and st.server_version == "0.1.0"
     table = render(st, rates(st, None, None), srv.endpoint)
     assert "version 1" in table and "checkpoint none" in table
     row = next(line for line in table.splitlines() if "site-a" in line)
@@ -121,13 +122,15 @@ def test_metrics_in_process_show_the_whole_job(inproc):
 
 
 def test_status_table_watch_and_json():
-    st = {"version": 3, "workers": [0], "expected_workers": 2, "worker_keys": {0: "ab12"}, "insecure": False,
-          "steps": 10, "bytes_in": 4000, "bytes_out": 8000, "uptime_s": 5.0, "optimizer": {"name": "adamw"},
-          "server_version": "0.1.0", "checkpoint_age_s": 30.0,
-          "live": [{"worker": 0, "name": "w0", "key_fingerprint": "ab12", "last_seen_s": 0.2, "pushes": 3,
-                    "pulls": 3, "report": None}]}
+    st = StatusReply(version=3, workers=[0], expected_workers=2, worker_keys={0: "ab12"}, insecure=False,
+                     steps=10, bytes_in=4000, bytes_out=8000, uptime_s=5.0, optimizer={"name": "adamw"},
+                     server_version="0.1.0", checkpoint_age_s=30.0,
+                     live=[WorkerStatus(worker=0, name="w0", key_fingerprint="ab12", last_seen_s=0.2, pushes=3,
+                                        pulls=3, report=None)],
+                     initialised=True, pending_pushes=0, pushes=3, pulls=3, late_pushes=0, messages=6, errors=0,
+                     numel=8, tensors=1)
     out = io.StringIO()
-    seq = iter([st, {**st, "steps": 14, "bytes_in": 6000}])
+    seq = iter([st, msgspec.structs.replace(st, steps=14, bytes_in=6000)])
     assert watch(lambda: next(seq), interval=0.01, count=2, out=out) == 0
     first, second = out.getvalue().split("stella-ps ")[1:]
     assert "2.00 steps/s" in first and "checkpoint 30s ago" in first and "w0" in first
@@ -182,11 +185,11 @@ def test_optimizer_reports_its_timings_and_logs_progress(inproc, caplog):
         opt.synchronize()
         report = opt.progress.report()
         with Client(inproc.endpoint, timeout=10, join=False) as c:
-            (live,) = c.status()["live"]
+            (live,) = c.status().live
     finally:
         opt.close()
     assert report is not None and report.step == 5 and report.density == 0.5
-    assert live["name"] == "reporter" and live["report"] is not None and live["report"]["step"] >= 2
+    assert live.name == "reporter" and live.report is not None and live.report.step >= 2
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert [line.split(" |")[0] for line in lines] == ["stella step 2", "stella step 4"]
     assert all("s/it" in line and "wait" in line and "density 50.00%" in line for line in lines)

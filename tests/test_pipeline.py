@@ -1,6 +1,7 @@
 """The one-step-stale pipeline against a real stella-ps."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -70,10 +71,10 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype)
     opt.close()
     with Client(server.endpoint, timeout=10, join=False) as c:
         for _ in range(100):  # the flush step is applied right after close() returns
-            if c.status()["version"] == 6:  # 5 steps + the flush
+            if c.status().version == 6:  # 5 steps + the flush
                 break
             time.sleep(0.02)
-        assert c.status()["version"] == 6
+        assert c.status().version == 6
     c2 = Client(server.endpoint, timeout=10)
     try:
         c2.register({"w": model.w})
@@ -95,7 +96,7 @@ def test_lr_scheduler_reaches_the_server(server):
         sched.step()
     opt.synchronize()
     with Client(server.endpoint, timeout=10, join=False) as c:
-        assert c.status()["optimizer"]["lr"] == pytest.approx(0.25)
+        assert c.status().optimizer["lr"] == pytest.approx(0.25)
     opt.close()
 
 
@@ -167,3 +168,70 @@ def test_auto_density_rises_to_the_ceiling_when_compute_hides_the_exchange(serve
     assert pushed[-1] > 4 * pushed[2]  # really pushed denser (values counted one step late)
     with pytest.raises(ValueError, match="auto"):
         StellaOptimizer(Toy(), server.endpoint, density="fast")
+
+
+def test_the_wrapper_mirrors_the_hyper_parameters_the_server_names(server):
+    """The group's names come from the server's answer, not from a copied list: every one
+    of them is there, and a change to any (not only lr) rides on the next push."""
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "adamw", "lr": 0.5},
+                          method="dense", timeout=10)
+    try:
+        group = opt.param_groups[0]
+        assert set(opt.server_optimizer) - {"name"} == {"lr", "betas", "eps", "weight_decay"} <= set(group)
+        assert group["betas"] == (0.9, 0.999)  # a tuple, as torch's Adam keeps it
+        group["betas"] = (0.8, 0.99)
+        (model.w * grad_at(0)).sum().backward()
+        opt.step()
+        opt.synchronize()
+        with Client(server.endpoint, timeout=10, join=False) as c:
+            assert c.status().optimizer["betas"] == [0.8, 0.99]
+    finally:
+        opt.close()
+
+
+def test_compression_settings_are_checked():
+    from stella import Compression
+
+    assert Compression() == Compression(density="auto", min_density=0.01, max_density=0.1, method="threshold",
+                                        dense_below=4096, value_dtype="f16", index_coding="rice")
+    for bad in ({"density": "fast"}, {"density": 0.0}, {"density": 1.5}, {"density": float("nan")},
+                {"min_density": 0.2}, {"max_density": 0.0}, {"method": "nope"}, {"dense_below": -1},
+                {"value_dtype": "q3"}, {"index_coding": "zip"}):
+        with pytest.raises(ValueError):
+            Compression(**bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Compression().density = 0.5  # type: ignore[misc]
+
+
+def test_the_old_compression_keywords_warn_and_give_the_same_settings(server):
+    from stella import Compression
+
+    old_form = {"density": 0.5, "method": "exact", "dense_below": 0, "value_dtype": "f32", "index_coding": "varint"}
+    with pytest.warns(DeprecationWarning) as warned:
+        old = StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                              timeout=10, **old_form)
+    new = StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          timeout=10, compression=Compression(**old_form))
+    try:
+        messages = [str(w.message) for w in warned]
+        assert len(messages) == 5 and all(f"compression=stella.Compression({k}=...)" in " ".join(messages)
+                                          for k in old_form)
+        assert all(w.filename == __file__ for w in warned)  # the warning names the caller's line
+        assert old.compression == new.compression == Compression(**old_form)
+        for o in (old, new):
+            c = o.compressor
+            assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 0, "f32")
+            assert o.budget is None and o.pull_coding == "varint"
+    finally:
+        old.close()
+        new.close()
+
+
+def test_compression_and_the_old_keywords_together_are_refused():
+    from stella import Compression
+
+    with pytest.raises(TypeError, match="not both"):
+        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", compression=Compression(), density=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'densty'"):
+        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", densty=0.5)

@@ -20,7 +20,7 @@ def test_starts_on_an_ephemeral_port_and_answers_status():
         assert ps.endpoint.startswith("tcp://127.0.0.1:") and not ps.endpoint.endswith(":0")
         with Client(ps.endpoint, timeout=10, join=False) as c:
             status = c.status()
-        assert status["version"] == 0 and status["workers"] == []
+        assert status.version == 0 and status.workers == []
         assert "listening on" in ps.logs()
 
 

@@ -31,9 +31,9 @@ def test_join_register_status_round_trip(server, make_client):
     assert snap.full and snap.version == 0
     np.testing.assert_array_equal(snap.tensors["w"][1].reshape(20, 10), model()["w"])
     st = a.status()
-    assert st["version"] == 0 and st["workers"] == sorted([a.worker_id, b.worker_id])
-    assert st["bytes_in"] > 0 and st["bytes_out"] > 0 and st["numel"] == 210
-    assert st["optimizer"]["name"] == "sgd" and st["optimizer"]["lr"] == 1.0
+    assert st.version == 0 and st.workers == sorted([a.worker_id, b.worker_id])
+    assert st.bytes_in > 0 and st.bytes_out > 0 and st.numel == 210
+    assert st.optimizer["name"] == "sgd" and st.optimizer["lr"] == 1.0
 
 
 def test_layout_conflict_names_the_difference_not_the_model(server, make_client):
@@ -71,7 +71,7 @@ def test_mean_of_two_workers_applied_once_per_step(make_server, make_client):
     expect = np.array([w[0] - 0.5, w[5] - 6.0, w[7] - 1.5, w[9] - 10.0], np.float32)
     np.testing.assert_array_equal(vals, expect)
     np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - np.float32(2.0))
-    assert a.status()["steps"] == 1
+    assert a.status().steps == 1
 
 
 @pytest.mark.parametrize("value_dtype", ["q4", "q2"])
@@ -87,10 +87,10 @@ def test_quantised_push_applies_exactly_the_decoded_values(server, make_client, 
     idx = np.sort(rng.choice(200, 130, replace=False)).astype(np.int32)
     vals = (rng.standard_normal(130) * 10.0 ** rng.integers(-3, 3, 130)).astype(np.float32)
     dense_b = rng.standard_normal(10).astype(np.float32)
-    bytes_in = c.status()["bytes_in"]
+    bytes_in = c.status().bytes_in
     c.push({"w": (idx, vals), "b": dense_b}, 0, value_dtype=value_dtype, index_coding="raw32")
     d = c.pull(0, wait_for=1)
-    sent = c.status()["bytes_in"] - bytes_in
+    sent = c.status().bytes_in - bytes_in
     need = 4 * 130 + codec.value_frame_size(value_dtype, 130) + codec.value_frame_size(value_dtype, 10)
     assert need <= sent < need + 512  # the frames plus a small header (and the status request)
     w = m["w"].reshape(-1).copy()
@@ -172,7 +172,7 @@ def test_late_push_folded_into_next_step(make_server, make_client):
     assert d.version == 2
     np.testing.assert_array_equal(d.tensors["w"][0], [2, 3])
     np.testing.assert_allclose(d.tensors["w"][1], m["w"].reshape(-1)[[2, 3]] - [2.0, 3.0])
-    assert a.status()["late_pushes"] == 0  # one step behind is the pipeline's normal staleness
+    assert a.status().late_pushes == 0  # one step behind is the pipeline's normal staleness
 
 
 def test_leave_lets_steps_proceed_and_counts_pending(make_server, make_client):
@@ -188,7 +188,7 @@ def test_leave_lets_steps_proceed_and_counts_pending(make_server, make_client):
     np.testing.assert_array_equal(d.tensors["w"][1], [m["w"].reshape(-1)[0] - 5.0])
     a.push({"w": sparse([1], [2.0])}, 1)  # alone now: steps close on a's pushes
     assert a.pull(1, wait_for=2).version == 2
-    assert a.status()["workers"] == [a.worker_id]
+    assert a.status().workers == [a.worker_id]
 
 
 def test_rejoin_with_same_id_and_conflict(server, make_client):
@@ -225,14 +225,14 @@ def test_hparams_on_a_push_apply_from_the_step_it_joins(make_server, make_client
     b.push({"b": np.ones(10, np.float32)}, 0)
     assert a.pull(0, wait_for=1).version == 1  # step 0 at lr 1
     a.push({"b": np.ones(10, np.float32)}, 1, hparams={"lr": 0.25})
-    assert a.status()["optimizer"]["lr"] == 1.0  # not before its step closes
+    assert a.status().optimizer["lr"] == 1.0  # not before its step closes
     b.push({"b": np.ones(10, np.float32)}, 1)
     d = a.pull(0, wait_for=2)
     np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - np.float32(1.0) - np.float32(0.25))
-    assert a.status()["optimizer"]["lr"] == 0.25
+    assert a.status().optimizer["lr"] == 0.25
     with pytest.raises(BadRequest, match=r"\[optimizer\] lr=-1 is outside"):  # refused when pushed
         a.push({"b": np.ones(10, np.float32)}, 2, hparams={"lr": -1.0})
-    assert a.status()["pending_pushes"] == 0
+    assert a.status().pending_pushes == 0
 
 
 def test_first_registration_with_an_empty_tensor_is_answered(server, make_client):

@@ -63,7 +63,7 @@ def test_an_unknown_key_gets_nothing_while_an_allowed_one_trains(make_server, cu
             c.close(leave=False)
         for _ in range(3):  # and the allowed worker kept training throughout
             version = _train_one_step(good, version)
-        assert version == 3 and good.status()["workers"] == [good.worker_id]
+        assert version == 3 and good.status().workers == [good.worker_id]
         assert "connection refused: key not on the allowlist" in srv.logs()
     finally:
         good.close()
@@ -85,7 +85,7 @@ def test_removing_a_key_takes_effect_without_a_restart(make_server, two_keys):
         time.sleep(1.1)  # the file's modification time is looked at once a second
         with pytest.raises(Unauthorised, match="no longer on the server's allowlist"):
             b.status()  # b's open connection: refused from now on, and its worker dropped
-        assert a.status()["workers"] == [a.worker_id]
+        assert a.status().workers == [a.worker_id]
         assert _train_one_step(a, 1) == 2  # a trains alone: no step waits for b
         with pytest.raises(ServerUnavailable):  # and b cannot come back
             _client(srv, two_keys, "b", timeout=1.5)
@@ -109,8 +109,8 @@ def test_one_connection_holds_one_worker_id(server, make_client):
     with pytest.raises(BadRequest, match=r"\[worker_id\] this connection already holds worker id"):
         a.join(wid + 7)
     st = a.status()
-    assert st["workers"] == [wid] and len(st["worker_keys"][wid]) == 16  # the key's fingerprint
-    assert st["insecure"] is False
+    assert st.workers == [wid] and len(st.worker_keys[wid]) == 16  # the key's fingerprint
+    assert st.insecure is False
 
 
 class _Relay:
@@ -196,7 +196,7 @@ def test_insecure_is_explicit_and_says_so(make_server, monkeypatch):
     monkeypatch.delenv("STELLA_SERVER_KEY")
     monkeypatch.delenv("STELLA_CLIENT_KEY")
     with Client(srv.endpoint, timeout=10, join=False) as c:
-        assert c.status()["insecure"] is True
+        assert c.status().insecure is True
 
 
 def test_keygen_files_run_a_secure_job(tmp_path, make_server):

@@ -86,7 +86,7 @@ def test_set_optimizer_during_an_apply_is_not_lost(inproc):
         release.set()
         d = a.pull(0, wait_for=1)
         np.testing.assert_array_equal(d.tensors["w"][1], [-1.0] * 4)  # step 0 ran at lr 1
-        assert a.status()["optimizer"]["lr"] == 0.125  # and the change made meanwhile holds
+        assert a.status().optimizer["lr"] == 0.125  # and the change made meanwhile holds
         store.apply_step = apply_step
         a.push({"w": np.ones(4, np.float32)}, 1)
         b.push({"w": np.ones(4, np.float32)}, 1)

@@ -105,7 +105,7 @@ def _server_model(srv, numel: int, version: int) -> torch.Tensor:
     after the workers have left: a registered worker takes part in every step)."""
     with Client(srv.endpoint, timeout=10, join=False) as c:
         for _ in range(250):  # a step closed by the last push is applied right after it is acknowledged
-            if c.status()["version"] >= version:
+            if c.status().version >= version:
                 break
             time.sleep(0.02)
     with Client(srv.endpoint, timeout=10) as c:
@@ -143,7 +143,7 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
     x = _server_model(srv, n, steps)
     unsent = []
     for i, o in enumerate(opts):
-        a = o._anchor["w"]
+        a = o._exchange.anchor["w"]
         assert torch.equal(a, x), "the replica drifted from the server's model"
         unsent.append(a - models[i].w.detach())
         assert unsent[i].abs().sum() > 0  # top-k left something behind, in the weights
@@ -184,7 +184,7 @@ def test_nesterov_outer_step_matches_torch_sgd(server):
         ref.step()
         # staleness 0, one worker, everything sent: the replica is the server's model
         assert torch.allclose(model.w.detach(), ref_p.detach(), rtol=1e-6, atol=1e-6)
-    assert torch.equal(model.w.detach(), opt._anchor["w"])
+    assert torch.equal(model.w.detach(), opt._exchange.anchor["w"])
     opt.close(flush=False)
     assert torch.equal(_server_model(server, n, 4), model.w.detach())
 
@@ -218,7 +218,7 @@ def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     local_step(model, opt, 0, 1)  # the outer lr rides with this push
     opt.synchronize()
     with Client(server.endpoint, timeout=10) as c:
-        assert c.status()["optimizer"]["lr"] == 0.25
+        assert c.status().optimizer["lr"] == 0.25
     opt.close()
 
 
@@ -235,7 +235,7 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     for t in range(4):
         local_step(model, opt, 0, t)
     saved = opt.state_dict()
-    before = opt._anchor["w"].clone()
+    before = opt._exchange.anchor["w"].clone()
     unsent = saved["unsent"]["w"]
     assert torch.equal(unsent, before - model.w.detach()) and unsent.abs().sum() > 0
     opt.close(flush=False)  # the worker dies: its unsent progress is only in the checkpoint
@@ -250,7 +250,7 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     opt2 = StellaOptimizer(model2, srv.endpoint, optimizer=torch.optim.AdamW(model2.parameters(), lr=0.125),
                            density=0.125, method="exact", dense_below=0, value_dtype="f32", timeout=10)
     opt2.load_state_dict(saved)
-    x = opt2._anchor["w"]
+    x = opt2._exchange.anchor["w"]
     assert opt2.version == 5 and not torch.equal(x, before)  # the server moved on
     assert torch.allclose(x, other.w.detach(), atol=1e-6)  # ... to what the other worker made of it
     assert torch.allclose(x - model2.w.detach(), unsent, atol=1e-6)  # the unsent progress survived

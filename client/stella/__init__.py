@@ -1,7 +1,16 @@
 """Stella: train one model across sites joined by slow links.
 
-Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer)
-or :class:`Client` (push / pull against a ``stella-ps``) directly.
+Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer,
+its compression settings a :class:`Compression`) or :class:`Client` (push / pull
+against a ``stella-ps``) directly.
+
+Where each concern lives: ``client.py`` the :class:`Client` API and ``_session.py`` its
+connection (socket, reply matching, heartbeats, reconnect and its rebase rules);
+``pipeline.py`` :class:`StellaOptimizer`, :class:`Compression` and the density budget,
+``_exchange.py`` each training mode's half of the optimizer, ``modes.py`` the modes and
+outer presets (no torch); ``compress.py`` top-k with error feedback, one selector per
+method and backend; ``protocol.py`` every message; ``codec.py`` the codings;
+``status.py`` ``stella status``; ``errors.py`` the exceptions.
 """
 from ._codec_native import native_isa
 from .client import Client, Pending, PullResult
@@ -26,6 +35,7 @@ __all__ = [
     "PullResult",
     "Pending",
     "StellaOptimizer",
+    "Compression",
     "PipelineError",
     "DensityBudget",
     "ErrorFeedbackCompressor",
@@ -51,6 +61,7 @@ __version__ = "0.1.0"
 # stella-ps does) never imports torch.
 _LAZY = {
     "StellaOptimizer": "pipeline",
+    "Compression": "pipeline",
     "PipelineError": "pipeline",
     "DensityBudget": "pipeline",
     "ErrorFeedbackCompressor": "compress",

@@ -17,7 +17,7 @@ from .native_errors import check, require_abi
 
 require_abi(lib, "stella._native")
 
-__all__ = ["BLOCK", "TopkState", "SelectStats", "ef_threshold_select", "ef_block_select", "kth_largest_abs"]
+__all__ = ["BLOCK", "TopkState", "SelectStats", "ef_select", "kth_largest_abs"]
 
 BLOCK: int = lib.STELLA_BLOCK
 """Floats per block of the "block" method (native/cdefs/compress.h)."""
@@ -62,8 +62,18 @@ def _check_pair(res, grad) -> None:
         raise ValueError("tensors of 2**31 elements or more are not supported")
 
 
-def _ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
-               stats: SelectStats | None):
+def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
+              stats: SelectStats | None = None):
+    """``res += grad`` (grad may be None); select about ``k_units`` units of largest
+    magnitude (``unit`` 1: floats by ``|res|``; :data:`BLOCK`: whole blocks by squared
+    norm), returned as sorted element indices; zero them in res. ``nsample`` units are
+    sampled for the first threshold; ``state`` is updated, ``stats`` filled when given.
+
+    Returns (indices int32, values float32).
+    """
+    _check_pair(res, grad)
+    if unit not in (1, BLOCK):
+        raise ValueError(f"unit must be 1 or {BLOCK}, got {unit}")
     if not isinstance(state, TopkState):
         raise TypeError("state must be a TopkState")
     n = res.numel()
@@ -84,26 +94,6 @@ def _ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: in
     rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, ffi.NULL if stats is None else stats._c)
     check(lib, rc, "stella_ef_topk", ValueError)
     return idx[:rc], val[:rc]
-
-
-def ef_threshold_select(res, grad, k: int, state: TopkState, nsample: int, seed: int,
-                        stats: SelectStats | None = None):
-    """``res += grad`` (grad may be None); select ~k largest |res| (sorted
-    indices); zero them in res; ``state`` is updated, ``stats`` filled when given.
-
-    Returns (indices int32, values float32).
-    """
-    _check_pair(res, grad)
-    return _ef_select(res, grad, k, 1, state, nsample, seed, stats)
-
-
-def ef_block_select(res, grad, k: int, state: TopkState, nsample: int, seed: int,
-                    stats: SelectStats | None = None):
-    """Like :func:`ef_threshold_select` on whole :data:`BLOCK`-float blocks (by squared
-    norm); ``k`` elements means ``round(k / BLOCK)`` blocks, returned as element indices."""
-    _check_pair(res, grad)
-    kb = max(1, round(k / BLOCK))
-    return _ef_select(res, grad, kb, BLOCK, state, nsample, seed, stats)
 
 
 def kth_largest_abs(v: np.ndarray, k: int) -> float:

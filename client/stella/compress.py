@@ -41,11 +41,17 @@ thread); on CUDA (or with ``backend="torch"``) the same methods run as torch ops
 on the device and only the sparse result is copied to the host.
 :meth:`ErrorFeedbackCompressor.select_stats` has the C kernel's counters of a
 key's last selection.
+
+Each method on each backend is one :class:`Selector` (``Dense``, ``Exact``,
+``NativeThreshold``, ``NativeBlock``, ``TorchThreshold``, ``TorchBlock``), picked per
+key from the method, the tensor's size and where it lives; the compressor keeps the
+residuals, the error feedback, the rounding of values to the wire dtype and the flush.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -55,7 +61,7 @@ from . import codec
 from ._select_native import BLOCK  # floats per block of the "block" method (native/cdefs/compress.h)
 from .errors import BadValue
 
-__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "METHODS", "BLOCK", "DENSE_BELOW", "quantise_torch"]
+__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "Selector", "METHODS", "BLOCK", "DENSE_BELOW", "quantise_torch"]
 
 METHODS = ("exact", "threshold", "block", "dense")
 DENSE_BELOW = 4096  # default cut-off: tensors with fewer elements (biases, norms) are sent dense
@@ -95,13 +101,13 @@ class SparseGrad:
 
 @dataclass
 class _State:
+    """One key's residual and what its selector carries across steps."""
+
     residual: torch.Tensor  # flat float32, on the gradient's device
     shape: torch.Size
-    thr: float = 0.0  # torch path: threshold carried across steps (0: none yet)
-    cstate: _select.TopkState | None = None  # native path: thresholds carried across steps
-    cstats: _select.SelectStats | None = None  # native path: counters of the last selection
-    steps: int = 0
-    extra: dict = field(default_factory=dict)
+    thr: float = 0.0  # torch selectors: threshold carried across steps (0: none yet)
+    cstate: _select.TopkState | None = None  # native selectors: thresholds carried across steps
+    cstats: _select.SelectStats | None = None  # native selectors: counters of the last selection
 
 
 # value_dtype -> (largest finite value, torch dtype of the rounding)
@@ -117,8 +123,188 @@ def _k_for(density: float, numel: int) -> int:
     return min(numel, max(1, round(density * numel)))
 
 
+def _units(n: int, k: int, unit: int) -> tuple[int, int]:
+    """``(units in the tensor, units to select)`` for ``k`` floats of ``n``: the one place
+    where k becomes units, floats for "threshold" (``unit`` 1) and ``BLOCK``-float
+    blocks for "block" (``unit`` BLOCK)."""
+    if unit == 1:
+        return n, k
+    nu, _ = _blocks(n)
+    return nu, max(1, min(nu, round(k / BLOCK)))
+
+
+class _Sampling:
+    """How a compressor's selectors sample for their first threshold: the sample size, a
+    seed per call (native) and a generator per device (torch), all from one seed."""
+
+    def __init__(self, size: int, seed: int):
+        self.size_override = size  # 0: chosen from k
+        self.seed = seed
+        self.calls = 0  # compress() calls so far; every one gives the next native seed
+        self._gens: dict[torch.device, torch.Generator] = {}
+
+    def size(self, n: int, k: int) -> int:
+        """Units to sample (floats for "threshold", blocks for "block")."""
+        if self.size_override > 0:
+            return min(n, self.size_override)
+        # ~400 expected sample hits above the threshold, within [4096, 65536]
+        want = int(400 * n / max(k, 1))
+        return min(n, max(4096, min(65536, want)))
+
+    def next_seed(self) -> int:
+        return (self.seed * 0x9E3779B97F4A7C15 + self.calls) & 0xFFFFFFFFFFFFFFFF
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        g = self._gens.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._gens[device] = g
+        return g
+
+
+class Selector(Protocol):
+    """One method on one backend: ``residual += grad`` (``grad`` None: the residual as it
+    stands), select about ``k`` floats' worth, return them, zero them in the residual."""
+
+    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad: ...
+
+
+class Dense:
+    """``"dense"`` (and tensors below ``dense_below``): everything goes."""
+
+    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+        _add(st.residual, grad)
+        return _take_dense(st.residual)
+
+
+class Exact:
+    """``"exact"``, the reference: ``torch.topk`` of ``|acc|``, indices sorted (any backend)."""
+
+    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+        acc = st.residual
+        _add(acc, grad)
+        _, idx = torch.topk(acc.abs(), k, sorted=False)
+        idx = idx.sort().values
+        val = acc[idx]
+        acc[idx] = 0.0
+        return SparseGrad(acc.numel(), _host_i32(idx), _host_f32(val))
+
+
+class NativeThreshold:
+    """``"threshold"`` in C (contiguous float32 CPU): the error-feedback add fused with a
+    sampled-threshold selection, thresholds carried in ``st.cstate``."""
+
+    unit = 1
+
+    def __init__(self, sampling: _Sampling):
+        self.sampling = sampling
+
+    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+        res = st.residual
+        nu, ku = _units(res.numel(), k, self.unit)
+        if st.cstate is None:
+            st.cstate, st.cstats = _select.TopkState(), _select.SelectStats()
+        g = None if grad is None else grad.contiguous()
+        idx, val = _select.ef_select(res, g, ku, self.unit, st.cstate, self.sampling.size(nu, ku),
+                                     self.sampling.next_seed(), st.cstats)
+        return SparseGrad(res.numel(), idx, val)
+
+
+class NativeBlock(NativeThreshold):
+    """``"block"`` in C: whole ``BLOCK``-float blocks by squared norm."""
+
+    unit = BLOCK
+
+
+class TorchThreshold:
+    """``"threshold"`` as torch ops on the residual's device (CUDA, or ``backend="torch"``):
+    the threshold carried in ``st.thr``, the count kept within ``[LOW k, HIGH k]``."""
+
+    unit = 1
+
+    def __init__(self, sampling: _Sampling):
+        self.sampling = sampling
+
+    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+        acc = st.residual
+        _add(acc, grad)
+        n = acc.numel()
+        _, ku = _units(n, k, self.unit)
+        picked, st.thr = self._pick(self._score(acc), ku, st.thr)
+        idx = self._indices(picked, n, acc.device)
+        val = acc[idx]
+        acc[idx] = 0.0
+        return SparseGrad(n, _host_i32(idx), _host_f32(val))
+
+    def _score(self, acc: torch.Tensor) -> torch.Tensor:
+        return acc.abs()
+
+    def _indices(self, picked: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+        return picked
+
+    def _sample_thr(self, score: torch.Tensor, k: int) -> float:
+        """Threshold whose expected count of ``score >= thr`` is ``k`` (sampled)."""
+        n = score.numel()
+        s = self.sampling.size(n, k)
+        if s >= n:
+            sample = score
+        else:
+            pos = torch.randint(0, n, (s,), device=score.device, generator=self.sampling.generator(score.device))
+            sample = score[pos]
+        m = max(1, min(sample.numel(), round(sample.numel() * k / n)))
+        return float(torch.topk(sample, m, sorted=False).values.min())
+
+    def _pick(self, score: torch.Tensor, k: int, thr: float) -> tuple[torch.Tensor, float]:
+        """Indices (sorted) of ``score >= thr`` with a count in [LOW k, HIGH k]; next threshold."""
+        if thr <= 0.0:
+            thr = self._sample_thr(score, k)
+        tiny = float(np.finfo(np.float32).tiny)
+        thr = max(thr, tiny)
+        idx = torch.nonzero(score >= thr).reshape(-1)
+        c = idx.numel()
+        if c > HIGH * k:
+            top_t = torch.topk(score[idx], k, sorted=False).values.min()
+            idx = idx[score[idx] >= top_t]
+            thr = float(top_t)
+        elif c < LOW * k and thr > tiny:
+            # too few: the exact k-th largest score, then one more mask
+            top = float(torch.topk(score, k, sorted=False).values.min())
+            thr = max(top, tiny)
+            idx = torch.nonzero(score >= thr).reshape(-1)
+        return idx, thr
+
+
+class TorchBlock(TorchThreshold):
+    """``"block"`` as torch ops: blocks scored by squared norm (a partial last block padded
+    with zeros), the picked blocks expanded to element indices."""
+
+    unit = BLOCK
+
+    def _score(self, acc: torch.Tensor) -> torch.Tensor:
+        nb, pad = _blocks(acc.numel())
+        sq = acc.square()
+        if pad:
+            sq = torch.cat([sq, sq.new_zeros(pad)])
+        return sq.view(nb, BLOCK).sum(1)
+
+    def _indices(self, picked: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+        idx = (picked.view(-1, 1) * BLOCK + torch.arange(BLOCK, device=device)).reshape(-1)
+        nb, pad = _blocks(n)
+        if pad and picked.numel() and int(picked[-1]) == nb - 1:  # the partial last block: no padding sent
+            idx = idx[: idx.numel() - pad]
+        return idx
+
+
+def _blocks(n: int) -> tuple[int, int]:
+    """Blocks of ``BLOCK`` floats covering ``n``, and the padding of the last one."""
+    nb = (n + BLOCK - 1) // BLOCK
+    return nb, nb * BLOCK - n
+
+
 class ErrorFeedbackCompressor:
-    """Per-key error-feedback residuals and top-k selection (see module doc)."""
+    """Per-key error-feedback residuals, values rounded to the wire dtype, and a
+    :class:`Selector` per method and backend (see module doc)."""
 
     def __init__(
         self,
@@ -144,11 +330,11 @@ class ErrorFeedbackCompressor:
         self.method = method
         self.dense_below = int(dense_below)
         self.backend = backend
-        self.sample_size = int(sample_size)  # 0: chosen from density
-        self._seed = int(seed)
+        self._sampling = _Sampling(int(sample_size), int(seed))
         self._states: dict[str, _State] = {}
-        self._gen_cache: dict[torch.device, torch.Generator] = {}
-        self._calls = 0
+        self._dense, self._exact = Dense(), Exact()
+        self._native = {"threshold": NativeThreshold(self._sampling), "block": NativeBlock(self._sampling)}
+        self._torch = {"threshold": TorchThreshold(self._sampling), "block": TorchBlock(self._sampling)}
 
     # ------------------------------------------------------------------ API
     def set_density(self, density: float) -> None:
@@ -197,10 +383,6 @@ class ErrorFeedbackCompressor:
         bits), dense tensors included, and the quantisation error stays in the
         residual; a NaN or Inf raises :class:`~stella.errors.BadValue`.
         """
-        sg = self._compress(key, grad)
-        return self._round_values(self._states[key], sg)
-
-    def _compress(self, key: str, grad: torch.Tensor | None) -> SparseGrad:
         g: torch.Tensor | None = None
         if grad is None:
             if key not in self._states:
@@ -213,41 +395,13 @@ class ErrorFeedbackCompressor:
             g = grad.detach().reshape(-1)
             if g.dtype != torch.float32:
                 g = g.float()
-        res = st.residual
-        n = res.numel()
-        st.steps += 1
-        self._calls += 1
+        self._sampling.calls += 1
+        n = st.residual.numel()
         if n == 0:
-            return SparseGrad(0, np.zeros(0, np.int32), np.zeros(0, np.float32))
-        if self.method == "dense" or n < self.dense_below:
-            _add(res, g)
-            return self._take_dense(res)
-        k = _k_for(self.density, n)
-        use_native = self._use_native(res)
-        if g is not None and not use_native and g.device != res.device:
-            g = g.to(res.device)
-        if self.method == "exact":
-            _add(res, g)
-            return self._exact(res, k)
-        if use_native:
-            g = None if g is None else g.contiguous()
-            if st.cstate is None:
-                st.cstate, st.cstats = _select.TopkState(), _select.SelectStats()
-            if self.method == "threshold":
-                idx, val = _select.ef_threshold_select(
-                    res, g, k, st.cstate, self._sample_size(n, k), self._next_seed(), st.cstats
-                )
-            else:
-                kb = max(1, round(k / BLOCK))
-                idx, val = _select.ef_block_select(
-                    res, g, k, st.cstate, self._sample_size((n + BLOCK - 1) // BLOCK, kb),
-                    self._next_seed(), st.cstats,
-                )
-            return SparseGrad(n, idx, val)
-        _add(res, g)
-        if self.method == "threshold":
-            return self._torch_threshold(st, k)
-        return self._torch_block(st, k)
+            sg = SparseGrad(0, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        else:
+            sg = self._selector(st.residual).select(st, g, _k_for(self.density, n))
+        return self._round_values(st, sg)
 
     def flush(self, key: str) -> SparseGrad:
         """Everything left in ``key``'s residual (sparse nonzeros or dense); it becomes zero.
@@ -259,13 +413,22 @@ class ErrorFeedbackCompressor:
         n = res.numel()
         nz = torch.count_nonzero(res).item() if n else 0
         if nz * 2 >= n:  # 8 bytes a pair vs 4 a value: dense is smaller
-            return self._take_dense(res)
+            return _take_dense(res)
         idx = torch.nonzero(res).reshape(-1)
         val = res[idx]
         res.zero_()
         return SparseGrad(n, _host_i32(idx), _host_f32(val))
 
     # ------------------------------------------------------------ internals
+    def _selector(self, res: torch.Tensor) -> Selector:
+        """The selector for a residual: from the method, its size and where it lives."""
+        if self.method == "dense" or res.numel() < self.dense_below:
+            return self._dense
+        native = self._use_native(res)  # also refuses backend="native" off the CPU, for every method
+        if self.method == "exact":
+            return self._exact
+        return (self._native if native else self._torch)[self.method]
+
     def _round_values(self, st: _State, sg: SparseGrad) -> SparseGrad:
         if self.value_dtype == "f32" or sg.count == 0:
             return sg
@@ -314,101 +477,16 @@ class ErrorFeedbackCompressor:
             return True
         return res.numel() < 2**31  # int32 indices in the C kernel: torch ops beyond
 
-    def _sample_size(self, n: int, k: int) -> int:
-        """Units to sample (floats for "threshold", blocks for "block")."""
-        if self.sample_size > 0:
-            return min(n, self.sample_size)
-        # ~400 expected sample hits above the threshold, within [4096, 65536]
-        want = int(400 * n / max(k, 1))
-        return min(n, max(4096, min(65536, want)))
-
-    def _next_seed(self) -> int:
-        return (self._seed * 0x9E3779B97F4A7C15 + self._calls) & 0xFFFFFFFFFFFFFFFF
-
-    def _gen(self, device: torch.device) -> torch.Generator:
-        g = self._gen_cache.get(device)
-        if g is None:
-            g = torch.Generator(device=device)
-            g.manual_seed(self._seed)
-            self._gen_cache[device] = g
-        return g
-
-    @staticmethod
-    def _take_dense(res: torch.Tensor) -> SparseGrad:
-        vals = _host_f32(res, copy=True)
-        res.zero_()
-        return SparseGrad(res.numel(), None, vals)
-
-    @staticmethod
-    def _exact(acc: torch.Tensor, k: int) -> SparseGrad:
-        _, idx = torch.topk(acc.abs(), k, sorted=False)
-        idx = idx.sort().values
-        val = acc[idx]
-        acc[idx] = 0.0
-        return SparseGrad(acc.numel(), _host_i32(idx), _host_f32(val))
-
-    # torch-op selection (CUDA, or CPU with backend="torch") ---------------
-    def _sample_thr(self, score: torch.Tensor, k: int, total: int) -> float:
-        """Threshold whose expected count of ``score >= thr`` is ``k`` (sampled)."""
-        n = score.numel()
-        s = self._sample_size(n, k)
-        if s >= n:
-            sample = score
-        else:
-            pos = torch.randint(0, n, (s,), device=score.device, generator=self._gen(score.device))
-            sample = score[pos]
-        m = max(1, min(sample.numel(), round(sample.numel() * k / total)))
-        return float(torch.topk(sample, m, sorted=False).values.min())
-
-    def _torch_pick(self, score: torch.Tensor, k: int, thr: float) -> tuple[torch.Tensor, float]:
-        """Indices (sorted) of ``score >= thr`` with a count in [LOW k, HIGH k]; next threshold."""
-        n = score.numel()
-        if thr <= 0.0:
-            thr = self._sample_thr(score, k, n)
-        tiny = float(np.finfo(np.float32).tiny)
-        thr = max(thr, tiny)
-        idx = torch.nonzero(score >= thr).reshape(-1)
-        c = idx.numel()
-        if c > HIGH * k:
-            top_t = torch.topk(score[idx], k, sorted=False).values.min()
-            idx = idx[score[idx] >= top_t]
-            thr = float(top_t)
-        elif c < LOW * k and thr > tiny:
-            # too few: the exact k-th largest score, then one more mask
-            top = float(torch.topk(score, k, sorted=False).values.min())
-            thr = max(top, tiny)
-            idx = torch.nonzero(score >= thr).reshape(-1)
-        return idx, thr
-
-    def _torch_threshold(self, st: _State, k: int) -> SparseGrad:
-        acc = st.residual
-        idx, st.thr = self._torch_pick(acc.abs(), k, st.thr)
-        val = acc[idx]
-        acc[idx] = 0.0
-        return SparseGrad(acc.numel(), _host_i32(idx), _host_f32(val))
-
-    def _torch_block(self, st: _State, k: int) -> SparseGrad:
-        acc = st.residual
-        n = acc.numel()
-        nb = (n + BLOCK - 1) // BLOCK
-        pad = nb * BLOCK - n
-        sq = acc.square()
-        if pad:
-            sq = torch.cat([sq, sq.new_zeros(pad)])
-        score = sq.view(nb, BLOCK).sum(1)
-        kb = max(1, min(nb, round(k / BLOCK)))
-        bidx, st.thr = self._torch_pick(score, kb, st.thr)
-        idx = (bidx.view(-1, 1) * BLOCK + torch.arange(BLOCK, device=acc.device)).reshape(-1)
-        if pad and bidx.numel() and int(bidx[-1]) == nb - 1:
-            idx = idx[: idx.numel() - pad]
-        val = acc[idx]
-        acc[idx] = 0.0
-        return SparseGrad(n, _host_i32(idx), _host_f32(val))
-
 
 def _add(res: torch.Tensor, g: torch.Tensor | None) -> None:
     if g is not None:
-        res.add_(g)
+        res.add_(g if g.device == res.device else g.to(res.device))
+
+
+def _take_dense(res: torch.Tensor) -> SparseGrad:
+    vals = _host_f32(res, copy=True)
+    res.zero_()
+    return SparseGrad(res.numel(), None, vals)
 
 
 def quantise_torch(values: torch.Tensor, dtype: str) -> torch.Tensor:

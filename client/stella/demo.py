@@ -142,7 +142,7 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, str]) -> None:
     import torch
 
-    from .pipeline import StellaOptimizer
+    from .pipeline import Compression, StellaOptimizer
 
     torch.set_num_threads(1)
     if cfg.progress_every:
@@ -154,7 +154,8 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
     xtr, ytr = xtr[shard], ytr[shard]
     model = demo_model(cfg.hidden, cfg.seed)
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
-                          density=cfg.density, method=cfg.method, dense_below=1024, timeout=cfg.timeout,
+                          compression=Compression(density=cfg.density, method=cfg.method, dense_below=1024),
+                          timeout=cfg.timeout,
                           name=f"demo-worker-{rank}", server_key=keys.get("server_key"),
                           client_key=keys.get("client_key"), progress_every=cfg.progress_every)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
@@ -248,7 +249,7 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
     result = {
         "test_accuracy": done[0][5],
         "steps": cfg.steps,
-        "server_version": status["version"],
+        "server_version": status.version,
         "wall_s": round(wall, 3),
         "bytes_pushed": pushed,
         "bytes_pulled": pulled,
@@ -258,8 +259,8 @@ def run_demo(cfg: DemoConfig, *, json_path: str | None = None, out: TextIO = sys
         "density": cfg.density,
         "method": cfg.method,
         "params": numel,
-        "server_bytes_in": status["bytes_in"],
-        "server_bytes_out": status["bytes_out"],
+        "server_bytes_in": status.bytes_in,
+        "server_bytes_out": status.bytes_out,
         "config": asdict(cfg),
     }
     print(f"\nresult: test accuracy {result['test_accuracy']:.4f} after {result['steps']} steps in {wall:.1f} s",

@@ -48,46 +48,39 @@ drives the local learning rate; ``opt.outer`` mirrors the server's outer optimiz
 (a ``torch.optim.Optimizer`` a scheduler can drive too). In gradient mode the
 wrapper's own group mirrors the server's optimizer. Changed server hyper-parameters
 travel with the next push and apply from the step it joins.
+
+Each mode's half (what a step does, what a round pushes, how the answer is installed,
+what a checkpoint holds, which groups the wrapper shows) is one class in
+:mod:`stella._exchange`; :class:`StellaOptimizer` composes one and owns the rest.
 """
 from __future__ import annotations
 
 import logging
 import statistics
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
-import numpy as np
 import torch
 
+from ._exchange import Grads, build_inner, exchange_for
 from .client import Client, PullResult
-from .compress import DENSE_BELOW, ErrorFeedbackCompressor, SparseGrad
+from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
+from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .progress import Progress
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
 
 log = logging.getLogger("stella.pipeline")
 
-__all__ = ["StellaOptimizer", "PipelineError", "PipelineStats", "DensityBudget", "MODES", "OUTER_PRESETS"]
+__all__ = ["StellaOptimizer", "Compression", "PipelineError", "PipelineStats", "DensityBudget", "MODES",
+           "OUTER_PRESETS", "build_inner"]
 
-_SERVER_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps")
-
-Mode = Literal["update", "gradient"]
-MODES = ("update", "gradient")
-DEFAULT_MODE: Mode = "update"
-
-# The server's outer optimizer in update mode. "average": the new model is the mean of
-# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "nesterov": DiLoCo's
-# outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated where the mean
-# pseudo-gradient has coordinates, docs/optimizer.md).
-OUTER_PRESETS: dict[str, dict[str, Any]] = {
-    "average": {"name": "sgd", "lr": 1.0},
-    "nesterov": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"},
-}
 
 class PipelineError(StellaError):
     """The background exchange failed; the cause is chained (``__cause__``)."""
@@ -140,6 +133,63 @@ class DensityBudget:
         return self.density
 
 
+@dataclass(frozen=True)
+class Compression:
+    """How :class:`StellaOptimizer` compresses its pushes (``docs/compression.md``).
+
+    ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
+    (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
+    raised while the exchange hides behind the computation. ``method`` ("threshold",
+    "block", "exact" or "dense") and ``dense_below`` (smaller tensors go dense): the
+    compressor, :mod:`stella.compress`. ``value_dtype`` and ``index_coding``: the wire
+    coding of pushes (``value_dtype`` "q4"/"q2": 4.5 or 2.5 bits a value, the
+    quantisation error kept in the residual).
+    """
+
+    density: float | Literal["auto"] = "auto"
+    min_density: float = 0.01
+    max_density: float = 0.1
+    method: str = "threshold"
+    dense_below: int = DENSE_BELOW
+    value_dtype: ValueDtype = "f16"
+    index_coding: IndexCoding = "rice"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.density, str):
+            if self.density != "auto":
+                raise ValueError(f"density must be a number or 'auto', got {self.density!r}")
+        elif not 0.0 < self.density <= 1.0:  # NaN too
+            raise ValueError(f"density must be in (0, 1] or 'auto', got {self.density!r}")
+        if not 0.0 < self.min_density <= self.max_density <= 1.0:
+            raise ValueError(f"need 0 < min_density <= max_density <= 1, got {self.min_density}, {self.max_density}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not self.dense_below >= 0:
+            raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if self.index_coding not in get_args(IndexCoding):
+            raise ValueError(f"index_coding must be one of {get_args(IndexCoding)}, got {self.index_coding!r}")
+
+
+_COMPRESSION_FIELDS = tuple(f.name for f in fields(Compression))
+
+
+def _compression(compression: Compression | None, old: Mapping[str, Any]) -> Compression:
+    """``compression=``, or the keyword arguments it took over (deprecated: each warns)."""
+    unknown = sorted(set(old) - set(_COMPRESSION_FIELDS))
+    if unknown:
+        raise TypeError(f"StellaOptimizer() got an unexpected keyword argument {unknown[0]!r}")
+    if not old:
+        return Compression() if compression is None else compression
+    if compression is not None:
+        raise TypeError(f"StellaOptimizer() takes compression= or the old {', '.join(f'{k}=' for k in old)}, "
+                        f"not both: pass compression=stella.Compression({', '.join(f'{k}=...' for k in old)})")
+    for k in old:  # stacklevel 3: the caller of StellaOptimizer()
+        warnings.warn(f"StellaOptimizer({k}=...) is deprecated: pass compression=stella.Compression({k}=...)",
+                      DeprecationWarning, stacklevel=3)
+    return Compression(**old)
+
 
 @dataclass
 class PipelineStats:
@@ -153,38 +203,26 @@ class PipelineStats:
     density: float = 0.0  # the compressor's density for the latest push
 
 
-_INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer a config mapping (the server's names: ``{"name": "adamw", "lr": ...}``)
-    describes, for update mode's local steps. ``momentum_mode`` (a server-side notion) is ignored."""
-    name = str(config.get("name", "")).lower()
-    if name not in _INNER:
-        raise ValueError(f"unknown optimizer {config.get('name')!r}; known: {sorted(_INNER)}")
-    hp = {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k not in ("name", "momentum_mode")}
-    return _INNER[name](params, **hp)
-
-
-class _ServerGroup(torch.optim.Optimizer):
-    """One parameter group mirroring the server's optimizer; a learning-rate scheduler
-    may drive it. ``step()`` does nothing: the server steps, and changed values travel
-    with the next push."""
-
-    def __init__(self, params: list[torch.nn.Parameter], hparams: dict[str, Any]):
-        super().__init__(params, hparams)
-
-    def step(self, closure=None):
-        return None
-
-
-def _server_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k in _SERVER_HPARAMS}
-
-
-def _host_tensor(vals: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    # pulled frames are read-only buffers; torch wants writable memory
-    return torch.from_numpy(vals if vals.flags.writeable else vals.copy()).to(like.device, torch.float32)
+def _wait_for_step(client: Client, delta: PullResult, since: int, coding: PullCoding) -> PullResult:
+    """The delta of the step after ``since``, given the answer ``delta`` to a pull that
+    waited for it. The server answers a waiting pull when its wait expires even if no
+    step closed (it waits for workers: before the job starts, or for a missing one within
+    the step deadline); then pull again rather than go on, since every further push would
+    only queue up on the server (and after ``--max-queued-pushes`` be refused). A snapshot
+    (the server restarted from an older checkpoint) is the answer whatever its version.
+    So is a rebased answer (``PullResult.rebased``: the client reconnected while the pull
+    waited): a server that restarted may have lost the push it had acknowledged, and the
+    step would then wait for this worker while it waits for the step."""
+    t0 = time.monotonic()
+    warned = t0
+    while not delta.full and delta.version <= since and not delta.rebased:
+        now = time.monotonic()
+        if now - warned >= 60.0:
+            warned = now
+            log.warning("waiting %.0f s for the server's step after version %d (the server waits for "
+                        "workers; `stella status` shows which)", now - t0, since)
+        delta = client.pull(since, wait_for=since + 1, index_coding=coding)
+    return delta
 
 
 class StellaOptimizer(torch.optim.Optimizer):
@@ -202,12 +240,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     optimizer, "average" (default), "nesterov" or a config mapping.
     ``sync_every``: update mode's local steps per exchange (H; 1 = every step).
 
-    ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
-    (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
-    raised while the exchange hides behind the computation. ``method``/``dense_below``:
-    the compressor. ``value_dtype`` and ``index_coding``: wire coding of pushes
-    (``value_dtype`` "q4"/"q2": 4.5 or 2.5 bits a value, the quantisation error kept in
-    the residual).
+    ``compression``: a :class:`Compression` (density, method, wire coding; its
+    defaults when None). Its fields are also accepted as keyword arguments of their
+    own, the old form, with a :class:`DeprecationWarning`; not both.
     ``server_key``/``client_key``: CurveZMQ keys (see :class:`~stella.client.Client`;
     or ``STELLA_SERVER_KEY``/``STELLA_CLIENT_KEY``). ``staleness``: 1 (overlapped) or 0
     (each exchange finishes inside the ``step()`` that starts it; the non-overlapped
@@ -226,13 +261,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         mode: Mode | None = None,
         outer: str | Mapping[str, Any] = "average",
         sync_every: int = 1,
-        density: float | str = "auto",
-        min_density: float = 0.01,
-        max_density: float = 0.1,
-        method: str = "threshold",
-        dense_below: int = DENSE_BELOW,
-        value_dtype: ValueDtype = "f16",
-        index_coding: IndexCoding = "rice",
+        compression: Compression | None = None,
         staleness: int = 1,
         timeout: float | None = None,
         name: str = "",
@@ -242,7 +271,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         compress_in_backward: bool = False,
         client: Client | None = None,
         progress_every: int = 0,
+        **deprecated: Any,
     ):
+        self.compression = c = _compression(compression, deprecated)
         mode = mode or DEFAULT_MODE
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -250,69 +281,39 @@ class StellaOptimizer(torch.optim.Optimizer):
             raise ValueError("staleness must be 0 or 1")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-        if isinstance(density, str) and density != "auto":
-            raise ValueError(f"density must be a number or 'auto', got {density!r}")
         # tensors without elements never change: nothing to exchange
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
-        if not named:
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
+        if not self.params:
             raise ValueError("model has no trainable parameters")
-        params = [p for _, p in named]
         self.mode: Mode = mode
-        self.inner: torch.optim.Optimizer | None = None
-        if mode == "update":
-            if optimizer is None:
-                raise ValueError("update mode runs the optimizer on the worker: pass optimizer= a torch "
-                                 "optimizer over the model's parameters or a config such as "
-                                 "{'name': 'adamw', 'lr': 1e-3}")
-            if compress_in_backward:
-                raise ValueError("compress_in_backward is for gradient mode (update mode compresses weight changes)")
-            self.inner = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
-                          else build_inner(optimizer, params))
-            if any(not p.is_contiguous() for p in params):
-                raise ValueError("update mode needs contiguous parameters")
-            if isinstance(outer, str) and outer not in OUTER_PRESETS:
-                raise ValueError(f"outer must be one of {sorted(OUTER_PRESETS)} or a config mapping, got {outer!r}")
-            server_config: Mapping[str, Any] | None = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
-        else:
-            if isinstance(optimizer, torch.optim.Optimizer):
-                raise ValueError("gradient mode runs the optimizer on the server: pass its config as a mapping, "
-                                 "or use mode='update' to step this torch optimizer on the worker")
-            if sync_every != 1:
-                raise ValueError("sync_every is for update mode (gradient mode exchanges every step)")
-            server_config = optimizer
-        self.names = [n for n, _ in named]
-        self.params = dict(named)
-        self.sync_every = sync_every
         self.staleness = staleness
-        self.value_dtype = value_dtype
-        self.index_coding = index_coding
         # block16 codes only whole blocks, which the union a pull returns need not be
-        self.pull_coding: PullCoding = "rice" if index_coding == "block16" else index_coding
+        self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
         self.budget: DensityBudget | None = None
-        if isinstance(density, str):  # "auto", checked above
-            self.budget = DensityBudget(min_density, max_density)
+        density = c.density
+        if isinstance(density, str):  # "auto"
+            self.budget = DensityBudget(c.min_density, c.max_density)
             density = self.budget.density
         # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
-        self.compressor = ErrorFeedbackCompressor(density, method=method, dense_below=dense_below,
-                                                  value_dtype=value_dtype)
+        self.compressor = ErrorFeedbackCompressor(density, method=c.method, dense_below=c.dense_below,
+                                                  value_dtype=c.value_dtype)
+        self._exchange = exchange_for(mode, self.params, self.compressor, optimizer, outer, sync_every=sync_every,
+                                      compress_in_backward=compress_in_backward)
         self.stats = PipelineStats(density=float(density))
         self.progress = Progress(progress_every)
         self._last_step_end: float | None = None
         self._last_exchange_s = 0.0
-        self._local_steps = 0  # update mode: inner steps since the last exchange started
         # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
         weakref.finalize(self, self._exec.shutdown, wait=False)
         self._inflight: Future | None = None
         self._closed = False
-        self._early: dict[str, Future] = {}
-        self._compress_exec: ThreadPoolExecutor | None = None
 
         def init() -> tuple[Registered, PullResult]:
             self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id,
                                            server_key=server_key, client_key=client_key)
-            reply = self.client.register(self.params, server_config, mode=self.mode)
+            reply = self.client.register(self.params, self._exchange.server_config, mode=self.mode)
             return reply, self.client.pull(None)
 
         try:
@@ -324,43 +325,27 @@ class StellaOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             snap.apply_to(self.params)
         self.version = snap.version  # the version of the server's model the replica (anchor) holds
-        if self.inner is not None:
-            # the wrapper's groups are the inner optimizer's (schedulers built on either drive the
-            # local steps); `outer` mirrors the server's optimizer
-            super().__init__(params, self.inner.defaults)
-            self.param_groups = self.inner.param_groups
-            self.state = self.inner.state
-            self.outer: torch.optim.Optimizer | None = _ServerGroup(params, _server_defaults(self.server_optimizer))
-            self._server_group = self.outer.param_groups[0]
-            # update mode's replica of the server's model, exact (float32, flat, the parameter's device)
-            self._anchor = {n: p.detach().reshape(-1).to(torch.float32, copy=True) for n, p in named}
-        else:
-            # the parameter group mirrors the server's optimizer, so that schedulers can edit it
-            super().__init__(params, _server_defaults(self.server_optimizer))
-            self.outer = None
-            self._server_group = self.param_groups[0]
-            if compress_in_backward:
-                self._compress_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-compress")
-                for n, p in self.params.items():
-                    p.register_post_accumulate_grad_hook(self._early_hook(n))
-        self._sent_hparams = self._hparams()
+        self._exchange.attach(self.server_optimizer)
+        # the wrapper shows the exchange's groups: a scheduler built on it drives them
+        super().__init__(list(self.params.values()), self._exchange.groups.defaults)
+        self.param_groups = self._exchange.groups.param_groups
+        self.state = self._exchange.groups.state
+        self._sent_hparams = self._exchange.hparams()
 
-    # ------------------------------------------------------------------ helpers
-    def _early_hook(self, name: str):
-        def hook(p: torch.Tensor) -> None:
-            g, p.grad = p.grad, None  # this generation is handed off now
-            assert g is not None and self._compress_exec is not None
-            # one thread, FIFO: step t-1's compression of this key finishes before step t's starts
-            self._early[name] = self._compress_exec.submit(self.compressor.compress, name, g)
+    @property
+    def inner(self) -> torch.optim.Optimizer | None:
+        """Update mode: the worker's own optimizer (the local steps); gradient mode: None."""
+        return self._exchange.inner
 
-        return hook
+    @property
+    def outer(self) -> torch.optim.Optimizer | None:
+        """Update mode: the mirror of the server's outer optimizer (a scheduler may drive
+        it); gradient mode: None (the wrapper's own group mirrors the server's optimizer)."""
+        return self._exchange.outer
 
-    def _hparams(self) -> dict[str, Any]:
-        g = self._server_group
-        return {k: (list(g[k]) if k == "betas" else g[k]) for k in _SERVER_HPARAMS if k in g}
-
-    def _exchange(self, grads: Mapping[str, torch.Tensor | Future | None], version: int, since: int,
-                  hparams: dict | None) -> tuple[PullResult, dict[str, SparseGrad]]:
+    # ------------------------------------------------------------------ the exchange
+    def _round(self, grads: Grads, version: int, since: int,
+               hparams: dict | None) -> tuple[PullResult, dict[str, SparseGrad]]:
         """Background thread: compress (a gradient, an early compression's future, or,
         for None, the residual as the update mode left it), push, wait for the step,
         pull the delta."""
@@ -370,12 +355,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         t1 = time.perf_counter()
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
-        reconnects = self.client.reconnects
-        push = self.client.push(sparse, version, value_dtype=self.value_dtype, index_coding=self.index_coding,
-                                hparams=hparams or None, report=self.progress.report(), wait=False)
+        push = self.client.push(sparse, version, value_dtype=self.compression.value_dtype,
+                                index_coding=self.compression.index_coding, hparams=hparams or None,
+                                report=self.progress.report(), wait=False)
         pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
-        delta = self._wait_step(pull.result(), since, reconnects)
+        delta = _wait_for_step(self.client, pull.result(), since, self.pull_coding)
         self.stats.compress_s += t1 - t0
         t2 = time.perf_counter()
         self.stats.exchange_s += t2 - t1
@@ -383,27 +368,6 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta, sparse
-
-    def _wait_step(self, delta: PullResult, since: int, reconnects: int) -> PullResult:
-        """The delta of the step after ``since``. The server answers a waiting pull when
-        its wait expires even if no step closed (it waits for workers: before the job
-        starts, or for a missing one within the step deadline); then pull again rather
-        than go on, since every further push would only queue up on the server (and
-        after ``--max-queued-pushes`` be refused). A snapshot (the server restarted
-        from an older checkpoint) is the answer whatever its version. So is any answer
-        after a reconnect since the push (the client's count passed as ``reconnects``):
-        a server that restarted may have lost the push it had acknowledged, and the
-        step would then wait for this worker while it waits for the step."""
-        t0 = time.monotonic()
-        warned = t0
-        while not delta.full and delta.version <= since and self.client.reconnects == reconnects:
-            now = time.monotonic()
-            if now - warned >= 60.0:
-                warned = now
-                log.warning("waiting %.0f s for the server's step after version %d (the server waits for "
-                            "workers; `stella status` shows which)", now - t0, since)
-            delta = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding)
-        return delta
 
     def _finish_inflight(self) -> None:
         """Wait for the in-flight exchange and install its delta into the replica."""
@@ -416,44 +380,10 @@ class StellaOptimizer(torch.optim.Optimizer):
         except Exception as e:
             raise PipelineError(f"background exchange failed: {type(e).__name__}: {e}") from e
         self.stats.wait_s += time.perf_counter() - t0
-        self._install(delta, sent)
-
-    @torch.no_grad()
-    def _install(self, delta: PullResult, sent: Mapping[str, SparseGrad]) -> None:
-        """Gradient mode: the pulled values replace the replica's. Update mode: the merge
-        rule, ``w <- w + (a_new - a) + c`` and ``a <- a_new`` (module doc), where ``c`` is
-        what this worker sent in the exchange that just finished."""
-        if self.inner is None:
-            delta.apply_to(self.params)
-            self.version = delta.version
-            return
-        for n, (idx, vals) in delta.tensors.items():
-            a, w = self._anchor[n], self.params[n].detach().view(-1)
-            new = _host_tensor(vals, a)
-            if idx is None:
-                w.add_((new - a).to(w.dtype))
-                a.copy_(new)
-            else:
-                at = torch.from_numpy(idx.astype(np.int64)).to(a.device)
-                w.index_add_(0, at, (new - a.index_select(0, at)).to(w.dtype))
-                a.index_copy_(0, at, new)
-        for n, sg in sent.items():
-            w = self.params[n].detach().view(-1)
-            c = _host_tensor(sg.values, w).to(w.dtype)
-            if sg.indices is None:
-                w.add_(c)
-            else:
-                w.index_add_(0, torch.from_numpy(sg.indices.astype(np.int64)).to(w.device), c)
+        self._exchange.install(delta, sent)
         self.version = delta.version
 
-    @torch.no_grad()
-    def _load_residuals(self) -> None:
-        """Update mode, main thread: each tensor's residual becomes ``a - w``, the
-        pseudo-gradient not sent yet (nothing is in flight when this runs)."""
-        for n, p in self.params.items():
-            torch.sub(self._anchor[n], p.detach().reshape(-1), out=self.compressor.residual_buffer(n, p))
-
-    def _start_exchange(self, grads: Mapping[str, torch.Tensor | Future | None], compute_version: int) -> None:
+    def _start_exchange(self, grads: Grads, compute_version: int) -> None:
         """Finish the exchange in flight (installing it), adapt the density, start the next one."""
         entered = time.perf_counter()
         had_inflight = self._inflight is not None
@@ -464,16 +394,11 @@ class StellaOptimizer(torch.optim.Optimizer):
             if density != self.compressor.density:
                 self.compressor.set_density(density)  # safe: the background thread is idle now
         self.stats.density = self.compressor.density
-        if self.inner is not None:
-            self._load_residuals()
-            grads = dict.fromkeys(self.names)
-            compute_version = self.version
-            assert self.outer is not None
-            self.outer.step()  # counts the round for a scheduler driving the outer group
-        hp = self._hparams()
+        grads, compute_version = self._exchange.outgoing(grads, compute_version, self.version)
+        hp = self._exchange.hparams()
         changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
         self._sent_hparams = hp
-        self._inflight = self._exec.submit(self._exchange, grads, compute_version, self.version, changed)
+        self._inflight = self._exec.submit(self._round, grads, compute_version, self.version, changed)
         self.stats.rounds += 1
         if self.staleness == 0:
             self._finish_inflight()
@@ -494,20 +419,9 @@ class StellaOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.stats.iterations += 1
         self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
-        if self.inner is not None:
-            self.inner.step()  # the local step, dense, on this worker's gradient
-            self._local_steps += 1
-            if self._local_steps >= self.sync_every:
-                self._local_steps = 0
-                self._start_exchange({}, self.version)
-            return loss
-        grads: dict[str, torch.Tensor | Future | None] = dict(self._early)  # compressions started in backward
-        self._early = {}
-        for n, p in self.params.items():
-            if p.grad is not None:
-                grads[n] = p.grad
-                p.grad = None  # this generation is now in flight; backward makes a new one
-        self._start_exchange(grads, self.version)  # the version this gradient was computed on
+        grads = self._exchange.step()  # update mode: the local step; a round every sync_every steps
+        if grads is not None:
+            self._start_exchange(grads, self.version)  # the version this gradient was computed on
         return loss
 
     def synchronize(self) -> int:
@@ -520,7 +434,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         update mode the server's changes are merged: local progress not sent yet stays."""
         self._finish_inflight()
         delta = self._exec.submit(self.client.pull, self.version).result()
-        self._install(delta, {})
+        self._exchange.install(delta, {})
+        self.version = delta.version
         return self.version
 
     # ------------------------------------------------------------------ worker checkpoints
@@ -531,17 +446,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         half-merged. The weights themselves are the server's business (and
         ``model.state_dict()``'s)."""
         self._finish_inflight()
-        out: dict[str, Any] = {"mode": self.mode, "version": self.version, "local_steps": self._local_steps,
-                               "density": self.compressor.density}
-        if self.inner is not None:
-            out["inner"] = self.inner.state_dict()
-            out["unsent"] = {n: (a - self.params[n].detach().reshape(-1).float()).cpu()
-                             for n, a in self._anchor.items()}
-        else:
-            out["residuals"] = {n: self.compressor.residual(n).detach().cpu().clone() for n in self.compressor.keys()}  # noqa: SIM118
-        return out
+        return {"mode": self.mode, "version": self.version, "local_steps": self._exchange.local_steps,
+                "density": self.compressor.density, **self._exchange.state()}
 
-    @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` into a fresh wrapper, rebased on the server's
         current model (which may have moved on, or been restored from an older
@@ -551,25 +458,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         if state.get("mode") != self.mode:
             raise ValueError(f"a {state.get('mode')!r}-mode state cannot load into a {self.mode!r}-mode optimizer")
         self._finish_inflight()
-        unsent = None
-        if self.inner is not None:
-            unsent = {n: state["unsent"][n].to(a.device, torch.float32).reshape(-1) for n, a in self._anchor.items()}
-            self.inner.load_state_dict(state["inner"])
-        else:
-            for n, r in state.get("residuals", {}).items():
-                p = self.params[n]
-                self.compressor.residual_buffer(n, p).copy_(r.reshape(-1).to(p.device, torch.float32))
-        self._local_steps = int(state.get("local_steps", 0))
+        self._exchange.local_steps = int(state.get("local_steps", 0))
         if self.budget is None and "density" in state:
             self.compressor.set_density(float(state["density"]))
         snap = self._exec.submit(self.client.pull, None).result()
-        snap.apply_to(self.params)
+        self._exchange.restore(state, snap)
         self.version = snap.version
-        if unsent is not None:
-            for n, p in self.params.items():
-                a = self._anchor[n]
-                a.copy_(p.detach().reshape(-1))
-                p.detach().view(-1).copy_((a - unsent[n]).to(p.dtype))
 
     def close(self, *, flush: bool = True) -> None:
         """Finish the in-flight exchange, push what has not been sent (gradient mode:
@@ -581,8 +475,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         try:
             self._finish_inflight()
             if flush:
-                if self.inner is not None:
-                    self._load_residuals()
+                self._exchange.prepare_flush()
 
                 def flush_residuals():
                     rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}  # noqa: SIM118 - not a dict
@@ -593,8 +486,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         finally:
             self._exec.submit(self.client.close).result()
             self._exec.shutdown(wait=True)
-            if self._compress_exec is not None:
-                self._compress_exec.shutdown(wait=True)
+            self._exchange.close()
 
     def __enter__(self) -> StellaOptimizer:
         return self

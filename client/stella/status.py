@@ -1,8 +1,10 @@
 """``stella status ADDRESS``: a running job at a glance.
 
-One line for the job (version, steps/s, bytes/s each way, checkpoint age) and a table
-with a row per live worker (id, name, key fingerprint, last seen, steps, density,
-s/it, wait %), from the server's ``status`` reply. The workers' columns come from the
+One line for the job (version, steps/s, bytes/s each way, checkpoint age, workers, and
+the training mode with the server's optimizer: ``mode update, outer average`` or
+``outer nesterov(lr 0.7, momentum 0.9)``, ``mode gradient, optimizer adamw(lr 0.001,
+...)``) and a table with a row per live worker (id, name, key fingerprint, last seen,
+steps, density, s/it, wait %), from the server's ``status`` reply. The workers' columns come from the
 report each push carries (:class:`stella.protocol.WorkerReport`); ``-`` where a worker
 has sent none yet. Rates are averages since the server started, or, with ``--watch``,
 over the last refresh.
@@ -12,10 +14,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-__all__ = ["render", "rates", "watch"]
+import msgspec
+
+from .modes import OUTER_PRESETS, outer_preset
+from .protocol import StatusReply, WorkerReport
+
+__all__ = ["render", "rates", "watch", "plain"]
 
 
 def _bytes(n: float) -> str:
@@ -36,43 +43,84 @@ def _age(s: float | None) -> str:
     return f"{s / 3600:.1f}h ago"
 
 
-def rates(now: dict[str, Any], before: dict[str, Any] | None, dt: float | None) -> dict[str, float]:
+def rates(now: StatusReply, before: StatusReply | None, dt: float | None) -> dict[str, float]:
     """steps/s and bytes/s in and out: over ``dt`` seconds since ``before``, else since
     the server started."""
     if before is not None and dt and dt > 0:
-        span, base = dt, before
+        span, base = dt, (before.steps, before.bytes_in, before.bytes_out)
     else:
-        span, base = max(now.get("uptime_s", 0.0), 1e-9), {"steps": 0, "bytes_in": 0, "bytes_out": 0}
-    return {k: (now[k] - base[k]) / span for k in ("steps", "bytes_in", "bytes_out")}
+        span, base = max(now.uptime_s, 1e-9), (0, 0, 0)
+    return {"steps": (now.steps - base[0]) / span, "bytes_in": (now.bytes_in - base[1]) / span,
+            "bytes_out": (now.bytes_out - base[2]) / span}
 
 
-def render(st: dict[str, Any], r: dict[str, float], address: str = "") -> str:
+def plain(st: StatusReply) -> dict[str, Any]:
+    """The reply as plain data (nested structs as dicts too), without the message envelope:
+    what ``stella status --json`` prints."""
+    return {k: v for k, v in msgspec.to_builtins(st).items() if k not in ("proto", "req", "type")}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_value(x) for x in v) + ")"
+    return str(v)
+
+
+def _hparams(config: dict[str, Any], keys: Iterable[str] | None = None) -> str:
+    """``(hparam value, ...)``: the hyper-parameters in ``keys``, or all but those that
+    are off (0 or False: they change nothing)."""
+    shown = [k for k in config if k != "name" and config[k] is not False and config[k] != 0] if keys is None else keys
+    return "(" + ", ".join(f"{k} {_value(config[k])}" for k in shown) + ")"
+
+
+def _job(st: StatusReply) -> str:
+    """What the job trains with: the mode and the server's optimizer (update mode: the
+    outer step, named by its preset); a server that does not say its mode: the name."""
+    config = st.optimizer or {}
+    name = config.get("name", "-")
+    if st.mode == "gradient":
+        return f"mode gradient, optimizer {name}{_hparams(config)}"
+    if st.mode != "update":
+        return name
+    preset = outer_preset(config)
+    if preset == "average":  # its one number, lr 1, is what makes it the mean of the workers' models
+        outer = "average"
+    elif preset is not None:  # the preset's name, with its numbers
+        outer = preset + _hparams(config, [k for k, v in OUTER_PRESETS[preset].items() if type(v) in (int, float)])
+    else:
+        outer = name + _hparams(config)
+    return f"mode update, outer {outer}"
+
+
+def _cells(rep: WorkerReport | None) -> tuple[str, ...]:
+    if rep is None:
+        return ("-", "-", "-", "-")
+    it = rep.compute_s + rep.wait_s
+    return (str(rep.step), f"{rep.density:.2%}", f"{it:.3f}", f"{100 * rep.wait_s / it:.0f}" if it > 0 else "0")
+
+
+def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
     """The job line and the worker table for one ``status`` reply."""
-    ck = st.get("checkpoint_age_s")
-    opt = (st.get("optimizer") or {}).get("name", "-")
-    head = (f"stella-ps {st.get('server_version') or '?'} {address} | version {st['version']} | "
+    ck = st.checkpoint_age_s
+    head = (f"stella-ps {st.server_version or '?'} {address} | version {st.version} | "
             f"{r['steps']:.2f} steps/s | in {_bytes(r['bytes_in'])}/s | out {_bytes(r['bytes_out'])}/s | "
-            f"checkpoint {_age(ck) if ck is not None else 'none'} | workers {len(st['workers'])}"
-            f"/{st['expected_workers']} | {opt}{' | INSECURE' if st.get('insecure') else ''}")
+            f"checkpoint {_age(ck) if ck is not None else 'none'} | workers {len(st.workers)}"
+            f"/{st.expected_workers} | {_job(st)}{' | INSECURE' if st.insecure else ''}")
     cols = ("worker", "name", "key", "last seen", "steps", "density", "s/it", "wait %")
+    behind = set(st.behind_workers)
+    if st.live is None:  # a server before per-worker status: ids and keys only
+        live: list[tuple[int, str, str, float | None, WorkerReport | None]] = [
+            (w, "", st.worker_keys.get(w, ""), None, None) for w in st.workers]
+    else:
+        live = [(w.worker, w.name, w.key_fingerprint, w.last_seen_s, w.report) for w in st.live]
     rows = []
-    behind = set(st.get("behind_workers") or ())
-    live = st.get("live")
-    if live is None:  # a server before per-worker status: ids and keys only
-        live = [{"worker": w, "name": "", "key_fingerprint": st["worker_keys"].get(w, ""), "last_seen_s": None,
-                 "report": None} for w in st["workers"]]
-    for w in live:
-        rep = w.get("report")
-        if rep:
-            it = rep["compute_s"] + rep["wait_s"]
-            cells = (str(rep["step"]), f"{rep['density']:.2%}", f"{it:.3f}",
-                     f"{100 * rep['wait_s'] / it:.0f}" if it > 0 else "0")
-        else:
-            cells = ("-", "-", "-", "-")
-        seen = "-" if w.get("last_seen_s") is None else _age(w["last_seen_s"])
-        if w["worker"] in behind:
+    for worker, name, key, last_seen, rep in live:
+        seen = "-" if last_seen is None else _age(last_seen)
+        if worker in behind:
             seen += " (behind)"  # silent, a deadline closed a step without it: not waited for until it pushes
-        rows.append((str(w["worker"]), w.get("name") or "-", w.get("key_fingerprint") or "-", seen, *cells))
+        rows.append((str(worker), name or "-", key or "-", seen, *_cells(rep)))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = [head, "", "  ".join(c.ljust(wd) for c, wd in zip(cols, widths))]
     lines += ["  ".join(v.ljust(wd) for v, wd in zip(row, widths)).rstrip() for row in rows]
@@ -81,13 +129,13 @@ def render(st: dict[str, Any], r: dict[str, float], address: str = "") -> str:
     return "\n".join(lines)
 
 
-def watch(fetch: Callable[[], dict[str, Any]], *, address: str = "", as_json: bool = False,
+def watch(fetch: Callable[[], StatusReply], *, address: str = "", as_json: bool = False,
           interval: float | None = None, out: TextIO | None = None, count: int | None = None) -> int:
     """Print the status once (``interval`` None) or every ``interval`` seconds until
-    interrupted (or ``count`` times); ``as_json``: the raw reply plus the rates, one JSON
-    object per line."""
+    interrupted (or ``count`` times); ``as_json``: the reply as plain data (:func:`plain`)
+    plus the rates, one JSON object per line."""
     out = out or sys.stdout
-    before: dict[str, Any] | None = None
+    before: StatusReply | None = None
     t_before = 0.0
     n = 0
     try:
@@ -96,7 +144,7 @@ def watch(fetch: Callable[[], dict[str, Any]], *, address: str = "", as_json: bo
             t = time.monotonic()
             r = rates(st, before, t - t_before if before is not None else None)
             if as_json:
-                out.write(json.dumps({**st, "rates": r}, indent=None if interval else 2, default=str) + "\n")
+                out.write(json.dumps({**plain(st), "rates": r}, indent=None if interval else 2, default=str) + "\n")
             else:
                 if interval and out.isatty():
                     out.write("\x1b[H\x1b[2J")  # clear the screen between refreshes

@@ -1,0 +1,545 @@
+"""The connection under :class:`stella.Client`: one ZeroMQ DEALER socket and what keeps it
+working through failures.
+
+A :class:`Session` numbers requests and matches replies by id (several may be in
+flight), sends a heartbeat every ``heartbeat_s`` from a thread and a socket of its own
+(so a long forward/backward never looks like a dead worker), and reconnects by itself
+when the server stops answering (no heartbeat reply within the server's liveness
+timeout, or no reply to a request within ``timeout``) or answers that it does not
+know this worker (it restarted): exponential backoff with full jitter, within
+``reconnect_s`` seconds (``STELLA_RECONNECT_S``, 300 by default; 0 turns it off).
+It joins again, keeping its worker id where the server allows (the session token takes
+the id to the new connection; a restarted server gives it back), registers again
+(sending the tensors' values if the server lost the model), and re-sends every request
+still waiting for its reply, rebased on the server's version by :func:`rebase`, the
+one home of those rules. A push that reached the server before the link broke is not
+queued twice (the server remembers each worker's newest push).
+
+It also holds the CurveZMQ keys and the finalizer that closes the sockets and stops the
+heartbeat thread of a client dropped without ``close()``. The API on top, and the
+conversion of tensors, is :mod:`stella.client`'s.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.auth
+
+from .errors import ErrorCode, NotRegistered, ProtocolError, ServerError, ServerUnavailable, from_reply
+from .protocol import (
+    Error,
+    Heartbeat,
+    HeartbeatOk,
+    Join,
+    Joined,
+    Leave,
+    Pull,
+    Push,
+    Received,
+    Register,
+    Registered,
+    SetOptimizer,
+    TensorSpec,
+    TrainingMode,
+    decode_reply,
+    encode,
+)
+
+__all__ = ["Session", "rebase", "curve_keys", "default_timeout", "default_reconnect", "ENV_TIMEOUT",
+           "ENV_SERVER_KEY", "ENV_CLIENT_KEY", "ENV_RECONNECT"]
+
+log = logging.getLogger("stella.client")
+
+ENV_TIMEOUT = "STELLA_TIMEOUT"
+"""Environment variable: default timeout of every blocking call, in seconds (60 if unset)."""
+
+ENV_SERVER_KEY = "STELLA_SERVER_KEY"
+"""Environment variable: the server's public key (its ``.key`` certificate file, or the Z85 key)."""
+ENV_CLIENT_KEY = "STELLA_CLIENT_KEY"
+"""Environment variable: this client's key pair (the ``.key_secret`` certificate file)."""
+
+ENV_RECONNECT = "STELLA_RECONNECT_S"
+"""Environment variable: overall deadline of a reconnect, in seconds (300 if unset; 0: never reconnect)."""
+
+BACKOFF_FIRST_S = 0.1  # first reconnect delay; doubled after each failed attempt (full jitter)
+BACKOFF_MAX_S = 5.0
+ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at most this (or `timeout`)
+
+T = TypeVar("T")
+M = TypeVar("M")
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def default_timeout() -> float:
+    """``STELLA_TIMEOUT`` (seconds), read at call time; 60 when unset."""
+    return _env_seconds(ENV_TIMEOUT, 60.0)
+
+
+def default_reconnect() -> float:
+    """``STELLA_RECONNECT_S`` (seconds), read at call time; 300 when unset."""
+    return _env_seconds(ENV_RECONNECT, 300.0)
+
+
+def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int) -> M:
+    """A request made before a reconnect, as it is sent after it: the server may have
+    restarted, from a checkpoint older than what this worker saw. Pure; the rules:
+
+    - a push is tagged with at most ``server_version``: it was computed on a version this
+      server may never have had, and a push from the future would be refused;
+    - a pull since a version the server does not have (``since > server_version``), or
+      any incremental pull when ``need_snapshot`` (the server went back, so the replica
+      holds a history the server lost), becomes a full snapshot, answered at once;
+    - a pull that waited for a step (``wait_for``) is answered at once: the push that
+      step would take may have been lost with the server (acknowledged, then the server
+      restarted), and the step would wait for this worker while it waits for the step;
+    - every request that names a worker names ``worker``, the id the new connection has.
+
+    Anything else (status; join, register and heartbeats, which a reconnect redoes
+    rather than re-sends) is returned as it is.
+    """
+    replace = msgspec.structs.replace
+    if isinstance(msg, Push):
+        return replace(msg, worker=worker, version=min(msg.version, server_version))
+    if isinstance(msg, Pull):
+        if msg.since > server_version or (need_snapshot and msg.since >= 0):
+            return replace(msg, worker=worker, since=-1, wait_for=None)
+        return replace(msg, worker=worker, wait_for=None)
+    if isinstance(msg, (SetOptimizer, Leave)):
+        return replace(msg, worker=worker)
+    return msg
+
+
+class _Lost(Exception):
+    """The connection to the server is lost (internal: it starts a reconnect)."""
+
+
+class _Liveness:
+    """What the heartbeat thread and the session share: plain attributes, each written
+    by one side only (the session: worker, session, interval; the thread: the rest)."""
+
+    def __init__(self) -> None:
+        self.worker = 0
+        self.session = 0
+        self.interval = 0.0
+        self.last_ok = time.monotonic()  # the last heartbeat reply
+        self.refused = -1  # a session the server said it does not know
+        self.stop = threading.Event()
+
+
+def _heartbeats(state: _Liveness, make_socket: Callable[[], zmq.Socket]) -> None:
+    """The heartbeat thread: a ``heartbeat`` every ``interval`` on its own socket; the
+    replies tell the client the server is alive (or has forgotten this worker)."""
+    sock = make_socket()
+    req = itertools.count(1)
+    sessions: dict[int, int] = {}
+    try:
+        while not state.stop.is_set():
+            interval = state.interval
+            if sock.poll(0, zmq.POLLOUT):
+                r = next(req)
+                sessions[r] = state.session
+                if len(sessions) > 64:
+                    sessions.pop(next(iter(sessions)))
+                sock.send_multipart(encode(Heartbeat(req=r, worker=state.worker, session=state.session)))
+            until = time.monotonic() + interval
+            while not state.stop.is_set():
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                if not sock.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLIN):
+                    continue
+                try:
+                    rx = decode_reply([p.buffer for p in sock.recv_multipart(copy=False)])
+                except Exception:  # a garbled reply is no sign of life
+                    continue
+                if isinstance(rx.msg, HeartbeatOk):
+                    state.last_ok = time.monotonic()
+                elif isinstance(rx.msg, Error) and rx.msg.code == ErrorCode.NOT_REGISTERED.value:
+                    state.refused = sessions.get(rx.msg.req, -1)
+    finally:
+        sock.close(linger=0)
+
+
+def _dealer(ctx: zmq.Context, address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
+    """A connected DEALER socket as every client socket is set up."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue a request for a peer that is not connected
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    sock.connect(address)
+    return sock
+
+
+def _release(sock: zmq.Socket, live: _Liveness, thread: threading.Thread | None) -> None:
+    """The finalizer: stop the heartbeat thread, close the socket. It holds no reference
+    to the session, so a client dropped without ``close()`` is still finalized."""
+    live.stop.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(5.0)
+    sock.close(0)
+
+
+def _public_key(spec: str) -> bytes:
+    """A Z85 public key from a certificate file's path or from the key itself."""
+    if os.path.exists(spec):
+        public, _ = zmq.auth.load_certificate(spec)
+        return bytes(public)
+    if len(spec) == 40:
+        return spec.encode()
+    raise ValueError(f"server key {spec!r} is neither a certificate file nor a 40-character Z85 key")
+
+
+def curve_keys(server_key: str | None = None, client_key: str | None = None) -> tuple[bytes, bytes, bytes] | None:
+    """``(server public, client public, client secret)`` for CurveZMQ, from the arguments
+    or ``STELLA_SERVER_KEY`` / ``STELLA_CLIENT_KEY``; None when neither is set (plaintext,
+    for a server started with ``--insecure``)."""
+    server_key = server_key or os.environ.get(ENV_SERVER_KEY) or None
+    client_key = client_key or os.environ.get(ENV_CLIENT_KEY) or None
+    if server_key is None and client_key is None:
+        return None
+    if server_key is None or client_key is None:
+        raise ValueError(f"CurveZMQ needs both the server's public key ({ENV_SERVER_KEY}) and this client's key "
+                         f"pair ({ENV_CLIENT_KEY}); got only one")
+    try:
+        public, secret = zmq.auth.load_certificate(client_key)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the client's key pair from {client_key!r}: {e}") from None
+    if not secret:
+        raise ValueError(f"{client_key!r} holds no secret key: use the '.key_secret' file `stella keygen` wrote")
+    return _public_key(server_key), bytes(public), bytes(secret)
+
+
+def expect(rx: Received, cls: type[T]) -> T:
+    """The reply's message if it is a ``cls``."""
+    if not isinstance(rx.msg, cls):
+        raise ProtocolError(f"expected a {cls.__name__} reply, got {type(rx.msg).__name__}")
+    return rx.msg
+
+
+@dataclass
+class _Registration:
+    """What a reconnect registers again: the layout, the optimizer and mode asked for,
+    and how to read the tensors' current values (for a server that lost the model)."""
+
+    layout: list[TensorSpec]
+    optimizer: dict[str, Any]
+    mode: TrainingMode | None
+    values: Callable[[], list[np.ndarray]]
+
+
+class Session:
+    """One connection to a stella-ps (see the module doc). Not thread-safe, like the
+    :class:`~stella.Client` that owns it; the heartbeat thread shares only
+    :class:`_Liveness` with it."""
+
+    def __init__(self, address: str, *, timeout: float, reconnect_s: float, name: str, worker_id: int | None,
+                 server_key: str | None, client_key: str | None, ctx: zmq.Context | None, heartbeat: bool):
+        self.address, self.timeout, self.reconnect_s, self.name = address, timeout, reconnect_s, name
+        self.worker_id = worker_id
+        self.reconnects = 0
+        self.server_version = 0  # the server's version in its last join/register reply
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        self._seen_version = 0  # the newest version any reply showed
+        # after a reconnect: the newest version this server has shown since (a push computed
+        # on a newer one, which a server restarted from an older checkpoint never had, is tagged with it)
+        self._seen_since_reconnect: int | None = None
+        self.need_snapshot = False  # the server went back: the next pull is a full snapshot
+        self._heartbeat_on = heartbeat
+        self._joined = False  # a join succeeded: from then on a lost connection is reconnected
+        self._live = _Liveness()
+        self._hb_thread: threading.Thread | None = None
+        self._sent: dict[int, tuple[Any, list[Any], float | None]] = {}  # requests waiting for replies
+        self._rebased: set[int] = set()  # pulls that a reconnect rebased (rebase: wait_for dropped or a snapshot)
+        self._registration: _Registration | None = None
+        self._req = itertools.count(1)
+        self._replies: dict[int, Received] = {}
+        self._outstanding: set[int] = set()
+        self._ctx = ctx or zmq.Context.instance()
+        self._keys = curve_keys(server_key, client_key)
+        self.secure = self._keys is not None
+        self._sock = self._new_socket()
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._live, None)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._sock.closed)
+
+    def close(self) -> None:
+        """Stop reconnecting and drop what is in flight, stop the heartbeats, close the socket."""
+        self.stop_reconnecting()
+        self._finalizer()
+
+    def stop_reconnecting(self) -> None:
+        """A client on its way out (leaving) neither reconnects nor re-sends."""
+        self.reconnect_s = 0.0
+        self._sent.clear()
+
+    # ------------------------------------------------------------------ join, register
+    def join(self, worker_id: int | None, timeout: float | None) -> Joined:
+        reply = self.request(Join(worker=worker_id, name=self.name), Joined, timeout=timeout)
+        self.worker_id = reply.worker
+        self.server_version = self._seen_version = reply.version
+        self._joined = True
+        self._start_heartbeats(reply)
+        return reply
+
+    def register(self, layout: list[TensorSpec], optimizer: dict[str, Any], mode: TrainingMode | None,
+                 values: Callable[[], list[np.ndarray]], timeout: float | None) -> Registered:
+        """Register (sending ``values()`` if the server asks for them); remembered, so
+        that a reconnect registers again."""
+        reg = _Registration(layout, optimizer, mode, values)
+        reply = self._register(reg, timeout)
+        self._registration = reg
+        self.server_version = reply.version
+        return reply
+
+    def _register(self, reg: _Registration, timeout: float | None) -> Registered:
+        msg = Register(worker=self.worker(), tensors=reg.layout, optimizer=reg.optimizer, values=False, mode=reg.mode)
+        # joining a model sends no values; Register is not re-sent by a reconnect, which redoes it
+        reply = expect(self.wait(self.send(msg, (), timeout), timeout), Registered)
+        if reply.needs_values:  # this registration initialises the model
+            msg = msgspec.structs.replace(msg, values=True)
+            reply = expect(self.wait(self.send(msg, reg.values(), timeout), timeout), Registered)
+        return reply
+
+    def worker(self) -> int:
+        if self.worker_id is None:
+            raise ProtocolError("this client has not joined (Client(..., join=False)); call join() first")
+        return self.worker_id
+
+    # ------------------------------------------------------------------ versions seen
+    def saw(self, version: int) -> None:
+        """A reply showed the server at ``version``."""
+        self._seen_version = max(self._seen_version, version)
+        if self._seen_since_reconnect is not None:
+            self._seen_since_reconnect = max(self._seen_since_reconnect, version)
+
+    def push_version(self, version: int) -> int:
+        """The version to tag a new push computed on ``version`` with: at most the newest
+        this server has shown since a reconnect (it may never have had ``version``)."""
+        if self._seen_since_reconnect is None:
+            return version
+        return min(version, self._seen_since_reconnect)
+
+    def was_rebased(self, req: int) -> bool:
+        """Whether a reconnect rebased the pull ``req`` (asked once, with its reply)."""
+        if req in self._rebased:
+            self._rebased.discard(req)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ heartbeats
+    def _new_socket(self) -> zmq.Socket:
+        return _dealer(self._ctx, self.address, self._keys)
+
+    def _arm_finalizer(self) -> None:
+        """Point the finalizer at the current socket and heartbeat thread."""
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._live, self._hb_thread)
+
+    def _start_heartbeats(self, reply: Joined) -> None:
+        self._live.worker, self._live.session = reply.worker, reply.session
+        self._live.interval = reply.heartbeat_s
+        if not self._heartbeat_on or reply.heartbeat_s <= 0 or self._hb_thread is not None:
+            return
+        self._live.last_ok = time.monotonic()
+        # the thread holds no reference to the session: a client dropped without close() is still finalized
+        make = functools.partial(_dealer, self._ctx, self.address, self._keys)
+        self._hb_thread = threading.Thread(target=_heartbeats, args=(self._live, make),
+                                           name="stella-heartbeat", daemon=True)
+        self._hb_thread.start()
+        self._arm_finalizer()
+
+    def _lost(self) -> str | None:
+        """Why the connection counts as lost now (heartbeats), or None."""
+        live = self._live
+        if self._hb_thread is None or self.reconnect_s <= 0:
+            return None
+        if live.refused == live.session:
+            return "the server does not know this worker (restarted, or declared it gone and gave its id away)"
+        silent = time.monotonic() - live.last_ok
+        if silent > max(4 * live.interval, 1.0):
+            return f"no heartbeat reply for {silent:.1f}s"
+        return None
+
+    # ------------------------------------------------------------------ requests and replies
+    def _unavailable(self, what: str, t: float) -> ServerUnavailable:
+        hint = ("; is this client's key on the server's allowlist, and the server's key the right one?"
+                if self.secure else f"; a server that runs with keys needs {ENV_SERVER_KEY} and {ENV_CLIENT_KEY}")
+        return ServerUnavailable(f"{what} stella-ps at {self.address} within {t:.1f}s "
+                                 f"(the timeout argument, or {ENV_TIMEOUT} for the default){hint}")
+
+    def _resilient(self, msg: Any) -> bool:
+        """Whether ``msg`` is re-sent after a reconnect (which redoes a join and a registration itself)."""
+        return self.reconnect_s > 0 and self._joined and not isinstance(msg, (Join, Register))
+
+    def send(self, msg: Any, frames: Iterable[Any] = (), timeout: float | None = None) -> int:
+        """Send a request built without its id; returns the id for :meth:`wait`."""
+        if self._sock.closed:
+            raise ServerUnavailable("client is closed")
+        t = self.timeout if timeout is None else timeout
+        rebased = False
+        if not self._sock.poll(int(t * 1000), zmq.POLLOUT):
+            if not self._resilient(msg):
+                raise self._unavailable("cannot reach", t)
+            self._reconnect(f"cannot reach the server within {t:.1f}s")
+            msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
+        req = next(self._req)
+        frames = list(frames)
+        self._transmit(msgspec.structs.replace(msg, req=req), frames)
+        self._outstanding.add(req)
+        if rebased:
+            self._rebased.add(req)
+        if self._resilient(msg):
+            self._sent[req] = (msg, frames, timeout)
+        return req
+
+    def _transmit(self, msg: Any, frames: list[Any]) -> None:
+        parts = encode(msg, frames)
+        self._sock.send_multipart(parts, copy=False)
+        self.bytes_pushed += sum(memoryview(p).nbytes for p in parts)
+
+    def wait(self, req: int, timeout: float | None = None) -> Received:
+        """Wait for the reply to request ``req``; raises the server's error if it sent one."""
+        t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
+        while req not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if req in self._sent:
+                    raise _Lost(f"no reply within {t:.1f}s")
+                self._outstanding.discard(req)
+                self._rebased.discard(req)
+                raise self._unavailable("no reply from", t)
+            if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
+                why = self._lost() if req in self._sent else None
+                if why:
+                    raise _Lost(why)
+                continue
+            parts = self._sock.recv_multipart(copy=False)
+            self.bytes_pulled += sum(len(p) for p in parts)
+            rx = decode_reply([p.buffer for p in parts])
+            if rx.msg.req in self._outstanding:
+                self._replies[rx.msg.req] = rx
+            else:  # a reply to a request given up on (timed out) is dropped
+                log.debug("dropped a reply to an abandoned request", extra={"req": rx.msg.req})
+        self._outstanding.discard(req)
+        rx = self._replies.pop(req)
+        if isinstance(rx.msg, Error):
+            if (rx.msg.code == ErrorCode.NOT_REGISTERED.value and req in self._sent
+                    and self._registration is not None):
+                raise _Lost(f"the server does not know this worker: {rx.msg.message}")
+            self._sent.pop(req, None)
+            self._rebased.discard(req)
+            raise from_reply(rx.msg.code, rx.msg.message)
+        self._sent.pop(req, None)
+        return rx
+
+    def wait_resilient(self, req: int, timeout: float | None = None) -> Received:
+        """:meth:`wait`, reconnecting (and re-sending ``req``) when the connection is lost."""
+        while True:
+            try:
+                return self.wait(req, timeout)
+            except _Lost as e:
+                self._reconnect(str(e))
+
+    def request(self, msg: Any, reply: type[T], frames: Iterable[Any] = (), timeout: float | None = None) -> T:
+        """Send ``msg`` and wait (through reconnects) for its ``reply``."""
+        return expect(self.wait_resilient(self.send(msg, frames, timeout), timeout), reply)
+
+    # ------------------------------------------------------------------ reconnect
+    def _rebase(self, msg: Any) -> tuple[Any, bool]:
+        """:func:`rebase` on this session's state; whether a pull's answer is now rebased."""
+        new = rebase(msg, self.server_version, self.need_snapshot, self.worker())
+        return new, isinstance(msg, Pull) and (new.since, new.wait_for) != (msg.since, msg.wait_for)
+
+    def _reconnect(self, why: str) -> None:
+        """Connect again (backoff with full jitter, within ``reconnect_s`` seconds): join,
+        register, re-send the requests waiting for replies; raises
+        :class:`ServerUnavailable` when the deadline passes."""
+        t0 = time.monotonic()
+        deadline = t0 + self.reconnect_s
+        log.warning("connection to stella-ps lost; reconnecting",
+                    extra={"address": self.address, "reason": why, "worker": self.worker_id})
+        delay, attempts, last = BACKOFF_FIRST_S, 0, why
+        while True:
+            attempts += 1
+            try:
+                self._reconnect_once(min(self.timeout, ATTEMPT_TIMEOUT_S))
+                self.reconnects += 1
+                log.warning("reconnected", extra={"address": self.address, "worker": self.worker_id,
+                                                  "version": self.server_version, "attempts": attempts,
+                                                  "seconds": round(time.monotonic() - t0, 3)})
+                return
+            except (ServerUnavailable, _Lost, NotRegistered) as e:
+                last = str(e)
+            pause = random.uniform(0, delay)
+            if time.monotonic() + pause >= deadline:
+                raise ServerUnavailable(f"gave up reconnecting to stella-ps at {self.address} after "
+                                        f"{time.monotonic() - t0:.1f}s and {attempts} attempts (the reconnect "
+                                        f"deadline, {ENV_RECONNECT}): {last}")
+            time.sleep(pause)
+            delay = min(2 * delay, BACKOFF_MAX_S)
+
+    def _reconnect_once(self, t: float) -> None:
+        self._sock.close(0)
+        self._replies.clear()
+        self._sock = self._new_socket()
+        self._arm_finalizer()
+        self._live.last_ok = time.monotonic()
+        join = Join(worker=self.worker_id, name=self.name, session=self._live.session or None)
+        try:
+            joined = expect(self.wait(self.send(join, (), t), t), Joined)
+        except ServerError as e:
+            if e.code != ErrorCode.WORKER_ID:
+                raise
+            # the old id is still held by a connection the server has not yet declared
+            # gone, and this session is not known there: take a new id
+            joined = expect(self.wait(self.send(Join(name=self.name), (), t), t), Joined)
+        self.worker_id = joined.worker
+        self._start_heartbeats(joined)
+        self.server_version = joined.version
+        if self._registration is not None:
+            self.server_version = self._register(self._registration, t).version
+        v = self.server_version
+        if v < self._seen_version:
+            log.warning("the server went back to an older version (restarted from a checkpoint); the next pull "
+                        "is a full snapshot", extra={"version": v, "had": self._seen_version})
+            self.need_snapshot = True
+        self._seen_since_reconnect = v
+        for req in sorted(self._sent):
+            msg, frames, timeout = self._sent[req]
+            msg, rebased = self._rebase(msg)
+            if rebased:
+                self._rebased.add(req)
+            self._sent[req] = (msg, frames, timeout)
+            self._transmit(msgspec.structs.replace(msg, req=req), frames)
+            self._outstanding.add(req)

@@ -1,0 +1,100 @@
+"""The session's reconnect rules: how a reconnect rebases the requests still waiting for
+their replies (:func:`stella._session.rebase`, a pure table test, no sockets), and that
+a pull's answer says when it was rebased (against a real server)."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from stella._session import rebase
+from stella.protocol import (
+    Heartbeat,
+    Join,
+    Leave,
+    Pull,
+    Push,
+    Register,
+    SetOptimizer,
+    Status,
+    TensorSpec,
+)
+
+OLD, NEW = 3, 9  # the worker id before the reconnect and after it
+REG = Register(worker=OLD, tensors=[TensorSpec("w", (4,), "float32")], optimizer={}, values=False)
+
+# (request before the reconnect, server version, need_snapshot, the request as re-sent)
+CASES = {
+    # a push is tagged with at most the server's version (it may never have had the push's)
+    "push on an older version": (Push(worker=OLD, version=5, tensors=[]), 7, False,
+                                 Push(worker=NEW, version=5, tensors=[])),
+    "push from the future is clamped": (Push(worker=OLD, version=12, tensors=[]), 7, False,
+                                        Push(worker=NEW, version=7, tensors=[])),
+    "push clamped after a snapshot reset": (Push(worker=OLD, version=12, tensors=[]), 7, True,
+                                            Push(worker=NEW, version=7, tensors=[])),
+    # a pull since a version the server does not have becomes a snapshot, answered at once
+    "pull since > server version": (Pull(worker=OLD, since=12, wait_for=13), 7, False,
+                                    Pull(worker=NEW, since=-1, wait_for=None)),
+    "pull since > server version, no wait": (Pull(worker=OLD, since=8), 7, False, Pull(worker=NEW, since=-1)),
+    # the server went back: any incremental pull becomes a snapshot
+    "need_snapshot": (Pull(worker=OLD, since=2, wait_for=3), 7, True, Pull(worker=NEW, since=-1, wait_for=None)),
+    "need_snapshot, since 0": (Pull(worker=OLD, since=0), 7, True, Pull(worker=NEW, since=-1)),
+    # a waiting pull is answered at once (the push its step waits for may be lost)
+    "waiting pull": (Pull(worker=OLD, since=6, wait_for=7, timeout_ms=5000, coding="rice"), 7, False,
+                     Pull(worker=NEW, since=6, wait_for=None, timeout_ms=5000, coding="rice")),
+    "waiting pull at the server's version": (Pull(worker=OLD, since=7, wait_for=8), 7, False,
+                                             Pull(worker=NEW, since=7, wait_for=None)),
+    # a snapshot stays a snapshot; a pull with nothing to rebase only takes the new id
+    "snapshot": (Pull(worker=OLD, since=-1), 7, True, Pull(worker=NEW, since=-1)),
+    "plain pull": (Pull(worker=OLD, since=4), 7, False, Pull(worker=NEW, since=4)),
+    # the other requests that name a worker take the new id
+    "set_optimizer": (SetOptimizer(worker=OLD, hparams={"lr": 0.5}), 7, False,
+                      SetOptimizer(worker=NEW, hparams={"lr": 0.5})),
+    "leave": (Leave(worker=OLD), 7, True, Leave(worker=NEW)),
+    # untouched: status names no worker; join, register and heartbeats are redone, never re-sent
+    "status": (Status(), 7, True, Status()),
+    "heartbeat": (Heartbeat(worker=OLD, session=11), 7, True, Heartbeat(worker=OLD, session=11)),
+    "join": (Join(worker=OLD, name="w", session=11), 7, True, Join(worker=OLD, name="w", session=11)),
+    "register": (REG, 0, True, REG),
+}
+
+
+@pytest.mark.parametrize("before,server_version,need_snapshot,after", CASES.values(), ids=CASES.keys())
+def test_rebase(before, server_version, need_snapshot, after):
+    got = rebase(before, server_version, need_snapshot, NEW)
+    assert got == after
+    assert type(got) is type(after)
+
+
+def test_rebase_is_pure():
+    msg = Pull(worker=OLD, since=12, wait_for=13, req=5)
+    got = rebase(msg, 7, True, NEW)
+    assert msg == Pull(worker=OLD, since=12, wait_for=13, req=5)  # frozen; the request itself is unchanged
+    assert got.req == 5  # the request id travels with it (a re-send keeps its id)
+    assert rebase(got, 7, True, NEW) == got  # a rebased request is rebased already
+
+
+# --------------------------------------------------------------------------- against a real server
+def test_a_pull_waiting_through_a_reconnect_is_answered_at_once_and_says_so(make_server, make_client):
+    """The server stops answering while a pull waits for a step that cannot come (no
+    push); the client reconnects when it is back, and the re-sent pull, its wait
+    dropped, is answered at once, marked ``rebased``. A pull made afterwards is not."""
+    srv = make_server(1, ["--liveness-timeout", "1"])
+    c = make_client(srv.endpoint, timeout=30)
+    c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    assert not c.pull(None).rebased
+    pending = c.pull(0, wait_for=1, wait=False)
+    srv.kill(signal.SIGSTOP)
+    resume = threading.Timer(2.5, srv.kill, (signal.SIGCONT,))
+    resume.start()
+    try:
+        t0 = time.monotonic()
+        delta = pending.result()
+    finally:
+        resume.join()
+    assert delta.rebased and delta.version == 0 and c.reconnects >= 1
+    assert time.monotonic() - t0 < 20  # not held until the pull's 27 s wait expired
+    assert not c.pull(0).rebased
