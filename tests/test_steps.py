@@ -5,6 +5,7 @@ thread do the work; only time is simulated."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -332,3 +333,84 @@ def test_an_encoded_delta_is_built_once_per_version_since_and_coding():
     _step(s, [2])  # a step empties the cache: the next answer is of the new version
     c = s.encoded_delta(0, "rice")
     assert c is not a and c.version == 2 and c.entries[0].count == 3
+
+
+# ------------------------------------------------------------------ the rules' parts
+def test_the_adaptive_deadline_follows_the_arrival_spreads_within_its_bounds():
+    from stella_ps.aggregation import AdaptiveDeadline
+
+    d = AdaptiveDeadline(quantile=0.9, factor=3.0, minimum=0.5, maximum=30.0, window=20, min_samples=5)
+    assert d.value() == 30.0  # nothing learnt: the upper bound
+    d.observe(2.0)
+    assert d.value() == pytest.approx(12.0)  # one sample: twice the factor times the largest
+    d.spreads.clear()
+    for x in (0.01, 0.02, 0.01, 0.03):
+        d.observe(x)
+    assert d.value() == 0.5  # 6 x 0.03 is below the lower bound
+    d.spreads.clear()
+    for x in (0.01, 0.02, 0.01, 0.03, 0.02):
+        d.observe(x)
+    assert d.value() == 0.5  # 3 x 0.03 is below the lower bound
+    for _ in range(20):
+        d.observe(1.0)  # a slower job: the window forgets the old spreads
+    assert d.value() == pytest.approx(3.0)
+    for _ in range(20):
+        d.observe(100.0)
+    assert d.value() == 30.0
+
+
+def test_a_worker_a_deadline_closed_a_step_without_is_not_waited_for_until_it_pushes():
+    from stella_ps.aggregation import Aggregator, PendingPush
+
+    agg = Aggregator(max_queued_pushes=4)
+    live = [0, 1, 2]
+    agg.add(PendingPush(0, 0, []))
+    agg.add(PendingPush(1, 0, []))
+    assert agg.missing(live) == [2] and not agg.should_close(live, True)
+    agg.mark_behind([7], [7])
+    agg.mark_behind(agg.missing(live), live)  # the deadline closes the step without worker 2; 7 left
+    assert agg.behind() == [2]
+    assert agg.take_step(0, 0, complete=False) is not None
+    agg.add(PendingPush(0, 1, []))
+    agg.add(PendingPush(1, 1, []))
+    assert agg.missing(live) == [] and agg.should_close(live, True)  # 2 is behind: not waited for
+    agg.take_step(1, 0)
+    agg.add(PendingPush(2, 0, []))  # its late push: waited for again from now on
+    assert agg.behind() == []
+    step = agg.take_step(2, 0)
+    assert step is not None and step.contributors == [2] and step.late == 1
+    agg.add(PendingPush(0, 3, []))
+    assert agg.missing(live) == [1, 2]
+
+
+def test_membership_declares_silent_workers_gone_revives_them_and_lets_a_session_reclaim_an_id():
+    from stella.errors import NotRegistered, ServerError
+    from stella_ps.membership import Membership
+
+    m = Membership(expected=2)
+    a = m.join(b"conn-a", None)
+    b = m.join(b"conn-b", None)
+    a.registered = True  # b joined but never registered
+    now = time.monotonic()
+    assert m.sweep(1.0, now + 0.5) == []
+    a.last_seen = now + 1.0  # a heartbeat; b sends nothing
+    assert m.sweep(1.0, now + 1.6) == [b.worker]
+    assert set(m.gone) == {b.worker} and set(m.live) == {a.worker}
+    # a's old connection is still live: a new connection without the session is refused...
+    with pytest.raises(ServerError, match="in use"):
+        m.join(b"conn-a2", a.worker)
+    # ...with it, the id moves over (a reconnect), keeping the worker's state
+    a.last_push_req = 7
+    moved = m.join(b"conn-a2", a.worker, session=a.session)
+    assert moved is a and a.routing_id == b"conn-a2" and a.last_push_req == 7
+    # a gone id is given again to a new connection (a restarted process)
+    again = m.join(b"conn-b2", b.worker)
+    assert again.worker == b.worker and b.worker not in m.gone
+    # heartbeats: an unknown session is refused; a gone registered worker is revived by one
+    with pytest.raises(NotRegistered):
+        m.heartbeat(a.worker, a.session + 1, "")
+    assert m.sweep(1.0, time.monotonic() + 5) == [a.worker, again.worker]
+    info, revived = m.heartbeat(a.worker, a.session, "")
+    assert revived and info is a and a.worker in m.live
+    # a gone worker speaking on its own connection is live again
+    assert m.revive(b"conn-b2", again.worker) is again and again.worker in m.live
