@@ -91,8 +91,9 @@ KNOWN_CODES = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL.value, ErrorCod
 
 # ------------------------------------------------------------------ connections
 # The one place that knows whether stella-ps runs with CurveZMQ (the default; in the
-# suite, conftest's session key set in the environment). SECURE = False runs plaintext.
-SECURE = True
+# suite, conftest's session key set in the environment); STELLA_FUZZ_SERVER=insecure
+# runs the same against a plaintext server (--insecure).
+SECURE = os.environ.get("STELLA_FUZZ_SERVER", "curve") != "insecure"
 
 
 def start_server(factory, args: list[str], **kw: Any) -> ServerProcess:
@@ -180,7 +181,10 @@ class Harness:
         self.socks[sock].send_multipart([msgspec.msgpack.encode({"proto": protocol.PROTOCOL_VERSION, "req": req, **hdr})])
         return self._recv(sock, req)[0]
 
-    def _recv(self, sock: str, req: int) -> tuple[dict, list[bytes]]:
+    def _recv(self, sock: str, req: int, unreadable: bool = False) -> tuple[dict, list[bytes]]:
+        """The reply to ``req``; ``unreadable``: the header is malformed, and the server may
+        not have been able to read its ``req`` where this process could (msgspec's nesting
+        limit follows the process's recursion limit), so its refusal may say 0."""
         s = self.socks[sock]
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         while True:
@@ -191,7 +195,7 @@ class Harness:
             parts = s.recv_multipart()
             protocol.decode_reply(parts)  # every reply is itself a valid message
             hdr = msgspec.msgpack.decode(parts[0])
-            if hdr["req"] == req:
+            if hdr["req"] == req or (unreadable and hdr["req"] == 0 and hdr["type"] == "error"):
                 return hdr, parts
             self.stale += 1  # a reply to a pull that waited (answered once the trainer stepped)
 
@@ -271,7 +275,7 @@ class Harness:
                 self._baseline = self.state()
             before = self._baseline
             self.socks[sock].send_multipart(frames)
-            reply, _ = self._recv(sock, req)
+            reply, _ = self._recv(sock, req, unreadable=predicted == ErrorCode.PROTOCOL.value)
             self.sent += 1
             self.since_step += 1
             desc = describe(sock, frames, what)
@@ -481,7 +485,7 @@ def mutate(data: st.DataObject, rng: np.random.Generator, hdr: dict, frames: lis
     frames = list(frames)
     entries = hdr.get("tensors") if hdr.get("type") == "push" else None
     kinds = ["set_field", "set_field", "delete_field", "add_field", "wrap_in_list", "frames", "frames", "proto",
-             "type"]
+             "type", "nested", "bad_utf8"]
     if entries:
         kinds += ["count", "count", "frame_ref", "frame_ref", "nan_value", "index_bytes", "index_bytes",
                   "index_recode", "value_size", "tensor_id"]
@@ -501,6 +505,18 @@ def mutate(data: st.DataObject, rng: np.random.Generator, hdr: dict, frames: lis
         path = data.draw(st.sampled_from(paths))
         p = _parent(hdr, path)
         p[path[-1]] = [p[path[-1]]]
+    elif kind == "nested":  # a value nested deeper than any decoder goes: maps or arrays
+        path = data.draw(st.sampled_from(paths))
+        depth = data.draw(st.sampled_from([100, 1000, 30_000]))
+        opener = data.draw(st.sampled_from([b"\x81\xa1a", b"\x91"]))
+        _parent(hdr, path)[path[-1]] = msgspec.Raw(opener * depth + b"\xc0")
+    elif kind == "bad_utf8":  # a string value (the type's too) whose bytes are not UTF-8
+        strings = [p for p in paths if isinstance(_at(hdr, p), str)] or [("type",)]
+        path = data.draw(st.sampled_from(strings))
+        n = max(1, len(str(_at(hdr, path))))
+        bad = data.draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xfd"]))
+        raw = (bad * n)[:31]
+        _parent(hdr, path)[path[-1]] = msgspec.Raw(bytes([0xA0 | len(raw)]) + raw)
     elif kind == "proto":
         V = protocol.PROTOCOL_VERSION
         hdr["proto"] = data.draw(st.one_of(st.sampled_from([V - 1, V + 1, float(V), True, str(V), None, [V]]), JUNK))
@@ -730,7 +746,8 @@ class _Forced:
 @pytest.fixture(scope="module")
 def harness(module_server_factory):
     srv = start_server(module_server_factory,
-                       ["--max-message-bytes", str(MAX_MSG), "--step-deadline", str(STEP_DEADLINE_S)],
+                       ["--max-message-bytes", str(MAX_MSG), "--step-deadline", str(STEP_DEADLINE_S),
+                        "--oversized-ban-s", "0"],  # the fuzzer's key goes on after oversized messages
                        log_level="WARNING")
     h = Harness(srv)
     yield h

@@ -515,7 +515,8 @@ class Session:
         self._sock = self._new_socket()
         self._arm_finalizer()
         self._live.last_ok = time.monotonic()
-        join = Join(worker=self.worker_id, name=self.name, session=self._live.session or None)
+        join = Join(worker=self.worker_id, name=self.name, session=self._live.session or None,
+                    version=self._seen_version or None)
         try:
             joined = expect(self.wait(self.send(join, (), t), t), Joined)
         except ServerError as e:
@@ -527,12 +528,20 @@ class Session:
         self.worker_id = joined.worker
         self._start_heartbeats(joined)
         self.server_version = joined.version
+        seeded = False
         if self._registration is not None:
-            self.server_version = self._register(self._registration, t).version
+            reg = self._register(self._registration, t)
+            self.server_version, seeded = reg.version, reg.created
         v = self.server_version
         if v < self._seen_version:
-            log.warning("the server went back to an older version (restarted from a checkpoint); the next pull "
-                        "is a full snapshot", extra={"version": v, "had": self._seen_version})
+            if seeded:
+                log.warning("the server had lost the model (it restarted with no checkpoint to resume from): this "
+                            "worker's values initialised it again; the steps after version %d are lost here, and "
+                            "the next pull is a full snapshot", v, extra={"version": v, "had": self._seen_version})
+            else:
+                log.warning("the server restarted from an older checkpoint (version %d, this worker had seen %d): "
+                            "the steps after it are lost, and the next pull is a full snapshot", v,
+                            self._seen_version, extra={"version": v, "had": self._seen_version})
             self.need_snapshot = True
         self._seen_since_reconnect = v
         for req in sorted(self._sent):

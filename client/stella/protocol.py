@@ -196,6 +196,9 @@ class Join(_Message, tag="join", frozen=True):
     worker: WorkerId | None = None
     name: Name = ""
     session: Session | None = None
+    # on a reconnect: the newest model version this client saw (the server warns when it is
+    # behind it: it restarted without the job's newest state)
+    version: Version | None = None
 
 
 class Leave(_Message, tag="leave", frozen=True):
@@ -383,7 +386,22 @@ class _Envelope(msgspec.Struct):
     req: Any = None
 
 
+class _RequestId(msgspec.Struct):
+    """Only the ``req`` of a header whose other fields cannot be read (skipped unread)."""
+
+    req: Any = None
+
+
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_request_id_decoder = msgspec.msgpack.Decoder(_RequestId)
+
+
+def _req_of(header: bytes | memoryview) -> int:
+    try:
+        req = _request_id_decoder.decode(header).req
+    except Exception:  # anything a hostile header makes msgspec raise
+        return -1
+    return req if type(req) is int and 0 <= req < 2**63 else -1
 
 
 # ------------------------------------------------------------------ encode/decode
@@ -408,11 +426,7 @@ class Received:
 def request_id(header: bytes | memoryview) -> int:
     """The ``req`` of a header that may be malformed (-1 when it has none or cannot be
     read), so that an error reply can still name the request it refuses. Never raises."""
-    try:
-        req = _envelope_decoder.decode(header).req
-    except Exception:  # anything a hostile header makes msgspec raise
-        return -1
-    return req if type(req) is int and 0 <= req < 2**63 else -1
+    return _req_of(header)
 
 
 def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder[Any], kind: str) -> Received:
@@ -450,7 +464,9 @@ def _explain(header: memoryview, err: Exception, kind: str) -> ProtocolError:
     except msgspec.ValidationError:  # a subclass of DecodeError: valid MessagePack, not a map
         return ProtocolError("header must be a map")
     except Exception:  # corrupt, too deeply nested, invalid UTF-8: nothing more to read
-        return ProtocolError(f"malformed MessagePack header: {_reason(err)}")
+        out = ProtocolError(f"malformed MessagePack header: {_reason(err)}")
+        out.req = _req_of(header)  # where the rest can be skipped, the request is still named
+        return out
     out = _explained(env, err, kind)
     out.req = env.req if type(env.req) is int and 0 <= env.req < 2**63 else -1
     return out

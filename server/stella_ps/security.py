@@ -14,12 +14,20 @@ longer connect, and the messages of its open connections are refused from then o
 
 A peer is known in logs and ``status`` by the fingerprint of its public key, never by
 the key itself.
+
+A key can be *banned* for a while (:meth:`Allowlist.ban`): the server does so after an
+oversized message, and :class:`Connections` then cuts the TCP connections of the host
+it came from (libzmq bounds each frame, not a multipart message: it buffers the whole
+message before the server sees it, so the least the server can do is hang up and not
+let the same key straight back in).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -28,11 +36,12 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from .errors import ConfigError
 
-__all__ = ["ServerKeys", "Allowlist", "Gatekeeper", "KeySet", "write_keyset", "fingerprint", "ZAP_DOMAIN",
-           "load_server_keys"]
+__all__ = ["ServerKeys", "Allowlist", "Gatekeeper", "Connections", "KeySet", "write_keyset", "fingerprint",
+           "ZAP_DOMAIN", "load_server_keys"]
 
 log = logging.getLogger("stella_ps.security")
 ZAP_DOMAIN = "stella"
@@ -104,6 +113,7 @@ class Allowlist:
     def __init__(self, path: str):
         self.path = path
         self._keys: dict[str, str] = {}  # Z85 key -> its comment (a name), if any
+        self._banned: dict[str, float] = {}  # Z85 key -> monotonic time its ban ends
         self._mtime: float | None = None
         self._checked = 0.0
         self.reload(strict=True)
@@ -158,7 +168,27 @@ class Allowlist:
 
     def admits(self, z85_key: str) -> bool:
         self.maybe_reload()
+        if self._banned and not self._ban_over(z85_key):
+            return False
         return z85_key in self._keys
+
+    def name(self, z85_key: str) -> str:
+        """The allowlist's comment for ``z85_key`` (its name), or ""."""
+        return self._keys.get(z85_key, "")
+
+    def ban(self, z85_key: str, seconds: float) -> None:
+        """Refuse ``z85_key`` (connections and messages) for ``seconds``."""
+        self._banned[z85_key] = time.monotonic() + seconds
+        log.warning("key banned", extra={"key_fingerprint": fingerprint(z85_key), "seconds": seconds})
+
+    def _ban_over(self, z85_key: str) -> bool:
+        until = self._banned.get(z85_key)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self._banned[z85_key]
+        return True
 
 
 class Gatekeeper:
@@ -182,3 +212,56 @@ class Gatekeeper:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+class Connections:
+    """The TCP connections of one ROUTER socket, by file descriptor and peer host (from
+    the socket's monitor), so that the server can hang up on a host: ZeroMQ has no way
+    to close one peer of a bound socket, but shutting its TCP connection down makes
+    libzmq drop it (an honest client reconnects by itself, a banned key is refused)."""
+
+    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+    def __init__(self, sock: zmq.asyncio.Socket):
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(self.EVENTS)
+        self._hosts: dict[int, str] = {}  # fd -> peer IP
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            ev = parse_monitor_message(await self._monitor.recv_multipart())
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                try:
+                    with socket.socket(fileno=os.dup(fd)) as s:
+                        self._hosts[fd] = s.getpeername()[0]
+                except OSError:
+                    pass
+            else:
+                self._hosts.pop(fd, None)
+
+    def cut(self, host: str) -> int:
+        """Shut down every connection from ``host``; returns how many."""
+        n = 0
+        for fd, peer in list(self._hosts.items()):
+            if peer != host:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    s.shutdown(socket.SHUT_RDWR)
+                n += 1
+            except OSError:
+                pass
+            self._hosts.pop(fd, None)
+        return n
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)

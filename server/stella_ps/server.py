@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from .config import ServerConfig
 from .errors import ConfigError
 from .kernel import native_isa
 from .metrics import MetricsServer
-from .security import ZAP_DOMAIN, Allowlist, Gatekeeper, fingerprint, load_server_keys
+from .security import ZAP_DOMAIN, Allowlist, Connections, Gatekeeper, fingerprint, load_server_keys
 from .service import Peer, Service
 from .stats import Stats
 
@@ -36,6 +37,7 @@ __all__ = ["ParameterServer"]
 
 log = logging.getLogger("stella_ps.server")
 CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (command, nonce, MAC)
+HANG_UP_DELAY_S = 0.2  # from an oversized message's refusal to cutting its host's connections
 
 
 class ParameterServer:
@@ -56,6 +58,8 @@ class ParameterServer:
         self._insecure_peer = Peer("")
         self._resources: contextlib.AsyncExitStack | None = None
         self.metrics: MetricsServer | None = None
+        self._connections: Connections | None = None
+        self._trim = False  # an oversized message was received: give the heap back once it is dropped
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -68,6 +72,9 @@ class ParameterServer:
             if self._own_ctx:
                 stack.callback(self.ctx.term)
             self._sock = stack.enter_context(self._bound_socket())
+            self._connections = Connections(self._sock)
+            self._connections.start()
+            stack.push_async_callback(self._connections.close)
             if self.allowlist is not None:
                 gate = Gatekeeper(self.ctx, self.allowlist)
                 gate.start()
@@ -165,6 +172,9 @@ class ParameterServer:
                     log.error("message handling failed", exc_info=e)
                     self._refuse_unread(frames, e)
                 del first, frames
+                if self._trim:
+                    self._trim = False
+                    _release_heap()
         finally:
             stop.cancel()
             if recv is not None:
@@ -227,6 +237,7 @@ class ParameterServer:
             what = (f"{count - 1} frames > limit {MAX_FRAMES}" if count - 1 > MAX_FRAMES else
                     f"message of {size} bytes > limit {self.config.limits.max_message_bytes}")
             self.service.refuse(ident, request_id(body[0]), OversizedMessage(what))
+            self._hang_up(frames[1], peer)
             return
         try:
             rx = decode_request(body)
@@ -237,6 +248,25 @@ class ParameterServer:
             self.service.handle(ident, rx, peer)
         except Exception as e:
             self.service.refuse(ident, rx.msg.req, e)
+
+    def _hang_up(self, header: zmq.Frame, peer: Peer) -> None:
+        """After an oversized message: refuse its key for ``--oversized-ban-s`` (and drop its
+        workers), cut its host's connections, and give the memory back once it is dropped.
+        libzmq bounds frames, not messages, so the message was buffered whole; this keeps
+        the same peer from doing it again at once (docs/security.md)."""
+        self._trim = True
+        ban_s = self.config.limits.oversized_ban_s
+        if ban_s <= 0:
+            return  # the operator turned hanging up off
+        host = str(header.get("Peer-Address") or "")
+        if self.allowlist is not None and peer.key:
+            self.allowlist.ban(peer.key, ban_s)
+            self.service.drop_peer(peer.key)
+        log.warning("oversized message: cutting the connections of its host", extra={
+            "host": host, "key_fingerprint": peer.fingerprint, "ban_s": ban_s})
+        if self._connections is not None and host:
+            # a moment later, so that the `oversized` reply leaves first
+            asyncio.get_running_loop().call_later(HANG_UP_DELAY_S, self._connections.cut, host)
 
     def _refuse_unread(self, frames: list[zmq.Frame], exc: BaseException) -> None:
         """The last resort of the receive loop: an ``internal`` reply to the message whose
@@ -255,3 +285,12 @@ class ParameterServer:
             return self._insecure_peer
         key = str(header.get("User-Id"))  # the Z85 public key the ZAP handler admitted
         return Peer(key) if self.allowlist.admits(key) else None
+
+
+def _release_heap() -> None:
+    """Give freed heap memory back to the system (glibc's ``malloc_trim``; a no-op where
+    there is none): a message buffered whole leaves the heap grown after it is freed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

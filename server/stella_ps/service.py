@@ -243,6 +243,10 @@ class Service:
                                  key=peer.key, fingerprint=peer.fingerprint, session=msg.session)
         log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
                                          "key_fingerprint": info.fingerprint, "live": len(self.members.live)})
+        if msg.version is not None and msg.version > self.store.version:  # the server lost steps
+            log.warning("a worker reconnects having seen a newer version: this server restarted from an older "
+                        "checkpoint, or empty (no --checkpoint-dir)", extra={
+                            "worker": info.worker, "worker_version": msg.version, "version": self.store.version})
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised,
                                  session=info.session, heartbeat_s=self.config.liveness.heartbeat_s), ())
