@@ -42,9 +42,10 @@ $(STAMP): $(PY) pyproject.toml setup.py $(NATIVE)
 demo: $(STAMP)
 	$(VENV)/bin/stella demo
 
-# lint: ruff and mypy over client/ and server/ (configured in pyproject.toml); part of `make test`
+# lint: ruff over everything Python, mypy over client/ and server/ (strict on the wire schema and
+# the server's policy modules); configured in pyproject.toml; part of `make test`
 lint: $(STAMP)
-	$(VENV)/bin/ruff check client server
+	$(VENV)/bin/ruff check client server bench tests docker
 	$(VENV)/bin/mypy
 
 test: lint

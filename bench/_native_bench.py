@@ -14,7 +14,7 @@ import hashlib
 import importlib.util
 import pathlib
 import sys
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def _build_script():
     return mod
 
 
-@lru_cache(maxsize=None)
+@cache
 def load():
     """(ffi, lib) of the bench build, compiled on first use."""
     h = hashlib.sha256()
@@ -55,7 +55,7 @@ def load():
     return mod.ffi, mod.lib
 
 
-@lru_cache(maxsize=None)
+@cache
 def state_class():
     """:class:`stella_ps.kernel.KernelTensorState` on the bench build: the production
     wrapper's own source, loaded a second time as a module of a bench package whose

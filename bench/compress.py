@@ -9,7 +9,8 @@ warm-up steps, then timed steps (median reported; the residual carries over,
 as in training). ``torch.topk`` on ``|acc|`` of the same accumulated tensor is
 timed in the same run. Quality, on the last step: selected count / k, and the
 fraction of the exact top-k's squared magnitude (of the same ``acc``) that the
-selection captured (counting at most the k largest sent values). Wire: bytes per (index, value) pair of the selected set for
+selection captured (counting at most the k largest sent values). Wire: bytes per (index, value) pair of the
+selected set for
 every index coding x value dtype, with encode and decode times.
 
 One CPU thread by default (``torch.set_num_threads(1)``; the C kernels are
@@ -78,7 +79,7 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             g = _gen_grad(n, mean, gen_m, device)
             last = step == w + s - 1
             if last:
-                res = comp.residual("w").reshape(-1) if "w" in comp.keys() else torch.zeros_like(g)
+                res = comp.residual("w").reshape(-1) if "w" in comp else torch.zeros_like(g)
                 acc = res + g
             _sync(device)
             t = time.perf_counter()

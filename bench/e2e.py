@@ -268,7 +268,8 @@ def goals_section(results: list[dict]) -> str:
     """:func:`goal_ratios` as a markdown table."""
     out = ["| workload | Mbit/s | system | Stella s/it / its compute | time to target: DDP / Stella | "
            "PowerSGD / Stella | fp16 / Stella | iterations: Stella / DDP | bytes/it: Stella / DDP | "
-           "ideal DDP / Stella (DDP s/it / compute) | measured / ideal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "ideal DDP / Stella (DDP s/it / compute) | measured / ideal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in goal_ratios(results):
         ioc = g["iter_over_compute"]
         cells = [f"{ioc:.2f}x" if ioc is not None else "n/a"]

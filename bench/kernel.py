@@ -220,7 +220,7 @@ def run_case(rows, name, numel, density, workers, bw, reps, torch_reps=2, seed=0
         apply_fn(sets[0])  # warm-up (allocations, first touch)
         best = (0.0, 0.0, None, None)
         for pushes in sets[1:1 + n_reps]:
-            wall, cpu, u = timed(lambda: apply_fn(pushes))
+            wall, cpu, u = timed(lambda pushes=pushes: apply_fn(pushes))
             u = np.asarray(u)
             best = (max(best[0], u.shape[0] / wall), max(best[1], u.shape[0] / max(cpu, 1e-9)),
                     u if best[2] is None else best[2], pushes if best[3] is None else best[3])
@@ -293,7 +293,7 @@ def explore(rows, numel, bw, reps, names=("adamw", "sgd"), density=0.01, variant
                 states[huge] = TunableState(init, cfg, hugepages=huge)
         for st_ in states.values():
             st_.apply(make_pushes(rng, numel, density, 4), 0.25, cfg)
-        best = {v: (0.0, 0.0, None) for v in variants}
+        best = dict.fromkeys(variants, (0.0, 0.0, None))
         for rep in range(reps):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for v in order:
@@ -318,7 +318,8 @@ def explore(rows, numel, bw, reps, names=("adamw", "sgd"), density=0.01, variant
                  "step_ms": u / ups * 1e3, "updates_per_s": ups, "updates_per_cpu_s": ups_cpu,
                  "bytes_per_update": bpu, "triad_gbps": bw, "bw_fraction": ups * bpu / (bw * 1e9),
                  "loadavg": loadavg(), "hugepages": huge, "prefetch": pd,
-                 "prefetch_kind": ["prefetchw-L1", "prefetcht1-L2", "prefetchw-L1+merge", "prefetcht1-L2+merge"][mode], "tile": tile}
+                 "prefetch_kind": ["prefetchw-L1", "prefetcht1-L2", "prefetchw-L1+merge", "prefetcht1-L2+merge"][mode],
+                 "tile": tile}
             rows.append(r)
             print_row(r)
         del states

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     shard = torch.arange(a.rank, xtr.shape[0], a.world)
     xtr, ytr = xtr[shard], ytr[shard]
     model = demo_model(a.hidden, a.seed)
-    log = open(a.log, "a", buffering=1)
+    log = open(a.log, "a", buffering=1)  # noqa: SIM115 - written until the process ends
     opt = StellaOptimizer(model, a.address, optimizer={"name": "adamw", "lr": a.lr, "weight_decay": 0.0},
                           compression=Compression(density=a.density, method="threshold", dense_below=1024),
                           timeout=a.timeout,

@@ -17,7 +17,7 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 def _random_set(seed: int, numel: int, density: float) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    count = min(numel, max(0, int(round(numel * density))))
+    count = min(numel, max(0, round(numel * density)))
     if count == 0:
         return np.zeros(0, np.int32)
     if count * 4 > numel:  # dense-ish: a mask
@@ -79,7 +79,7 @@ def test_roundtrip_random_sets(seed, numel, density, coding):
         (2**31, [2**31 - 3, 2**31 - 2, 2**31 - 1]),
         (2**31 - 1, [5, 2**30, 2**31 - 2]),
         (2**31, list(range(0, 2**31, 2**24))),
-        (1000, list(range(0, 1000, 16)) + [999]),
+        (1000, [*list(range(0, 1000, 16)), 999]),
     ],
 )
 def test_roundtrip_edges(coding, numel, idx):

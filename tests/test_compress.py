@@ -34,7 +34,7 @@ def _check_sparse(sg: SparseGrad, n: int):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("method", SPARSE_METHODS + ("dense",))
+@pytest.mark.parametrize("method", (*SPARSE_METHODS, "dense"))
 def test_error_feedback_conserves_mass(method, backend):
     n, steps = 60_013, 12  # not a multiple of 16: a partial last block
     comp = ErrorFeedbackCompressor(density=0.01, method=method, backend=backend)
@@ -220,7 +220,7 @@ def test_value_rounding_error_stays_in_residual(backend, value_dtype, tdtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("method", SPARSE_METHODS + ("dense",))
+@pytest.mark.parametrize("method", (*SPARSE_METHODS, "dense"))
 @pytest.mark.parametrize("value_dtype", codec.QUANT_DTYPES)
 def test_quantised_values_conserve_mass(value_dtype, method, backend):
     """q4/q2: the values returned are what the receiver decodes, and the sum of all

@@ -26,7 +26,8 @@ def train(endpoint: str, density: float, method: str, lr: float = LR) -> list[tu
     def worker(rank: int) -> None:
         try:
             model = models[rank]
-            opt = StellaOptimizer(model, endpoint, mode="gradient", optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
+            opt = StellaOptimizer(model, endpoint, mode="gradient",
+                                  optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
                                   density=density, method=method, dense_below=1024, timeout=60,
                                   worker_id=rank)
             gen = torch.Generator().manual_seed(rank)

@@ -178,7 +178,8 @@ class Harness:
     def _call(self, sock: str, hdr: dict) -> dict:
         """A well-formed request of ours and its reply (set-up and clean-up only)."""
         req = self.next_req()
-        self.socks[sock].send_multipart([msgspec.msgpack.encode({"proto": protocol.PROTOCOL_VERSION, "req": req, **hdr})])
+        header = {"proto": protocol.PROTOCOL_VERSION, "req": req, **hdr}
+        self.socks[sock].send_multipart([msgspec.msgpack.encode(header)])
         return self._recv(sock, req)[0]
 
     def _recv(self, sock: str, req: int, unreadable: bool = False) -> tuple[dict, list[bytes]]:

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stella_ps import kernel
-from stella_ps.kernel import KernelInputError, KernelTensorState, union_indices
+from stella_ps.kernel import KernelTensorState, union_indices
 from stella_ps.optim import OptimizerConfig
 from stella_ps.optim_ref import RefTensorState
 
@@ -97,7 +97,7 @@ def test_matches_reference(cfg, numel, workers, steps, seed, dense_prob):
     rng = np.random.default_rng(seed)
     init = rng.standard_normal(numel).astype(F32)
     k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
-    for step in range(steps):
+    for _step in range(steps):
         if rng.random() < 0.2:  # learning-rate schedule
             cfg = cfg.updated({"lr": min(1.0, float(cfg.hparams["lr"] * rng.uniform(0.5, 1.5)))})  # lr * wd <= 1
         w = int(rng.integers(1, workers + 1))
@@ -175,12 +175,13 @@ def test_shape_is_flattened_and_init_copied():
 def test_threads_give_identical_results(name, dense):
     """Large enough that two threads really split the coordinate range."""
     rng = np.random.default_rng(3)
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **({"momentum": 0.9, "momentum_mode": "lazy"} if name == "sgd" else {})})
+    sgd = {"momentum": 0.9, "momentum_mode": "lazy"} if name == "sgd" else {}
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.01, **sgd})
     numel = 300_000
     init = rng.standard_normal(numel).astype(F32)
     states = {t: KernelTensorState(init, cfg) for t in (1, 2)}
     ref = RefTensorState(init, cfg)
-    for step in range(3):
+    for _step in range(3):
         pushes = [make_push(rng, numel, 0.2, dense and w == 0, ["f32", "f16", "bf16"][w % 3]) for w in range(3)]
         ref.apply([as_ref_push(p) for p in pushes], 1 / 3, cfg)
         touched = {}
@@ -271,7 +272,8 @@ def test_gather_and_snapshot():
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_state_arrays_round_trip(name):
     rng = np.random.default_rng(2)
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.1, **({"momentum": 0.5, "momentum_mode": "lazy"} if name == "sgd" else {})})
+    sgd = {"momentum": 0.5, "momentum_mode": "lazy"} if name == "sgd" else {}
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.1, **sgd})
     init = rng.standard_normal(777).astype(F32)
     a, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
     for _ in range(5):

@@ -22,7 +22,8 @@ def _imports(package: str) -> dict[str, set[str]]:
         if not name.endswith(".py"):
             continue
         mod = f"{package}.{name[:-3]}" if name != "__init__.py" else package
-        tree = ast.parse(open(os.path.join(PACKAGES[package], name)).read())
+        with open(os.path.join(PACKAGES[package], name)) as f:
+            tree = ast.parse(f.read())
         deps: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -23,9 +23,9 @@ from stella.cli import main as stella_main
 from stella.protocol import StatusReply, WorkerReport, WorkerStatus
 from stella.status import rates, render, watch
 from stella_ps import health
-from stella_ps.kernel import native_isa
 from stella_ps.config import parse_bind
 from stella_ps.errors import ConfigError
+from stella_ps.kernel import native_isa
 from stella_ps.metrics import MetricsServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

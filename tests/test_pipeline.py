@@ -63,7 +63,7 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype)
                           method="exact", value_dtype=value_dtype, timeout=10)
     total = torch.zeros(n)
     rng = torch.Generator().manual_seed(0)
-    for t in range(5):
+    for _t in range(5):
         g = torch.randn(n, generator=rng)
         total += g
         (model.w * g).sum().backward()
@@ -104,7 +104,8 @@ def test_background_errors_surface_in_the_training_loop(make_server, monkeypatch
     monkeypatch.setenv("STELLA_RECONNECT_S", "2")  # the client tries to reconnect for 2 s, then gives up
     srv = make_server(1)
     model = Toy()
-    opt = StellaOptimizer(model, srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense", timeout=1.0)
+    opt = StellaOptimizer(model, srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+                          timeout=1.0)
     (model.w * grad_at(0)).sum().backward()
     opt.step()
     opt.synchronize()
@@ -153,7 +154,8 @@ def test_density_budget_grows_while_the_exchange_hides_and_shrinks_when_it_does_
 def test_auto_density_rises_to_the_ceiling_when_compute_hides_the_exchange(server):
     n = 50_000
     model = Toy(n)
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 0.01}, density="auto",
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 0.01},
+                          density="auto",
                           min_density=0.01, max_density=0.05, timeout=10)
     assert opt.stats.density == 0.01
     pushed = []

@@ -114,7 +114,7 @@ def test_replicas_equal_server_bit_for_bit(make_server, make_client):
         snap.apply_to(rep)
         replicas.append((c, rep, [snap.version]))
     for step in range(15):
-        for c, rep, ver in replicas:
+        for c, _rep, ver in replicas:
             k = int(rng.integers(1, 40))
             idx = np.sort(rng.choice(200, k, replace=False)).astype(np.int32)
             c.push({"w": (idx, rng.standard_normal(k).astype(np.float32))}, ver[0])

@@ -77,7 +77,8 @@ def test_removing_a_key_takes_effect_without_a_restart(make_server, two_keys):
         b.register({SECRET_NAME: np.zeros(8, np.float32)})
         b.push({SECRET_NAME: np.ones(8, np.float32)}, 0)
         assert _train_one_step(a, 0) == 1
-        lines = open(two_keys.allowlist).read().splitlines()
+        with open(two_keys.allowlist) as f:
+            lines = f.read().splitlines()
         old_mtime = os.stat(two_keys.allowlist).st_mtime
         with open(two_keys.allowlist, "w") as f:  # take b off the list
             f.write("\n".join(line for line in lines if not line.endswith(" b")) + "\n")

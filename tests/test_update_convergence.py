@@ -82,7 +82,7 @@ def stella_curve(endpoint: str, **kw) -> list[tuple[int, float]]:
                 if stop.is_set() and step % EVAL_EVERY == 0:
                     break
             opt.close()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
+        except BaseException as e:
             errors.append(e)
             stop.set()
 

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from bench.wan import Link, NotRootError, WanTestbed, netns_available
-from bench.wan import bulk
+from bench.wan import Link, NotRootError, WanTestbed, bulk, netns_available
 
 _ok, _why = netns_available()
 needs_netns = pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailable: {_why}")
@@ -20,12 +19,12 @@ needs_netns = pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailabl
 
 def _netns_names():
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return {l.split()[0] for l in out.splitlines() if l.strip()}
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
 def _root_links():
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return {l.split(":")[1].strip().split("@")[0] for l in out.splitlines()}
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
 
 
 def test_refuses_clearly_without_root(monkeypatch):
@@ -44,9 +43,9 @@ def test_cli_exits_nonzero_without_root():
 
 
 def test_link_parse():
-    l = Link.parse("100/20@5:50/-@10:100")
-    assert (l.up, l.down) == (100, 20)
-    assert l.schedule == ((5.0, 50.0, None), (10.0, 100.0, 100.0))
+    link = Link.parse("100/20@5:50/-@10:100")
+    assert (link.up, link.down) == (100, 20)
+    assert link.schedule == ((5.0, 50.0, None), (10.0, 100.0, 100.0))
     assert Link.parse("-").up is None
 
 
@@ -92,12 +91,12 @@ def test_rate_schedule_takes_effect():
 @needs_netns
 def test_teardown_leaves_nothing_behind_even_after_exception():
     before_ns, before_links = _netns_names(), _root_links()
-    with pytest.raises(RuntimeError, match="boom"):
-        with WanTestbed({"ps": Link(1000, 1000), "a": Link(100, 100), "b": Link(50, 10)}, max_lifetime=60) as bed:
-            prefix = bed.prefix
-            assert {f"{prefix}-ps", f"{prefix}-a", f"{prefix}-b", f"{prefix}-hub"} <= _netns_names()
-            p = bed.popen("a", ["sleep", "30"])
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), \
+            WanTestbed({"ps": Link(1000, 1000), "a": Link(100, 100), "b": Link(50, 10)}, max_lifetime=60) as bed:
+        prefix = bed.prefix
+        assert {f"{prefix}-ps", f"{prefix}-a", f"{prefix}-b", f"{prefix}-hub"} <= _netns_names()
+        p = bed.popen("a", ["sleep", "30"])
+        raise RuntimeError("boom")
     assert p.poll() is not None, "process started in the test bed survived teardown"
     after = _netns_names()
     assert not any(n.startswith(prefix) for n in after), after
@@ -162,4 +161,9 @@ def test_signal_tears_down(sig, repeat):
             proc.wait()
     assert proc.returncode != 0
     assert not any(n.startswith(prefix) for n in _netns_names())
-    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
+    assert not os.path.exists(f"/proc/{child}") or _proc_state(child) == "Z"
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2]

@@ -20,8 +20,7 @@ import subprocess
 import sys
 import time
 
-from .testbed import (STATE_DIR, Link, NetnsUnavailableError, NotRootError, TestbedError, WanTestbed,
-                      cleanup_stale)
+from .testbed import STATE_DIR, Link, NetnsUnavailableError, NotRootError, TestbedError, WanTestbed, cleanup_stale
 
 DEFAULT_SITES = ["ps=1000/1000", "a=100/100", "b=100/100"]
 

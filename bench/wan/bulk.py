@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Dict, List, Tuple
 
 _RECV = r"""
 import json, socket, sys, time
@@ -56,13 +55,13 @@ s.close()
 """
 
 
-def _ns(bed, site: str) -> Tuple[str, str]:
+def _ns(bed, site: str) -> tuple[str, str]:
     if site == "hub":
         return bed.hub_ns, bed.hub_address
     return bed.namespace(site), bed.address(site)
 
 
-def transfer(bed, src: str, dst: str, duration: float, port: int = 5201) -> List[Tuple[float, int]]:
+def transfer(bed, src: str, dst: str, duration: float, port: int = 5201) -> list[tuple[float, int]]:
     """Send bulk TCP ``src`` -> ``dst`` for ``duration`` s; returns the
     receiver's cumulative ``(seconds since first byte, bytes)`` samples."""
     if duration <= 0 or duration > 60:
@@ -78,7 +77,8 @@ def transfer(bed, src: str, dst: str, duration: float, port: int = 5201) -> List
         line = recv.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError(f"receiver failed: {line}{recv.stderr.read()}")
-        send = subprocess.Popen(["ip", "netns", "exec", sns, sys.executable, "-c", _SEND, daddr, str(port), str(duration)],
+        send = subprocess.Popen(["ip", "netns", "exec", sns, sys.executable, "-c", _SEND, daddr, str(port),
+                                 str(duration)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         bed._procs.append(send)
         _, serr = send.communicate(timeout=limit)
@@ -93,7 +93,7 @@ def transfer(bed, src: str, dst: str, duration: float, port: int = 5201) -> List
                 p.wait()
 
 
-def rate_between(samples: List[Tuple[float, int]], t_from: float, t_to: float) -> float:
+def rate_between(samples: list[tuple[float, int]], t_from: float, t_to: float) -> float:
     """Mbit/s delivered between two instants of a cumulative byte curve."""
     pts = [(t, n) for t, n in samples if t_from <= t <= t_to]
     if len(pts) < 2 or pts[-1][0] - pts[0][0] <= 0:
@@ -101,7 +101,7 @@ def rate_between(samples: List[Tuple[float, int]], t_from: float, t_to: float) -
     return (pts[-1][1] - pts[0][1]) * 8 / (pts[-1][0] - pts[0][0]) / 1e6
 
 
-def measure(bed, src: str, dst: str, seconds: float = 2.0, warmup: float = 0.3, port: int = 5201) -> Dict:
+def measure(bed, src: str, dst: str, seconds: float = 2.0, warmup: float = 0.3, port: int = 5201) -> dict:
     samples = transfer(bed, src, dst, seconds + warmup, port=port)
     end = samples[-1][0]
     return {"src": src, "dst": dst, "mbit": rate_between(samples, warmup, end), "seconds": end - warmup,

@@ -41,8 +41,8 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "Link",
@@ -74,7 +74,7 @@ class TestbedError(RuntimeError):
 class NotRootError(TestbedError):
     """Raised when the test bed is used without root / CAP_NET_ADMIN."""
 
-    def __init__(self, msg: Optional[str] = None):
+    def __init__(self, msg: str | None = None):
         super().__init__(
             msg
             or "bench.wan needs root (CAP_NET_ADMIN) to create network namespaces, "
@@ -96,9 +96,9 @@ class Link:
     thread with ``tc qdisc change``.
     """
 
-    up: Optional[float] = 100.0
-    down: Optional[float] = 100.0
-    schedule: Tuple[Tuple[float, Optional[float], Optional[float]], ...] = ()
+    up: float | None = 100.0
+    down: float | None = 100.0
+    schedule: tuple[tuple[float, float | None, float | None], ...] = ()
 
     def __post_init__(self):
         for v in (self.up, self.down):
@@ -108,7 +108,7 @@ class Link:
         object.__setattr__(self, "schedule", sched)
 
     @classmethod
-    def parse(cls, text: str) -> "Link":
+    def parse(cls, text: str) -> Link:
         """``"100"`` (symmetric), ``"100/20"`` (up/down), ``"-"`` (unshaped),
         optionally followed by ``@t:up/down`` schedule points, e.g.
         ``"100/100@5:20/20@10:100/100"``."""
@@ -129,7 +129,7 @@ class Link:
         return s
 
 
-def _parse_pair(text: str) -> Tuple[Optional[float], Optional[float]]:
+def _parse_pair(text: str) -> tuple[float | None, float | None]:
     text = text.strip()
     conv = lambda s: None if s in ("-", "", "inf", "none") else float(s)
     if "/" in text:
@@ -143,7 +143,7 @@ def is_root() -> bool:
     return os.geteuid() == 0
 
 
-def netns_available() -> Tuple[bool, str]:
+def netns_available() -> tuple[bool, str]:
     """(ok, reason): can this process build a test bed here?"""
     if not is_root():
         return False, str(NotRootError())
@@ -166,7 +166,7 @@ def _run(args: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT)
     return r
 
 
-def _tbf_args(rate_mbit: float) -> List[str]:
+def _tbf_args(rate_mbit: float) -> list[str]:
     # burst: at least 64 KiB (one TSO/GSO super-packet), and >= 4 ms worth at
     # high rates so the token bucket is not starved by timer granularity.
     rate_bps = rate_mbit * 1e6
@@ -177,9 +177,9 @@ def _tbf_args(rate_mbit: float) -> List[str]:
 # --------------------------------------------------------------------------- #
 # global registry so atexit / signal handlers can tear everything down
 
-_LIVE: "weakref.WeakSet[WanTestbed]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[WanTestbed] = weakref.WeakSet()
 _HANDLERS_INSTALLED = False
-_PREV_HANDLERS: Dict[int, object] = {}
+_PREV_HANDLERS: dict[int, object] = {}
 _SIGNAL_TEARDOWN = threading.Event()  # set once a signal started the teardown
 
 
@@ -217,7 +217,8 @@ def _install_handlers():
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 prev = signal.getsignal(sig)
-                _PREV_HANDLERS[sig] = prev if prev not in (signal.SIG_DFL, signal.SIG_IGN, None, signal.default_int_handler) else None
+                plain = (signal.SIG_DFL, signal.SIG_IGN, None, signal.default_int_handler)
+                _PREV_HANDLERS[sig] = prev if prev not in plain else None
                 signal.signal(sig, _signal_handler)
             except (ValueError, OSError):  # pragma: no cover
                 pass
@@ -234,9 +235,9 @@ class _Site:
     ns: str
     hub_if: str
     address: str
-    up: Optional[float]
-    down: Optional[float]
-    schedule: Tuple = ()
+    up: float | None
+    down: float | None
+    schedule: tuple = ()
 
 
 class WanTestbed:
@@ -257,12 +258,12 @@ class WanTestbed:
 
     def __init__(
         self,
-        sites: Mapping[str, "Link | str"],
+        sites: Mapping[str, Link | str],
         *,
         max_lifetime: float = 3600.0,
-        prefix: Optional[str] = None,
-        subnet: Optional[Tuple[int, int]] = None,
-        state_dir: Optional[str] = STATE_DIR,
+        prefix: str | None = None,
+        subnet: tuple[int, int] | None = None,
+        state_dir: str | None = STATE_DIR,
     ):
         if not sites:
             raise ValueError("a test bed needs at least one site")
@@ -281,7 +282,7 @@ class WanTestbed:
         self.subnet = f"10.{sx}.{sy}.0/24"
         self.hub_ns = f"{self.prefix}-hub"
         self.hub_address = f"10.{sx}.{sy}.254"
-        self.sites: Dict[str, _Site] = {}
+        self.sites: dict[str, _Site] = {}
         for i, (name, link) in enumerate(sites.items()):
             if not name or not all(c.isalnum() or c in "_" for c in name) or len(name) > 30:
                 raise ValueError(f"bad site name {name!r} (alphanumeric/underscore, <= 30 chars)")
@@ -292,18 +293,18 @@ class WanTestbed:
                 address=f"10.{sx}.{sy}.{i + 1}", up=link.up or None, down=link.down or None,
                 schedule=link.schedule,
             )
-        self._procs: List[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen] = []
         self._lock = threading.RLock()
         self._closed = False
         self._up = False
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._threads: List[threading.Thread] = []
-        self.t0: Optional[float] = None
-        self.rate_log: List[Tuple[float, str, Optional[float], Optional[float]]] = []
+        self._threads: list[threading.Thread] = []
+        self.t0: float | None = None
+        self.rate_log: list[tuple[float, str, float | None, float | None]] = []
 
     # ------------------------------------------------------------------ life
-    def __enter__(self) -> "WanTestbed":
+    def __enter__(self) -> WanTestbed:
         self.start()
         return self
 
@@ -311,7 +312,7 @@ class WanTestbed:
         self.close()
         return False
 
-    def start(self) -> "WanTestbed":
+    def start(self) -> WanTestbed:
         if self._up:
             return self
         _install_handlers()
@@ -353,11 +354,12 @@ class WanTestbed:
             _run(["ip", "-n", s.ns, "link", "set", SITE_IF, "up"])
             self._apply(s, s.up, s.down, add=True)
 
-    def _apply(self, s: _Site, up: Optional[float], down: Optional[float], add: bool = False):
-        for ns, dev, rate, old in ((s.ns, SITE_IF, up, None if add else s.up), (self.hub_ns, s.hub_if, down, None if add else s.down)):
+    def _apply(self, s: _Site, up: float | None, down: float | None, add: bool = False):
+        for ns, dev, rate, old in ((s.ns, SITE_IF, up, None if add else s.up),
+                                   (self.hub_ns, s.hub_if, down, None if add else s.down)):
             if rate:
                 verb = "change" if old else "add"
-                _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root"] + _tbf_args(rate))
+                _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", *_tbf_args(rate)])
             elif old:
                 _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"])
         s.up, s.down = up, down
@@ -465,11 +467,11 @@ class WanTestbed:
 
     iface = SITE_IF  #: name of the WAN interface inside every site namespace
 
-    def rates(self, site: str) -> Tuple[Optional[float], Optional[float]]:
+    def rates(self, site: str) -> tuple[float | None, float | None]:
         s = self._site(site)
         return s.up, s.down
 
-    def set_rate(self, site: str, up: Optional[float] = None, down: Optional[float] = None):
+    def set_rate(self, site: str, up: float | None = None, down: float | None = None):
         """Change a site's uplink and/or downlink rate now (Mbit/s; ``None`` keeps
         the current value, ``0`` removes shaping)."""
         with self._lock:
@@ -477,7 +479,7 @@ class WanTestbed:
             s = self._site(site)
             self._apply(s, s.up if up is None else (up or None), s.down if down is None else (down or None))
 
-    def counters(self, site: str) -> Dict[str, int]:
+    def counters(self, site: str) -> dict[str, int]:
         """Bytes/packets through the site's WAN interface: ``tx_bytes`` is what
         left the site (uplink), ``rx_bytes`` what arrived (downlink)."""
         s = self._site(site)
@@ -493,7 +495,7 @@ class WanTestbed:
         b = _run(["tc", "-n", self.hub_ns, "-s", "qdisc", "show", "dev", s.hub_if]).stdout
         return f"[{site} uplink]\n{a}[{site} downlink]\n{b}"
 
-    def env(self, site: str, rank: Optional[int] = None, world: Optional[int] = None) -> Dict[str, str]:
+    def env(self, site: str, rank: int | None = None, world: int | None = None) -> dict[str, str]:
         """Environment variables describing the test bed for a process in ``site``."""
         e = {
             "STELLA_WAN_SITE": site,
@@ -515,12 +517,12 @@ class WanTestbed:
         if self._closed or not self._up:
             raise TestbedError(f"test bed {self.prefix} is not running")
 
-    def wrap(self, site: str, argv: Sequence[str]) -> List[str]:
+    def wrap(self, site: str, argv: Sequence[str]) -> list[str]:
         """argv that runs ``argv`` inside ``site``'s namespace."""
         return ["ip", "netns", "exec", self._site(site).ns] + [str(a) for a in argv]
 
-    def popen(self, site: str, argv: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
-              rank: Optional[int] = None, world: Optional[int] = None, **kw) -> subprocess.Popen:
+    def popen(self, site: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              rank: int | None = None, world: int | None = None, **kw) -> subprocess.Popen:
         """Start ``argv`` inside ``site`` (``ip netns exec``).  The process gets
         its own session (killed as a group at teardown) and the environment of
         :meth:`env` on top of ``env`` (default: ``os.environ``)."""
@@ -532,7 +534,8 @@ class WanTestbed:
         self._procs.append(p)
         return p
 
-    def run(self, site: str, argv: Sequence[str], *, timeout: float, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    def run(self, site: str, argv: Sequence[str], *, timeout: float, check: bool = False,
+            **kw) -> subprocess.CompletedProcess:
         """Run ``argv`` inside ``site`` to completion; killed after ``timeout`` s."""
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.PIPE)
@@ -543,7 +546,7 @@ class WanTestbed:
         except subprocess.TimeoutExpired:
             _kill(p)
             out, err = p.communicate()
-            raise TestbedError(f"{argv[0]} in site {site} exceeded {timeout:g}s")
+            raise TestbedError(f"{argv[0]} in site {site} exceeded {timeout:g}s") from None
         cp = subprocess.CompletedProcess(p.args, p.returncode, out, err)
         if check and p.returncode != 0:
             raise TestbedError(f"{argv} in site {site} exited {p.returncode}: {err}")
@@ -576,7 +579,7 @@ def _kill(p: subprocess.Popen, grace: float = 2.0):
         p.wait(timeout=5)
 
 
-def cleanup_stale(prefix: Optional[str] = None, state_dir: str = STATE_DIR) -> List[str]:
+def cleanup_stale(prefix: str | None = None, state_dir: str = STATE_DIR) -> list[str]:
     """Delete namespaces of test beds whose owner process is gone (or, with
     ``prefix``, of that one test bed).  Only namespaces recorded in a state
     file of this module, or named ``<prefix>-*``, are touched."""
@@ -591,7 +594,7 @@ def cleanup_stale(prefix: Optional[str] = None, state_dir: str = STATE_DIR) -> L
                 except (OSError, ValueError):
                     continue
     listed = _run(["ip", "netns", "list"]).stdout.split("\n")
-    present = {l.split()[0] for l in listed if l.strip()}
+    present = {line.split()[0] for line in listed if line.strip()}
     for fn, st in states:
         if prefix is not None and st.get("prefix") != prefix:
             continue
