@@ -57,11 +57,12 @@ def _worker(endpoint: str, rank: int, numel: int, density: float, steps: int, op
     c.close()
 
 
-def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str) -> dict:
+def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str,
+                   server_args: tuple[str, ...] = ()) -> dict:
     opt = {"name": optimizer, "lr": 1e-3}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with ServerProcess(workers=workers, log_level="WARNING") as srv:
+    with ServerProcess(workers=workers, args=server_args, log_level="WARNING") as srv:
         keys = srv.client_kwargs()
         procs = [ctx.Process(target=_worker, args=(srv.endpoint, r, numel, density, steps, opt, out, keys))
                  for r in range(workers)]
@@ -110,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--server-args", default="", help="flags for stella-ps, e.g. '--push-norm-factor 0'")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     numel = a.numel or (1_000_000 if a.quick else 10_000_000)
     steps = a.steps or (40 if a.quick else 100)
-    rows = [run_throughput(numel, a.density, a.workers, steps, opt) for opt in ("sgd", "adamw")]
+    server_args = tuple(a.server_args.split())
+    rows = [run_throughput(numel, a.density, a.workers, steps, opt, server_args) for opt in ("sgd", "adamw")]
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
     print(f"stella-ps throughput: {a.workers} workers, {numel:,} parameters in {TENSORS} tensors, "
           f"density {a.density:.0%}, Rice + f16 pushes, synchronous push + pull per step")
