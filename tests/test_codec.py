@@ -514,3 +514,17 @@ def test_delta_refuses_quantised_values():
                                      "raw32", "q4")
     with pytest.raises(ProtocolError, match="for pushes only"):
         decode_reply(encode(Delta(version=1, full=False, tensors=entries), frames))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_the_sum_of_squares_of_wire_values_matches_float64_numpy(dtype):
+    """The push-norm bounds' one C pass (stella._codec_native.sum_of_squares), against
+    NumPy in float64 on the values as the receiver decodes them, huge ones included."""
+    from stella._codec_native import sum_of_squares
+
+    rng = np.random.default_rng(7)
+    vals = np.concatenate([rng.standard_normal(1001), [3e38 if dtype != "f16" else 6e4, -1e-30]]).astype(np.float32)
+    wire = np.frombuffer(codec.encode_values(vals, dtype), dtype={"f32": np.float32, "f16": np.float16,
+                                                                  "bf16": np.uint16}[dtype])
+    want = np.square(codec.decode_values(wire.tobytes(), vals.size, dtype).astype(np.float64)).sum()
+    assert sum_of_squares(wire) == pytest.approx(want, rel=1e-12) and np.isfinite(sum_of_squares(wire))

@@ -18,6 +18,8 @@ void stella_f32_to_bf16(const float *in, int64_t n, uint16_t *out);
 void stella_bf16_to_f32(const uint16_t *in, int64_t n, float *out);
 /* STELLA_OK when all n values (of STELLA_VAL_* dtype) are finite, else STELLA_E_NONFINITE. */
 int stella_values_check(const void *val, int64_t n, int32_t dtype);
+/* The sum of the squares of n values (STELLA_VAL_F32/F16/BF16), in float64, into *out. */
+int stella_values_sumsq(const void *val, int64_t n, int32_t dtype, double *out);
 
 /* q4/q2 (STELLA_VAL_Q4/Q2): values in chunks of STELLA_QCHUNK, each with a float32
  * scale (its largest magnitude) and 4-/2-bit level codes; codec.c has the format. */

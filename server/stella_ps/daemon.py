@@ -5,17 +5,24 @@ package is library code.
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import os
-import signal
-import sys
-import time
 
-from .config import ServerConfig, parse_args
-from .errors import ConfigError
-from .server import ParameterServer
+# Before numpy is imported (by .server): the server does its vector work in the C kernel
+# and in small numpy calls; a BLAS thread pool would only spin on the cores that the
+# store thread and the kernel's threads need. An operator's own setting is kept.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from .config import ServerConfig, parse_args  # noqa: E402
+from .errors import ConfigError  # noqa: E402
+from .server import ParameterServer  # noqa: E402
 
 __all__ = ["main", "run"]
 
