@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +69,24 @@ def _steps(res: dict[str, Any]) -> int | None:
     return int(reach["step"]) if reach else None
 
 
+def _mean_steps(steps: list[int | None]) -> float | None:
+    """The mean over seeds of the steps to target; None if a seed did not reach it."""
+    return None if not steps or None in steps else statistics.mean(s for s in steps if s is not None)
+
+
 def stella(workload: str, w: int, v: Variant, a: argparse.Namespace, *, bed: Any = None, site_size: int = 1,
            sites: list[str] | None = None) -> dict[str, Any]:
-    res = run_stella(workload, world=w, steps=a.steps, max_seconds=a.max_seconds, bed=bed, sites=sites,
-                     seed=a.seed, stop_at_target=True, density=v.density or a.density, mode="update",
-                     server_args=v.server_args, outer=v.outer, site_size=site_size)
-    if not res.get("ok"):
-        raise RuntimeError(f"W={w} {v.spec}: {res.get('error')}")
+    """One configuration at ``W`` over every seed: the traffic and server CPU of the
+    first seed's run, the steps to target of each."""
+    runs = []
+    for seed in a.seed_list:
+        res = run_stella(workload, world=w, steps=a.steps, max_seconds=a.max_seconds, bed=bed, sites=sites,
+                         seed=seed, stop_at_target=True, density=v.density or a.density, mode="update",
+                         server_args=v.server_args, outer=v.outer, site_size=site_size)
+        if not res.get("ok"):
+            raise RuntimeError(f"W={w} {v.spec} seed {seed}: {res.get('error')}")
+        runs.append(res)
+    res = runs[0]
     nbytes, values = res["client_bytes_per_round"], res["values_per_round"]
     per_site_wan = None
     if bed is not None:  # the veth counters of each site: what crossed its link
@@ -83,24 +95,34 @@ def stella(workload: str, w: int, v: Variant, a: argparse.Namespace, *, bed: Any
             "server_cpu_ms_per_round": round(res["server_cpu_ms_per_round"], 2),
             "push_bytes_per_round": round(nbytes["pushed"]), "pull_bytes_per_round": round(nbytes["pulled"]),
             "push_values_per_round": round(values["pushed"]), "pull_values_per_round": round(values["pulled"]),
-            "steps_to_target": _steps(res), "final_metric": res["final_metric"], "metric": res["metric"],
+            "steps_to_target": _mean_steps([_steps(r) for r in runs]), "steps_by_seed": [_steps(r) for r in runs],
+            "final_metric": res["final_metric"], "metric": res["metric"],
             "train_wall_s": res["train_wall"],
             "wan_bytes_per_rank_per_iter": per_site_wan}
 
 
-def _table(workload: str, rows: list[dict[str, Any]], dense: dict[int, int | None]) -> None:
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _ratio(x: float | None, y: float | None) -> str:
+    return f"{x / y:.2f}" if x and y else "-"
+
+
+def _table(workload: str, rows: list[dict[str, Any]], dense: dict[int, float | None]) -> None:
+    exact = {r["workers"]: r["steps_to_target"] for r in rows if r["pull"] == "exact"}
     print(f"{'W':>3} {'configuration':<22} {'push B/rnd':>11} {'pull B/rnd':>11} {'pull/push':>9} "
-          f"{'values push/pull':>17} {'server ms':>9} {'steps':>6} {'DDP':>5} {'x DDP':>6}")
+          f"{'values push/pull':>17} {'server ms':>9} {'steps':>6} {'DDP':>5} {'x DDP':>6} {'x exact':>7}")
     for r in rows:
         d, s = dense.get(r["workers"]), r["steps_to_target"]
         print(f"{r['workers']:>3} {r['pull']:<22} {r['push_bytes_per_round']:>11,} {r['pull_bytes_per_round']:>11,} "
               f"{r['pull_bytes_per_round'] / max(1, r['push_bytes_per_round']):>9.2f} "
               f"{r['push_values_per_round']:>8,}/{r['pull_values_per_round']:<8,} "
-              f"{r['server_cpu_ms_per_round']:>9.2f} {s or '-':>6} {d or '-':>5} "
-              f"{f'{s / d:.2f}' if s and d else '-':>6}")
+              f"{r['server_cpu_ms_per_round']:>9.2f} {_num(s):>6} {_num(d):>5} {_ratio(s, d):>6} "
+              f"{_ratio(s, exact.get(r['workers'])):>7}")
 
 
-def _plot(workload: str, rows: list[dict[str, Any]], dense: dict[int, int | None], path: str) -> None:
+def _plot(workload: str, rows: list[dict[str, Any]], dense: dict[int, float | None], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--density", default="0.01", help="the pushes' density, or auto")
     p.add_argument("--steps", type=int, default=400, help="the most steps of a run (it stops at the target)")
     p.add_argument("--max-seconds", type=float, default=1800)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="seeds, comma-separated: steps to target are their mean")
     p.add_argument("--sites", help="SxR: S sites of R ranks against S*R flat workers (the test bed)")
     p.add_argument("--rate", type=float, default=100.0, help="Mbit/s of each site (--sites)")
     p.add_argument("--ps-rate", type=float, default=1000.0)
@@ -146,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
     a = p.parse_args(argv)
+    a.seed_list = [int(x) for x in a.seeds.split(",")]
     if a.quick:
         a.workers = "2,8"
     load0 = loadavg()
@@ -153,26 +176,28 @@ def main(argv: list[str] | None = None) -> int:
         return _sites(a, load0)
     ws = [int(x) for x in a.workers.split(",")]
     variants = [Variant.parse(x) for x in a.pulls.split(",")]
-    dense = {}
+    dense, dense_by_seed = {}, {}
     for w in ws:
-        d = run_ddp(a.workload, "ddp", world=w, steps=a.steps, max_seconds=a.max_seconds, seed=a.seed,
-                    stop_at_target=True)
-        dense[w] = _steps(d) if d.get("ok") else None
-        print(f"# W={w} DDP: {dense[w]} steps", file=sys.stderr, flush=True)
+        ddp = [run_ddp(a.workload, "ddp", world=w, steps=a.steps, max_seconds=a.max_seconds, seed=seed,
+                       stop_at_target=True) for seed in a.seed_list]
+        dense_by_seed[w] = [_steps(d) if d.get("ok") else None for d in ddp]
+        dense[w] = _mean_steps(dense_by_seed[w])
+        print(f"# W={w} DDP: {dense_by_seed[w]} steps", file=sys.stderr, flush=True)
     rows = []
     for w in ws:
         for v in variants:
             rows.append(stella(a.workload, w, v, a))
-            print(f"# W={w} {v.spec}: {rows[-1]['steps_to_target']} steps, {rows[-1]['train_wall_s']:.0f} s",
+            print(f"# W={w} {v.spec}: {rows[-1]['steps_by_seed']} steps, {rows[-1]['train_wall_s']:.0f} s",
                   file=sys.stderr, flush=True)
-    print(f"bench.scale: {a.workload}, update mode, {a.density} f16 pushes, at most {a.steps} steps; loopback; "
-          f"load {load0} -> {loadavg()}")
+    print(f"bench.scale: {a.workload}, update mode, {a.density} f16 pushes, at most {a.steps} steps, seeds "
+          f"{a.seeds} (steps: their mean); loopback; load {load0} -> {loadavg()}")
     _table(a.workload, rows, dense)
     if a.plot:
         _plot(a.workload, rows, dense, a.plot)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "ddp_steps": dense, "load": [load0, loadavg()], "args": vars(a)}, f, indent=1)
+            json.dump({"rows": rows, "ddp_steps": dense, "ddp_steps_by_seed": dense_by_seed, "load": [load0, loadavg()],
+                       "args": vars(a)}, f, indent=1)
     return 0
 
 
@@ -199,7 +224,7 @@ def _sites(a: argparse.Namespace, load0: str) -> int:
     print(f"{'layout':<26} {'workers (server)':>17} {'WAN B/site/round':>17} {'steps to target':>16}")
     for row, layout, members in ((hier, f"{s} sites x {r} ranks", s), (flat, f"{s * r} flat, {r} per site", s * r)):
         per_member = row["push_bytes_per_round"] + row["pull_bytes_per_round"]
-        print(f"{layout:<26} {members:>17} {per_member * members // s:>17,} {row['steps_to_target'] or '-':>16}")
+        print(f"{layout:<26} {members:>17} {per_member * members // s:>17,} {_num(row['steps_to_target']):>16}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"hierarchical": hier, "flat": flat, "where": where, "load": [load0, loadavg()]}, f, indent=1)
