@@ -212,6 +212,7 @@ class Client:
     worker_id = _FromSession[int | None]()
     secure = _FromSession[bool]()  # CurveZMQ keys are in use
     server_version = _FromSession[int]()  # the server's version in its last join/register reply
+    shard = _FromSession[str]()  # "I/N" when the server is shard I of a sharded job (stella.shards)
     reconnect_s = _FromSession[float]()  # the overall deadline of a reconnect (0: never reconnect)
     reconnects = _FromSession[int]()  # reconnects made
     bytes_pushed = _FromSession[int]()
@@ -384,7 +385,7 @@ class Client:
             out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
             return PullResult(delta.version, delta.full, out, rebased=rebased)
         steps, at = [], 0
-        for n in delta.parts or [len(decoded)]:
+        for n in delta.parts:  # one part per step made after ``since`` (none: no step)
             steps.append({self.layout[s.tensor].name: (s.indices, codec.to_float32(s.values))
                           for s in decoded[at:at + n]})
             at += n

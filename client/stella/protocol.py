@@ -42,6 +42,7 @@ __all__ = [
     "IndexCoding",
     "PullCoding",
     "TrainingMode",
+    "PullMode",
     "ValueDtype",
     "ModelDtype",
     "MAX_HEADER_BYTES",
@@ -103,6 +104,7 @@ TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_BYTES
 ModelDtype = Literal["float32", "float16", "bfloat16"]
 IndexCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16"]
 TrainingMode = Literal["gradient", "update"]
+PullMode = Literal["broadcast", "exact"]  # what pulls answer: the compressed broadcast or exact values
 PullCoding = Literal["raw32", "varint", "u16chunk", "rice"]  # block16 codes only whole blocks
 EntryCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16", "dense"]
 ValueDtype = Literal["f32", "f16", "bf16", "q4", "q2"]  # q4/q2: pushes only (codec.QUANT_DTYPES)
@@ -272,6 +274,7 @@ class Joined(_Message, tag="joined", frozen=True):
     initialised: bool
     session: Session = 0  # token for heartbeats and for taking the id back on reconnect
     heartbeat_s: float = 0.0  # send a heartbeat this often; 0: the server checks no liveness
+    shard: str = ""  # "I/N": the server is shard I of N of a sharded job (stella.shards); "": not sharded
 
 
 class Left(_Message, tag="left", frozen=True):
@@ -289,6 +292,7 @@ class Registered(_Message, tag="registered", frozen=True):
     optimizer: dict[str, Any] | None
     numel: int
     mode: TrainingMode | None = None  # the job's training mode, once a registration said one
+    pull: PullMode | None = None  # what the server's pulls answer: "broadcast" (per step) or "exact"
 
 
 class PushOk(_Message, tag="push_ok", frozen=True):
@@ -347,6 +351,7 @@ class StatusReply(_Message, tag="status", frozen=True):
     checkpoint_version: int | None = None  # version of the newest checkpoint written or resumed from
     behind_workers: list[int] = []  # silent, and a deadline closed a step without them: not waited for until they push
     mode: TrainingMode | None = None  # the job's training mode, once a registration said one
+    shard: str = ""  # "I/N" of a sharded job's shard; "": not sharded
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):
@@ -537,9 +542,11 @@ def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
     if isinstance(msg, Delta) and ((msg.parts and not msg.add) or (msg.add and msg.full)):
         raise ProtocolError("delta: parts are for added messages, and a snapshot is not added")
     parts = msg.parts if isinstance(msg, Delta) and increments else []
-    ends = list(itertools.accumulate(parts)) if parts else [len(msg.tensors)]
-    if ends[-1] != len(msg.tensors):
-        raise ProtocolError(f"delta: parts add up to {ends[-1]} entries, the delta has {len(msg.tensors)}")
+    # added messages: one part per step (none when no step was made); otherwise one run of entries
+    ends = list(itertools.accumulate(parts)) if increments else [len(msg.tensors)]
+    total = ends[-1] if ends else 0
+    if total != len(msg.tensors):
+        raise ProtocolError(f"delta: parts add up to {total} entries, the delta has {len(msg.tensors)}")
     starts = set(ends[:-1])  # where the next step's message begins
     for i, e in enumerate(msg.tensors):
         if i in starts:
