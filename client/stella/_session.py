@@ -265,6 +265,7 @@ class Session:
         self.worker_id = worker_id
         self.reconnects = 0
         self.server_version = 0  # the server's version in its last join/register reply
+        self.shard = ""  # "I/N" when the server is a shard of a sharded job (its join reply says)
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         self._seen_version = 0  # the newest version any reply showed
@@ -307,6 +308,7 @@ class Session:
         reply = self.request(Join(worker=worker_id, name=self.name), Joined, timeout=timeout)
         self.worker_id = reply.worker
         self.server_version = self._seen_version = reply.version
+        self.shard = reply.shard
         self._joined = True
         self._start_heartbeats(reply)
         return reply

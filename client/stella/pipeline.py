@@ -61,7 +61,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
@@ -69,12 +69,13 @@ from typing import Any, Literal, get_args
 import torch
 
 from ._exchange import Grads, build_inner, exchange_for
-from .client import Client, PullResult
+from .client import PullResult
 from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .progress import Progress
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
+from .shards import AnyClient, connect
 from .site import Site, resolve_group
 
 log = logging.getLogger("stella.pipeline")
@@ -204,7 +205,7 @@ class PipelineStats:
     density: float = 0.0  # the compressor's density for the latest push
 
 
-def _wait_for_step(client: Client, delta: PullResult, since: int, coding: PullCoding) -> PullResult:
+def _wait_for_step(client: AnyClient, delta: PullResult, since: int, coding: PullCoding) -> PullResult:
     """The delta of the step after ``since``, given the answer ``delta`` to a pull that
     waited for it. The server answers a waiting pull when its wait expires even if no
     step closed (it waits for workers: before the job starts, or for a missing one within
@@ -230,6 +231,8 @@ class StellaOptimizer(torch.optim.Optimizer):
     """Data-parallel training through ``stella-ps`` with the exchange hidden behind the
     computation (see the module doc for the two modes).
 
+    ``address``: the server's ``tcp://host:port``; several (a list, or comma-separated):
+    the shards of a sharded job, in their order (:mod:`stella.shards`).
     ``model``: any module; every parameter with ``requires_grad`` is registered under
     its ``named_parameters`` name.
 
@@ -262,7 +265,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         model: torch.nn.Module,
-        address: str,
+        address: str | Sequence[str],
         *,
         optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
         mode: Mode | None = None,
@@ -276,7 +279,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         server_key: str | None = None,
         client_key: str | None = None,
         compress_in_backward: bool = False,
-        client: Client | None = None,
+        client: AnyClient | None = None,
         progress_every: int = 0,
         process_group: Any = "default",
         **deprecated: Any,
@@ -323,11 +326,11 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._inflight: Future | None = None  # the leader's exchange in flight
         self._pending = False  # a round is in flight (on every rank of a site)
         self._closed = False
-        self.client: Client | None = None  # the leader's (a site's other ranks never connect)
+        self.client: AnyClient | None = None  # the leader's (a site's other ranks never connect)
 
         def init() -> tuple[Registered, PullResult]:
-            self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id,
-                                           server_key=server_key, client_key=client_key)
+            self.client = client or connect(address, timeout=timeout, name=name, worker_id=worker_id,
+                                            server_key=server_key, client_key=client_key)
             reply = self.client.register(self.params, self._exchange.server_config, mode=self.mode)
             return reply, self.client.pull(None)
 
@@ -501,7 +504,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.version = delta.version
         return self.version
 
-    def _client(self) -> Client:
+    def _client(self) -> AnyClient:
         assert self.client is not None, "only a site's leader speaks to the server"
         return self.client
 

@@ -85,6 +85,24 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda text: None if text.strip() == "" else parse(text)
 
 
+def parse_shard(text: str) -> str:
+    """``I/N`` (0 <= I < N), or "" for an unsharded server."""
+    text = text.strip()
+    if not text:
+        return ""
+    i, sep, n = text.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+        raise ValueError(f"{text!r}: a shard is I/N with 0 <= I < N, e.g. 0/2")
+    return f"{int(i)}/{int(n)}"
+
+
+def _is_shard(v: Any) -> bool:
+    try:
+        return isinstance(v, str) and parse_shard(v) == v
+    except ValueError:
+        return False
+
+
 def _metrics(text: str) -> str | None:
     if not text.strip():
         return None
@@ -300,6 +318,9 @@ class ServerConfig:
     metrics: str | None = setting(None, parse=_metrics, metavar="HOST:PORT",
                                   help="serve Prometheus metrics (/metrics) and a health check (/healthz) over HTTP "
                                        "here, e.g. 0.0.0.0:9100; unset: off")
+    shard: str = setting("", parse=parse_shard, check=(_is_shard, "I/N with 0 <= I < N"), metavar="I/N",
+                         help="this server is shard I of N of a sharded job (clients list the N addresses in shard "
+                              "order; a label for status and metrics, and the clients' check of that order)")
     limits: Limits = field(default_factory=Limits)
     liveness: Liveness = field(default_factory=Liveness)
     deadline: Deadline = field(default_factory=Deadline)

@@ -201,7 +201,7 @@ class Service:
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.agg.current_deadline(),
             checkpoint_version=self.checkpointer.version,
-            behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode,
+            behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode, shard=self.config.shard,
             errors_by_code=dict(s.errors_by_code), duplicate_pushes=s.duplicate_pushes, workers_gone=s.workers_gone,
             step_interval_s=s.step_interval_s, step_intervals=s.step_intervals, apply_s=s.apply_s,
             straggler_wait_s=s.straggler_wait_s, checkpoints=s.checkpoints, checkpoint_stall_s=s.checkpoint_stall_s,
@@ -251,7 +251,8 @@ class Service:
                             "worker": info.worker, "worker_version": msg.version, "version": self.store.version})
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised,
-                                 session=info.session, heartbeat_s=self.config.liveness.heartbeat_s), ())
+                                 session=info.session, heartbeat_s=self.config.liveness.heartbeat_s,
+                                 shard=self.config.shard), ())
         self.steps.membership_changed()
 
     def _heartbeat(self, ident: bytes, msg: Heartbeat, peer: Peer) -> None:
@@ -308,7 +309,7 @@ class Service:
             assert self.steps.optimizer is not None
             self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
                                          needs_values=False, optimizer=self.steps.optimizer.to_wire(),
-                                         numel=self.store.numel, mode=self.mode), ())
+                                         numel=self.store.numel, mode=self.mode, pull=self.store.pull), ())
 
     def _push(self, ident: bytes, msg: Push, rx: Received) -> None:
         info = self._member(ident, msg.worker)

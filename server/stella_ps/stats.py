@@ -103,6 +103,7 @@ class JobSnapshot:
     checkpoint_version: int | None
     behind_workers: list[int]
     mode: TrainingMode | None
+    shard: str
     # --- the metrics' only
     errors_by_code: dict[str, int]
     duplicate_pushes: int

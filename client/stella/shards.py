@@ -1,0 +1,392 @@
+"""A job served by several ``stella-ps`` shards: the parameter space split between them.
+
+``ShardedClient(["tcp://ps0:5555", "tcp://ps1:5555"])`` speaks the :class:`~stella.Client`
+API to N shards at once (``StellaOptimizer`` and the training loop do not know the
+difference; a comma-separated address does the same: :func:`connect`). Each shard is an
+ordinary ``stella-ps`` serving part of the model, with its own membership, liveness,
+checkpoints and keys (``stella-ps --shard I/N`` only labels it, and lets a client check
+the order of its address list).
+
+**The split** (:func:`plan`): the model's tensors, flattened and laid end to end, are cut
+into N pieces of about equal bytes; a cut inside a large tensor slices it (the shard
+registers the slice as a flat tensor ``name#start:stop``), one inside a small tensor
+(under :data:`MIN_SLICE` elements) moves to its end. Every client computes the same
+plan from the same layout, and the shards refuse a registration whose pieces differ
+from their model's (a wrong order of addresses: a :class:`~stella.errors.LayoutConflict`,
+or the shard label's mismatch).
+
+**Pushes and pulls go to every shard concurrently**, a push to each shard every round,
+empty where the update has nothing in its pieces, so that every shard closes one step
+per round. **A step is consistent across shards**: the client's version is a *round*
+counter, each round a version per shard; a pull asks every shard for the steps after
+its own version, and the client adds the same number of steps from each (the fewest any
+shard had: the rest are kept and added with the next pull), so a replica never holds
+shard A after round r+1 beside shard B after round r. That needs each step's message
+on its own, which the compressed broadcast gives (``--pull broadcast``, the default);
+a shard serving exact pulls is refused. A shard that restarted (from its checkpoint,
+older than the others' state) or a client too far behind gets every shard's snapshot,
+and the rounds go on from there.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar, overload
+
+import numpy as np
+
+from .client import Client, Pending, PullResult, _dtype_name
+from .errors import ProtocolError, StellaError
+from .protocol import PullCoding, PushOk, Registered, StatusReply, TensorSpec, TrainingMode
+
+__all__ = ["ShardedClient", "AnyClient", "Piece", "plan", "connect", "split_address", "MIN_SLICE"]
+
+MIN_SLICE = 4096  # a tensor smaller than this is never cut (the broadcast sends such tensors whole)
+T = TypeVar("T")
+_MAPPINGS = 64  # rounds whose per-shard versions are kept (a pull since an older round gets snapshots)
+
+Sparse = dict[str, tuple[np.ndarray | None, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``start..stop-1`` of tensor ``tensor`` (flat), held by one shard."""
+
+    tensor: int
+    start: int
+    stop: int
+    whole: bool  # the tensor uncut (registered under its own name and shape)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def plan(numels: Sequence[int], shards: int, min_slice: int = MIN_SLICE) -> list[list[Piece]]:
+    """Each shard's pieces: the flat concatenation of the tensors cut into ``shards``
+    runs of about equal size, in order (shard i's pieces come before shard i+1's)."""
+    if shards < 1:
+        raise ValueError("a job needs at least one shard")
+    total = sum(numels)
+    starts = np.cumsum([0, *numels])
+    cuts = []
+    for i in range(1, shards):
+        c = round(total * i / shards)
+        t = int(np.searchsorted(starts, c, side="right") - 1)  # the tensor the cut falls in
+        if t < len(numels) and numels[t] < min_slice:
+            c = int(starts[t + 1])  # never inside a small tensor: at its end
+        cuts.append(c)
+    bounds = [0, *cuts, total]
+    out: list[list[Piece]] = []
+    for lo, hi in itertools.pairwise(bounds):
+        hi = max(hi, lo)
+        pieces = []
+        for t, n in enumerate(numels):
+            a, b = max(lo, int(starts[t])), min(hi, int(starts[t]) + n)
+            if a < b:
+                pieces.append(Piece(t, a - int(starts[t]), b - int(starts[t]), whole=(b - a == n)))
+        out.append(pieces)
+    return out
+
+
+def split_address(address: str | Sequence[str]) -> list[str]:
+    """``"tcp://a:5555,tcp://b:5555"`` (or a list) as a list of addresses."""
+    if isinstance(address, str):
+        return [a.strip() for a in address.split(",") if a.strip()]
+    return list(address)
+
+
+def connect(address: str | Sequence[str], **kw: Any) -> AnyClient:
+    """A :class:`Client` for one address, a :class:`ShardedClient` for several."""
+    addresses = split_address(address)
+    return Client(addresses[0], **kw) if len(addresses) == 1 else ShardedClient(addresses, **kw)
+
+
+class _AllOf(Generic[T]):
+    """Requests in flight on every shard, one :class:`Pending`-like result."""
+
+    def __init__(self, pendings: list[Pending[Any]], combine: Callable[[list[Any]], T]):
+        self._pendings, self._combine = pendings, combine
+
+    def result(self, timeout: float | None = None) -> T:
+        return self._combine([p.result(timeout) for p in self._pendings])
+
+
+class ShardedClient:
+    """The :class:`~stella.Client` API over N ``stella-ps`` shards (see the module doc).
+    Keyword arguments go to every shard's :class:`~stella.Client` (keys included: the
+    shards of a job share the allowlist and the client's key pair)."""
+
+    def __init__(self, addresses: Sequence[str], **kw: Any):
+        self.addresses = split_address(addresses)
+        if len(self.addresses) < 2:
+            raise ValueError("a sharded job has at least two addresses (one: stella.Client)")
+        self.shards: list[Client] = []
+        try:
+            for a in self.addresses:
+                self.shards.append(Client(a, **kw))
+        except BaseException:
+            self.close(leave=False)
+            raise
+        self._check_labels()
+        self.layout: list[TensorSpec] = []
+        self._pieces: list[list[Piece]] = []
+        self._names: list[list[str]] = []  # per shard, its tensors' names
+        self._index: dict[str, int] = {}
+        self._rounds: OrderedDict[int, list[int]] = OrderedDict()  # round -> each shard's version
+        self._ahead: list[list[Sparse]] = [[] for _ in self.shards]  # steps pulled beyond the last round
+        self._version = 0
+
+    # ------------------------------------------------------------------ what a Client shows
+    @property
+    def address(self) -> str:
+        return ",".join(self.addresses)
+
+    @property
+    def timeout(self) -> float:
+        return self.shards[0].timeout
+
+    @property
+    def worker_id(self) -> int | None:
+        return self.shards[0].worker_id
+
+    @property
+    def secure(self) -> bool:
+        return all(c.secure for c in self.shards)
+
+    @property
+    def server_version(self) -> int:
+        return self._version
+
+    @property
+    def reconnects(self) -> int:
+        return sum(c.reconnects for c in self.shards)
+
+    @property
+    def bytes_pushed(self) -> int:
+        return sum(c.bytes_pushed for c in self.shards)
+
+    @property
+    def bytes_pulled(self) -> int:
+        return sum(c.bytes_pulled for c in self.shards)
+
+    def _check_labels(self) -> None:
+        n = len(self.shards)
+        for i, c in enumerate(self.shards):
+            label = c.shard
+            if label and label != f"{i}/{n}":
+                raise ProtocolError(f"{self.addresses[i]} is shard {label} of its job, but it is number {i} of the "
+                                    f"{n} addresses given: list the shards in their order (stella-ps --shard)")
+
+    # ------------------------------------------------------------------ the model
+    def join(self, worker_id: int | None = None, *, timeout: float | None = None) -> int:
+        ids = [c.join(worker_id, timeout=timeout) for c in self.shards]  # every shard, not just the first
+        return ids[0]
+
+    def register(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                 optimizer: Mapping[str, Any] | None = None, *, mode: TrainingMode | None = None,
+                 timeout: float | None = None) -> Registered:
+        """Register each shard's pieces of the model (see :meth:`stella.Client.register`)."""
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        self.layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
+        self._index = {s.name: i for i, s in enumerate(self.layout)}
+        self._pieces = plan([s.numel for s in self.layout], len(self.shards))
+        self._names = []
+        replies = []
+        for c, pieces in zip(self.shards, self._pieces):
+            own = [(self._piece_name(p), _piece_of(items[p.tensor][1], p)) for p in pieces]
+            self._names.append([name for name, _ in own])
+            replies.append(c.register(own, optimizer, mode=mode, timeout=timeout))
+        for r, a in zip(replies, self.addresses):
+            if r.pull not in (None, "broadcast"):
+                raise StellaError(f"{a} serves {r.pull} pulls: a sharded job needs each step's message, the "
+                                  f"compressed broadcast (stella-ps --pull broadcast, the default)")
+        return replies[0]
+
+    def _piece_name(self, p: Piece) -> str:
+        name = self.layout[p.tensor].name
+        return name if p.whole else f"{name}#{p.start}:{p.stop}"
+
+    # ------------------------------------------------------------------ rounds
+    def _at(self, version: int) -> list[int] | None:
+        return self._rounds.get(version)
+
+    def _record(self, version: int, per_shard: list[int]) -> None:
+        self._rounds[version] = per_shard
+        self._version = max(self._version, version)
+        while len(self._rounds) > _MAPPINGS:
+            self._rounds.popitem(last=False)
+
+    @overload
+    def push(self, grads: Mapping[str, Any], version: int, *, wait: Literal[True] = ..., **kw: Any) -> PushOk: ...
+    @overload
+    def push(self, grads: Mapping[str, Any], version: int, *, wait: Literal[False], **kw: Any) -> _AllOf[PushOk]: ...
+    def push(self, grads: Mapping[str, Any], version: int, *, wait: bool = True, **kw: Any
+             ) -> PushOk | _AllOf[PushOk]:
+        """Push one round's update, computed on round ``version``: each shard gets the
+        part of every tensor in its pieces (possibly nothing), on its own version."""
+        at = self._at(int(version))
+        if at is None:
+            raise StellaError(f"round {version} is not one this client pulled (it knows "
+                              f"{min(self._rounds, default=None)}..{self._version})")
+        parts: list[dict[str, Any]] = [{} for _ in self.shards]
+        for name, g in grads.items():
+            t = self._index[name]
+            if hasattr(g, "indices") and hasattr(g, "values"):
+                idx, vals = g.indices, g.values
+            elif isinstance(g, tuple):
+                idx, vals = g
+            else:
+                idx, vals = None, g
+            for s, p in self._pieces_of(t):
+                part = _cut(idx, vals, p)
+                if part is not None:
+                    parts[s][self._piece_name(p)] = part
+        pendings = [c.push(part, v, wait=False, **kw) for c, part, v in zip(self.shards, parts, at)]
+        first = at[0]
+
+        def combine(oks: list[PushOk]) -> PushOk:
+            return PushOk(req=oks[0].req, step=int(version) + oks[0].step - first, version=self._version)
+
+        out = _AllOf(pendings, combine)
+        return out.result() if wait else out
+
+    def _pieces_of(self, t: int) -> list[tuple[int, Piece]]:
+        return [(s, p) for s, pieces in enumerate(self._pieces) for p in pieces if p.tensor == t]
+
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., wait: Literal[True] = ...) -> PullResult: ...
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., wait: Literal[False]) -> _AllOf[PullResult]: ...
+    def pull(self, since: int | None = None, *, wait_for: int | None = None, index_coding: PullCoding = "rice",
+             timeout: float | None = None, wait: bool = True) -> PullResult | _AllOf[PullResult]:
+        """The steps after round ``since`` that every shard has made (None, or a round
+        this client no longer maps: a snapshot of every shard); ``wait_for`` (a round)
+        holds the reply until each shard made its step, or the wait expires."""
+        at = None if since is None else self._at(int(since))
+        if at is None:
+            return self._snapshot(since, index_coding, timeout, wait)
+        assert since is not None
+        ahead = [len(a) for a in self._ahead]
+        pendings = []
+        for c, v, n in zip(self.shards, at, ahead):
+            w = None if wait_for is None or wait_for - since <= n else v + (wait_for - since)
+            pendings.append(c.pull(v + n, wait_for=w, index_coding=index_coding, timeout=timeout, wait=False))
+        out = _AllOf(pendings, functools.partial(self._rounds_after, since, at))
+        return out.result() if wait else out
+
+    def _snapshot(self, since: int | None, coding: PullCoding, timeout: float | None,
+                  wait: bool) -> PullResult | _AllOf[PullResult]:
+        pendings = [c.pull(None, index_coding=coding, timeout=timeout, wait=False) for c in self.shards]
+        out = _AllOf(pendings, functools.partial(self._from_snapshots, since))
+        return out.result() if wait else out
+
+    def _from_snapshots(self, since: int | None, results: list[PullResult]) -> PullResult:
+        for r in results:
+            if not r.full:  # pragma: no cover - a pull since -1 is always a snapshot
+                raise ProtocolError("a shard answered a snapshot pull with a delta")
+        version = max(self._version + (since is not None), max(r.version for r in results))
+        self._ahead = [[] for _ in self.shards]
+        self._record(version, [r.version for r in results])
+        tensors = self._merge([r.tensors for r in results])
+        return PullResult(version, True, tensors, rebased=any(r.rebased for r in results))
+
+    def _rounds_after(self, since: int, at: list[int], results: list[PullResult]) -> PullResult:
+        """The rounds every shard has the steps of, after ``since``; a snapshot from any
+        shard (it restarted, or this client is too far behind) makes it every shard's."""
+        if any(r.full for r in results):
+            return self._snapshot(None, "rice", None, True)  # type: ignore[return-value]
+        for r, a in zip(results, self.addresses):
+            if r.tensors:
+                raise StellaError(f"{a} answered with exact values: a sharded job needs the compressed broadcast "
+                                  f"(stella-ps --pull broadcast)")
+        for s, r in enumerate(results):
+            self._ahead[s].extend(r.steps)
+        n = min(len(a) for a in self._ahead)
+        steps = []
+        for i in range(n):
+            steps.append(self._merge([a[i] for a in self._ahead]))
+        self._ahead = [a[n:] for a in self._ahead]
+        if n:
+            self._record(since + n, [v + n for v in at])
+        return PullResult(since + n, False, {}, rebased=any(r.rebased for r in results), steps=steps)
+
+    def _merge(self, per_shard: list[Sparse]) -> Sparse:
+        """Each shard's piece entries as entries of the model's tensors (the pieces of a
+        tensor, in shard order, are in index order)."""
+        parts: dict[int, list[tuple[Piece, np.ndarray | None, np.ndarray]]] = {}
+        for s, entries in enumerate(per_shard):
+            names = self._names[s]
+            for name, (idx, vals) in entries.items():
+                p = self._pieces[s][names.index(name)]
+                parts.setdefault(p.tensor, []).append((p, idx, vals))
+        out: Sparse = {}
+        for t in sorted(parts):
+            ps = parts[t]
+            if len(ps) == 1 and ps[0][0].whole:
+                out[self.layout[t].name] = (ps[0][1], ps[0][2])
+                continue
+            numel = self.layout[t].numel
+            if all(i is None for _, i, _ in ps) and sum(p.size for p, _, _ in ps) == numel:
+                out[self.layout[t].name] = (None, np.concatenate([v.reshape(-1) for _, _, v in ps]))
+                continue
+            idx = np.concatenate([(np.arange(p.size, dtype=np.int64) if i is None else i.astype(np.int64)) + p.start
+                                  for p, i, _ in ps])
+            out[self.layout[t].name] = (idx, np.concatenate([v.reshape(-1) for _, _, v in ps]))
+        return out
+
+    # ------------------------------------------------------------------ the rest of the API
+    def status(self, *, timeout: float | None = None) -> list[StatusReply]:
+        """Every shard's status, in shard order."""
+        return [c.status(timeout=timeout) for c in self.shards]
+
+    def set_optimizer(self, *, timeout: float | None = None, **hparams: Any) -> dict[str, Any]:
+        configs = [c.set_optimizer(timeout=timeout, **hparams) for c in self.shards]  # every shard's
+        return configs[0]
+
+    def leave(self, *, timeout: float | None = None) -> None:
+        for c in self.shards:
+            c.leave(timeout=timeout)
+
+    def close(self, *, leave: bool = True, timeout: float = 5.0) -> None:
+        for c in self.shards:
+            c.close(leave=leave, timeout=timeout)
+
+    def __enter__(self) -> ShardedClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _piece_of(x: Any, p: Piece) -> Any:
+    """Piece ``p`` of tensor ``x`` (a torch tensor or an array), flat unless whole."""
+    if p.whole:
+        return x
+    flat = x.detach().reshape(-1) if hasattr(x, "detach") else np.asarray(x).reshape(-1)
+    return flat[p.start:p.stop]
+
+
+def _cut(idx: Any, vals: Any, p: Piece) -> tuple[np.ndarray | None, Any] | None:
+    """The part of a tensor's update in piece ``p``, with indices relative to it (None
+    when a sparse update has nothing there: the shard's push leaves the tensor out)."""
+    if idx is None:
+        if p.whole:
+            return None, vals
+        flat = vals.detach().reshape(-1) if hasattr(vals, "detach") else np.asarray(vals).reshape(-1)
+        return None, flat[p.start:p.stop]
+    idx = np.asarray(idx)
+    if p.whole:
+        return idx, vals
+    a, b = np.searchsorted(idx, [p.start, p.stop])
+    if a == b:
+        return None
+    return (idx[a:b] - p.start).astype(idx.dtype, copy=False), vals[a:b]
+
+
+AnyClient = Client | ShardedClient  # what StellaOptimizer speaks through

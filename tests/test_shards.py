@@ -1,0 +1,169 @@
+"""Sharded stella-ps (issue 21): the split of the parameter space, rounds consistent
+across shards (replicas equal the concatenation of the shards' broadcast models bit for
+bit), training through shards with StellaOptimizer, a shard killed and restarted from its
+own checkpoint while the others go on, and the refusals (shards listed out of order, a
+shard serving exact pulls)."""
+from __future__ import annotations
+
+import signal
+import threading
+
+import numpy as np
+import pytest
+from live import TARGET_ACCURACY, live_worker, log_lines, reap, wait_until
+
+from stella import StellaError
+from stella.errors import ProtocolError
+from stella.shards import MIN_SLICE, ShardedClient, plan
+from stella_ps.process import free_port
+
+LAYOUT = {"a": 10, "w": 100_000, "b": 50, "v": 300_000}
+
+
+# --------------------------------------------------------------------------- the split
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])
+def test_the_plan_cuts_the_model_into_pieces_of_about_equal_size(shards):
+    numels = [10, 100_000, 50, 300_000, 7, 64_000]
+    pieces = plan(numels, shards)
+    assert len(pieces) == shards
+    covered = [np.zeros(n, np.int32) for n in numels]
+    for own in pieces:
+        for p in own:
+            covered[p.tensor][p.start:p.stop] += 1
+            assert p.whole == (p.size == numels[p.tensor])
+            assert p.whole or numels[p.tensor] >= MIN_SLICE  # small tensors are never cut
+    assert all((c == 1).all() for c in covered)  # every element held by exactly one shard
+    sizes = [sum(p.size for p in own) for own in pieces]
+    assert max(sizes) - min(sizes) <= 2 * MIN_SLICE  # equal but for the small tensors kept whole
+    order = [(p.tensor, p.start) for own in pieces for p in own]
+    assert order == sorted(order)  # shard i's pieces come before shard i+1's
+
+
+# --------------------------------------------------------------------------- rounds
+def _shards(make_server, n: int, workers: int, args=()) -> list[str]:
+    return [make_server(workers, ["--shard", f"{i}/{n}", *args]).endpoint for i in range(n)]
+
+
+def _update(rng: np.random.Generator, init: dict[str, np.ndarray]) -> dict:
+    out = {}
+    for name, x in init.items():
+        k = max(1, x.size // 100)
+        idx = np.sort(rng.choice(x.size, k, replace=False)).astype(np.int32)
+        out[name] = (idx, rng.standard_normal(k).astype(np.float32))
+    return out
+
+
+def test_replicas_equal_the_shards_broadcast_models_bit_for_bit(make_server):
+    addrs = _shards(make_server, 2, 2)
+    rng0 = np.random.default_rng(0)
+    init = {k: rng0.standard_normal(n).astype(np.float32) for k, n in LAYOUT.items()}
+    results: list[tuple[int, dict[str, np.ndarray]]] = []
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            with ShardedClient(addrs, timeout=30) as c:
+                c.register(init, {"name": "adamw", "lr": 0.01})
+                snap = c.pull(None)
+                rep = {k: v.copy() for k, v in init.items()}
+                snap.apply_to(rep)
+                v, rng = snap.version, np.random.default_rng(rank + 1)
+                for _ in range(15):
+                    c.push(_update(rng, init), v, value_dtype="f16")
+                    d = c.pull(v, wait_for=v + 1)
+                    while not d.full and d.version <= v:
+                        d = c.pull(v, wait_for=v + 1)
+                    assert d.version == v + 1 and len(d.steps) == 1  # one round: one step of every shard
+                    d.apply_to(rep)
+                    v = d.version
+                results.append((v, rep))
+        except BaseException as e:  # reported by the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    with ShardedClient(addrs, timeout=30) as probe:
+        probe.register(init)
+        snap = probe.pull(None)  # each shard's broadcast model, laid end to end
+        model = {k: v.copy() for k, v in init.items()}
+        snap.apply_to(model)
+        statuses = probe.status()
+    assert [s.shard for s in statuses] == ["0/2", "1/2"]
+    assert [s.version for s in statuses] == [15, 15]
+    assert [s.numel for s in statuses] == [LAYOUT["a"] + LAYOUT["w"] + LAYOUT["b"] + 99_970, 300_000 - 99_970]
+    for v, rep in results:
+        assert v == 15
+        for k in model:
+            assert np.array_equal(rep[k], model[k]), k
+    assert any(not np.array_equal(model[k], init[k]) for k in model)
+
+
+def test_a_shard_ahead_gives_its_extra_steps_only_with_the_others(make_server):
+    """Shard 1 closes a step that shard 0 has not (a push reached it alone): a pull adds
+    no step until every shard has it, and then exactly one of each."""
+    addrs = _shards(make_server, 2, 1)
+    init = {k: np.zeros(n, np.float32) for k, n in LAYOUT.items()}
+    with ShardedClient(addrs, timeout=30) as c:
+        c.register(init, {"name": "sgd", "lr": 1.0})
+        v = c.pull(None).version
+        rng = np.random.default_rng(0)
+        upd = _update(rng, init)
+        c.shards[1].push({"v#99970:300000": (upd["v"][0][upd["v"][0] >= 99_970] - 99_970,
+                                             upd["v"][1][upd["v"][0] >= 99_970])}, 0)
+        d = c.pull(v, wait_for=v + 1, timeout=1.0)
+        assert d.version == v and d.steps == []  # shard 1's step is kept, not added
+        c.shards[0].push({"w": upd["w"]}, 0)
+        d = c.pull(v, wait_for=v + 1)
+        assert d.version == v + 1 and len(d.steps) == 1
+        assert set(d.steps[0]) == {"w", "v"}
+
+
+# --------------------------------------------------------------------------- refusals
+def test_shards_listed_out_of_order_are_refused(make_server):
+    addrs = _shards(make_server, 2, 1)
+    with pytest.raises(ProtocolError, match=r"shard 1/2 .* number 0"):
+        ShardedClient(list(reversed(addrs)), timeout=10)
+
+
+def test_a_shard_serving_exact_pulls_is_refused(make_server):
+    addrs = _shards(make_server, 2, 1, ["--pull", "exact"])
+    with ShardedClient(addrs, timeout=10) as c, pytest.raises(StellaError, match="broadcast"):
+        c.register({k: np.zeros(n, np.float32) for k, n in LAYOUT.items()})
+
+
+# --------------------------------------------------------------------------- training, restart
+@pytest.mark.slow
+def test_training_goes_on_while_a_shard_restarts_from_its_own_checkpoint(make_server, tmp_path):
+    ports = [free_port(), free_port()]
+    args = [[ "--shard", f"{i}/2", "--liveness-timeout", "2", "--checkpoint-dir", str(tmp_path / f"ck{i}"),
+              "--checkpoint-every-steps", "10"] for i in range(2)]
+    servers = [make_server(2, args[i], bind=f"tcp://127.0.0.1:{ports[i]}") for i in range(2)]
+    address = ",".join(s.endpoint for s in servers)
+    target = 150
+    logs = [tmp_path / f"w{r}.jsonl" for r in range(2)]
+    procs = [live_worker(address, r, 2, target, logs[r], "--timeout", "5") for r in range(2)]
+    mon = ShardedClient([s.endpoint for s in servers], timeout=10, join=False)
+    try:
+        wait_until(lambda: min(s.version for s in mon.status()) >= 50, 120, "50 rounds")
+        servers[1].kill()  # SIGKILL: shard 1 loses the steps since its last checkpoint
+        servers[1].wait(10)
+        before = mon.shards[0].status().version
+        servers[1] = make_server(2, args[1], bind=f"tcp://127.0.0.1:{ports[1]}")
+        codes = reap(procs, 240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        mon.close(leave=False)
+    assert codes == [0, 0]
+    assert "resumed from checkpoint" in servers[1].logs()
+    done = [next(x for x in log_lines(log) if x.get("done")) for log in logs]
+    assert all(d["reconnects"] >= 1 for d in done), done  # the restarted shard's connection came back
+    assert all(d["version"] >= target for d in done), done
+    assert min(d["accuracy"] for d in done) >= TARGET_ACCURACY, done
+    # shard 0 never stopped: it went on from where it was
+    assert "resumed from checkpoint" not in servers[0].logs() and before >= 50
