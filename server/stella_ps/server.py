@@ -72,11 +72,11 @@ class ParameterServer:
             if self._own_ctx:
                 stack.callback(self.ctx.term)
             self._sock = stack.enter_context(self._bound_socket())
-            self._connections = Connections(self._sock)
+            self._connections = Connections(self._sock, self.stats.count_refused)
             self._connections.start()
             stack.push_async_callback(self._connections.close)
             if self.allowlist is not None:
-                gate = Gatekeeper(self.ctx, self.allowlist)
+                gate = Gatekeeper(self.ctx, self.allowlist, self.stats.count_refused)
                 gate.start()
                 stack.callback(gate.stop)
             await stack.enter_async_context(self.service.running())

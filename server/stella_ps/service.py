@@ -201,6 +201,7 @@ class Service:
             checkpoint_version=self.checkpointer.version,
             behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode,
             errors_by_code=dict(s.errors_by_code), duplicate_pushes=s.duplicate_pushes, workers_gone=s.workers_gone,
+            refused_connections=dict(s.refused_connections),
             step_interval_s=s.step_interval_s, step_intervals=s.step_intervals, apply_s=s.apply_s,
             straggler_wait_s=s.straggler_wait_s, checkpoints=s.checkpoints, checkpoint_stall_s=s.checkpoint_stall_s,
             rejected_steps=s.rejected_steps, rejected_pushes=s.rejected_pushes, clipped_pushes=self.push_bound.clipped)
