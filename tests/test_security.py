@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stella import BadRequest, Client, Unauthorised, _session
 from stella.cli import main as stella_main
+from stella.status import rates, render
 from stella_ps.errors import ConfigError
 from stella_ps.process import free_port
 from stella_ps.security import fingerprint, load_server_keys, write_keyset
@@ -206,6 +207,16 @@ def test_an_unreadable_key_names_the_uid_to_give_it_to(monkeypatch, two_keys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match=r"runs as uid 1000, .*in the Stella images the user is uid 10001"):
         load_server_keys(two_keys.server_secret)
+
+
+def test_status_names_each_key_as_the_allowlist_does(server, make_client, curve_keys):
+    c = make_client(server.endpoint)
+    st = c.status()
+    (live,) = st.live
+    public = zmq.auth.load_certificate(curve_keys.client_secrets["client"])[0].decode()
+    assert live.key_fingerprint == fingerprint(public) and live.key_name == "client"  # the allowlist's comment
+    row = render(st, rates(st, None, None)).splitlines()[-1]
+    assert f"{fingerprint(public)} client" in row
 
 
 def test_one_connection_holds_one_worker_id(server, make_client):

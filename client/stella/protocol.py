@@ -187,6 +187,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     pushes: Count
     pulls: Count
     report: WorkerReport | None = None
+    key_name: Name = ""  # the allowlist's name for its key (the text after the key on its line)
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):

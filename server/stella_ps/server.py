@@ -77,6 +77,7 @@ class ParameterServer:
             stack.push_async_callback(self._connections.close)
             if self.allowlist is not None:
                 gate = Gatekeeper(self.ctx, self.allowlist, self.stats.count_refused)
+                self.service.key_name = self.allowlist.name
                 gate.start()
                 stack.callback(gate.stop)
             await stack.enter_async_context(self.service.running())
