@@ -219,6 +219,16 @@ def test_status_names_each_key_as_the_allowlist_does(server, make_client, curve_
     assert f"{fingerprint(public)} client" in row
 
 
+def test_keygen_of_the_servers_own_key_prints_no_allowlist_line(tmp_path, capsys):
+    assert stella_main(["keygen", str(tmp_path), "--name", "server"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "does not go on the allowlist" in err and (tmp_path / "server.key_secret").exists()
+    assert stella_main(["keygen", str(tmp_path / "ps"), "--server"]) == 0
+    assert (tmp_path / "ps" / "server.key").exists() and capsys.readouterr().out == ""
+    assert stella_main(["keygen", str(tmp_path), "--name", "site-a"]) == 0
+    assert capsys.readouterr().out.endswith(" site-a\n")
+
+
 def test_one_connection_holds_one_worker_id(server, make_client):
     a = make_client(server.endpoint)
     wid = a.worker_id
