@@ -230,8 +230,8 @@ class ParameterServer:
         peer = self._peer(frames[1])
         if peer is None:  # a key taken off the allowlist while its connection stayed open
             key = str(frames[1].get("User-Id"))
-            self.service.refuse(ident, request_id(body[0]),
-                                Unauthorised("this client's key is no longer on the server's allowlist"))
+            self.service.refuse(ident, request_id(body[0]), Unauthorised(
+                f"this client's key (fingerprint {fingerprint(key)}) is no longer on the server's allowlist"))
             self.service.drop_peer(key)
             return
         if count - 1 > MAX_FRAMES or size > self.config.limits.max_message_bytes:
