@@ -57,17 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         from stella.progress import log_to_stderr
 
         log_to_stderr()
-    x, y, x_test, y_test = load_digits_split(seed=0)
-    shard = torch.arange(rank, x.shape[0], world)
-    x, y = x[shard], y[shard]
     model = demo_model(hidden=256, seed=0)  # every worker starts from the same weights
-
-    try:
+    try:  # before loading data: a site whose key is refused learns it at once
         opt = stella.StellaOptimizer(model, address, optimizer=torch.optim.AdamW(model.parameters(), lr=a.lr),
                                      name=f"train-{rank}", progress_every=a.progress_every)
     except stella.StellaError as e:
         print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    x, y, x_test, y_test = load_digits_split(seed=0)
+    shard = torch.arange(rank, x.shape[0], world)
+    x, y = x[shard], y[shard]
     if opt.version > 0:
         print(f"train.py: worker {rank}/{world} continues the server's model at version {opt.version} (restored "
               "from its checkpoint, or trained by the other workers); to start afresh, remove the server site's "
