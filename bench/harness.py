@@ -120,6 +120,11 @@ class TrainClock:
 # ============================================================ the launcher side
 
 
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages, for a benchmark's record of how quiet it ran."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` has used (from /proc): a server's own
     cost, whatever its clients do."""

@@ -32,16 +32,13 @@ import numpy as np
 import torch
 
 from bench import _native_bench
+from bench.harness import loadavg
 from stella_ps import kernel
 from stella_ps.kernel import KernelTensorState
 from stella_ps.optim import OptimizerConfig
 
 LINE = 64
 F32 = np.float32
-
-
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def triad_gbps(n: int = 50_000_000, reps: int = 5) -> float:

@@ -109,7 +109,8 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
     go = ctx.Event()
     stop_at = ctx.Value("q", -1)
     with ServerProcess(workers=workers, log_level=log_level, secure=secure,
-                       args=["--max-workers", str(max(256, workers + 1)),
+                       args=["--pull", "exact",  # the check reads the exact model's sums from a snapshot
+                             "--max-workers", str(max(256, workers + 1)),
                              # every worker (and the observer) holds the one client key
                              "--max-workers-per-key", str(workers + 1)]) as srv:
         keys = srv.client_kwargs() if secure else {}

@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from bench.harness import (
     fmt_summary,
     launch_workers,
     log_tails,
+    process_cpu_seconds,
     site_iface,
     summarize,
     wait_workers,
@@ -58,17 +60,24 @@ def worker(a) -> int:
     from stella import Compression, StellaOptimizer
 
     torch.set_num_threads(a.threads)
+    if a.site_size > 1:  # the ranks of a site: gloo among them, one leader speaks to the server
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.site_port}", rank=a.rank % a.site_size,
+                                world_size=a.site_size)
     wl = W.get(a.workload)
     model = wl.build_model(a.seed)
     density = a.density if a.density == "auto" else float(a.density)
     if a.mode == "update":  # the workload's own optimizer steps on the worker; the server's is the outer step
-        mode_kw = {"mode": "update", "optimizer": wl.make_optimizer(model.parameters()), "outer": a.outer,
+        mode_kw = {"mode": "update", "optimizer": wl.make_optimizer(model.parameters()),
+                   "outer": json.loads(a.outer) if a.outer.startswith("{") else a.outer,
                    "sync_every": a.sync_every}
     else:
         mode_kw = {"mode": "gradient", "optimizer": server_options(wl)}
     opt = StellaOptimizer(model, a.address, compression=Compression(density=density, value_dtype=a.value_dtype),
                           timeout=600, name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
-                          client_key=a.client_key, **mode_kw)
+                          client_key=a.client_key, process_group="default" if a.site_size > 1 else None,
+                          **mode_kw)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_at")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
@@ -88,6 +97,8 @@ def worker(a) -> int:
         recorder.lap()
         opt.step()
         step += 1
+        if step == 1:  # the counters after the join (the model's first copy each way) and the first round
+            first = (opt.bytes_pushed, opt.bytes_pulled, opt.stats.rounds)
         rec = recorder.end(step, loss.item())
         wait = opt.stats.wait_s - w0
         rec["net_wait"], rec["compute"], rec["density"] = wait, rec["iter"] - wait, opt.stats.density
@@ -102,7 +113,8 @@ def worker(a) -> int:
         elif os.path.exists(stop_file):
             with open(stop_file) as f:
                 stop_at = int(f.read())
-    opt.synchronize()
+    steady = (opt.bytes_pushed - first[0], opt.bytes_pulled - first[1], opt.stats.rounds - first[2])
+    opt.synchronize()  # (the end's flush is not the steady state: not in the counters per round)
     if a.rank == 0 and (not clock.evals or clock.evals[-1]["step"] != step):
         clock.evaluate(step)
     opt.close()
@@ -112,6 +124,8 @@ def worker(a) -> int:
            "staleness": a.staleness, "mode": a.mode, "sync_every": a.sync_every, "value_dtype": a.value_dtype,
            "outer": a.outer, "rounds": opt.stats.rounds,
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
+           "client_bytes_pushed": steady[0], "client_bytes_pulled": steady[1], "client_rounds": steady[2],
+           "leader": opt.client is not None,
            "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s}
     with open(a.out, "w") as f:
         json.dump(out, f)
@@ -122,16 +136,23 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                sites: list[str] | None = None, ps_site: str = "ps", seed: int = 0,
                eval_every: int | None = None, stop_at_target: bool = False, threads: int = 1,
                density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
-               sync_every: int = 1, value_dtype: str = "f16", outer: str = "average") -> dict:
+               sync_every: int = 1, value_dtype: str = "f16", outer: str = "average",
+               server_args: tuple[str, ...] = (), site_size: int = 1) -> dict:
     """Run one Stella job (server + ``world`` workers) and return its summary. The
-    server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key)."""
+    server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key).
+    ``server_args``: more stella-ps flags. ``site_size`` > 1: the workers are sites of
+    that many ranks (consecutive ranks, gloo among them, one worker to the server)."""
     from bench import workloads as W
+    from stella_ps.process import free_port
 
     wl = W.get(workload)
     tmp = tempfile.mkdtemp(prefix=f"stella-{workload}-", dir=log_dir)
     host = bed.address(ps_site) if bed is not None else "127.0.0.1"
-    ps = ServerProcess(world, bind=f"tcp://{host}:{PS_PORT if bed else 0}", log_level="INFO", cwd=REPO, timeout=60,
+    ps = ServerProcess(world // site_size, ["--max-workers-per-key", str(world + 1), *server_args],
+                       bind=f"tcp://{host}:{PS_PORT if bed else 0}", log_level="INFO", cwd=REPO, timeout=60,
                        popen=functools.partial(bed.popen, ps_site) if bed is not None else subprocess.Popen)
+    site_ports = [free_port() for _ in range(world // site_size)]
+    server_cpu = process_cpu_seconds(ps.pid)  # its start-up is not the job's
     try:
         if bed is not None:
             sites = sites or [s for s in bed.sites if s != ps_site][:world]
@@ -143,13 +164,15 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                     "--eval-every", str(eval_every or wl.eval_every), "--threads", str(threads),
                     "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp,
                     "--mode", mode, "--sync-every", str(sync_every), "--value-dtype", value_dtype, "--outer", outer,
-                    "--out", os.path.join(tmp, f"rank{r}.json")]
+                    "--out", os.path.join(tmp, f"rank{r}.json"), "--site-size", str(site_size),
+                    "--site-port", str(site_ports[r // site_size])]
             for flag, path in ps.client_kwargs().items():  # the CurveZMQ keys made for this job
                 argv += [f"--{flag.replace('_', '-')}", path]
             if stop_at_target:
                 argv.append("--stop-at-target")
             argvs.append(argv)
         rcs = wait_workers(launch_workers(argvs, tmp, bed=bed, sites=sites), max_seconds + 180)
+        server_cpu = process_cpu_seconds(ps.pid) - server_cpu
     finally:
         ps.close()
         with open(os.path.join(tmp, "ps.log"), "w") as f:
@@ -167,6 +190,16 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
     res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
     res["final_density"] = [k.get("final_density") for k in ranks]
+    # what each worker (a site's leader) sent and received, per round, by its client's counters
+    leaders = [k for k in ranks if k.get("leader", True)]
+    res["client_bytes_per_round"] = {  # after the join: the steady state
+        "pushed": statistics.mean(k["client_bytes_pushed"] / max(1, k["client_rounds"]) for k in leaders),
+        "pulled": statistics.mean(k["client_bytes_pulled"] / max(1, k["client_rounds"]) for k in leaders)}
+    res["values_per_round"] = {"pushed": statistics.mean(k["values_pushed"] / max(1, k["rounds"]) for k in leaders),
+                               "pulled": statistics.mean(k["values_pulled"] / max(1, k["rounds"]) for k in leaders)}
+    res["site_size"] = site_size
+    # the server's CPU over the job (joins, steps, pulls, the end's flush) per round of its workers
+    res["server_cpu_ms_per_round"] = 1e3 * server_cpu / max(1, max(k["rounds"] for k in leaders))
     res["log_dir"] = tmp
     return res
 
@@ -219,12 +252,14 @@ def main(argv=None) -> int:
     w.add_argument("--mode", choices=("gradient", "update"), default="gradient")
     w.add_argument("--sync-every", type=int, default=1)
     w.add_argument("--value-dtype", default="f16")
-    w.add_argument("--outer", default="average")
+    w.add_argument("--outer", default="average", help="a preset's name or the outer optimizer's config as JSON")
     w.add_argument("--stop-at-target", action="store_true")
     w.add_argument("--log-dir", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--server-key", help="the server's public key file (CurveZMQ)")
     w.add_argument("--client-key", help="this worker's .key_secret file (CurveZMQ)")
+    w.add_argument("--site-size", type=int, default=1)
+    w.add_argument("--site-port", type=int, default=0)
     ap.add_argument("--workload", default="digits")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=120)

@@ -96,6 +96,19 @@ int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n) {
     return STELLA_OK;
 }
 
+/* What the last apply did to the parameters: out[j] = p_now - p_before at idx[j] (its
+ * out_idx, n entries), from the undo log, in float32 (the server's broadcast adds it to
+ * its residual). */
+int stella_optim_last_changes(const stella_optim *st, const int32_t *idx, int64_t n, float *out) {
+    if (!st || n < 0 || n != st->undo_len || (n > 0 && (!idx || !out))) return STELLA_E_ARG;
+    const int64_t s = st->nfields;
+    for (int64_t j = 0; j < n; j++) {
+        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= st->numel)) return STELLA_E_RANGE;
+        out[j] = st->mem[(int64_t)idx[j] * s] - st->undo[j * s];
+    }
+    return STELLA_OK;
+}
+
 /* Whole records (all fields of coordinates start..start+n-1, interleaved as held):
  * one memcpy, for checkpoints that copy a state a slice at a time between steps. */
 int stella_optim_get_records(const stella_optim *st, void *dst, int64_t start, int64_t n) {

@@ -4,8 +4,11 @@ that are always closed, and a guard that every ZeroMQ socket is closed again.
 Servers (all :class:`stella_ps.process.ServerProcess`, log level DEBUG, cwd = repo root):
 
 - ``server``: one single-worker server for the test.
-- ``make_server(workers=1, args=(), **kw)``: start as many as the test needs; all are
-  stopped after the test. ``kw`` goes to ``ServerProcess`` (``env``, ``bind``, ...).
+- ``make_server(workers=1, args=(), pull=None, **kw)``: start as many as the test needs;
+  all are stopped after the test. ``pull="exact"`` adds ``--pull exact`` (pulls of exact
+  values, which many tests check bit for bit; the default is the compressed broadcast).
+  ``kw`` goes to ``ServerProcess`` (``env``, ``bind``, ...).
+- ``exact_server``: ``server`` with ``--pull exact``.
 - ``module_server_factory``: the same factory, module scope, for a module whose tests
   share one server (bad-input tables, expensive set-ups)::
 
@@ -90,9 +93,11 @@ ServerFactory = Callable[..., ServerProcess]
 def _server_factory() -> Iterator[ServerFactory]:
     servers: list[ServerProcess] = []
 
-    def make(workers: int = 1, args: Sequence[str] = (), **kw: Any) -> ServerProcess:
+    def make(workers: int = 1, args: Sequence[str] = (), *, pull: str | None = None, **kw: Any) -> ServerProcess:
         kw.setdefault("log_level", "DEBUG")
         kw.setdefault("cwd", ROOT)
+        if pull is not None:  # "exact": pulls of exact values, the semantics many tests check bit for bit
+            args = [*args, "--pull", pull]
         s = ServerProcess(workers, args, **kw)
         servers.append(s)
         return s
@@ -117,6 +122,12 @@ def module_server_factory() -> Iterator[ServerFactory]:
 @pytest.fixture
 def server(make_server: ServerFactory) -> ServerProcess:
     return make_server(1)
+
+
+@pytest.fixture
+def exact_server(make_server: ServerFactory) -> ServerProcess:
+    """One single-worker server whose pulls carry exact values (``--pull exact``)."""
+    return make_server(1, pull="exact")
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ MAX_MSG = 2 << 20
 def env(module_server_factory):
     # --oversized-ban-s 0: this module's one key goes on after its oversized messages
     # (hanging up on it is tests/test_hostile.py's)
-    srv = module_server_factory(1, ["--max-message-bytes", str(MAX_MSG), "--oversized-ban-s", "0"])
+    srv = module_server_factory(1, ["--max-message-bytes", str(MAX_MSG), "--oversized-ban-s", "0"], pull="exact")
     good = Client(srv.endpoint, timeout=10)
     init = {"w": np.arange(100, dtype=np.float32).reshape(10, 10), "b": np.zeros(4, np.float32)}
     good.register(init, {"name": "sgd", "lr": 0.1})

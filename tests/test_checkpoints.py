@@ -51,9 +51,10 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(
         assert not reg.created and reg.version == ck.version
         snap = probe.pull(None)
         assert snap.version == ck.version
-        params = ck.params()
+        # the workers' model: the broadcast model the checkpoint holds (the exact one with --pull exact)
+        held = {spec["name"]: arrays.get("bcast_model", arrays["param"]) for spec, arrays in zip(ck.layout, ck.tensors)}
         for name, (_, vals) in snap.tensors.items():
-            assert np.array_equal(vals, params[name].reshape(-1)), name  # bit for bit
+            assert np.array_equal(vals, held[name]), name  # bit for bit
         probe.close()
         for p in procs:  # the workers find the new server by themselves
             p.send_signal(signal.SIGCONT)
@@ -143,7 +144,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(make_
 # --------------------------------------------------------------------------- SIGTERM checkpoint + export
 def test_sigterm_writes_a_checkpoint_and_export_loads_into_the_model(make_server, make_client, tmp_path):
     ckdir = tmp_path / "ck"
-    srv = make_server(1, ["--checkpoint-dir", str(ckdir), "--checkpoint-every-s", "0"])
+    srv = make_server(1, ["--checkpoint-dir", str(ckdir), "--checkpoint-every-s", "0"], pull="exact")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     c = make_client(srv.endpoint)
@@ -186,11 +187,13 @@ def test_periodic_checkpoints_are_bounded_in_number(make_server, make_client, tm
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary files left
 
 
+@pytest.mark.parametrize("pull", ["exact", "broadcast"])
 @pytest.mark.parametrize("opt", [{"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
                                  {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}])
-def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
+def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt, pull):
     """A checkpoint copies the state a slice at a time while steps go on; the logged
-    steps, applied to the slices copied before them, give exactly the store's state."""
+    steps, applied to the slices copied before them, give exactly the store's state
+    (with the broadcast, its model and residual too: a step's selection is replayed)."""
     from stella.protocol import SparseTensor, TensorSpec
     from stella_ps.aggregation import Step
     from stella_ps.checkpoints import copy_in_slices
@@ -198,13 +201,14 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
     from stella_ps.store import ModelStore, roll_forward
 
     cfg = OptimizerConfig.from_wire(opt)
-    layout = [TensorSpec("a", (1000,), "float32"), TensorSpec("b", (37,), "float32")]
+    big = 5000  # above the broadcast's whole-tensor size: its messages are selected
+    layout = [TensorSpec("a", (big,), "float32"), TensorSpec("b", (37,), "float32")]
     rng = np.random.default_rng(3)
-    s = ModelStore()
-    s.initialise(layout, [rng.standard_normal(n).astype(np.float32) for n in (1000, 37)], cfg)
+    s = ModelStore(pull=pull)
+    s.initialise(layout, [rng.standard_normal(n).astype(np.float32) for n in (big, 37)], cfg)
 
     def step() -> None:
-        idx = [np.unique(rng.integers(0, 1000, 150)).astype(np.int32) for _ in range(2)]
+        idx = [np.unique(rng.integers(0, big, 150)).astype(np.int32) for _ in range(2)]
         per_tensor = [[SparseTensor(0, i, rng.standard_normal(i.size).astype(np.float32)) for i in idx],
                       [SparseTensor(1, None, rng.standard_normal(37).astype(np.float32))]]
         s.apply_step(Step(per_tensor, 0.5, [0, 1], 0, []), cfg)
@@ -221,11 +225,12 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt):
             step()
         return out
 
-    copy = asyncio.run(copy_in_slices(s, run, 16))  # the server's own copy, in slices of 16
-    assert slices == copy.slices == 63 + 3 and len(copy.redo) == slices and copy.version == 3 + slices
+    copy = asyncio.run(copy_in_slices(s, run, 128))  # the server's own copy, in slices of 128
+    assert slices == copy.slices == 40 + 1 and len(copy.redo) == slices and copy.version == 3 + slices
     kind = OptimizerConfig.from_wire({"name": cfg.name})
-    rolled = roll_forward(kind, [1000, 37], copy.copies, copy.redo)
+    rolled = roll_forward(kind, [big, 37], copy.copies, copy.redo)
     _, truth = s.state_copy()
+    assert ("bcast_residual" in truth[0]) == (pull == "broadcast")
     for got, want in zip(rolled, truth):
         assert set(got) == set(want)
         for k in want:

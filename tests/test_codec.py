@@ -1,6 +1,7 @@
 """Wire coding: bit-exact round trips, and corrupt input always rejected with CodecError."""
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -505,15 +506,25 @@ def test_q_fuzz_valid_frames_round_trip(count, dtype, seed):
     np.testing.assert_array_equal(codec.quantise(again, dtype), again)
 
 
-def test_delta_refuses_quantised_values():
+def test_a_delta_of_values_to_install_refuses_coded_values_and_a_broadcast_takes_them():
     from stella.errors import ProtocolError
     from stella.protocol import Delta, SparseTensor, TensorSpec, decode_reply, encode, encode_tensors
 
     layout = [TensorSpec("w", (10,), "float32")]
-    entries, frames = encode_tensors([SparseTensor(0, np.array([1, 4], np.int32), np.ones(2, np.float32))], layout,
-                                     "raw32", "q4")
-    with pytest.raises(ProtocolError, match="for pushes only"):
-        decode_reply(encode(Delta(version=1, full=False, tensors=entries), frames))
+    for vd in ("q4", "f16"):
+        entries, frames = encode_tensors([SparseTensor(0, np.array([1, 4], np.int32), np.ones(2, np.float32))],
+                                         layout, "raw32", vd)
+        with pytest.raises(ProtocolError, match="exact"):  # a replica installs exact values only
+            decode_reply(encode(Delta(version=1, full=False, tensors=entries), frames))
+        rx = decode_reply(encode(Delta(version=1, full=False, tensors=entries, add=True, parts=[1]), frames))
+        assert rx.msg.add and rx.msg.parts == [1]  # values to add: the broadcast's coding
+    two = entries + [msgspec.structs.replace(e, index_frame=e.index_frame + 2, value_frame=e.value_frame + 2)
+                     for e in entries]
+    with pytest.raises(ProtocolError, match="appears twice"):  # one message names a tensor once
+        decode_reply(encode(Delta(version=2, full=False, tensors=two, add=True, parts=[2]), frames + frames))
+    assert decode_reply(encode(Delta(version=2, full=False, tensors=two, add=True, parts=[1, 1]), frames + frames))
+    with pytest.raises(ProtocolError, match="parts add up"):
+        decode_reply(encode(Delta(version=2, full=False, tensors=two, add=True, parts=[1]), frames + frames))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])

@@ -276,10 +276,13 @@ class Harness:
                 self._baseline = self.state()
             before = self._baseline
             self.socks[sock].send_multipart(frames)
-            reply, _ = self._recv(sock, req, unreadable=predicted == ErrorCode.PROTOCOL.value)
+            desc = describe(sock, frames, what)
+            try:
+                reply, _ = self._recv(sock, req, unreadable=predicted == ErrorCode.PROTOCOL.value)
+            except AssertionError as e:
+                raise AssertionError(f"{desc}\n{e}") from None
             self.sent += 1
             self.since_step += 1
-            desc = describe(sock, frames, what)
             if reply["type"] == "error":
                 code = reply["code"]
                 assert code in KNOWN_CODES, f"{desc}\n-> {reply}"

@@ -119,7 +119,7 @@ def test_a_header_without_proto_or_req_is_refused(srv, raw_dealer, missing):
 
 # ------------------------------------------------------------------ hyper-parameters, in float32
 def test_an_eps_that_underflows_in_float32_is_refused_on_register_and_on_a_running_job(make_server, make_client):
-    s = make_server(1)
+    s = make_server(1, pull="exact")
     c = make_client(s.endpoint)
     with pytest.raises(BadRequest, match="eps"):
         c.register({"w": np.zeros(8, np.float32)}, {"name": "adam", "eps": 1e-46})
@@ -133,7 +133,7 @@ def test_an_eps_that_underflows_in_float32_is_refused_on_register_and_on_a_runni
 
 
 def test_a_huge_lr_or_weight_decay_is_refused_with_the_default_flags(make_server, make_client):
-    s = make_server(1)
+    s = make_server(1, pull="exact")
     c = make_client(s.endpoint)
     with pytest.raises(BadRequest, match="weight_decay"):
         c.register({"w": np.zeros(8, np.float32)}, {"name": "adam", "weight_decay": 3e38})
@@ -169,7 +169,7 @@ def test_huge_pushes_are_clipped_and_the_honest_worker_keeps_training(make_serve
     one that pushes +-3e38 everywhere in three consecutive steps: with the default flags
     the relative push-norm clip holds each to 10 usual pushes, the model stays finite
     and the honest loss falls again."""
-    s = make_server(2)
+    s = make_server(2, pull="exact")
     honest, bad = make_client(s.endpoint), make_client(s.endpoint)
     rng = np.random.default_rng(0)
     w = rng.standard_normal(DIM).astype(np.float32)

@@ -59,11 +59,7 @@ def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejo
         version, equal_at = snap.version, None
         for _ in range(200):
             d = rep.pull(version)
-            for n, (idx, vals) in d.tensors.items():
-                if idx is None:
-                    replica[n] = vals.copy()
-                else:
-                    replica[n][idx] = vals
+            d.apply_to(replica)  # the broadcast's messages add; a full answer installs
             version = d.version
             full = rep.pull(None)
             if full.version == version:

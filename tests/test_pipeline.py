@@ -22,10 +22,11 @@ def grad_at(t: int, n: int = 8) -> torch.Tensor:
     return torch.full((n,), float(t + 1)) + torch.arange(n, dtype=torch.float32) * 0.25
 
 
-def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(server):
+def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient",
+                          optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           timeout=10)
     used = []
     for t in range(8):
@@ -38,10 +39,11 @@ def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(ser
         assert torch.equal(w, expect), f"iteration {t}: weights are not exactly updates 0..{t - 2}"
 
 
-def test_staleness_zero_is_the_synchronous_baseline(server):
+def test_staleness_zero_is_the_synchronous_baseline(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient",
+                          optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           staleness=0, timeout=10)
     for t in range(4):
         assert torch.equal(model.w.detach(), w0 - sum((grad_at(u) for u in range(t)), torch.zeros(8)))
@@ -51,7 +53,7 @@ def test_staleness_zero_is_the_synchronous_baseline(server):
 
 
 @pytest.mark.parametrize("value_dtype", ["f16", "q4", "q2"])
-def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype):
+def test_close_flushes_residual_so_no_gradient_mass_is_lost(exact_server, value_dtype):
     """With every value coding, the quantised ones included: what the server applied
     (decoded) plus the flushed residual is the sum of the gradients."""
     n = 10_000
@@ -59,7 +61,8 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype)
     with torch.no_grad():
         model.w.zero_()  # large weights would hide the sums in float32 rounding
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient",
+                          optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
                           method="exact", value_dtype=value_dtype, timeout=10)
     total = torch.zeros(n)
     rng = torch.Generator().manual_seed(0)
@@ -69,13 +72,13 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(server, value_dtype)
         (model.w * g).sum().backward()
         opt.step()
     opt.close()
-    with Client(server.endpoint, timeout=10, join=False) as c:
+    with Client(exact_server.endpoint, timeout=10, join=False) as c:
         for _ in range(100):  # the flush step is applied right after close() returns
             if c.status().version == 6:  # 5 steps + the flush
                 break
             time.sleep(0.02)
         assert c.status().version == 6
-    c2 = Client(server.endpoint, timeout=10)
+    c2 = Client(exact_server.endpoint, timeout=10)
     try:
         c2.register({"w": model.w})
         final = c2.pull(None).tensors["w"][1]
@@ -117,10 +120,11 @@ def test_background_errors_surface_in_the_training_loop(make_server, monkeypatch
     opt.close(flush=False)
 
 
-def test_compression_started_in_backward_keeps_exact_staleness(server):
+def test_compression_started_in_backward_keeps_exact_staleness(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient",
+                          optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           compress_in_backward=True, timeout=10)
     used = []
     for t in range(6):

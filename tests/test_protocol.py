@@ -54,7 +54,7 @@ def test_layout_conflict_names_the_difference_not_the_model(server, make_client)
 
 
 def test_mean_of_two_workers_applied_once_per_step(make_server, make_client):
-    srv = make_server(2)
+    srv = make_server(2, pull="exact")
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)
     m = model()
     a.register(m, SGD1)
@@ -75,12 +75,12 @@ def test_mean_of_two_workers_applied_once_per_step(make_server, make_client):
 
 
 @pytest.mark.parametrize("value_dtype", ["q4", "q2"])
-def test_quantised_push_applies_exactly_the_decoded_values(server, make_client, value_dtype):
+def test_quantised_push_applies_exactly_the_decoded_values(exact_server, make_client, value_dtype):
     """A q4/q2 push (sparse and dense entries) costs its frame size on the wire, and
     the server applies exactly what the codec decodes (SGD lr 1, one worker)."""
     from stella import codec
 
-    c = make_client(server.endpoint)
+    c = make_client(exact_server.endpoint)
     m = model()
     c.register(m, SGD1)
     rng = np.random.default_rng(3)
@@ -134,7 +134,7 @@ def test_replicas_equal_server_bit_for_bit(make_server, make_client):
 
 
 def test_snapshot_when_version_too_old(make_server, make_client):
-    srv = make_server(1, ["--history", "3"])
+    srv = make_server(1, ["--history", "3"], pull="exact")
     a = make_client(srv.endpoint)
     a.register(model(), SGD1)
     for v in range(6):
@@ -157,7 +157,7 @@ def test_version_from_the_future_refused(server, make_client):
 
 
 def test_late_push_folded_into_next_step(make_server, make_client):
-    srv = make_server(2, ["--step-deadline", "0.3"])
+    srv = make_server(2, ["--step-deadline", "0.3"], pull="exact")
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)
     m = model()
     a.register(m, SGD1)
@@ -176,7 +176,7 @@ def test_late_push_folded_into_next_step(make_server, make_client):
 
 
 def test_leave_lets_steps_proceed_and_counts_pending(make_server, make_client):
-    srv = make_server(2)
+    srv = make_server(2, pull="exact")
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)
     m = model()
     a.register(m, SGD1)
@@ -201,8 +201,8 @@ def test_rejoin_with_same_id_and_conflict(server, make_client):
     assert other.join(wid) == wid
 
 
-def test_set_optimizer_changes_lr_from_next_step(server, make_client):
-    a = make_client(server.endpoint)
+def test_set_optimizer_changes_lr_from_next_step(exact_server, make_client):
+    a = make_client(exact_server.endpoint)
     m = model()
     a.register(m, SGD1)
     assert a.set_optimizer(lr=0.5)["lr"] == 0.5
@@ -216,7 +216,7 @@ def test_set_optimizer_changes_lr_from_next_step(server, make_client):
 def test_hparams_on_a_push_apply_from_the_step_it_joins(make_server, make_client):
     """A learning-rate change travels with the push (no round trip of its own) and
     applies exactly from the step that push joins."""
-    srv = make_server(2)
+    srv = make_server(2, pull="exact")
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)
     m = model()
     a.register(m, SGD1)

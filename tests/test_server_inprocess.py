@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stella import Client
-from stella_ps.config import ServerConfig
+from stella_ps.config import Pulls, ServerConfig
 from stella_ps.server import ParameterServer
 
 
@@ -17,6 +17,8 @@ class InProcessServer:
     """A ParameterServer on its own event loop in a background thread, on port 0."""
 
     def __init__(self, keys, **config):
+        # pulls of exact values: the tests read the values a pull installs
+        config.setdefault("pulls", Pulls(mode="exact"))
         self.server = ParameterServer(ServerConfig(bind="tcp://127.0.0.1:0", keys=keys.server_secret,
                                                    allow=keys.allowlist, **config))
         self.loop = asyncio.new_event_loop()

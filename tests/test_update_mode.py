@@ -64,10 +64,15 @@ def reference_run(h: int, steps: int, w0: torch.Tensor) -> list[list[torch.Tenso
     return used
 
 
+@pytest.mark.parametrize("pull", [["--pull", "exact"], ["--pull", "broadcast", "--broadcast-values", "f32"]],
+                         ids=["exact", "broadcast"])
 @pytest.mark.parametrize("h", [1, 2, 3])
-def test_merge_rule_is_exact_on_a_deterministic_toy(make_server, h):
+def test_merge_rule_is_exact_on_a_deterministic_toy(make_server, h, pull):
+    """The merge rule, bit for bit, with exact pulls and with the broadcast: a tensor this
+    small goes whole in a broadcast, in f32 here, so the broadcast model is the exact one
+    (the sums are exact) and both give the reference's weights."""
     steps = 9
-    srv = make_server(2)
+    srv = make_server(2, pull)
     w0 = torch.arange(N, dtype=torch.float32)
     models = [Toy(), Toy()]
     opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync_every=h, method="dense",
@@ -85,12 +90,12 @@ def test_merge_rule_is_exact_on_a_deterministic_toy(make_server, h):
         o.close()
 
 
-def test_one_worker_never_waits_for_its_own_update(server):
+def test_one_worker_never_waits_for_its_own_update(exact_server):
     """With one worker and plain averaging the global change *is* the worker's own
     update: the merge rule keeps the local trajectory exact, no step is stale."""
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
                           value_dtype="f32", timeout=10)
     total = torch.zeros(N)
     for t in range(6):
@@ -124,7 +129,7 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
     float32 rounding, their decoded values are not dyadic); the anchor equals the
     server's model bit for bit."""
     n, steps = 64, 10
-    srv = make_server(2)
+    srv = make_server(2, pull="exact")
     init = torch.zeros(n)
     models = [Toy(n, init), Toy(n, init)]
     opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, density=0.125, method="exact",
@@ -154,10 +159,11 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
         assert torch.equal(lhs, rhs)
 
 
-def test_close_flushes_what_was_not_sent(server):
+def test_close_flushes_what_was_not_sent(exact_server):
     n = 256
     model = Toy(n, torch.zeros(n))
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, density=0.05, method="exact",
+    opt = StellaOptimizer(model, exact_server.endpoint,
+                          optimizer={"name": "sgd", "lr": 1.0}, density=0.05, method="exact",
                           dense_below=0, value_dtype="f32", timeout=10)
     total = torch.zeros(n)
     for t in range(5):
@@ -165,15 +171,15 @@ def test_close_flushes_what_was_not_sent(server):
         total += grad_of(0, t, n)
     opt.close()
     # one worker, plain averaging: the server's model is the worker's, everything delivered
-    assert torch.equal(_server_model(server, n, 6), -total)  # 5 rounds and the flush
+    assert torch.equal(_server_model(exact_server, n, 6), -total)  # 5 rounds and the flush
 
 
-def test_nesterov_outer_step_matches_torch_sgd(server):
+def test_nesterov_outer_step_matches_torch_sgd(exact_server):
     """The outer step on the server is torch's SGD(nesterov) on the pseudo-gradient
     (dense here, so lazy == dense)."""
     n = 16
     model = Toy(n, torch.zeros(n))
-    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, outer="nesterov",
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, outer="nesterov",
                           method="dense", value_dtype="f32", staleness=0, timeout=10)
     ref_p = torch.nn.Parameter(torch.zeros(n))
     outer = OUTER_PRESETS["nesterov"]
@@ -186,7 +192,7 @@ def test_nesterov_outer_step_matches_torch_sgd(server):
         assert torch.allclose(model.w.detach(), ref_p.detach(), rtol=1e-6, atol=1e-6)
     assert torch.equal(model.w.detach(), opt._exchange.anchor["w"])
     opt.close(flush=False)
-    assert torch.equal(_server_model(server, n, 4), model.w.detach())
+    assert torch.equal(_server_model(exact_server, n, 4), model.w.detach())
 
 
 def test_update_mode_refuses_what_it_cannot_do(server):

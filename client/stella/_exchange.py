@@ -190,7 +190,9 @@ class _UpdateExchange(_Exchange):
     @torch.no_grad()
     def install(self, delta: PullResult, sent: Mapping[str, SparseGrad]) -> None:
         """The merge rule, ``w <- w + (a_new - a) + c`` and ``a <- a_new`` (pipeline's
-        module doc), where ``c`` is what this worker sent in the round that just finished."""
+        module doc), where ``c`` is what this worker sent in the round that just finished.
+        The anchor's new values are installed (exact pulls, snapshots) or added, step
+        after step (the broadcast: then the anchor equals the server's broadcast model)."""
         for n, (idx, vals) in delta.tensors.items():
             a, w = self.anchor[n], self.params[n].detach().view(-1)
             new = _host_tensor(vals, a)
@@ -201,6 +203,19 @@ class _UpdateExchange(_Exchange):
                 at = _indices(idx, a.device)
                 w.index_add_(0, at, (new - a.index_select(0, at)).to(w.dtype))
                 a.index_copy_(0, at, new)
+        for step in delta.steps:
+            for n, (idx, vals) in step.items():
+                a, w = self.anchor[n], self.params[n].detach().view(-1)
+                inc = _host_tensor(vals, a)
+                if idx is None:
+                    before = a.clone()
+                    a.add_(inc)
+                    w.add_((a - before).to(w.dtype))
+                else:
+                    at = _indices(idx, a.device)
+                    before = a.index_select(0, at)
+                    a.index_add_(0, at, inc)
+                    w.index_add_(0, at, (a.index_select(0, at) - before).to(w.dtype))
         for n, sg in sent.items():
             w = self.params[n].detach().view(-1)
             c = _host_tensor(sg.values, w).to(w.dtype)

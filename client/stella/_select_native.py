@@ -1,5 +1,6 @@
 """Checked wrapper of ``native/compress.c`` (module ``stella._native``): error feedback
-fused with top-k selection, for contiguous float32 CPU tensors.
+fused with top-k selection, for contiguous float32 CPU tensors or NumPy arrays (the
+server's broadcast selects from NumPy residuals, without torch).
 
 The only caller of the selection functions of ``lib``; :mod:`stella.compress` is the
 public API on top. The C API takes typed structs (``native/cdefs/compress.h``):
@@ -48,18 +49,25 @@ class SelectStats:
         return {name: int(getattr(self._c, name)) for name in _STAT_FIELDS}
 
 
-def _check_pair(res, grad) -> None:
-    import torch
+def _as_array(x, what: str) -> np.ndarray:
+    """A contiguous 1-D float32 CPU view of a NumPy array or torch tensor (no copy)."""
+    if not isinstance(x, np.ndarray):
+        if x.dtype.is_floating_point is False or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous float32 CPU tensor")
+        x = x.detach().numpy()
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"{what} must be a contiguous float32 array")
+    return x.reshape(-1)
 
-    if res.dtype != torch.float32 or res.device.type != "cpu" or not res.is_contiguous():
-        raise ValueError("residual must be a contiguous float32 CPU tensor")
-    if grad is not None:
-        if grad.dtype != torch.float32 or grad.device.type != "cpu" or not grad.is_contiguous():
-            raise ValueError("grad must be a contiguous float32 CPU tensor")
-        if grad.numel() != res.numel():
-            raise ValueError("grad and residual sizes differ")
-    if res.numel() > 2**31 - 1:
+
+def _check_pair(res, grad) -> tuple[np.ndarray, np.ndarray | None]:
+    r = _as_array(res, "residual")
+    g = None if grad is None else _as_array(grad, "grad")
+    if g is not None and g.shape[0] != r.shape[0]:
+        raise ValueError("grad and residual sizes differ")
+    if r.shape[0] > 2**31 - 1:
         raise ValueError("tensors of 2**31 elements or more are not supported")
+    return r, g
 
 
 def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
@@ -71,12 +79,12 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
 
     Returns (indices int32, values float32).
     """
-    _check_pair(res, grad)
+    r, g = _check_pair(res, grad)
     if unit not in (1, BLOCK):
         raise ValueError(f"unit must be 1 or {BLOCK}, got {unit}")
     if not isinstance(state, TopkState):
         raise TypeError("state must be a TopkState")
-    n = res.numel()
+    n = r.shape[0]
     nu = n if unit == 1 else (n + BLOCK - 1) // BLOCK
     k_units = max(1, min(int(k_units), nu))
     cap = min(nu, 2 * k_units + 1024)
@@ -89,8 +97,8 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
             ffi.from_buffer("float[]", val, require_writable=True),
             ffi.from_buffer("float[]", score, require_writable=True))
     out = ffi.new("stella_topk_out *", {"idx": bufs[0], "val": bufs[1], "score": bufs[2], "cap_units": cap})
-    res_c = ffi.from_buffer("float[]", res.detach().numpy(), require_writable=True)
-    grad_c = ffi.NULL if grad is None else ffi.from_buffer("float[]", grad.detach().numpy())
+    res_c = ffi.from_buffer("float[]", r, require_writable=True)
+    grad_c = ffi.NULL if g is None else ffi.from_buffer("float[]", g)
     rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, ffi.NULL if stats is None else stats._c)
     check(lib, rc, "stella_ef_topk", ValueError)
     return idx[:rc], val[:rc]

@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import numpy as np
 import zmq
 
+from . import codec
 from ._session import (
     ENV_CLIENT_KEY,
     ENV_RECONNECT,
@@ -37,7 +38,6 @@ from ._session import (
     default_timeout,
     expect,
 )
-from .errors import ProtocolError
 from .protocol import (
     Delta,
     IndexCoding,
@@ -96,7 +96,14 @@ def _values(items: list[tuple[str, Any]]) -> list[np.ndarray]:
 
 @dataclass
 class PullResult:
-    """What changed on the server: per tensor name ``(indices or None if dense, float32 values)``.
+    """What changed on the server, in one of two forms (docs/protocol.md, ``delta``):
+
+    - ``tensors``: per tensor name ``(indices or None if dense, float32 values)``, the
+      values to *install* (exact pulls, and every snapshot: ``full``);
+    - ``steps`` (the server's compressed broadcast): one such mapping per step after
+      the pull's ``since``, in order, whose float32 values are to be *added*, one step
+      after another: a replica that adds them equals the server's broadcast model bit
+      for bit. ``tensors`` is then empty.
 
     ``rebased``: the pull was made before a reconnect and rebased after it (its
     ``wait_for`` dropped, or turned into a snapshot; :func:`stella._session.rebase`), so
@@ -107,31 +114,47 @@ class PullResult:
     full: bool
     tensors: dict[str, tuple[np.ndarray | None, np.ndarray]]
     rebased: bool = False
+    steps: list[dict[str, tuple[np.ndarray | None, np.ndarray]]] = field(default_factory=list)
 
     @property
     def count(self) -> int:
-        return sum(v.size for _, v in self.tensors.values())
+        """Values carried (all steps)."""
+        return sum(v.size for t in (self.tensors, *self.steps) for _, v in t.values())
 
     def apply_to(self, params: Mapping[str, Any]) -> None:
-        """Install the values into local tensors (NumPy arrays or torch tensors, any device)."""
+        """Install the values (or add the steps) into local tensors (NumPy arrays or torch
+        tensors, any device)."""
         for name, (idx, vals) in self.tensors.items():
-            dst = params[name]
-            if hasattr(dst, "detach"):
-                import torch
+            _put(params[name], idx, vals, add=False)
+        for step in self.steps:
+            for name, (idx, vals) in step.items():
+                _put(params[name], idx, vals, add=True)
 
-                flat = dst.detach().view(-1)
-                # frames are read-only buffers; torch wants writable memory
-                src = torch.from_numpy(vals if vals.flags.writeable else vals.copy()).to(flat.device, flat.dtype)
-                if idx is None:
-                    flat.copy_(src)
-                else:
-                    flat[torch.from_numpy(idx.astype(np.int64)).to(flat.device)] = src
-            else:
-                flat = dst.reshape(-1)
-                if idx is None:
-                    flat[:] = vals
-                else:
-                    flat[idx] = vals
+
+def _put(dst: Any, idx: np.ndarray | None, vals: np.ndarray, *, add: bool) -> None:
+    """``dst[idx] = vals`` (or ``+=``), for a NumPy array or a torch tensor; float32
+    additions, as the server makes them."""
+    if hasattr(dst, "detach"):
+        import torch
+
+        flat = dst.detach().view(-1)
+        # frames are read-only buffers; torch wants writable memory
+        src = torch.from_numpy(vals if vals.flags.writeable else vals.copy()).to(flat.device, flat.dtype)
+        at = None if idx is None else torch.from_numpy(idx.astype(np.int64)).to(flat.device)
+        if add:
+            flat.add_(src) if at is None else flat.index_add_(0, at, src)
+        elif at is None:
+            flat.copy_(src)
+        else:
+            flat[at] = src
+    else:
+        flat = dst.reshape(-1)
+        if idx is None:
+            flat[:] = flat + vals if add else vals
+        elif add:
+            flat[idx] += vals
+        else:
+            flat[idx] = vals
 
 
 class Pending(Generic[T]):
@@ -355,12 +378,17 @@ class Client:
         self._session.saw(delta.version)
         if delta.full:
             self._session.need_snapshot = False
-        out: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
-        for s in decode_tensors(rx, self.layout):
-            if s.values.dtype != np.float32:  # exact values, so that replicas never drift
-                raise ProtocolError(f"delta values must be f32, got {s.values.dtype}")
-            out[self.layout[s.tensor].name] = (s.indices, s.values)
-        return PullResult(delta.version, delta.full, out, rebased=self._session.was_rebased(delta.req))
+        decoded = decode_tensors(rx, self.layout)  # installed values are f32 (the decoder checked)
+        rebased = self._session.was_rebased(delta.req)
+        if not delta.add:
+            out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
+            return PullResult(delta.version, delta.full, out, rebased=rebased)
+        steps, at = [], 0
+        for n in delta.parts or [len(decoded)]:
+            steps.append({self.layout[s.tensor].name: (s.indices, codec.to_float32(s.values))
+                          for s in decoded[at:at + n]})
+            at += n
+        return PullResult(delta.version, False, {}, rebased=rebased, steps=steps)
 
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """The server's counters (see docs/protocol.md, ``status``); needs no join."""

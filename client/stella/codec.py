@@ -62,6 +62,8 @@ __all__ = [
     "decode_values",
     "wire_values",
     "quantise",
+    "sum_of_squares",
+    "to_float32",
     "value_frame_size",
     "rice_parameter",
 ]
@@ -185,6 +187,20 @@ def wire_values(buf, count: int, dtype: str) -> np.ndarray:
     v = _wire_view(buf, count, dtype)
     _native.values_check(v, dtype)  # one C pass over the bits, no conversion
     return v
+
+
+def to_float32(values: np.ndarray) -> np.ndarray:
+    """Wire values as :func:`wire_values` returns them (float32, float16, or bf16 bit
+    patterns as uint16) as float32, exactly (a float32 array is returned as it is)."""
+    if values.dtype == np.uint16:  # bf16: the upper half of a float32
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)
+
+
+def sum_of_squares(values: np.ndarray) -> float:
+    """The sum of the squares of wire values (float32, float16 or uint16 bf16 bits, a
+    contiguous 1-D array), accumulated in float64: one C pass, no conversion."""
+    return _native.sum_of_squares(values)
 
 
 def quantise(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -170,14 +170,13 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
             acc = None
             if rank == 0 and (step + 1) % cfg.eval_every == 0:
                 acc = accuracy(model, xte, yte)
-            progress.put(("step", rank, step + 1, loss.item(), opt.client.bytes_pushed, opt.client.bytes_pulled,
-                          acc, opt.version))
+            progress.put(("step", rank, step + 1, loss.item(), opt.bytes_pushed, opt.bytes_pulled, acc, opt.version))
         opt.synchronize()  # install the last step: the replica equals the server's model
         final_acc = accuracy(model, xte, yte) if rank == 0 else None
         version = opt.version
     finally:
         opt.close()  # pushes what is left in the error-feedback residual, leaves
-    progress.put(("done", rank, opt.client.bytes_pushed, opt.client.bytes_pulled, version, final_acc))
+    progress.put(("done", rank, opt.bytes_pushed, opt.bytes_pulled, version, final_acc))
 
 
 def _mb(n: float) -> str:

@@ -75,6 +75,7 @@ from .errors import StellaError
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .progress import Progress
 from .protocol import IndexCoding, PullCoding, Registered, ValueDtype
+from .site import Site, resolve_group
 
 log = logging.getLogger("stella.pipeline")
 
@@ -250,6 +251,12 @@ class StellaOptimizer(torch.optim.Optimizer):
     its autograd hook.
     ``progress_every``: log a one-line summary every that many steps (0: none; see
     :mod:`stella.progress`). The timings travel with the pushes in any case.
+    ``process_group``: the ranks of this site (:mod:`stella.site`): they average over
+    ``torch.distributed`` (update mode: their weights each round; gradient mode: their
+    gradients each step) and the group's rank 0 alone speaks to the server, then shares
+    its answer. ``"default"`` (the default): the default group when ``torch.distributed``
+    is initialised with more than one rank; None: this process is a worker of its own.
+    Every rank calls the same methods in the same order, as with any collective.
     """
 
     def __init__(
@@ -271,6 +278,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         compress_in_backward: bool = False,
         client: Client | None = None,
         progress_every: int = 0,
+        process_group: Any = "default",
         **deprecated: Any,
     ):
         self.compression = c = _compression(compression, deprecated)
@@ -299,6 +307,11 @@ class StellaOptimizer(torch.optim.Optimizer):
                                                   value_dtype=c.value_dtype)
         self._exchange = exchange_for(mode, self.params, self.compressor, optimizer, outer, sync_every=sync_every,
                                       compress_in_backward=compress_in_backward)
+        group = resolve_group(process_group)
+        self.site: Site | None = Site(group) if group is not None else None
+        if self.site is not None and compress_in_backward:
+            raise ValueError("compress_in_backward compresses each rank's own gradient: a site averages them first")
+        leader = self.site is None or self.site.is_leader
         self.stats = PipelineStats(density=float(density))
         self.progress = Progress(progress_every)
         self._last_step_end: float | None = None
@@ -307,8 +320,10 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
         weakref.finalize(self, self._exec.shutdown, wait=False)
-        self._inflight: Future | None = None
+        self._inflight: Future | None = None  # the leader's exchange in flight
+        self._pending = False  # a round is in flight (on every rank of a site)
         self._closed = False
+        self.client: Client | None = None  # the leader's (a site's other ranks never connect)
 
         def init() -> tuple[Registered, PullResult]:
             self.client = client or Client(address, timeout=timeout, name=name, worker_id=worker_id,
@@ -316,21 +331,39 @@ class StellaOptimizer(torch.optim.Optimizer):
             reply = self.client.register(self.params, self._exchange.server_config, mode=self.mode)
             return reply, self.client.pull(None)
 
-        try:
-            reply, snap = self._exec.submit(init).result()
-        except BaseException:
-            self._exec.shutdown(wait=False)
-            raise
-        self.server_optimizer: dict[str, Any] = reply.optimizer or {}
-        with torch.no_grad():
-            snap.apply_to(self.params)
-        self.version = snap.version  # the version of the server's model the replica (anchor) holds
+        start: tuple[dict[str, Any], int] | None = None
+        if leader:
+            try:
+                reply, snap = self._exec.submit(init).result()
+            except BaseException:
+                self._exec.shutdown(wait=False)
+                raise
+            with torch.no_grad():
+                snap.apply_to(self.params)
+            start = (reply.optimizer or {}, snap.version)
+        if self.site is not None:  # the leader's model and the server's answer, on every rank
+            with torch.no_grad():
+                self.site.broadcast(p.detach() for p in self.params.values())
+            start = self.site.share(start)
+        assert start is not None
+        self.server_optimizer: dict[str, Any] = start[0]
+        self.version = start[1]  # the version of the server's model the replica (anchor) holds
         self._exchange.attach(self.server_optimizer)
         # the wrapper shows the exchange's groups: a scheduler built on it drives them
         super().__init__(list(self.params.values()), self._exchange.groups.defaults)
         self.param_groups = self._exchange.groups.param_groups
         self.state = self._exchange.groups.state
         self._sent_hparams = self._exchange.hparams()
+
+    @property
+    def bytes_pushed(self) -> int:
+        """Bytes this worker sent to the server so far (0 on a site's other ranks)."""
+        return self.client.bytes_pushed if self.client is not None else 0
+
+    @property
+    def bytes_pulled(self) -> int:
+        """Bytes this worker received from the server so far (0 on a site's other ranks)."""
+        return self.client.bytes_pulled if self.client is not None else 0
 
     @property
     def inner(self) -> torch.optim.Optimizer | None:
@@ -355,12 +388,13 @@ class StellaOptimizer(torch.optim.Optimizer):
         t1 = time.perf_counter()
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
-        push = self.client.push(sparse, version, value_dtype=self.compression.value_dtype,
+        client = self._client()
+        push = client.push(sparse, version, value_dtype=self.compression.value_dtype,
                                 index_coding=self.compression.index_coding, hparams=hparams or None,
                                 report=self.progress.report(), wait=False)
-        pull = self.client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
+        pull = client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         push.result()
-        delta = _wait_for_step(self.client, pull.result(), since, self.pull_coding)
+        delta = _wait_for_step(client, pull.result(), since, self.pull_coding)
         self.stats.compress_s += t1 - t0
         t2 = time.perf_counter()
         self.stats.exchange_s += t2 - t1
@@ -370,18 +404,40 @@ class StellaOptimizer(torch.optim.Optimizer):
         return delta, sparse
 
     def _finish_inflight(self) -> None:
-        """Wait for the in-flight exchange and install its delta into the replica."""
-        if self._inflight is None:
+        """Wait for the in-flight exchange and install its delta into the replica (a
+        site's leader shares it with the other ranks, which install the same)."""
+        if not self._pending:
             return
-        fut, self._inflight = self._inflight, None
+        self._pending = False
         t0 = time.perf_counter()
-        try:
-            delta, sent = fut.result()
-        except Exception as e:
-            raise PipelineError(f"background exchange failed: {type(e).__name__}: {e}") from e
+        result: tuple[PullResult, dict[str, SparseGrad]] | BaseException | None = None
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            try:
+                result = fut.result()
+            except Exception as e:
+                result = e
+        if self.site is not None:
+            result = self.site.share(result if not isinstance(result, BaseException) else
+                                     PipelineError(f"the site leader's exchange failed: {type(result).__name__}: "
+                                                   f"{result}"))
+        if isinstance(result, BaseException):
+            raise PipelineError(f"background exchange failed: {type(result).__name__}: {result}") from result
+        assert result is not None
+        delta, sent = result
         self.stats.wait_s += time.perf_counter() - t0
         self._exchange.install(delta, sent)
         self.version = delta.version
+
+    @property
+    def _leads(self) -> bool:
+        """This process speaks to the server (no site, or the site's leader)."""
+        return self.site is None or self.site.is_leader
+
+    def _from_leader(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the leader's pipeline thread, its result shared with the site."""
+        out = self._exec.submit(fn, *args).result() if self._leads else None
+        return out if self.site is None else self.site.share(out)
 
     def _start_exchange(self, grads: Grads, compute_version: int) -> None:
         """Finish the exchange in flight (installing it), adapt the density, start the next one."""
@@ -394,11 +450,16 @@ class StellaOptimizer(torch.optim.Optimizer):
             if density != self.compressor.density:
                 self.compressor.set_density(density)  # safe: the background thread is idle now
         self.stats.density = self.compressor.density
+        if self.site is not None and self.mode == "update":  # the site's weights: the mean of its ranks'
+            with torch.no_grad():
+                self.site.average(p.detach() for p in self.params.values())
         grads, compute_version = self._exchange.outgoing(grads, compute_version, self.version)
         hp = self._exchange.hparams()
         changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
         self._sent_hparams = hp
-        self._inflight = self._exec.submit(self._round, grads, compute_version, self.version, changed)
+        if self._leads:
+            self._inflight = self._exec.submit(self._round, grads, compute_version, self.version, changed)
+        self._pending = True
         self.stats.rounds += 1
         if self.staleness == 0:
             self._finish_inflight()
@@ -419,6 +480,8 @@ class StellaOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.stats.iterations += 1
         self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
+        if self.site is not None and self.mode == "gradient":  # the site's gradient: the mean of its ranks'
+            self.site.average(p.grad for p in self.params.values() if p.grad is not None)
         grads = self._exchange.step()  # update mode: the local step; a round every sync_every steps
         if grads is not None:
             self._start_exchange(grads, self.version)  # the version this gradient was computed on
@@ -433,10 +496,14 @@ class StellaOptimizer(torch.optim.Optimizer):
         """Install everything the server has applied so far (e.g. after training). In
         update mode the server's changes are merged: local progress not sent yet stays."""
         self._finish_inflight()
-        delta = self._exec.submit(self.client.pull, self.version).result()
+        delta = self._from_leader(lambda: self._client().pull(self.version))
         self._exchange.install(delta, {})
         self.version = delta.version
         return self.version
+
+    def _client(self) -> Client:
+        assert self.client is not None, "only a site's leader speaks to the server"
+        return self.client
 
     # ------------------------------------------------------------------ worker checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -461,7 +528,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange.local_steps = int(state.get("local_steps", 0))
         if self.budget is None and "density" in state:
             self.compressor.set_density(float(state["density"]))
-        snap = self._exec.submit(self.client.pull, None).result()
+        snap = self._from_leader(lambda: self._client().pull(None))
         self._exchange.restore(state, snap)
         self.version = snap.version
 
@@ -474,17 +541,18 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._closed = True
         try:
             self._finish_inflight()
-            if flush:
+            if flush and self._leads:
                 self._exchange.prepare_flush()
 
                 def flush_residuals():
                     rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}  # noqa: SIM118 - not a dict
                     if rest:
-                        self.client.push(rest, self.version, value_dtype="f32")
+                        self._client().push(rest, self.version, value_dtype="f32")
 
                 self._exec.submit(flush_residuals).result()
         finally:
-            self._exec.submit(self.client.close).result()
+            if self.client is not None:
+                self._exec.submit(self.client.close).result()
             self._exec.shutdown(wait=True)
             self._exchange.close()
 

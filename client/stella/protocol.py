@@ -26,6 +26,7 @@ test fails when they differ.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ __all__ = [
     "decode_register_values",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -305,12 +306,22 @@ class PushOk(_Message, tag="push_ok", frozen=True):
 
 
 class Delta(_Message, tag="delta", frozen=True):
-    """Per tensor, the coordinates changed after ``since`` with their float32 values
-    (or, with ``full``, every tensor dense)."""
+    """What changed after ``since``, in one of two forms:
+
+    - ``add`` false: per tensor, the changed coordinates with their current float32
+      values (exact pulls), or, with ``full``, every tensor dense (a snapshot);
+    - ``add`` true: the server's compressed broadcast: the messages of the steps after
+      ``since``, in order, to be *added* to the replica one after another (values in
+      the broadcast's coding, q4/q2 included); ``parts[i]`` entries make step ``i``'s
+      message (their sum is the entry count; a tensor appears at most once per part).
+    """
 
     version: Version
     full: bool
     tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_TENSORS)]
+    add: bool = False
+    parts: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TENSORS)]],
+                     msgspec.Meta(max_length=MAX_TENSORS)] = []
 
 
 class StatusReply(_Message, tag="status", frozen=True):
@@ -531,7 +542,17 @@ def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
     seen: set[int] = set()
     nframes = len(payload)
     expect = 0  # frames are referenced in order, each exactly once, index before values
-    for e in msg.tensors:
+    increments = isinstance(msg, Delta) and msg.add
+    if isinstance(msg, Delta) and ((msg.parts and not msg.add) or (msg.add and msg.full)):
+        raise ProtocolError("delta: parts are for added messages, and a snapshot is not added")
+    parts = msg.parts if isinstance(msg, Delta) and increments else []
+    ends = list(itertools.accumulate(parts)) if parts else [len(msg.tensors)]
+    if ends[-1] != len(msg.tensors):
+        raise ProtocolError(f"delta: parts add up to {ends[-1]} entries, the delta has {len(msg.tensors)}")
+    starts = set(ends[:-1])  # where the next step's message begins
+    for i, e in enumerate(msg.tensors):
+        if i in starts:
+            seen = set()
         t = e.tensor
         if t in seen:
             raise ProtocolError(f"{_tag(msg)}: tensor {t} appears twice")
@@ -549,10 +570,10 @@ def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
         expect += 1
         if expect > nframes:
             raise ProtocolError(f"{_tag(msg)}: tensor {t}: frame {expect - 1} missing ({nframes} payload frames)")
-        if isinstance(msg, Delta) and e.value_dtype in codec.QUANT_DTYPES:
-            # quantised pulls would make replicas drift from the server's exact values
-            raise ProtocolError(f"delta: tensor {t}: value dtype {e.value_dtype!r} is for pushes only "
-                                "(deltas carry exact values)")
+        if isinstance(msg, Delta) and not increments and e.value_dtype != "f32":
+            # replicas that install values hold exact ones, or they would drift from the server's
+            raise ProtocolError(f"delta: tensor {t}: value dtype {e.value_dtype!r}: values a replica installs are "
+                                "exact (f32); coded values come only in an added (broadcast) delta")
         need = codec.value_frame_size(e.value_dtype, e.count)
         if payload[fv].nbytes != need:
             raise CodecError(f"{_tag(msg)}: tensor {t} value frame ({e.value_dtype}): "

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from stella._codec_native import sum_of_squares
+from stella.codec import sum_of_squares, to_float32
 from stella.errors import BadValue, ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
@@ -247,13 +247,6 @@ class Aggregator:
         )
 
 
-def _as_f32(values: np.ndarray) -> np.ndarray:
-    """Wire values (float32, float16, or bf16 bit patterns as uint16) as float32."""
-    if values.dtype == np.uint16:  # bf16: the upper half of a float32
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return values.astype(np.float32, copy=False)
-
-
 def push_norm(tensors: list[SparseTensor]) -> float:
     """The L2 norm of a push's values over all its tensors, accumulated in float64 (the
     values are finite, but float32 squares of 3e38 overflow): one C pass per tensor
@@ -267,7 +260,7 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
     (the wire views are read-only and may be float16 or bf16)."""
     out = []
     for s in tensors:
-        v = (_as_f32(s.values).astype(np.float64) * factor).astype(np.float32)
+        v = (to_float32(s.values).astype(np.float64) * factor).astype(np.float32)
         out.append(SparseTensor(s.tensor, s.indices, v))
     return out
 

@@ -29,7 +29,7 @@ from typing import Any
 from .errors import ConfigError
 from .optim import OptimizerConfig, OptimizerLimits
 
-__all__ = ["ServerConfig", "Limits", "Liveness", "Deadline", "Checkpoints", "ENV", "ENV_PREFIX", "parse_args",
+__all__ = ["ServerConfig", "Limits", "Liveness", "Deadline", "Checkpoints", "Pulls", "ENV", "ENV_PREFIX", "parse_args",
            "parse_bind", "setting"]
 
 ENV_PREFIX = "STELLA_PS_"
@@ -248,8 +248,26 @@ class Checkpoints:
         _validate(self)
 
 
+@dataclass(frozen=True)
+class Pulls:
+    """What a pull carries (store.py, broadcast.py, docs/optimizer.md "The broadcast")."""
+
+    mode: str = setting("broadcast", flag="pull", choices=("broadcast", "exact"),
+                        help="broadcast: one compressed message per step for all workers, what the server did not "
+                             "send kept in its residual (pull bytes do not grow with the workers); exact: the union "
+                             "of every worker's pushed coordinates with their float32 values")
+    values: str = setting("q4", flag="broadcast-values", choices=("f32", "f16", "bf16", "q4", "q2"),
+                          help="the broadcast's value coding (the coding's error stays in the server's residual)")
+    factor: float = setting(2.0, flag="broadcast-factor", check=(lambda v: math.isfinite(v) and v > 0, "> 0"),
+                            help="coordinates a broadcast carries per tensor, as a multiple of the mean count of "
+                                 "the step's pushes")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
 # a struct's flags are its fields' names under a prefix (unless a field names its own flag)
-_PREFIX = {Limits: "", Liveness: "liveness-", Deadline: "deadline-", Checkpoints: "checkpoint-"}
+_PREFIX = {Limits: "", Liveness: "liveness-", Deadline: "deadline-", Checkpoints: "checkpoint-", Pulls: ""}
 
 
 @dataclass(frozen=True)
@@ -286,6 +304,7 @@ class ServerConfig:
     liveness: Liveness = field(default_factory=Liveness)
     deadline: Deadline = field(default_factory=Deadline)
     checkpoints: Checkpoints = field(default_factory=Checkpoints)
+    pulls: Pulls = field(default_factory=Pulls)
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -101,7 +101,9 @@ class Service:
         self.members = Membership(expected=config.workers, max_workers=limits.max_workers,
                                   max_workers_per_key=limits.max_workers_per_key, clock=self.clock.now)
         self.waiters = PullWaiters(max_per_worker=limits.max_waiting_pulls, clock=self.clock)
-        self.store = ModelStore(history=config.history)
+        self.store = ModelStore(history=config.history, pull=config.pulls.mode,  # type: ignore[arg-type]
+                                broadcast_values=config.pulls.values,  # type: ignore[arg-type]
+                                broadcast_factor=config.pulls.factor)
         self.store_thread = StoreThread()
         self.tasks = Tasks()
         self.steps = StepScheduler(self.store, self.members, self.store_thread, self.tasks, self.clock, self.stats,
@@ -280,7 +282,7 @@ class Service:
             raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
         cfg = self.steps.initial(msg.optimizer)
         if not self.store.initialised:
-            check_model_bytes(layout, cfg, self.config.limits.max_model_bytes)
+            check_model_bytes(layout, cfg, self.config.limits.max_model_bytes, self.store.pull == "broadcast")
         values = decode_register_values(rx) if msg.values else None
         self._spawn(self._register_async(ident, msg, info, layout, values, cfg), ident, msg.req)
 
@@ -352,4 +354,5 @@ class Service:
 
     async def _reply_delta(self, ident: bytes, msg: Pull) -> None:
         enc = await self.store_thread.run(self.store.encoded_delta, msg.since, msg.coding)
-        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries), enc.frames)
+        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
+                                parts=enc.parts), enc.frames)

@@ -1,5 +1,8 @@
-"""The model store: float32 tensors with their optimizer state, the version, the
-history of which coordinates each step touched, and the encoded answers to pulls.
+"""The model store: float32 tensors with their optimizer state, the version, and the
+encoded answers to pulls: with ``pull="broadcast"`` (the default) the server's
+compressed broadcast (:mod:`.broadcast`: its model ``B`` and residual ``R``, and the
+recent steps' messages), with ``pull="exact"`` the history of which coordinates each
+step touched, whose current values a pull gathers.
 
 All methods run on the server's single store thread, so a step and a pull never
 interleave: a pull always sees the model exactly at the version it reports. The
@@ -10,33 +13,39 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from stella.errors import ErrorCode, ServerError
-from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, encode_tensors
+from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 
 from .aggregation import Step
+from .broadcast import Broadcast, StepLog, replay
 from .errors import NonFiniteStep
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 
-__all__ = ["ModelStore", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "RecordCopy", "roll_forward",
-           "RedoEntry"]
+__all__ = ["ModelStore", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes", "RecordCopy",
+           "roll_forward", "RedoEntry", "BCAST_ARRAYS"]
 
-RedoEntry = tuple[int, Step, OptimizerConfig]  # (version after the step, the step, its optimizer configuration)
+# (version after the step, the step, its optimizer configuration, what it did to the broadcast)
+RedoEntry = tuple[int, Step, OptimizerConfig, StepLog | None]
+BCAST_ARRAYS = ("bcast_model", "bcast_residual")  # a tensor's broadcast state in a checkpoint
 
 
 @dataclass
 class RecordCopy:
-    """Records of coordinates ``start..start+n-1`` of one tensor, copied at ``version``."""
+    """Records of coordinates ``start..start+n-1`` of one tensor, copied at ``version``
+    (and the slice of its broadcast model and residual, with a broadcast)."""
 
     start: int
     n: int
     version: int
     records: np.ndarray | None
+    bcast: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,12 +60,15 @@ class Changes:
 
 @dataclass(frozen=True)
 class EncodedChanges:
-    """:class:`Changes` as they go on the wire (a ``delta`` reply), for one index coding."""
+    """A pull's answer as it goes on the wire (a ``delta`` reply): :class:`Changes` for
+    one index coding, or (``add``) broadcast messages, ``parts`` entries each."""
 
     version: int
     full: bool
     entries: list[TensorEntry]
     frames: list[Any]
+    add: bool = False
+    parts: list[int] = field(default_factory=list)
 
 
 def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: int = 5) -> str | None:
@@ -78,25 +90,36 @@ def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: in
     return "; ".join(diffs[:limit]) + more
 
 
-def check_model_bytes(layout: Sequence[TensorSpec], cfg: OptimizerConfig, limit: int) -> None:
+def model_bytes(numels: Sequence[int], optimizer: str, broadcast: bool) -> int:
+    """Bytes the store allocates for a model: the kernel's parameters and optimizer state
+    (:func:`~stella_ps.kernel.state_bytes`) and, with the broadcast, its model and
+    residual (8 bytes a coordinate)."""
+    return sum(state_bytes(n, optimizer) + (8 * n if broadcast else 0) for n in numels)
+
+
+def check_model_bytes(layout: Sequence[TensorSpec], cfg: OptimizerConfig, limit: int, broadcast: bool) -> None:
     """Refuse (a ``limit`` :class:`ServerError`), before anything is allocated, a model
-    whose parameters and optimizer state, as the kernel allocates them, exceed ``limit``
-    bytes (``--max-model-bytes``)."""
-    need = sum(state_bytes(s.numel, cfg.name) for s in layout)
+    whose parameters, optimizer state and broadcast state (:func:`model_bytes`) exceed
+    ``limit`` bytes (``--max-model-bytes``)."""
+    need = model_bytes([s.numel for s in layout], cfg.name, broadcast)
     if need > limit:
         numel = sum(s.numel for s in layout)
         raise ServerError(f"register refused: {numel} coordinates with {cfg.name} need {need} bytes of parameters "
-                          f"and optimizer state, more than the server's limit of {limit} bytes (--max-model-bytes)",
-                          ErrorCode.LIMIT)
+                          f"and optimizer {'and broadcast ' if broadcast else ''}state, more than the server's limit "
+                          f"of {limit} bytes (--max-model-bytes)", ErrorCode.LIMIT)
 
 
 class ModelStore:
     """Holds the registered model. Not thread-safe: use from one thread."""
 
-    def __init__(self, history: int = 64):
+    def __init__(self, history: int = 64, pull: Literal["broadcast", "exact"] = "exact",
+                 broadcast_values: ValueDtype = "f16", broadcast_factor: float = 1.0):
         self.layout: list[TensorSpec] = []
         self.tensors: list[KernelTensorState] = []
         self.version = 0
+        self.pull = pull
+        self._bcast_opts = {"coding": broadcast_values, "factor": broadcast_factor, "history": history}
+        self.broadcast: Broadcast | None = None
         # (version after the step, touched indices per tensor)
         self._history: deque[tuple[int, list[np.ndarray]]] = deque(maxlen=history)
         # encoded deltas of the current version, by (since, coding): every worker of a
@@ -117,13 +140,19 @@ class ModelStore:
         """Create the model with initial float32 ``values`` and state for ``cfg``'s optimizer."""
         self.tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout = layout
+        if self.pull == "broadcast":
+            self.broadcast = Broadcast(layout, values, **self._bcast_opts)  # type: ignore[arg-type]
 
     def state_copy(self) -> tuple[int, list[dict[str, np.ndarray]]]:
         """The version and a copy of every tensor's state arrays (parameters and
         whatever optimizer state the kernel keeps), in one go. The server never does
         this (a checkpoint copies a slice at a time: :func:`stella_ps.checkpoints.copy_in_slices`);
         tests compare against it, and ``bench.checkpoint`` times it for contrast."""
-        return self.version, [s.state_arrays() for s in self.tensors]
+        out = [s.state_arrays() for s in self.tensors]
+        if self.broadcast is not None:
+            for t, a in enumerate(out):
+                a.update(zip(BCAST_ARRAYS, (self.broadcast.model[t].copy(), self.broadcast.residual[t].copy())))
+        return self.version, out
 
     def begin_copy(self) -> int:
         """Start a checkpoint's copy: from now on the steps applied are logged, so that
@@ -133,7 +162,10 @@ class ModelStore:
 
     def copy_records(self, tensor: int, start: int, n: int) -> RecordCopy:
         """One slice of a checkpoint's copy (a memcpy: steps wait only this long)."""
-        return RecordCopy(start, n, self.version, self.tensors[tensor].records(start, n))
+        b = self.broadcast
+        bcast = None if b is None else (b.model[tensor][start:start + n].copy(),
+                                        b.residual[tensor][start:start + n].copy())
+        return RecordCopy(start, n, self.version, self.tensors[tensor].records(start, n), bcast)
 
     def end_copy(self) -> tuple[int, list[RedoEntry]]:
         """The version now and the steps applied since :meth:`begin_copy`."""
@@ -147,11 +179,17 @@ class ModelStore:
         tensors = []
         for _spec, a in zip(layout, arrays, strict=True):
             st = KernelTensorState(a["param"], cfg)
-            st.load_state_arrays(a)
+            st.load_state_arrays({k: v for k, v in a.items() if k not in BCAST_ARRAYS})
             tensors.append(st)
         self.tensors, self.layout, self.version = tensors, layout, version
         self._history.clear()
         self._encoded.clear()
+        self.broadcast = None
+        if self.pull == "broadcast":  # a checkpoint of an exact-pull job: B is the model, nothing owed
+            saved = all(set(BCAST_ARRAYS) <= set(a) for a in arrays)
+            self.broadcast = Broadcast(layout, [a["bcast_model" if saved else "param"] for a in arrays],
+                                       residual=[a["bcast_residual"] for a in arrays] if saved else None,
+                                       **self._bcast_opts)  # type: ignore[arg-type]
 
     def apply_step(self, step: Step, cfg: OptimizerConfig) -> int:
         """Apply one closed step with optimizer ``cfg``; returns the new version.
@@ -163,9 +201,15 @@ class ModelStore:
         (the kernel undid its tensor, the tensors before it are rolled back)."""
         touched = self._apply(step, cfg)
         self.version += 1
+        log = None
+        if self.broadcast is not None:
+            changes = [s.last_changes(t) if t.size else np.empty(0, np.float32) for s, t in zip(self.tensors, touched)]
+            counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors)) for parts in step.per_tensor]
+            log = self.broadcast.step(self.version, touched, changes, counts)
+        else:
+            self._history.append((self.version, touched))
         if self._redo is not None:
-            self._redo.append((self.version, step, cfg))
-        self._history.append((self.version, touched))
+            self._redo.append((self.version, step, cfg, log))
         self._encoded.clear()
         return self.version
 
@@ -216,15 +260,35 @@ class ModelStore:
         return Changes(v, False, out)
 
     def encoded_delta(self, since: int, coding: PullCoding) -> EncodedChanges:
-        """:meth:`changes_since` encoded for the wire (float32 values, ``coding`` indices),
-        built once per version, ``since`` and coding."""
+        """The answer to a pull since version ``since``, built once per version, ``since``
+        and coding: the broadcast messages since then (their own coding), or
+        :meth:`changes_since` (float32 values, ``coding`` indices); a snapshot of the
+        model replicas hold when ``since`` is too old or new (-1)."""
         key = (since, coding)
         enc = self._encoded.get(key)
         if enc is None:
+            enc = self._encoded[key] = self._encode(since, coding)
+        return enc
+
+    def _encode(self, since: int, coding: PullCoding) -> EncodedChanges:
+        b = self.broadcast
+        if b is None:
             changes = self.changes_since(since)
             entries, frames = encode_tensors(changes.tensors, self.layout, coding, "f32")
-            enc = self._encoded[key] = EncodedChanges(changes.version, changes.full, entries, frames)
-        return enc
+            return EncodedChanges(changes.version, changes.full, entries, frames)
+        messages = b.since(since, self.version) if since >= 0 else None
+        if messages is None:  # a snapshot of B, what every replica holds
+            snap = [SparseTensor(t, None, m) for t, m in enumerate(b.model)]
+            entries, frames = encode_tensors(snap, self.layout, coding, "f32")
+            return EncodedChanges(self.version, True, entries, frames)
+        entries, frames, parts = [], [], []
+        for m in messages:  # one after another, their frames renumbered
+            off = len(frames)
+            entries += [msgspec.structs.replace(e, index_frame=None if e.index_frame is None else e.index_frame + off,
+                                                value_frame=e.value_frame + off) for e in m.entries]
+            frames += m.frames
+            parts.append(len(m.entries))
+        return EncodedChanges(self.version, False, entries, frames, add=True, parts=parts)
 
 
 def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[RecordCopy]],
@@ -238,6 +302,7 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
     checkpoint writer's thread, on a scratch state; ``kind`` names the optimizer."""
     out = []
     for t, (numel, slices) in enumerate(zip(numels, copies, strict=True)):
+        bcast = _rolled_broadcast(t, numel, slices, redo)
         st = KernelTensorState(np.zeros(numel, np.float32), kind)
         for c in slices:
             assert c.records is not None
@@ -245,7 +310,7 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
             c.records = None  # the memory goes as soon as it is in the scratch state
         starts = np.array([c.start for c in slices], np.int64)
         versions = np.array([c.version for c in slices], np.int64)
-        for after, step, cfg in redo:
+        for after, step, cfg, _ in redo:
             contributions = step.per_tensor[t]
             if not contributions:
                 continue
@@ -268,6 +333,23 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
                     keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
             if keep:
                 st.apply(keep, step.scale, cfg, checked=False)
-        out.append(st.state_arrays())
+        out.append({**st.state_arrays(), **bcast})
         del st
     return out
+
+
+def _rolled_broadcast(t: int, numel: int, slices: list[RecordCopy], redo: list[RedoEntry]) -> dict[str, np.ndarray]:
+    """Tensor ``t``'s broadcast model and residual at the last logged step: each slice's
+    copy with the steps logged after it replayed on its coordinates ({} without a broadcast)."""
+    if not slices or slices[0].bcast is None:
+        return {}
+    model, residual = np.empty(numel, np.float32), np.empty(numel, np.float32)
+    for c in slices:
+        assert c.bcast is not None
+        lo, hi = c.start, c.start + c.n
+        model[lo:hi], residual[lo:hi] = c.bcast
+        c.bcast = None
+        for after, _step, _cfg, log in redo:
+            if after > c.version and log is not None:
+                replay(model[lo:hi], residual[lo:hi], log, t, lo, hi)
+    return dict(zip(BCAST_ARRAYS, (model, residual)))

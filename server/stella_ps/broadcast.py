@@ -1,0 +1,185 @@
+"""The compressed broadcast with server-side error feedback: what workers pull.
+
+A pull of the exact model's changes carries the union of every worker's pushed
+coordinates in float32, so it grows with the number of workers. The broadcast bounds
+it: after each step the server adds the step's change of the exact model (after its
+optimizer) to a residual ``R``, selects the top-k of ``R`` by magnitude, codes those
+values as a push is coded (f16, q4, q2), keeps what it did not send (and the coding's
+error) in ``R``, and sends that one message to every worker. Each worker adds the
+message to its replica; so every replica equals the server's *broadcast model* ``B``
+bit for bit (the same float32 additions), and the exact model minus ``R`` is ``B``
+(up to float32 rounding: the server keeps both ``B`` and ``R``). What was sent plus
+what is held is the global change: nothing is lost, only delayed.
+
+The message's size follows the pushes, not the workers: per tensor, ``factor`` times
+the mean count of the step's pushes (the last one seen, for a tensor the step did not
+touch), so a pull costs about what a push costs whatever the number of workers.
+Tensors smaller than ``dense_below`` go whole (their residual, when not zero), in f16
+when the coding is q4 or q2: a 4- or 2-bit code has no zero and one scale per 64
+values, and a whole tensor's small changes beside its large ones would each move by
+a step of the largest (top-k values, alike in size, code well).
+
+A worker that is behind by up to ``history`` steps gets their messages in order (it
+must add them one after another to stay equal to ``B``); one further behind, or new,
+gets a snapshot of ``B``. docs/optimizer.md, "The broadcast", has the rules and how
+the update mode's merge rule reads them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from stella import codec
+from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
+from stella.topk import Selector
+
+__all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
+
+DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
+_FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
+
+
+@dataclass(frozen=True)
+class Message:
+    """One step's broadcast, encoded once for every worker: the version it brings a
+    replica to, its entries and frames (indices Rice-coded, values in the coding)."""
+
+    version: int
+    entries: list[TensorEntry]
+    frames: list[Any]
+    values: int  # coordinates it carries
+
+
+@dataclass
+class StepLog:
+    """What one step did to ``R`` and ``B``, per tensor, to replay it exactly on a
+    checkpoint's slices (:func:`stella_ps.store.roll_forward`): ``R[touched] += changes``,
+    then ``R[sent] -= values`` and ``B[sent] += values``."""
+
+    touched: list[np.ndarray] = field(default_factory=list)
+    changes: list[np.ndarray] = field(default_factory=list)
+    sent: list[np.ndarray | None] = field(default_factory=list)  # None: the whole tensor
+    values: list[np.ndarray] = field(default_factory=list)
+
+
+def replay(model: np.ndarray, residual: np.ndarray, log: StepLog, t: int, lo: int, hi: int) -> None:
+    """Replay tensor ``t``'s part of ``log`` on coordinates ``lo..hi-1`` of ``model`` and
+    ``residual`` (a slice of B and R copied before the step): the same float32
+    operations in the same order as the step itself."""
+    idx, ch = log.touched[t], log.changes[t]
+    a, b = np.searchsorted(idx, [lo, hi])
+    residual[idx[a:b] - lo] += ch[a:b]
+    sent, vals = log.sent[t], log.values[t]
+    if sent is None:
+        if vals.size:
+            residual[:] -= vals[lo:hi]
+            model[:] += vals[lo:hi]
+        return
+    a, b = np.searchsorted(sent, [lo, hi])
+    residual[sent[a:b] - lo] -= vals[a:b]
+    model[sent[a:b] - lo] += vals[a:b]
+
+
+class Broadcast:
+    """``B``, ``R`` and the recent messages of one model."""
+
+    def __init__(self, layout: Sequence[TensorSpec], values: Sequence[np.ndarray], *, coding: ValueDtype = "f16",
+                 factor: float = 1.0, history: int = 64, dense_below: int = DENSE_BELOW,
+                 residual: Sequence[np.ndarray] | None = None):
+        if coding not in codec.VALUE_DTYPES:
+            raise ValueError(f"broadcast coding must be one of {codec.VALUE_DTYPES}, got {coding!r}")
+        self.layout = list(layout)
+        self.coding: ValueDtype = coding
+        self.factor = factor
+        self.dense_below = dense_below
+        self.model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
+        self.residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual] if residual is not None
+                         else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
+        self._counts = [0.0] * len(self.layout)  # each tensor's budget: the mean push count last seen
+        self._selectors = [Selector(seed=0x5EED + t) for t in range(len(self.layout))]
+        self._messages: deque[Message] = deque(maxlen=history)
+
+    def step(self, version: int, touched: Sequence[np.ndarray], changes: Sequence[np.ndarray],
+             push_counts: Sequence[float]) -> StepLog:
+        """After the step that made ``version``: ``R[touched[t]] += changes[t]`` (the exact
+        model's change), select and code each tensor's message (``push_counts[t]``: the
+        mean count of the step's pushes for tensor t, 0 if none touched it), add it to
+        ``B``, keep the rest in ``R``; returns what it did (for a checkpoint's replay)."""
+        log = StepLog()
+        parts: list[SparseTensor] = []
+        whole: list[SparseTensor] = []  # the tensors that go whole, in the whole-tensor coding
+        for t, spec in enumerate(self.layout):
+            r, idx, ch = self.residual[t], touched[t], changes[t]
+            if idx.size:
+                r[idx] += ch
+            if push_counts[t] > 0:
+                self._counts[t] = push_counts[t]
+            log.touched.append(idx)
+            log.changes.append(ch)
+            sent, q = self._select(t, r, spec.numel)
+            log.sent.append(sent)
+            log.values.append(q)
+            if q.size:
+                if sent is None:
+                    self.model[t] += q
+                else:
+                    self.model[t][sent] += q
+                (whole if sent is None else parts).append(SparseTensor(t, sent, q))
+        entries, frames = encode_tensors(parts, self.layout, "rice", self.coding)
+        e2, f2 = encode_tensors(whole, self.layout, "rice", self._whole_coding)
+        entries += [msgspec.structs.replace(e, value_frame=e.value_frame + len(frames)) for e in e2]
+        frames += f2
+        count = sum(p.values.size for p in parts) + sum(p.values.size for p in whole)
+        self._messages.append(Message(version, entries, frames, count))
+        return log
+
+    @property
+    def _whole_coding(self) -> ValueDtype:
+        return "f16" if self.coding in codec.QUANT_BITS else self.coding
+
+    def _select(self, t: int, r: np.ndarray, numel: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Tensor ``t``'s message: (indices, or None for the whole tensor; the coded values
+        a receiver decodes); ``r`` keeps the rest and the coding's error."""
+        if numel < self.dense_below:
+            if not r.any():
+                return None, np.zeros(0, np.float32)
+            v = r.copy()
+            q = self._coded(v, self._whole_coding)
+            r[:] = v - q
+            return None, q
+        k = round(self.factor * self._counts[t])
+        if k <= 0 or not r.any():
+            return np.zeros(0, np.int32), np.zeros(0, np.float32)
+        idx, v = self._selectors[t].take(r, k)
+        q = self._coded(v, self.coding)
+        r[idx] += v - q  # the coding's error stays owed (exact for f16/bf16)
+        return idx, q
+
+    @staticmethod
+    def _coded(v: np.ndarray, coding: ValueDtype) -> np.ndarray:
+        """The float32 values a receiver decodes from ``v`` sent in ``coding`` (f16 and
+        bf16 clamped to their finite range first: the excess stays owed)."""
+        if coding in codec.QUANT_BITS:
+            return codec.quantise(v, coding)
+        if coding == "f32":
+            return v
+        v = np.clip(v, -_FINITE[coding], _FINITE[coding])
+        return codec.to_float32(codec.wire_values(codec.encode_values(v, coding), v.size, coding))
+
+    def since(self, version: int, now: int) -> list[Message] | None:
+        """The messages that bring a replica at ``version`` to ``now``, in order, or None
+        when some are no longer kept (a snapshot then)."""
+        if version == now:
+            return []
+        if not self._messages or version + 1 < self._messages[0].version or version > now:
+            return None
+        return [m for m in self._messages if m.version > version]
+
+    def forget(self) -> None:
+        """After the model was replaced (a checkpoint resumed): no message is valid."""
+        self._messages.clear()

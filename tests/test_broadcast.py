@@ -1,0 +1,148 @@
+"""The compressed broadcast with server-side error feedback (issue 20): what the server
+sent plus what it holds is the global change, exactly; a message follows the pushes'
+size, not the number of workers; replicas that add the messages equal the server's
+broadcast model bit for bit, lagging ones included; a checkpoint keeps the residual."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stella import Client
+from stella import checkpoint_file as ckfmt
+from stella.protocol import TensorSpec
+from stella_ps.broadcast import Broadcast
+
+BIG, SMALL = 8192, 100  # a tensor that is selected from, and one that goes whole
+
+
+def _dyadic(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Multiples of 1/64 in [-4, 4]: every sum below is exact in float32 (and f16)."""
+    return (rng.integers(-256, 257, n) / 64).astype(np.float32)
+
+
+@pytest.mark.parametrize("coding", ["f32", "f16"])
+def test_what_was_sent_plus_what_is_held_is_the_global_change_exactly(coding):
+    rng = np.random.default_rng(0)
+    layout = [TensorSpec("big", (BIG,), "float32"), TensorSpec("small", (SMALL,), "float32")]
+    x0 = [_dyadic(rng, BIG), _dyadic(rng, SMALL)]
+    b = Broadcast(layout, x0, coding=coding, factor=1.0)
+    total = [np.zeros(BIG), np.zeros(SMALL)]  # the global change, float64
+    sent = [np.zeros(BIG), np.zeros(SMALL)]
+    for step in range(1, 13):
+        touched = [np.unique(rng.integers(0, BIG, 300)).astype(np.int32), np.arange(SMALL, dtype=np.int32)]
+        changes = [_dyadic(rng, t.size) for t in touched]
+        log = b.step(step, touched, changes, [150.0, SMALL])
+        for t in (0, 1):
+            total[t][touched[t]] += changes[t]
+            if log.sent[t] is None:
+                sent[t] += log.values[t]
+            else:
+                sent[t][log.sent[t]] += log.values[t]
+        k = log.values[0].size
+        assert 0.9 * 150 <= k <= 1.1 * 150, k  # the message is the size of a push
+        assert log.sent[1] is None and log.values[1].size == SMALL  # a small tensor goes whole
+    for t in (0, 1):
+        np.testing.assert_array_equal(sent[t] + b.residual[t], total[t])  # nothing lost, exactly
+        np.testing.assert_array_equal(b.model[t], x0[t] + sent[t])  # B: the start plus what was sent
+    assert np.count_nonzero(b.residual[0]) > 0 and not b.residual[1].any()  # owed, and a small one sent whole
+
+
+def test_a_coarse_coding_keeps_its_error_owed_and_old_messages_give_way_to_a_snapshot():
+    rng = np.random.default_rng(1)
+    layout = [TensorSpec("big", (BIG,), "float32")]
+    b = Broadcast(layout, [np.zeros(BIG, np.float32)], coding="q4", factor=2.0, history=3)
+    x = np.zeros(BIG, np.float64)
+    for step in range(1, 7):
+        idx = np.unique(rng.integers(0, BIG, 400)).astype(np.int32)
+        ch = rng.standard_normal(idx.size).astype(np.float32)
+        log = b.step(step, [idx], [ch], [float(idx.size)])
+        x[idx] += ch
+        assert log.values[0].size <= 2.2 * idx.size
+    np.testing.assert_allclose(b.model[0] + b.residual[0], x, atol=1e-5)  # B + R is the exact model
+    assert [m.version for m in b.since(3, 6)] == [4, 5, 6] and b.since(6, 6) == []
+    assert b.since(2, 6) is None  # three messages kept: a replica at version 2 gets a snapshot
+
+
+# ------------------------------------------------------------------ through a real server
+def _push(c: Client, rng: np.random.Generator, v: int) -> None:
+    idx = np.sort(rng.choice(BIG, 80, replace=False)).astype(np.int32)
+    c.push({"w": (idx, rng.standard_normal(80).astype(np.float32)), "b": rng.standard_normal(SMALL)}, v,
+           value_dtype="f16")
+
+
+def test_replicas_that_add_the_messages_equal_the_broadcast_model_bit_for_bit(make_server, make_client):
+    """Two workers push top-k updates; one pulls every step, the other every third step
+    (several messages, added in order); both replicas equal the server's broadcast model
+    (a new worker's snapshot) bit for bit, and a pull carries about two pushes' worth of
+    coordinates (--broadcast-factor 2), in q4."""
+    srv = make_server(2)
+    init = {"w": np.zeros(BIG, np.float32), "b": np.zeros(SMALL, np.float32)}
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    a.register(init, {"name": "adam", "lr": 0.01})
+    b.register(init)
+    rep = [{k: v.copy() for k, v in init.items()} for _ in range(2)]
+    since = [0, 0]
+    rng = np.random.default_rng(2)
+    pulled = []
+    for step in range(12):
+        for c in (a, b):
+            _push(c, rng, step)
+        d = a.pull(since[0], wait_for=step + 1)
+        assert d.steps and not d.tensors and len(d.steps) == d.version - since[0]
+        pulled.append(d.count - SMALL)
+        d.apply_to(rep[0])
+        since[0] = d.version
+        if step % 3 == 2:  # the other one is behind: three messages at once
+            d = b.pull(since[1], wait_for=step + 1)
+            assert len(d.steps) == 3
+            d.apply_to(rep[1])
+            since[1] = d.version
+        else:
+            b.pull(step, wait_for=step + 1)  # waits for the step, installs nothing
+    probe = make_client(srv.endpoint)
+    probe.register(init)
+    snap = probe.pull(None)
+    assert snap.full and snap.version == 12 == since[0] == since[1]
+    for r in rep:
+        for name in init:
+            assert np.array_equal(r[name], snap.tensors[name][1]), name
+    assert all(140 <= n <= 180 for n in pulled[1:]), pulled  # 2 x 80 coordinates a step, whatever W
+
+
+def test_a_checkpoint_keeps_the_residual_and_a_replica_goes_on_after_the_restart(make_server, make_client,
+                                                                               tmp_path):
+    from stella_ps.process import free_port
+
+    port = free_port()
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every-s", "0"]
+    srv = make_server(1, args, bind=f"tcp://127.0.0.1:{port}")
+    init = {"w": np.zeros(BIG, np.float32), "b": np.zeros(SMALL, np.float32)}
+    c = make_client(srv.endpoint)
+    c.register(init, {"name": "sgd", "lr": 0.5})
+    rep = {k: v.copy() for k, v in init.items()}
+    rng = np.random.default_rng(3)
+    for step in range(6):
+        _push(c, rng, step)
+        c.pull(step, wait_for=step + 1).apply_to(rep)
+    c.close()
+    assert srv.close() == 0  # SIGTERM: a checkpoint of version 6
+    (first,) = ckfmt.names(str(tmp_path))
+    ck = ckfmt.read(str(tmp_path / first))
+    residual = ck.tensors[0]["bcast_residual"]
+    assert ck.version == 6 and np.count_nonzero(residual) > 0  # what is owed is in the checkpoint
+    assert np.array_equal(ck.tensors[0]["bcast_model"], rep["w"])
+
+    srv2 = make_server(1, args, bind=f"tcp://127.0.0.1:{port}")
+    c2 = make_client(srv2.endpoint)
+    assert c2.register(init).version == 6
+    for step in range(6, 9):  # the replica of version 6 goes on with the messages of the resumed server
+        _push(c2, rng, step)
+        d = c2.pull(step, wait_for=step + 1)
+        assert not d.full
+        d.apply_to(rep)
+    snap = c2.pull(None)
+    assert np.array_equal(snap.tensors["w"][1], rep["w"]) and np.array_equal(snap.tensors["b"][1], rep["b"])
+    c2.close()
+    assert srv2.close() == 0
+    newest = ckfmt.read(str(tmp_path / ckfmt.names(str(tmp_path))[0]))
+    assert newest.version == 9 and not np.array_equal(newest.tensors[0]["bcast_residual"], residual)

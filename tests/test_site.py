@@ -1,0 +1,82 @@
+"""A site (issue 20): two ranks on one machine combine over torch.distributed (gloo)
+and speak to stella-ps as one worker; the run matches a flat worker that computes on
+both ranks' samples, and the server sees one worker's traffic."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from stella import Compression, StellaOptimizer
+from stella.demo import build_mlp, load_digits_split
+from stella_ps.process import free_port
+
+STEPS, BATCH, LR = 30, 16, 0.2
+
+
+def _batches(rank: int, world: int) -> list[torch.Tensor]:
+    """The sample indices rank ``rank`` of ``world`` computes on, step by step."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 1400, (world * BATCH,), generator=gen)[rank * BATCH:(rank + 1) * BATCH]
+            for _ in range(STEPS)]
+
+
+def _train(endpoint: str, rank: int, world: int, mode: str, site: bool) -> dict:
+    """STEPS steps on this rank's batches; world 1 without a site: the flat worker, on all of them."""
+    torch.manual_seed(0)
+    xtr, ytr, _, _ = load_digits_split(0)
+    model = build_mlp((64, 96, 10), 0)
+    opt = StellaOptimizer(model, endpoint, mode=mode, optimizer={"name": "sgd", "lr": LR}, timeout=60,
+                          compression=Compression(density=0.05, method="exact", dense_below=0, value_dtype="f16"),
+                          process_group="default" if site else None)
+    batches = _batches(rank, world) if site else [torch.cat(b) for b in zip(*(_batches(r, 2) for r in range(2)))]
+    for b in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xtr[b]), ytr[b]).backward()
+        opt.step()
+    opt.synchronize()
+    out = {"weights": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+           "bytes": (opt.bytes_pushed, opt.bytes_pulled), "version": opt.version}
+    opt.close(flush=False)
+    return out
+
+
+def _rank(endpoint: str, port: int, rank: int, mode: str, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        q.put((rank, _train(endpoint, rank, 2, mode, site=True)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["update", "gradient"])
+def test_a_site_of_two_gloo_ranks_is_one_worker_and_matches_the_flat_run(make_server, mode):
+    site_srv, flat_srv = make_server(1), make_server(1)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(site_srv.endpoint, port, r, mode, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    flat = _train(flat_srv.endpoint, 0, 1, mode, site=False)
+    got = dict(q.get(timeout=200) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    for n, w in got[0]["weights"].items():  # the ranks stay identical: one worker
+        assert np.array_equal(w, got[1]["weights"][n]), n
+    assert got[1]["bytes"] == (0, 0) and got[0]["bytes"][0] > 0  # only the leader speaks to the server
+    assert got[0]["version"] == flat["version"] == STEPS
+    for n, w in flat["weights"].items():  # the same samples, averaged over the site first: gradient mode to
+        # the bit; update mode up to float32 rounding, which can flip a top-k tie (measured: 1.3e-3 at most)
+        np.testing.assert_allclose(got[0]["weights"][n], w, rtol=0, atol=2e-3 if mode == "update" else 0,
+                                   err_msg=n)
+    pushed_site, pushed_flat = got[0]["bytes"][0], flat["bytes"][0]
+    assert 0.9 * pushed_flat <= pushed_site <= 1.1 * pushed_flat  # one worker's traffic, not two
+    assert os.environ.get("STELLA_SERVER_KEY")  # (over CurveZMQ, like every test)
