@@ -205,6 +205,9 @@ def _dealer(ctx: zmq.Context, address: str, keys: tuple[bytes, bytes, bytes] | N
     return sock
 
 
+_MONITORS = itertools.count()
+
+
 class _Handshakes:
     """The monitor of one DEALER socket, told only about its handshakes: it tells a
     server that refuses this client (the ZAP handler's 400 for a key not on the
@@ -215,7 +218,10 @@ class _Handshakes:
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
     def __init__(self, sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None):
-        self.socket = sock.get_monitor_socket(self.EVENTS)  # before connect(): no handshake goes unseen
+        # before connect(): no handshake goes unseen. pyzmq's default endpoint is named after the
+        # socket's fd, which a new socket may reuse before libzmq's reaper released the old
+        # endpoint (EADDRINUSE): each monitor gets a name of its own
+        self.socket = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://stella-handshakes-{next(_MONITORS)}")
         self.address, self.keys = address, keys
         self._silent = 0  # handshakes closed without a word, in a row
         # why the server refused: for good, since libzmq does not reconnect after a refused
