@@ -4,7 +4,8 @@
 # and, once set up:
 #   make test-fast   - the suite without the long training runs (pytest -m "not slow")
 #   make bench-quick - loopback benchmarks, a few minutes, no root needed
-#   make docker-test - images, the lab compose file at a shaped rate, training, metrics
+#   make docker-test - the docker/README.md walk-through on one machine: images (built when changed),
+#                      three sites, shaped links, training, metrics, restarts, refused keys, clean stops
 #                      (needs a Docker engine; says why it did not run where none is reachable)
 # Both create .venv, install the dependencies and build the C kernels.
 # A torch that is already importable (from the venv or, through

@@ -2,6 +2,7 @@
 #
 #   make wheelhouse
 #   docker build -f docker/server.Dockerfile -t stella-ps:0.1.0 docker/
+#   docker image prune -f --filter label=org.stella.stage=build   # the build stage, left dangling
 #
 # Installs only from the wheelhouse in the build context (docker/wheelhouse, made by
 # `make wheelhouse`): no package index is needed inside the build. BASE_IMAGE must have
@@ -12,6 +13,9 @@ ARG BASE_IMAGE=python:3.11.10-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
 ARG STELLA_VERSION=0.1.0
+# the legacy builder keeps this stage as a dangling image (wheelhouse and venv, hundreds
+# of MB): the label lets `docker image prune --filter` find it (make docker-images does)
+LABEL org.stella.stage=build
 COPY wheelhouse /wheelhouse
 RUN python3 -m venv /opt/stella \
  && /opt/stella/bin/pip install --no-cache-dir --no-index --find-links /wheelhouse "stella==${STELLA_VERSION}" \
@@ -29,12 +33,17 @@ RUN groupadd --system --gid ${STELLA_UID} stella \
  && mkdir -p /var/lib/stella/checkpoints \
  && chown -R stella:stella /var/lib/stella
 COPY --from=build /opt/stella /opt/stella
+# keys from a directory mounted at /etc/stella/keys (the allowlist is re-read when it
+# changes there); checkpoints on the volume, resumed from on start (STELLA_PS_CHECKPOINT_DIR=
+# empty turns them off)
 ENV PATH=/opt/stella/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     STELLA_PS_BIND=tcp://0.0.0.0:5555 \
     STELLA_PS_METRICS=0.0.0.0:9100 \
-    STELLA_PS_LOG_FORMAT=json
-# checkpoints land here once the server writes them (the liveness/checkpoint work)
+    STELLA_PS_LOG_FORMAT=json \
+    STELLA_PS_KEYS=/etc/stella/keys/server.key_secret \
+    STELLA_PS_ALLOW=/etc/stella/keys/allowlist \
+    STELLA_PS_CHECKPOINT_DIR=/var/lib/stella/checkpoints
 VOLUME ["/var/lib/stella/checkpoints"]
 WORKDIR /var/lib/stella
 EXPOSE 5555 9100

@@ -4,6 +4,7 @@
 #   docker build -f docker/worker.Dockerfile -t stella-worker:0.1.0 docker/            # CUDA base
 #   docker build -f docker/worker.Dockerfile -t stella-worker:0.1.0-cpu \
 #       --build-arg BASE_IMAGE=stella-base:bookworm docker/                            # CPU, for tests
+#   docker image prune -f --filter label=org.stella.stage=build     # the build stage, left dangling
 #
 # A torch already in the base image (the CUDA build of pytorch/pytorch) is kept, as
 # `make install` keeps one; otherwise the CPU torch wheel comes from the wheelhouse.
@@ -15,6 +16,8 @@ ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 FROM ${BASE_IMAGE} AS build
 ARG STELLA_VERSION=0.1.0
 ARG EXTRAS=worker,demo
+# found by `docker image prune -f --filter label=org.stella.stage=build` (server.Dockerfile)
+LABEL org.stella.stage=build
 COPY wheelhouse /wheelhouse
 RUN python3 -m venv --system-site-packages /opt/stella \
  && /opt/stella/bin/pip install --no-cache-dir --no-index --find-links /wheelhouse \

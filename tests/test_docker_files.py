@@ -1,14 +1,19 @@
 """docker/ without an engine: the compose files parse and say what the deployment
-promises (keys as secrets, restart policies, GPUs, shaped lab sites), the Dockerfiles
-are multi-stage, pinned and non-root where they should be, and the entrypoints handle
-their arguments. ``make docker-test`` runs the real thing where an engine answers."""
+promises (keys as files, never in the environment; checkpoints on the server's volume;
+an allowlist mounted as a directory; CPU worker sites with a GPU override; workers under
+an init process; shaped lab sites), the Dockerfiles are multi-stage, pinned and non-root
+where they should be, the entrypoints handle their arguments, and the example train.py
+stops cleanly on SIGTERM against a real server. ``make docker-test`` runs the real
+thing where an engine answers."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -18,7 +23,10 @@ from stella_ps.config import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(ROOT, "docker")
-COMPOSE_FILES = ("compose.server.yml", "compose.worker.yml", "compose.lab.yml")
+COMPOSE_FILES = ("compose.server.yml", "compose.worker.yml")  # a site each
+OVERRIDES = ("compose.worker.gpu.yml", "compose.lab.yml")  # added to compose.worker.yml
+KEY_SETTINGS = ("STELLA_PS_KEYS", "STELLA_PS_ALLOW", "STELLA_SERVER_KEY", "STELLA_CLIENT_KEY")
+SERVER_KEYS_DIR = "/etc/stella/keys"
 
 
 def load(name: str) -> dict:
@@ -26,61 +34,131 @@ def load(name: str) -> dict:
         return yaml.safe_load(f)
 
 
-@pytest.mark.parametrize("name", COMPOSE_FILES)
+def defaults(value: str) -> str:
+    """A compose value with every ``${VAR:-default}``/``${VAR-default}`` at its default."""
+    return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", str(value))
+
+
+def mounts(svc: dict) -> dict[str, str]:
+    """A service's volumes (``SOURCE:TARGET[:MODE]``, the source perhaps a ``${VAR:-...}``):
+    target -> source."""
+    out = {}
+    for v in svc.get("volumes", []):
+        v = re.sub(r":(ro|rw)$", "", v)
+        source, _, target = v.rpartition(":")
+        out[target] = source
+    return out
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES + OVERRIDES)
 def test_compose_file_parses_for_1_29_and_v2(name):
     doc = load(name)
     # 1.29 refuses a top-level `name:`; `version:` is obsolete in v2: neither appears
     assert "name" not in doc and "version" not in doc
     assert set(doc) <= {"services", "secrets", "volumes", "networks"} | {k for k in doc if k.startswith("x-")}
     for svc_name, svc in doc["services"].items():
-        assert "image" in svc and "restart" in svc, svc_name
+        if name in COMPOSE_FILES:
+            assert "image" in svc and "restart" in svc, svc_name
         env = svc.get("environment") or {}
-        for k, v in env.items():  # keys travel as secrets: the environment only names their files
-            if k in ("STELLA_PS_KEYS", "STELLA_PS_ALLOW", "STELLA_SERVER_KEY", "STELLA_CLIENT_KEY"):
-                assert str(v).startswith("/run/secrets/"), (svc_name, k, v)
+        for k, v in env.items():  # keys travel as files: the environment only names them
+            if k in KEY_SETTINGS:
+                assert str(v).startswith(("/run/secrets/", SERVER_KEYS_DIR + "/")), (svc_name, k, v)
     for secret in (doc.get("secrets") or {}).values():
         assert set(secret) == {"file"}, secret
 
 
-def test_lab_sites_are_shaped_and_come_back():
-    doc = load("compose.lab.yml")
-    ps, sites = doc["services"]["ps"], [doc["services"][s] for s in ("site-a", "site-b")]
-    assert ps["restart"] == "unless-stopped" and "checkpoints" in ps["volumes"][0]
-    assert ps["environment"]["STELLA_PS_METRICS"] == "0.0.0.0:9100"
-    for i, site in enumerate(sites):
-        assert site["cap_add"] == ["NET_ADMIN"] and site["restart"] == "on-failure"
-        assert site["environment"]["STELLA_SHAPE_RATE"].startswith("${STELLA_LAB_RATE")
-        assert site["depends_on"]["ps"]["condition"] == "service_healthy"
-        assert site["command"][:4] == ["stella", "demo", "--server", "tcp://ps:5555"]
-        assert site["command"][site["command"].index("--rank") + 1] == str(i)
-        assert len(site["secrets"]) == 2  # the server's public key and the site's own pair only
-    # every variable the lab reads has a default or a line in lab.env
-    with open(os.path.join(DOCKER, "compose.lab.yml")) as f:
-        used = set(re.findall(r"\$\{(\w+)(?::?-[^}]*)?\}", f.read()))
-    with open(os.path.join(DOCKER, "lab.env")) as f:
-        given = set(re.findall(r"^(\w+)=", f.read(), re.M))
-    assert used <= given, used - given
+def test_server_site_writes_checkpoints_to_its_volume():
+    """Issue 24, 1: the image and the compose file turn checkpoints on, on the volume."""
+    with open(os.path.join(DOCKER, "server.Dockerfile")) as f:
+        text = f.read()
+    volume = re.search(r'^VOLUME \["([^"]+)"\]', text, re.M).group(1)
+    assert re.search(rf"STELLA_PS_CHECKPOINT_DIR={re.escape(volume)}\b", text), "the image's default"
+    ps = load("compose.server.yml")["services"]["ps"]
+    env = {k: defaults(v) for k, v in ps["environment"].items()}
+    assert env["STELLA_PS_CHECKPOINT_DIR"] == volume and mounts(ps)[volume] == "checkpoints"
+    for k in ("EVERY_S", "EVERY_STEPS", "KEEP"):  # the intervals pass through from the env file
+        assert ps["environment"][f"STELLA_PS_CHECKPOINT_{k}"].startswith(f"${{STELLA_CHECKPOINT_{k}:-")
+    with open(os.path.join(DOCKER, "server.env.example")) as f:
+        example = f.read()
+    assert all(f"STELLA_CHECKPOINT_{k}=" in example for k in ("EVERY_S", "EVERY_STEPS", "KEEP"))
+    cfg = parse_args([], {k: v for k, v in env.items() if k.startswith("STELLA_PS_")})
+    assert cfg.checkpoints.dir == volume and cfg.checkpoints.every_s == 300
+    # the volume belongs to the image's user (a named volume starts as a copy of it)
+    assert "chown -R stella:stella /var/lib/stella" in text and volume.startswith("/var/lib/stella/")
 
 
-def test_worker_site_reserves_gpus_and_server_site_keeps_metrics_local():
+def test_the_allowlist_is_mounted_as_a_directory():
+    """Issue 24, 2: a single-file mount pins the inode; `sed -i` and editors replace the
+    file. The server site mounts the keys' directory and reads the allowlist there."""
+    ps = load("compose.server.yml")["services"]["ps"]
+    allow, keys = ps["environment"]["STELLA_PS_ALLOW"], ps["environment"]["STELLA_PS_KEYS"]
+    target = os.path.dirname(allow)
+    assert target == os.path.dirname(keys) == SERVER_KEYS_DIR
+    assert defaults(mounts(ps)[target]) == "./keys"  # STELLA_KEYS_DIR
+    assert f":{target}:ro" in str(ps["volumes"])  # read-only
+    assert "secrets" not in ps and "secrets" not in load("compose.server.yml")
+
+
+def test_worker_sites_run_on_cpu_and_the_gpu_override_reserves_one_each():
+    """Issue 24, 3: compose.worker.yml asks for no GPU (1.29 cannot remove `deploy:` in an
+    override), compose.worker.gpu.yml adds one per worker."""
     workers = load("compose.worker.yml")["services"]
-    assert len(workers) >= 2
-    for w in workers.values():
-        (dev,) = w["deploy"]["resources"]["reservations"]["devices"]
-        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+    gpus = load("compose.worker.gpu.yml")["services"]
+    assert len(workers) >= 2 and set(gpus) == set(workers)
+    ids = []
+    for name, w in workers.items():
+        assert "deploy" not in w and "runtime" not in w, name
         assert w["environment"]["STELLA_CLIENT_KEY"] == "/run/secrets/client_key"
+        (dev,) = gpus[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        ids += dev["device_ids"]
+    assert len(set(ids)) == len(ids)  # a GPU each
     ps = load("compose.server.yml")["services"]["ps"]
     assert any("127.0.0.1:9100" in p for p in ps["ports"])
 
 
+def test_workers_run_under_an_init_that_passes_sigterm_on():
+    """Issue 24, 4: a training script as PID 1 never sees SIGTERM; `init: true` passes it on."""
+    for name, w in load("compose.worker.yml")["services"].items():
+        assert w["init"] is True, name
+        assert defaults(w["command"]) == "python /work/train.py"
+        assert mounts(w)["/work"] == "${STELLA_TRAIN_DIR:-./train}"
+    assert os.path.exists(os.path.join(DOCKER, "train", "train.py"))  # the default STELLA_TRAIN_DIR holds one
+
+
+def test_lab_sites_are_shaped_and_come_back():
+    """The lab runs compose.worker.yml with compose.lab.yml: every worker may shape its link."""
+    workers = load("compose.worker.yml")["services"]
+    lab = load("compose.lab.yml")["services"]
+    assert set(lab) == set(workers)
+    for name, w in workers.items():
+        assert lab[name] == {"cap_add": ["NET_ADMIN"]}
+        assert w["restart"] == "on-failure"
+        assert w["environment"]["STELLA_SHAPE_RATE"].startswith("${STELLA_SHAPE_RATE")
+        assert len(w["secrets"]) == 2  # the server's public key and the site's own pair only
+    assert "cap_add" not in str(workers)  # production sites get no NET_ADMIN
+    # every lab setting lab.py reads is in lab.env
+    with open(os.path.join(DOCKER, "lab.py")) as f:
+        used = set(re.findall(r'LAB\["(\w+)"\]', f.read()))
+    with open(os.path.join(DOCKER, "lab.env")) as f:
+        given = set(re.findall(r"^(\w+)=", f.read(), re.M))
+    assert used and used <= given, used - given
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
-@pytest.mark.parametrize("name", COMPOSE_FILES)
-def test_docker_compose_reads_it(name):
-    env = {**os.environ, "STELLA_SERVER": "tcp://ps:5555"}
-    p = subprocess.run(["docker-compose", "--env-file", os.path.join(DOCKER, "lab.env"), "-f",
-                        os.path.join(DOCKER, name), "config", "-q"], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=60)
+@pytest.mark.parametrize("files,example", [(["compose.server.yml"], "server.env.example"),
+                                           (["compose.worker.yml"], "worker.env.example"),
+                                           (["compose.worker.yml", "compose.worker.gpu.yml"], "worker.env.example"),
+                                           (["compose.worker.yml", "compose.lab.yml"], "worker.env.example")])
+def test_docker_compose_reads_it(files, example):
+    cmd = ["docker-compose", "--env-file", os.path.join(DOCKER, example)]
+    for f in files:
+        cmd += ["-f", os.path.join(DOCKER, f)]
+    p = subprocess.run([*cmd, "config"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout)["services"]
+    if "compose.worker.gpu.yml" not in files and "compose.worker.yml" in files:
+        assert "nvidia" not in p.stdout  # a CPU site as it is
 
 
 @pytest.mark.parametrize("name", ["server.Dockerfile", "worker.Dockerfile"])
@@ -181,3 +259,91 @@ def test_docker_test_says_why_it_did_not_run(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(DOCKER, "lab.py"), "test"], capture_output=True, text=True,
                        env={**env, "STELLA_DOCKER_TEST_REQUIRED": "1"}, timeout=60)
     assert p.returncode == 1
+
+
+# ------------------------------------------------------------------ the example train.py, for real
+TRAIN = os.path.join(DOCKER, "train", "train.py")
+
+
+def _train(srv, rank: int, *args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, TRAIN, "--eval-every", "0", "--progress-every", "0", *args],
+                            env={**os.environ, "STELLA_SERVER": srv.endpoint, "STELLA_RANK": str(rank),
+                                 "STELLA_WORLD": "1", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_line(p: subprocess.Popen, text: str, timeout: float) -> str:
+    assert p.stdout is not None
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        line = p.stdout.readline()
+        if text in line:
+            return line
+        if not line and p.poll() is not None:
+            break
+    raise AssertionError(f"no {text!r} from train.py (exit {p.poll()})")
+
+
+@pytest.mark.timeout(180)
+def test_train_py_stops_cleanly_on_sigterm_continues_a_model_and_is_told_a_refused_key(make_server, curve_keys):
+    """Issue 24, 4, 5 and 8: SIGTERM (what `init: true` passes on at `down`) ends the loop
+    and close() runs: the server logs a leave, not a liveness timeout; a second run says
+    it continues the server's model; a key not on the allowlist ends it at once."""
+    srv = make_server(1, ["--liveness-timeout", "60"])
+    p = _train(srv, 0, "--steps", "0")
+    try:
+        _wait_line(p, "starts a new model", 60)
+        time.sleep(2)  # some steps
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and "stopped (SIGTERM)" in out and "left the job" in out, out
+    assert took < 5, f"SIGTERM to exit took {took:.1f} s"
+    assert '"msg": "worker left"' in srv.logs() and "declared gone" not in srv.logs()
+    again = _train(srv, 0, "--steps", "3")
+    out, _ = again.communicate(timeout=60)
+    assert again.returncode == 0 and re.search(r"continues the server's model at version [1-9]", out), out
+    assert "Starting afresh" in out
+    t0 = time.monotonic()
+    refused = _train(srv, 0, STELLA_CLIENT_KEY=curve_keys.client_secrets["outsider"])
+    out, _ = refused.communicate(timeout=60)
+    assert refused.returncode == 1 and "Unauthorised" in out and "refused this client's key" in out, out
+    assert time.monotonic() - t0 < 30  # its timeout is 60 s: torch's import is the rest
+
+
+# ------------------------------------------------------------------ the walk-through's text
+def _readme() -> str:
+    with open(os.path.join(DOCKER, "README.md")) as f:
+        return f.read()
+
+
+def test_every_compose_command_of_the_walk_through_names_its_project():
+    """Issue 24, 8: without -p every site on one host is the project `docker`."""
+    cmds = [line.strip() for line in _readme().splitlines() if re.match(r"\s*(docker-compose|docker compose) ", line)]
+    assert len(cmds) >= 8
+    assert all(" -p " in c for c in cmds), [c for c in cmds if " -p " not in c]
+
+
+def test_the_walk_through_has_an_operator_key_and_a_fresh_start():
+    text = _readme()
+    assert "stella keygen ~/.stella --name operator" in text and "operator.key_secret" in text
+    assert "## Stopping, restarting, starting afresh" in text and "docker volume rm stella-server_checkpoints" in text
+    assert "tcp://host.docker.internal:5555" in text and "--env-file docker/site-a.env" in text
+
+
+def test_no_stale_promises_in_docker():
+    """Issue 24, 7: liveness and checkpoints exist; nothing in docker/ says they will."""
+    stale = re.compile(r"issue 11|until issue|stay live|NaN until|once the server writes|liveness work", re.I)
+    found = []
+    for dirpath, _, files in os.walk(DOCKER):
+        if "wheelhouse" in dirpath:
+            continue
+        for name in files:
+            if name.endswith((".py", ".md", ".yml", ".env", ".example", "Dockerfile", ".sh")):
+                with open(os.path.join(dirpath, name)) as f:
+                    found += [f"{name}: {m.group(0)}" for m in stale.finditer(f.read())]
+    assert not found, found

@@ -21,7 +21,7 @@ from live import wait_until
 from stella import Client
 from stella import checkpoint_file as ckfmt
 from stella.client import curve_keys
-from stella.errors import BadRequest, ServerUnavailable
+from stella.errors import BadRequest, Unauthorised
 from stella.protocol import PROTOCOL_VERSION
 from stella_ps.process import free_port
 
@@ -319,7 +319,7 @@ def test_a_many_frame_message_is_refused_its_host_cut_its_key_banned_and_the_mem
     r = call(raw, enc({"type": "status"}), tuple([frame] * 128))  # 64 MiB in all
     assert r["type"] == "error" and r["code"] == "oversized", r
     # the key is refused: its workers are dropped, and a new connection cannot join
-    with pytest.raises(ServerUnavailable):
+    with pytest.raises(Unauthorised):
         Client(s.endpoint, timeout=2.0, reconnect=0)
     wait_until(lambda: rss(s.pid) < before + (24 << 20), 10, "the heap given back")
     assert "oversized message: cutting the connections of its host" in s.logs()

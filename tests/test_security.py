@@ -9,12 +9,19 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
+import zmq.auth
+from prometheus_client.parser import text_string_to_metric_families
 
-from stella import BadRequest, Client, ServerUnavailable, Unauthorised
-from stella_ps.security import write_keyset
+from stella import BadRequest, Client, Unauthorised, _session
+from stella.cli import main as stella_main
+from stella.status import rates, render
+from stella_ps.errors import ConfigError
+from stella_ps.process import free_port
+from stella_ps.security import fingerprint, load_server_keys, write_keyset
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 SECRET_NAME = "layer_secret_weight_name_7f3a"
@@ -47,17 +54,17 @@ def test_an_unknown_key_gets_nothing_while_an_allowed_one_trains(make_server, cu
     version = good.pull(None).version
     outsider = curve_keys.client_secrets["outsider"]  # a real key pair, not on the allowlist
     try:
-        with pytest.raises(ServerUnavailable):
+        with pytest.raises(Unauthorised):
             Client(srv.endpoint, timeout=1.5, client_key=outsider)  # join
         c = Client(srv.endpoint, timeout=1.5, client_key=outsider, join=False)
         try:
             for call in (c.status, lambda: c.join()):
-                with pytest.raises(ServerUnavailable):
+                with pytest.raises(Unauthorised):
                     call()
             c.worker_id, c.layout, c._index = 0, good.layout, good._index  # pose as worker 0
             for call in (lambda: c.register({SECRET_NAME: np.zeros(8, np.float32)}, SGD1),
                          lambda: c.push({SECRET_NAME: np.ones(8, np.float32)}, version), lambda: c.pull(None)):
-                with pytest.raises(ServerUnavailable):
+                with pytest.raises(Unauthorised):
                     call()
         finally:
             c.close(leave=False)
@@ -88,7 +95,7 @@ def test_removing_a_key_takes_effect_without_a_restart(make_server, two_keys):
             b.status()  # b's open connection: refused from now on, and its worker dropped
         assert a.status().workers == [a.worker_id]
         assert _train_one_step(a, 1) == 2  # a trains alone: no step waits for b
-        with pytest.raises(ServerUnavailable):  # and b cannot come back
+        with pytest.raises(Unauthorised):  # and b cannot come back
             _client(srv, two_keys, "b", timeout=1.5)
         with open(two_keys.allowlist, "w") as f:  # put b back; SIGHUP (not the clock) reloads it
             f.write("\n".join(lines) + "\n")
@@ -101,6 +108,125 @@ def test_removing_a_key_takes_effect_without_a_restart(make_server, two_keys):
     finally:
         a.close()
         b.close(leave=False)
+
+
+def _refused(url: str) -> dict[str, float]:
+    """stella_refused_connections_total by reason, scraped."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        fams = text_string_to_metric_families(r.read().decode())
+    return {smp.labels["reason"]: smp.value for fam in fams if fam.name == "stella_refused_connections"
+            for smp in fam.samples if smp.name.endswith("_total")}
+
+
+def test_a_refused_key_is_told_at_once_naming_its_fingerprint(make_server, curve_keys, capsys):
+    """A key not on the allowlist: the client raises Unauthorised as soon as the server
+    refuses the handshake (ZeroMQ's socket monitor sees it), not after its timeout,
+    naming the key's fingerprint (the one the server logs) and the allowlist line to
+    add; `stella status` says the same; a wrong server key and a client without keys
+    are told apart; the server counts every refusal by reason."""
+    port = free_port()
+    srv = make_server(1, ["--metrics", f"127.0.0.1:{port}"])
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    assert _refused(metrics) == {"not_allowed": 0, "banned": 0, "handshake": 0}
+    outsider = curve_keys.client_secrets["outsider"]
+    public = zmq.auth.load_certificate(outsider)[0].decode()
+    t0 = time.monotonic()
+    with pytest.raises(Unauthorised) as e:
+        Client(srv.endpoint, timeout=60, client_key=outsider)
+    assert time.monotonic() - t0 < 5, "waited for a timeout instead of the server's refusal"
+    fp = fingerprint(public)
+    assert f"fingerprint {fp}" in str(e.value) and f"'{public} <name>'" in str(e.value)
+    assert "allowlist" in str(e.value)
+    assert f'"key_fingerprint": "{fp}"' in srv.logs()  # the server names the same key
+    t0 = time.monotonic()
+    assert stella_main(["status", srv.endpoint, "--client-key", outsider, "--timeout", "60"]) == 1
+    assert time.monotonic() - t0 < 5 and f"fingerprint {fp}" in capsys.readouterr().err
+    # the wrong server key: the server closes the handshake unread, three times in a row
+    wrong_server = os.path.join(os.path.dirname(outsider), "server.key")
+    t0 = time.monotonic()
+    with pytest.raises(Unauthorised, match="STELLA_SERVER_KEY is most likely not that server's public key"):
+        Client(srv.endpoint, timeout=60, server_key=wrong_server)
+    assert time.monotonic() - t0 < 10
+    assert _refused(metrics) == {"not_allowed": 2, "banned": 0, "handshake": 3}
+
+
+def test_a_client_without_keys_is_told_the_server_needs_them(server, monkeypatch):
+    monkeypatch.delenv("STELLA_SERVER_KEY")
+    monkeypatch.delenv("STELLA_CLIENT_KEY")
+    with pytest.raises(Unauthorised, match="requires CurveZMQ keys, and this client has none"):
+        Client(server.endpoint, timeout=60)
+
+
+def test_an_allowlist_replaced_keeping_size_and_time_or_by_sed_i_is_read_again(make_server, two_keys):
+    """Editors, `sed -i` and configuration tools replace the file: a new inode, perhaps
+    with the old size and modification time; every such replacement is seen."""
+    srv = make_server(2, _server_args(two_keys))
+    path = two_keys.allowlist
+    with open(path) as f:
+        lines = f.read().splitlines()
+    line_b = next(line for line in lines if line.endswith(" b"))
+    b = _client(srv, two_keys, "b")
+    try:
+        # b's line becomes a comment of the same length, the file keeps its size and time
+        st = os.stat(path)
+        with open(path + ".new", "w") as f:
+            f.write("\n".join("#" * len(line) if line == line_b else line for line in lines) + "\n")
+        os.utime(path + ".new", ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(path + ".new", path)
+        assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+        time.sleep(1.1)  # the file is looked at once a second
+        with pytest.raises(Unauthorised, match="no longer on the server's allowlist"):
+            b.status()
+        subprocess.run(["sed", "-i", f"$a {line_b}", path], check=True)  # b back, by sed -i
+        time.sleep(1.1)
+        b2 = _client(srv, two_keys, "b")
+        assert b2.worker_id is not None
+        b2.close()
+    finally:
+        b.close(leave=False)
+
+
+def test_an_empty_allowlist_starts_with_a_warning(make_server, two_keys, tmp_path):
+    empty = tmp_path / "allowlist"
+    empty.write_text("# the sites' keys go here\n")
+    srv = make_server(1, ["--keys", two_keys.server_secret, "--allow", str(empty)])
+    assert "the allowlist is empty: no client can connect" in srv.logs()
+
+
+def test_an_unreadable_key_names_the_uid_to_give_it_to(monkeypatch, two_keys):
+    """Keys are 0600 files; in the images the user is uid 10001, and the error says so."""
+    def denied(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(zmq.auth, "load_certificate", denied)
+    monkeypatch.setattr(os, "geteuid", lambda: 10001)
+    with pytest.raises(ConfigError, match=r"runs as uid 10001 .*sudo chown 10001 FILE"):
+        load_server_keys(two_keys.server_secret)
+    with pytest.raises(ValueError, match=r"runs as uid 10001 .*sudo chown 10001 FILE"):
+        _session.curve_keys(two_keys.server_public, two_keys.client_secrets["a"])
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"runs as uid 1000, .*in the Stella images the user is uid 10001"):
+        load_server_keys(two_keys.server_secret)
+
+
+def test_status_names_each_key_as_the_allowlist_does(server, make_client, curve_keys):
+    c = make_client(server.endpoint)
+    st = c.status()
+    (live,) = st.live
+    public = zmq.auth.load_certificate(curve_keys.client_secrets["client"])[0].decode()
+    assert live.key_fingerprint == fingerprint(public) and live.key_name == "client"  # the allowlist's comment
+    row = render(st, rates(st, None, None)).splitlines()[-1]
+    assert f"{fingerprint(public)} client" in row
+
+
+def test_keygen_of_the_servers_own_key_prints_no_allowlist_line(tmp_path, capsys):
+    assert stella_main(["keygen", str(tmp_path), "--name", "server"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "does not go on the allowlist" in err and (tmp_path / "server.key_secret").exists()
+    assert stella_main(["keygen", str(tmp_path / "ps"), "--server"]) == 0
+    assert (tmp_path / "ps" / "server.key").exists() and capsys.readouterr().out == ""
+    assert stella_main(["keygen", str(tmp_path), "--name", "site-a"]) == 0
+    assert capsys.readouterr().out.endswith(" site-a\n")
 
 
 def test_one_connection_holds_one_worker_id(server, make_client):

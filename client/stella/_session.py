@@ -15,8 +15,11 @@ still waiting for its reply, rebased on the server's version by :func:`rebase`, 
 one home of those rules. A push that reached the server before the link broke is not
 queued twice (the server remembers each worker's newest push).
 
-It also holds the CurveZMQ keys and the finalizer that closes the sockets and stops the
-heartbeat thread of a client dropped without ``close()``. The API on top, and the
+It also holds the CurveZMQ keys, watches each socket's handshakes through ZeroMQ's
+socket monitor (:class:`_Handshakes`: a server that refuses this client's key says so
+at once, and :class:`~stella.errors.Unauthorised` is raised then, naming the key's
+fingerprint, instead of a timeout), and the finalizer that closes the sockets and
+stops the heartbeat thread of a client dropped without ``close()``. The API on top, and the
 conversion of tensors, is :mod:`stella.client`'s.
 """
 from __future__ import annotations
@@ -37,8 +40,9 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.auth
+from zmq.utils.monitor import parse_monitor_message
 
-from .errors import ErrorCode, NotRegistered, ProtocolError, ServerError, ServerUnavailable, from_reply
+from .errors import ErrorCode, NotRegistered, ProtocolError, ServerError, ServerUnavailable, Unauthorised, from_reply
 from .protocol import (
     Error,
     Heartbeat,
@@ -56,6 +60,7 @@ from .protocol import (
     TrainingMode,
     decode_reply,
     encode,
+    key_fingerprint,
 )
 
 __all__ = ["Session", "rebase", "curve_keys", "default_timeout", "default_reconnect", "ENV_TIMEOUT",
@@ -77,6 +82,10 @@ ENV_RECONNECT = "STELLA_RECONNECT_S"
 BACKOFF_FIRST_S = 0.1  # first reconnect delay; doubled after each failed attempt (full jitter)
 BACKOFF_MAX_S = 5.0
 ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at most this (or `timeout`)
+# handshakes the server closes without a word, in a row, before the client concludes that it holds the
+# wrong server key (one alone can be a server going down mid-handshake)
+SILENT_HANDSHAKE_FAILURES = 3
+IMAGE_UID = 10001  # the user the Stella images run as (docker/)
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -193,23 +202,119 @@ def _dealer(ctx: zmq.Context, address: str, keys: tuple[bytes, bytes, bytes] | N
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
     if keys is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    return sock
+
+
+_MONITORS = itertools.count()
+
+
+class _Handshakes:
+    """The monitor of one DEALER socket, told only about its handshakes: it tells a
+    server that refuses this client (the ZAP handler's 400 for a key not on the
+    allowlist, a mechanism mismatch: one side without keys, or handshakes the server
+    closes unread: the wrong server key) from one that is merely slow or down."""
+
+    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+    def __init__(self, sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None):
+        # before connect(): no handshake goes unseen. pyzmq's default endpoint is named after the
+        # socket's fd, which a new socket may reuse before libzmq's reaper released the old
+        # endpoint (EADDRINUSE): each monitor gets a name of its own
+        self.socket = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://stella-handshakes-{next(_MONITORS)}")
+        self.address, self.keys = address, keys
+        self._silent = 0  # handshakes closed without a word, in a row
+        # why the server refused: for good, since libzmq does not reconnect after a refused
+        # (ZAP) or mismatched handshake, so every later call on this socket says it again
+        self.refused: str | None = None
+
+    def check(self) -> None:
+        """Read the events so far; raises :class:`Unauthorised` if the server refused."""
+        while self.refused is None and self.socket.poll(0):
+            ev = parse_monitor_message(self.socket.recv_multipart())
+            kind, value = ev["event"], int(ev["value"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._silent = 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.refused = self._refused(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self.refused = self._protocol(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._silent += 1
+                if self._silent >= SILENT_HANDSHAKE_FAILURES:
+                    self.refused = self._silent_server()
+        if self.refused is not None:
+            raise Unauthorised(self.refused)
+
+    def _refused(self, status: int) -> str:
+        if self.keys is None:  # pragma: no cover - a plaintext client meets no ZAP handler of ours
+            return f"stella-ps at {self.address} refused this client (ZAP status {status})"
+        public = self.keys[1].decode()
+        return (f"stella-ps at {self.address} refused this client's key (fingerprint {key_fingerprint(public)}, "
+                f"ZAP status {status}): it is not on the server's allowlist (or is banned for a while after an "
+                f"oversized message). Add its line to the server's allowlist, as `stella keygen` printed it: "
+                f"'{public} <name>'")
+
+    def _protocol(self, error: int) -> str:
+        if error != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return f"the CurveZMQ handshake with stella-ps at {self.address} failed (protocol error {error:#x})"
+        if self.keys is None:
+            return (f"stella-ps at {self.address} requires CurveZMQ keys, and this client has none: set "
+                    f"{ENV_SERVER_KEY} (the server's public key file) and {ENV_CLIENT_KEY} (this client's "
+                    "'.key_secret', whose public key is on the server's allowlist)")
+        return (f"stella-ps at {self.address} runs without keys (--insecure), and this client has CurveZMQ keys "
+                f"({ENV_SERVER_KEY}/{ENV_CLIENT_KEY}): unset them to talk to it")
+
+    def _silent_server(self) -> str:
+        assert self.keys is not None  # without keys a mismatch is a protocol failure, not a silent one
+        return (f"stella-ps at {self.address} closed {self._silent} CurveZMQ handshakes in a row before it could "
+                f"check this client's key: {ENV_SERVER_KEY} is most likely not that server's public key (the one "
+                f"used has the fingerprint {key_fingerprint(self.keys[0].decode())}; a server logs its own at start, "
+                "`server_key_fingerprint`)")
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def _connected(ctx: zmq.Context, address: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
+    """A DEALER connected to ``address`` (the heartbeat thread's: the session's own
+    socket watches the handshakes)."""
+    sock = _dealer(ctx, address, keys)
     sock.connect(address)
     return sock
 
 
-def _release(sock: zmq.Socket, live: _Liveness, thread: threading.Thread | None) -> None:
-    """The finalizer: stop the heartbeat thread, close the socket. It holds no reference
+def _release(sock: zmq.Socket, handshakes: _Handshakes, live: _Liveness, thread: threading.Thread | None) -> None:
+    """The finalizer: stop the heartbeat thread, close the sockets. It holds no reference
     to the session, so a client dropped without ``close()`` is still finalized."""
     live.stop.set()
     if thread is not None and thread is not threading.current_thread():
         thread.join(5.0)
     sock.close(0)
+    handshakes.close()
+
+
+def _unreadable(path: str, e: OSError) -> str:
+    """``e`` (reading ``path``) in words; a permission error names the uid this process
+    runs as, and what to do where that is the Stella images' user (uid 10001)."""
+    if not isinstance(e, PermissionError):
+        return str(e)
+    uid = os.geteuid()
+    if uid == IMAGE_UID:
+        return (f"permission denied: this container runs as uid {IMAGE_UID} (the Stella images' user), which cannot "
+                f"read {path!r}; on the host, make the file readable by uid {IMAGE_UID} (`sudo chown {IMAGE_UID} "
+                "FILE`: `stella keygen` writes secrets with mode 0600)")
+    return (f"permission denied: this process runs as uid {uid}, which cannot read {path!r} (in the Stella images "
+            f"the user is uid {IMAGE_UID})")
 
 
 def _public_key(spec: str) -> bytes:
     """A Z85 public key from a certificate file's path or from the key itself."""
     if os.path.exists(spec):
-        public, _ = zmq.auth.load_certificate(spec)
+        try:
+            public, _ = zmq.auth.load_certificate(spec)
+        except OSError as e:
+            raise ValueError(f"cannot read the server's public key from {spec!r}: {_unreadable(spec, e)}") from None
         return bytes(public)
     if len(spec) == 40:
         return spec.encode()
@@ -229,7 +334,10 @@ def curve_keys(server_key: str | None = None, client_key: str | None = None) -> 
                          f"pair ({ENV_CLIENT_KEY}); got only one")
     try:
         public, secret = zmq.auth.load_certificate(client_key)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise ValueError(f"cannot read the client's key pair from {client_key!r}: {_unreadable(client_key, e)}") \
+            from None
+    except ValueError as e:
         raise ValueError(f"cannot read the client's key pair from {client_key!r}: {e}") from None
     if not secret:
         raise ValueError(f"{client_key!r} holds no secret key: use the '.key_secret' file `stella keygen` wrote")
@@ -286,8 +394,8 @@ class Session:
         self._ctx = ctx or zmq.Context.instance()
         self._keys = curve_keys(server_key, client_key)
         self.secure = self._keys is not None
-        self._sock = self._new_socket()
-        self._finalizer = weakref.finalize(self, _release, self._sock, self._live, None)
+        self._sock, self._handshakes = self._new_socket()
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._handshakes, self._live, None)
 
     @property
     def closed(self) -> bool:
@@ -359,13 +467,20 @@ class Session:
         return False
 
     # ------------------------------------------------------------------ heartbeats
-    def _new_socket(self) -> zmq.Socket:
-        return _dealer(self._ctx, self.address, self._keys)
+    def _new_socket(self) -> tuple[zmq.Socket, _Handshakes]:
+        sock = _dealer(self._ctx, self.address, self._keys)
+        try:
+            handshakes = _Handshakes(sock, self.address, self._keys)
+            sock.connect(self.address)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock, handshakes
 
     def _arm_finalizer(self) -> None:
         """Point the finalizer at the current socket and heartbeat thread."""
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, self._sock, self._live, self._hb_thread)
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._handshakes, self._live, self._hb_thread)
 
     def _start_heartbeats(self, reply: Joined) -> None:
         self._live.worker, self._live.session = reply.worker, reply.session
@@ -374,7 +489,7 @@ class Session:
             return
         self._live.last_ok = time.monotonic()
         # the thread holds no reference to the session: a client dropped without close() is still finalized
-        make = functools.partial(_dealer, self._ctx, self.address, self._keys)
+        make = functools.partial(_connected, self._ctx, self.address, self._keys)
         self._hb_thread = threading.Thread(target=_heartbeats, args=(self._live, make),
                                            name="stella-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -409,7 +524,7 @@ class Session:
             raise ServerUnavailable("client is closed")
         t = self.timeout if timeout is None else timeout
         rebased = False
-        if not self._sock.poll(int(t * 1000), zmq.POLLOUT):
+        if not self._writable(t):
             if not self._resilient(msg):
                 raise self._unavailable("cannot reach", t)
             self._reconnect(f"cannot reach the server within {t:.1f}s")
@@ -423,6 +538,24 @@ class Session:
         if self._resilient(msg):
             self._sent[req] = (msg, frames, timeout)
         return req
+
+    def _writable(self, t: float) -> bool:
+        """Whether the socket can send within ``t`` seconds (IMMEDIATE: once a connection
+        has finished its handshake); a handshake the server refuses raises
+        :class:`Unauthorised` as soon as it fails."""
+        if self._sock.poll(0, zmq.POLLOUT):
+            return True
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLOUT)
+        poller.register(self._handshakes.socket, zmq.POLLIN)
+        deadline = time.monotonic() + t
+        while True:
+            self._handshakes.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._sock in dict(poller.poll(int(left * 1000) + 1)):
+                return True
 
     def _transmit(self, msg: Any, frames: list[Any]) -> None:
         parts = encode(msg, frames)
@@ -442,6 +575,7 @@ class Session:
                 self._rebased.discard(req)
                 raise self._unavailable("no reply from", t)
             if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
+                self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
                 why = self._lost() if req in self._sent else None
                 if why:
                     raise _Lost(why)
@@ -486,7 +620,8 @@ class Session:
     def _reconnect(self, why: str) -> None:
         """Connect again (backoff with full jitter, within ``reconnect_s`` seconds): join,
         register, re-send the requests waiting for replies; raises
-        :class:`ServerUnavailable` when the deadline passes."""
+        :class:`ServerUnavailable` when the deadline passes, and :class:`Unauthorised`
+        at once if the server refuses this client's key (it left the allowlist)."""
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s
         log.warning("connection to stella-ps lost; reconnecting",
@@ -513,8 +648,9 @@ class Session:
 
     def _reconnect_once(self, t: float) -> None:
         self._sock.close(0)
+        self._handshakes.close()
         self._replies.clear()
-        self._sock = self._new_socket()
+        self._sock, self._handshakes = self._new_socket()
         self._arm_finalizer()
         self._live.last_ok = time.monotonic()
         join = Join(worker=self.worker_id, name=self.name, session=self._live.session or None,

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     kg = sub.add_parser("keygen", help="write a CurveZMQ key pair (ZeroMQ certificate files) and print the "
                         "public key line for an allowlist")
     kg.add_argument("directory", help="where to write NAME.key (public) and NAME.key_secret (keep it secret)")
-    kg.add_argument("--name", default="stella", help="file name stem (default: stella)")
+    kg.add_argument("--name", default=None, help="file name stem (default: stella; with --server: server)")
+    kg.add_argument("--server", action="store_true",
+                    help="the server's own key pair (also implied by --name server): no allowlist line is printed")
     ex = sub.add_parser("export", help="write a stella-ps checkpoint's parameters as a plain PyTorch state_dict")
     ex.add_argument("checkpoint", help="a checkpoint file from stella-ps --checkpoint-dir")
     ex.add_argument("out", help="the .pt file to write (torch.save of {name: tensor})")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "export":
         return export(a.checkpoint, a.out)
     if a.cmd == "keygen":
-        return keygen(a.directory, a.name)
+        name = a.name or ("server" if a.server else "stella")
+        return keygen(a.directory, name, server=a.server or name == "server")
     if a.cmd == "demo":
         if a.workers < 1 or not 0 <= a.rank < a.workers or a.steps < 1 or a.progress_every < 0:
             p.error("demo: need --workers >= 1, 0 <= --rank < --workers, --steps >= 1, --progress-every >= 0")
@@ -98,9 +101,10 @@ def export(checkpoint: str, out: str) -> int:
     return 0
 
 
-def keygen(directory: str, name: str) -> int:
+def keygen(directory: str, name: str, *, server: bool = False) -> int:
     """Write ``NAME.key`` and ``NAME.key_secret`` (mode 0600) into ``directory``; print the
-    public key with the name, the allowlist line for it."""
+    public key with the name, the allowlist line for it. The ``server``'s own pair gets
+    no such line (it is not a client of itself), but says where its two files go."""
     import os
 
     import zmq.auth
@@ -113,6 +117,11 @@ def keygen(directory: str, name: str) -> int:
     public_path, secret_path = zmq.auth.create_certificates(directory, name)
     os.chmod(secret_path, 0o600)
     public, _ = zmq.auth.load_certificate(public_path)
+    if server:
+        print(f"wrote {public_path} (the server's public key: give it to every worker site and operator, "
+              f"STELLA_SERVER_KEY) and {secret_path} (stella-ps --keys, STELLA_PS_KEYS: keep it on the server's "
+              "machine). The server's own key does not go on the allowlist; the workers' keys do.", file=sys.stderr)
+        return 0
     print(f"{public.decode()} {name}")
     print(f"wrote {public_path} (public: give it out, put the line above on the server's allowlist) and "
           f"{secret_path} (secret: keep it on this machine)", file=sys.stderr)

@@ -41,7 +41,7 @@ class ErrorCode(str, Enum):
     NOT_REGISTERED = "not_registered"  # not joined, or the model is not registered yet
     LAYOUT_CONFLICT = "layout_conflict"  # registration differs from the server's model
     VERSION = "version"  # an impossible version (from the future, too far ahead)
-    UNAUTHORISED = "unauthorised"  # the sender's key is no longer on the server's allowlist
+    UNAUTHORISED = "unauthorised"  # the sender's key is not (or no longer) on the server's allowlist
     LIMIT = "limit"  # a resource bound of the server (workers, waiting pulls, queued pushes, model bytes)
     INTERNAL = "internal"  # a bug in the server; the request changed nothing it could undo
     UNAVAILABLE = "unavailable"  # client side only: no answer in time
@@ -121,7 +121,11 @@ class VersionError(ServerError):
 
 
 class Unauthorised(ServerError):
-    """The server no longer admits this client's key (it was removed from the allowlist)."""
+    """The server does not admit this client: its key is not (or no longer) on the
+    server's allowlist, or is banned for a while; or the CurveZMQ handshake failed (the
+    wrong server key, or keys on one side only). Raised as soon as the server says so,
+    at the handshake or in reply to a request: no retry would help, the message says
+    what to fix (a refused key is named by its fingerprint)."""
 
     code = ErrorCode.UNAUTHORISED
 

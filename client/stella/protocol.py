@@ -25,6 +25,7 @@ test fails when they differ.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,7 @@ from .errors import BadValue, CodecError, ErrorCode, OversizedMessage, ProtocolE
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "key_fingerprint",
     "IndexCoding",
     "PullCoding",
     "TrainingMode",
@@ -92,6 +94,12 @@ MAX_NUMEL = 2**31 - 1  # int32 indices
 MAX_SHAPE_DIMS = 8
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def key_fingerprint(z85_key: str) -> str:
+    """What logs, ``status`` and errors show of a CurveZMQ public key (Z85), never the key
+    itself: 16 hex digits of its SHA-256. The server and the client compute it here alike."""
+    return hashlib.sha256(z85_key.encode()).hexdigest()[:16]
 
 Int32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
 Version = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
@@ -182,6 +190,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     pushes: Count
     pulls: Count
     report: WorkerReport | None = None
+    key_name: Name = ""  # the allowlist's name for its key (the text after the key on its line)
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):

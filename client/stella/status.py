@@ -3,8 +3,9 @@
 One line for the job (version, steps/s, bytes/s each way, checkpoint age, workers, and
 the training mode with the server's optimizer: ``mode update, outer average`` or
 ``outer nesterov(lr 0.7, momentum 0.9)``, ``mode gradient, optimizer adamw(lr 0.001,
-...)``) and a table with a row per live worker (id, name, key fingerprint, last seen,
-steps, density, s/it, wait %), from the server's ``status`` reply. The workers' columns come from the
+...)``) and a table with a row per live worker (id, name, key fingerprint with the
+allowlist's name for the key, last seen, steps, density, s/it, wait %), from the
+server's ``status`` reply. The workers' columns come from the
 report each push carries (:class:`stella.protocol.WorkerReport`); ``-`` where a worker
 has sent none yet. Rates are averages since the server started, or, with ``--watch``,
 over the last refresh.
@@ -114,7 +115,8 @@ def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
         live: list[tuple[int, str, str, float | None, WorkerReport | None]] = [
             (w, "", st.worker_keys.get(w, ""), None, None) for w in st.workers]
     else:
-        live = [(w.worker, w.name, w.key_fingerprint, w.last_seen_s, w.report) for w in st.live]
+        live = [(w.worker, w.name, f"{w.key_fingerprint} {w.key_name}".strip(), w.last_seen_s, w.report)
+                for w in st.live]
     rows = []
     for worker, name, key, last_seen, rep in live:
         seen = "-" if last_seen is None else _age(last_seen)

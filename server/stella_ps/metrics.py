@@ -25,6 +25,10 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 ``late_pushes_total``              counter  pushes folded into a later step
 ``duplicate_pushes_total``         counter  pushes re-sent after a reconnect, not queued twice
 ``workers_gone_total``             counter  workers declared gone (liveness timeout)
+``refused_connections_total``      counter  connections refused at the handshake, label
+                                            ``reason``: ``not_allowed`` (key not on the
+                                            allowlist), ``banned``, ``handshake`` (wrong
+                                            server key, or no keys)
 ``checkpoints_total``              counter  checkpoints written since start
 ``checkpoint_stall_seconds``       gauge    the longest a checkpoint's copy held a step back
 ``rejected_steps_total``           counter  steps undone by the finite-step guard (NaN/Inf result)
@@ -63,6 +67,7 @@ from stella.protocol import PROTOCOL_VERSION
 from . import __version__
 from .config import ENV, parse_bind
 from .kernel import native_isa
+from .security import REFUSED
 
 if TYPE_CHECKING:
     from .service import Service
@@ -105,6 +110,11 @@ class JobCollector(Collector):
                                   value=snap.duplicate_pushes)
         yield CounterMetricFamily("stella_workers_gone", "workers declared gone (liveness timeout)",
                                   value=snap.workers_gone)
+        refused = CounterMetricFamily("stella_refused_connections",
+                                      "connections refused at the CurveZMQ handshake, by reason", labels=["reason"])
+        for reason in REFUSED:
+            refused.add_metric([reason], snap.refused_connections.get(reason, 0))
+        yield refused
         yield CounterMetricFamily("stella_bytes_received", "bytes received, all messages", value=snap.bytes_in)
         yield CounterMetricFamily("stella_bytes_sent", "bytes sent, all messages", value=snap.bytes_out)
         errors = CounterMetricFamily("stella_errors", "refused requests by error code", labels=["code"])

@@ -6,11 +6,20 @@ secret key, as ``stella keygen`` writes it); every client proves it holds the se
 of a public key on the allowlist before the first byte of a message reaches the
 server, and everything on the wire is encrypted. The allowlist is a text file, one
 Z85 public key per line, as ``stella keygen`` prints it (anything after the key is a
-comment, and so is a line starting with ``#`` that is not a key). It is read again
-when its modification time changes (looked at, at most once a second, when a peer
-connects or sends) and on SIGHUP, without a restart. A key removed from it can no
+comment, and so is a line starting with ``#`` that is not a key; the comment is the
+key's name in ``status``). It is read again when the file at its path changes (its
+inode, size or modification time, looked at, at most once a second, when a peer
+connects or sends) and on SIGHUP, without a restart: an edit in place and a
+replacement (``sed -i``, most editors, configuration tools) alike. In a container,
+mount the allowlist's *directory*: a single-file bind mount pins the inode it was
+started with, and a replaced file is never seen there. A key removed from it can no
 longer connect, and the messages of its open connections are refused from then on
-(the server drops its workers).
+(the server drops its workers). An empty allowlist admits nobody (a warning says so).
+
+Every connection refused at the handshake is counted by reason (:data:`REFUSED`:
+a key not on the allowlist, a banned key, or a handshake that failed before any key
+was shown, such as a client holding the wrong server key or none), for the
+``stella_refused_connections_total`` metric.
 
 A peer is known in logs and ``status`` by the fingerprint of its public key, never by
 the key itself.
@@ -24,11 +33,11 @@ let the same key straight back in).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -38,19 +47,36 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from stella.protocol import key_fingerprint
+
 from .errors import ConfigError
 
 __all__ = ["ServerKeys", "Allowlist", "Gatekeeper", "Connections", "KeySet", "write_keyset", "fingerprint",
-           "ZAP_DOMAIN", "load_server_keys"]
+           "ZAP_DOMAIN", "REFUSED", "IMAGE_UID", "load_server_keys", "unreadable"]
 
 log = logging.getLogger("stella_ps.security")
 ZAP_DOMAIN = "stella"
-RELOAD_CHECK_S = 1.0  # how often the allowlist file's modification time is looked at
+RELOAD_CHECK_S = 1.0  # how often the allowlist file is looked at for a change
+IMAGE_UID = 10001  # the user the Stella images run as (docker/)
+# why a connection was refused at the handshake (the metric's `reason` label)
+REFUSED = ("not_allowed", "banned", "handshake")
 
 
-def fingerprint(z85_key: str) -> str:
-    """A short, stable name for a public key (16 hex digits of its SHA-256)."""
-    return hashlib.sha256(z85_key.encode()).hexdigest()[:16]
+def unreadable(path: str, e: OSError) -> str:
+    """``e`` (reading ``path``) in words; a permission error names the uid this process
+    runs as, and what to do where that is the Stella images' user (uid 10001)."""
+    if not isinstance(e, PermissionError):
+        return str(e)
+    uid = os.geteuid()
+    if uid == IMAGE_UID:
+        return (f"permission denied: this container runs as uid {IMAGE_UID} (the Stella images' user), which cannot "
+                f"read {path!r}; on the host, make the file readable by uid {IMAGE_UID} (`sudo chown {IMAGE_UID} "
+                "FILE`: `stella keygen` writes secrets with mode 0600)")
+    return (f"permission denied: this process runs as uid {uid}, which cannot read {path!r} (in the Stella images "
+            f"the user is uid {IMAGE_UID})")
+
+
+fingerprint = key_fingerprint  # a short, stable name for a public key (16 hex digits of its SHA-256)
 
 
 @dataclass(frozen=True)
@@ -63,7 +89,9 @@ def load_server_keys(path: str) -> ServerKeys:
     """The server's key pair from a ZeroMQ certificate file with its secret key."""
     try:
         public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise ConfigError(f"cannot read the server's key pair from {path!r}: {unreadable(path, e)}") from None
+    except ValueError as e:
         raise ConfigError(f"cannot read the server's key pair from {path!r}: {e}") from None
     if not secret:
         raise ConfigError(f"{path!r} holds no secret key: give the server the '.key_secret' file "
@@ -107,6 +135,12 @@ def _parse_key(text: str) -> str | None:
     return text if len(raw) == 32 else None
 
 
+def _signature(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a changed allowlist file: a replacement has a new inode (and perhaps
+    the old modification time, ``cp -p``), an edit in place a new time or size."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class Allowlist:
     """The client public keys the server admits, from a text file, reloaded on change."""
 
@@ -114,7 +148,7 @@ class Allowlist:
         self.path = path
         self._keys: dict[str, str] = {}  # Z85 key -> its comment (a name), if any
         self._banned: dict[str, float] = {}  # Z85 key -> monotonic time its ban ends
-        self._mtime: float | None = None
+        self._seen: tuple[int, int, int, int] | None = None  # the file's _signature when last read
         self._checked = 0.0
         self.reload(strict=True)
 
@@ -126,8 +160,8 @@ class Allowlist:
         cannot be read or holds a malformed line raises at start-up (``strict``) and
         keeps the previous list afterwards (logged as an error)."""
         try:
-            mtime = os.stat(self.path).st_mtime
             with open(self.path) as f:
+                seen = _signature(os.fstat(f.fileno()))
                 lines = f.read().splitlines()
             keys: dict[str, str] = {}
             for n, line in enumerate(lines, 1):
@@ -139,38 +173,52 @@ class Allowlist:
                         continue
                     raise ConfigError(f"{self.path}:{n}: not a Z85 public key (40 characters): {word[:48]!r}")
                 keys[key] = comment.strip()
-        except (OSError, ConfigError) as e:
+        except OSError as e:
+            reason = unreadable(self.path, e)
+            if strict:
+                raise ConfigError(f"allowlist {self.path!r}: {reason}") from None
+            log.error("allowlist not reloaded; the previous one stays in force",
+                      extra={"path": self.path, "reason": reason})
+            return False
+        except ConfigError as e:
             if strict:
                 raise ConfigError(f"allowlist {self.path!r}: {e}") from None
             log.error("allowlist not reloaded; the previous one stays in force",
                       extra={"path": self.path, "reason": str(e)})
             return False
-        changed = keys.keys() != self._keys.keys()
-        self._keys, self._mtime = keys, mtime
+        changed = keys != self._keys
+        self._keys, self._seen = keys, seen
         if changed and not strict:
             log.warning("allowlist reloaded", extra={"path": self.path, "keys": len(keys)})
+        if not keys and (changed or strict):
+            log.warning("the allowlist is empty: no client can connect until a key is added (the file is read "
+                        "again when it changes)", extra={"path": self.path})
         return changed
 
     def maybe_reload(self) -> None:
-        """Reload when the file changed (its modification time), looked at most once a second."""
+        """Reload when the file at the path changed, looked at most once a second."""
         now = time.monotonic()
         if now - self._checked < RELOAD_CHECK_S:
             return
         self._checked = now
         try:
-            mtime = os.stat(self.path).st_mtime
+            seen = _signature(os.stat(self.path))
         except OSError as e:
             log.error("allowlist unreadable; the previous one stays in force",
-                      extra={"path": self.path, "reason": str(e)})
+                      extra={"path": self.path, "reason": unreadable(self.path, e)})
             return
-        if mtime != self._mtime:
+        if seen != self._seen:
             self.reload()
 
-    def admits(self, z85_key: str) -> bool:
+    def refusal(self, z85_key: str) -> str | None:
+        """Why ``z85_key`` is not admitted now (``"not_allowed"``, ``"banned"``), or None."""
         self.maybe_reload()
         if self._banned and not self._ban_over(z85_key):
-            return False
-        return z85_key in self._keys
+            return "banned"
+        return None if z85_key in self._keys else "not_allowed"
+
+    def admits(self, z85_key: str) -> bool:
+        return self.refusal(z85_key) is None
 
     def name(self, z85_key: str) -> str:
         """The allowlist's comment for ``z85_key`` (its name), or ""."""
@@ -192,20 +240,25 @@ class Allowlist:
 
 
 class Gatekeeper:
-    """The ZAP handler of one context: admits a CURVE client whose key is on the allowlist."""
+    """The ZAP handler of one context: admits a CURVE client whose key is on the allowlist;
+    ``on_refused(reason)`` counts each refusal."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, allowlist: Allowlist):
+    def __init__(self, ctx: zmq.asyncio.Context, allowlist: Allowlist,
+                 on_refused: Callable[[str], None] = lambda reason: None):
         self.allowlist = allowlist
+        self._on_refused = on_refused
         self._auth = AsyncioAuthenticator(ctx, log=logging.getLogger("stella_ps.zap"))
         self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
         """Called by the ZAP handler for every new connection."""
         key = z85_key.decode()
-        ok = self.allowlist.admits(key)
-        if not ok:
-            log.warning("connection refused: key not on the allowlist", extra={"key_fingerprint": fingerprint(key)})
-        return ok
+        why = self.allowlist.refusal(key)
+        if why is not None:
+            self._on_refused(why)
+            what = "key not on the allowlist" if why == "not_allowed" else "key banned for now"
+            log.warning(f"connection refused: {what}", extra={"key_fingerprint": fingerprint(key)})
+        return why is None
 
     def start(self) -> None:
         self._auth.start()
@@ -218,12 +271,18 @@ class Connections:
     """The TCP connections of one ROUTER socket, by file descriptor and peer host (from
     the socket's monitor), so that the server can hang up on a host: ZeroMQ has no way
     to close one peer of a bound socket, but shutting its TCP connection down makes
-    libzmq drop it (an honest client reconnects by itself, a banned key is refused)."""
+    libzmq drop it (an honest client reconnects by itself, a banned key is refused).
+    It also counts the handshakes that failed before a key could be checked
+    (``on_refused("handshake")``: a client with the wrong server key, or without keys);
+    a key the allowlist refuses is the :class:`Gatekeeper`'s to count."""
 
-    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+    EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
-    def __init__(self, sock: zmq.asyncio.Socket):
+    def __init__(self, sock: zmq.asyncio.Socket, on_refused: Callable[[str], None] = lambda reason: None):
         self._sock = sock
+        self._on_refused = on_refused
         self._monitor = sock.get_monitor_socket(self.EVENTS)
         self._hosts: dict[int, str] = {}  # fd -> peer IP
         self._task: asyncio.Task[None] | None = None
@@ -234,6 +293,11 @@ class Connections:
     async def _watch(self) -> None:
         while True:
             ev = parse_monitor_message(await self._monitor.recv_multipart())
+            if ev["event"] in self.HANDSHAKE_FAILED:  # the value is an error code, not a descriptor
+                self._on_refused("handshake")
+                log.info("connection refused: CurveZMQ handshake failed (a client with the wrong server key, or "
+                         "without keys)", extra={"error": int(ev["value"])})
+                continue
             fd = int(ev["value"])
             if ev["event"] == zmq.EVENT_ACCEPTED:
                 try:

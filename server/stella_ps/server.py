@@ -72,11 +72,12 @@ class ParameterServer:
             if self._own_ctx:
                 stack.callback(self.ctx.term)
             self._sock = stack.enter_context(self._bound_socket())
-            self._connections = Connections(self._sock)
+            self._connections = Connections(self._sock, self.stats.count_refused)
             self._connections.start()
             stack.push_async_callback(self._connections.close)
             if self.allowlist is not None:
-                gate = Gatekeeper(self.ctx, self.allowlist)
+                gate = Gatekeeper(self.ctx, self.allowlist, self.stats.count_refused)
+                self.service.key_name = self.allowlist.name
                 gate.start()
                 stack.callback(gate.stop)
             await stack.enter_async_context(self.service.running())
@@ -229,8 +230,8 @@ class ParameterServer:
         peer = self._peer(frames[1])
         if peer is None:  # a key taken off the allowlist while its connection stayed open
             key = str(frames[1].get("User-Id"))
-            self.service.refuse(ident, request_id(body[0]),
-                                Unauthorised("this client's key is no longer on the server's allowlist"))
+            self.service.refuse(ident, request_id(body[0]), Unauthorised(
+                f"this client's key (fingerprint {fingerprint(key)}) is no longer on the server's allowlist"))
             self.service.drop_peer(key)
             return
         if count - 1 > MAX_FRAMES or size > self.config.limits.max_message_bytes:

@@ -30,6 +30,7 @@ import numpy as np
 
 from stella.errors import ErrorCode, LayoutConflict, ProtocolError, StellaError, VersionError
 from stella.protocol import (
+    MAX_NAME_BYTES,
     Delta,
     Error,
     Heartbeat,
@@ -114,6 +115,8 @@ class Service:
         self.steps.on_step(self.checkpointer.maybe)
         self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor)
         self.mode: TrainingMode | None = None  # the job's, from the first registration that names one
+        # the allowlist's name of a key, for status (the transport sets it when it runs with keys)
+        self.key_name: Callable[[str], str] = lambda key: ""
         self._sweeper: Timer | None = None
         self._init_lock = asyncio.Lock()  # two first registrations must not both initialise
 
@@ -196,13 +199,15 @@ class Service:
             optimizer=self.steps.optimizer.to_wire() if self.steps.optimizer else None, server_version=__version__,
             live=[WorkerStatus(worker=w, name=i.name, key_fingerprint=i.fingerprint,
                                last_seen_s=max(0.0, now - i.last_seen), pushes=i.pushes, pulls=i.pulls,
-                               report=i.report) for w, i in sorted(live.items())],
+                               report=i.report, key_name=self.key_name(i.key)[:MAX_NAME_BYTES])
+                  for w, i in sorted(live.items())],
             checkpoint_age_s=age, last_seen_s={w: round(now - i.last_seen, 3) for w, i in live.items()},
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.agg.current_deadline(),
             checkpoint_version=self.checkpointer.version,
             behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode, shard=self.config.shard,
             errors_by_code=dict(s.errors_by_code), duplicate_pushes=s.duplicate_pushes, workers_gone=s.workers_gone,
+            refused_connections=dict(s.refused_connections),
             step_interval_s=s.step_interval_s, step_intervals=s.step_intervals, apply_s=s.apply_s,
             straggler_wait_s=s.straggler_wait_s, checkpoints=s.checkpoints, checkpoint_stall_s=s.checkpoint_stall_s,
             rejected_steps=s.rejected_steps, rejected_pushes=s.rejected_pushes, clipped_pushes=self.push_bound.clipped)

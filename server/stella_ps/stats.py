@@ -35,6 +35,8 @@ class Stats:
     steps: int = 0
     late_pushes: int = 0
     workers_gone: int = 0  # workers declared gone (liveness timeout)
+    # connections refused at the CurveZMQ handshake, by reason (security.REFUSED)
+    refused_connections: dict[str, int] = field(default_factory=dict)
     # steps' timings, exported as Prometheus summaries (sum and count): the time between
     # two consecutive steps closing, the store's apply, and how long a step stayed open
     # after its first push (waiting for the last worker, or the deadline)
@@ -65,6 +67,9 @@ class Stats:
     def count_error(self, code: str) -> None:
         self.errors += 1
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+    def count_refused(self, reason: str) -> None:
+        self.refused_connections[reason] = self.refused_connections.get(reason, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class JobSnapshot:
     errors_by_code: dict[str, int]
     duplicate_pushes: int
     workers_gone: int
+    refused_connections: dict[str, int]
     step_interval_s: float
     step_intervals: int
     apply_s: float
