@@ -23,7 +23,7 @@ from stella_ps.config import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(ROOT, "docker")
-COMPOSE_FILES = ("compose.server.yml", "compose.worker.yml")  # a site each
+COMPOSE_FILES = ("compose.server.yml", "compose.worker.yml", "compose.shards.yml")  # a site each
 OVERRIDES = ("compose.worker.gpu.yml", "compose.lab.yml")  # added to compose.worker.yml
 KEY_SETTINGS = ("STELLA_PS_KEYS", "STELLA_PS_ALLOW", "STELLA_SERVER_KEY", "STELLA_CLIENT_KEY")
 SERVER_KEYS_DIR = "/etc/stella/keys"
@@ -87,6 +87,28 @@ def test_server_site_writes_checkpoints_to_its_volume():
     assert "chown -R stella:stella /var/lib/stella" in text and volume.startswith("/var/lib/stella/")
 
 
+def test_the_sharded_server_site_runs_each_shard_on_its_own_port_and_volume():
+    """Issue 21: a service per shard, labelled I/N in order, each with its own workers'
+    port, metrics port and checkpoint volume, the keys' directory shared; the rest of a
+    shard's configuration is the single server's."""
+    single = load("compose.server.yml")["services"]["ps"]
+    shards = load("compose.shards.yml")["services"]
+    ports, volumes = set(), set()
+    for i, (name, svc) in enumerate(sorted(shards.items())):
+        env = {k: defaults(v) for k, v in svc["environment"].items()}
+        cfg = parse_args([], {k: v for k, v in env.items() if k.startswith("STELLA_PS_")})
+        assert cfg.shard == f"{i}/{len(shards)}", name
+        assert cfg.checkpoints.dir and mounts(svc)[cfg.checkpoints.dir] not in volumes
+        volumes.add(mounts(svc)[cfg.checkpoints.dir])
+        assert defaults(mounts(svc)[SERVER_KEYS_DIR]) == "./keys"
+        published = [defaults(p).rsplit(":", 1)[0] for p in svc["ports"]]
+        assert not ports & set(published), published
+        ports |= set(published)
+        assert {k: v for k, v in svc["environment"].items() if k != "STELLA_PS_SHARD"} == \
+            single["environment"]
+    assert volumes == set(load("compose.shards.yml")["volumes"])
+
+
 def test_the_allowlist_is_mounted_as_a_directory():
     """Issue 24, 2: a single-file mount pins the inode; `sed -i` and editors replace the
     file. The server site mounts the keys' directory and reads the allowlist there."""
@@ -147,6 +169,7 @@ def test_lab_sites_are_shaped_and_come_back():
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
 @pytest.mark.parametrize("files,example", [(["compose.server.yml"], "server.env.example"),
+                                           (["compose.shards.yml"], "server.env.example"),
                                            (["compose.worker.yml"], "worker.env.example"),
                                            (["compose.worker.yml", "compose.worker.gpu.yml"], "worker.env.example"),
                                            (["compose.worker.yml", "compose.lab.yml"], "worker.env.example")])

@@ -87,6 +87,7 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     finally:
         asyncio.run_coroutine_threadsafe(metrics.close(), srv.loop).result(10)
     assert value(fams, "stella_info", version="0.1.0") == 1
+    assert value(fams, "stella_info", shard="") == 1  # not a shard of a sharded job
     assert value(fams, "stella_info", native_isa=native_isa().level) == 1  # the C kernel's x86-64 level
     assert value(fams, "stella_model_version") == 1
     assert value(fams, "stella_live_workers") == 1

@@ -5,6 +5,7 @@ own checkpoint while the others go on, and the refusals (shards listed out of or
 shard serving exact pulls)."""
 from __future__ import annotations
 
+import json
 import signal
 import threading
 
@@ -167,3 +168,24 @@ def test_training_goes_on_while_a_shard_restarts_from_its_own_checkpoint(make_se
     assert min(d["accuracy"] for d in done) >= TARGET_ACCURACY, done
     # shard 0 never stopped: it went on from where it was
     assert "resumed from checkpoint" not in servers[0].logs() and before >= 50
+
+
+# --------------------------------------------------------------------------- status
+def test_stella_status_shows_the_job_across_its_shards(make_server, capsys):
+    from stella.cli import main as stella_main
+
+    addrs = _shards(make_server, 2, 1)
+    with ShardedClient(addrs, timeout=30) as c:
+        c.register({k: np.zeros(n, np.float32) for k, n in LAYOUT.items()}, {"name": "sgd", "lr": 1.0})
+        v = c.pull(None).version
+        c.push(_update(np.random.default_rng(0), {k: np.zeros(n, np.float32) for k, n in LAYOUT.items()}), v)
+        assert c.pull(v, wait_for=v + 1).version == v + 1
+        assert [st.shard for st in c.status()] == ["0/2", "1/2"]
+        assert stella_main(["status", ",".join(addrs)]) == 0
+        text = capsys.readouterr().out.splitlines()
+        assert "| 2 shards | rounds 1 |" in text[0] and "workers 1/1" in text[0]
+        assert text[1].startswith(f"  shard 0/2 {addrs[0]} | version 1")
+        assert text[2].startswith(f"  shard 1/2 {addrs[1]} | version 1")
+        assert stella_main(["status", ",".join(addrs), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert [s["shard"] for s in doc["shards"]] == ["0/2", "1/2"] and all(s["version"] == 1 for s in doc["shards"])

@@ -9,6 +9,11 @@ server's ``status`` reply. The workers' columns come from the
 report each push carries (:class:`stella.protocol.WorkerReport`); ``-`` where a worker
 has sent none yet. Rates are averages since the server started, or, with ``--watch``,
 over the last refresh.
+
+A sharded job (``stella status ADDR0,ADDR1,...``, :mod:`stella.shards`): one line for the
+job across its shards (the rounds every shard has made, the slowest shard's steps/s,
+bytes summed, the oldest checkpoint, the fewest live workers), a line per shard, and
+the worker table of the first shard (every worker joins every shard).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import msgspec
 from .modes import OUTER_PRESETS, outer_preset
 from .protocol import StatusReply, WorkerReport
 
-__all__ = ["render", "rates", "watch", "plain"]
+__all__ = ["render", "render_shards", "rates", "watch", "plain"]
 
 
 def _bytes(n: float) -> str:
@@ -131,31 +136,59 @@ def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
     return "\n".join(lines)
 
 
-def watch(fetch: Callable[[], StatusReply], *, address: str = "", as_json: bool = False,
+def _shard_line(st: StatusReply, r: dict[str, float], address: str) -> str:
+    ck = st.checkpoint_age_s
+    return (f"  shard {st.shard or '?'} {address} | version {st.version} | {r['steps']:.2f} steps/s | "
+            f"in {_bytes(r['bytes_in'])}/s | out {_bytes(r['bytes_out'])}/s | "
+            f"checkpoint {_age(ck) if ck is not None else 'none'} | workers {len(st.workers)}/{st.expected_workers}")
+
+
+def render_shards(sts: list[StatusReply], rs: list[dict[str, float]], addresses: list[str]) -> str:
+    """The job line across the shards, a line per shard, the first shard's worker table."""
+    ages = [st.checkpoint_age_s for st in sts]
+    oldest = "none" if any(a is None for a in ages) else _age(max(a for a in ages if a is not None))
+    head = (f"stella-ps {sts[0].server_version or '?'} | {len(sts)} shards | rounds {min(st.version for st in sts)} "
+            f"| {min(r['steps'] for r in rs):.2f} steps/s | in {_bytes(sum(r['bytes_in'] for r in rs))}/s | "
+            f"out {_bytes(sum(r['bytes_out'] for r in rs))}/s | checkpoint {oldest} | workers "
+            f"{min(len(st.workers) for st in sts)}/{sts[0].expected_workers} | {_job(sts[0])}"
+            f"{' | INSECURE' if any(st.insecure for st in sts) else ''}")
+    table = render(sts[0], rs[0]).splitlines()[1:]  # the first shard's workers
+    return "\n".join([head, *(_shard_line(st, r, a) for st, r, a in zip(sts, rs, addresses)), *table])
+
+
+def watch(fetch: Callable[[], StatusReply | list[StatusReply]], *, address: str = "", as_json: bool = False,
           interval: float | None = None, out: TextIO | None = None, count: int | None = None) -> int:
     """Print the status once (``interval`` None) or every ``interval`` seconds until
     interrupted (or ``count`` times); ``as_json``: the reply as plain data (:func:`plain`)
-    plus the rates, one JSON object per line."""
+    plus the rates, one JSON object per line. ``fetch`` returning a list: the shards of a
+    sharded job, ``address`` their comma-separated addresses (JSON: ``{"shards": [...]}``)."""
     out = out or sys.stdout
-    before: StatusReply | None = None
+    before: list[StatusReply] | None = None
     t_before = 0.0
     n = 0
     try:
         while True:
-            st = fetch()
+            got = fetch()
+            sts = got if isinstance(got, list) else [got]
             t = time.monotonic()
-            r = rates(st, before, t - t_before if before is not None else None)
+            prev: list[StatusReply | None] = list(before) if before is not None else [None] * len(sts)
+            dt = t - t_before if before is not None else None
+            rs = [rates(st, b, dt) for st, b in zip(sts, prev)]
             if as_json:
-                out.write(json.dumps({**plain(st), "rates": r}, indent=None if interval else 2, default=str) + "\n")
+                docs = [{**plain(st), "rates": r} for st, r in zip(sts, rs)]
+                doc = docs[0] if not isinstance(got, list) else {"shards": docs}
+                out.write(json.dumps(doc, indent=None if interval else 2, default=str) + "\n")
             else:
                 if interval and out.isatty():
                     out.write("\x1b[H\x1b[2J")  # clear the screen between refreshes
-                out.write(render(st, r, address) + "\n")
+                text = (render(sts[0], rs[0], address) if not isinstance(got, list)
+                        else render_shards(sts, rs, address.split(",")))
+                out.write(text + "\n")
             out.flush()
             n += 1
             if interval is None or (count is not None and n >= count):
                 return 0
-            before, t_before = st, t
+            before, t_before = sts, t
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0

@@ -13,7 +13,8 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 
 =================================  =======  ==============================================
 ``info``                           gauge    1, labels ``version`` (release), ``protocol``,
-                                            ``native_isa`` (the C kernel's x86-64 level)
+                                            ``native_isa`` (the C kernel's x86-64 level),
+                                            ``shard`` (``I/N`` of a sharded job, or empty)
 ``model_version``                  gauge    applied steps (the model's version)
 ``live_workers``                   gauge    workers that joined and did not leave
 ``expected_workers``               gauge    ``--workers``
@@ -89,9 +90,9 @@ class JobCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.service.snapshot()
-        info = GaugeMetricFamily("stella_info", "stella-ps release, protocol version, C kernel's x86-64 level",
-                                 labels=["version", "protocol", "native_isa"])
-        info.add_metric([__version__, str(PROTOCOL_VERSION), native_isa().level], 1)
+        info = GaugeMetricFamily("stella_info", "stella-ps release, protocol version, C kernel's x86-64 level, "
+                                 "shard I/N of a sharded job", labels=["version", "protocol", "native_isa", "shard"])
+        info.add_metric([__version__, str(PROTOCOL_VERSION), native_isa().level, snap.shard], 1)
         yield info
         yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version", value=snap.version)
         yield GaugeMetricFamily("stella_live_workers", "workers joined and not left", value=len(snap.workers))
