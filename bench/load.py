@@ -17,11 +17,19 @@ Also checked: every worker's replica (built from its delta pulls) equals the fin
 snapshot. Run both transports side by side (``--transport both``, the default):
 plaintext (``--insecure``) and CurveZMQ with ephemeral keys, and their ratio.
 
-    python -m bench.load [--quick] [--workers 32] [--seconds 20] [--transport both|curve|plain] [--json PATH]
+``--shards N``: the job on N ``stella-ps`` shards (:mod:`stella.shards`; the tensor is
+cut between them), the workers pushing to and pulling from all of them. The shards
+serve the broadcast (sharding needs it) with f32 values and room for every changed
+coordinate (``--broadcast-values f32 --broadcast-factor 4096``), so the broadcast model
+is the exact model and the same check holds; every shard must count every push.
+
+    python -m bench.load [--quick] [--workers 32] [--seconds 20] [--transport both|curve|plain] [--shards N]
+                         [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -54,21 +62,34 @@ def expected_model(workers: int, steps: int) -> np.ndarray:
     return w
 
 
-def make_client(endpoint: str, keys: dict[str, str], secure: bool, name: str, join: bool = True) -> Any:
+def make_client(endpoint: str | list[str], keys: dict[str, str], secure: bool, name: str, join: bool = True) -> Any:
     """The one place a client connects: CurveZMQ with ``keys`` (or, when empty, the
     STELLA_SERVER_KEY / STELLA_CLIENT_KEY environment), or plaintext with that
     environment cleared (in this process: the workers' own, or the parent's for the
     duration of a plaintext run)."""
-    from stella import Client
+    from stella.shards import connect
 
     if not secure:
         for k in KEY_ENV:
             os.environ.pop(k, None)
-    return Client(endpoint, timeout=CLIENT_TIMEOUT_S, name=name, join=join, **(keys if secure else {}))
+    return connect(endpoint, timeout=CLIENT_TIMEOUT_S, name=name, join=join, **(keys if secure else {}))
 
 
-def _worker(endpoint: str, keys: dict[str, str], secure: bool, rank: int, workers: int, go: Any, stop_at: Any,
-            out: Any) -> None:
+def _status(c: Any) -> Any:
+    """The status (a list of the shards' for a sharded job: then their sums and the
+    fewest steps, with ``per_shard`` the replies)."""
+    st = c.status()
+    if not isinstance(st, list):
+        return st
+    from types import SimpleNamespace
+
+    return SimpleNamespace(steps=min(s.steps for s in st), version=max(s.version for s in st),
+                           pushes=min(s.pushes for s in st), pending_pushes=sum(s.pending_pushes for s in st),
+                           per_shard=st)
+
+
+def _worker(endpoint: str | list[str], keys: dict[str, str], secure: bool, rank: int, workers: int, go: Any,
+            stop_at: Any, out: Any) -> None:
     try:
         c = make_client(endpoint, keys, secure, f"load{rank}")
         init = layout(workers)
@@ -102,38 +123,49 @@ def _worker(endpoint: str, keys: dict[str, str], secure: bool, rank: int, worker
         out.put(("error", rank, repr(e)))
 
 
-def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_level: str = "WARNING") -> dict:
+def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_level: str = "WARNING",
+             shards: int = 1) -> dict:
     """One timed run; returns throughput and the conserved-sum result (``conserved``)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     go = ctx.Event()
     stop_at = ctx.Value("q", -1)
-    with ServerProcess(workers=workers, log_level=log_level, secure=secure,
-                       args=["--pull", "exact",  # the check reads the exact model's sums from a snapshot
-                             "--max-workers", str(max(256, workers + 1)),
-                             # every worker (and the observer) holds the one client key
-                             "--max-workers-per-key", str(workers + 1)]) as srv:
-        keys = srv.client_kwargs() if secure else {}
-        procs = [ctx.Process(target=_worker, args=(srv.endpoint, keys, secure, r, workers, go, stop_at, out),
+    common = ["--max-workers", str(max(256, workers + 1)),
+              "--max-workers-per-key", str(workers + 1)]  # every worker (and the observer) holds the one client key
+    # the check reads the exact model's sums from a snapshot: exact pulls, or a broadcast that sends it all exactly
+    pull = (["--pull", "exact"] if shards == 1 else
+            ["--pull", "broadcast", "--broadcast-values", "f32", "--broadcast-factor", "4096"])
+    with contextlib.ExitStack() as stack:
+        def start(i: int, more: list[str]) -> ServerProcess:
+            label = ["--shard", f"{i}/{shards}"] if shards > 1 else []
+            return stack.enter_context(ServerProcess(workers=workers, log_level=log_level, secure=secure,
+                                                     args=[*common, *pull, *label, *more]))
+
+        first = start(0, [])
+        servers = [first] + [start(i, first.key_args()) for i in range(1, shards)]
+        srv_pids = [s.pid for s in servers]
+        endpoint: str | list[str] = first.endpoint if shards == 1 else [s.endpoint for s in servers]
+        keys = first.client_kwargs() if secure else {}
+        procs = [ctx.Process(target=_worker, args=(endpoint, keys, secure, r, workers, go, stop_at, out),
                              daemon=True) for r in range(workers)]
         try:
             for p in procs:
                 p.start()
             await_ready(out, workers)
-            status = make_client(srv.endpoint, keys, secure, "load-observer", join=False)  # never a worker
-            s0 = status.status()
-            cpu0, t0 = process_cpu_seconds(srv.pid), time.perf_counter()
+            status = make_client(endpoint, keys, secure, "load-observer", join=False)  # never a worker
+            s0 = _status(status)
+            cpu0, t0 = sum(process_cpu_seconds(p) for p in srv_pids), time.perf_counter()
             go.set()
             time.sleep(seconds)
             # announce the end: a version no worker can have reached (each step needs all of them)
             with stop_at.get_lock():
-                stop_at.value = status.status().version + 3
+                stop_at.value = _status(status).version + 3
             done = [out.get(timeout=CLIENT_TIMEOUT_S + 30) for _ in range(workers)]
-            wall, cpu = time.perf_counter() - t0, process_cpu_seconds(srv.pid) - cpu0
+            wall, cpu = time.perf_counter() - t0, sum(process_cpu_seconds(p) for p in srv_pids) - cpu0
             errors = [d for d in done if d[0] != "done"]
             if errors:
                 raise RuntimeError(f"workers failed: {errors[:3]}")
-            s1 = status.status()
+            s1 = _status(status)
             final = _snapshot(status, workers)
             status.close()
         finally:
@@ -149,10 +181,14 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
     oks = sum(d[2] for d in done)
     expect = expected_model(workers, s1.version)
     digests = {d[8] for d in done}
+    every_shard = [(b.steps - a.steps, b.pushes - a.pushes) for a, b in
+                   zip(getattr(s0, "per_shard", [s0]), getattr(s1, "per_shard", [s1]))]
     conserved = {
         "push_ok": oks, "server_pushes": s1.pushes - s0.pushes, "steps": steps,
-        "final_version": s1.version,
-        "pushes_accounted": oks == s1.pushes - s0.pushes == workers * steps and s1.pending_pushes == 0,
+        "final_version": s1.version, "shards": shards,
+        # every shard made every step and counted every push
+        "pushes_accounted": all(sp == oks == workers * steps and ss == steps for ss, sp in every_shard)
+        and s1.pending_pushes == 0,
         "model_exact": final.tobytes() == expect.tobytes(),
         "max_abs_error": float(np.max(np.abs(final - expect))),
         "replicas_agree": digests == {hashlib.sha256(final.tobytes()).hexdigest()},
@@ -160,7 +196,7 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
     conserved["ok"] = conserved["pushes_accounted"] and conserved["model_exact"] and conserved["replicas_agree"]
     nbytes = sum(d[6] + d[7] for d in done)
     return {
-        "transport": "curve" if secure else "plain", "workers": workers, "seconds": round(wall, 2),
+        "transport": "curve" if secure else "plain", "workers": workers, "shards": shards, "seconds": round(wall, 2),
         "numel": SHARED + workers * K, "indices_per_push": SHARED + K,
         "steps_per_s": round(steps / wall, 2), "pushes_per_s": round(oks / wall, 1),
         "mb_per_s": round(nbytes / wall / 1e6, 3), "bytes_per_step": round(nbytes / max(steps, 1)),
@@ -174,13 +210,14 @@ def _snapshot(c: Any, workers: int) -> np.ndarray:
     would hold every step), after the workers left."""
     c.join(None)
     c.register(layout(workers), OPTIMIZER)
-    w = c.pull(None).tensors["w"][1].copy()
+    w = np.asarray(c.pull(None).tensors["w"][1]).reshape(-1).copy()
     c.leave()
     return w
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"stella-ps load: {rows[0]['workers']} worker processes on loopback, synchronous steps, "
+    print(f"stella-ps load: {rows[0]['workers']} worker processes on loopback, {rows[0]['shards']} shard(s), "
+          f"synchronous steps, "
           f"{rows[0]['indices_per_push']} indices (Rice, f32) per push, SGD lr=1")
     print(f"{'transport':<10} {'time s':>7} {'steps/s':>8} {'pushes/s':>9} {'MB/s':>7} {'B/step':>9} "
           f"{'srv ms/step':>12} {'steps':>6} {'conserved':>10}")
@@ -197,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=32)
     p.add_argument("--seconds", type=float, default=None)
     p.add_argument("--transport", choices=["both", "curve", "plain"], default="both")
+    p.add_argument("--shards", type=int, default=1, help="stella-ps shards serving the job (default 1)")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     if a.workers & (a.workers - 1):
         p.error("--workers must be a power of two (the exact-mean check divides by it)")
     seconds = a.seconds or (5.0 if a.quick else 20.0)
     modes = {"both": [False, True], "plain": [False], "curve": [True]}[a.transport]
-    rows = [run_load(a.workers, seconds, secure=m) for m in modes]
+    rows = [run_load(a.workers, seconds, secure=m, shards=a.shards) for m in modes]
     print_table(rows)
     result: dict[str, Any] = {"runs": rows}
     if len(rows) == 2:

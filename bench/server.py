@@ -1,30 +1,39 @@
-"""Server throughput: how fast one ``stella-ps`` turns pushes into applied steps.
+"""Server throughput: how fast ``stella-ps`` (one, or N shards) turns pushes into steps.
 
-``W`` worker processes (NumPy only, no model) each push a pre-built sparse update
-(top-``density`` indices, Rice-coded, f16 values) per step and pull the step's delta,
-synchronously, as fast as the server answers; every step therefore carries the whole
-server path: receive, decode and validate, aggregate, merge and apply with the lazy
-optimizer, build the delta and send it to every worker. Reported: steps/s, applied
-updates/s (coordinates pushed per second), and the server's own CPU time per step
-(from /proc, so the workers' time is not counted), plus the cost of decoding and
-validating one push header in this process.
+``W`` light worker processes (NumPy only, no model) each replay pre-encoded sparse
+updates (top-``density`` indices, Rice-coded, f16 values; encoded once before timing,
+:meth:`stella.Client.encode_push`) and pull each step without decoding it
+(``decode=False``), as fast as the server answers: push and pull go out together, to
+every shard at once, so the clients cost little and every step carries the whole server
+path: receive, decode and validate, aggregate, apply with the lazy optimizer, build the
+step's broadcast message and send it to every worker. With ``--shards N`` the model is
+split as :mod:`stella.shards` splits it, each worker pushing each shard its part.
 
-    python -m bench.server [--quick] [--json PATH]
+Reported per (shards, optimizer): steps/s, pushes/s (one per worker per step, to all
+shards), pushed updates/s (coordinates), MB/s into and out of the servers (their own
+byte counters), the step latency seen by a worker (push sent to the step's answer from
+every shard; p50 and p99), the servers' CPU per step and peak RSS (all shards together,
+from /proc), and the cost of decoding and validating one push header in this process.
+
+    python -m bench.server [--quick] [--workers 2] [--shards 1,2,4] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import time
 
 import numpy as np
 
-from bench.harness import await_ready, process_cpu_seconds
+from bench.harness import await_ready, loadavg, process_cpu_seconds
 from stella import Client, protocol
+from stella.shards import ShardedClient, connect
 from stella_ps.process import ServerProcess
 
 TENSORS = 8
+VARIANTS = 4  # different updates per worker, replayed in turn
 
 
 def _layout(numel: int) -> dict[str, np.ndarray]:
@@ -32,56 +41,99 @@ def _layout(numel: int) -> dict[str, np.ndarray]:
     return {f"t{i}": np.zeros(per, np.float32) for i in range(TENSORS)}
 
 
-def _worker(endpoint: str, rank: int, numel: int, density: float, steps: int, optimizer: dict, out,
+def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: int, optimizer: dict, out,
             keys: dict) -> None:
     rng = np.random.default_rng(rank)
     init = _layout(numel)
-    c = Client(endpoint, timeout=120, **keys)
+    c = connect(endpoints, timeout=120, **keys)
     c.register(init, optimizer)
-    version = c.pull(None).version
-    pushes = []
-    for _ in range(4):  # a few different updates, built before timing
+    clients = c.shards if isinstance(c, ShardedClient) else [c]
+    encoded = []  # per variant, per shard
+    for _ in range(VARIANTS):
         upd = {}
         for name, t in init.items():
             k = max(1, int(t.size * density))
             idx = np.sort(rng.choice(t.size, k, replace=False)).astype(np.int32)
             upd[name] = (idx, (rng.standard_normal(k) * 1e-3).astype(np.float32))
-        pushes.append(upd)
+        parts = c.split(upd) if isinstance(c, ShardedClient) else [upd]
+        encoded.append([cl.encode_push(part, value_dtype="f16", index_coding="rice")
+                        for cl, part in zip(clients, parts)])
+    versions = [cl.pull(None, decode=False).version for cl in clients]
     out.put(("ready", rank))
     pushed0, pulled0 = c.bytes_pushed, c.bytes_pulled  # the timed loop's bytes only
+    latencies = np.zeros(steps)
     t0 = time.perf_counter()
     for s in range(steps):
-        c.push(pushes[s % len(pushes)], version, value_dtype="f16", index_coding="rice")
-        version = c.pull(version, wait_for=version + 1, index_coding="rice").version
-    out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0))
+        ts = time.perf_counter()
+        pushes = [cl.push(enc, v, wait=False) for cl, enc, v in zip(clients, encoded[s % VARIANTS], versions)]
+        pulls = [cl.pull(v, wait_for=v + 1, decode=False, wait=False) for cl, v in zip(clients, versions)]
+        for p in pushes:
+            p.result()
+        versions = [p.result().version for p in pulls]
+        latencies[s] = time.perf_counter() - ts
+    out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0,
+             latencies.tolist()))
     c.close()
 
 
-def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str,
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")  # pragma: no cover
+
+
+def _counters(endpoints: list[str], keys: dict) -> list[protocol.StatusReply]:
+    out = []
+    for e in endpoints:
+        with Client(e, timeout=30, join=False, **keys) as c:
+            out.append(c.status())
+    return out
+
+
+def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str, shards: int = 1,
                    server_args: tuple[str, ...] = ()) -> dict:
     opt = {"name": optimizer, "lr": 1e-3}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with ServerProcess(workers=workers, args=server_args, log_level="WARNING") as srv:
-        keys = srv.client_kwargs()
-        procs = [ctx.Process(target=_worker, args=(srv.endpoint, r, numel, density, steps, opt, out, keys))
+    with contextlib.ExitStack() as stack:
+        label = ["--shard", f"0/{shards}"] if shards > 1 else []
+        first = stack.enter_context(ServerProcess(workers=workers, args=[*server_args, *label], log_level="WARNING"))
+        servers = [first] + [stack.enter_context(ServerProcess(
+            workers=workers, args=[*server_args, "--shard", f"{i}/{shards}", *first.key_args()],
+            log_level="WARNING")) for i in range(1, shards)]
+        keys, endpoints = first.client_kwargs(), [s.endpoint for s in servers]
+        procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, density, steps, opt, out, keys))
                  for r in range(workers)]
         for p in procs:
             p.start()
         await_ready(out, workers)
-        cpu0, t0 = process_cpu_seconds(srv.pid), time.perf_counter()
+        st0 = _counters(endpoints, keys)
+        cpu0, t0 = sum(process_cpu_seconds(s.pid) for s in servers), time.perf_counter()
         done = [out.get(timeout=600) for _ in range(workers)]
-        wall, cpu = time.perf_counter() - t0, process_cpu_seconds(srv.pid) - cpu0
+        wall = time.perf_counter() - t0
+        cpu = sum(process_cpu_seconds(s.pid) for s in servers) - cpu0
+        st1 = _counters(endpoints, keys)
+        rss = sum(_peak_rss_mb(s.pid) for s in servers)
         for p in procs:
             p.join(30)
     k = sum(max(1, int((numel // TENSORS) * density)) for _ in range(TENSORS))
+    lat = np.concatenate([np.asarray(d[5]) for d in done])
+    mb_in = sum(b.bytes_in - a.bytes_in for a, b in zip(st0, st1)) / 1e6
+    mb_out = sum(b.bytes_out - a.bytes_out for a, b in zip(st0, st1)) / 1e6
     return {
-        "numel": numel, "density": density, "workers": workers, "steps": steps, "optimizer": optimizer,
-        "wall_s": round(wall, 3),
+        "numel": numel, "density": density, "workers": workers, "shards": shards, "steps": steps,
+        "optimizer": optimizer, "wall_s": round(wall, 3),
         "steps_per_s": round(steps / wall, 2),
+        "pushes_per_s": round(steps * workers / wall, 1),
         "updates_per_s": round(steps * workers * k / wall),
+        "mb_in_per_s": round(mb_in / wall, 2), "mb_out_per_s": round(mb_out / wall, 2),
+        "step_latency_ms_p50": round(1e3 * float(np.percentile(lat, 50)), 3),
+        "step_latency_ms_p99": round(1e3 * float(np.percentile(lat, 99)), 3),
         "server_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
         "server_cpu_ns_per_update": round(1e9 * cpu / (steps * workers * k), 2),
+        "server_peak_rss_mb": round(rss, 1),
         "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),  # all workers
         "bytes_pulled_per_step": round(sum(d[4] for d in done) / steps),
     }
@@ -110,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=None)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--shards", default="1,2,4", help="comma-separated shard counts to run (default 1,2,4)")
+    p.add_argument("--optimizers", default="sgd,adamw")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--server-args", default="", help="flags for stella-ps, e.g. '--push-norm-factor 0'")
     p.add_argument("--json", metavar="PATH")
@@ -117,23 +171,29 @@ def main(argv: list[str] | None = None) -> int:
     numel = a.numel or (1_000_000 if a.quick else 10_000_000)
     steps = a.steps or (40 if a.quick else 100)
     server_args = tuple(a.server_args.split())
-    rows = [run_throughput(numel, a.density, a.workers, steps, opt, server_args) for opt in ("sgd", "adamw")]
+    load = loadavg()
+    rows = [run_throughput(numel, a.density, a.workers, steps, opt, int(n), server_args)
+            for n in a.shards.split(",") for opt in a.optimizers.split(",")]
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
-    print(f"stella-ps throughput: {a.workers} workers, {numel:,} parameters in {TENSORS} tensors, "
-          f"density {a.density:.0%}, Rice + f16 pushes, synchronous push + pull per step")
-    print(f"{'optimizer':<10} {'steps/s':>8} {'M upd/s':>8} {'srv ms/step':>12} {'srv ns/upd':>11} "
-          f"{'push B/step':>12} {'pull B/step':>12}")
+    print(f"stella-ps throughput: {a.workers} workers, {numel:,} parameters in {TENSORS} tensors, density "
+          f"{a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step (load at start: {load})")
+    print(f"{'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
+          f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'RSS MB':>7}")
+    one = {r["optimizer"]: r["updates_per_s"] for r in rows if r["shards"] == 1}
     for r in rows:
-        print(f"{r['optimizer']:<10} {r['steps_per_s']:>8.1f} {r['updates_per_s'] / 1e6:>8.2f} "
-              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cpu_ns_per_update']:>11.1f} "
-              f"{r['bytes_pushed_per_step']:>12,} {r['bytes_pulled_per_step']:>12,}")
+        base = one.get(r["optimizer"])
+        r["x_one_shard"] = round(r["updates_per_s"] / base, 3) if base else None
+        print(f"{r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} {r['pushes_per_s']:>9.1f} "
+              f"{r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} {r['mb_in_per_s']:>8.2f} "
+              f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
+              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_peak_rss_mb']:>7.0f}")
     print("\npush header decode + validation (this process)")
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:
         print(f"{d['tensors']:>8} {d['header_bytes']:>9} {d['decode_us']:>8.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"throughput": rows, "header_decode": dec}, f, indent=2)
+            json.dump({"load_at_start": load, "throughput": rows, "header_decode": dec}, f, indent=2)
     return 0
 
 

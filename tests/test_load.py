@@ -39,3 +39,13 @@ def test_load_conserved_sum_32_workers():
     result = run_load(workers=32, seconds=5.0, secure=True)
     check(result, 32)
     assert result["steps_per_s"] > 1.0, result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_load_conserved_sum_32_workers_on_2_shards():
+    """Issue 21: 32 workers against two shards (the tensor cut between them): every shard
+    makes every step and counts every push, and the model is exact."""
+    result = run_load(workers=32, seconds=5.0, secure=True, shards=2)
+    check(result, 32)
+    assert result["conserved"]["shards"] == 2

@@ -189,3 +189,9 @@ def test_stella_status_shows_the_job_across_its_shards(make_server, capsys):
         assert stella_main(["status", ",".join(addrs), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert [s["shard"] for s in doc["shards"]] == ["0/2", "1/2"] and all(s["version"] == 1 for s in doc["shards"])
+
+
+def test_a_model_too_small_for_its_shards_is_refused_by_the_client(make_server):
+    addrs = _shards(make_server, 2, 1)
+    with ShardedClient(addrs, timeout=10) as c, pytest.raises(ValueError, match="use fewer shards"):
+        c.register({"w": np.zeros(MIN_SLICE - 1, np.float32)})  # never cut: shard 1 would hold nothing

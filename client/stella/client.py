@@ -63,8 +63,8 @@ from .protocol import (
     encode_tensors,
 )
 
-__all__ = ["Client", "Pending", "PullResult", "ENV_TIMEOUT", "ENV_SERVER_KEY", "ENV_CLIENT_KEY", "ENV_RECONNECT",
-           "default_timeout", "default_reconnect", "curve_keys"]
+__all__ = ["Client", "Pending", "PullResult", "EncodedPush", "ENV_TIMEOUT", "ENV_SERVER_KEY", "ENV_CLIENT_KEY",
+           "ENV_RECONNECT", "default_timeout", "default_reconnect", "curve_keys"]
 
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 T = TypeVar("T")
@@ -92,6 +92,14 @@ def _dtype_name(x: Any) -> ModelDtype:
 
 def _values(items: list[tuple[str, Any]]) -> list[np.ndarray]:
     return [_to_numpy_f32(t) for _, t in items]
+
+
+@dataclass(frozen=True)
+class EncodedPush:
+    """A push's entries and frames, encoded once (:meth:`Client.encode_push`)."""
+
+    entries: list[Any]
+    frames: list[Any]
 
 
 @dataclass
@@ -279,22 +287,22 @@ class Client:
         return reply
 
     @overload
-    def push(self, grads: Mapping[str, Any], version: int, *, value_dtype: ValueDtype = ...,
+    def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
              report: WorkerReport | None = ..., timeout: float | None = ..., wait: Literal[True] = ...) -> PushOk: ...
     @overload
-    def push(self, grads: Mapping[str, Any], version: int, *, value_dtype: ValueDtype = ...,
+    def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
              report: WorkerReport | None = ..., timeout: float | None = ...,
              wait: Literal[False]) -> Pending[PushOk]: ...
     @overload
-    def push(self, grads: Mapping[str, Any], version: int, *, value_dtype: ValueDtype = ...,
+    def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
              report: WorkerReport | None = ..., timeout: float | None = ...,
              wait: bool) -> PushOk | Pending[PushOk]: ...
     def push(
         self,
-        grads: Mapping[str, Any],
+        grads: Mapping[str, Any] | EncodedPush,
         version: int,
         *,
         value_dtype: ValueDtype = "f32",
@@ -309,7 +317,7 @@ class Client:
         ``grads`` maps tensor names to a sparse update (an object with ``indices``
         and ``values``, e.g. :class:`stella.compress.SparseGrad`, or a pair
         ``(indices, values)`` with sorted unique indices; ``indices`` None means dense)
-        or to a dense array. Values travel as ``value_dtype``: "f32" by default, exact;
+        or to a dense array (or is an :class:`EncodedPush`). Values travel as ``value_dtype``: "f32" by default, exact;
         "f16"/"bf16" round them and "q4"/"q2" quantise them to 4 or 2 bits with a
         scale per 64 values, dense entries included (the compressor keeps that error
         in its residual when it is told the dtype; docs/compression.md). ``hparams`` change optimizer
@@ -318,6 +326,56 @@ class Client:
         Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
         :class:`Pending` of it with ``wait=False``.
         """
+        enc = grads if isinstance(grads, EncodedPush) else self.encode_push(grads, value_dtype=value_dtype,
+                                                                             index_coding=index_coding)
+        entries, frames = enc.entries, enc.frames
+        s = self._session
+        msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=entries,
+                   hparams=dict(hparams) if hparams else None, report=report)
+        pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
+        return pending if not wait else pending.result()
+
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., decode: bool = ..., wait: Literal[True] = ...) -> PullResult: ...
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., decode: bool = ..., wait: Literal[False]) -> Pending[PullResult]: ...
+    @overload
+    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
+             timeout: float | None = ..., decode: bool = ..., wait: bool) -> PullResult | Pending[PullResult]: ...
+    def pull(
+        self,
+        since: int | None = None,
+        *,
+        wait_for: int | None = None,
+        index_coding: PullCoding = "rice",
+        timeout: float | None = None,
+        decode: bool = True,
+        wait: bool = True,
+    ) -> PullResult | Pending[PullResult]:
+        """What changed after version ``since`` (None: a full snapshot), a :class:`PullResult`
+        (or a :class:`Pending` of it with ``wait=False``).
+
+        With ``wait_for``, the server holds the reply until its version reaches it
+        (or ``timeout`` passes, then it answers with what it has). ``decode=False``: the
+        reply's version only, its values dropped unread (a monitor, a benchmark's
+        light client); a replica must decode every answer.
+        """
+        s = self._session
+        t = s.timeout if timeout is None else timeout
+        if s.need_snapshot and since is not None:
+            since, wait_for = None, None  # the replica is of a history the server lost: its snapshot
+        msg = Pull(worker=s.worker(), since=-1 if since is None else int(since), coding=index_coding,
+                   wait_for=None if wait_for is None else int(wait_for),
+                   timeout_ms=int(t * 1000 * 0.9))  # the server answers before we give up
+        pending = Pending(s, s.send(msg, (), timeout), self._pull_result if decode else self._pull_version, timeout)
+        return pending if not wait else pending.result()
+
+    def encode_push(self, grads: Mapping[str, Any], *, value_dtype: ValueDtype = "f32",
+                    index_coding: IndexCoding = "rice") -> EncodedPush:
+        """``grads`` (as :meth:`push` takes them) encoded once, to be pushed any number of
+        times (``push(encoded, version)``: replay, as ``bench.server`` does)."""
         items = []
         for name, g in grads.items():
             if hasattr(g, "indices") and hasattr(g, "values"):
@@ -329,50 +387,17 @@ class Client:
             items.append(SparseTensor(self._tensor(name), None if idx is None else np.asarray(idx),
                                       _to_numpy_f32(vals)))
         entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)
-        s = self._session
-        msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=entries,
-                   hparams=dict(hparams) if hparams else None, report=report)
-        pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
-        return pending if not wait else pending.result()
-
-    @overload
-    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
-             timeout: float | None = ..., wait: Literal[True] = ...) -> PullResult: ...
-    @overload
-    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
-             timeout: float | None = ..., wait: Literal[False]) -> Pending[PullResult]: ...
-    @overload
-    def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
-             timeout: float | None = ..., wait: bool) -> PullResult | Pending[PullResult]: ...
-    def pull(
-        self,
-        since: int | None = None,
-        *,
-        wait_for: int | None = None,
-        index_coding: PullCoding = "rice",
-        timeout: float | None = None,
-        wait: bool = True,
-    ) -> PullResult | Pending[PullResult]:
-        """What changed after version ``since`` (None: a full snapshot), a :class:`PullResult`
-        (or a :class:`Pending` of it with ``wait=False``).
-
-        With ``wait_for``, the server holds the reply until its version reaches it
-        (or ``timeout`` passes, then it answers with what it has).
-        """
-        s = self._session
-        t = s.timeout if timeout is None else timeout
-        if s.need_snapshot and since is not None:
-            since, wait_for = None, None  # the replica is of a history the server lost: its snapshot
-        msg = Pull(worker=s.worker(), since=-1 if since is None else int(since), coding=index_coding,
-                   wait_for=None if wait_for is None else int(wait_for),
-                   timeout_ms=int(t * 1000 * 0.9))  # the server answers before we give up
-        pending = Pending(s, s.send(msg, (), timeout), self._pull_result, timeout)
-        return pending if not wait else pending.result()
+        return EncodedPush(entries, frames)
 
     def _push_ok(self, rx: Received) -> PushOk:
         ok = expect(rx, PushOk)
         self._session.saw(ok.version)
         return ok
+
+    def _pull_version(self, rx: Received) -> PullResult:
+        delta = expect(rx, Delta)
+        self._session.saw(delta.version)
+        return PullResult(delta.version, delta.full, {}, rebased=self._session.was_rebased(delta.req))
 
     def _pull_result(self, rx: Received) -> PullResult:
         delta = expect(rx, Delta)

@@ -194,6 +194,10 @@ class ShardedClient:
         self.layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
         self._index = {s.name: i for i, s in enumerate(self.layout)}
         self._pieces = plan([s.numel for s in self.layout], len(self.shards))
+        if not all(self._pieces):
+            raise ValueError(f"a model of {sum(s.numel for s in self.layout):,} elements leaves a shard of "
+                             f"{len(self.shards)} without any (tensors under {MIN_SLICE:,} elements are never "
+                             f"cut): use fewer shards")
         self._names = []
         replies = []
         for c, pieces in zip(self.shards, self._pieces):
@@ -232,6 +236,18 @@ class ShardedClient:
         if at is None:
             raise StellaError(f"round {version} is not one this client pulled (it knows "
                               f"{min(self._rounds, default=None)}..{self._version})")
+        pendings = [c.push(part, v, wait=False, **kw) for c, part, v in zip(self.shards, self.split(grads), at)]
+        first = at[0]
+
+        def combine(oks: list[PushOk]) -> PushOk:
+            return PushOk(req=oks[0].req, step=int(version) + oks[0].step - first, version=self._version)
+
+        out = _AllOf(pendings, combine)
+        return out.result() if wait else out
+
+    def split(self, grads: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Each shard's part of an update (as :meth:`push` takes it), under its pieces'
+        names, indices relative to the piece: what each shard's :class:`Client` pushes."""
         parts: list[dict[str, Any]] = [{} for _ in self.shards]
         for name, g in grads.items():
             t = self._index[name]
@@ -245,14 +261,7 @@ class ShardedClient:
                 part = _cut(idx, vals, p)
                 if part is not None:
                     parts[s][self._piece_name(p)] = part
-        pendings = [c.push(part, v, wait=False, **kw) for c, part, v in zip(self.shards, parts, at)]
-        first = at[0]
-
-        def combine(oks: list[PushOk]) -> PushOk:
-            return PushOk(req=oks[0].req, step=int(version) + oks[0].step - first, version=self._version)
-
-        out = _AllOf(pendings, combine)
-        return out.result() if wait else out
+        return parts
 
     def _pieces_of(self, t: int) -> list[tuple[int, Piece]]:
         return [(s, p) for s, pieces in enumerate(self._pieces) for p in pieces if p.tensor == t]

@@ -127,6 +127,7 @@ class ServerProcess:
         full_env = dict(os.environ)
         full_env.update(env or {})
         self._client_keys: dict[str, str] = {}
+        self._key_args: list[str] = []
         if not secure:
             if "--insecure" not in self.argv:
                 self.argv.append("--insecure")
@@ -136,6 +137,7 @@ class ServerProcess:
             keys = write_keyset(os.path.join(self._tmpdir, "keys"))
             self.argv += ["--keys", keys.server_secret, "--allow", keys.allowlist]
             self._client_keys = {"server_key": keys.server_public, "client_key": keys.client_secrets["client"]}
+            self._key_args = ["--keys", keys.server_secret, "--allow", keys.allowlist]
         try:
             with open(self._log_path, "wb") as log:
                 self._proc = popen(self.argv, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
@@ -167,6 +169,11 @@ class ServerProcess:
         """``server_key`` and ``client_key`` for :class:`stella.Client` / ``StellaOptimizer``
         when this object made the keys; empty otherwise (insecure, or keys given)."""
         return dict(self._client_keys)
+
+    def key_args(self) -> list[str]:
+        """``--keys``/``--allow`` flags that make another server use the keys this object
+        made (the shards of one job share them); empty otherwise."""
+        return list(self._key_args)
 
     def client_env(self) -> dict[str, str]:
         """The same as environment variables, for worker processes."""
