@@ -277,8 +277,11 @@ class Harness:
             before = self._baseline
             self.socks[sock].send_multipart(frames)
             desc = describe(sock, frames, what)
+            # a header nested deeper than the server's decoder goes (its limit follows its recursion
+            # limit, which hypothesis raises in this process) may be unreadable there alone
+            nested = "nested" in what
             try:
-                reply, _ = self._recv(sock, req, unreadable=predicted == ErrorCode.PROTOCOL.value)
+                reply, _ = self._recv(sock, req, unreadable=predicted == ErrorCode.PROTOCOL.value or nested)
             except AssertionError as e:
                 raise AssertionError(f"{desc}\n{e}") from None
             self.sent += 1
@@ -286,7 +289,7 @@ class Harness:
             if reply["type"] == "error":
                 code = reply["code"]
                 assert code in KNOWN_CODES, f"{desc}\n-> {reply}"
-                if predicted is not None:
+                if predicted is not None and not (nested and code == ErrorCode.PROTOCOL.value):
                     assert code == predicted, f"client decoder says {predicted}; {desc}\n-> {reply}"
                 self.codes[code] += 1
                 after = self.state()
