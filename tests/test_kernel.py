@@ -309,6 +309,23 @@ def test_union_indices_large():
     np.testing.assert_array_equal(union_indices(arrays), np.unique(np.concatenate(arrays)))
 
 
+def test_scatter_add_matches_numpy_bit_for_bit_and_refuses_out_of_range():
+    rng = np.random.default_rng(5)
+    dst = rng.standard_normal(100_000).astype(np.float32)
+    idx = np.sort(rng.choice(dst.size, 3_000, replace=False)).astype(np.int32)
+    src = rng.standard_normal(idx.size).astype(np.float32)
+    want = dst.copy()
+    want[idx] += src
+    kernel.scatter_add(dst, idx, src)
+    assert dst.tobytes() == want.tobytes()
+    before = dst.copy()
+    with pytest.raises(kernel.KernelInputError, match="out of range"):
+        kernel.scatter_add(dst, np.array([0, dst.size], np.int32), np.ones(2, np.float32))
+    with pytest.raises(kernel.KernelInputError):
+        kernel.scatter_add(dst, np.array([-1], np.int32), np.ones(1, np.float32))
+    assert dst.tobytes() == before.tobytes()  # nothing changed
+
+
 @pytest.mark.parametrize("tuning", [(0, 16, 0), (3, 16, 1), (8, 64, 2), "default", (24, 4096, 3)])
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_tiles_and_prefetch_do_not_change_results(name, tuning):

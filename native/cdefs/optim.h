@@ -67,5 +67,7 @@ int stella_optim_last_changes(const stella_optim *st, const int32_t *idx, int64_
 int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n);
 int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, float *out,
                         int32_t nthreads);
+/* dst[idx[j]] += src[j] (idx in [0, numel), checked first: nothing changes on a bad one). */
+int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const float *src, int64_t n);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
                              int32_t *out, int64_t out_cap);

@@ -38,6 +38,8 @@ from stella import codec
 from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
+from .kernel import scatter_add
+
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
 
 DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
@@ -116,7 +118,7 @@ class Broadcast:
         for t, spec in enumerate(self.layout):
             r, idx, ch = self.residual[t], touched[t], changes[t]
             if idx.size:
-                r[idx] += ch
+                scatter_add(r, idx, ch)
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
             log.touched.append(idx)
@@ -128,7 +130,7 @@ class Broadcast:
                 if sent is None:
                     self.model[t] += q
                 else:
-                    self.model[t][sent] += q
+                    scatter_add(self.model[t], sent, q)
                 (whole if sent is None else parts).append(SparseTensor(t, sent, q))
         entries, frames = encode_tensors(parts, self.layout, "rice", self.coding)
         e2, f2 = encode_tensors(whole, self.layout, "rice", self._whole_coding)
@@ -157,7 +159,7 @@ class Broadcast:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         idx, v = self._selectors[t].take(r, k)
         q = self._coded(v, self.coding)
-        r[idx] += v - q  # the coding's error stays owed (exact for f16/bf16)
+        scatter_add(r, idx, v - q)  # the coding's error stays owed (exact for f16/bf16)
         return idx, q
 
     @staticmethod

@@ -37,6 +37,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "union_indices",
+    "scatter_add",
     "state_bytes",
     "hugepages_worthwhile",
     "ENV_THREADS",
@@ -387,6 +388,19 @@ class KernelTensorState:
             ready[f] = np.ascontiguousarray(a.reshape(-1))
         for f, a in ready.items():  # all checked: nothing changes on bad input
             self._set_field(f, a)
+
+
+def scatter_add(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
+    """``dst[idx] += src`` in one C pass (float32 ``dst``, flat and contiguous; int32
+    ``idx`` in range, in any order; float32 ``src`` of the same length)."""
+    if dst.dtype != F32 or dst.ndim != 1 or not dst.flags.c_contiguous or not dst.flags.writeable:
+        raise KernelInputError("scatter_add: dst must be a flat, contiguous, writable float32 array")
+    idx, src = np.ascontiguousarray(idx, np.int32), np.ascontiguousarray(src, F32)
+    if idx.shape != src.shape or idx.ndim != 1:
+        raise KernelInputError(f"scatter_add: {idx.shape[0]} indices for {src.size} values")
+    rc = lib.stella_scatter_add(ffi.from_buffer("float[]", dst, require_writable=True), dst.shape[0],
+                                ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", src), idx.shape[0])
+    check(lib, rc, "scatter_add: an index out of range", _INPUT_ERRORS)
 
 
 def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.ndarray:
