@@ -134,7 +134,7 @@ class Service:
             stack.push_async_callback(self.checkpointer.close)
             if self.config.liveness.timeout > 0:
                 self._sweep()
-                stack.callback(self._stop_sweep)
+                stack.callback(lambda: self._sweeper.cancel() if self._sweeper is not None else None)
             yield self
 
     def resume(self) -> None:
@@ -155,10 +155,6 @@ class Service:
                         extra={"workers": gone, "liveness_timeout_s": timeout, "live": len(self.members.live)})
             self.steps.workers_lost(gone)
         self._sweeper = self.clock.call_later(max(0.05, timeout / 8), self._sweep)
-
-    def _stop_sweep(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
 
     def refuse(self, ident: bytes, req: int, exc: BaseException) -> None:
         """Answer a request with an ``error`` reply: the code of a :class:`StellaError`,
@@ -190,12 +186,10 @@ class Service:
         s, now, live = self.stats, self.clock.now(), self.members.live
         age = None if s.last_checkpoint is None else max(0.0, time.time() - s.last_checkpoint)
         return JobSnapshot(
-            version=self.store.version, initialised=self.store.initialised, workers=self.members.ids(),
+            **s.counters(), version=self.store.version, initialised=self.store.initialised, workers=self.members.ids(),
             worker_keys={w: i.fingerprint for w, i in live.items()}, insecure=self.config.insecure,
-            expected_workers=self.config.workers, pending_pushes=self.steps.agg.pending_count(), steps=s.steps,
-            pushes=s.pushes, pulls=s.pulls, late_pushes=s.late_pushes, bytes_in=s.bytes_in, bytes_out=s.bytes_out,
-            messages=s.messages, errors=s.errors, uptime_s=time.time() - s.started, numel=self.store.numel,
-            tensors=len(self.store.layout),
+            expected_workers=self.config.workers, pending_pushes=self.steps.agg.pending_count(),
+            numel=self.store.numel, tensors=len(self.store.layout),
             optimizer=self.steps.optimizer.to_wire() if self.steps.optimizer else None, server_version=__version__,
             live=[WorkerStatus(worker=w, name=i.name, key_fingerprint=i.fingerprint,
                                last_seen_s=max(0.0, now - i.last_seen), pushes=i.pushes, pulls=i.pulls,
@@ -206,11 +200,7 @@ class Service:
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.agg.current_deadline(),
             checkpoint_version=self.checkpointer.version,
             behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode, shard=self.config.shard,
-            errors_by_code=dict(s.errors_by_code), duplicate_pushes=s.duplicate_pushes, workers_gone=s.workers_gone,
-            refused_connections=dict(s.refused_connections),
-            step_interval_s=s.step_interval_s, step_intervals=s.step_intervals, apply_s=s.apply_s,
-            straggler_wait_s=s.straggler_wait_s, checkpoints=s.checkpoints, checkpoint_stall_s=s.checkpoint_stall_s,
-            rejected_steps=s.rejected_steps, rejected_pushes=s.rejected_pushes, clipped_pushes=self.push_bound.clipped)
+            clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:

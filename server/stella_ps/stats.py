@@ -51,6 +51,15 @@ class Stats:
     checkpoint_stall_s: float = 0.0  # the longest a checkpoint's copy held a step back
     last_checkpoint: float | None = None  # wall clock of the latest checkpoint written
 
+    _COUNTERS = ("bytes_in", "bytes_out", "messages", "errors", "pushes", "duplicate_pushes", "pulls", "steps",
+                 "late_pushes", "workers_gone", "step_interval_s", "step_intervals", "apply_s", "straggler_wait_s",
+                 "rejected_steps", "rejected_pushes", "checkpoints", "checkpoint_stall_s")
+
+    def counters(self) -> dict[str, Any]:
+        """The counters a :class:`JobSnapshot` shows as they are (copies of the maps)."""
+        return {**{k: getattr(self, k) for k in self._COUNTERS}, "errors_by_code": dict(self.errors_by_code),
+                "refused_connections": dict(self.refused_connections), "uptime_s": time.time() - self.started}
+
     def count_step(self, late: int, now: float, applied_s: float, opened: float | None) -> None:
         """One step closed at ``now`` (monotonic) after ``applied_s`` of apply; ``opened``:
         when its first push arrived."""
