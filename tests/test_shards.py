@@ -195,3 +195,22 @@ def test_a_model_too_small_for_its_shards_is_refused_by_the_client(make_server):
     addrs = _shards(make_server, 2, 1)
     with ShardedClient(addrs, timeout=10) as c, pytest.raises(ValueError, match="use fewer shards"):
         c.register({"w": np.zeros(MIN_SLICE - 1, np.float32)})  # never cut: shard 1 would hold nothing
+
+
+def test_a_pre_encoded_push_replays_and_a_pull_without_decoding_gives_the_version(make_server):
+    """What bench.server's light clients do: one encoding pushed at every step, pulls
+    that read only the version; the model moves by the same update each step."""
+    from stella import Client
+
+    srv = make_server(1, pull="exact")
+    with Client(srv.endpoint, timeout=10) as c:
+        c.register({"w": np.zeros(100, np.float32)}, {"name": "sgd", "lr": 1.0})
+        enc = c.encode_push({"w": (np.array([3, 7], np.int32), np.array([1.0, -2.0], np.float32))})
+        v = c.pull(None, decode=False).version
+        for _ in range(3):
+            c.push(enc, v)
+            d = c.pull(v, wait_for=v + 1, decode=False)
+            assert d.version == v + 1 and not d.tensors and not d.steps
+            v = d.version
+        w = c.pull(None).tensors["w"][1]
+        assert w[3] == -3.0 and w[7] == 6.0 and np.count_nonzero(w) == 2
