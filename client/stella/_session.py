@@ -42,7 +42,16 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import ErrorCode, NotRegistered, ProtocolError, ServerError, ServerUnavailable, Unauthorised, from_reply
+from .errors import (
+    ErrorCode,
+    NotRegistered,
+    ProtocolError,
+    ServerError,
+    ServerUnavailable,
+    Unauthorised,
+    from_reply,
+    unreadable,
+)
 from .protocol import (
     Error,
     Heartbeat,
@@ -85,7 +94,6 @@ ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at
 # handshakes the server closes without a word, in a row, before the client concludes that it holds the
 # wrong server key (one alone can be a server going down mid-handshake)
 SILENT_HANDSHAKE_FAILURES = 3
-IMAGE_UID = 10001  # the user the Stella images run as (docker/)
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -294,27 +302,13 @@ def _release(sock: zmq.Socket, handshakes: _Handshakes, live: _Liveness, thread:
     handshakes.close()
 
 
-def _unreadable(path: str, e: OSError) -> str:
-    """``e`` (reading ``path``) in words; a permission error names the uid this process
-    runs as, and what to do where that is the Stella images' user (uid 10001)."""
-    if not isinstance(e, PermissionError):
-        return str(e)
-    uid = os.geteuid()
-    if uid == IMAGE_UID:
-        return (f"permission denied: this container runs as uid {IMAGE_UID} (the Stella images' user), which cannot "
-                f"read {path!r}; on the host, make the file readable by uid {IMAGE_UID} (`sudo chown {IMAGE_UID} "
-                "FILE`: `stella keygen` writes secrets with mode 0600)")
-    return (f"permission denied: this process runs as uid {uid}, which cannot read {path!r} (in the Stella images "
-            f"the user is uid {IMAGE_UID})")
-
-
 def _public_key(spec: str) -> bytes:
     """A Z85 public key from a certificate file's path or from the key itself."""
     if os.path.exists(spec):
         try:
             public, _ = zmq.auth.load_certificate(spec)
         except OSError as e:
-            raise ValueError(f"cannot read the server's public key from {spec!r}: {_unreadable(spec, e)}") from None
+            raise ValueError(f"cannot read the server's public key from {spec!r}: {unreadable(spec, e)}") from None
         return bytes(public)
     if len(spec) == 40:
         return spec.encode()
@@ -335,7 +329,7 @@ def curve_keys(server_key: str | None = None, client_key: str | None = None) -> 
     try:
         public, secret = zmq.auth.load_certificate(client_key)
     except OSError as e:
-        raise ValueError(f"cannot read the client's key pair from {client_key!r}: {_unreadable(client_key, e)}") \
+        raise ValueError(f"cannot read the client's key pair from {client_key!r}: {unreadable(client_key, e)}") \
             from None
     except ValueError as e:
         raise ValueError(f"cannot read the client's key pair from {client_key!r}: {e}") from None

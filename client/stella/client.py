@@ -139,6 +139,16 @@ class PullResult:
                 _put(params[name], idx, vals, add=True)
 
 
+def update_parts(g: Any) -> tuple[Any, Any]:
+    """``(indices or None, values)`` of one tensor's update as :meth:`Client.push` takes
+    it: an object with ``indices`` and ``values``, a pair, or a dense array."""
+    if hasattr(g, "indices") and hasattr(g, "values"):
+        return g.indices, g.values
+    if isinstance(g, tuple):
+        return g[0], g[1]
+    return None, g
+
+
 def _put(dst: Any, idx: np.ndarray | None, vals: np.ndarray, *, add: bool) -> None:
     """``dst[idx] = vals`` (or ``+=``), for a NumPy array or a torch tensor; float32
     additions, as the server makes them."""
@@ -378,12 +388,7 @@ class Client:
         times (``push(encoded, version)``: replay, as ``bench.server`` does)."""
         items = []
         for name, g in grads.items():
-            if hasattr(g, "indices") and hasattr(g, "values"):
-                idx, vals = g.indices, g.values
-            elif isinstance(g, tuple):
-                idx, vals = g
-            else:
-                idx, vals = None, g
+            idx, vals = update_parts(g)
             items.append(SparseTensor(self._tensor(name), None if idx is None else np.asarray(idx),
                                       _to_numpy_f32(vals)))
         entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)

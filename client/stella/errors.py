@@ -8,6 +8,7 @@ client, so the caller sees the server's own words.
 """
 from __future__ import annotations
 
+import os
 from enum import Enum
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "Unauthorised",
     "BadRequest",
     "from_reply",
+    "unreadable",
+    "IMAGE_UID",
 ]
 
 
@@ -156,3 +159,20 @@ def from_reply(code: str, message: str) -> ServerError:
         ec = ErrorCode.INTERNAL
     cls = _BY_CODE.get(ec, BadRequest)
     return cls(f"[{ec.value}] {message}", code=ec)
+
+
+IMAGE_UID = 10001  # the user the Stella images run as (docker/)
+
+
+def unreadable(path: str, e: OSError) -> str:
+    """``e`` (reading ``path``) in words; a permission error names the uid this process
+    runs as, and what to do where that is the Stella images' user (uid 10001)."""
+    if not isinstance(e, PermissionError):
+        return str(e)
+    uid = os.geteuid()
+    if uid == IMAGE_UID:
+        return (f"permission denied: this container runs as uid {IMAGE_UID} (the Stella images' user), which cannot "
+                f"read {path!r}; on the host, make the file readable by uid {IMAGE_UID} (`sudo chown {IMAGE_UID} "
+                "FILE`: `stella keygen` writes secrets with mode 0600)")
+    return (f"permission denied: this process runs as uid {uid}, which cannot read {path!r} (in the Stella images "
+            f"the user is uid {IMAGE_UID})")

@@ -38,7 +38,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import numpy as np
 
-from .client import Client, Pending, PullResult, _dtype_name
+from .client import Client, Pending, PullResult, _dtype_name, update_parts
 from .errors import ProtocolError, StellaError
 from .protocol import PullCoding, PushOk, Registered, StatusReply, TensorSpec, TrainingMode
 
@@ -250,14 +250,8 @@ class ShardedClient:
         names, indices relative to the piece: what each shard's :class:`Client` pushes."""
         parts: list[dict[str, Any]] = [{} for _ in self.shards]
         for name, g in grads.items():
-            t = self._index[name]
-            if hasattr(g, "indices") and hasattr(g, "values"):
-                idx, vals = g.indices, g.values
-            elif isinstance(g, tuple):
-                idx, vals = g
-            else:
-                idx, vals = None, g
-            for s, p in self._pieces_of(t):
+            idx, vals = update_parts(g)
+            for s, p in self._pieces_of(self._index[name]):
                 part = _cut(idx, vals, p)
                 if part is not None:
                     parts[s][self._piece_name(p)] = part

@@ -47,6 +47,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from stella.errors import IMAGE_UID, unreadable
 from stella.protocol import key_fingerprint
 
 from .errors import ConfigError
@@ -57,23 +58,8 @@ __all__ = ["ServerKeys", "Allowlist", "Gatekeeper", "Connections", "KeySet", "wr
 log = logging.getLogger("stella_ps.security")
 ZAP_DOMAIN = "stella"
 RELOAD_CHECK_S = 1.0  # how often the allowlist file is looked at for a change
-IMAGE_UID = 10001  # the user the Stella images run as (docker/)
 # why a connection was refused at the handshake (the metric's `reason` label)
 REFUSED = ("not_allowed", "banned", "handshake")
-
-
-def unreadable(path: str, e: OSError) -> str:
-    """``e`` (reading ``path``) in words; a permission error names the uid this process
-    runs as, and what to do where that is the Stella images' user (uid 10001)."""
-    if not isinstance(e, PermissionError):
-        return str(e)
-    uid = os.geteuid()
-    if uid == IMAGE_UID:
-        return (f"permission denied: this container runs as uid {IMAGE_UID} (the Stella images' user), which cannot "
-                f"read {path!r}; on the host, make the file readable by uid {IMAGE_UID} (`sudo chown {IMAGE_UID} "
-                "FILE`: `stella keygen` writes secrets with mode 0600)")
-    return (f"permission denied: this process runs as uid {uid}, which cannot read {path!r} (in the Stella images "
-            f"the user is uid {IMAGE_UID})")
 
 
 fingerprint = key_fingerprint  # a short, stable name for a public key (16 hex digits of its SHA-256)
