@@ -17,11 +17,13 @@ their numbers are taken the same way:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
 import time
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["REPO", "veth_counters", "site_iface", "IterRecorder", "TrainClock", "launch_workers", "wait_workers",
            "collect_ranks", "log_tails", "summarize", "fmt_summary"]
@@ -270,3 +272,16 @@ def fmt_summary(r: dict) -> str:
             f"{r['metric']} {r['final_metric']:.4f}  "
             f"target@{'-' if not reach else '{} it / {:.1f} s'.format(reach['step'], reach['wall'])}")
 
+
+def start_shards(stack: contextlib.ExitStack, shards: int, args: Sequence[str] = (), **kw: Any) -> list[Any]:
+    """``shards`` ``stella-ps`` processes of one job (``--shard I/N`` when more than one),
+    closed with ``stack``; the others use the keys the first made (a job's shards share
+    them), so the first's ``client_kwargs()`` reach every one."""
+    from stella_ps.process import ServerProcess
+
+    def start(i: int, more: Sequence[str]) -> Any:
+        label = ["--shard", f"{i}/{shards}"] if shards > 1 else []
+        return stack.enter_context(ServerProcess(args=[*args, *label, *more], **kw))
+
+    first = start(0, ())
+    return [first] + [start(i, first.key_args()) for i in range(1, shards)]

@@ -39,8 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import await_ready, process_cpu_seconds
-from stella_ps.process import ServerProcess
+from bench.harness import await_ready, process_cpu_seconds, start_shards
 
 K = 256  # coordinates each worker owns
 SHARED = 16  # coordinates every worker pushes to
@@ -136,13 +135,8 @@ def run_load(workers: int = 32, seconds: float = 20.0, secure: bool = True, log_
     pull = (["--pull", "exact"] if shards == 1 else
             ["--pull", "broadcast", "--broadcast-values", "f32", "--broadcast-factor", "4096"])
     with contextlib.ExitStack() as stack:
-        def start(i: int, more: list[str]) -> ServerProcess:
-            label = ["--shard", f"{i}/{shards}"] if shards > 1 else []
-            return stack.enter_context(ServerProcess(workers=workers, log_level=log_level, secure=secure,
-                                                     args=[*common, *pull, *label, *more]))
-
-        first = start(0, [])
-        servers = [first] + [start(i, first.key_args()) for i in range(1, shards)]
+        servers = start_shards(stack, shards, [*common, *pull], workers=workers, log_level=log_level, secure=secure)
+        first = servers[0]
         srv_pids = [s.pid for s in servers]
         endpoint: str | list[str] = first.endpoint if shards == 1 else [s.endpoint for s in servers]
         keys = first.client_kwargs() if secure else {}

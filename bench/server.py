@@ -27,10 +27,9 @@ import time
 
 import numpy as np
 
-from bench.harness import await_ready, loadavg, process_cpu_seconds
+from bench.harness import await_ready, loadavg, process_cpu_seconds, start_shards
 from stella import Client, protocol
 from stella.shards import ShardedClient, connect
-from stella_ps.process import ServerProcess
 
 TENSORS = 8
 VARIANTS = 4  # different updates per worker, replayed in turn
@@ -98,12 +97,8 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with contextlib.ExitStack() as stack:
-        label = ["--shard", f"0/{shards}"] if shards > 1 else []
-        first = stack.enter_context(ServerProcess(workers=workers, args=[*server_args, *label], log_level="WARNING"))
-        servers = [first] + [stack.enter_context(ServerProcess(
-            workers=workers, args=[*server_args, "--shard", f"{i}/{shards}", *first.key_args()],
-            log_level="WARNING")) for i in range(1, shards)]
-        keys, endpoints = first.client_kwargs(), [s.endpoint for s in servers]
+        servers = start_shards(stack, shards, server_args, workers=workers, log_level="WARNING")
+        keys, endpoints = servers[0].client_kwargs(), [s.endpoint for s in servers]
         procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, density, steps, opt, out, keys))
                  for r in range(workers)]
         for p in procs:

@@ -327,7 +327,8 @@ class Client:
         ``grads`` maps tensor names to a sparse update (an object with ``indices``
         and ``values``, e.g. :class:`stella.compress.SparseGrad`, or a pair
         ``(indices, values)`` with sorted unique indices; ``indices`` None means dense)
-        or to a dense array (or is an :class:`EncodedPush`). Values travel as ``value_dtype``: "f32" by default, exact;
+        or to a dense array; or ``grads`` is an :class:`EncodedPush`, whose codings were
+        fixed when it was encoded. Values travel as ``value_dtype``: "f32" by default, exact;
         "f16"/"bf16" round them and "q4"/"q2" quantise them to 4 or 2 bits with a
         scale per 64 values, dense entries included (the compressor keeps that error
         in its residual when it is told the dtype; docs/compression.md). ``hparams`` change optimizer
@@ -379,7 +380,8 @@ class Client:
         msg = Pull(worker=s.worker(), since=-1 if since is None else int(since), coding=index_coding,
                    wait_for=None if wait_for is None else int(wait_for),
                    timeout_ms=int(t * 1000 * 0.9))  # the server answers before we give up
-        pending = Pending(s, s.send(msg, (), timeout), self._pull_result if decode else self._pull_version, timeout)
+        parse = self._pull_result if decode else functools.partial(self._pull_result, decode=False)
+        pending = Pending(s, s.send(msg, (), timeout), parse, timeout)
         return pending if not wait else pending.result()
 
     def encode_push(self, grads: Mapping[str, Any], *, value_dtype: ValueDtype = "f32",
@@ -399,18 +401,15 @@ class Client:
         self._session.saw(ok.version)
         return ok
 
-    def _pull_version(self, rx: Received) -> PullResult:
-        delta = expect(rx, Delta)
-        self._session.saw(delta.version)
-        return PullResult(delta.version, delta.full, {}, rebased=self._session.was_rebased(delta.req))
-
-    def _pull_result(self, rx: Received) -> PullResult:
+    def _pull_result(self, rx: Received, decode: bool = True) -> PullResult:
         delta = expect(rx, Delta)
         self._session.saw(delta.version)
         if delta.full:
             self._session.need_snapshot = False
-        decoded = decode_tensors(rx, self.layout)  # installed values are f32 (the decoder checked)
         rebased = self._session.was_rebased(delta.req)
+        if not decode:  # the version only
+            return PullResult(delta.version, delta.full, {}, rebased=rebased)
+        decoded = decode_tensors(rx, self.layout)  # installed values are f32 (the decoder checked)
         if not delta.add:
             out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
             return PullResult(delta.version, delta.full, out, rebased=rebased)

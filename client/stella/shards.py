@@ -134,7 +134,7 @@ class ShardedClient:
         self._check_labels()
         self.layout: list[TensorSpec] = []
         self._pieces: list[list[Piece]] = []
-        self._names: list[list[str]] = []  # per shard, its tensors' names
+        self._by_name: list[dict[str, Piece]] = []  # per shard, its pieces by the names it registered
         self._index: dict[str, int] = {}
         self._rounds: OrderedDict[int, list[int]] = OrderedDict()  # round -> each shard's version
         self._ahead: list[list[Sparse]] = [[] for _ in self.shards]  # steps pulled beyond the last round
@@ -198,11 +198,12 @@ class ShardedClient:
             raise ValueError(f"a model of {sum(s.numel for s in self.layout):,} elements leaves a shard of "
                              f"{len(self.shards)} without any (tensors under {MIN_SLICE:,} elements are never "
                              f"cut): use fewer shards")
-        self._names = []
+        self._by_name = []
         replies = []
         for c, pieces in zip(self.shards, self._pieces):
-            own = [(self._piece_name(p), _piece_of(items[p.tensor][1], p)) for p in pieces]
-            self._names.append([name for name, _ in own])
+            named = {self._piece_name(p): p for p in pieces}
+            self._by_name.append(named)
+            own = [(name, _piece_of(items[p.tensor][1], p)) for name, p in named.items()]
             replies.append(c.register(own, optimizer, mode=mode, timeout=timeout))
         for r, a in zip(replies, self.addresses):
             if r.pull not in (None, "broadcast"):
@@ -215,9 +216,6 @@ class ShardedClient:
         return name if p.whole else f"{name}#{p.start}:{p.stop}"
 
     # ------------------------------------------------------------------ rounds
-    def _at(self, version: int) -> list[int] | None:
-        return self._rounds.get(version)
-
     def _record(self, version: int, per_shard: list[int]) -> None:
         self._rounds[version] = per_shard
         self._version = max(self._version, version)
@@ -232,7 +230,7 @@ class ShardedClient:
              ) -> PushOk | _AllOf[PushOk]:
         """Push one round's update, computed on round ``version``: each shard gets the
         part of every tensor in its pieces (possibly nothing), on its own version."""
-        at = self._at(int(version))
+        at = self._rounds.get(int(version))
         if at is None:
             raise StellaError(f"round {version} is not one this client pulled (it knows "
                               f"{min(self._rounds, default=None)}..{self._version})")
@@ -271,7 +269,7 @@ class ShardedClient:
         """The steps after round ``since`` that every shard has made (None, or a round
         this client no longer maps: a snapshot of every shard); ``wait_for`` (a round)
         holds the reply until each shard made its step, or the wait expires."""
-        at = None if since is None else self._at(int(since))
+        at = None if since is None else self._rounds.get(int(since))
         if at is None:
             return self._snapshot(since, index_coding, timeout, wait)
         assert since is not None
@@ -324,9 +322,8 @@ class ShardedClient:
         tensor, in shard order, are in index order)."""
         parts: dict[int, list[tuple[Piece, np.ndarray | None, np.ndarray]]] = {}
         for s, entries in enumerate(per_shard):
-            names = self._names[s]
             for name, (idx, vals) in entries.items():
-                p = self._pieces[s][names.index(name)]
+                p = self._by_name[s][name]
                 parts.setdefault(p.tensor, []).append((p, idx, vals))
         out: Sparse = {}
         for t in sorted(parts):

@@ -109,11 +109,8 @@ def _cells(rep: WorkerReport | None) -> tuple[str, ...]:
 
 def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
     """The job line and the worker table for one ``status`` reply."""
-    ck = st.checkpoint_age_s
-    head = (f"stella-ps {st.server_version or '?'} {address} | version {st.version} | "
-            f"{r['steps']:.2f} steps/s | in {_bytes(r['bytes_in'])}/s | out {_bytes(r['bytes_out'])}/s | "
-            f"checkpoint {_age(ck) if ck is not None else 'none'} | workers {len(st.workers)}"
-            f"/{st.expected_workers} | {_job(st)}{' | INSECURE' if st.insecure else ''}")
+    head = (f"stella-ps {st.server_version or '?'} {address} | {_figures(st, r)} | "
+            f"{_job(st)}{' | INSECURE' if st.insecure else ''}")
     cols = ("worker", "name", "key", "last seen", "steps", "density", "s/it", "wait %")
     behind = set(st.behind_workers)
     if st.live is None:  # a server before per-worker status: ids and keys only
@@ -136,24 +133,25 @@ def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
     return "\n".join(lines)
 
 
-def _shard_line(st: StatusReply, r: dict[str, float], address: str) -> str:
-    ck = st.checkpoint_age_s
-    return (f"  shard {st.shard or '?'} {address} | version {st.version} | {r['steps']:.2f} steps/s | "
-            f"in {_bytes(r['bytes_in'])}/s | out {_bytes(r['bytes_out'])}/s | "
-            f"checkpoint {_age(ck) if ck is not None else 'none'} | workers {len(st.workers)}/{st.expected_workers}")
+def _figures(st: StatusReply, r: dict[str, float]) -> str:
+    """One server's figures: version, rates, checkpoint age, workers."""
+    return (f"version {st.version} | {r['steps']:.2f} steps/s | in {_bytes(r['bytes_in'])}/s | "
+            f"out {_bytes(r['bytes_out'])}/s | checkpoint {_age(st.checkpoint_age_s)} | "
+            f"workers {len(st.workers)}/{st.expected_workers}")
 
 
 def render_shards(sts: list[StatusReply], rs: list[dict[str, float]], addresses: list[str]) -> str:
     """The job line across the shards, a line per shard, the first shard's worker table."""
     ages = [st.checkpoint_age_s for st in sts]
-    oldest = "none" if any(a is None for a in ages) else _age(max(a for a in ages if a is not None))
+    oldest = _age(None if None in ages else max(a for a in ages if a is not None))
     head = (f"stella-ps {sts[0].server_version or '?'} | {len(sts)} shards | rounds {min(st.version for st in sts)} "
             f"| {min(r['steps'] for r in rs):.2f} steps/s | in {_bytes(sum(r['bytes_in'] for r in rs))}/s | "
             f"out {_bytes(sum(r['bytes_out'] for r in rs))}/s | checkpoint {oldest} | workers "
             f"{min(len(st.workers) for st in sts)}/{sts[0].expected_workers} | {_job(sts[0])}"
             f"{' | INSECURE' if any(st.insecure for st in sts) else ''}")
+    shards = [f"  shard {st.shard or '?'} {a} | {_figures(st, r)}" for st, r, a in zip(sts, rs, addresses)]
     table = render(sts[0], rs[0]).splitlines()[1:]  # the first shard's workers
-    return "\n".join([head, *(_shard_line(st, r, a) for st, r, a in zip(sts, rs, addresses)), *table])
+    return "\n".join([head, *shards, *table])
 
 
 def watch(fetch: Callable[[], StatusReply | list[StatusReply]], *, address: str = "", as_json: bool = False,
