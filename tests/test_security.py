@@ -347,3 +347,15 @@ def test_keygen_files_run_a_secure_job(tmp_path, make_server):
     again = subprocess.run([sys.executable, "-m", "stella.cli", "keygen", str(tmp_path), "--name", "worker1"],
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "not overwriting" in again.stderr
+
+
+def test_a_keyless_client_whose_handshakes_are_closed_silently_is_told_the_server_needs_keys():
+    """libzmq reports a plaintext client's mechanism mismatch as a failed protocol, or, when
+    the server closes first, as a handshake closed without detail: both say keys are needed
+    (the second once seemed impossible, and an assertion failed in CI)."""
+    from stella._session import _Handshakes
+
+    h = object.__new__(_Handshakes)
+    h.address, h.keys, h._silent = "tcp://127.0.0.1:5555", None, 3
+    assert "requires CurveZMQ keys, and this client has none" in h._silent_server()
+    assert h._silent_server() == h._protocol(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)

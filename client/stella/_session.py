@@ -267,14 +267,18 @@ class _Handshakes:
         if error != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return f"the CurveZMQ handshake with stella-ps at {self.address} failed (protocol error {error:#x})"
         if self.keys is None:
-            return (f"stella-ps at {self.address} requires CurveZMQ keys, and this client has none: set "
-                    f"{ENV_SERVER_KEY} (the server's public key file) and {ENV_CLIENT_KEY} (this client's "
-                    "'.key_secret', whose public key is on the server's allowlist)")
+            return self._needs_keys()
         return (f"stella-ps at {self.address} runs without keys (--insecure), and this client has CurveZMQ keys "
                 f"({ENV_SERVER_KEY}/{ENV_CLIENT_KEY}): unset them to talk to it")
 
+    def _needs_keys(self) -> str:
+        return (f"stella-ps at {self.address} requires CurveZMQ keys, and this client has none: set "
+                f"{ENV_SERVER_KEY} (the server's public key file) and {ENV_CLIENT_KEY} (this client's "
+                "'.key_secret', whose public key is on the server's allowlist)")
+
     def _silent_server(self) -> str:
-        assert self.keys is not None  # without keys a mismatch is a protocol failure, not a silent one
+        if self.keys is None:  # a mismatch; the server may close before its error reaches a plaintext client
+            return self._needs_keys()
         return (f"stella-ps at {self.address} closed {self._silent} CurveZMQ handshakes in a row before it could "
                 f"check this client's key: {ENV_SERVER_KEY} is most likely not that server's public key (the one "
                 f"used has the fingerprint {key_fingerprint(self.keys[0].decode())}; a server logs its own at start, "
