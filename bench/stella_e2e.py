@@ -8,10 +8,19 @@ Per iteration each worker records compute time (forward + backward), the time
 its site's link. Worker 0 evaluates its replica every ``eval_every`` steps
 (evaluation time excluded from the wall clock).
 
-Stopping early (time cap or target reached) must happen at the same step on every
-worker, or the synchronous server would wait for a worker that quit: worker 0 picks
-a stop step a few iterations ahead and writes it to a file in the shared log
-directory; the others read it each iteration.
+Stopping early (time cap or target reached) must happen at the same *round* on every
+worker (workers of different speeds may make different numbers of local steps per
+round): worker 0 picks a stop round a few rounds ahead (``opt.stats.rounds +
+STOP_AHEAD``) and writes it to a file in the shared log directory; every worker reads
+it after each step and stops right after the step that started that round. The step
+cap (``--steps``) stays a hard cap on every worker's own steps (worker 0 also picks a
+stop round when it comes near it): without adaptation every worker makes the same steps
+and ends there; with adaptation a worker at its cap may leave a round or two before the
+others, which is safe (closing leaves the job, the server goes on without it), so runs
+that compare systems end by time or target (bench.adaptive).
+
+``--slowdown F`` makes a worker F times slower: after its backward it sleeps (F-1) x
+that step's measured forward + backward time (bench.adaptive's slow scenario).
 
   python -m bench.stella_e2e --workload digits --steps 50          # loopback, quick check
 """
@@ -25,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +54,15 @@ from bench.harness import (
 from stella_ps.process import ServerProcess
 
 PS_PORT = 5555
-STOP_AHEAD = 3  # a worker is at most one iteration ahead of another in synchronous mode
+STOP_AHEAD = 3  # rounds: a worker is at most one round ahead of another in synchronous mode
+# per-iteration fields read from ``opt.stats`` when the client has them (adaptive controller)
+STAT_FIELDS = ("value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps")
+
+
+def adaptation_kwargs(a) -> dict:
+    """``max_sync_every=``/``max_accumulate=`` for StellaOptimizer: the nonzero ones (0:
+    the library's default)."""
+    return {name: getattr(a, name) for name in ("max_sync_every", "max_accumulate") if getattr(a, name)}
 
 
 def server_options(wl) -> dict:
@@ -67,33 +85,46 @@ def worker(a) -> int:
                                 world_size=a.site_size)
     wl = W.get(a.workload)
     model = wl.build_model(a.seed)
-    density = a.density if a.density == "auto" else float(a.density)
+    comp_kw: dict[str, Any] = {}  # "default": the library's own default (not passed)
+    if a.density != "default":
+        comp_kw["density"] = a.density if a.density == "auto" else float(a.density)
+    if a.value_dtype != "default":
+        comp_kw["value_dtype"] = a.value_dtype
     if a.mode == "update":  # the workload's own optimizer steps on the worker; the server's is the outer step
         mode_kw = {"mode": "update", "optimizer": wl.make_optimizer(model.parameters()),
-                   "outer": json.loads(a.outer) if a.outer.startswith("{") else a.outer,
-                   "sync_every": a.sync_every}
+                   "outer": json.loads(a.outer) if a.outer.startswith("{") else a.outer}
+        if a.sync_every:  # 0: the library's default
+            mode_kw["sync_every"] = a.sync_every
     else:
         mode_kw = {"mode": "gradient", "optimizer": server_options(wl)}
-    opt = StellaOptimizer(model, a.address, compression=Compression(density=density, value_dtype=a.value_dtype),
+    opt = StellaOptimizer(model, a.address, compression=Compression(**comp_kw),
                           timeout=600, name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
                           client_key=a.client_key, process_group="default" if a.site_size > 1 else None,
-                          **mode_kw)
+                          **mode_kw, **adaptation_kwargs(a))
+    defaults = {"value_dtype": opt.compression.value_dtype, "sync_every": a.sync_every or 1, "accumulate": 1,
+                "up_mbps": None, "down_mbps": None}
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
-    stop_file = os.path.join(a.log_dir, "stop_at")
+    stop_file = os.path.join(a.log_dir, "stop_round")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
     clock = TrainClock(wl, model)
     if a.rank == 0:
         clock.evaluate(0)
-    stop_at = a.steps
+    train_start = time.time()
+    stop_round: int | None = None  # the round every worker ends on, once worker 0 has picked it
     step = 0
-    while step < stop_at:
-        w0 = opt.stats.wait_s
+    while step < a.steps:  # every worker's own step cap (the same on all: equal steps without adaptation)
+        w0, r0 = opt.stats.wait_s, opt.stats.rounds
         recorder.begin()
+        c0 = time.perf_counter()
         wl.set_lr(opt, step)  # gradient mode: rides to the server with the next push; update mode: local
         opt.zero_grad()
         loss = wl.loss(model, next(batches))
         recorder.lap()
         loss.backward()
+        slept = 0.0
+        if a.slowdown > 1.0:  # a slower machine: (F-1) x this step's forward + backward, before step()
+            slept = (a.slowdown - 1.0) * (time.perf_counter() - c0)
+            time.sleep(slept)
         recorder.lap()
         opt.step()
         step += 1
@@ -102,17 +133,28 @@ def worker(a) -> int:
         rec = recorder.end(step, loss.item())
         wait = opt.stats.wait_s - w0
         rec["net_wait"], rec["compute"], rec["density"] = wait, rec["iter"] - wait, opt.stats.density
+        rec["slept"], rec["t"], rec["t_epoch"] = slept, clock.wall(), time.time()
+        rec["rounds"] = rounds = opt.stats.rounds
+        for k in STAT_FIELDS:
+            rec[k] = getattr(opt.stats, k, defaults[k])
+        started = rounds > r0  # this step() started a round: a round boundary
         if a.rank == 0:
-            if step % a.eval_every == 0 or step == stop_at:
+            if step % a.eval_every == 0 or step == a.steps:
                 clock.evaluate(step)
-            if stop_at == a.steps and (clock.wall() > a.max_seconds or (a.stop_at_target and clock.reached)):
-                stop_at = min(a.steps, step + STOP_AHEAD)
+            if stop_round is None and (clock.wall() > a.max_seconds or (a.stop_at_target and clock.reached)
+                                       or step + STOP_AHEAD >= a.steps):
+                stop_round = rounds + STOP_AHEAD
                 with open(stop_file + ".tmp", "w") as f:
-                    f.write(str(stop_at))
+                    f.write(str(stop_round))
                 os.replace(stop_file + ".tmp", stop_file)
-        elif os.path.exists(stop_file):
+        elif stop_round is None and os.path.exists(stop_file):
             with open(stop_file) as f:
-                stop_at = int(f.read())
+                stop_round = int(f.read())
+        if stop_round is not None and started and rounds >= stop_round:
+            break
+        if clock.wall() > a.max_seconds + 120:  # safety net only: worker 0 stops everyone long before
+            print(f"worker {a.rank}: no stop round after {clock.wall():.0f} s, leaving", flush=True)
+            break
     steady = (opt.bytes_pushed - first[0], opt.bytes_pulled - first[1], opt.stats.rounds - first[2])
     opt.synchronize()  # (the end's flush is not the steady state: not in the counters per round)
     if a.rank == 0 and (not clock.evals or clock.evals[-1]["step"] != step):
@@ -122,7 +164,9 @@ def worker(a) -> int:
            "train_wall": clock.wall(), "iters": recorder.iters, "evals": clock.evals, "reached": clock.reached,
            "site": os.environ.get("STELLA_WAN_SITE"), "density": a.density, "final_density": opt.stats.density,
            "staleness": a.staleness, "mode": a.mode, "sync_every": a.sync_every, "value_dtype": a.value_dtype,
-           "outer": a.outer, "rounds": opt.stats.rounds,
+           "outer": a.outer, "rounds": opt.stats.rounds, "stop_round": stop_round, "slowdown": a.slowdown,
+           "train_start_epoch": train_start, "max_sync_every": a.max_sync_every, "max_accumulate": a.max_accumulate,
+           "final_value_dtype": getattr(opt.stats, "value_dtype", defaults["value_dtype"]),
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
            "client_bytes_pushed": steady[0], "client_bytes_pulled": steady[1], "client_rounds": steady[2],
            "leader": opt.client is not None,
@@ -136,16 +180,23 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                sites: list[str] | None = None, ps_site: str = "ps", seed: int = 0,
                eval_every: int | None = None, stop_at_target: bool = False, threads: int = 1,
                density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
-               sync_every: int = 1, value_dtype: str = "f16", outer: str = "average",
-               server_args: tuple[str, ...] = (), site_size: int = 1) -> dict:
+               sync_every: int = 1, value_dtype: str = "auto", outer: str = "average",
+               server_args: tuple[str, ...] = (), site_size: int = 1, slowdown: float | list[float] = 1.0,
+               max_sync_every: int = 0, max_accumulate: int = 0) -> dict:
     """Run one Stella job (server + ``world`` workers) and return its summary. The
     server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key).
     ``server_args``: more stella-ps flags. ``site_size`` > 1: the workers are sites of
-    that many ranks (consecutive ranks, gloo among them, one worker to the server)."""
+    that many ranks (consecutive ranks, gloo among them, one worker to the server).
+    ``slowdown``: each worker's compute-time factor (one for all, or a list per rank).
+    ``density``/``value_dtype`` "default", ``sync_every``/``max_sync_every``/
+    ``max_accumulate`` 0: not passed, the library's defaults."""
     from bench import workloads as W
     from stella_ps.process import free_port
 
     wl = W.get(workload)
+    slow = list(slowdown) if isinstance(slowdown, (list, tuple)) else [float(slowdown)] * world
+    if len(slow) != world:
+        raise ValueError(f"slowdown: one factor per rank ({world}), got {slow}")
     tmp = tempfile.mkdtemp(prefix=f"stella-{workload}-", dir=log_dir)
     host = bed.address(ps_site) if bed is not None else "127.0.0.1"
     ps = ServerProcess(world // site_size, ["--max-workers-per-key", str(world + 1), *server_args],
@@ -165,7 +216,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                     "--density", str(density), "--staleness", str(staleness), "--log-dir", tmp,
                     "--mode", mode, "--sync-every", str(sync_every), "--value-dtype", value_dtype, "--outer", outer,
                     "--out", os.path.join(tmp, f"rank{r}.json"), "--site-size", str(site_size),
-                    "--site-port", str(site_ports[r // site_size])]
+                    "--site-port", str(site_ports[r // site_size]), "--slowdown", str(slow[r]),
+                    "--max-sync-every", str(max_sync_every), "--max-accumulate", str(max_accumulate)]
             for flag, path in ps.client_kwargs().items():  # the CurveZMQ keys made for this job
                 argv += [f"--{flag.replace('_', '-')}", path]
             if stop_at_target:
@@ -185,7 +237,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
         return {"ok": False, "error": f"stella workers exited {rcs}:\n{log_tails(tmp, rcs)}", "log_dir": tmp}
     res = summarize("stella", workload, ranks, wl)
     res["density"] = density
-    res.update(mode=mode, sync_every=sync_every, value_dtype=value_dtype, outer=outer)
+    res.update(mode=mode, sync_every=sync_every, value_dtype=value_dtype, outer=outer, slowdown=slow,
+               max_sync_every=max_sync_every, max_accumulate=max_accumulate)
     # where the time of an exchange goes (profile), per iteration, mean over workers
     res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
     res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
@@ -221,13 +274,15 @@ def system(name: str, **kw) -> Callable[[Any, Any], dict]:
 # The configurations bench.e2e registers (name -> run_stella keywords). "stella" is the
 # default mode with default settings; the others vary one thing each.
 SYSTEMS: dict[str, dict[str, Any]] = {
-    "stella": {"mode": "update"},  # update mode, H = 1, f16 values, plain averaging, density "auto"
-    "stella_q4": {"mode": "update", "value_dtype": "q4"},  # the same with 4-bit values
-    "stella_q2": {"mode": "update", "value_dtype": "q2"},  # ... and 2-bit values
-    "stella_lean": {"mode": "update", "value_dtype": "q2", "density": 0.005},  # H = 1, fewest bytes
-    "stella_h8": {"mode": "update", "value_dtype": "q2", "density": 0.006, "sync_every": 8},  # local steps
+    "stella": {"mode": "update"},  # the library's defaults: update mode, H >= 1, density and coding adapted
+    "stella_f16": {"mode": "update", "value_dtype": "f16", "max_sync_every": 1},  # issue 20's default: f16, H = 1
+    "stella_q4": {"mode": "update", "value_dtype": "q4", "max_sync_every": 1},  # 4-bit values, density "auto"
+    "stella_q2": {"mode": "update", "value_dtype": "q2", "max_sync_every": 1},  # ... and 2-bit values
+    "stella_lean": {"mode": "update", "value_dtype": "q2", "density": 0.005, "max_sync_every": 1},  # fewest bytes
+    "stella_h8": {"mode": "update", "value_dtype": "q2", "density": 0.006, "sync_every": 8,
+                  "max_sync_every": 8},  # local steps
     "stella_nesterov": {"mode": "update", "value_dtype": "q2", "density": 0.006, "sync_every": 8,
-                        "outer": "nesterov"},
+                        "max_sync_every": 8, "outer": "nesterov"},
     "stella_grad": {"mode": "gradient"},  # StellaTrain's gradient mode, one step stale
     "stella_grad_sync": {"mode": "gradient", "staleness": 0},  # gradient mode without overlap
 }
@@ -246,12 +301,12 @@ def main(argv=None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--eval-every", type=int, default=10)
     w.add_argument("--threads", type=int, default=1)
-    w.add_argument("--density", default="auto")
+    w.add_argument("--density", default="auto", help='a fraction, "auto", or "default" (not passed)')
     w.add_argument("--staleness", type=int, default=1)
     w.add_argument("--batch-size", type=int, default=0)
     w.add_argument("--mode", choices=("gradient", "update"), default="gradient")
-    w.add_argument("--sync-every", type=int, default=1)
-    w.add_argument("--value-dtype", default="f16")
+    w.add_argument("--sync-every", type=int, default=1, help="0: the library's default (not passed)")
+    w.add_argument("--value-dtype", default="auto", help='a wire dtype, "auto", or "default" (not passed)')
     w.add_argument("--outer", default="average", help="a preset's name or the outer optimizer's config as JSON")
     w.add_argument("--stop-at-target", action="store_true")
     w.add_argument("--log-dir", required=True)
@@ -260,6 +315,9 @@ def main(argv=None) -> int:
     w.add_argument("--client-key", help="this worker's .key_secret file (CurveZMQ)")
     w.add_argument("--site-size", type=int, default=1)
     w.add_argument("--site-port", type=int, default=0)
+    w.add_argument("--slowdown", type=float, default=1.0, help="sleep (F-1) x each step's forward+backward")
+    w.add_argument("--max-sync-every", type=int, default=0, help="0: the library's default (not passed)")
+    w.add_argument("--max-accumulate", type=int, default=0, help="0: the library's default (not passed)")
     ap.add_argument("--workload", default="digits")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=120)

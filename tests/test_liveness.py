@@ -284,7 +284,7 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
             torch.manual_seed(seed)
             model = torch.nn.Linear(8, 2)
             opt = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=0.5,
-                                  method="dense")
+                                  method="dense", max_sync_every=1)
             opts.append(opt)
             x = torch.randn(16, 8)
             for _ in range(steps):

@@ -31,7 +31,9 @@ def _train(endpoint: str, rank: int, world: int, mode: str, site: bool) -> dict:
     model = build_mlp((64, 96, 10), 0)
     opt = StellaOptimizer(model, endpoint, mode=mode, optimizer={"name": "sgd", "lr": LR}, timeout=60,
                           compression=Compression(density=0.05, method="exact", dense_below=0, value_dtype="f16"),
-                          process_group="default" if site else None)
+                          process_group="default" if site else None,
+                          # a site keeps its rounds fixed: so must the flat run it is compared with
+                          **({"max_accumulate": 1} if mode == "gradient" else {"max_sync_every": 1}))
     batches = _batches(rank, world) if site else [torch.cat(b) for b in zip(*(_batches(r, 2) for r in range(2)))]
     for b in batches:
         opt.zero_grad()

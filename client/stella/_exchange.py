@@ -80,9 +80,15 @@ class _Exchange:
     server: torch.optim.Optimizer  # its one group mirrors the server's optimizer
     server_config: Mapping[str, Any] | None  # what to register with
 
+    sync_every = 1  # the least local steps a round makes (update mode's H)
+
     def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor):
         self.params, self.compressor = params, compressor
         self.local_steps = 0  # update mode: inner steps since the last exchange started
+        # the round step() just ended: its local steps (update mode) and the micro-batches its
+        # gradient averages (gradient mode); the samples it represents are their product
+        self.round_steps = 1
+        self.round_batches = 1
         self._hparam_names: list[str] = []  # the server's, from its answer to the registration
 
     def attach(self, server_optimizer: Mapping[str, Any]) -> None:
@@ -106,8 +112,10 @@ class _Exchange:
         g = self.server.param_groups[0]
         return {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in self._hparam_names if k in g}
 
-    def step(self) -> Grads | None:
-        """The training loop's ``step()``: what the round to start now pushes, or None (no round)."""
+    def step(self, run_on: bool = False) -> Grads | None:
+        """The training loop's ``step()``: what the round to start now pushes, or None (no
+        round). ``run_on``: the exchange in flight is far from done, so the round may go
+        on (a local step more, or a micro-batch more) up to its bound."""
         raise NotImplementedError
 
     def outgoing(self, grads: Grads, computed_on: int, version: int) -> tuple[Grads, int]:
@@ -141,7 +149,7 @@ class _UpdateExchange(_Exchange):
 
     def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any], *,
-                 sync_every: int, compress_in_backward: bool):
+                 sync_every: int, max_sync_every: int, compress_in_backward: bool):
         super().__init__(params, compressor)
         if optimizer is None:
             raise ValueError("update mode runs the optimizer on the worker: pass optimizer= a torch "
@@ -156,7 +164,8 @@ class _UpdateExchange(_Exchange):
         if isinstance(outer, str) and outer not in OUTER_PRESETS:
             raise ValueError(f"outer must be one of {sorted(OUTER_PRESETS)} or a config mapping, got {outer!r}")
         self.server_config = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
-        self.sync_every = sync_every
+        self.sync_every, self.max_sync_every = sync_every, max_sync_every
+        self.round_steps = sync_every
         self.anchor: dict[str, torch.Tensor] = {}
 
     def attach(self, server_optimizer: Mapping[str, Any]) -> None:
@@ -167,12 +176,12 @@ class _UpdateExchange(_Exchange):
         # the replica of the server's model, exact (float32, flat, the parameter's device)
         self.anchor = {n: p.detach().reshape(-1).to(torch.float32, copy=True) for n, p in self.params.items()}
 
-    def step(self) -> Grads | None:
+    def step(self, run_on: bool = False) -> Grads | None:
         self.inner.step()  # the local step, dense, on this worker's gradient
         self.local_steps += 1
-        if self.local_steps < self.sync_every:
+        if self.local_steps < self.sync_every or (run_on and self.local_steps < self.max_sync_every):
             return None
-        self.local_steps = 0
+        self.round_steps, self.local_steps = self.local_steps, 0
         return {}
 
     def outgoing(self, grads: Grads, computed_on: int, version: int) -> tuple[Grads, int]:
@@ -248,7 +257,7 @@ class _GradientExchange(_Exchange):
 
     def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, *, sync_every: int,
-                 compress_in_backward: bool):
+                 max_accumulate: int, compress_in_backward: bool):
         super().__init__(params, compressor)
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError("gradient mode runs the optimizer on the server: pass its config as a mapping, "
@@ -257,6 +266,9 @@ class _GradientExchange(_Exchange):
             raise ValueError("sync_every is for update mode (gradient mode exchanges every step)")
         self.server_config = optimizer
         self._compress_in_backward = compress_in_backward
+        self.max_accumulate = max_accumulate
+        self._acc: dict[str, torch.Tensor] = {}  # the micro-batches' gradients summed so far
+        self._acc_batches = 0
         self._early: dict[str, Future[SparseGrad]] = {}
         self._compress_exec: ThreadPoolExecutor | None = None
 
@@ -277,18 +289,43 @@ class _GradientExchange(_Exchange):
 
         return hook
 
-    def step(self) -> Grads | None:
+    def step(self, run_on: bool = False) -> Grads | None:
         grads: Grads = dict(self._early)  # compressions started in backward
         self._early = {}
         for n, p in self.params.items():
             if p.grad is not None:
                 grads[n] = p.grad
                 p.grad = None  # this generation is now in flight; backward makes a new one
-        return grads
+        if self.max_accumulate == 1:  # (compress_in_backward's futures never accumulate)
+            return grads
+        for n, g in grads.items():  # accumulate: the mean of the round's micro-batches goes out
+            assert isinstance(g, torch.Tensor)
+            if n in self._acc:
+                self._acc[n].add_(g)
+            else:
+                self._acc[n] = g  # this generation is ours: p.grad no longer holds it
+        self._acc_batches += 1
+        if run_on and self._acc_batches < self.max_accumulate:
+            return None
+        k, acc = self._acc_batches, self._acc
+        self._acc, self._acc_batches = {}, 0
+        self.round_batches = k
+        if k > 1:
+            for g in acc.values():
+                g.div_(k)
+        return dict(acc)
 
     @torch.no_grad()
     def install(self, delta: PullResult, sent: Mapping[str, SparseGrad]) -> None:
         delta.apply_to(self.params)  # the server's values replace the replica's
+
+    @torch.no_grad()
+    def prepare_flush(self) -> None:
+        """Micro-batches accumulated for a round that never started go out with the residuals."""
+        k, acc = self._acc_batches, self._acc
+        self._acc, self._acc_batches = {}, 0
+        for n, g in acc.items():
+            self.compressor.residual_buffer(n, self.params[n]).add_(g.reshape(-1).to(torch.float32), alpha=1.0 / k)
 
     def state(self) -> dict[str, Any]:
         return {"residuals": {n: self.compressor.residual(n).detach().cpu().clone()
@@ -309,10 +346,11 @@ class _GradientExchange(_Exchange):
 
 def exchange_for(mode: str, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any], *,
-                 sync_every: int, compress_in_backward: bool) -> _Exchange:
+                 sync_every: int, compress_in_backward: bool, max_sync_every: int | None = None,
+                 max_accumulate: int = 1) -> _Exchange:
     """The exchange of ``mode`` ("update" or "gradient"), its arguments checked."""
     if mode == "update":
         return _UpdateExchange(params, compressor, optimizer, outer, sync_every=sync_every,
-                               compress_in_backward=compress_in_backward)
-    return _GradientExchange(params, compressor, optimizer, sync_every=sync_every,
+                               max_sync_every=max_sync_every or sync_every, compress_in_backward=compress_in_backward)
+    return _GradientExchange(params, compressor, optimizer, sync_every=sync_every, max_accumulate=max_accumulate,
                              compress_in_backward=compress_in_backward)

@@ -115,7 +115,9 @@ class PullResult:
 
     ``rebased``: the pull was made before a reconnect and rebased after it (its
     ``wait_for`` dropped, or turned into a snapshot; :func:`stella._session.rebase`), so
-    this answer need not contain the step it waited for.
+    this answer need not contain the step it waited for. ``held_s``: how long the
+    server held the pull before it sent the answer (waiting for the step, encoding): the
+    rest of the time the pull took is the link's (:mod:`stella.adapt` measures with it).
     """
 
     version: int
@@ -123,6 +125,7 @@ class PullResult:
     tensors: dict[str, tuple[np.ndarray | None, np.ndarray]]
     rebased: bool = False
     steps: list[dict[str, tuple[np.ndarray | None, np.ndarray]]] = field(default_factory=list)
+    held_s: float = 0.0
 
     @property
     def count(self) -> int:
@@ -299,16 +302,17 @@ class Client:
     @overload
     def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
-             report: WorkerReport | None = ..., timeout: float | None = ..., wait: Literal[True] = ...) -> PushOk: ...
+             report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
+             wait: Literal[True] = ...) -> PushOk: ...
     @overload
     def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
-             report: WorkerReport | None = ..., timeout: float | None = ...,
+             report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
              wait: Literal[False]) -> Pending[PushOk]: ...
     @overload
     def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
-             report: WorkerReport | None = ..., timeout: float | None = ...,
+             report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
              wait: bool) -> PushOk | Pending[PushOk]: ...
     def push(
         self,
@@ -319,6 +323,7 @@ class Client:
         index_coding: IndexCoding = "rice",
         hparams: Mapping[str, Any] | None = None,
         report: WorkerReport | None = None,
+        samples: int | None = None,
         timeout: float | None = None,
         wait: bool = True,
     ) -> PushOk | Pending[PushOk]:
@@ -334,6 +339,8 @@ class Client:
         in its residual when it is told the dtype; docs/compression.md). ``hparams`` change optimizer
         hyper-parameters from the step this push joins on (no extra round trip).
         ``report``: this worker's timings, shown by ``stella status`` and the metrics.
+        ``samples``: what the update represents (samples, or micro-batches): the server
+        weights the pushes of a step by it (None: one unit; docs/optimizer.md).
         Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
         :class:`Pending` of it with ``wait=False``.
         """
@@ -342,7 +349,7 @@ class Client:
         entries, frames = enc.entries, enc.frames
         s = self._session
         msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=entries,
-                   hparams=dict(hparams) if hparams else None, report=report)
+                   hparams=dict(hparams) if hparams else None, report=report, samples=samples)
         pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
         return pending if not wait else pending.result()
 
@@ -407,18 +414,19 @@ class Client:
         if delta.full:
             self._session.need_snapshot = False
         rebased = self._session.was_rebased(delta.req)
+        held = delta.held_ms / 1e3
         if not decode:  # the version only
-            return PullResult(delta.version, delta.full, {}, rebased=rebased)
+            return PullResult(delta.version, delta.full, {}, rebased=rebased, held_s=held)
         decoded = decode_tensors(rx, self.layout)  # installed values are f32 (the decoder checked)
         if not delta.add:
             out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
-            return PullResult(delta.version, delta.full, out, rebased=rebased)
+            return PullResult(delta.version, delta.full, out, rebased=rebased, held_s=held)
         steps, at = [], 0
         for n in delta.parts:  # one part per step made after ``since`` (none: no step)
             steps.append({self.layout[s.tensor].name: (s.indices, codec.to_float32(s.values))
                           for s in decoded[at:at + n]})
             at += n
-        return PullResult(delta.version, False, {}, rebased=rebased, steps=steps)
+        return PullResult(delta.version, False, {}, rebased=rebased, steps=steps, held_s=held)
 
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """The server's counters (see docs/protocol.md, ``status``); needs no join."""

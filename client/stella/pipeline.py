@@ -55,6 +55,7 @@ what a checkpoint holds, which groups the wrapper shows) is one class in
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -69,6 +70,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from ._exchange import Grads, build_inner, exchange_for
+from .adapt import CODINGS, Controller, RoundMeasure
 from .client import PullResult
 from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
@@ -80,59 +82,12 @@ from .site import Site, resolve_group
 
 log = logging.getLogger("stella.pipeline")
 
-__all__ = ["StellaOptimizer", "Compression", "PipelineError", "PipelineStats", "DensityBudget", "MODES",
-           "OUTER_PRESETS", "build_inner"]
+__all__ = ["StellaOptimizer", "Compression", "PipelineError", "PipelineStats", "MODES", "OUTER_PRESETS",
+           "build_inner"]
 
 
 class PipelineError(StellaError):
     """The background exchange failed; the cause is chained (``__cause__``)."""
-
-
-class DensityBudget:
-    """``density="auto"``: spend the link time that the computation hides, never less
-    than ``floor``.
-
-    With one step of staleness the exchange of step ``t`` (compress, push, the server's
-    step, pull) runs while the model computes step ``t+1``; it costs nothing as long as
-    it ends first. The budget compares the median exchange time ``x`` with the median
-    compute time ``c`` (what the training loop does between two ``step()`` calls) over
-    the last ``window`` steps: below ``fill / step`` of ``c`` the density grows by
-    ``step`` (up to ``ceiling``), above ``fill`` of ``c`` it shrinks by ``step`` (down to
-    ``floor``). After a change the window restarts, so every decision is taken on
-    measurements at the current density. A denser push delivers more of the gradient
-    per step, which error feedback would otherwise deliver steps later; below ``floor``
-    the iterations needed grow faster than the time per iteration falls, so a link too
-    slow for ``floor`` is left to show as waiting.
-    """
-
-    def __init__(self, floor: float = 0.01, ceiling: float = 0.1, *, fill: float = 0.8, step: float = 1.25,
-                 window: int = 4):
-        if not 0.0 < floor <= ceiling <= 1.0:
-            raise ValueError(f"need 0 < floor <= ceiling <= 1, got floor={floor}, ceiling={ceiling}")
-        if not 0.0 < fill <= 1.0 or step <= 1.0 or window < 1:
-            raise ValueError("need 0 < fill <= 1, step > 1, window >= 1")
-        self.floor, self.ceiling, self.fill, self.step, self.window = floor, ceiling, fill, step, window
-        self.density = floor
-        self._compute: deque[float] = deque(maxlen=window)
-        self._exchange: deque[float] = deque(maxlen=window)
-
-    def observe(self, compute_s: float, exchange_s: float) -> float:
-        """Record one step's compute and exchange time; returns the density for the next push."""
-        self._compute.append(compute_s)
-        self._exchange.append(exchange_s)
-        if len(self._exchange) < self.window:
-            return self.density
-        c, x = statistics.median(self._compute), statistics.median(self._exchange)
-        new = self.density
-        if x * self.step < self.fill * c:
-            new = min(self.ceiling, self.density * self.step)
-        elif x > self.fill * c:
-            new = max(self.floor, self.density / self.step)
-        if new != self.density:
-            self.density = new
-            self._compute.clear()
-            self._exchange.clear()
-        return self.density
 
 
 @dataclass(frozen=True)
@@ -140,12 +95,13 @@ class Compression:
     """How :class:`StellaOptimizer` compresses its pushes (``docs/compression.md``).
 
     ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
-    (default): a :class:`DensityBudget` from ``min_density`` up to ``max_density``,
-    raised while the exchange hides behind the computation. ``method`` ("threshold",
-    "block", "exact" or "dense") and ``dense_below`` (smaller tensors go dense): the
-    compressor, :mod:`stella.compress`. ``value_dtype`` and ``index_coding``: the wire
-    coding of pushes (``value_dtype`` "q4"/"q2": 4.5 or 2.5 bits a value, the
-    quantisation error kept in the residual).
+    (default): chosen each round by the worker's :class:`~stella.adapt.Controller`
+    between ``min_density`` and ``max_density``, so that the exchange hides behind the
+    computation. ``method`` ("threshold", "block", "exact" or "dense") and
+    ``dense_below`` (smaller tensors go dense): the compressor, :mod:`stella.compress`.
+    ``value_dtype``: the wire coding of pushed values, or ``"auto"`` (default): the
+    controller picks among f16, q4 and q2 (4.5 or 2.5 bits a value, the quantisation
+    error kept in the residual); a coding pins it. ``index_coding``: the indices'.
     """
 
     density: float | Literal["auto"] = "auto"
@@ -153,7 +109,7 @@ class Compression:
     max_density: float = 0.1
     method: str = "threshold"
     dense_below: int = DENSE_BELOW
-    value_dtype: ValueDtype = "f16"
+    value_dtype: ValueDtype | Literal["auto"] = "auto"
     index_coding: IndexCoding = "rice"
 
     def __post_init__(self) -> None:
@@ -168,8 +124,8 @@ class Compression:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not self.dense_below >= 0:
             raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
-        if self.value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if self.value_dtype != "auto" and self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be 'auto' or one of {VALUE_DTYPES}, got {self.value_dtype!r}")
         if self.index_coding not in get_args(IndexCoding):
             raise ValueError(f"index_coding must be one of {get_args(IndexCoding)}, got {self.index_coding!r}")
 
@@ -203,6 +159,12 @@ class PipelineStats:
     values_pushed: int = 0
     values_pulled: int = 0
     density: float = 0.0  # the compressor's density for the latest push
+    value_dtype: str = "f16"  # the coding of the latest push's values
+    sync_every: int = 1  # the local steps the latest round made (update mode; 1 in gradient mode)
+    accumulate: int = 1  # the micro-batches the latest round's gradient summed (gradient mode; 1 in update mode)
+    up_mbps: float = 0.0  # the controller's estimates of the link, Mbit/s (0: not measured yet)
+    down_mbps: float = 0.0
+    decisions: int = 0  # the controller's changes of density or coding so far
 
 
 def _wait_for_step(client: AnyClient, delta: PullResult, since: int, coding: PullCoding) -> PullResult:
@@ -242,7 +204,15 @@ class StellaOptimizer(torch.optim.Optimizer):
     default, ``stella-ps --optimizer``).
     ``mode``: "update" (default) or "gradient". ``outer``: update mode's server-side
     optimizer, "average" (default), "nesterov" or a config mapping.
-    ``sync_every``: update mode's local steps per exchange (H; 1 = every step).
+    ``sync_every``: update mode's local steps per exchange (H; 1 = every step): the
+    least a round makes. ``max_sync_every`` (update mode; default ``4 * sync_every``):
+    while the exchange in flight is not done, a round runs on with more local steps, up
+    to this many, instead of waiting; ``= sync_every`` pins H. ``max_accumulate``
+    (gradient mode; default 4): the same with micro-batches, whose gradients are
+    averaged into one push (a larger batch); 1 pins it. Either way each push carries the
+    samples it represents (``batch_size`` per step, or one per step when None) and the
+    server weights the step's pushes by them, so workers of different speeds each
+    compute what fits in a round and none idles (docs/optimizer.md).
 
     ``compression``: a :class:`Compression` (density, method, wire coding; its
     defaults when None). Its fields are also accepted as keyword arguments of their
@@ -271,6 +241,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         mode: Mode | None = None,
         outer: str | Mapping[str, Any] = "average",
         sync_every: int = 1,
+        max_sync_every: int | None = None,
+        max_accumulate: int | None = None,
+        batch_size: int | None = None,
         compression: Compression | None = None,
         staleness: int = 1,
         timeout: float | None = None,
@@ -292,6 +265,20 @@ class StellaOptimizer(torch.optim.Optimizer):
             raise ValueError("staleness must be 0 or 1")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        if max_sync_every is None:
+            max_sync_every = 4 * sync_every if mode == "update" else 1
+        if max_accumulate is None:
+            max_accumulate = 4 if mode == "gradient" and not compress_in_backward else 1
+        for k, v, lo in (("max_sync_every", max_sync_every, sync_every), ("max_accumulate", max_accumulate, 1),
+                         ("batch_size", 1 if batch_size is None else batch_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{k} must be an integer >= {lo}, got {v!r}")
+        if mode == "gradient" and max_sync_every != 1:
+            raise ValueError("max_sync_every is for update mode (gradient mode exchanges every step)")
+        if max_accumulate > 1 and (mode == "update" or compress_in_backward):
+            raise ValueError("max_accumulate is for gradient mode without compress_in_backward (update mode "
+                             "runs on with local steps instead: max_sync_every)")
+        self.samples_per_step = batch_size or 1
         # tensors without elements never change: nothing to exchange
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
         if not self.params:
@@ -300,25 +287,26 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.staleness = staleness
         # block16 codes only whole blocks, which the union a pull returns need not be
         self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
-        self.budget: DensityBudget | None = None
-        density = c.density
-        if isinstance(density, str):  # "auto"
-            self.budget = DensityBudget(c.min_density, c.max_density)
-            density = self.budget.density
+        self.controller = Controller(density=None if c.density == "auto" else float(c.density),
+                                     floor=c.min_density, ceiling=c.max_density,
+                                     codings=CODINGS if c.value_dtype == "auto" else (c.value_dtype,))
         # values are rounded to the wire dtype inside the compressor, the rounding error kept in the residual
-        self.compressor = ErrorFeedbackCompressor(density, method=c.method, dense_below=c.dense_below,
-                                                  value_dtype=c.value_dtype)
+        self.compressor = ErrorFeedbackCompressor(self.controller.density, method=c.method, dense_below=c.dense_below,
+                                                  value_dtype=self.controller.value_dtype)
         self._exchange = exchange_for(mode, self.params, self.compressor, optimizer, outer, sync_every=sync_every,
+                                      max_sync_every=max_sync_every, max_accumulate=max_accumulate,
                                       compress_in_backward=compress_in_backward)
         group = resolve_group(process_group)
         self.site: Site | None = Site(group) if group is not None else None
         if self.site is not None and compress_in_backward:
             raise ValueError("compress_in_backward compresses each rank's own gradient: a site averages them first")
         leader = self.site is None or self.site.is_leader
-        self.stats = PipelineStats(density=float(density))
+        self.stats = PipelineStats(density=self.controller.density, value_dtype=self.controller.value_dtype)
         self.progress = Progress(progress_every)
-        self._last_step_end: float | None = None
-        self._last_exchange_s = 0.0
+        self._step_compute: deque[float] = deque(maxlen=8)  # per step(), the computation before it
+        self._exchange_times: deque[float] = deque(maxlen=8)  # whole rounds, start to answer
+        self._measure: RoundMeasure | None = None  # the latest finished round's, for the controller
+        self._inflight_since = 0.0
         # every use of the client happens on this one thread (ZeroMQ sockets are not thread-safe)
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
@@ -380,11 +368,11 @@ class StellaOptimizer(torch.optim.Optimizer):
         return self._exchange.outer
 
     # ------------------------------------------------------------------ the exchange
-    def _round(self, grads: Grads, version: int, since: int,
-               hparams: dict | None) -> tuple[PullResult, dict[str, SparseGrad]]:
+    def _round(self, grads: Grads, version: int, since: int, hparams: dict | None,
+               samples: int) -> tuple[PullResult, dict[str, SparseGrad]]:
         """Background thread: compress (a gradient, an early compression's future, or,
         for None, the residual as the update mode left it), push, wait for the step,
-        pull the delta."""
+        pull the delta; measure the transfers for the controller."""
         t0 = time.perf_counter()
         sparse = {n: g.result() if isinstance(g, Future) else self.compressor.compress(n, g)
                   for n, g in grads.items()}
@@ -392,16 +380,27 @@ class StellaOptimizer(torch.optim.Optimizer):
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
         client = self._client()
-        push = client.push(sparse, version, value_dtype=self.compression.value_dtype,
-                                index_coding=self.compression.index_coding, hparams=hparams or None,
-                                report=self.progress.report(), wait=False)
+        up0, down0 = client.bytes_pushed, client.bytes_pulled
+        push = client.push(sparse, version, value_dtype=self.controller.value_dtype,
+                           index_coding=self.compression.index_coding, hparams=hparams or None,
+                           report=self.progress.report(), samples=samples, wait=False)
         pull = client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
+        t_pull = time.perf_counter()  # queued behind the push: the server sees it once the push is in
         push.result()
-        delta = _wait_for_step(client, pull.result(), since, self.pull_coding)
-        self.stats.compress_s += t1 - t0
+        t_ack = time.perf_counter()
+        first = pull.result()
         t2 = time.perf_counter()
-        self.stats.exchange_s += t2 - t1
-        self._last_exchange_s = t2 - t0
+        up1, down1 = client.bytes_pushed, client.bytes_pulled
+        delta = _wait_for_step(client, first, since, self.pull_coding)
+        # the pull's link time: its answer's time less what the server held it (waiting for the
+        # step, for other workers); the push's: send to acknowledgement
+        pull_s = (t2 - max(t_pull, t_ack) - first.held_s) if delta is first else 0.0
+        self._measure = RoundMeasure(compute_s=0.0, compress_s=t1 - t0, push_bytes=up1 - up0, push_s=t_ack - t1,
+                                     pull_bytes=down1 - down0, pull_s=max(0.0, pull_s))
+        self.stats.compress_s += t1 - t0
+        t3 = time.perf_counter()
+        self.stats.exchange_s += t3 - t1
+        self._exchange_times.append(t3 - t0)
         self.stats.values_pushed += sum(s.values.size for s in sparse.values())
         self.stats.values_pulled += delta.count
         return delta, sparse
@@ -442,17 +441,42 @@ class StellaOptimizer(torch.optim.Optimizer):
         out = self._exec.submit(fn, *args).result() if self._leads else None
         return out if self.site is None else self.site.share(out)
 
+    def _adapt(self) -> None:
+        """Feed the controller the round just finished and set the next push's density
+        and coding (the background thread is idle now)."""
+        m, self._measure = self._measure, None
+        if m is None or not self._step_compute:
+            return
+        # the computation a round offers at the least H (a round that ran on offered more)
+        compute = statistics.median(self._step_compute) * self._exchange.sync_every
+        d = self.controller.observe(dataclasses.replace(m, compute_s=compute))
+        if d.density != self.compressor.density:
+            self.compressor.set_density(d.density)
+        self.compressor.value_dtype = d.value_dtype
+        s = self.stats
+        s.up_mbps, s.down_mbps = 8e-6 * self.controller.up_bps, 8e-6 * self.controller.down_bps
+        s.decisions = self.controller.decisions
+
+    def _runs_on(self) -> bool:
+        """Should the round run on (another local step, or micro-batch) instead of waiting?
+        While the exchange in flight is not done and is expected (by the median of recent
+        rounds) to take more than a tenth of a step more: waiting that long costs less
+        than a step's overshoot would, waiting longer more. A site's ranks would have to
+        agree on it every step: they do not run on."""
+        if self.site is not None or self._inflight is None or self._inflight.done() or not self._exchange_times:
+            return False
+        step = statistics.median(self._step_compute) if self._step_compute else 0.0
+        left = statistics.median(self._exchange_times) - (time.perf_counter() - self._inflight_since)
+        return left > 0.1 * step
+
     def _start_exchange(self, grads: Grads, compute_version: int) -> None:
-        """Finish the exchange in flight (installing it), adapt the density, start the next one."""
-        entered = time.perf_counter()
-        had_inflight = self._inflight is not None
+        """Finish the exchange in flight (installing it), adapt the exchange, start the next one."""
         self._finish_inflight()
-        if self.budget is not None and had_inflight and self._last_step_end is not None:
-            # the exchange just finished ran alongside the computation since the last one started
-            density = self.budget.observe(entered - self._last_step_end, self._last_exchange_s)
-            if density != self.compressor.density:
-                self.compressor.set_density(density)  # safe: the background thread is idle now
-        self.stats.density = self.compressor.density
+        if self._leads:
+            self._adapt()
+        s = self.stats
+        s.density, s.value_dtype = self.compressor.density, self.compressor.value_dtype
+        s.sync_every, s.accumulate = self._exchange.round_steps, self._exchange.round_batches
         if self.site is not None and self.mode == "update":  # the site's weights: the mean of its ranks'
             with torch.no_grad():
                 self.site.average(p.detach() for p in self.params.values())
@@ -461,12 +485,13 @@ class StellaOptimizer(torch.optim.Optimizer):
         changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
         self._sent_hparams = hp
         if self._leads:
-            self._inflight = self._exec.submit(self._round, grads, compute_version, self.version, changed)
+            samples = self.samples_per_step * self._exchange.round_steps * self._exchange.round_batches
+            self._inflight_since = time.perf_counter()
+            self._inflight = self._exec.submit(self._round, grads, compute_version, self.version, changed, samples)
         self._pending = True
         self.stats.rounds += 1
         if self.staleness == 0:
             self._finish_inflight()
-        self._last_step_end = time.perf_counter()
 
     # ------------------------------------------------------------------ optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -482,10 +507,14 @@ class StellaOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.stats.iterations += 1
-        self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
+        report = self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
+        if report is not None:
+            self._step_compute.append(report.compute_s)
         if self.site is not None and self.mode == "gradient":  # the site's gradient: the mean of its ranks'
             self.site.average(p.grad for p in self.params.values() if p.grad is not None)
-        grads = self._exchange.step()  # update mode: the local step; a round every sync_every steps
+        # update mode: the local step, a round every sync_every steps or more; gradient mode: a round,
+        # or a micro-batch accumulated while the exchange in flight is far from done
+        grads = self._exchange.step(self._runs_on())
         if grads is not None:
             self._start_exchange(grads, self.version)  # the version this gradient was computed on
         return loss
@@ -529,8 +558,6 @@ class StellaOptimizer(torch.optim.Optimizer):
             raise ValueError(f"a {state.get('mode')!r}-mode state cannot load into a {self.mode!r}-mode optimizer")
         self._finish_inflight()
         self._exchange.local_steps = int(state.get("local_steps", 0))
-        if self.budget is None and "density" in state:
-            self.compressor.set_density(float(state["density"]))
         snap = self._from_leader(lambda: self._client().pull(None))
         self._exchange.restore(state, snap)
         self.version = snap.version

@@ -2,7 +2,7 @@
 carry to the server (:class:`~stella.protocol.WorkerReport`, shown by ``stella status``
 and the metrics) and, every ``every`` steps, a one-line summary::
 
-    stella step 200 | 0.034 s/it | wait 12% | density 5.00% | pushed 1.21 MB pulled 3.02 MB
+    stella step 200 | 0.034 s/it | wait 2% | density 5.00% q4 | H 1 | batch x1 | up 96 down 240 Mbit/s | ...
 
 logged to the ``stella.progress`` logger at INFO. Library code installs no handler:
 the demo (and any training script that wants the lines) configures one, e.g.
@@ -64,29 +64,36 @@ class Progress:
     def report(self) -> WorkerReport | None:
         return self._report
 
-    def on_step(self, stats: Any, client: Any) -> None:
+    def on_step(self, stats: Any, client: Any) -> WorkerReport | None:
         """Once per ``step()``, before it starts an exchange: ``stats`` is the optimizer's
         :class:`~stella.pipeline.PipelineStats` (``iterations`` already counting this
-        step), ``client`` its :class:`~stella.Client`. Times are taken between these calls."""
+        step), ``client`` its :class:`~stella.Client`. Times are taken between these calls.
+        Returns the new report (None on the first call: no interval yet)."""
+        report = None
         now = time.perf_counter()
         exchanged = stats.exchange_s + stats.compress_s
         pushed, pulled = getattr(client, "bytes_pushed", 0), getattr(client, "bytes_pulled", 0)
         if self._last_end is not None:
             wait = max(0.0, stats.wait_s - self._last_wait)
-            self._report = WorkerReport(
+            self._report = report = WorkerReport(
                 step=stats.iterations, compute_s=max(0.0, now - self._last_end - wait),
                 exchange_s=max(0.0, exchanged - self._last_exchange), wait_s=wait,
                 density=min(1.0, max(0.0, float(stats.density))), bytes_pushed=int(pushed),
-                bytes_pulled=int(pulled))
+                bytes_pulled=int(pulled), value_dtype=stats.value_dtype, local_steps=stats.sync_every,
+                accumulate=stats.accumulate, up_bps=min(1e13, stats.up_mbps * 1e6 / 8),
+                down_bps=min(1e13, stats.down_mbps * 1e6 / 8))
         self._last_end, self._last_wait, self._last_exchange = now, stats.wait_s, exchanged
         if not self.every:
-            return
+            return report
         if self._line_t is None:
             self._line_t, self._line_step, self._line_wait = now, stats.iterations, stats.wait_s
-            return
+            return report
         if stats.iterations % self.every == 0 and stats.iterations > self._line_step:
             n, dt = stats.iterations - self._line_step, now - self._line_t
             wait_pct = 100.0 * (stats.wait_s - self._line_wait) / dt if dt > 0 else 0.0
             log.info(f"stella step {stats.iterations} | {dt / n:.3f} s/it | wait {wait_pct:.0f}% | "
-                     f"density {stats.density:.2%} | pushed {_mb(pushed)} pulled {_mb(pulled)}")
+                     f"density {stats.density:.2%} {stats.value_dtype} | H {stats.sync_every} | "
+                     f"batch x{stats.accumulate} | up {stats.up_mbps:.0f} down {stats.down_mbps:.0f} Mbit/s | "
+                     f"pushed {_mb(pushed)} pulled {_mb(pulled)}")
             self._line_t, self._line_step, self._line_wait = now, stats.iterations, stats.wait_s
+        return report

@@ -85,7 +85,7 @@ __all__ = [
     "decode_register_values",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -177,6 +177,12 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     density: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
     bytes_pushed: Count = 0
     bytes_pulled: Count = 0
+    # what the worker's controller chose for this push (stella.adapt) and the rates it measured
+    value_dtype: ValueDtype | None = None
+    local_steps: Count = 0  # update mode: the local steps (H) this round made
+    accumulate: Count = 0  # micro-batches per step (gradient accumulation)
+    up_bps: Annotated[float, msgspec.Meta(ge=0.0, le=1e13)] = 0.0  # measured uplink, bytes/s (0: not yet)
+    down_bps: Annotated[float, msgspec.Meta(ge=0.0, le=1e13)] = 0.0
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -241,6 +247,9 @@ class Push(_Message, tag="push", frozen=True):
     tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_TENSORS)]
     hparams: HParams | None = None
     report: WorkerReport | None = None  # the worker's timings, for status and metrics
+    # the samples (or micro-batches) this update represents: the server weights each push
+    # of a step by them (docs/optimizer.md, "Weighting by samples"); nil: one unit
+    samples: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
 
 
 class Pull(_Message, tag="pull", frozen=True):
@@ -326,6 +335,9 @@ class Delta(_Message, tag="delta", frozen=True):
     add: bool = False
     parts: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TENSORS)]],
                      msgspec.Meta(max_length=MAX_TENSORS)] = []
+    # milliseconds the server held the pull (waiting for the step, encoding) before it
+    # sent this reply: the rest of the time the worker saw is the link's
+    held_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
 
 
 class StatusReply(_Message, tag="status", frozen=True):

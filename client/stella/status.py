@@ -100,18 +100,27 @@ def _job(st: StatusReply) -> str:
     return f"mode update, outer {outer}"
 
 
+def _mbit(bps: float) -> str:
+    return f"{8e-6 * bps:.0f}" if bps > 0 else "-"
+
+
 def _cells(rep: WorkerReport | None) -> tuple[str, ...]:
+    """A worker's report as the table shows it: what its controller chose (density,
+    coding, local steps H, micro-batches per step) and the rates it measured."""
     if rep is None:
-        return ("-", "-", "-", "-")
+        return ("-",) * 9
     it = rep.compute_s + rep.wait_s
-    return (str(rep.step), f"{rep.density:.2%}", f"{it:.3f}", f"{100 * rep.wait_s / it:.0f}" if it > 0 else "0")
+    return (str(rep.step), f"{rep.density:.2%}", rep.value_dtype or "-", str(rep.local_steps or "-"),
+            str(rep.accumulate or "-"), f"{it:.3f}", f"{100 * rep.wait_s / it:.0f}" if it > 0 else "0",
+            _mbit(rep.up_bps), _mbit(rep.down_bps))
 
 
 def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
     """The job line and the worker table for one ``status`` reply."""
     head = (f"stella-ps {st.server_version or '?'} {address} | {_figures(st, r)} | "
             f"{_job(st)}{' | INSECURE' if st.insecure else ''}")
-    cols = ("worker", "name", "key", "last seen", "steps", "density", "s/it", "wait %")
+    cols = ("worker", "name", "key", "last seen", "steps", "density", "coding", "H", "batch x", "s/it", "wait %",
+            "up Mbit/s", "down Mbit/s")
     behind = set(st.behind_workers)
     if st.live is None:  # a server before per-worker status: ids and keys only
         live: list[tuple[int, str, str, float | None, WorkerReport | None]] = [

@@ -39,7 +39,7 @@ from stella.codec import sum_of_squares, to_float32
 from stella.errors import BadValue, ErrorCode, ServerError
 from stella.protocol import SparseTensor
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled"]
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
 
@@ -53,6 +53,7 @@ class PendingPush:
     hparams: dict[str, Any] | None = None  # optimizer changes from this push's step on
     nbytes: int = 0
     arrived: float = field(default_factory=time.monotonic)
+    samples: int | None = None  # what the push says it represents (None: one unit)
 
 
 @dataclass(frozen=True)
@@ -72,22 +73,56 @@ class Step:
     late: int
     hparams: list[dict[str, Any]]
     owners: list[list[int]] | None = None  # owners[t][i]: the worker of per_tensor[t][i]
+    # weighted steps (pushes of unequal samples): each contributor's samples, and the
+    # samples one unit of its (pre-multiplied) values stands for (see :func:`weigh`)
+    samples: dict[int, int] | None = None
+    unit: float = 1.0
 
     def without(self, workers: Collection[int]) -> Step:
-        """This step without the pushes of ``workers``, the mean over the others (a step
-        with no contributor left changes nothing)."""
+        """This step without the pushes of ``workers``, the (weighted) mean over the
+        others (a step with no contributor left changes nothing)."""
         assert self.owners is not None, "a step built without owners cannot drop a worker's push"
         drop = set(workers)
         keep = [w for w in self.contributors if w not in drop]
         per_tensor = [[p for p, w in zip(parts, owners) if w not in drop]
                       for parts, owners in zip(self.per_tensor, self.owners)]
         owners = [[w for w in owners if w not in drop] for owners in self.owners]
-        return Step(per_tensor, 1.0 / len(keep) if keep else 0.0, keep, self.late, self.hparams, owners)
+        if not keep:
+            scale = 0.0
+        elif self.samples is None:
+            scale = 1.0 / len(keep)
+        else:
+            scale = self.unit / sum(self.samples[w] for w in keep)
+        return Step(per_tensor, scale, keep, self.late, self.hparams, owners, self.samples, self.unit)
 
     def only(self, worker: int) -> Step:
         """The push of ``worker`` alone, at this step's scale (the others as zero)."""
         s = self.without([w for w in self.contributors if w != worker])
-        return Step(s.per_tensor, self.scale, s.contributors, 0, [], s.owners)
+        return Step(s.per_tensor, self.scale, s.contributors, 0, [], s.owners, self.samples, self.unit)
+
+
+def weigh(pushes: list[PendingPush], max_ratio: float) -> tuple[dict[int, int] | None, float, list[list[SparseTensor]]]:
+    """The weighting of one step's pushes by the samples each represents.
+
+    The step applies ``sum_i n_i v_i / N`` (``N = sum_i n_i``) instead of the plain
+    mean. It is computed as ``scale * sum_i (n_i / u) v_i`` with ``u = N / K`` (K
+    pushes) and ``scale = u / N = 1 / K``: each push's values are multiplied by
+    ``n_i / u`` once, here, and the kernel's sum and scale are those of an unweighted
+    step. A push without ``samples`` counts as 1; each ``n_i`` is capped at
+    ``max_ratio`` times the smallest of the step (``--max-sample-ratio``), so one
+    push's claim cannot take over the mean. Equal samples (the usual case): no
+    weighting (returns None) and the values are untouched, bit for bit as before.
+    """
+    ns = [p.samples or 1 for p in pushes]
+    if len(set(ns)) <= 1:
+        return None, 1.0, [p.tensors for p in pushes]
+    cap = max_ratio * min(ns)
+    ns = [int(min(n, cap)) for n in ns]
+    if len(set(ns)) <= 1:
+        return None, 1.0, [p.tensors for p in pushes]
+    unit = sum(ns) / len(ns)
+    tensors = [p.tensors if n == unit else scaled(p.tensors, n / unit) for p, n in zip(pushes, ns)]
+    return {p.worker: n for p, n in zip(pushes, ns)}, unit, tensors
 
 
 @dataclass
@@ -131,7 +166,8 @@ class Aggregator:
 
     def __init__(self, step_deadline: float = 0.0, max_queued_pushes: int = 4,
                  max_queued_push_bytes: int = 256 << 20, adaptive: AdaptiveDeadline | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_sample_ratio: float = 8.0):
+        self.max_sample_ratio = max_sample_ratio  # the largest push's weight over the smallest's, in a step
         self._clock = clock  # the time a step closes (push arrivals are stamped by whoever makes them)
         self.step_deadline = step_deadline  # seconds; 0: the adaptive deadline, or none
         self.adaptive = adaptive  # used when step_deadline is 0; None: wait for every live worker
@@ -231,10 +267,11 @@ class Aggregator:
             opened = max(self._last_close, min(p.arrived for p in pushes))
             self.adaptive.observe(max(p.arrived for p in pushes) - opened)
         self._last_close = now
+        samples, unit, weighted = weigh(pushes, self.max_sample_ratio)
         per_tensor: list[list[SparseTensor]] = [[] for _ in range(ntensors)]
         owners: list[list[int]] = [[] for _ in range(ntensors)]
-        for p in pushes:
-            for s in p.tensors:
+        for p, tensors in zip(pushes, weighted):
+            for s in tensors:
                 per_tensor[s.tensor].append(s)
                 owners[s.tensor].append(p.worker)
         return Step(
@@ -244,6 +281,8 @@ class Aggregator:
             late=sum(p.version < version - 1 for p in pushes),
             hparams=[p.hparams for p in pushes if p.hparams],
             owners=owners,
+            samples=samples,
+            unit=unit,
         )
 
 
@@ -256,7 +295,7 @@ def push_norm(tensors: list[SparseTensor]) -> float:
 
 
 def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
-    """The push with every value multiplied by ``factor`` (< 1), as float32 copies
+    """The push with every value multiplied by ``factor``, as float32 copies
     (the wire views are read-only and may be float16 or bf16)."""
     out = []
     for s in tensors:

@@ -195,6 +195,9 @@ class Limits:
                                    help="L2 norm bound of one push's values; 0: none")
     push_norm_action: str = setting("refuse", choices=PUSH_NORM_ACTIONS,
                                     help="a push above --max-push-norm: refuse it, or clip it to the bound")
+    max_sample_ratio: float = setting(8.0, check=_finite_at_least(1),
+                                      help="in a step, the largest weight a push's samples give it over the "
+                                           "smallest's (docs/optimizer.md, weighting by samples)")
     push_norm_factor: float = setting(10.0, check=_finite_at_least(0),
                                       help="clip a push whose L2 norm is above this many times the median of the "
                                            "job's recent pushes; 0: never")

@@ -44,6 +44,10 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 ``worker_exchange_seconds``        gauge    its latest exchange (background)
 ``worker_wait_seconds``            gauge    its latest wait for the exchange in ``step()``
 ``worker_steps``                   gauge    its iterations so far
+``worker_value_bits``              gauge    bits per value of its latest push (its coding)
+``worker_local_steps``             gauge    local steps (H) of its latest round
+``worker_accumulate``              gauge    micro-batches per step of its latest round
+``worker_uplink_bytes_per_second`` gauge    its measured uplink (``..._downlink_...``: down)
 ``checkpoint_age_seconds``         gauge    NaN until a checkpoint has been written
 =================================  =======  ==============================================
 
@@ -63,6 +67,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from stella.adapt import VALUE_BITS
 from stella.protocol import PROTOCOL_VERSION
 
 from . import __version__
@@ -148,6 +153,16 @@ class JobCollector(Collector):
             "wait": GaugeMetricFamily("stella_worker_wait_seconds", "its latest wait for the exchange in step()",
                                       labels=labels),
             "steps": GaugeMetricFamily("stella_worker_steps", "its iterations so far", labels=labels),
+            "value_bits": GaugeMetricFamily("stella_worker_value_bits", "bits per value of its latest push's coding "
+                                            "(its controller's choice: f16 16, q4 4.5, q2 2.5)", labels=labels),
+            "local_steps": GaugeMetricFamily("stella_worker_local_steps", "local steps (H) of its latest round",
+                                             labels=labels),
+            "accumulate": GaugeMetricFamily("stella_worker_accumulate", "micro-batches per step of its latest round",
+                                            labels=labels),
+            "up": GaugeMetricFamily("stella_worker_uplink_bytes_per_second", "its measured uplink rate",
+                                    labels=labels),
+            "down": GaugeMetricFamily("stella_worker_downlink_bytes_per_second", "its measured downlink rate",
+                                      labels=labels),
         }
         for ws in snap.live:
             lv = [str(ws.worker), ws.name]
@@ -161,6 +176,16 @@ class JobCollector(Collector):
                 fams["exchange"].add_metric(lv, r.exchange_s)
                 fams["wait"].add_metric(lv, r.wait_s)
                 fams["steps"].add_metric(lv, r.step)
+                if r.value_dtype is not None:
+                    fams["value_bits"].add_metric(lv, VALUE_BITS[r.value_dtype])
+                if r.local_steps:
+                    fams["local_steps"].add_metric(lv, r.local_steps)
+                if r.accumulate:
+                    fams["accumulate"].add_metric(lv, r.accumulate)
+                if r.up_bps:
+                    fams["up"].add_metric(lv, r.up_bps)
+                if r.down_bps:
+                    fams["down"].add_metric(lv, r.down_bps)
         yield from fams.values()
 
 

@@ -319,7 +319,7 @@ class Service:
         self.steps.agg.check_room(info.worker, nbytes)  # before the work of decoding
         tensors = decode_tensors(rx, self.store.layout)
         tensors = self.push_bound.apply(info.worker, tensors)
-        queued = self.steps.offer(info.worker, msg.version, tensors, msg.hparams, nbytes)
+        queued = self.steps.offer(info.worker, msg.version, tensors, msg.hparams, nbytes, msg.samples)
         info.last_push_req = msg.req
         info.pushes += 1
         if msg.report is not None:
@@ -336,14 +336,16 @@ class Service:
         wait_for = msg.wait_for or 0
         if wait_for > v + MAX_WAIT_AHEAD:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
+        arrived = time.monotonic()
         if wait_for <= v:
-            self._spawn(self._reply_delta(ident, msg), ident, msg.req)
+            self._spawn(self._reply_delta(ident, msg, arrived), ident, msg.req)
         else:
             self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
-                             lambda: self._spawn(self._reply_delta(ident, msg), ident, msg.req))
+                             lambda: self._spawn(self._reply_delta(ident, msg, arrived), ident, msg.req))
         self.stats.pulls += 1
 
-    async def _reply_delta(self, ident: bytes, msg: Pull) -> None:
+    async def _reply_delta(self, ident: bytes, msg: Pull, arrived: float) -> None:
         enc = await self.store_thread.run(self.store.encoded_delta, msg.since, msg.coding)
+        held_ms = min(1e9, 1e3 * (time.monotonic() - arrived))  # the worker's measure of its link leaves it out
         self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                                parts=enc.parts), enc.frames)
+                                parts=enc.parts, held_ms=held_ms), enc.frames)

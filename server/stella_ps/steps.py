@@ -67,7 +67,7 @@ class StepScheduler:
                                      maximum=deadline.max) if deadline.adaptive else None)
         self.agg = Aggregator(step_deadline=deadline.fixed, max_queued_pushes=limits.max_queued_pushes,
                               max_queued_push_bytes=limits.max_queued_push_bytes, adaptive=adaptive,
-                              clock=clock.now)
+                              clock=clock.now, max_sample_ratio=limits.max_sample_ratio)
         self.optimizer: OptimizerConfig | None = None  # in force; set when the model is initialised
         self._listeners: list[StepListener] = []
         self._applying = False
@@ -123,7 +123,7 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ events
     def offer(self, worker: int, version: int, tensors: list[SparseTensor], hparams: dict[str, Any] | None,
-              nbytes: int) -> int:
+              nbytes: int, samples: int | None = None) -> int:
         """Queue a validated push (refused, changing nothing, beyond the queue bounds or with
         ``hparams`` out of bounds); returns how many of its worker's pushes wait before it."""
         self.agg.check_room(worker, nbytes)
@@ -132,7 +132,7 @@ class StepScheduler:
         now = self._clock.now()
         if not self.agg.has_pending():
             self._opened = now
-        queued = self.agg.add(PendingPush(worker, version, tensors, hparams, nbytes, arrived=now))
+        queued = self.agg.add(PendingPush(worker, version, tensors, hparams, nbytes, arrived=now, samples=samples))
         self.members.pushed(worker)
         self._maybe_close(first_push=True)
         return queued

@@ -1,0 +1,65 @@
+"""bench.adaptive: the fluctuating links' schedule, and the slow scenario's machinery
+(a slowed worker, the per-iteration records, stopping by round) on loopback."""
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from bench import adaptive as A
+
+RECORD_FIELDS = ("t", "t_epoch", "rounds", "value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps",
+                 "density", "slept", "net_wait", "compute", "iter")
+
+
+def test_rate_schedule_is_seeded_bounded_and_has_the_asked_means():
+    dur = 300.0
+    a = A.rate_schedule(130, duration=dur, period=4, seed="0:a")
+    b = A.rate_schedule(100, duration=dur, period=4, seed="0:b")
+    assert a == A.rate_schedule(130, duration=dur, period=4, seed="0:a")  # deterministic
+    assert a != A.rate_schedule(130, duration=dur, period=4, seed="1:a")
+    for s, mean in ((a, 130), (b, 100)):
+        rates = [r for _, r in s]
+        assert min(rates) == pytest.approx(30, abs=0.1) and max(rates) == pytest.approx(300, abs=0.1)
+        assert all(30 - 0.1 <= r <= 300 + 0.1 for r in rates)
+        ts = [t for t, _ in s]
+        assert ts[0] == 0 and ts == sorted(ts) and ts[-1] < dur <= ts[-1] + 4 * 1.4
+        gaps = [t1 - t0 for t0, t1 in itertools.pairwise(ts)]
+        assert min(gaps) >= 4 * 0.6 - 1e-6 and max(gaps) <= 4 * 1.4 + 1e-6  # a change every few seconds
+        assert A.time_mean(s, dur) == pytest.approx(mean, rel=0.05)
+    assert A.time_mean(b, dur) < A.time_mean(a, dur)  # site b is the slower on average
+    links = A.links_of("fluctuating", 100, 2.5, 0)["links"]
+    assert all(u == d for _, u, d in links["a"].schedule) and len(links["a"].schedule) >= 100 / (2.5 * 1.4) - 1
+    with pytest.raises(ValueError):
+        A.rate_schedule(20, duration=10)  # below the range
+
+
+@pytest.mark.timeout(180)
+def test_slow_scenario_machinery_on_loopback(tmp_path):
+    # stopped by time (worker 0 picks the stop round), not by the step cap, which is every
+    # worker's own and so, with adaptation, need not fall on the same round
+    caps = A.Caps(max_seconds=5, max_steps=100_000, eval_every=10, stop_at_target=False)
+    out = A.run_scenario("slow", "digits", caps, only=["adaptive_slow"], loopback=True, log_dir=str(tmp_path),
+                         echo=lambda m: None)
+    (r,) = out["results"]
+    assert r["ok"], r.get("error")
+    ranks = r["ranks"]
+    assert [k["rank"] for k in ranks] == [0, 1] and [k["slowdown"] for k in ranks] == [1.0, 2.0]
+    for k in ranks:
+        assert k["iters"] and all(f in x for x in k["iters"] for f in RECORD_FIELDS)
+        assert [x["t"] for x in k["iters"]] == sorted(x["t"] for x in k["iters"])
+    assert ranks[0]["rounds"] == ranks[1]["rounds"] == ranks[0]["stop_round"]  # both stopped at the same round
+    assert all(x["slept"] == 0 for x in ranks[0]["iters"])
+    # the slow worker sleeps as long as its forward + backward took: twice the computation
+    fb = [statistics.median(x["fwd"] + x["bwd"] for x in k["iters"][2:]) for k in ranks]
+    own = statistics.median((x["fwd"] + x["bwd"]) / (x["fwd"] + x["bwd"] - x["slept"]) for x in ranks[1]["iters"])
+    assert 1.8 <= own <= 2.3, own
+    assert fb[1] > 1.3 * fb[0], fb  # loose: the two workers share a busy machine
+    st = r["stats"]
+    assert len(st["per_worker"]) == 2 and all(0 <= w["wait_share"] <= 1 for w in st["per_worker"])
+    assert st["codings"] and st["H_range"][0] >= 1
+    text = A.table("slow", out["results"])
+    assert "adaptive_slow" in text and "bound" in text
+    A.plot({"slow": out}, str(tmp_path / "adaptive.png"))
+    assert (tmp_path / "adaptive.png").stat().st_size > 10_000
