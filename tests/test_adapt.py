@@ -214,3 +214,25 @@ def test_update_mode_runs_on_with_local_steps_while_the_exchange_is_in_flight(ma
     assert fast["rounds"] == slow["rounds"] == 6
     assert fast["iterations"] > slow["iterations"]  # it computed instead of waiting
     assert max(fast["hs"]) > 2 and max(fast["hs"]) <= 8
+
+
+def test_gradient_mode_accumulates_micro_batches_into_one_mean_push(exact_server, monkeypatch):
+    """With ``max_accumulate=2`` and an exchange always in flight, step t=0 pushes g0, and
+    steps 1 and 2 push their mean as one round of two samples: the server's model is
+    ``w0 - g0 - (g1 + g2) / 2`` exactly (dyadic gradients)."""
+    monkeypatch.setattr(StellaOptimizer, "_runs_on", lambda self: self._inflight is not None)
+    model = Toy(8)
+    w0 = model.w.detach().clone()
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          max_accumulate=2, method="dense", value_dtype="f32", timeout=10)
+    grads = [torch.arange(8, dtype=torch.float32) * (t + 1) / 4 for t in range(3)]
+    for g in grads:
+        model.w.grad = g.clone()
+        opt.step()
+    assert opt.stats.rounds == 2 and opt.stats.accumulate == 2
+    opt.synchronize()
+    expect = w0 - grads[0] - (grads[1] + grads[2]) / 2
+    assert torch.equal(model.w.detach(), expect)
+    opt.close()
+    with pytest.raises(ValueError, match="max_accumulate"):
+        StellaOptimizer(Toy(8), exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, max_accumulate=2)

@@ -21,7 +21,8 @@ def test_two_worker_demo_reaches_93_percent(tmp_path, monkeypatch):
     cfg = DemoConfig(workers=2, steps=400, density=0.05)
     res = run_demo(cfg, json_path=str(tmp_path / "demo.json"), out=out)
     assert res["test_accuracy"] >= 0.93, out.getvalue()
-    assert res["steps"] == 400 and res["server_version"] == 401  # + the residual flush at close
+    # rounds of one local step or more (update mode runs on while an exchange is in flight), + the flush
+    assert res["steps"] == 400 and 400 // 4 < res["server_version"] <= 401
     saved = json.loads((tmp_path / "demo.json").read_text())
     for key in ("test_accuracy", "steps", "wall_s", "bytes_pushed", "bytes_pulled", "bytes_dense_equivalent"):
         assert key in saved

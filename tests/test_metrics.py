@@ -74,7 +74,8 @@ def test_metrics_in_process_show_the_whole_job(inproc):
         with Client(srv.endpoint, timeout=10, name="site-a") as c:
             c.register({"w": np.zeros(8, np.float32)}, {"name": "sgd", "lr": 1.0})
             rep = WorkerReport(step=7, compute_s=0.05, exchange_s=0.02, wait_s=0.01, density=0.25,
-                               bytes_pushed=123, bytes_pulled=456)
+                               bytes_pushed=123, bytes_pulled=456, value_dtype="q4", local_steps=3, accumulate=1,
+                               up_bps=12.5e6, down_bps=25e6)
             c.push({"w": (np.array([1, 3], np.int32), np.array([1.0, 2.0], np.float32))}, 0, report=rep)
             c.pull(0, wait_for=1)
             with pytest.raises(VersionError):  # a refused request shows under its code
@@ -114,6 +115,11 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     assert "version 1" in table and "checkpoint none" in table
     row = next(line for line in table.splitlines() if "site-a" in line)
     assert "25.00%" in row and "0.060" in row and "17" in row  # density, s/it, wait %
+    # what the worker's controller chose and measured: coding, H, batch, Mbit/s up and down
+    assert " q4 " in row and " 3 " in row and " 100 " in row and " 200" in row
+    assert value(fams, "stella_worker_value_bits", worker=w, name="site-a") == 4.5
+    assert value(fams, "stella_worker_local_steps", worker=w, name="site-a") == 3
+    assert value(fams, "stella_worker_uplink_bytes_per_second", worker=w, name="site-a") == 12.5e6
     # every series the Grafana dashboard queries is one the server exports
     with open(os.path.join(ROOT, "docker", "grafana-dashboard.json")) as f:
         exprs = re.findall(r'"expr":\s*"([^"]*)"', f.read())

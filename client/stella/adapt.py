@@ -31,8 +31,8 @@ for the density, a coding for the values) leaves one candidate on its axis.
 
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
-``max_sync_every``; gradient mode: more micro-batches accumulated, up to
-``max_accumulate``) and the server weights each push by the samples it carries. That
+``max_sync_every``; gradient mode, when ``max_accumulate`` turns it on: more
+micro-batches accumulated) and the server weights each push by the samples it carries. That
 is also what makes workers of different speeds take rounds of the same wall time.
 """
 from __future__ import annotations
