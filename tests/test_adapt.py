@@ -68,12 +68,26 @@ def test_steady_link_settles_hidden_and_does_not_oscillate():
     assert i == 0 or c.predict(i - 1) > c.raise_fill * COMPUTE
 
 
+def test_late_acknowledgements_on_a_steady_link_do_not_make_it_oscillate():
+    """A busy server acknowledges late, so single rounds measure anything from 30% to
+    100% of a steady link (as on the test bed): the choice settles and stays."""
+    import random
+
+    rng = random.Random(7)
+    c = adaptive()
+    run(c, [115.0 * rng.uniform(0.3, 1.0) for _ in range(15)])
+    before = c.decisions
+    run(c, [115.0 * rng.uniform(0.3, 1.0) for _ in range(60)])
+    assert c.decisions - before <= 3
+    assert exchange_s(c, 115.0) <= 0.8 * COMPUTE
+
+
 def test_falling_rate_is_followed_within_a_few_rounds():
     c = adaptive()
     run(c, [300.0] * 10)
     fast = (c.density, c.value_dtype)
-    history = run(c, [30.0] * 4)
-    assert exchange_s(c, 30.0) <= 0.8 * COMPUTE, history  # hidden again within 4 rounds of a 10x drop
+    history = run(c, [30.0] * 5)
+    assert exchange_s(c, 30.0) <= 0.8 * COMPUTE, history  # hidden again within 5 rounds of a 10x drop
     assert c.candidates.index((c.density, c.value_dtype)) > c.candidates.index(fast)
 
 
@@ -81,7 +95,7 @@ def test_rising_rate_is_followed_within_a_few_rounds():
     c = adaptive()
     run(c, [30.0] * 10)
     slow = c.candidates.index((c.density, c.value_dtype))
-    run(c, [300.0] * 4)
+    run(c, [300.0] * 5)
     assert c.candidates.index((c.density, c.value_dtype)) < slow
     assert exchange_s(c, 300.0) <= 0.8 * COMPUTE
 
@@ -101,7 +115,7 @@ def test_cheaper_coding_comes_before_lower_density():
     # a rate at which the ceiling fits in q4 but not in f16
     rate = next(r for r in np.geomspace(10, 1e4, 200) if exchange_s(c, r, (0.1, "q4")) <= 0.7 * COMPUTE)
     assert exchange_s(c, rate, (0.1, "f16")) > 0.8 * COMPUTE
-    run(c, [rate] * 4)
+    run(c, [rate] * 6)  # the fastest of five rounds forgets the LAN after five
     assert (c.density, c.value_dtype) == (0.1, "q4")
 
 
