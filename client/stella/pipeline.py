@@ -293,7 +293,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
         # gradient mode's pushes feed the server's optimizer (momentum, Adam) directly: 2-bit
         # values made its steps erratic on digits (tests/test_convergence.py), so it stops at q4
-        auto_codings = CODINGS if mode == "update" else CODINGS[:2]
+        # (compressions started in backward run on their own thread, so their coding cannot change)
+        auto_codings = CODINGS if mode == "update" else CODINGS[:1] if compress_in_backward else CODINGS[:2]
         self.controller = Controller(density=None if c.density == "auto" else float(c.density),
                                      floor=c.min_density, ceiling=c.max_density,
                                      codings=auto_codings if c.value_dtype == "auto" else (c.value_dtype,))
