@@ -4,6 +4,7 @@ pinning, the order of the knobs), the weighting of a step's pushes by their samp
 while its exchange is in flight (real server)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -98,6 +99,19 @@ def test_rising_rate_is_followed_within_a_few_rounds():
     run(c, [300.0] * 5)
     assert c.candidates.index((c.density, c.value_dtype)) < slow
     assert exchange_s(c, 300.0) <= 0.8 * COMPUTE
+
+
+def test_the_servers_step_counts_and_shrinks_with_the_density():
+    """A server that takes 0.1 s per step at the ceiling (it grows with the coordinates
+    pushed) leaves less of the compute for the link: a lower density than on the same
+    link without it, and the exchange with the server's share hidden."""
+    fast, slow = adaptive(), adaptive()
+    for _ in range(12):
+        fast.observe(link_round(fast, 300.0))
+        m = link_round(slow, 300.0)
+        slow.observe(dataclasses.replace(m, server_s=0.1 * slow.density / 0.1))
+    assert slow.density < fast.density
+    assert exchange_s(slow, 300.0) + 0.1 * slow.density / 0.1 <= 0.8 * COMPUTE
 
 
 def test_bounds_hold_and_a_hopeless_link_gets_the_cheapest():

@@ -18,11 +18,15 @@ follows a rise at once and a fall in five rounds; against rounds that measure
 uniformly 30-100% of the link it changes its choice about twice in 60 rounds, the
 second fastest about six times, the median more (tests/test_adapt.py). A candidate
 ``(density, coding)`` would take
-``compress + push_bytes' / up + pull_bytes' / down``, where
+``compress + push_bytes' / up + server' + pull_bytes' / down``, where
 ``push_bytes'`` scales the bytes measured at the current candidate by the coded size
 of a coordinate (value bits plus Rice index bits, ``log2(1/density) + 2``), and the
 pull's follow the density likewise, in the broadcast's q4 (it sends a multiple of a
-push's coordinates).
+push's coordinates). ``server'`` is the server's time applying the round's step (the
+``delta``'s ``step_ms``), taken as proportional to the density: decoding, applying and
+encoding grow with the coordinates every worker pushes, and the workers of a job adapt
+alike (the broadcast's pass over the whole residual does not shrink: issue 21).
+Waiting for other workers is in none of these terms.
 
 The choice. Candidates are ordered best first: densities from ``ceiling`` down to
 ``floor`` by factors of 1.25, and at each density the codings best first (f16, q4,
@@ -89,6 +93,7 @@ class RoundMeasure:
     push_s: float  # send to acknowledgement
     pull_bytes: int
     pull_s: float  # request to answer, minus the time the server held it (<= 0: not measured)
+    server_s: float = 0.0  # the server's time applying the round's step
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class Controller:
         self._compress: deque[float] = deque(maxlen=window)
         self._bytes_per_bit = 0.0  # push bytes per coded bit, at the latest candidate measured
         self._pull_per_bit = 0.0  # the latest pull's bytes per coded bit of a pushed coordinate
+        self._server: deque[float] = deque(maxlen=window)  # the server's step per unit of density
         self.decisions = 0  # changes made
         self.window = window
         self._since_change = 0  # rounds observed since the latest change
@@ -162,7 +168,8 @@ class Controller:
         d, c = self.candidates[i]
         push = self._bytes_per_bit * d * coordinate_bits(d, c) / up
         pull = self._pull_per_bit * d * coordinate_bits(d, PULL_CODING) / down if down > 0.0 else 0.0
-        return statistics.median(self._compress) + push + pull
+        server = statistics.median(self._server) * d if self._server else 0.0
+        return statistics.median(self._compress) + push + server + pull
 
     def observe(self, m: RoundMeasure) -> Decision:
         """Learn from one round, measured at the current candidate; returns the next push's."""
@@ -173,6 +180,7 @@ class Controller:
         if m.push_bytes > 0 and m.push_s > 0.0:
             self._up.append(m.push_bytes / m.push_s)
             self._bytes_per_bit = m.push_bytes / (d * coordinate_bits(d, c))
+        self._server.append(m.server_s / d)
         if m.pull_s > 0.0 and m.pull_bytes > 0:
             self._down.append(m.pull_bytes / m.pull_s)
             self._pull_per_bit = m.pull_bytes / (d * coordinate_bits(d, PULL_CODING))

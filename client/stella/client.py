@@ -126,6 +126,7 @@ class PullResult:
     rebased: bool = False
     steps: list[dict[str, tuple[np.ndarray | None, np.ndarray]]] = field(default_factory=list)
     held_s: float = 0.0
+    step_s: float = 0.0  # the server's time applying its latest step
 
     @property
     def count(self) -> int:
@@ -414,19 +415,19 @@ class Client:
         if delta.full:
             self._session.need_snapshot = False
         rebased = self._session.was_rebased(delta.req)
-        held = delta.held_ms / 1e3
+        held, step = delta.held_ms / 1e3, delta.step_ms / 1e3
         if not decode:  # the version only
-            return PullResult(delta.version, delta.full, {}, rebased=rebased, held_s=held)
+            return PullResult(delta.version, delta.full, {}, rebased=rebased, held_s=held, step_s=step)
         decoded = decode_tensors(rx, self.layout)  # installed values are f32 (the decoder checked)
         if not delta.add:
             out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
-            return PullResult(delta.version, delta.full, out, rebased=rebased, held_s=held)
+            return PullResult(delta.version, delta.full, out, rebased=rebased, held_s=held, step_s=step)
         steps, at = [], 0
         for n in delta.parts:  # one part per step made after ``since`` (none: no step)
             steps.append({self.layout[s.tensor].name: (s.indices, codec.to_float32(s.values))
                           for s in decoded[at:at + n]})
             at += n
-        return PullResult(delta.version, False, {}, rebased=rebased, steps=steps, held_s=held)
+        return PullResult(delta.version, False, {}, rebased=rebased, steps=steps, held_s=held, step_s=step)
 
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """The server's counters (see docs/protocol.md, ``status``); needs no join."""

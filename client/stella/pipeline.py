@@ -105,7 +105,7 @@ class Compression:
     """
 
     density: float | Literal["auto"] = "auto"
-    min_density: float = 0.01
+    min_density: float = 0.001
     max_density: float = 0.1
     method: str = "threshold"
     dense_below: int = DENSE_BELOW
@@ -407,7 +407,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         # step, for other workers); the push's: send to acknowledgement
         pull_s = (t2 - max(t_pull, t_ack) - first.held_s) if delta is first else 0.0
         self._measure = RoundMeasure(compute_s=0.0, compress_s=t1 - t0, push_bytes=up1 - up0, push_s=t_ack - t1,
-                                     pull_bytes=down1 - down0, pull_s=max(0.0, pull_s))
+                                     pull_bytes=down1 - down0, pull_s=max(0.0, pull_s), server_s=first.step_s)
         self.stats.compress_s += t1 - t0
         t3 = time.perf_counter()
         self.stats.exchange_s += t3 - t1

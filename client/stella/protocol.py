@@ -338,6 +338,8 @@ class Delta(_Message, tag="delta", frozen=True):
     # milliseconds the server held the pull (waiting for the step, encoding) before it
     # sent this reply: the rest of the time the worker saw is the link's
     held_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
+    # milliseconds the server's latest step took to apply (its share of a round that grows with the pushes)
+    step_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
 
 
 class StatusReply(_Message, tag="status", frozen=True):

@@ -296,7 +296,7 @@ class ShardedClient:
         self._record(version, [r.version for r in results])
         tensors = self._merge([r.tensors for r in results])
         return PullResult(version, True, tensors, rebased=any(r.rebased for r in results),
-                          held_s=min(r.held_s for r in results))
+                          held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results))
 
     def _rounds_after(self, since: int, at: list[int], results: list[PullResult]) -> PullResult:
         """The rounds every shard has the steps of, after ``since``; a snapshot from any
@@ -317,7 +317,7 @@ class ShardedClient:
         if n:
             self._record(since + n, [v + n for v in at])
         return PullResult(since + n, False, {}, rebased=any(r.rebased for r in results), steps=steps,
-                          held_s=min(r.held_s for r in results))
+                          held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results))
 
     def _merge(self, per_shard: list[Sparse]) -> Sparse:
         """Each shard's piece entries as entries of the model's tensors (the pieces of a

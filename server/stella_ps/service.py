@@ -348,4 +348,5 @@ class Service:
         enc = await self.store_thread.run(self.store.encoded_delta, msg.since, msg.coding)
         held_ms = min(1e9, 1e3 * (time.monotonic() - arrived))  # the worker's measure of its link leaves it out
         self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                                parts=enc.parts, held_ms=held_ms), enc.frames)
+                                parts=enc.parts, held_ms=held_ms,
+                                step_ms=min(1e9, 1e3 * self.steps.last_apply_s)), enc.frames)

@@ -69,6 +69,7 @@ class StepScheduler:
                               max_queued_push_bytes=limits.max_queued_push_bytes, adaptive=adaptive,
                               clock=clock.now, max_sample_ratio=limits.max_sample_ratio)
         self.optimizer: OptimizerConfig | None = None  # in force; set when the model is initialised
+        self.last_apply_s = 0.0  # the latest step's time on the store thread (pulls tell workers)
         self._listeners: list[StepListener] = []
         self._applying = False
         self._timer: Timer | None = None
@@ -228,6 +229,7 @@ class StepScheduler:
                     version = await self._store_thread.run(self._apply_guarded, step, cfg)
                 now = self._clock.now()
                 self._stats.count_step(step.late, now, now - t0, opened)
+                self.last_apply_s = now - t0
                 log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
                                                  "apply_ms": round(1e3 * (now - t0), 3)})
                 self.members.stepped = True
