@@ -459,7 +459,17 @@ def plot(scenarios: dict[str, dict], path: str) -> None:
                 ax["link Mbit/s"].step(*zip(*keep), where="post", color="black", ls=ls, lw=1,
                                        label=f"site {site} ({'w0' if site == 'a' else 'w1'}) schedule, at "
                                              f"{first['system'] if first else '?'}'s training time")
-        ax["metric"].set_title(f"{scen} ({scenarios[scen]['workload']}); solid w0 (site a), dashed w1 (site b)")
+        # the time axis ends a little after the adaptive runs, so that a baseline many times
+        # slower (DDP, a pinned density the link cannot carry) does not squeeze them flat
+        ends = [x["t"] for r in results if r.get("ok") and r["system"].startswith("adaptive")
+                for k in r["ranks"] if k for x in k["iters"]]
+        cut = ""
+        if ends and 1.5 * max(ends) < tmax:
+            for name in rows:
+                ax[name].set_xlim(0, 1.5 * max(ends))
+            cut = f"; time cut at {1.5 * max(ends):.0f} s of {tmax:.0f}"
+        ax["metric"].set_title(f"{scen} ({scenarios[scen]['workload']}); solid w0 (site a), dashed w1 (site b){cut}",
+                               fontsize=9)
         ax["metric"].legend(fontsize=7)
         ax["density"].set_yscale("log")
         ax["coding"].set_yticks(range(len(codings)), codings)
