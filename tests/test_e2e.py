@@ -28,7 +28,7 @@ def test_stella_runner_trains_digits_through_a_real_server(mode, staleness, tmp_
     assert max(accs) >= 0.8, accs  # both modes, overlapped or not, really train
     assert res["iter_median"] > 0 and 0 <= res["net_wait_fraction"] <= 1
     assert res["compress_s_per_iter"] > 0 and res["exchange_s_per_iter"] > 0
-    assert all(0.01 <= d <= 0.1 for d in res["final_density"])  # density="auto" stays in its range
+    assert all(0.001 <= d <= 0.1 for d in res["final_density"])  # density="auto" stays in its range
 
 
 @pytest.mark.slow
