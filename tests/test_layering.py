@@ -12,7 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"stella": os.path.join(ROOT, "client", "stella"), "stella_ps": os.path.join(ROOT, "server", "stella_ps")}
-CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process")}  # the demo starts its own stella-ps (README Layout)
+# the demo, and stella profile's measurement of the server's time, start their own stella-ps (README Layout)
+CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process"), ("stella.profile", "stella_ps.process")}
 
 
 def _imports(package: str) -> dict[str, set[str]]:

@@ -1,5 +1,6 @@
 """``stella``: the user command line (``stella demo``, ``stella status``, ``stella keygen``,
-``stella export``)."""
+``stella export``, ``stella profile``, ``stella plan``). Heavy imports (torch) happen
+inside the subcommand that needs them: ``stella plan`` never imports torch."""
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,41 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="write a stella-ps checkpoint's parameters as a plain PyTorch state_dict")
     ex.add_argument("checkpoint", help="a checkpoint file from stella-ps --checkpoint-dir")
     ex.add_argument("out", help="the .pt file to write (torch.save of {name: tensor})")
+    pr = sub.add_parser("profile", help="measure a model for stella plan (compute s/step, bytes per round, the "
+                        "server's time per step), or read a running job's reports; writes a JSON profile")
+    src = pr.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="MODULE:FN", help="FN() returns {'model', 'batch', 'loss'[, 'optimizer', "
+                     "'batch_size']} (docs/plan.md)")
+    src.add_argument("--from", dest="from_address", metavar="ADDRESS",
+                     help="a running job (its workers' reports, through status)")
+    pr.add_argument("--out", required=True, metavar="PATH", help="the profile JSON to write")
+    pr.add_argument("--steps", type=int, default=20, help="timed training steps")
+    pr.add_argument("--no-server", action="store_true", help="skip the real stella-ps on loopback (the server's "
+                    "time then comes from bench.server's figures)")
+    pr.add_argument("--target-iterations", type=float, help="dense training's iterations to the target")
+    pr.add_argument("--global-batch", type=int, help="... at this global batch (default: the profile's batch)")
+    pr.add_argument("--critical-batch", type=float, default=0.0,
+                    help="iterations scale as 1 + B_crit/B with the global batch B (0: constant iterations)")
+    pr.add_argument("--target-source", default="", help="where the target iterations come from (a label)")
+    pr.add_argument("--factors", metavar="FILE", help="a TOML or JSON table of iterations factors against dense "
+                    "training: [[factors]] density, coding, H, factor")
+    pr.add_argument("--samples", type=int, default=3, help="with --from: status replies to read")
+    pr.add_argument("--batch-size", type=int, default=0, help="with --from: the workers' batch size")
+    pl = sub.add_parser("plan", help="predict time and cost of a job on a catalog of machines, and pick one")
+    pl.add_argument("--catalog", required=True, help="the machine catalog (TOML; docs/plan.md)")
+    pl.add_argument("--profile", required=True, help="the model's profile (stella profile)")
+    pl.add_argument("--deadline", help="e.g. 12h, 90m, 2d: rank by cost among those that meet it")
+    pl.add_argument("--budget", type=float, help="in the catalog's currency: rank by time among those within it")
+    pl.add_argument("--top", type=int, default=10, help="rows to show")
+    pl.add_argument("--plot", metavar="PNG", help="write the Pareto front of time against cost")
+    pl.add_argument("--json", metavar="PATH", help="write the ranked rows and the front as JSON")
     a = p.parse_args(argv)
+    if a.cmd == "plan":
+        from .plan import main_plan
+
+        return main_plan(a)
+    if a.cmd == "profile":
+        return profile(a)
     if a.cmd == "export":
         return export(a.checkpoint, a.out)
     if a.cmd == "keygen":
@@ -78,6 +113,72 @@ def main(argv: list[str] | None = None) -> int:
     except (StellaError, ValueError) as e:
         print(f"stella status: {e}", file=sys.stderr)
         return 1
+
+
+def profile(a: argparse.Namespace) -> int:
+    """``stella profile``: measure (``--model``) or read (``--from``), then write the JSON."""
+    from . import plan as P
+    from .errors import StellaError
+
+    try:
+        target = None
+        if a.target_iterations:
+            target = {"dense_iterations": a.target_iterations, "global_batch": a.global_batch or 0,
+                      "critical_batch": a.critical_batch,
+                      "source": a.target_source or "user-given (stella profile --target-iterations)"}
+        factors = read_factors(a.factors) if a.factors else []
+        if a.from_address:
+            from .profile import profile_from_status
+
+            doc = profile_from_status(a.from_address, samples=a.samples, batch_size=a.batch_size or 1)
+        else:
+            from .profile import load_model_spec, profile_model
+
+            spec = load_model_spec(a.model)
+            batch = spec["batch"]
+            bs = int(spec.get("batch_size") or len(batch[0] if isinstance(batch, (tuple, list)) else batch))
+            doc = profile_model(spec["model"], spec["loss"], lambda: batch, optimizer=spec.get("optimizer"),
+                                batch_size=bs, name=a.model, steps=a.steps, server=not a.no_server,
+                                log=lambda s: print(s, file=sys.stderr))
+        if target:
+            target["global_batch"] = target["global_batch"] or doc["batch_size"]
+            doc["target"] = target
+        if factors:
+            doc["factors"] = factors
+        P.profile_from_dict(doc, a.out)  # what is written must read back
+        P.write_json(a.out, doc)
+    except (StellaError, OSError) as e:
+        print(f"stella profile: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}: {doc['numel']:,} parameters, {doc['compute_s']:.4g} s/step at batch {doc['batch_size']}",
+          file=sys.stderr)
+    return 0
+
+
+def read_factors(path: str) -> list[dict]:
+    """A user's table of iterations factors (TOML ``[[factors]]`` or a JSON list), labelled
+    with its file as the source."""
+    import json
+
+    from .plan import PlanError, ProfileError, read_toml
+
+    try:
+        if path.endswith(".toml"):
+            rows = read_toml(path).get("factors", [])
+        else:
+            with open(path) as f:
+                rows = json.load(f)
+    except (OSError, ValueError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise ProfileError(f"{path}: cannot read the factors table: {e}") from None
+    out = []
+    for i, r in enumerate(rows):
+        missing = [k for k in ("density", "coding", "H", "factor") if k not in r]
+        if missing:
+            raise ProfileError(f"{path}: factors entry {i}: missing {', '.join(missing)}")
+        out.append({**r, "source": r.get("source", f"user table {path}")})
+    return out
 
 
 def export(checkpoint: str, out: str) -> int:

@@ -1,0 +1,285 @@
+"""``stella profile``: what :mod:`stella.plan` needs to know of a model, measured.
+
+On one machine (:func:`profile_model`):
+
+- **compute**: seconds per training step (forward, backward, the local optimizer) at the
+  batch size, the median of ``steps`` after warm-up;
+- **bytes per round** at a few densities and value codings: a real weight change (the
+  model's parameters after a few steps minus before, what update mode pushes) through the
+  real compressor (:class:`stella.compress.ErrorFeedbackCompressor`) and the real encoder
+  (Rice indices, the coding's values): the bytes of the frames and entries;
+- **the compressor's time** per model coordinate;
+- **the server's time per step** at the job's size: a real ``stella-ps`` on loopback, ``W``
+  clients replaying pre-encoded pushes (as ``bench.server`` does) at 1 and 3 workers; the
+  server process's CPU per step, split by least squares into a cost per pushed
+  coordinate and one per model coordinate (the broadcast's pass over its residual), and
+  the broadcast pull's bytes per round.
+
+From a running job (:func:`profile_from_status`): the workers' reports (compute s/it,
+exchange, density, coding, bytes per push) through ``status``; the server's time is not
+in the reports (the profile says so and takes bench.server's figures).
+
+The iterations-to-target factor of each configuration is not measured here: it comes from
+a table (the benchmarks' or the user's), and the profile labels its source.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+from .adapt import CODINGS
+from .plan import STALL_S, STALL_SOURCE, ProfileError
+from .protocol import ValueDtype
+
+__all__ = ["profile_model", "profile_from_status", "load_model_spec", "measure_compute", "measure_bytes",
+           "measure_server", "DEFAULT_DENSITIES", "BENCH_SERVER"]
+
+DEFAULT_DENSITIES = (0.003, 0.01, 0.03, 0.1)
+# bench.server (2026-11-26, 10M parameters, 1% pushes, broadcast q4 x2): 58 ms of server CPU per step at W = 2,
+# 92 ms at W = 8: ~57 ns per pushed coordinate and ~4.7 ns per model coordinate and step
+BENCH_SERVER = {"per_update_s": 57e-9, "per_numel_s": 4.7e-9,
+                "source": "bench/RESULTS.md 2026-11-26 (bench.server, 1 shard, SGD, W = 2 and 8)"}
+
+
+def _machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    return f"{cpu or platform.machine()}, {os.cpu_count()} logical CPUs"
+
+
+def load_model_spec(spec: str) -> dict[str, Any]:
+    """``MODULE:FN``: ``FN()`` returns a dict with ``model`` (a torch module), ``batch`` (one
+    batch), ``loss`` (``loss(model, batch)`` -> scalar tensor), and optionally
+    ``optimizer`` (default AdamW lr 1e-3) and ``batch_size`` (default: the batch's length)."""
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise ProfileError(f"--model {spec!r}: expected MODULE:FUNCTION (e.g. mytrain:stella_profile)")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ProfileError(f"--model {spec!r}: {e}") from None
+    out = fn()
+    for key in ("model", "batch", "loss"):
+        if key not in out:
+            raise ProfileError(f"--model {spec!r}: {fn_name}() must return a dict with {key!r}")
+    return dict(out)
+
+
+def measure_compute(model: Any, loss: Callable[[Any, Any], Any], next_batch: Callable[[], Any], optimizer: Any,
+                    steps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of one training step (zero_grad, forward, backward, optimizer step)."""
+    import torch
+
+    times = []
+    for i in range(warmup + steps):
+        batch = next_batch()
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        loss(model, batch).backward()
+        optimizer.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAULT_DENSITIES,
+                  codings: Sequence[str] = CODINGS) -> tuple[list[dict[str, Any]], float]:
+    """Bytes of one push of ``update`` (name -> tensor: a real weight change) at each
+    density and coding, through the real compressor and encoder; and the compressor's
+    seconds per coordinate (at 1%)."""
+    import msgspec
+
+    from .compress import ErrorFeedbackCompressor
+    from .protocol import SparseTensor, TensorSpec, encode_tensors
+
+    layout = [TensorSpec(n, tuple(int(s) for s in t.shape), "float32") for n, t in update.items()]
+    numel = sum(t.numel() for t in update.values())
+    out, per_numel = [], 0.0
+    for d in densities:
+        for c in codings:
+            comp = ErrorFeedbackCompressor(density=d, value_dtype=c)
+            t0 = time.perf_counter()
+            items = []
+            for i, (name, t) in enumerate(update.items()):
+                sg = comp.compress(name, t.detach().float().reshape(-1).clone())
+                items.append(SparseTensor(i, None if sg.is_dense else sg.indices, sg.values))
+            dt = time.perf_counter() - t0
+            entries, frames = encode_tensors(items, layout, "rice", cast(ValueDtype, c))
+            nbytes = sum(memoryview(f).nbytes for f in frames) + len(msgspec.msgpack.encode(entries)) + 64
+            out.append({"density": d, "coding": c, "bytes": nbytes})
+            if abs(d - 0.01) < 1e-12 or per_numel == 0.0:
+                per_numel = dt / max(1, numel)
+    return out, per_numel
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tuple[int, float]] = ((1, 0.01),
+                   (3, 0.01), (3, 0.03)), steps: int = 12, warmup: int = 3, timeout: float = 120.0,
+                   log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The server's CPU per step for each ``(workers, density)`` point, on loopback, a
+    fresh ``stella-ps`` per point; fitted into per pushed coordinate + per model coordinate."""
+    import numpy as np
+
+    from stella_ps.process import ServerProcess
+
+    from .client import Client
+
+    numel = sum(int(np.prod(s)) for s in shapes.values())
+    rng = np.random.default_rng(0)
+    rows = []
+    for workers, density in points:
+        with ServerProcess(workers, ["--max-workers-per-key", str(workers + 1)], log_level="WARNING",
+                           timeout=60) as ps:
+            keys = ps.client_kwargs()
+            clients = [Client(ps.endpoint, timeout=timeout, name=f"profile-{i}", server_key=keys.get("server_key"),
+                              client_key=keys.get("client_key")) for i in range(workers)]
+            try:
+                init = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+                for c in clients:
+                    c.register(init, {"name": "sgd", "lr": 1.0}, mode="update")
+                encoded = []
+                for c in clients:
+                    upd = {}
+                    for n, t in init.items():
+                        k = max(1, int(t.size * density))
+                        idx = np.sort(rng.choice(t.size, k, replace=False)).astype(np.int32)
+                        upd[n] = (idx, (rng.standard_normal(k) * 1e-3).astype(np.float32))
+                    encoded.append(c.encode_push(upd, value_dtype="f16", index_coding="rice"))
+                versions = [c.pull(None, decode=False).version for c in clients]
+                cpu0 = t0 = pulled0 = 0.0
+                for s in range(warmup + steps):
+                    if s == warmup:
+                        cpu0, t0, pulled0 = _cpu_seconds(ps.pid), time.perf_counter(), clients[0].bytes_pulled
+                    pushes = [c.push(e, v, wait=False) for c, e, v in zip(clients, encoded, versions)]
+                    pulls = [c.pull(v, wait_for=v + 1, decode=False, wait=False) for c, v in zip(clients, versions)]
+                    for p in pushes:
+                        p.result()
+                    versions = [p.result().version for p in pulls]
+                cpu = (_cpu_seconds(ps.pid) - cpu0) / steps
+                wall = (time.perf_counter() - t0) / steps
+                pulled = (clients[0].bytes_pulled - pulled0) / steps
+            finally:
+                for c in clients:
+                    c.close()
+        rows.append({"workers": workers, "density": density, "cpu_s_per_step": cpu, "wall_s_per_step": wall,
+                     "pull_bytes": pulled, "updates": workers * sum(max(1, int(np.prod(s) * density))
+                                                                    for s in shapes.values())})
+        log(f"  server: W={workers} density {density:g}: {1e3 * cpu:.1f} ms CPU/step, pull {pulled:,.0f} B/round")
+    # cpu = per_update * updates + fixed, fixed = per_numel * numel
+    a = np.array([[r["updates"], 1.0] for r in rows])
+    y = np.array([r["cpu_s_per_step"] for r in rows])
+    per_update, fixed = np.linalg.lstsq(a, y, rcond=None)[0]
+    if per_update < 0 or fixed < 0:
+        per_update, fixed = max(per_update, 0.0), max(float(np.mean(y - max(per_update, 0.0) * a[:, 0])), 0.0)
+    return {"per_update_s": float(per_update), "per_numel_s": float(fixed) / numel, "measured": rows,
+            "source": f"measured: stella-ps on loopback, {_machine()}"}
+
+
+def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Callable[[], Any], *,
+                  optimizer: Any = None, batch_size: int, name: str = "model", steps: int = 20,
+                  densities: Sequence[float] = DEFAULT_DENSITIES, server: bool = True,
+                  target: Mapping[str, Any] | None = None, factors: Sequence[Mapping[str, Any]] = (),
+                  log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Measure a model (module doc) and return the profile as a JSON-ready dict."""
+    import torch
+
+    from .compress import DENSE_BELOW
+
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    compute_s = measure_compute(model, loss, next_batch, optimizer, steps=steps)
+    log(f"  compute: {1e3 * compute_s:.1f} ms/step at batch {batch_size}")
+    update = {n: (p.detach() - before[n]) for n, p in params.items()}  # the weights' change: what update mode pushes
+    push, per_numel = measure_bytes(update, densities)
+    log("  push bytes: " + ", ".join(f"{e['density']:g}/{e['coding']} {e['bytes']:,}" for e in push))
+    numel = sum(p.numel() for p in params.values())
+    sparse_numel = sum(p.numel() for p in params.values() if p.numel() >= DENSE_BELOW)
+    shapes = {n: tuple(int(s) for s in p.shape) for n, p in params.items()}
+    if server:
+        srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)), log=log)
+        # the broadcast of a job of one worker is smaller (its residual is one push's): the rows with W > 1
+        several = [r for r in srv["measured"] if r["workers"] > 1] or srv["measured"]
+        pull = {"factor": 2.0, "values": "q4",
+                "bytes": [{"density": r["density"], "bytes": r["pull_bytes"]} for r in several]}
+    else:
+        srv = dict(BENCH_SERVER)
+        pull = {"factor": 2.0, "values": "q4", "bytes": [{"density": e["density"], "bytes": 1.03 * e["bytes"]}
+                                                         for e in push if e["coding"] == "q4"],
+                "source": "estimated: the broadcast carries 2x a push's coordinates at q4"}
+    return {
+        "stella_profile": 1, "model": name, "numel": numel, "sparse_numel": sparse_numel, "batch_size": batch_size,
+        "device": str(next(iter(params.values())).device) + f" ({_machine()}, torch threads "
+                                                              f"{torch.get_num_threads()})",
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "compute_s": compute_s, "compress_s_per_numel": per_numel, "push": push, "pull": pull, "server": srv,
+        "target": dict(target or {"dense_iterations": 1000, "global_batch": batch_size, "critical_batch": 0,
+                                   "source": "placeholder: give --target-iterations (dense training's iterations "
+                                   "to the target)"}),
+        "factors": [dict(f) for f in factors],
+        "revocation": {"stall_s": STALL_S, "source": STALL_SOURCE},
+    }
+
+
+def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0, timeout: float = 5.0,
+                        server_key: str | None = None, client_key: str | None = None,
+                        batch_size: int = 1) -> dict[str, Any]:
+    """A profile from a running job's ``status`` replies (its workers' reports): compute
+    s/it (the median over workers and samples), bytes per push and pull at the density
+    and coding the workers use. The server's time comes from bench.server's figures."""
+    from .shards import connect
+
+    reps: list[Any] = []
+    pushes: list[tuple[float, str, float, float]] = []
+    numel = 0
+    with connect(address, timeout=timeout, join=False, server_key=server_key, client_key=client_key) as c:
+        for i in range(max(1, samples)):
+            got = c.status()
+            st = got[0] if isinstance(got, list) else got
+            numel = sum(s.numel for s in got) if isinstance(got, list) else st.numel
+            for w in st.live or []:
+                r = w.report
+                if r is None or w.pushes == 0:
+                    continue
+                reps.append(r)
+                pushes.append((r.density, r.value_dtype or "f16", r.bytes_pushed / w.pushes,
+                               r.bytes_pulled / max(1, w.pulls)))
+            if i + 1 < samples:
+                time.sleep(interval)
+    if not reps:
+        raise ProfileError(f"{address}: no worker has reported yet (a report rides on each push)")
+    d = statistics.median(p[0] for p in pushes)
+    coding = statistics.mode(p[1] for p in pushes)
+    return {
+        "stella_profile": 1, "model": f"job at {address}", "numel": numel, "sparse_numel": numel,
+        "batch_size": batch_size, "device": "the job's workers (from their reports)",
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "compute_s": statistics.median(r.compute_s for r in reps),
+        "compress_s_per_numel": 0.0,
+        "push": [{"density": d, "coding": coding, "bytes": statistics.median(p[2] for p in pushes)}],
+        "pull": {"factor": 2.0, "values": "q4", "bytes": [{"density": d, "bytes": statistics.median(p[3]
+                                                                                                    for p in pushes)}]},
+        "server": dict(BENCH_SERVER),
+        "target": {"dense_iterations": 1000, "global_batch": batch_size, "critical_batch": 0,
+                   "source": "placeholder: give --target-iterations"},
+        "factors": [], "revocation": {"stall_s": STALL_S, "source": STALL_SOURCE},
+        "reports": len(reps),
+    }

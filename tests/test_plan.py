@@ -1,0 +1,416 @@
+"""``stella plan`` and ``stella profile``: the catalog's schema check, the model's sanity
+(monotone in what it should be, compute-bound where the links are fast), the revocation
+arithmetic, the ranking under a deadline and a budget, the CLI's speed on 10 kinds
+without torch, the least-squares fit, and a profile of a tiny model against a real
+``stella-ps``."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stella import plan as P
+from stella.adapt import coordinate_bits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "docs", "catalog.example.toml")
+N = 10_000_000
+
+GOOD = """
+currency = "USD"
+prices_note = "illustrative"
+
+[server]
+price = 0.5
+cores = 4
+up_mbps = 10000
+down_mbps = 10000
+
+[kinds.lab]
+gpu = "RTX 4090"
+gpus = 2
+speed = 1.0
+onprem = true
+count = 1
+up_mbps = 100
+down_mbps = 100
+
+[kinds.cloud]
+gpu = "A100"
+speed = 1.5
+count = 8
+price = 3.0
+spot_price = 1.0
+mttr_h = 4
+up_mbps = 1000
+down_mbps = 1000
+"""
+
+
+def profile_doc(**over) -> dict:
+    def pb(d, c):
+        return N * d * coordinate_bits(d, c) / 8 + 2000
+
+    doc = {"stella_profile": 1, "model": "toy", "numel": N, "sparse_numel": N, "batch_size": 32, "compute_s": 0.2,
+           "compress_s_per_numel": 1e-9,
+           "push": [{"density": d, "coding": c, "bytes": pb(d, c)} for d in (0.003, 0.01, 0.03)
+                    for c in ("f16", "q4", "q2")],
+           "pull": {"factor": 2.0, "values": "q4",
+                    "bytes": [{"density": d, "bytes": pb(min(1, 2 * d), "q4")} for d in (0.003, 0.01, 0.03)]},
+           "server": {"per_update_s": 57e-9, "per_numel_s": 4.7e-9},
+           "target": {"dense_iterations": 10_000, "global_batch": 64, "critical_batch": 0, "source": "test"},
+           "factors": [{"density": 0.01, "coding": "f16", "H": 1, "factor": 1.1, "source": "t1"},
+                       {"density": 0.01, "coding": "q2", "H": 1, "factor": 1.2, "source": "t2"},
+                       {"density": 0.001, "coding": "q2", "H": 8, "factor": 1.6, "source": "t3"}]}
+    doc.update(over)
+    return doc
+
+
+@pytest.fixture
+def catalog(tmp_path) -> P.Catalog:
+    path = tmp_path / "c.toml"
+    path.write_text(GOOD)
+    return P.load_catalog(str(path))
+
+
+@pytest.fixture
+def profile() -> P.Profile:
+    return P.profile_from_dict(profile_doc())
+
+
+# ------------------------------------------------------------------ the catalog
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("price = 3.0", "prise = 3.0"), "kind 'cloud': unknown field 'prise' (did you mean 'price'?)"),
+    (("speed = 1.5\n", ""), "kind 'cloud': missing field 'speed'"),
+    (("count = 8", 'count = "8"'), "kind 'cloud': field 'count' must be int, got '8'"),
+    (("count = 8", "count = 0"), "kind 'cloud': field 'count' must be > 0, got 0"),
+    (("up_mbps = 1000\n", "up_mbps = -5\n"), "kind 'cloud': field 'up_mbps' must be > 0, got -5"),
+    (("onprem = true", "onprem = true\nprice = 2.0"), "kind 'lab': field 'price' must be 0 for an on-premises kind"),
+    (("onprem = true", "onprem = true\nspot_price = 1.0"), "kind 'lab': field 'spot_price' is for cloud kinds"),
+    (("mttr_h = 4\n", ""), "kind 'cloud': fields 'spot_price' and 'mttr_h' go together"),
+    (("price = 3.0\n", ""), "kind 'cloud': missing field 'price'"),
+    (("[server]", "[serve]"), "unknown field 'serve' (did you mean 'server'?)"),
+    (("gpus = 2", "gpus = 2.5"), "kind 'lab': field 'gpus' must be int, got 2.5"),
+    (("onprem = true", "onprem = 1"), "kind 'lab': field 'onprem' must be bool, got 1"),
+    (("cores = 4", "cores = 4\ncpus = 3"), "[server]: unknown field 'cpus'"),
+    (("currency", "currency = = "), "not valid TOML"),
+])
+def test_catalog_errors_name_the_file_kind_and_field(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(GOOD.replace(*edit, 1))
+    with pytest.raises(P.CatalogError) as e:
+        P.load_catalog(str(path))
+    assert str(e.value).startswith(str(path)), e.value
+    assert message in str(e.value), e.value
+
+
+def test_catalog_missing_parts(tmp_path):
+    with pytest.raises(P.CatalogError, match="cannot read the catalog"):
+        P.load_catalog(str(tmp_path / "nope.toml"))
+    for text, msg in (("[kinds.a]\ngpu='x'\n", "missing table [server]"),
+                      ("[server]\nprice=1\nup_mbps=1\ndown_mbps=1\n", "no machine kinds")):
+        (tmp_path / "x.toml").write_text(text)
+        with pytest.raises(P.CatalogError, match=msg.replace("[", r"\[")):
+            P.load_catalog(str(tmp_path / "x.toml"))
+
+
+def test_example_catalog_loads_and_says_its_prices_are_illustrative():
+    cat = P.load_catalog(EXAMPLE)
+    assert "ILLUSTRATIVE" in cat.prices_note
+    assert any(k.onprem and k.price == 0 for k in cat.kinds)
+    assert any(k.spot_price is not None and k.mttr_h for k in cat.kinds)
+    with open(EXAMPLE) as f:
+        assert "ILLUSTRATIVE PRICES ONLY" in f.read()
+
+
+def test_profile_errors():
+    with pytest.raises(P.ProfileError, match="not a Stella profile"):
+        P.profile_from_dict({"model": "x"}, "p.json")
+    doc = profile_doc()
+    del doc["compute_s"]
+    with pytest.raises(P.ProfileError, match=r"p\.json: missing field 'compute_s'"):
+        P.profile_from_dict(doc, "p.json")
+    with pytest.raises(P.ProfileError, match="coding 'q3'"):
+        P.profile_from_dict(profile_doc(push=[{"density": 0.01, "coding": "q3", "bytes": 1}]), "p.json")
+
+
+# ------------------------------------------------------------------ the model
+
+
+def config(cat: P.Catalog, *groups: tuple[str, str, int], d=0.01, c="f16", h=1, s=1) -> P.Config:
+    return P.Config(tuple(P.Group(cat.kind(k), m, n) for k, m, n in groups), d, c, h, s)
+
+
+def with_links(cat: P.Catalog, name: str, up: float, down: float | None = None) -> P.Catalog:
+    kinds = tuple(dataclasses.replace(k, up_mbps=up, down_mbps=down or up) if k.name == name else k
+                  for k in cat.kinds)
+    return dataclasses.replace(cat, kinds=kinds)
+
+
+def test_compute_bound_on_fast_links_and_link_bound_on_slow_ones(catalog, profile):
+    fast = P.predict(profile, catalog, config(catalog, ("cloud", "ondemand", 2)))
+    assert fast.bound == "compute"
+    assert fast.s_per_it == pytest.approx(0.2 / 1.5)
+    slow_cat = with_links(catalog, "cloud", 1)
+    slow = P.predict(profile, slow_cat, config(slow_cat, ("cloud", "ondemand", 2)))
+    assert slow.bound in ("push", "pull")
+    assert slow.s_per_it > 5 * fast.s_per_it
+    # the push over 1 Mbit/s: its bytes over the rate
+    assert slow.link_s >= profile.push_bytes(0.01, "f16") / (1e6 / 8)
+
+
+def test_monotone_in_links_density_coding_speed_and_shards(catalog, profile):
+    prev = math.inf
+    for rate in (1, 3, 10, 30, 100, 1000):
+        cat = with_links(catalog, "cloud", rate)
+        p = P.predict(profile, cat, config(cat, ("cloud", "ondemand", 4)))
+        assert p.s_per_it <= prev + 1e-12
+        prev = p.s_per_it
+    cat = with_links(catalog, "cloud", 5)
+    s = [P.predict(profile, cat, config(cat, ("cloud", "ondemand", 2), d=d)).s_per_it for d in (0.003, 0.01, 0.03)]
+    assert s == sorted(s) and s[0] < s[-1]
+    codings = [P.predict(profile, cat, config(cat, ("cloud", "ondemand", 2), c=c)).link_s for c in ("f16", "q4", "q2")]
+    assert codings == sorted(codings, reverse=True)
+    # H local steps: the same exchange per round spread over H steps
+    h1, h16 = (P.predict(profile, cat, config(cat, ("cloud", "ondemand", 2), h=h)) for h in (1, 16))
+    assert h16.s_per_it < h1.s_per_it and h16.round_s > h1.round_s
+    # a slower GPU never makes it faster; more shards never make the server slower
+    slow = dataclasses.replace(catalog, kinds=tuple(dataclasses.replace(k, speed=0.5) for k in catalog.kinds))
+    assert P.predict(profile, slow, config(slow, ("cloud", "ondemand", 2))).s_per_it > \
+        P.predict(profile, catalog, config(catalog, ("cloud", "ondemand", 2))).s_per_it
+    servers = [P.predict(profile, catalog, config(catalog, ("cloud", "ondemand", 8), s=s)).server_s for s in (1, 2, 4)]
+    assert servers == sorted(servers, reverse=True)
+    # bytes: linear in the coded bits, as measured
+    assert profile.push_bytes(0.01, "f16") == pytest.approx(N * 0.01 * coordinate_bits(0.01, "f16") / 8 + 2000)
+
+
+def test_unequal_speeds_run_on(catalog, profile):
+    """A lab of speed 1 beside cloud machines of speed 1.5: the round is the lab's H
+    steps, the cloud machines make more local steps in it, and the job's samples/s is
+    more than either part's."""
+    both = P.predict(profile, catalog, config(catalog, ("lab", "onprem", 1), ("cloud", "ondemand", 2), h=2))
+    assert both.round_s == pytest.approx(2 * 0.2)
+    assert both.max_sync_every == 3  # ceil(2 x 1.5)
+    lab = P.predict(profile, catalog, config(catalog, ("lab", "onprem", 1), h=2))
+    cloud = P.predict(profile, catalog, config(catalog, ("cloud", "ondemand", 2), h=2))
+    assert both.samples_per_s == pytest.approx(lab.samples_per_s + cloud.samples_per_s, rel=0.2)
+    assert both.samples_per_s > max(lab.samples_per_s, cloud.samples_per_s)
+
+
+def test_iterations_factor_table(profile):
+    assert profile.factor(0.01, "f16", 1) == (1.1, "t1")
+    f, src = profile.factor(0.003, "q2", 4)  # between 1%/q2/1 (1.2) and 0.1%/q2/8 (1.6)
+    assert f == pytest.approx(1.4) and "interpolated" in src
+    f, src = profile.factor(0.1, "f16", 1)  # milder than every entry: the harsher one bounds it
+    assert f == 1.1 and "at most" in src
+    f, src = profile.factor(0.0005, "q2", 16)  # harsher than everything measured
+    assert f == math.inf and "not considered" in src
+    assert P.profile_from_dict(profile_doc(factors=[])).factor(0.01, "f16", 1)[0] == 1.0
+
+
+def test_time_to_target_and_critical_batch(catalog, profile):
+    p = P.predict(profile, catalog, config(catalog, ("cloud", "ondemand", 2)))
+    assert p.iterations == pytest.approx(10_000 * 1.1)
+    assert p.time_s == pytest.approx(p.iterations * p.s_per_it)
+    # with a critical batch, a larger global batch needs fewer iterations: 1 + B_crit / B
+    crit = P.profile_from_dict(profile_doc(target={"dense_iterations": 10_000, "global_batch": 64,
+                                                   "critical_batch": 640}))
+    q = P.predict(crit, catalog, config(catalog, ("cloud", "ondemand", 4)))  # batch 128
+    assert q.iterations == pytest.approx(10_000 * 1.1 * (1 + 640 / 128) / (1 + 640 / 64))
+
+
+def test_revocation_arithmetic(catalog, profile):
+    on = P.predict(profile, catalog, config(catalog, ("cloud", "ondemand", 4)))
+    assert on.revocations == 0 and on.revocation_cost == 0
+    assert on.cost == pytest.approx((4 * 3.0 + 0.5) * on.time_s / 3600)
+    lam = 4 / (4 * 3600)  # revocations per second
+    lost = (1 / 2 + 1 / (0.01 * 4)) * on.s_per_it  # half a round and the residual's steps
+    # iterations that do not depend on the batch (critical batch 0): a lost machine costs the stall and its work
+    spot0 = P.predict(profile, catalog, config(catalog, ("cloud", "spot", 4)))
+    assert spot0.time_s == pytest.approx(on.time_s / (1 - lam * (P.STALL_S + lost / 4)))
+    # iterations that scale with 1/B: also its share of the samples while its replacement starts
+    crit = P.profile_from_dict(profile_doc(target={"dense_iterations": 10_000, "global_batch": 64,
+                                                   "critical_batch": 1e15}))
+    on = P.predict(crit, catalog, config(catalog, ("cloud", "ondemand", 4)))
+    spot = P.predict(crit, catalog, config(catalog, ("cloud", "spot", 4)))
+    share = 1 / 4
+    rejoin = N * 4 / (1000e6 / 8) + P.START_S
+    loss = P.STALL_S + share * (300 + rejoin) + share * lost
+    t = on.time_s / (1 - lam * loss)
+    assert spot.time_s == pytest.approx(t)
+    assert spot.revocations == pytest.approx(lam * t)
+    cost = (4 * 1.0 + 0.5) * t / 3600 + lam * 1.0 * 300 / 3600 * t
+    assert spot.cost == pytest.approx(cost)
+    assert spot.revocation_cost == pytest.approx(cost - (4 * 1.0 + 0.5) * on.time_s / 3600)
+    # revoked more often: a larger share of the cost
+    often = dataclasses.replace(catalog, kinds=tuple(dataclasses.replace(k, mttr_h=0.5) for k in catalog.kinds))
+    p2 = P.predict(crit, often, config(often, ("cloud", "spot", 4)))
+    assert p2.revocation_cost / p2.cost > spot.revocation_cost / spot.cost
+    # a server that fails: its restart and half a checkpoint interval of steps
+    srv = dataclasses.replace(catalog, server=dataclasses.replace(catalog.server, mttr_h=1.0))
+    p3 = P.predict(crit, srv, config(srv, ("cloud", "ondemand", 4)), checkpoint_every=100)
+    lam_s = 1 / 3600
+    assert p3.time_s == pytest.approx(on.time_s / (1 - lam_s * (P.SERVER_RESTART_S + 50 * on.s_per_it)))
+
+
+# ------------------------------------------------------------------ planning
+
+
+def test_plan_ranks_by_cost_under_a_deadline_and_by_time_under_a_budget(catalog, profile):
+    free = P.plan(catalog, profile)
+    fastest = free.rows[0].time_s
+    deadline = fastest * 3
+    res = P.plan(catalog, profile, deadline_s=deadline)
+    assert res.rows and res.objective == "cost"
+    assert all(p.time_s <= deadline for p in res.rows)
+    assert [p.cost for p in res.rows] == sorted(p.cost for p in res.rows)
+    assert res.rows[0].cost <= min(p.cost for p in free.rows)
+    budget = res.rows[0].cost * 1.5
+    res2 = P.plan(catalog, profile, budget=budget)
+    assert res2.objective == "time" and all(p.cost <= budget for p in res2.rows)
+    assert [p.time_s for p in res2.rows] == sorted(p.time_s for p in res2.rows)
+    both = P.plan(catalog, profile, deadline_s=deadline, budget=budget)
+    assert all(p.time_s <= deadline and p.cost <= budget for p in both.rows)
+    # the Pareto front: faster is dearer, and no ranked row beats it on both
+    fr = res.pareto
+    assert all(a.time_s <= b.time_s and a.cost > b.cost for a, b in itertools.pairwise(fr))
+    for p in res.rows:
+        assert any(f.time_s <= p.time_s * (1 + 1e-9) and f.cost <= p.cost * (1 + 1e-9) for f in fr)
+    none = P.plan(catalog, profile, deadline_s=1.0)
+    assert not none.rows and none.feasible == 0 and none.pareto
+    assert "no configuration meets" in P.render(none)
+    text = P.render(res)
+    assert "recommended:" in text and "StellaOptimizer" in text and "stella-ps --workers" in text
+
+
+def test_parse_duration():
+    assert P.parse_duration("12h") == 12 * 3600
+    assert P.parse_duration("1h30m") == 5400
+    assert P.parse_duration("90m") == 5400
+    assert P.parse_duration("2d") == 2 * 86400
+    assert P.parse_duration("1.5") == 5400
+    with pytest.raises(P.PlanError, match="cannot read the duration"):
+        P.parse_duration("soon")
+
+
+def test_cli_plans_ten_kinds_without_torch(tmp_path):
+    """`stella plan` on a 10-kind catalog enumerates over a million configurations and
+    never imports torch (its speed, < 2 s, is measured by `python -m bench.plan`)."""
+    from bench.plan import ten_kind_catalog
+
+    ten_kind_catalog(str(tmp_path / "ten.toml"))
+    (tmp_path / "p.json").write_text(json.dumps(profile_doc()))
+    code = ("import sys; from stella.cli import main; "
+            f"rc = main(['plan', '--catalog', {str(tmp_path / 'ten.toml')!r}, '--profile', "
+            f"{str(tmp_path / 'p.json')!r}, '--deadline', '12h', '--json', {str(tmp_path / 'o.json')!r}]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "NO-TORCH" in out.stdout
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["considered"] > 1_000_000 and doc["rows"]
+
+
+def test_cli_reports_catalog_errors(tmp_path, capsys):
+    from stella.cli import main
+
+    (tmp_path / "c.toml").write_text(GOOD.replace("speed = 1.5", "speed = 'fast'"))
+    (tmp_path / "p.json").write_text(json.dumps(profile_doc()))
+    assert main(["plan", "--catalog", str(tmp_path / "c.toml"), "--profile", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "c.toml: kind 'cloud': field 'speed' must be int or float, got 'fast'" in err
+
+
+def test_fit_recovers_known_coefficients(catalog, profile):
+    truth = P.Calibration(compute=1.3, compute_per_worker=0.25, exchange_cpu=0.5, link=1.1, round_s=0.02)
+    fitted_profile = dataclasses.replace(profile, calibration=truth)
+    kinds, obs = [], []
+    runs = ((2, 100, 0.01, 1.5, 1), (3, 20, 0.01, 1.0, 2), (4, 50, 0.03, 0.7, 1), (2, 10, 0.003, 1.5, 4),
+            (3, 200, 0.01, 2.0, 1), (2, 30, 0.03, 1.0, 1))
+    for i, (w, rate, d, speed, h) in enumerate(runs):
+        kind = dataclasses.replace(catalog.kind("cloud"), name=f"k{i}", speed=speed, up_mbps=rate, down_mbps=rate)
+        kinds.append(kind)
+        cfg = P.Config((P.Group(kind, "ondemand", w),), d, "f16", h, 1)
+        cat = dataclasses.replace(catalog, kinds=(kind,))
+        p = P.predict(fitted_profile, cat, cfg)
+        obs.append(P.Observation(cfg, p.compute_s / h, p.exchange_s, p.s_per_it))
+    cal = P.fit(profile, dataclasses.replace(catalog, kinds=tuple(kinds)), obs, source="test")
+    assert cal.compute == pytest.approx(1.3, rel=1e-6)
+    assert cal.compute_per_worker == pytest.approx(0.25, rel=1e-6)
+    assert cal.exchange_cpu == pytest.approx(0.5, rel=1e-6)
+    assert cal.link == pytest.approx(1.1, rel=1e-6)
+    assert cal.round_s == pytest.approx(0.02, rel=1e-6)
+    assert cal.runs == 6 and cal.source == "test"
+
+
+# ------------------------------------------------------------------ profiles, for real
+
+
+def tiny_spec():
+    """``stella profile --model tests.test_plan:tiny_spec``: a small MLP."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    return {"model": model, "batch": (x, y),
+            "loss": lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])}
+
+
+def test_profile_of_a_tiny_model_against_a_real_server():
+    from stella.profile import profile_model
+
+    spec = tiny_spec()
+    doc = profile_model(spec["model"], spec["loss"], lambda: spec["batch"], batch_size=32, name="tiny", steps=5,
+                        densities=(0.01, 0.1))
+    prof = P.profile_from_dict(doc, "tiny")
+    assert prof.numel == 64 * 256 + 256 + 256 * 10 + 10 and prof.sparse_numel == 64 * 256
+    assert 0 < prof.compute_s < 1
+    b = {(e[0], e[1]): e[2] for e in prof.push}
+    assert b[(0.1, "f16")] > b[(0.01, "f16")]
+    assert b[(0.1, "f16")] > b[(0.1, "q4")] > b[(0.1, "q2")]
+    rows = doc["server"]["measured"]
+    assert [r["workers"] for r in rows] == [1, 3, 3]
+    assert all(r["cpu_s_per_step"] > 0 and r["pull_bytes"] > 0 for r in rows)
+    assert doc["server"]["per_update_s"] >= 0 and doc["server"]["per_numel_s"] >= 0
+    assert "placeholder" in doc["target"]["source"]
+
+
+def test_profile_cli_and_from_a_running_job(tmp_path, make_server, make_client):
+    import numpy as np
+
+    from stella.cli import main
+    from stella.protocol import WorkerReport
+
+    factors = tmp_path / "f.toml"
+    factors.write_text('[[factors]]\ndensity = 0.01\ncoding = "f16"\nH = 1\nfactor = 1.2\n')
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "tests.test_plan:tiny_spec", "--out", str(out), "--steps", "3",
+                 "--no-server", "--target-iterations", "500", "--factors", str(factors)]) == 0
+    prof = P.load_profile(str(out))
+    assert prof.dense_iterations == 500 and prof.factors[0][3] == 1.2
+    assert prof.factors[0][4] == f"user table {factors}"
+    # a running job: one worker pushing with a report
+    srv = make_server(1)
+    c = make_client(srv.endpoint)
+    c.register({"w": np.zeros(10_000, np.float32)}, {"name": "sgd", "lr": 1.0}, mode="update")
+    v = c.pull(None).version
+    idx = np.arange(0, 10_000, 100, dtype=np.int32)
+    rep = WorkerReport(step=1, compute_s=0.05, exchange_s=0.01, wait_s=0.0, density=0.01, bytes_pushed=0,
+                       bytes_pulled=0, value_dtype="f16")
+    for _ in range(2):
+        c.push({"w": (idx, np.ones(idx.size, np.float32))}, v, value_dtype="f16", report=rep)
+        v = c.pull(v, wait_for=v + 1).version
+    out2 = tmp_path / "live.json"
+    assert main(["profile", "--from", srv.endpoint, "--out", str(out2), "--samples", "1"]) == 0
+    live = P.load_profile(str(out2))
+    assert live.compute_s == pytest.approx(0.05) and live.numel == 10_000
+    assert live.push[0][:2] == (0.01, "f16")
