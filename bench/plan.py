@@ -1,0 +1,684 @@
+"""Validation of ``stella plan``'s model on the slow-link test bed, and two scenarios.
+
+1. **Profiles** of ``digits`` and ``widemlp`` (``stella.profile.profile_model`` on the bench
+   workloads: compute s/step at batch 32 on one torch thread, bytes per round through the
+   real compressor and encoder, the server's CPU per step from a real ``stella-ps`` on
+   loopback). Their target iterations and factors come from bench/RESULTS.md (labelled).
+2. **Fit**: a few real jobs over the test bed (``bench.stella_e2e.run_stella``, update mode,
+   density/coding/H pinned, no adaptation) at fixed step counts; the model's four
+   coefficients are fitted on them by least squares (:func:`stella.plan.fit`).
+3. **Held out**: at least 6 other configurations (other W, link rates, asymmetric links,
+   densities, codings, H, and an unequal mix of worker speeds with run-on), predicted
+   first, then measured: s/it (round seconds / H) and, for the runs that stop at the
+   target, time to target. MAPE and the worst error against the issue's goals (15% / 30%,
+   time to target 25%).
+4. **Hybrid scenario** (model only, docs/catalog.example.toml's illustrative prices):
+   the lab's GPUs alone, rented GPUs alone, and both, for a 350M-parameter LM, StellaTrain's
+   claim's style: time and cost of each, and what the mix saves.
+5. **1B parameters on 32 consumer GPUs**, each site at 100 Mbit/s, the server's measured
+   per-update cost and shards: the share of compute-bound throughput Stella reaches
+   against DDP's, and what limits it.
+
+  python -m bench.plan                         # all (needs root for the test bed; ~10-15 min)
+  python -m bench.plan --quick                 # fewer, shorter runs
+  python -m bench.plan --scenarios-only        # 4 and 5 (no runs; uses saved profiles if any)
+  python -m bench.plan profile --workload widemlp --out widemlp.profile.json
+
+Output: tables on stdout, ``--json PATH`` (default bench/PLAN.json), the Pareto plot of the
+hybrid scenario (bench/plan_pareto.png).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.harness import REPO, loadavg
+from stella import plan as P
+from stella.adapt import coordinate_bits
+from stella.profile import BENCH_SERVER
+
+OUT_DIR = os.path.join(REPO, "bench", "out", "plan")
+PS_RATE = 1000.0
+DATE = "2026-11-26"
+# Iterations to the target: dense training's (DDP, same global batch) and Stella's factor per
+# configuration, from the benchmarks (source labelled on every entry).
+R26 = f"bench/RESULTS.md {DATE}"
+R23 = "bench/RESULTS.md 2026-11-23"
+TARGETS: dict[str, dict[str, Any]] = {
+    "digits": {"dense_iterations": 140, "global_batch": 64, "critical_batch": 0,
+               "source": f"{R26} (DDP, W = 2: 140 iterations to test accuracy 0.95; bench.scale: 130-160 for W = "
+                         "2..32, so iterations do not fall with the batch: critical batch 0)"},
+    "widemlp": {"dense_iterations": 85, "global_batch": 64, "critical_batch": 0,
+                "source": f"{R26} (DDP, W = 2: 85 iterations to test accuracy 0.95)"},
+}
+FACTORS: dict[str, list[dict[str, Any]]] = {
+    "digits": [
+        {"density": 0.01, "coding": "f16", "H": 1, "factor": 180 / 140,
+         "source": f"{R26} bench.scale (1% f16, W=2..16)"},
+        {"density": 0.01, "coding": "q4", "H": 1, "factor": 190 / 140, "source": f"{R23} stella_q4"},
+        {"density": 0.01, "coding": "q2", "H": 1, "factor": 180 / 140, "source": f"{R23} stella_q2"},
+        {"density": 0.005, "coding": "q2", "H": 1, "factor": 180 / 140, "source": f"{R23} stella_lean"},
+        {"density": 0.006, "coding": "q2", "H": 8, "factor": 180 / 140, "source": f"{R23} stella_h8"},
+    ],
+    "widemlp": [
+        {"density": 0.01, "coding": "f16", "H": 1, "factor": 90 / 85, "source": f"{R26} stella (defaults)"},
+        {"density": 0.01, "coding": "q4", "H": 1, "factor": 90 / 85, "source": f"{R23} stella_q4"},
+        {"density": 0.01, "coding": "q2", "H": 1, "factor": 100 / 85, "source": f"{R23} stella_q2"},
+        {"density": 0.005, "coding": "q2", "H": 1, "factor": 90 / 85, "source": f"{R23} stella_lean"},
+        {"density": 0.006, "coding": "q2", "H": 8, "factor": 125 / 85, "source": f"{R23} stella_h8"},
+    ],
+    # the AdamW byte LM (10.8M): the model the scenarios extrapolate from
+    "lm": [
+        {"density": 0.01, "coding": "f16", "H": 1, "factor": 1.15, "source": f"{R23}/{DATE} byte LM (1.0-1.3)"},
+        {"density": 0.01, "coding": "q4", "H": 1, "factor": 1.0, "source": f"{R23} byte LM stella_q4"},
+        {"density": 0.01, "coding": "q2", "H": 1, "factor": 1.2, "source": f"{R23} byte LM stella_q2"},
+        {"density": 0.005, "coding": "q2", "H": 1, "factor": 1.2, "source": f"{R23} byte LM stella_lean"},
+        {"density": 0.006, "coding": "q2", "H": 8, "factor": 1.5, "source": f"{R23} byte LM stella_h8"},
+        {"density": 0.001, "coding": "q2", "H": 8, "factor": 1.8,
+         "source": "assumed (not measured): 0.1% with H = 8 below stella_h8"},
+    ],
+}
+
+
+# ============================================================ profiles
+
+
+def profile_workload(name: str, steps: int = 20, log=print) -> dict[str, Any]:
+    """``stella.profile.profile_model`` on a bench workload (one torch thread, as the test bed's workers)."""
+    import torch
+
+    from bench import workloads as W
+    from stella.profile import profile_model
+
+    torch.set_num_threads(1)
+    wl = W.get(name)
+    model = wl.build_model(0)
+    batches = wl.batches(0, 1, wl.batch_size, 0)
+    doc = profile_model(model, wl.loss, lambda: next(batches), optimizer=wl.make_optimizer(model.parameters()),
+                        batch_size=wl.batch_size, name=name, steps=steps, target=TARGETS.get(name),
+                        factors=FACTORS.get(name, ()), log=log)
+    return doc
+
+
+def analytic_profile(name: str, numel: int, compute_s: float, batch_size: int, *, dense_iterations: float,
+                     global_batch: int, critical_batch: float, target_source: str, factors: list[dict[str, Any]],
+                     server: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A profile from the model's size alone (for scenarios beyond this machine): bytes
+    from the coded bits per coordinate (:func:`stella.adapt.coordinate_bits`, the
+    broadcast at 2x the push's coordinates in q4), the server's cost per coordinate
+    from bench.server, the compressor at 1 ns per coordinate (a GPU's threshold pass)."""
+    push = [{"density": d, "coding": c, "bytes": numel * d * coordinate_bits(d, c) / 8}
+            for d in (0.001, 0.01, 0.1) for c in ("f16", "q4", "q2")]
+    pull = [{"density": d, "bytes": numel * min(1, 2 * d) * coordinate_bits(min(1, 2 * d), "q4") / 8}
+            for d in (0.001, 0.01, 0.1)]
+    return {"stella_profile": 1, "model": name, "numel": numel, "sparse_numel": numel, "batch_size": batch_size,
+            "device": "analytic (not measured)", "compute_s": compute_s, "compress_s_per_numel": 1e-9,
+            "push": push, "pull": {"factor": 2.0, "values": "q4", "bytes": pull},
+            "server": dict(server or BENCH_SERVER),
+            "target": {"dense_iterations": dense_iterations, "global_batch": global_batch,
+                       "critical_batch": critical_batch, "source": target_source},
+            "factors": factors, "revocation": {"stall_s": P.STALL_S, "source": P.STALL_SOURCE}}
+
+
+# ============================================================ test-bed runs
+
+
+@dataclass
+class Run:
+    name: str
+    workload: str
+    role: str  # "fit" or "held-out"
+    world: int
+    up: float  # Mbit/s of each worker site
+    down: float
+    density: float
+    coding: str
+    h: int
+    max_h: int = 0  # 0: = h
+    slowdown: list[float] = field(default_factory=list)  # per rank; empty: all 1
+    steps: int = 30
+    to_target: bool = False
+
+    def describe(self) -> str:
+        link = f"{self.up:g}" if self.up == self.down else f"{self.up:g}/{self.down:g}"
+        mix = "" if not self.slowdown or len(set(self.slowdown)) == 1 else \
+            " speeds " + ":".join(f"{1 / s:.2g}" for s in self.slowdown)
+        return (f"{self.workload} W={self.world} {link} Mbit/s {self.density:.2%} {self.coding} H={self.h}"
+                + (f" (run-on to {self.max_h})" if self.max_h > self.h else "") + mix)
+
+
+def runs(quick: bool) -> list[Run]:
+    s = 20 if quick else 30
+    fit = [
+        Run("f1", "widemlp", "fit", 2, 100, 100, 0.01, "f16", 1, steps=s),
+        Run("f2", "widemlp", "fit", 2, 20, 20, 0.01, "f16", 1, steps=s),
+        Run("f3", "widemlp", "fit", 3, 50, 50, 0.03, "q4", 1, steps=s),
+        Run("f4", "widemlp", "fit", 2, 10, 10, 0.003, "q2", 2, steps=s),
+        Run("f5", "digits", "fit", 2, 100, 100, 0.01, "f16", 1, steps=3 * s),
+    ]
+    held = [
+        Run("h1", "widemlp", "held-out", 4, 100, 100, 0.01, "f16", 1, steps=s),
+        Run("h2", "widemlp", "held-out", 2, 30, 30, 0.03, "f16", 1, steps=s),
+        Run("h3", "widemlp", "held-out", 2, 50, 10, 0.01, "q4", 1, steps=s),
+        Run("h4", "widemlp", "held-out", 3, 20, 20, 0.01, "q2", 4, steps=2 * s),
+        Run("h5", "widemlp", "held-out", 2, 100, 100, 0.01, "f16", 2, max_h=4, slowdown=[1.0, 2.0], steps=2 * s),
+        Run("h6", "widemlp", "held-out", 2, 5, 5, 0.001, "q2", 1, steps=s),
+        Run("h7", "digits", "held-out", 2, 100, 100, 0.01, "f16", 1, steps=400, to_target=True),
+        Run("h8", "digits", "held-out", 3, 20, 20, 0.03, "q4", 2, steps=400, to_target=True),
+        Run("h9", "widemlp", "held-out", 2, 50, 50, 0.01, "f16", 1, steps=200, to_target=True),
+    ]
+    if quick:
+        held = [r for r in held if r.name in ("h1", "h2", "h3", "h4", "h5", "h6", "h7")]
+    return fit + held
+
+
+def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
+    """The run as the planner sees it: one machine kind per distinct worker speed, the
+    sites' links, the server's site at 1000 Mbit/s."""
+    slow = r.slowdown or [1.0] * r.world
+    kinds = {}
+    for f in slow:
+        kinds[f] = kinds.get(f, 0) + 1
+    cat = P.catalog_from_dict({
+        "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE},
+        "kinds": {f"site-x{f:g}": {"gpu": "cpu", "speed": 1 / f, "count": n, "onprem": True, "up_mbps": r.up,
+                                   "down_mbps": r.down} for f, n in kinds.items()}}, f"test bed ({r.name})")
+    groups = tuple(P.Group(cat.kind(f"site-x{f:g}"), "onprem", n) for f, n in kinds.items())
+    return cat, P.Config(groups, r.density, r.coding, r.h, 1)
+
+
+def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> None:
+    """Set each worker site's link to the run's rate once the model's first copy (a registration up, or
+    a snapshot down) has crossed it; bounded by ``stop`` and 300 s."""
+    pending = {f"w{i}" for i in range(r.world)}
+    deadline = time.monotonic() + 300
+    while pending and not stop.is_set() and time.monotonic() < deadline:
+        for site in sorted(pending):
+            c = bed.counters(site)
+            if c["tx_bytes"] >= 0.98 * model_bytes or c["rx_bytes"] >= 0.98 * model_bytes:
+                bed.set_rate(site, up=r.up, down=r.down)
+                pending.discard(site)
+        stop.wait(0.2)
+
+
+def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
+    """One real job over the test bed; what it measured (per round, per step, to target)."""
+    from bench.harness import collect_ranks
+    from bench.stella_e2e import run_stella
+    from bench.wan import Link, WanTestbed
+
+    # Every worker site starts at the server's rate: a model's first copy (registration, snapshot: 39 MB for
+    # widemlp) over 10 Mbit/s outlasts the liveness timeout (the heartbeats wait behind it) and the workers
+    # reconnect for ever. A watcher sets each site's own rate once that copy has crossed its link.
+    sites = {"ps": Link(PS_RATE, PS_RATE), **{f"w{i}": Link(PS_RATE, PS_RATE) for i in range(r.world)}}
+    t0 = time.time()
+    with WanTestbed(sites, max_lifetime=900) as bed:
+        stop = threading.Event()
+        watcher = threading.Thread(target=_shape_after_join, args=(bed, r, model_bytes, stop), daemon=True)
+        watcher.start()
+        try:
+                res = run_stella(r.workload, world=r.world, steps=r.steps, max_seconds=150, bed=bed,
+                             sites=[f"w{i}" for i in range(r.world)], density=r.density, value_dtype=r.coding,
+                             sync_every=r.h, max_sync_every=r.max_h or r.h, max_accumulate=1, mode="update",
+                             slowdown=r.slowdown or 1.0, stop_at_target=r.to_target, log_dir=OUT_DIR)
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+    if not res.get("ok"):
+        raise RuntimeError(f"{r.name}: {res.get('error', '')[:2000]}")
+    ranks = [k for k in collect_ranks(res["log_dir"], r.world) if k is not None]
+    # round time from rank 0's records after the first rounds (join, snapshot, warm-up)
+    it0 = ranks[0]["iters"]
+    warm = [x for x in it0 if x["rounds"] >= 4]
+    if len(warm) < 3:
+        warm = it0[len(it0) // 3:]
+    round_s = (warm[-1]["t"] - warm[0]["t"]) / max(1, warm[-1]["rounds"] - warm[0]["rounds"])
+    # the slowest worker: its compute per local step, and its exchange per round (it pushes last, so its
+    # exchange waits for nobody)
+    def med_compute(k):
+        xs = [x["compute"] for x in k["iters"][3:]] or [x["compute"] for x in k["iters"]]
+        return statistics.median(xs)
+
+    slowest = max(ranks, key=med_compute)
+    exch = [(k["exchange_s"] + k["compress_s"]) / max(1, k["rounds"]) for k in ranks]
+    exchange = (slowest["exchange_s"] + slowest["compress_s"]) / max(1, slowest["rounds"]) \
+        if r.slowdown and len(set(r.slowdown)) > 1 else statistics.mean(exch)
+    reached = res.get("reached")
+    out = {"s_per_it": round_s / r.h, "round_s": round_s, "compute_s": med_compute(slowest), "exchange_s": exchange,
+           "steps": res["steps"], "iter_median": res["iter_median"], "reached": reached,
+           "final_metric": res.get("final_metric"), "bytes_per_round": res.get("client_bytes_per_round"),
+           "server_cpu_ms_per_round": res.get("server_cpu_ms_per_round"), "wall_s": time.time() - t0}
+    log(f"  {r.name} {r.describe()}: {out['s_per_it']:.4f} s/it (round {round_s:.3f} s), compute "
+        f"{out['compute_s']:.4f} s, exchange {exchange:.3f} s/round"
+        + (f", target at {reached['step']} it / {reached['wall']:.1f} s" if reached else "")
+        + f" [{out['wall_s']:.0f} s]")
+    return out
+
+
+# ============================================================ scenarios
+
+
+def lm_profile(numel: float, compute_s: float, batch: int, name: str, dense_iterations: float,
+               server: dict[str, Any] | None = None) -> P.Profile:
+    doc = analytic_profile(name, int(numel), compute_s, batch, dense_iterations=dense_iterations,
+                           global_batch=batch * 8, critical_batch=batch * 64,
+                           target_source="assumed: a pre-training budget (scenario, not measured)",
+                           factors=FACTORS["lm"], server=server)
+    return P.profile_from_dict(doc, f"<{name}>")
+
+
+def restricted(cat: P.Catalog, keep) -> P.Catalog:
+    return dataclasses.replace(cat, kinds=tuple(k for k in cat.kinds if keep(k)))
+
+
+EXAMPLE_PROFILE = os.path.join(REPO, "docs", "profile.example.json")
+DENSE_350M, DEADLINE_H = 100_000, 8  # the lab alone needs ~15 h: it cannot meet the deadline
+
+
+def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
+    """The lab's GPUs, rented GPUs, and both, for a 350M-parameter LM on the example catalog."""
+    cat = P.load_catalog(os.path.join(REPO, "docs", "catalog.example.toml"))
+    # 350M parameters, 8 x 1024 tokens per GPU step, ~60 TFLOP/s sustained on an RTX 4090 (6 N tokens FLOPs)
+    numel, tokens = 350e6, 8 * 1024
+    compute_s = 6 * numel * tokens / 60e12
+    prof = lm_profile(numel, compute_s, 8, "LM 350M (scenario)", dense_iterations=DENSE_350M)
+    if cal is not None:  # the link coefficient and fixed round overhead measured on the test bed; compute as profiled
+        prof = dataclasses.replace(prof, calibration=dataclasses.replace(
+            cal, compute=1.0, compute_per_worker=0.0, source=f"test bed fit ({cal.runs} runs), compute terms off"))
+    # the README's worked example reads this profile (analytic, labelled as such)
+    doc = dict(prof.raw)
+    doc["calibration"] = dataclasses.asdict(prof.calibration)
+    doc["device"] = ("analytic scenario profile written by python -m bench.plan (not measured): 350M parameters, "
+                     "6 N tokens FLOPs at 60 TFLOP/s on an RTX 4090")
+    P.write_json(EXAMPLE_PROFILE, doc)
+    deadline = DEADLINE_H * 3600.0
+    out: dict[str, Any] = {"model": prof.model, "compute_s": compute_s, "deadline_h": deadline / 3600,
+                           "prices": cat.prices_note}
+    rows = {}
+    for label, c in (("on-premises only", restricted(cat, lambda k: k.onprem)),
+                     ("cloud only", restricted(cat, lambda k: not k.onprem)),
+                     ("hybrid", cat)):
+        cheapest = P.plan(c, prof, deadline_s=deadline)
+        fastest = P.plan(c, prof)
+        pick = cheapest.rows[0] if cheapest.rows else fastest.rows[0]
+        rows[label] = {"row": pick, "meets_deadline": bool(cheapest.rows), "fastest": fastest.rows[0],
+                       "result": cheapest}
+    # savings: cloud cost against cloud alone (both within the deadline), time against the lab alone
+    h, cl, lab = rows["hybrid"]["row"], rows["cloud only"]["row"], rows["on-premises only"]["row"]
+    out["rows"] = {k: summary(v["row"]) | {"meets_deadline": v["meets_deadline"],
+                                           "fastest": summary(v["fastest"])} for k, v in rows.items()}
+    def cloud_cost(p: P.Prediction) -> float:
+        return sum(g.count * g.kind.price_of(g.market) for g in p.config.groups) * p.time_s / 3600
+
+    out["cloud_cost_saving"] = 1 - cloud_cost(h) / cloud_cost(cl) if cloud_cost(cl) > 0 else None
+    out["cost_saving"] = 1 - h.cost / cl.cost
+    out["time_saving_vs_lab"] = 1 - h.time_s / lab.time_s
+    out["time_saving_vs_cloud"] = 1 - h.time_s / cl.time_s
+    P.pareto_plot(rows["hybrid"]["result"], os.path.join(REPO, "bench", "plan_pareto.png"),
+                  title=f"{prof.model}: hybrid catalog, deadline {DEADLINE_H} h (illustrative prices)")
+    log(f"\nHybrid scenario: {prof.model}, {compute_s:.2f} s/step per RTX 4090, {DENSE_350M:,} dense iterations at "
+        f"batch 64, deadline {DEADLINE_H} h, prices: {cat.prices_note}")
+    log(P.table([rows[k]["row"] for k in ("on-premises only", "cloud only", "hybrid")], cat.currency))
+    log(f"  hybrid against cloud only: {100 * out['cost_saving']:.0f}% less cost "
+        f"({100 * (out['cloud_cost_saving'] or 0):.0f}% "
+        f"less cloud spend), {100 * out['time_saving_vs_cloud']:.0f}% less time; against the lab alone: "
+        f"{100 * out['time_saving_vs_lab']:.0f}% less time")
+    log(P.recommend(h))
+    return out
+
+
+def chaos_check(log=print) -> dict[str, Any]:
+    """The revocation model against bench.chaos's measurement (bench/CHAOS.json, 2026-11-23): 3 workers at
+    20 Mbit/s, the demo MLP (hidden 256) at 5%, update mode, 0.03 s of stand-in compute a step; one worker
+    killed every 15 s (each back 5 s later), the server killed once, a checkpoint every 20 steps; target
+    version 1500. The model sees it as 3 spot machines revoked every 45 s each and a server failing once a
+    minute; the ratio of its times with and without revocations against the measured ratios."""
+    with open(os.path.join(REPO, "bench", "CHAOS.json")) as f:
+        chaos = json.load(f)
+    undisturbed = [r["time_to_target_s"] for r in chaos["rows"] if r["run"] == "undisturbed"]
+    s_it = statistics.mean(undisturbed) / chaos["target_version"]
+    numel = 64 * 256 + 256 + 256 * 10 + 10
+    doc = analytic_profile("demo MLP (chaos)", numel, s_it, 32, dense_iterations=chaos["target_version"],
+                           global_batch=96, critical_batch=0, target_source="bench/CHAOS.json target version",
+                           factors=[{"density": 0.05, "coding": "f16", "H": 1, "factor": 1.0, "source": "chaos"}])
+    prof = P.profile_from_dict(doc, "<chaos>")
+    kinds = {"w": {"gpu": "cpu", "speed": 1.0, "count": 3, "price": 1.0, "spot_price": 1.0, "mttr_h": 45 / 3600,
+                   "replace_s": 5.0, "up_mbps": 20, "down_mbps": 20}}
+    server = {"price": 0, "up_mbps": 100, "down_mbps": 100}
+    calm = P.catalog_from_dict({"server": server, "kinds": kinds}, "<chaos>")
+    rough = P.catalog_from_dict({"server": {**server, "mttr_h": 60 / 3600}, "kinds": kinds}, "<chaos>")
+    cfg = lambda cat, m: P.Config((P.Group(cat.kinds[0], m, 3),), 0.05, "f16", 1, 1)
+    t0 = P.predict(prof, calm, cfg(calm, "ondemand"), checkpoint_every=20).time_s
+    t1 = P.predict(prof, rough, cfg(rough, "spot"), checkpoint_every=20).time_s
+    out = {"predicted_ratio": t1 / t0, "measured_ratios": chaos["ratios"]}
+    log(f"\nRevocation model against bench.chaos (bench/CHAOS.json): predicted time-to-target ratio "
+        f"{t1 / t0:.3f}, measured " + ", ".join(f"{r:.3f}" for r in chaos["ratios"]))
+    return out
+
+
+def summary(p: P.Prediction) -> dict[str, Any]:
+    return {"machines": p.config.machines, "W": p.config.workers, "density": p.config.density,
+            "coding": p.config.coding, "H": p.config.sync_every, "shards": p.config.shards, "s_per_it": p.s_per_it,
+            "bound": p.bound, "compute_s": p.compute_s, "link_s": p.link_s, "server_s": p.server_s,
+            "iterations": p.iterations, "time_h": p.time_s / 3600, "cost": p.cost,
+            "revocation_share": p.revocation_cost / p.cost if p.cost > 0 else 0.0}
+
+
+def billion_scenario(cal: P.Calibration | None, server: dict[str, Any] | None, log=print) -> dict[str, Any]:
+    """1B parameters on 32 consumer GPUs (RTX 4090 class), each its own site at 100 Mbit/s."""
+    numel, tokens, w = 1e9, 8 * 1024, 32
+    compute_s = 6 * numel * tokens / 60e12  # ~0.82 s per step at 60 TFLOP/s sustained
+    prof = lm_profile(numel, compute_s, 8, "LM 1B (scenario)", dense_iterations=50_000, server=server)
+    if cal is not None:
+        prof = dataclasses.replace(prof, calibration=dataclasses.replace(
+            cal, compute=1.0, compute_per_worker=0.0, source=f"test bed fit ({cal.runs} runs), compute terms off"))
+    cat = P.catalog_from_dict({
+        "prices_note": "scenario: prices do not matter here",
+        "server": {"name": "cloud CPU host, 10 Gbit/s", "price": 0, "cores": 16, "up_mbps": 10000,
+                   "down_mbps": 10000},
+        "kinds": {"4090-site": {"gpu": "RTX 4090", "speed": 1.0, "count": w, "onprem": True, "up_mbps": 100,
+                                "down_mbps": 100, "rtt_ms": 40}}}, "<1B scenario>")
+    group = (P.Group(cat.kinds[0], "onprem", w),)
+    rows = []
+    for d in (0.01, 0.003, 0.001):
+        for c in ("f16", "q4", "q2"):
+            for h in (1, 2, 4, 8):  # the factors table goes to H = 8
+                for s in (1, 4, 16):
+                    rows.append(P.predict(prof, cat, P.Config(group, d, c, h, s)))
+    ddp_bytes = 2 * (w - 1) / w * 4 * numel  # ring all-reduce, fp32, each way per step
+    ddp_s = max(compute_s, ddp_bytes / (100e6 / 8))  # overlapped with backward at best
+    # Stella's throughput against compute-bound, and against the iterations it costs
+    best_raw = max(rows, key=lambda p: compute_s / p.s_per_it / p.factor)
+    one_shard = [p for p in rows if p.config.shards == 1]
+    best_one = max(one_shard, key=lambda p: compute_s / p.s_per_it / p.factor)
+    picks = {"best": best_raw, "best with one shard": best_one,
+             "1% f16 H=1, one shard": next(p for p in rows if p.config.density == 0.01 and p.config.coding == "f16"
+                                            and p.config.sync_every == 1 and p.config.shards == 1)}
+    out: dict[str, Any] = {"numel": numel, "workers": w, "compute_s": compute_s, "ddp_s_per_it": ddp_s,
+                           "ddp_share": compute_s / ddp_s, "server": dict(prof.raw["server"]), "rows": {}}
+    log(f"\n1B-parameter scenario: 32 sites x 1 RTX 4090-class GPU, 100 Mbit/s each way, server host 10 Gbit/s "
+        f"(server cost per pushed coordinate {1e9 * prof.server_per_update_s:.0f} ns, per model coordinate "
+        f"{1e9 * prof.server_per_numel_s:.1f} ns: {prof.raw['server'].get('source', '')})")
+    log(f"  compute {compute_s:.2f} s/step; DDP (ring all-reduce, fp32): {ddp_bytes / 1e9:.2f} GB each way per step, "
+        f"{ddp_s:.0f} s/it: {100 * compute_s / ddp_s:.2f}% of compute-bound throughput")
+    for k, p in picks.items():
+        share = compute_s / p.s_per_it
+        parts = {"compute": p.compute_s, "link (push+pull)": p.link_s, "server": p.server_s}
+        out["rows"][k] = summary(p) | {"share": share, "share_per_iteration_factor": share / p.factor,
+                                       "factor": p.factor, "vs_ddp": ddp_s / p.s_per_it}
+        log(f"  {k:24s} {p.config.density:.2%} {p.config.coding} H={p.config.sync_every} shards="
+            f"{p.config.shards}: {p.s_per_it:.3f} s/it, {100 * share:.0f}% of compute-bound "
+            f"({100 * share / p.factor:.0f}% after the x{p.factor:.2f} iterations), {ddp_s / p.s_per_it:.0f}x "
+            f"DDP's speed; per round: " + ", ".join(f"{n} {v:.2f} s" for n, v in parts.items())
+            + f"; limited by {p.bound}")
+    return out
+
+
+# ============================================================ main
+
+
+def mape(pairs: list[tuple[float, float]]) -> float:
+    return 100 * statistics.mean(abs(p - m) / m for p, m in pairs) if pairs else float("nan")
+
+
+def validate(a, log=print) -> dict[str, Any]:
+    os.makedirs(OUT_DIR, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out: dict[str, Any] = {"started": started, "load_start": loadavg(), "machine": machine(),
+                           "command": "python -m bench.plan " + " ".join(sys.argv[1:])}
+    log(f"bench.plan: started {started}, load average {out['load_start']}, {out['machine']}")
+    profiles: dict[str, P.Profile] = {}
+    out["profiles"] = {}
+    for wl in ("digits", "widemlp"):
+        path = os.path.join(OUT_DIR, f"{wl}.profile.json")
+        if (a.reuse_profiles or a.from_json) and os.path.exists(path):
+            with open(path) as f:
+                doc = json.load(f)
+            rows = doc["server"].get("measured", [])
+            several = [r for r in rows if r["workers"] > 1]
+            if several:  # the pull of a job of several workers (stella.profile takes these since 2026-11-26)
+                doc["pull"]["bytes"] = [{"density": r["density"], "bytes": r["pull_bytes"]} for r in several]
+        else:
+            log(f"profile {wl}:")
+            doc = profile_workload(wl, log=log)
+            P.write_json(path, doc)
+        profiles[wl] = P.profile_from_dict(doc, path)
+        out["profiles"][wl] = {k: doc[k] for k in ("numel", "compute_s", "compress_s_per_numel", "push", "pull",
+                                                     "server", "load_average", "measured_at")}
+    plan_runs = runs(a.quick)
+    if a.only:
+        plan_runs = [r for r in plan_runs if r.name in a.only.split(",") or r.role == "fit"]
+    measured: dict[str, dict[str, Any]] = {}
+    if a.from_json:  # the runs measured before: fit and predict again, run nothing
+        with open(a.from_json) as f:
+            old = json.load(f)
+        measured = {x["run"]: x["measured"] for x in old["rows"]}
+        for k in ("started", "load_start", "load_end", "machine", "command"):
+            out[k] = old.get(k, out.get(k))
+        out["reanalysed"] = f"python -m bench.plan --from-json {a.from_json}"
+    for r in plan_runs:
+        if r.role != "fit" or r.name in measured:
+            continue
+        try:
+            measured[r.name] = measure(r, 4 * profiles[r.workload].numel, log)
+        except Exception as e:  # a failed run is reported, the rest go on
+            log(f"  {r.name} FAILED: {e}")
+            traceback.print_exc()
+    obs = []
+    for r in plan_runs:
+        if r.role == "fit" and r.name in measured:
+            cat, cfg = testbed_catalog(r)
+            m = measured[r.name]
+            obs.append((profiles[r.workload], cat, P.Observation(cfg, m["compute_s"], m["exchange_s"], m["s_per_it"])))
+    cals = fit_all(obs, source=f"bench.plan {started}: {len(obs)} test-bed runs") if len(obs) >= 2 else {}
+    out["calibrations"] = {k: dataclasses.asdict(c) for k, c in cals.items()}
+    cal = cals.get("widemlp", P.Calibration())
+    out["calibration"] = dataclasses.asdict(cal)
+    for k, c in cals.items():  # the fitted coefficients go into the profile (stella plan reads them there)
+        path = os.path.join(OUT_DIR, f"{k}.profile.json")
+        with open(path) as f:
+            doc = json.load(f)
+        doc["calibration"] = dataclasses.asdict(c)
+        P.write_json(path, doc)
+        log(f"fitted ({k}): compute x{c.compute:.3f}, + x{c.compute_per_worker:.3f} per other worker computing, "
+            f"+ x{c.exchange_cpu:.2f} of the compressor's work, "
+            f"link x{c.link:.3f}, {1e3 * c.round_s:.1f} ms per round ({c.runs} runs)")
+    # predict every held-out run first, then measure it
+    rows = []
+    for r in plan_runs:
+        cat, cfg = testbed_catalog(r)
+        prof = dataclasses.replace(profiles[r.workload], calibration=cals.get(r.workload, P.Calibration()))
+        pred = P.predict(prof, cat, cfg)
+        if r.role != "fit" and r.name not in measured and not a.from_json:
+            try:
+                measured[r.name] = measure(r, 4 * profiles[r.workload].numel, log)
+            except Exception as e:
+                log(f"  {r.name} FAILED: {e}")
+                traceback.print_exc()
+                continue
+        if r.name not in measured:
+            continue
+        m = measured[r.name]
+        row = {"run": r.name, "role": r.role, "config": r.describe(), "pred_s_per_it": pred.s_per_it,
+               "meas_s_per_it": m["s_per_it"], "err_s_per_it": pred.s_per_it / m["s_per_it"] - 1,
+               "bound": pred.bound, "pred_compute_s": pred.compute_s / r.h, "meas_compute_s": m["compute_s"],
+               "pred_exchange_s": pred.exchange_s, "meas_exchange_s": m["exchange_s"], "measured": m}
+        if r.to_target:
+            row["pred_iterations"], row["factor_source"] = pred.iterations, pred.factor_source
+            row["pred_time_s"] = pred.time_s
+            if m["reached"]:
+                row["meas_iterations"], row["meas_time_s"] = m["reached"]["step"], m["reached"]["wall"]
+                row["err_time"] = pred.time_s / m["reached"]["wall"] - 1
+        rows.append(row)
+    out["rows"] = rows
+    out.setdefault("load_end", loadavg())
+    held = [x for x in rows if x["role"] == "held-out"]
+    out["held_out_mape"] = mape([(x["pred_s_per_it"], x["meas_s_per_it"]) for x in held])
+    out["held_out_max_error"] = 100 * max((abs(x["err_s_per_it"]) for x in held), default=float("nan"))
+    out["fit_mape"] = mape([(x["pred_s_per_it"], x["meas_s_per_it"]) for x in rows if x["role"] == "fit"])
+    tt = [x for x in held if "err_time" in x]
+    out["time_to_target_errors"] = [100 * x["err_time"] for x in tt]
+    log("\n" + render_validation(out))
+    return out
+
+
+def fit_all(obs, source: str) -> dict[str, P.Calibration]:
+    """The model's coefficients for this machine, by least squares across the workloads'
+    runs: a compute scale per workload (its step's overheads differ), one growth per
+    worker (contention for the shared cores), one link scale and one fixed overhead per
+    round. Returns a calibration per workload."""
+    import numpy as np
+
+    names = sorted({prof.model for prof, _, _ in obs})
+    rows_c, yc, rows_e, ye = [], [], [], []
+    for prof, cat, ob in obs:
+        bare = dataclasses.replace(prof, calibration=P.Calibration())
+        p = P.predict(bare, cat, ob.config)
+        base = p.compute_s / ob.config.sync_every
+        duty = min(1.0, ob.compute_s / ob.s_per_it)  # contention while the others compute: the round's share
+        rows_c.append([base if prof.model == n else 0.0 for n in names] + [base * (ob.config.workers - 1) * duty])
+        yc.append(ob.compute_s)
+        rows_e.append([1.0, p.link_s])
+        ye.append(ob.exchange_s - (p.exchange_s - p.link_s))
+    ac, ae, vc, ve = np.array(rows_c), np.array(rows_e), np.array(yc), np.array(ye)
+    wc, we = 1 / vc, 1 / np.maximum(np.abs(ve), 1e-3)
+    kc = np.linalg.lstsq(ac * wc[:, None], vc * wc, rcond=None)[0]
+    ke = np.linalg.lstsq(ae * we[:, None], ve * we, rcond=None)[0]
+    if ke[0] < 0:
+        ke = np.array([0.0, float(np.sum(ae[:, 1] * ve * we ** 2) / np.sum((ae[:, 1] * we) ** 2))])
+    return {n: P.Calibration(compute=float(max(kc[i], 1e-3)), compute_per_worker=float(max(kc[-1], 0.0)),
+                             link=float(max(ke[1], 1e-3)), round_s=float(ke[0]), source=source, runs=len(obs))
+            for i, n in enumerate(names)}
+
+
+def render_validation(out: dict[str, Any]) -> str:
+    lines = [f"Validation (machine: {out['machine']}; load average at start {out['load_start']}, at end "
+             f"{out['load_end']})", "",
+             "| run | role | configuration | predicted s/it | measured s/it | error | bound (model) | "
+             "predicted / measured time to target |", "|---|---|---|---|---|---|---|---|"]
+    for x in out["rows"]:
+        tt = ""
+        if "pred_time_s" in x:
+            tt = (f"{x['pred_time_s']:.1f} s ({x['pred_iterations']:.0f} it) / "
+                  + (f"{x['meas_time_s']:.1f} s ({x['meas_iterations']} it): {100 * x['err_time']:+.0f}%"
+                     if "meas_time_s" in x else "not reached"))
+        lines.append(f"| {x['run']} | {x['role']} | {x['config']} | {x['pred_s_per_it']:.4f} | "
+                     f"{x['meas_s_per_it']:.4f} | {100 * x['err_s_per_it']:+.1f}% | {x['bound']} | {tt} |")
+    lines += ["", f"held-out s/it: MAPE {out['held_out_mape']:.1f}% (goal <= 15%), worst "
+              f"{out['held_out_max_error']:.1f}% (goal <= 30%); fit runs: MAPE {out['fit_mape']:.1f}%",
+              "held-out time to target errors: " + (", ".join(f"{e:+.0f}%" for e in out["time_to_target_errors"])
+                                                    or "none reached") + " (goal within 25%)"]
+    return "\n".join(lines)
+
+
+def ten_kind_catalog(path: str) -> None:
+    """A catalog of 10 kinds (2 on-premises, 8 rentable on demand or spot): the issue's
+    size for the speed of planning."""
+    kinds = [f'[kinds.lab{i}]\ngpu="x"\ngpus=2\nspeed=1.0\nonprem=true\ncount=1\nup_mbps=100\ndown_mbps=100\n'
+             for i in range(2)]
+    kinds += [f'[kinds.cloud{i}]\ngpu="y"\nspeed={0.5 + 0.3 * i}\ncount=16\nprice={0.5 + i}\n'
+              f'spot_price={0.2 + 0.4 * i}\nmttr_h=4\nup_mbps=1000\ndown_mbps=1000\n' for i in range(8)]
+    with open(path, "w") as f:
+        f.write("[server]\nprice=0.5\ncores=8\nup_mbps=10000\ndown_mbps=10000\n\n" + "\n".join(kinds))
+
+
+def planning_speed(log=print) -> dict[str, Any]:
+    """``stella plan`` on a 10-kind catalog with the example profile, in a process of its
+    own: its CPU seconds (import included; goal < 2 s) and whether it imported torch."""
+    import resource
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cat, out = os.path.join(tmp, "ten.toml"), os.path.join(tmp, "o.json")
+        ten_kind_catalog(cat)
+        prof = os.path.join(REPO, "docs", "profile.example.json")
+        code = ("import sys; from stella.cli import main; "
+                f"rc = main(['plan', '--catalog', {cat!r}, '--profile', {prof!r}, '--deadline', '12h', "
+                f"'--json', {out!r}]); print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'); sys.exit(rc)")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if run.returncode != 0:
+            raise RuntimeError(f"stella plan failed: {run.stderr[-2000:]}")
+        with open(out) as f:
+            considered = json.load(f)["considered"]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    res = {"cpu_s": cpu, "considered": considered, "torch_imported": "NO-TORCH" not in run.stdout,
+           "load": os.getloadavg()[0]}
+    log(f"\nplanning speed: stella plan on a 10-kind catalog considered {considered:,} configurations in "
+        f"{cpu:.2f} s of CPU (goal < 2 s), torch {'imported' if res['torch_imported'] else 'not imported'}, "
+        f"load {res['load']:.2f}")
+    return res
+
+
+def machine() -> str:
+    from stella.profile import _machine
+
+    return f"{platform.node()}: {_machine()}, Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    pr = sub.add_parser("profile", help="profile a bench workload (stella profile for digits/widemlp)")
+    pr.add_argument("--workload", required=True, choices=("digits", "widemlp", "bytelm"))
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=os.path.join(REPO, "bench", "PLAN.json"))
+    ap.add_argument("--scenarios-only", action="store_true", help="no test-bed runs")
+    ap.add_argument("--reuse-profiles", action="store_true", help="use bench/out/plan/*.profile.json if present")
+    ap.add_argument("--only", help="held-out runs to make, comma-separated (the fit runs always run)")
+    ap.add_argument("--from-json", help="fit and predict again from the runs a previous --json measured (no runs)")
+    a = ap.parse_args(argv)
+    if a.cmd == "profile":
+        doc = profile_workload(a.workload, a.steps, log=lambda s: print(s, file=sys.stderr))
+        P.profile_from_dict(doc, a.out)
+        P.write_json(a.out, doc)
+        print(f"wrote {a.out}")
+        return 0
+    out: dict[str, Any] = {}
+    cal = None
+    server = None
+    if not a.scenarios_only:
+        out = validate(a)
+        cal = P.Calibration(**out["calibration"])
+    elif os.path.exists(a.json):
+        with open(a.json) as f:
+            old = json.load(f)
+        if "calibration" in old:
+            cal = P.Calibration(**old["calibration"])
+            out = old
+    wp = os.path.join(OUT_DIR, "widemlp.profile.json")
+    if os.path.exists(wp):  # the server's cost as measured here at 9.7M parameters
+        with open(wp) as f:
+            srv = json.load(f)["server"]
+        server = {"per_update_s": srv["per_update_s"], "per_numel_s": srv["per_numel_s"],
+                  "source": f"measured by bench.plan's widemlp profile ({srv.get('source', '')})"}
+    out["hybrid"] = hybrid_scenario(cal)
+    out["billion"] = billion_scenario(cal, server)
+    out["chaos"] = chaos_check()
+    out["planning"] = planning_speed()
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+    print(f"\nwrote {a.json}, bench/plan_pareto.png")
+    if not a.scenarios_only:
+        goal = out["held_out_mape"] <= 15 and out["held_out_max_error"] <= 30
+        print(f"s/it goals {'met' if goal else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
