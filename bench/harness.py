@@ -127,14 +127,6 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has used (from /proc): a server's own
-    cost, whatever its clients do."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def await_ready(queue, workers: int, timeout: float = 300.0) -> None:
     """Wait for ``workers`` ``("ready", ...)`` messages on a multiprocessing queue."""
     for _ in range(workers):

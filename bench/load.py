@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import await_ready, process_cpu_seconds, start_shards
+from bench.harness import await_ready, start_shards
+from stella_ps.process import process_cpu_seconds
 
 K = 256  # coordinates each worker owns
 SHARED = 16  # coordinates every worker pushes to

@@ -27,9 +27,10 @@ import time
 
 import numpy as np
 
-from bench.harness import await_ready, loadavg, process_cpu_seconds, start_shards
+from bench.harness import await_ready, loadavg, start_shards
 from stella import Client, protocol
 from stella.shards import ShardedClient, connect
+from stella_ps.process import process_cpu_seconds
 
 TENSORS = 8
 VARIANTS = 4  # different updates per worker, replayed in turn

@@ -46,16 +46,15 @@ from bench.harness import (
     fmt_summary,
     launch_workers,
     log_tails,
-    process_cpu_seconds,
     site_iface,
     summarize,
     wait_workers,
 )
-from stella_ps.process import ServerProcess
+from stella_ps.process import ServerProcess, process_cpu_seconds
 
 PS_PORT = 5555
 STOP_AHEAD = 3  # rounds: a worker is at most one round ahead of another in synchronous mode
-# per-iteration fields read from ``opt.stats`` when the client has them (adaptive controller)
+# per-iteration fields read from ``opt.stats``: what the worker's controller chose and measured
 STAT_FIELDS = ("value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps")
 
 
@@ -101,8 +100,6 @@ def worker(a) -> int:
                           timeout=600, name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
                           client_key=a.client_key, process_group="default" if a.site_size > 1 else None,
                           **mode_kw, **adaptation_kwargs(a))
-    defaults = {"value_dtype": opt.compression.value_dtype, "sync_every": a.sync_every or 1, "accumulate": 1,
-                "up_mbps": None, "down_mbps": None}
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_round")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
@@ -136,7 +133,7 @@ def worker(a) -> int:
         rec["slept"], rec["t"], rec["t_epoch"] = slept, clock.wall(), time.time()
         rec["rounds"] = rounds = opt.stats.rounds
         for k in STAT_FIELDS:
-            rec[k] = getattr(opt.stats, k, defaults[k])
+            rec[k] = getattr(opt.stats, k)
         started = rounds > r0  # this step() started a round: a round boundary
         if a.rank == 0:
             if step % a.eval_every == 0 or step == a.steps:
@@ -166,7 +163,7 @@ def worker(a) -> int:
            "staleness": a.staleness, "mode": a.mode, "sync_every": a.sync_every, "value_dtype": a.value_dtype,
            "outer": a.outer, "rounds": opt.stats.rounds, "stop_round": stop_round, "slowdown": a.slowdown,
            "train_start_epoch": train_start, "max_sync_every": a.max_sync_every, "max_accumulate": a.max_accumulate,
-           "final_value_dtype": getattr(opt.stats, "value_dtype", defaults["value_dtype"]),
+           "final_value_dtype": opt.stats.value_dtype,
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
            "client_bytes_pushed": steady[0], "client_bytes_pulled": steady[1], "client_rounds": steady[2],
            "leader": opt.client is not None,

@@ -346,11 +346,10 @@ class _GradientExchange(_Exchange):
 
 def exchange_for(mode: str, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any], *,
-                 sync_every: int, compress_in_backward: bool, max_sync_every: int | None = None,
-                 max_accumulate: int = 1) -> _Exchange:
+                 sync_every: int, max_sync_every: int, max_accumulate: int, compress_in_backward: bool) -> _Exchange:
     """The exchange of ``mode`` ("update" or "gradient"), its arguments checked."""
     if mode == "update":
         return _UpdateExchange(params, compressor, optimizer, outer, sync_every=sync_every,
-                               max_sync_every=max_sync_every or sync_every, compress_in_backward=compress_in_backward)
+                               max_sync_every=max_sync_every, compress_in_backward=compress_in_backward)
     return _GradientExchange(params, compressor, optimizer, sync_every=sync_every, max_accumulate=max_accumulate,
                              compress_in_backward=compress_in_backward)

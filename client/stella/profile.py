@@ -123,12 +123,6 @@ def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAUL
     return out, per_numel
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tuple[int, float]] = ((1, 0.01),
                    (3, 0.01), (3, 0.03)), steps: int = 12, warmup: int = 3, timeout: float = 120.0,
                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
@@ -136,7 +130,7 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
     fresh ``stella-ps`` per point; fitted into per pushed coordinate + per model coordinate."""
     import numpy as np
 
-    from stella_ps.process import ServerProcess
+    from stella_ps.process import ServerProcess, process_cpu_seconds
 
     from .client import Client
 
@@ -165,13 +159,13 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
                 cpu0 = t0 = pulled0 = 0.0
                 for s in range(warmup + steps):
                     if s == warmup:
-                        cpu0, t0, pulled0 = _cpu_seconds(ps.pid), time.perf_counter(), clients[0].bytes_pulled
+                        cpu0, t0, pulled0 = process_cpu_seconds(ps.pid), time.perf_counter(), clients[0].bytes_pulled
                     pushes = [c.push(e, v, wait=False) for c, e, v in zip(clients, encoded, versions)]
                     pulls = [c.pull(v, wait_for=v + 1, decode=False, wait=False) for c, v in zip(clients, versions)]
                     for p in pushes:
                         p.result()
                     versions = [p.result().version for p in pulls]
-                cpu = (_cpu_seconds(ps.pid) - cpu0) / steps
+                cpu = (process_cpu_seconds(ps.pid) - cpu0) / steps
                 wall = (time.perf_counter() - t0) / steps
                 pulled = (clients[0].bytes_pulled - pulled0) / steps
             finally:

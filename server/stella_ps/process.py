@@ -35,12 +35,20 @@ from typing import Any
 
 from .errors import StellaPSError
 
-__all__ = ["ServerProcess", "ServerStartError", "DEFAULT_BIND", "free_port"]
+__all__ = ["ServerProcess", "ServerStartError", "DEFAULT_BIND", "free_port", "process_cpu_seconds"]
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0  # the daemon's own graceful shutdown is bounded by 10 s (daemon.SHUTDOWN_TIMEOUT_S)
 LOG_TAIL_CHARS = 8000
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (from /proc): a server's own
+    cost, whatever its clients do."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
