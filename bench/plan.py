@@ -168,33 +168,65 @@ def runs(quick: bool) -> list[Run]:
         Run("f4", "widemlp", "fit", 2, 10, 10, 0.003, "q2", 2, steps=s),
         Run("f5", "digits", "fit", 2, 100, 100, 0.01, "f16", 1, steps=3 * s),
     ]
+    # the first round's held-out runs (2026-11-26 14:19): the model then missed them (17.8% MAPE, worst 33.5%)
+    # for want of processor sharing on the test bed's 2 cores; since that model was shaped on them, they are
+    # fit runs now, and the held-out runs below are new
+    fit += [
+        Run("h1", "widemlp", "fit", 4, 100, 100, 0.01, "f16", 1, steps=s),
+        Run("h2", "widemlp", "fit", 2, 30, 30, 0.03, "f16", 1, steps=s),
+        Run("h3", "widemlp", "fit", 2, 50, 10, 0.01, "q4", 1, steps=s),
+        Run("h4", "widemlp", "fit", 3, 20, 20, 0.01, "q2", 4, steps=2 * s),
+        Run("h5", "widemlp", "fit", 2, 100, 100, 0.01, "f16", 2, max_h=4, slowdown=[1.0, 2.0], steps=2 * s),
+        Run("h7", "digits", "fit", 2, 100, 100, 0.01, "f16", 1, steps=400, to_target=True),
+        Run("h8", "digits", "fit", 3, 20, 20, 0.03, "q4", 2, steps=400, to_target=True),
+        Run("h9", "widemlp", "fit", 2, 50, 50, 0.01, "f16", 1, steps=200, to_target=True),
+    ]
+    # the second round's held-out runs (2026-11-26 15:31, processor sharing in, the compressor's time from a
+    # cold first call at 1%): 14.4% MAPE, worst 39.6% (n2, 0.3% q2, over-predicted as f4 was: the compressor's
+    # steady state is cheaper, and depends on density); fit runs since the profile measures that
+    fit += [
+        Run("n1", "widemlp", "fit", 3, 100, 100, 0.01, "q4", 2, steps=s),
+        Run("n2", "widemlp", "fit", 4, 50, 50, 0.003, "q2", 1, steps=s),
+        Run("n3", "widemlp", "fit", 2, 30, 30, 0.01, "q2", 1, max_h=2, slowdown=[1.0, 1.5], steps=2 * s),
+        Run("n4", "widemlp", "fit", 2, 100, 20, 0.03, "q4", 2, steps=s),
+        Run("n5", "widemlp", "fit", 3, 10, 10, 0.003, "q2", 4, steps=2 * s),
+        Run("n6", "digits", "fit", 4, 50, 50, 0.01, "q4", 1, steps=400, to_target=True),
+        Run("n7", "widemlp", "fit", 2, 100, 100, 0.01, "q4", 1, steps=200, to_target=True),
+    ]
     held = [
-        Run("h1", "widemlp", "held-out", 4, 100, 100, 0.01, "f16", 1, steps=s),
-        Run("h2", "widemlp", "held-out", 2, 30, 30, 0.03, "f16", 1, steps=s),
-        Run("h3", "widemlp", "held-out", 2, 50, 10, 0.01, "q4", 1, steps=s),
-        Run("h4", "widemlp", "held-out", 3, 20, 20, 0.01, "q2", 4, steps=2 * s),
-        Run("h5", "widemlp", "held-out", 2, 100, 100, 0.01, "f16", 2, max_h=4, slowdown=[1.0, 2.0], steps=2 * s),
-        Run("h6", "widemlp", "held-out", 2, 5, 5, 0.001, "q2", 1, steps=s),
-        Run("h7", "digits", "held-out", 2, 100, 100, 0.01, "f16", 1, steps=400, to_target=True),
-        Run("h8", "digits", "held-out", 3, 20, 20, 0.03, "q4", 2, steps=400, to_target=True),
-        Run("h9", "widemlp", "held-out", 2, 50, 50, 0.01, "f16", 1, steps=200, to_target=True),
+        Run("r1", "widemlp", "held-out", 3, 30, 30, 0.003, "f16", 1, steps=s),
+        Run("r2", "widemlp", "held-out", 4, 100, 100, 0.01, "q2", 2, steps=s),
+        Run("r3", "widemlp", "held-out", 2, 50, 50, 0.03, "q2", 1, steps=s),
+        Run("r4", "widemlp", "held-out", 3, 50, 20, 0.01, "f16", 2, steps=s),
+        Run("r5", "widemlp", "held-out", 2, 20, 20, 0.003, "q4", 2, max_h=4, slowdown=[1.0, 2.0], steps=2 * s),
+        Run("r6", "digits", "held-out", 3, 100, 100, 0.01, "q2", 1, steps=400, to_target=True),
+        Run("r7", "widemlp", "held-out", 3, 100, 100, 0.005, "q4", 1, steps=200, to_target=True),
     ]
     if quick:
-        held = [r for r in held if r.name in ("h1", "h2", "h3", "h4", "h5", "h6", "h7")]
+        held = held[:6]
     return fit + held
+
+
+def burst_kb(mbps: float) -> float:
+    """The test bed's tbf burst at a rate (bench.wan.testbed: 64 KiB, or 4 ms at the rate)."""
+    return max(64 * 1024, mbps * 1e6 / 8 * 0.004) / 1024
 
 
 def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
     """The run as the planner sees it: one machine kind per distinct worker speed, the
-    sites' links, the server's site at 1000 Mbit/s."""
+    sites' links, the server's site at 1000 Mbit/s, all on one shared host (this machine's
+    cores)."""
     slow = r.slowdown or [1.0] * r.world
     kinds = {}
     for f in slow:
         kinds[f] = kinds.get(f, 0) + 1
     cat = P.catalog_from_dict({
-        "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE},
+        "hosts": {"bed": {"cores": os.cpu_count() or 1}},  # every worker and stella-ps share this machine
+        "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE, "host": "bed"},
         "kinds": {f"site-x{f:g}": {"gpu": "cpu", "speed": 1 / f, "count": n, "onprem": True, "up_mbps": r.up,
-                                   "down_mbps": r.down} for f, n in kinds.items()}}, f"test bed ({r.name})")
+                                   "down_mbps": r.down, "host": "bed", "burst_kb": burst_kb(min(r.up, r.down))}
+                  for f, n in kinds.items()}},
+        f"test bed ({r.name})")
     groups = tuple(P.Group(cat.kind(f"site-x{f:g}"), "onprem", n) for f, n in kinds.items())
     return cat, P.Config(groups, r.density, r.coding, r.h, 1)
 
@@ -296,7 +328,7 @@ def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
     prof = lm_profile(numel, compute_s, 8, "LM 350M (scenario)", dense_iterations=DENSE_350M)
     if cal is not None:  # the link coefficient and fixed round overhead measured on the test bed; compute as profiled
         prof = dataclasses.replace(prof, calibration=dataclasses.replace(
-            cal, compute=1.0, compute_per_worker=0.0, source=f"test bed fit ({cal.runs} runs), compute terms off"))
+            cal, compute=1.0, source=f"test bed fit ({cal.runs} runs), compute as profiled"))
     # the README's worked example reads this profile (analytic, labelled as such)
     doc = dict(prof.raw)
     doc["calibration"] = dataclasses.asdict(prof.calibration)
@@ -383,7 +415,7 @@ def billion_scenario(cal: P.Calibration | None, server: dict[str, Any] | None, l
     prof = lm_profile(numel, compute_s, 8, "LM 1B (scenario)", dense_iterations=50_000, server=server)
     if cal is not None:
         prof = dataclasses.replace(prof, calibration=dataclasses.replace(
-            cal, compute=1.0, compute_per_worker=0.0, source=f"test bed fit ({cal.runs} runs), compute terms off"))
+            cal, compute=1.0, source=f"test bed fit ({cal.runs} runs), compute as profiled"))
     cat = P.catalog_from_dict({
         "prices_note": "scenario: prices do not matter here",
         "server": {"name": "cloud CPU host, 10 Gbit/s", "price": 0, "cores": 16, "up_mbps": 10000,
@@ -468,6 +500,18 @@ def validate(a, log=print) -> dict[str, Any]:
         for k in ("started", "load_start", "load_end", "machine", "command"):
             out[k] = old.get(k, out.get(k))
         out["reanalysed"] = f"python -m bench.plan --from-json {a.from_json}"
+    elif a.fit_from:  # the fit runs as earlier runs measured them; the held-out runs are measured now
+        fit_names = {r.name for r in plan_runs if r.role == "fit"}
+        out["fit_runs_from"] = []
+        for path in a.fit_from:
+            with open(path) as f:
+                old = json.load(f)
+            got = {x["run"]: x["measured"] for x in old["rows"] if x["run"] in fit_names and x["run"] not in measured}
+            measured.update(got)
+            out["fit_runs_from"].append({"path": os.path.relpath(path, REPO), "started": old.get("started"),
+                                         "load_start": old.get("load_start"), "machine": old.get("machine"),
+                                         "runs": sorted(got)})
+            log(f"fit runs {', '.join(sorted(got))}: as measured by {path} ({old.get('started')})")
     for r in plan_runs:
         if r.role != "fit" or r.name in measured:
             continue
@@ -482,7 +526,10 @@ def validate(a, log=print) -> dict[str, Any]:
             cat, cfg = testbed_catalog(r)
             m = measured[r.name]
             obs.append((profiles[r.workload], cat, P.Observation(cfg, m["compute_s"], m["exchange_s"], m["s_per_it"])))
-    cals = fit_all(obs, source=f"bench.plan {started}: {len(obs)} test-bed runs") if len(obs) >= 2 else {}
+    # the profiles were measured on this machine just before the runs: the compute scale is 1 by construction
+    # (fitted, it trades off against host_load: on a loaded host both scale every step)
+    cals = P.fit_many(obs, compute=1.0, source=f"bench.plan {started}: {len(obs)} test-bed runs") \
+        if len(obs) >= 2 else {}
     out["calibrations"] = {k: dataclasses.asdict(c) for k, c in cals.items()}
     cal = cals.get("widemlp", P.Calibration())
     out["calibration"] = dataclasses.asdict(cal)
@@ -492,9 +539,10 @@ def validate(a, log=print) -> dict[str, Any]:
             doc = json.load(f)
         doc["calibration"] = dataclasses.asdict(c)
         P.write_json(path, doc)
-        log(f"fitted ({k}): compute x{c.compute:.3f}, + x{c.compute_per_worker:.3f} per other worker computing, "
-            f"+ x{c.exchange_cpu:.2f} of the compressor's work, "
-            f"link x{c.link:.3f}, {1e3 * c.round_s:.1f} ms per round ({c.runs} runs)")
+        log(f"fitted ({k}): compute x{c.compute:.3f}, host load x{c.host_load:.3f}, exchange stretch "
+            f"x{c.exchange_stretch:.2f}, "
+            f"link x{c.link:.3f}, {1e3 * c.round_s:.1f} ms per round ({c.runs} runs, "
+            f"{c.exchange_runs} bound by their exchange)")
     # predict every held-out run first, then measure it
     rows = []
     for r in plan_runs:
@@ -532,35 +580,6 @@ def validate(a, log=print) -> dict[str, Any]:
     out["time_to_target_errors"] = [100 * x["err_time"] for x in tt]
     log("\n" + render_validation(out))
     return out
-
-
-def fit_all(obs, source: str) -> dict[str, P.Calibration]:
-    """The model's coefficients for this machine, by least squares across the workloads'
-    runs: a compute scale per workload (its step's overheads differ), one growth per
-    worker (contention for the shared cores), one link scale and one fixed overhead per
-    round. Returns a calibration per workload."""
-    import numpy as np
-
-    names = sorted({prof.model for prof, _, _ in obs})
-    rows_c, yc, rows_e, ye = [], [], [], []
-    for prof, cat, ob in obs:
-        bare = dataclasses.replace(prof, calibration=P.Calibration())
-        p = P.predict(bare, cat, ob.config)
-        base = p.compute_s / ob.config.sync_every
-        duty = min(1.0, ob.compute_s / ob.s_per_it)  # contention while the others compute: the round's share
-        rows_c.append([base if prof.model == n else 0.0 for n in names] + [base * (ob.config.workers - 1) * duty])
-        yc.append(ob.compute_s)
-        rows_e.append([1.0, p.link_s])
-        ye.append(ob.exchange_s - (p.exchange_s - p.link_s))
-    ac, ae, vc, ve = np.array(rows_c), np.array(rows_e), np.array(yc), np.array(ye)
-    wc, we = 1 / vc, 1 / np.maximum(np.abs(ve), 1e-3)
-    kc = np.linalg.lstsq(ac * wc[:, None], vc * wc, rcond=None)[0]
-    ke = np.linalg.lstsq(ae * we[:, None], ve * we, rcond=None)[0]
-    if ke[0] < 0:
-        ke = np.array([0.0, float(np.sum(ae[:, 1] * ve * we ** 2) / np.sum((ae[:, 1] * we) ** 2))])
-    return {n: P.Calibration(compute=float(max(kc[i], 1e-3)), compute_per_worker=float(max(kc[-1], 0.0)),
-                             link=float(max(ke[1], 1e-3)), round_s=float(ke[0]), source=source, runs=len(obs))
-            for i, n in enumerate(names)}
 
 
 def render_validation(out: dict[str, Any]) -> str:
@@ -641,6 +660,9 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios-only", action="store_true", help="no test-bed runs")
     ap.add_argument("--reuse-profiles", action="store_true", help="use bench/out/plan/*.profile.json if present")
     ap.add_argument("--only", help="held-out runs to make, comma-separated (the fit runs always run)")
+    ap.add_argument("--fit-from", action="append",
+                    help="take the fit runs' measurements from a previous --json (repeat for several; the held-out "
+                    "runs are measured)")
     ap.add_argument("--from-json", help="fit and predict again from the runs a previous --json measured (no runs)")
     a = ap.parse_args(argv)
     if a.cmd == "profile":

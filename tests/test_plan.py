@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import tomllib
 
 from stella import plan as P
 from stella.adapt import coordinate_bits
@@ -330,25 +331,80 @@ def test_cli_reports_catalog_errors(tmp_path, capsys):
 
 
 def test_fit_recovers_known_coefficients(catalog, profile):
-    truth = P.Calibration(compute=1.3, compute_per_worker=0.25, exchange_cpu=0.5, link=1.1, round_s=0.02)
+    """Runs predicted with known coefficients, some on a shared host of 2 cores (the server
+    there too), some on hosts of their own: the fit finds the coefficients again."""
+    truth = P.Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02)
     fitted_profile = dataclasses.replace(profile, calibration=truth)
-    kinds, obs = [], []
-    runs = ((2, 100, 0.01, 1.5, 1), (3, 20, 0.01, 1.0, 2), (4, 50, 0.03, 0.7, 1), (2, 10, 0.003, 1.5, 4),
-            (3, 200, 0.01, 2.0, 1), (2, 30, 0.03, 1.0, 1))
-    for i, (w, rate, d, speed, h) in enumerate(runs):
-        kind = dataclasses.replace(catalog.kind("cloud"), name=f"k{i}", speed=speed, up_mbps=rate, down_mbps=rate)
-        kinds.append(kind)
+    obs = []
+    runs = ((2, 100, 0.01, 1.5, 1, ""), (3, 20, 0.01, 1.0, 2, "bed"), (4, 50, 0.03, 0.7, 1, "bed"),
+            (2, 10, 0.003, 1.5, 4, ""), (3, 200, 0.01, 2.0, 1, "bed"), (2, 30, 0.03, 1.0, 1, ""),
+            (3, 5, 0.01, 2.0, 1, "bed"), (4, 8, 0.03, 1.0, 2, "bed"))
+    for i, (w, rate, d, speed, h, host) in enumerate(runs):
+        kind = dataclasses.replace(catalog.kind("cloud"), name=f"k{i}", speed=speed, up_mbps=rate, down_mbps=rate,
+                                   host=host)
         cfg = P.Config((P.Group(kind, "ondemand", w),), d, "f16", h, 1)
-        cat = dataclasses.replace(catalog, kinds=(kind,))
+        cat = dataclasses.replace(catalog, kinds=(kind,), hosts=(("bed", 2),),
+                                  server=dataclasses.replace(catalog.server, host="bed"))
         p = P.predict(fitted_profile, cat, cfg)
-        obs.append(P.Observation(cfg, p.compute_s / h, p.exchange_s, p.s_per_it))
-    cal = P.fit(profile, dataclasses.replace(catalog, kinds=tuple(kinds)), obs, source="test")
+        if host:  # the host is loaded past its cores: the stretch is what the fit must find
+            assert p.compute_s > h * profile.compute_s / speed * 1.3 * 1.2
+        obs.append((profile, cat, P.Observation(cfg, p.compute_s / h, p.exchange_s, p.s_per_it)))
+    cal = P.fit_many(obs, source="test")[profile.model]
     assert cal.compute == pytest.approx(1.3, rel=1e-6)
-    assert cal.compute_per_worker == pytest.approx(0.25, rel=1e-6)
-    assert cal.exchange_cpu == pytest.approx(0.5, rel=1e-6)
+    assert cal.host_load == pytest.approx(0.85, abs=0.003)  # the grid's step is 0.005
+    assert cal.exchange_stretch == pytest.approx(0.4, rel=1e-6)
     assert cal.link == pytest.approx(1.1, rel=1e-6)
     assert cal.round_s == pytest.approx(0.02, rel=1e-6)
-    assert cal.runs == 6 and cal.source == "test"
+    assert cal.runs == 8 and cal.source == "test"
+    assert 3 <= cal.exchange_runs < 8  # the link terms: fitted on the runs bound by their exchange
+
+
+def test_shared_host_stretches_compute(catalog, profile):
+    """Processor sharing: W workers and the server on one host of C cores stretch each step by
+    host_load x (W + background / compute) / C; on hosts of their own they do not."""
+    prof = dataclasses.replace(profile, calibration=P.Calibration(host_load=1.0))
+    own = dataclasses.replace(catalog.kind("cloud"), name="own", count=4)
+    shared = dataclasses.replace(own, name="shared", host="bed")
+    cat = dataclasses.replace(catalog, kinds=(own, shared), hosts=(("bed", 2),),
+                              server=dataclasses.replace(catalog.server, host="bed"))
+    step = prof.compute_s / own.speed
+    for w in (1, 2, 4):
+        alone = P.predict(prof, cat, P.Config((P.Group(own, "ondemand", w),), 0.01, "f16", 1, 1))
+        assert alone.compute_s == pytest.approx(step)
+        bed = P.predict(prof, cat, P.Config((P.Group(shared, "ondemand", w),), 0.01, "f16", 1, 1))
+        server = (prof.server_per_update_s * w * prof.sparse_numel * 0.01 + prof.server_per_numel_s * prof.numel)
+        n = w + (w * prof.compress_s_per_numel * prof.numel + server) / step
+        assert bed.compute_s == pytest.approx(step * max(1.0, n / 2), rel=1e-9)
+
+
+def test_shaper_burst_passes_at_line_rate(catalog, profile):
+    """A token-bucket shaper's burst carries the first burst_kb of each message at line rate:
+    the link time is the rest over the rate (none when the message fits)."""
+    prof = dataclasses.replace(profile, calibration=P.Calibration())
+    plain = dataclasses.replace(catalog.kind("cloud"), name="plain", up_mbps=10, down_mbps=10)
+    burst = dataclasses.replace(plain, name="burst", burst_kb=64)
+    cat = dataclasses.replace(catalog, kinds=(plain, burst),  # the server's links: not the bound
+                              server=dataclasses.replace(catalog.server, up_mbps=1e7, down_mbps=1e7))
+    for d in (0.001, 0.01):
+        a = P.predict(prof, cat, P.Config((P.Group(plain, "ondemand", 2),), d, "f16", 1, 1))
+        b = P.predict(prof, cat, P.Config((P.Group(burst, "ondemand", 2),), d, "f16", 1, 1))
+        push, pull = prof.push_bytes(d, "f16"), prof.pull_bytes(d)
+        assert a.link_s == pytest.approx((push + pull) / 1.25e6)
+        assert b.link_s == pytest.approx((max(push - 65536, 0) + max(pull - 65536, 0)) / 1.25e6, abs=1e-4)
+        assert b.link_s < a.link_s
+
+
+def test_catalog_hosts_are_checked(tmp_path):
+    doc = tomllib.loads(GOOD)
+    doc["kinds"]["cloud"]["host"] = "bed"
+    with pytest.raises(P.CatalogError, match=r"kind 'cloud': field 'host' names no \[hosts.bed\] table"):
+        P.catalog_from_dict(doc, "c.toml")
+    doc["hosts"] = {"bed": {"cores": 0}}
+    with pytest.raises(P.CatalogError, match=r"host 'bed': field 'cores' must be > 0, got 0"):
+        P.catalog_from_dict(doc, "c.toml")
+    doc["hosts"] = {"bed": {"cores": 2}}
+    cat = P.catalog_from_dict(doc, "c.toml")
+    assert cat.hosts == (("bed", 2),) and cat.kind("cloud").host == "bed"
 
 
 # ------------------------------------------------------------------ profiles, for real

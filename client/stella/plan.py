@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import math
 import os
@@ -119,6 +120,8 @@ class MachineKind:
     mttr_h: float | None = None  # spot: mean time to revocation, hours
     replace_s: float = 300.0  # spot: a revoked machine's replacement, from request to training
     rtt_ms: float = 0.0  # round-trip time to the server's site
+    host: str = ""  # a shared host ([hosts.NAME]) whose cores its workers share with other kinds and the server
+    burst_kb: float = 0.0  # a token-bucket shaper's burst on its links: this much of a message passes at line rate
 
     def price_of(self, market: str) -> float:
         return self.spot_price if market == "spot" and self.spot_price is not None else self.price
@@ -135,6 +138,7 @@ class ServerHost:
     down_mbps: float
     mttr_h: float | None = None  # mean time between its failures or revocations (None: not modelled)
     restart_s: float = SERVER_RESTART_S  # from a failure to serving again from the newest checkpoint
+    host: str = ""  # a shared host ([hosts.NAME]) it shares with workers
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class Catalog:
     currency: str = "USD"
     prices_note: str = ""  # where the prices come from ("illustrative ..." in the example)
     path: str = ""
+    hosts: tuple[tuple[str, int], ...] = ()  # shared hosts: (name, cores)
 
     def kind(self, name: str) -> MachineKind:
         for k in self.kinds:
@@ -170,6 +175,8 @@ KIND_FIELDS: dict[str, _Check] = {
     "mttr_h": (_NUM, False, *_POS),
     "replace_s": (_NUM, False, *_NONNEG),
     "rtt_ms": (_NUM, False, *_NONNEG),
+    "host": (str, False, None, ""),
+    "burst_kb": (_NUM, False, *_NONNEG),
 }
 SERVER_FIELDS: dict[str, _Check] = {
     "name": (str, False, None, ""),
@@ -179,8 +186,10 @@ SERVER_FIELDS: dict[str, _Check] = {
     "down_mbps": (_NUM, True, *_POS),
     "mttr_h": (_NUM, False, *_POS),
     "restart_s": (_NUM, False, *_NONNEG),
+    "host": (str, False, None, ""),
 }
-TOP_FIELDS = {"currency", "prices_note", "server", "kinds"}
+HOST_FIELDS: dict[str, _Check] = {"cores": (int, True, *_POS)}
+TOP_FIELDS = {"currency", "prices_note", "server", "kinds", "hosts"}
 
 
 def _unknown(where: str, key: str, known: Iterable[str]) -> str:
@@ -242,11 +251,27 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
     server_t = doc.get("server")
     if not isinstance(server_t, dict):
         raise CatalogError(f"{path}: missing table [server] (the host that runs stella-ps: price, up_mbps, down_mbps)")
+    hosts_t = doc.get("hosts", {})
+    if not isinstance(hosts_t, dict):
+        raise CatalogError(f"{path}: 'hosts' must be tables ([hosts.NAME] with cores = N)")
+    hosts = []
+    for name, t in hosts_t.items():
+        if not isinstance(t, dict):
+            raise CatalogError(f"{path}: host {name!r}: must be a table ([hosts.{name}] with cores = N)")
+        hosts.append((name, int(_fields(t, HOST_FIELDS, f"{path}: host {name!r}")["cores"])))
+
+    def host_of(v: Mapping[str, Any], where: str) -> str:
+        h = v.get("host", "")
+        if h and h not in hosts_t:
+            raise CatalogError(f"{where}: field 'host' names no [hosts.{h}] table"
+                               + (f" (hosts: {', '.join(hosts_t)})" if hosts_t else ""))
+        return h
+
     s = _fields(server_t, SERVER_FIELDS, f"{path}: [server]")
     server = ServerHost(name=s.get("name", "server"), price=float(s["price"]), cores=s.get("cores", 1),
                         up_mbps=float(s["up_mbps"]), down_mbps=float(s["down_mbps"]),
                         mttr_h=None if "mttr_h" not in s else float(s["mttr_h"]),
-                        restart_s=float(s.get("restart_s", SERVER_RESTART_S)))
+                        restart_s=float(s.get("restart_s", SERVER_RESTART_S)), host=host_of(s, f"{path}: [server]"))
     kinds_t = doc.get("kinds")
     if not isinstance(kinds_t, dict) or not kinds_t:
         raise CatalogError(f"{path}: no machine kinds: add at least one [kinds.NAME] table")
@@ -277,11 +302,12 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
                                  onprem=onprem, price=float(v.get("price", 0.0)),
                                  spot_price=None if "spot_price" not in v else float(v["spot_price"]),
                                  mttr_h=None if "mttr_h" not in v else float(v["mttr_h"]),
-                                 replace_s=float(v.get("replace_s", 300.0)), rtt_ms=float(v.get("rtt_ms", 0.0))))
+                                 replace_s=float(v.get("replace_s", 300.0)), rtt_ms=float(v.get("rtt_ms", 0.0)),
+                                 host=host_of(v, where), burst_kb=float(v.get("burst_kb", 0.0))))
     currency, note = doc.get("currency", "USD"), doc.get("prices_note", "")
     if not isinstance(currency, str) or not isinstance(note, str):
         raise CatalogError(f"{path}: fields 'currency' and 'prices_note' must be strings")
-    return Catalog(tuple(kinds), server, currency, note, path)
+    return Catalog(tuple(kinds), server, currency, note, path, tuple(hosts))
 
 
 # ============================================================ the profile
@@ -291,14 +317,14 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
 class Calibration:
     """The model's fitted coefficients (:func:`fit`); the defaults are the bare structure."""
 
-    compute: float = 1.0  # measured step time / the profile's
-    compute_per_worker: float = 0.0  # ... plus this, per other worker computing at the same time
-    exchange_cpu: float = 0.0  # the part of the compressor's work per round that lands on the compute (a
-    # worker whose exchange shares its cores: a CPU worker)
+    compute: float = 1.0  # measured step time / the profile's, on a host of its own
+    host_load: float = 1.0  # processor sharing on a shared host: steps stretch by max(1, host_load x n / cores)
+    exchange_stretch: float = 0.0  # the share of that stretch the exchange's CPU work (compressor, server) takes
     link: float = 1.0  # measured link time / bytes over the nominal rate
     round_s: float = 0.0  # fixed seconds per round (messages, scheduling)
     source: str = "not fitted (the bare structure)"
     runs: int = 0
+    exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
 
 
 @dataclass(frozen=True)
@@ -310,7 +336,7 @@ class Profile:
     sparse_numel: int  # coordinates in tensors that go top-k (the rest go dense every round)
     batch_size: int
     compute_s: float  # one step (forward, backward, local optimizer) at batch_size, profiled machine
-    compress_s_per_numel: float
+    compress_s_per_numel: float  # the compressor's seconds per coordinate, where ``compress`` has no row
     push: tuple[tuple[float, str, float], ...]  # (density, coding, bytes per round) measured
     pull: tuple[tuple[float, float], ...]  # (density of the pushes, bytes per round of the broadcast)
     pull_factor: float
@@ -327,6 +353,15 @@ class Profile:
     device: str = ""
     path: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    compress: tuple[tuple[float, str, float], ...] = ()  # (density, coding, seconds per round) measured
+
+    # ---- the compressor's time: linear in the density, per coding, on what was measured
+    def compress_s(self, density: float, coding: str) -> float:
+        pts = [(d, y) for d, c, y in self.compress if c == coding] or [(d, y) for d, _, y in self.compress]
+        if len(pts) < 2:
+            return self.compress_s_per_numel * self.numel
+        a, b = _line(pts)
+        return a + b * density
 
     # ---- bytes: linear in the coded bits, fitted on what was measured
     def push_bytes(self, density: float, coding: str) -> float:
@@ -447,6 +482,7 @@ def profile_from_dict(doc: Mapping[str, Any], path: str = "<profile>") -> Profil
         model=str(doc.get("model", "?")), numel=numel, sparse_numel=int(doc.get("sparse_numel", numel)),
         batch_size=int(_req(doc, "batch_size", where)), compute_s=float(_req(doc, "compute_s", where)),
         compress_s_per_numel=float(doc.get("compress_s_per_numel", 0.0)), push=push, pull=pull,
+        compress=tuple((d, c, float(e["compress_s"])) for (d, c, _), e in zip(push, doc["push"]) if "compress_s" in e),
         pull_factor=float(pull_t.get("factor", 2.0)), pull_values=str(pull_t.get("values", "q4")),
         server_per_update_s=float(_req(server, "per_update_s", f"{where}: server")),
         server_per_numel_s=float(_req(server, "per_numel_s", f"{where}: server")),
@@ -537,12 +573,12 @@ class _Mix:
     price: Any  # per machine-hour in its market
     lam: Any  # revocations per second per machine (0: not spot)
     replace_s: Any
+    burst: Any  # bytes
+    host: Any  # index into the catalog's hosts, -1: a host of its own
     # derived once (shape (mixes, 1) unless said): what every setting reads
     w: Any = None  # workers
     t_rel_max: Any = None  # the slowest machine's step time relative to the profiled one
     t_rel_min: Any = None
-    inv_up: Any = None  # seconds per byte of the slowest uplink
-    inv_down: Any = None
     rtt_max: Any = None
     gpus_total: Any = None
     rate: Any = None  # revocations per second of each group (mixes, groups)
@@ -555,13 +591,15 @@ class _Mix:
 GOODPUT = 1.0  # nominal rates; the link coefficient of the calibration takes the protocol overhead
 
 
-def _mix_arrays(mixes: Sequence[Sequence[Group]]):
+def _mix_arrays(mixes: Sequence[Sequence[Group]], hosts: Sequence[tuple[str, int]] = ()):
     import numpy as np
 
     width = max(1, max(len(m) for m in mixes))
     shape = (len(mixes), width)
-    a = {k: np.zeros(shape) for k in ("count", "gpus", "up", "down", "rtt", "price", "lam", "replace_s")}
+    a = {k: np.zeros(shape) for k in ("count", "gpus", "up", "down", "rtt", "price", "lam", "replace_s", "burst")}
     a["t_rel"] = np.full(shape, np.inf)
+    a["host"] = np.full(shape, -1)
+    index = {name: i for i, (name, _) in enumerate(hosts)}
     a["up"][:] = np.inf
     a["down"][:] = np.inf
     for i, m in enumerate(mixes):
@@ -570,14 +608,16 @@ def _mix_arrays(mixes: Sequence[Sequence[Group]]):
             a["count"][i, j], a["gpus"][i, j], a["t_rel"][i, j] = g.count, k.gpus, 1.0 / k.speed
             a["up"][i, j], a["down"][i, j] = k.up_mbps * 1e6 / 8 * GOODPUT, k.down_mbps * 1e6 / 8 * GOODPUT
             a["rtt"][i, j], a["price"][i, j], a["replace_s"][i, j] = k.rtt_ms / 1e3, k.price_of(g.market), k.replace_s
+            a["burst"][i, j] = k.burst_kb * 1024
             if g.market == "spot" and k.mttr_h:
                 a["lam"][i, j] = 1.0 / (k.mttr_h * 3600.0)
+            if k.host:
+                a["host"][i, j] = index[k.host]
     present = a["count"] > 0
     col = lambda x: x[:, None]
     rate = a["count"] * a["lam"]
     return _Mix(**a, w=col(a["count"].sum(axis=1)), t_rel_max=col(np.where(present, a["t_rel"], 0.0).max(axis=1)),
-                t_rel_min=col(a["t_rel"].min(axis=1)), inv_up=col((1 / a["up"]).max(axis=1)),
-                inv_down=col((1 / a["down"]).max(axis=1)), rtt_max=col(a["rtt"].max(axis=1)),
+                t_rel_min=col(a["t_rel"].min(axis=1)), rtt_max=col(a["rtt"].max(axis=1)),
                 gpus_total=col((a["count"] * a["gpus"]).sum(axis=1)), rate=rate, rate_total=col(rate.sum(axis=1)),
                 price_h=col((a["count"] * a["price"]).sum(axis=1)),
                 boot_rate=col((rate * a["price"] * a["replace_s"]).sum(axis=1)) / 3600,
@@ -607,22 +647,31 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
     # the exchange of a round: compress, push (slowest uplink, or the server's downlink carrying every push),
     # the server's step (per pushed and per model coordinate, over the shards), the broadcast pull
     hosts = np.ceil(shards / srv.cores)
-    push_s = push_b * np.maximum(mix.inv_up, w / (srv.down_mbps * 1e6 / 8 * hosts))
-    pull_s = pull_b * np.maximum(mix.inv_down, w / (srv.up_mbps * 1e6 / 8 * hosts))
+    # each machine's message over its own link, less what its shaper's burst lets through at line rate (the
+    # bucket refills between rounds), the slowest of them
+    burst = mix.burst[:, :, None]
+    push_s = np.maximum((np.maximum(push_b[:, None, :] - burst, 0) / mix.up[:, :, None]).max(axis=1),
+                        push_b * w / (srv.down_mbps * 1e6 / 8 * hosts))
+    pull_s = np.maximum((np.maximum(pull_b[:, None, :] - burst, 0) / mix.down[:, :, None]).max(axis=1),
+                        pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts))
     link = cal.link * (push_s + pull_s) + 2 * mix.rtt_max
     server = (profile.server_per_update_s * w * profile.sparse_numel * d + profile.server_per_numel_s * n) / \
         np.minimum(shards, srv.cores * hosts) ** SHARD_EXPONENT
-    compress = profile.compress_s_per_numel * n * mix.t_rel_max + 0 * d
+    compress_1 = np.array([profile.compress_s(x[0], x[1]) for x in settings])[None, :]  # one worker, per round
+    load, stretch, s_server = _host_load(np, catalog, mix, profile.compute_s, h, compress_1, server, cal.host_load)
+    present = (mix.count > 0)[:, :, None]
+    # compute: each machine's step, calibrated and stretched by its shared host; the slowest sets the round
+    t_step = mix.t_rel[:, :, None] * profile.compute_s * cal.compute * stretch  # inf where a group is absent
+    t_slow = np.where(present, t_step, 0.0).max(axis=1)
+    t_fast = t_step.min(axis=1)
+    compute = h * t_slow
+    slowest = np.where(present, t_step, -1.0).argmax(axis=1)[:, None, :]
+    s_slow = np.take_along_axis(stretch, slowest, axis=1)[:, 0, :]
+    # the exchange: the slowest machine's compressor (its push is the last; stretched on a shared host as its
+    # compute is), the link, the server's step (stretched where it shares that host)
+    compress = compress_1 * mix.t_rel_max * (1 + cal.exchange_stretch * (s_slow - 1))
+    server = server * (1 + cal.exchange_stretch * (s_server - 1))
     exchange = compress + link + server + cal.round_s
-    # compute: each machine's step, calibrated; the slowest sets the round. The calibration's growth per
-    # worker is contention (a shared host, a site's combine): it applies while the other workers compute,
-    # i.e. in proportion to the round's share of compute: C = a + b min(1, C / E), solved exactly
-    a = h * mix.t_rel_max * profile.compute_s * cal.compute + cal.exchange_cpu * compress
-    b = h * mix.t_rel_max * profile.compute_s * cal.compute_per_worker * (w - 1)
-    compute = np.where(a + b >= exchange, a + b, a / np.maximum(1 - b / exchange, 1e-12))
-    scale = compute / (h * mix.t_rel_max)
-    t_step = mix.t_rel[:, :, None] * scale[:, None, :]  # inf where a group is absent
-    t_slow, t_fast = mix.t_rel_max * scale, mix.t_rel_min * scale
     round_s = np.maximum(compute, exchange)
     # run-on: a faster machine keeps stepping through the round, up to max_sync_every (absent groups: t_step
     # inf, so h steps of no machine)
@@ -670,13 +719,50 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
     cost = price_h * time_s / 3600 + boot
     if not detail:  # what the ranking reads
         return {"time_s": time_s, "cost": cost}
+    load_slow = np.take_along_axis(load, slowest, axis=1)[:, 0, :]
     cost0 = price_h * t0 / 3600
     parts = np.stack(np.broadcast_arrays(cal.link * push_s, cal.link * pull_s, server, compress))
     bound = np.where(compute >= exchange, 0, 1 + parts.argmax(axis=0))
     return {"s_per_it": s_it, "round_s": round_s, "compute_s": compute, "exchange_s": exchange, "link_s": link,
             "server_s": server + 0 * w, "bound": bound, "max_sync_every": max_h, "samples_per_s": samples / round_s,
             "iterations": iterations, "factor": factor, "h_eff": h_eff, "time_s": time_s,
-            "revocations": lam_total * time_s, "cost": cost, "revocation_cost": cost - np.minimum(cost0, cost)}
+            "revocations": lam_total * time_s, "cost": cost, "revocation_cost": cost - np.minimum(cost0, cost),
+            "load": load_slow}
+
+
+def _host_load(np: Any, catalog: Catalog, mix: _Mix, compute_s: float, h: Any, compress: Any, server: Any,
+               host_load: float) -> tuple[Any, Any, Any]:
+    """Processor sharing on the catalog's shared hosts: ``(load, stretch, server_stretch)``.
+
+    A worker on a shared host is busy through its round's compute; the CPU work of a round that
+    runs in the background (each worker's compressor, and the server's step if ``stella-ps``
+    shares the host) lands in that window too, for the next round's compute overlaps it. So
+    the host carries ``n = W_host + (W_host x compress + server) / (H x step)`` runnable
+    processes (``step``: its fastest machine's as profiled, uncalibrated; a slower machine there
+    is slower by waiting, not by CPU work; ``compress``: one worker's, per round) on ``cores``
+    cores, and every step there stretches by ``max(1, host_load x n / cores)``, the
+    calibration's ``host_load`` fitted on measured runs. The exchange's CPU work (compressor,
+    server) takes the share ``exchange_stretch`` of that stretch: it runs partly beside the
+    compute and partly while the host waits on the link. ``load`` is ``n / cores`` per group (0
+    off the shared hosts), of shape (mixes, groups, settings), ``stretch`` each group's factor,
+    ``server_stretch`` (mixes, settings) the server's (1 off the shared hosts)."""
+    m, g = mix.count.shape
+    ones = np.ones((m, g, h.shape[1]))
+    load, stretch, server_stretch = 0 * ones, ones, ones[:, 0, :]
+    for i, (name, cores) in enumerate(catalog.hosts):
+        on = (mix.host == i) & (mix.count > 0)
+        if not on.any():
+            continue
+        w_h = (mix.count * on).sum(axis=1)[:, None]
+        step = compute_s * np.where(on, mix.t_rel, np.inf).min(axis=1)[:, None]  # inf: none on it
+        bg = w_h * compress + (server if catalog.server.host == name else 0.0)
+        n_h = np.where(w_h > 0, w_h + bg / (h * step), 0.0) / cores
+        s_h = np.maximum(1.0, host_load * n_h)
+        load = np.where(on[:, :, None], n_h[:, None, :], load)
+        stretch = np.where(on[:, :, None], s_h[:, None, :], stretch)
+        if catalog.server.host == name:
+            server_stretch = s_h
+    return load, stretch, server_stretch
 
 
 BOUNDS = ("compute", "push", "pull", "server", "compress")
@@ -685,7 +771,7 @@ BOUNDS = ("compute", "push", "pull", "server", "compress")
 def predict(profile: Profile, catalog: Catalog, config: Config, checkpoint_every: int = 100) -> Prediction:
     """The model's prediction for one configuration (module doc)."""
     setting = (config.density, config.coding, config.sync_every, config.shards)
-    r = _evaluate(profile, catalog, _mix_arrays([config.groups]), [setting], checkpoint_every)
+    r = _evaluate(profile, catalog, _mix_arrays([config.groups], catalog.hosts), [setting], checkpoint_every)
     return _prediction(profile, config, r, 0)
 
 
@@ -715,39 +801,91 @@ class Observation:
     s_per_it: float = 0.0  # measured round / H (for reports)
 
 
+def _nonneg_lstsq(np: Any, a: Any, y: Any) -> Any:
+    """Least squares with every coefficient >= 0: the best over the subsets of columns left
+    free (the others 0) whose solution is non-negative (a few columns: all subsets)."""
+    best, best_err = np.zeros(a.shape[1]), float(np.sum(y ** 2))
+    for cols in itertools.product((False, True), repeat=a.shape[1]):
+        if not any(cols):
+            continue
+        sel = np.array(cols)
+        x = np.linalg.lstsq(a[:, sel], y, rcond=None)[0]
+        if (x < 0).any():
+            continue
+        full = np.zeros(a.shape[1])
+        full[sel] = x
+        err = float(np.sum((a @ full - y) ** 2))
+        if err < best_err:
+            best, best_err = full, err
+    return best
+
+
+EXCHANGE_BOUND = 1.1  # a run's exchange sets its round when it exceeds its compute by this factor
+
+
 def fit(profile: Profile, catalog: Catalog, observations: Sequence[Observation], source: str = "") -> Calibration:
-    """Least squares on measured runs (CM-DARE's approach): the compute scale and its
-    growth per worker from the measured compute, the link scale and the fixed overhead
-    per round from the measured exchange. Returns the new :class:`Calibration`."""
+    """Least squares on measured runs of one model (CM-DARE's approach); :func:`fit_many`."""
+    return fit_many([(profile, catalog, ob) for ob in observations], source)[profile.model]
+
+
+def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str = "",
+             compute: float | None = None) -> dict[str, Calibration]:
+    """Fit the model's coefficients on measured runs, by least squares on relative errors:
+
+    - per model, a compute scale, and across all runs the shared hosts' ``host_load``, on
+      the measured compute per step: ``step = scale x (slowest machine's profiled step) x
+      max(1, host_load x n / cores)`` (``host_load`` by a search on a fine grid, the scales
+      in closed form at each point);
+    - across all runs, a link scale and a fixed overhead per round, on the measured exchange
+      per round less the model's compressor and server (with the fitted compute terms).
+
+    Returns a :class:`Calibration` per model (``profile.model``)."""
     import numpy as np
 
-    if len(observations) < 2:
+    if len(runs) < 2:
         raise PlanError("fit: need at least 2 measured runs")
-    bare = dataclasses.replace(profile, calibration=Calibration())
-    rows_c, ys_c, rows_e, ys_e = [], [], [], []
-    for ob in observations:
-        p = predict(bare, catalog, ob.config)
-        base = p.compute_s / ob.config.sync_every  # the bare model's slowest step
-        duty = min(1.0, ob.compute_s / ob.s_per_it) if ob.s_per_it > 0 else 1.0  # the round's share of compute
-        z = (p.exchange_s - p.link_s - p.server_s) / ob.config.sync_every  # the bare model's compress, per step
-        rows_c.append([base, base * (ob.config.workers - 1) * duty, z])
-        ys_c.append(ob.compute_s)
-        rows_e.append([1.0, p.link_s])  # link_s of the bare model: push + pull at the nominal rates (+ RTTs)
-        ys_e.append(ob.exchange_s - (p.exchange_s - p.link_s))  # less compress and server, taken as measured
-    # relative errors count equally: weight each row by 1/y
-    ac, ae = np.array(rows_c), np.array(rows_e)
-    yc, ye = np.array(ys_c), np.array(ys_e)
-    wc, we = 1 / np.maximum(yc, 1e-9), 1 / np.maximum(np.abs(ye), 1e-3)
-    if len(observations) < 6:  # the compressor's share of the compute only with enough runs to tell it apart
-        ac[:, 2] = 0.0
-    kc = np.linalg.lstsq(ac * wc[:, None], yc * wc, rcond=None)[0]  # minimum norm where a column is all 0
-    ke = np.linalg.lstsq(ae * we[:, None], ye * we, rcond=None)[0]
-    if ke[0] < 0:  # no negative overhead: through the origin
-        ke = np.array([0.0, float(np.sum(ae[:, 1] * ye * we ** 2) / np.sum((ae[:, 1] * we) ** 2))])
-    return Calibration(compute=float(max(kc[0], 1e-3)), compute_per_worker=float(max(kc[1], 0.0)),
-                       exchange_cpu=float(max(kc[2], 0.0)),
-                       link=float(max(ke[1], 1e-3)), round_s=float(ke[0]), source=source or "fitted",
-                       runs=len(observations))
+    names = sorted({prof.model for prof, _, _ in runs})
+    which = np.array([names.index(prof.model) for prof, _, _ in runs])
+    base, load, y = [], [], []
+    for prof, cat, ob in runs:
+        r = _evaluate(dataclasses.replace(prof, calibration=Calibration()), cat, _mix_arrays([ob.config.groups],
+                      cat.hosts), [(ob.config.density, ob.config.coding, ob.config.sync_every, ob.config.shards)])
+        base.append(prof.compute_s * max(1.0 / g.kind.speed for g in ob.config.groups))
+        load.append(float(r["load"][0, 0]))
+        y.append(ob.compute_s)
+    b, ld, yc = np.array(base), np.array(load), np.array(y)
+
+    def scales(kappa: float) -> tuple[Any, float]:
+        m = b * np.maximum(1.0, kappa * ld) / yc  # the model at scale 1, relative to the measurement
+        k = np.array([np.sum(m[which == i]) / np.sum(m[which == i] ** 2) if compute is None else compute
+                      for i in range(len(names))])
+        return k, float(np.sum((k[which] * m - 1) ** 2))
+
+    kappa = 1.0
+    if (ld > 0).any():  # runs on a shared host: the grid's best (0.2 .. 3)
+        kappa = min(np.linspace(0.2, 3.0, 561), key=lambda x: scales(float(x))[1])
+    k = scales(float(kappa))[0]
+    rows_e, ye, bound = [], [], []
+    for (prof, cat, ob), ki in zip(runs, k[which]):
+        cal = Calibration(compute=float(ki), host_load=float(kappa))
+        p = predict(dataclasses.replace(prof, calibration=cal), cat, ob.config)  # exchange unstretched
+        full = predict(dataclasses.replace(prof, calibration=dataclasses.replace(cal, exchange_stretch=1.0)), cat,
+                       ob.config)
+        # at link scale 1: push + pull at the nominal rates (+ RTTs); the CPU work's stretch
+        rows_e.append([1.0, p.link_s, full.exchange_s - p.exchange_s])
+        ye.append(ob.exchange_s - (p.exchange_s - p.link_s))  # less compress and server, unstretched
+        # a worker's measured exchange ends when the step closes: in a run bound by compute, when the slowest
+        # worker's push is in. It then measures the others' compute, not the link
+        bound.append(ob.exchange_s > EXCHANGE_BOUND * ob.config.sync_every * ob.compute_s)
+    keep = np.array(bound) if sum(bound) >= 2 else np.ones(len(bound), bool)
+    ae, ve = np.array(rows_e)[keep], np.array(ye)[keep]
+    we = 1 / np.maximum(np.abs(ve), 1e-3)
+    ke = _nonneg_lstsq(np, ae * we[:, None], ve * we)
+    return {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), link=float(max(ke[1], 1e-3)),
+                           round_s=float(ke[0]), exchange_stretch=float(min(ke[2], 1.0)),
+                           source=source or "fitted", runs=len(runs),
+                           exchange_runs=int(keep.sum()))
+            for i, n in enumerate(names)}
 
 
 # ============================================================ enumeration and ranking
@@ -814,7 +952,7 @@ def plan(catalog: Catalog, profile: Profile, *, deadline_s: float | None = None,
     mixes = _mixes(catalog, max_rented)
     if not mixes:
         raise PlanError(f"{catalog.path}: no machine mix to consider")
-    mix = _mix_arrays(mixes)
+    mix = _mix_arrays(mixes, catalog.hosts)
     settings = [(d, c, h, s) for d in densities for c in codings for h in sync_every for s in shards]
     objective = "cost" if deadline_s is not None else "time"
     m = len(mixes)

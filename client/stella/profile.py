@@ -94,10 +94,11 @@ def measure_compute(model: Any, loss: Callable[[Any, Any], Any], next_batch: Cal
 
 
 def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAULT_DENSITIES,
-                  codings: Sequence[str] = CODINGS) -> tuple[list[dict[str, Any]], float]:
+                  codings: Sequence[str] = CODINGS, rounds: int = 4) -> tuple[list[dict[str, Any]], float]:
     """Bytes of one push of ``update`` (name -> tensor: a real weight change) at each
-    density and coding, through the real compressor and encoder; and the compressor's
-    seconds per coordinate (at 1%)."""
+    density and coding, through the real compressor and encoder, with the compressor's
+    and encoder's seconds per round (``compress_s``: the median of ``rounds`` after the first); and its
+    seconds per coordinate at 1% (for a coding or density with no row)."""
     import msgspec
 
     from .compress import ErrorFeedbackCompressor
@@ -105,19 +106,25 @@ def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAUL
 
     layout = [TensorSpec(n, tuple(int(s) for s in t.shape), "float32") for n, t in update.items()]
     numel = sum(t.numel() for t in update.values())
+    flat = {name: t.detach().float().reshape(-1) for name, t in update.items()}
     out, per_numel = [], 0.0
     for d in densities:
         for c in codings:
+            # the compressor's steady state: its threshold carried from the rounds before (the first round
+            # searches for it), and its residual holding what those rounds did not send
             comp = ErrorFeedbackCompressor(density=d, value_dtype=c)
-            t0 = time.perf_counter()
-            items = []
-            for i, (name, t) in enumerate(update.items()):
-                sg = comp.compress(name, t.detach().float().reshape(-1).clone())
-                items.append(SparseTensor(i, None if sg.is_dense else sg.indices, sg.values))
-            dt = time.perf_counter() - t0
-            entries, frames = encode_tensors(items, layout, "rice", cast(ValueDtype, c))
+            times = []
+            for _ in range(rounds):
+                items = []
+                t0 = time.perf_counter()
+                for i, (name, t) in enumerate(flat.items()):
+                    sg = comp.compress(name, t.clone())
+                    items.append(SparseTensor(i, None if sg.is_dense else sg.indices, sg.values))
+                entries, frames = encode_tensors(items, layout, "rice", cast(ValueDtype, c))
+                times.append(time.perf_counter() - t0)  # compress and encode: the worker's CPU for a push
+            dt = statistics.median(times[1:]) if len(times) > 1 else times[0]
             nbytes = sum(memoryview(f).nbytes for f in frames) + len(msgspec.msgpack.encode(entries)) + 64
-            out.append({"density": d, "coding": c, "bytes": nbytes})
+            out.append({"density": d, "coding": c, "bytes": nbytes, "compress_s": dt})
             if abs(d - 0.01) < 1e-12 or per_numel == 0.0:
                 per_numel = dt / max(1, numel)
     return out, per_numel
