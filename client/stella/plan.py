@@ -579,6 +579,8 @@ class _Mix:
     w: Any = None  # workers
     t_rel_max: Any = None  # the slowest machine's step time relative to the profiled one
     t_rel_min: Any = None
+    inv_up: Any = None  # seconds per byte of the slowest uplink
+    inv_down: Any = None
     rtt_max: Any = None
     gpus_total: Any = None
     rate: Any = None  # revocations per second of each group (mixes, groups)
@@ -617,7 +619,9 @@ def _mix_arrays(mixes: Sequence[Sequence[Group]], hosts: Sequence[tuple[str, int
     col = lambda x: x[:, None]
     rate = a["count"] * a["lam"]
     return _Mix(**a, w=col(a["count"].sum(axis=1)), t_rel_max=col(np.where(present, a["t_rel"], 0.0).max(axis=1)),
-                t_rel_min=col(a["t_rel"].min(axis=1)), rtt_max=col(a["rtt"].max(axis=1)),
+                t_rel_min=col(a["t_rel"].min(axis=1)), inv_up=col((1 / a["up"]).max(axis=1)),
+                inv_down=col((1 / a["down"]).max(axis=1)),
+                rtt_max=col(a["rtt"].max(axis=1)),
                 gpus_total=col((a["count"] * a["gpus"]).sum(axis=1)), rate=rate, rate_total=col(rate.sum(axis=1)),
                 price_h=col((a["count"] * a["price"]).sum(axis=1)),
                 boot_rate=col((rate * a["price"] * a["replace_s"]).sum(axis=1)) / 3600,
@@ -649,24 +653,36 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
     hosts = np.ceil(shards / srv.cores)
     # each machine's message over its own link, less what its shaper's burst lets through at line rate (the
     # bucket refills between rounds), the slowest of them
-    burst = mix.burst[:, :, None]
-    push_s = np.maximum((np.maximum(push_b[:, None, :] - burst, 0) / mix.up[:, :, None]).max(axis=1),
-                        push_b * w / (srv.down_mbps * 1e6 / 8 * hosts))
-    pull_s = np.maximum((np.maximum(pull_b[:, None, :] - burst, 0) / mix.down[:, :, None]).max(axis=1),
-                        pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts))
+    if mix.burst.any():
+        burst = mix.burst[:, :, None]
+        push_s = (np.maximum(push_b[:, None, :] - burst, 0) / mix.up[:, :, None]).max(axis=1)
+        pull_s = (np.maximum(pull_b[:, None, :] - burst, 0) / mix.down[:, :, None]).max(axis=1)
+    else:
+        push_s, pull_s = push_b * mix.inv_up, pull_b * mix.inv_down
+    push_s = np.maximum(push_s, push_b * w / (srv.down_mbps * 1e6 / 8 * hosts))
+    pull_s = np.maximum(pull_s, pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts))
     link = cal.link * (push_s + pull_s) + 2 * mix.rtt_max
     server = (profile.server_per_update_s * w * profile.sparse_numel * d + profile.server_per_numel_s * n) / \
         np.minimum(shards, srv.cores * hosts) ** SHARD_EXPONENT
     compress_1 = np.array([profile.compress_s(x[0], x[1]) for x in settings])[None, :]  # one worker, per round
-    load, stretch, s_server = _host_load(np, catalog, mix, profile.compute_s, h, compress_1, server, cal.host_load)
-    present = (mix.count > 0)[:, :, None]
     # compute: each machine's step, calibrated and stretched by its shared host; the slowest sets the round
-    t_step = mix.t_rel[:, :, None] * profile.compute_s * cal.compute * stretch  # inf where a group is absent
-    t_slow = np.where(present, t_step, 0.0).max(axis=1)
-    t_fast = t_step.min(axis=1)
+    step = profile.compute_s * cal.compute
+    if (mix.host >= 0).any():
+        load, stretch, s_server = _host_load(np, catalog, mix, profile.compute_s, h, compress_1, server,
+                                             cal.host_load)
+        present = (mix.count > 0)[:, :, None]
+        t_step = mix.t_rel[:, :, None] * step * stretch  # inf where a group is absent
+        t_slow = np.where(present, t_step, 0.0).max(axis=1)
+        t_fast = t_step.min(axis=1)
+        slowest = np.where(present, t_step, -1.0).argmax(axis=1)[:, None, :]
+        s_slow = np.take_along_axis(stretch, slowest, axis=1)[:, 0, :]
+        load_slow = np.take_along_axis(load, slowest, axis=1)[:, 0, :]
+    else:  # no shared host: nothing stretches
+        t_step = mix.t_rel[:, :, None] * step + 0 * h[:, None, :]
+        t_slow, t_fast = mix.t_rel_max * step + 0 * h, mix.t_rel_min * step + 0 * h
+        s_slow = s_server = 1.0
+        load_slow = 0.0
     compute = h * t_slow
-    slowest = np.where(present, t_step, -1.0).argmax(axis=1)[:, None, :]
-    s_slow = np.take_along_axis(stretch, slowest, axis=1)[:, 0, :]
     # the exchange: the slowest machine's compressor (its push is the last; stretched on a shared host as its
     # compute is), the link, the server's step (stretched where it shares that host)
     compress = compress_1 * mix.t_rel_max * (1 + cal.exchange_stretch * (s_slow - 1))
@@ -719,7 +735,6 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
     cost = price_h * time_s / 3600 + boot
     if not detail:  # what the ranking reads
         return {"time_s": time_s, "cost": cost}
-    load_slow = np.take_along_axis(load, slowest, axis=1)[:, 0, :]
     cost0 = price_h * t0 / 3600
     parts = np.stack(np.broadcast_arrays(cal.link * push_s, cal.link * pull_s, server, compress))
     bound = np.where(compute >= exchange, 0, 1 + parts.argmax(axis=0))
@@ -727,7 +742,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
             "server_s": server + 0 * w, "bound": bound, "max_sync_every": max_h, "samples_per_s": samples / round_s,
             "iterations": iterations, "factor": factor, "h_eff": h_eff, "time_s": time_s,
             "revocations": lam_total * time_s, "cost": cost, "revocation_cost": cost - np.minimum(cost0, cost),
-            "load": load_slow}
+            "load": load_slow + 0 * round_s}
 
 
 def _host_load(np: Any, catalog: Catalog, mix: _Mix, compute_s: float, h: Any, compress: Any, server: Any,
