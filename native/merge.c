@@ -4,7 +4,7 @@
  * coordinate is taken in push order, as the reference (optim_ref.py) does. */
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -139,9 +139,25 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
     _mm512_storeu_si512(F, _mm512_setzero_si512());
     return n;
 #else
+    /* The flags of a block as a 64-bit mask. At 1% density most blocks hold one
+     * flagged coordinate or none, and the sweep visits every block of the window:
+     * a byte-by-byte test here cost ~1 ns per coordinate of the model every step
+     * (12 ms of a 10M-parameter step), the mask in two AVX2 compares or eight
+     * word tests costs a few ns per 64 coordinates. */
+#if defined(__AVX2__)
+    const __m256i z = _mm256_setzero_si256();
+    const uint32_t lo = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)F), z));
+    const uint32_t hi =
+        ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(F + 32)), z));
+    uint64_t m = (uint64_t)lo | ((uint64_t)hi << 32);
+    if (!m) return 0;
+#else
+    uint64_t words[8];
+    memcpy(words, F, 64);
+    if (!(words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] | words[7])) return 0;
     uint64_t m = 0;
     for (int j = 0; j < 64; j++) m |= (uint64_t)(F[j] != 0) << j;
-    if (!m) return 0;
+#endif
     int n = 0;
     while (m) {
         const int j = __builtin_ctzll(m);
