@@ -104,6 +104,9 @@ class Broadcast:
                          else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
         self._counts = [0.0] * len(self.layout)  # each tensor's budget: the mean push count last seen
         self._selectors = [Selector(seed=0x5EED + t) for t in range(len(self.layout))]
+        # whether each residual may hold anything: a residual no step has touched is zero, and a pass over a large
+        # one to find that out costs as much as the selection (0.5 ns per coordinate)
+        self._owed = [residual is not None for _ in self.layout]
         self._messages: deque[Message] = deque(maxlen=history)
 
     def step(self, version: int, touched: Sequence[np.ndarray], changes: Sequence[np.ndarray],
@@ -119,6 +122,7 @@ class Broadcast:
             r, idx, ch = self.residual[t], touched[t], changes[t]
             if idx.size:
                 scatter_add(r, idx, ch)
+                self._owed[t] = True
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
             log.touched.append(idx)
@@ -155,7 +159,7 @@ class Broadcast:
             r[:] = v - q
             return None, q
         k = round(self.factor * self._counts[t])
-        if k <= 0 or not r.any():
+        if k <= 0 or not self._owed[t]:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         idx, v = self._selectors[t].take(r, k)
         q = self._coded(v, self.coding)
