@@ -47,6 +47,10 @@ struct stella_optim {
     float *undo;
     int64_t undo_cap; /* coordinates */
     int64_t undo_len;
+    /* ... and the parameters it wrote, in the same order (stella_optim_last_changes
+     * reads them sequentially instead of gathering the records again). */
+    float *newp;
+    int64_t newp_cap;
 };
 
 #include "optim_tuning.h"

@@ -51,6 +51,7 @@ void stella_optim_free(stella_optim *st) {
     free(st->tab2);
     free(st->sstab);
     free(st->undo);
+    free(st->newp);
     free(st);
 }
 
@@ -104,7 +105,7 @@ int stella_optim_last_changes(const stella_optim *st, const int32_t *idx, int64_
     const int64_t s = st->nfields;
     for (int64_t j = 0; j < n; j++) {
         if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= st->numel)) return STELLA_E_RANGE;
-        out[j] = st->mem[(int64_t)idx[j] * s] - st->undo[j * s];
+        out[j] = st->newp[j] - st->undo[j * s];
     }
     return STELLA_OK;
 }
@@ -159,7 +160,8 @@ static int grow(void **tab, size_t elem, int64_t *cap, int64_t want) {
 }
 
 int stella_optim_reserve_undo(stella_optim *st, int64_t n) {
-    return grow((void **)&st->undo, (size_t)st->nfields * sizeof(float), &st->undo_cap, n);
+    int rc = grow((void **)&st->undo, (size_t)st->nfields * sizeof(float), &st->undo_cap, n);
+    return rc != STELLA_OK ? rc : grow((void **)&st->newp, sizeof(float), &st->newp_cap, n);
 }
 
 /* Make tab1/tab2 valid for every step up to `need` (or their saturation step). */
