@@ -414,3 +414,72 @@ def test_membership_declares_silent_workers_gone_revives_them_and_lets_a_session
     assert revived and info is a and a.worker in m.live
     # a gone worker speaking on its own connection is live again
     assert m.revive(b"conn-b2", again.worker) is again and again.worker in m.live
+
+
+# ------------------------------------------------------------------ a step that fails part way
+class _Fault(Exception):
+    pass
+
+
+def test_a_step_that_fails_in_the_broadcast_is_undone_and_the_version_still_moves_on():
+    """The broadcast's part of a step raises (a fault, MemoryError): the kernel's part is
+    undone, B + R is the exact model again, every replica's next pull is a snapshot, the
+    step closes empty so that waiting pulls are answered, and the next step applies."""
+    async def main() -> None:
+        job = Job(2)
+        store = ModelStore(pull="broadcast")
+        store.initialise([TensorSpec("w", (8,), "float32")], [np.zeros(8, np.float32)], SGD)
+        job.store = job.steps.store = store
+        job.push(0)
+        job.push(1)
+        await job.settle()
+        assert store.version == 1 and job.applied == [1]
+        before = store.tensors[0].snapshot()
+        real_step = store.broadcast.step
+
+        def failing(*a, **k):  # once: the empty step after it succeeds
+            store.broadcast.step = real_step  # type: ignore[method-assign]
+            real_step(*a, **k)  # B and R changed for the tensor, then the fault: no message
+            raise _Fault("injected")
+
+        store.broadcast.step = failing  # type: ignore[method-assign]
+        job.push(0, value=4.0)
+        job.push(1, value=4.0)
+        await job.settle()
+        assert store.version == 2 and job.applied == [1, 2]  # closed empty: the waiting pulls get version 2
+        np.testing.assert_array_equal(store.tensors[0].snapshot(), before)  # the failed step's pushes: undone
+        b = store.broadcast
+        np.testing.assert_array_equal(b.model[0] + b.residual[0], before)  # nothing owed is lost
+        assert b.since(1, 2) is None  # no message bridges the failure: a snapshot
+        assert job.stats.rejected_steps == 1 and job.stats.rejected_pushes == 2
+        job.push(0, value=2.0)
+        job.push(1, value=2.0)
+        await job.settle()
+        assert store.version == 3
+        np.testing.assert_array_equal(store.tensors[0].snapshot()[:2], before[:2] - 1.0)  # mean 2 x 0.5 x lr 1
+        await job.close()
+
+    run(main)
+
+
+def test_a_checkpoint_copy_that_overlaps_a_failed_step_is_abandoned():
+    from stella_ps.aggregation import Step
+    from stella_ps.errors import CopyAbandoned, StepFailed
+
+    store = ModelStore(pull="broadcast")
+    store.initialise([TensorSpec("w", (8,), "float32")], [np.zeros(8, np.float32)], SGD)
+    store.begin_copy()
+    store.copy_records(0, 0, 8)
+
+    def failing(*a, **k):
+        raise _Fault("injected")
+
+    store.broadcast.step = failing  # type: ignore[method-assign]
+    t = SparseTensor(0, np.array([1], np.int32), np.array([1.0], np.float32))
+    with pytest.raises(StepFailed, match="step 1 failed in the broadcast"):
+        store.apply_step(Step(per_tensor=[[t]], scale=1.0, contributors=[0], late=0, hparams=[]), SGD)
+    assert store.version == 0
+    with pytest.raises(CopyAbandoned):
+        store.end_copy()
+    store.begin_copy()  # the next copy starts afresh and ends normally
+    assert store.end_copy() == (0, [])

@@ -108,6 +108,7 @@ class Broadcast:
         # one to find that out costs as much as the selection (0.5 ns per coordinate)
         self._owed = [residual is not None for _ in self.layout]
         self._messages: deque[Message] = deque(maxlen=history)
+        self._valid_from = 0  # a replica older than this version gets a snapshot (resync)
 
     def step(self, version: int, touched: Sequence[np.ndarray], changes: Sequence[np.ndarray],
              push_counts: Sequence[float]) -> StepLog:
@@ -180,11 +181,24 @@ class Broadcast:
     def since(self, version: int, now: int) -> list[Message] | None:
         """The messages that bring a replica at ``version`` to ``now``, in order, or None
         when some are no longer kept (a snapshot then)."""
+        if version < self._valid_from:  # B changed without a message (resync)
+            return None
         if version == now:
             return []
         if not self._messages or version + 1 < self._messages[0].version or version > now:
             return None
         return [m for m in self._messages if m.version > version]
+
+    def resync(self, exact: Sequence[np.ndarray], version: int) -> None:
+        """After the step after ``version`` failed part way (``B`` or ``R`` of some
+        tensors changed, no message made): ``R = exact - B`` again for every tensor, and
+        no message reaches a replica at ``version`` or before, so every replica's next
+        pull is a snapshot of ``B``."""
+        for t, x in enumerate(exact):
+            self.residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), self.model[t], dtype=np.float32)
+        self._owed = [True] * len(self.layout)
+        self._messages.clear()
+        self._valid_from = version + 1
 
     def forget(self) -> None:
         """After the model was replaced (a checkpoint resumed): no message is valid."""

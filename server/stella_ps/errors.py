@@ -7,7 +7,8 @@ refusals by the service where a request caused them.
 """
 from __future__ import annotations
 
-__all__ = ["StellaPSError", "ConfigError", "KernelInputError", "KernelError", "NonFiniteStep"]
+__all__ = ["StellaPSError", "ConfigError", "KernelInputError", "KernelError", "NonFiniteStep", "StepFailed",
+           "CopyAbandoned"]
 
 
 class StellaPSError(Exception):
@@ -29,3 +30,15 @@ class KernelError(StellaPSError, RuntimeError):
 class NonFiniteStep(StellaPSError, ArithmeticError):
     """A step would have written NaN or Inf into the model or its optimizer state; it
     changed nothing (the kernel's finite-step guard undid it)."""
+
+
+class StepFailed(StellaPSError, RuntimeError):
+    """Applying a step failed after the kernel had applied it (in the compressed
+    broadcast's part of the step): the kernel's part was undone, the broadcast made
+    whole again (its residual recomputed; every replica's next pull is a snapshot), and
+    the version did not move."""
+
+
+class CopyAbandoned(StellaPSError, RuntimeError):
+    """A checkpoint's copy overlapped a step that failed (:class:`StepFailed`): its
+    slices cannot be rolled forward to one version; the next checkpoint starts afresh."""

@@ -37,7 +37,7 @@ from stella.protocol import SparseTensor
 
 from .aggregation import AdaptiveDeadline, Aggregator, PendingPush, Step
 from .config import Deadline, Limits, Liveness
-from .errors import ConfigError, NonFiniteStep
+from .errors import ConfigError, NonFiniteStep, StepFailed
 from .membership import Membership
 from .optim import OptimizerConfig
 from .runtime import Clock, StoreThread, Tasks, Timer
@@ -182,6 +182,18 @@ class StepScheduler:
                                         "made the model non-finite (NaN/Inf)")
         return version
 
+    def _apply_failed(self, step: Step, cfg: OptimizerConfig, error: StepFailed) -> int:
+        """On the store thread, after ``step`` failed and was undone (:class:`StepFailed`):
+        the step closes empty (the version moves on, so that every pull waiting for it
+        is answered; the model does not), and its pushes are dropped, as a non-finite
+        step's are when nothing else is left."""
+        version = self.store.apply_step(step.without(step.contributors), cfg)
+        self._stats.rejected_steps += 1
+        self._stats.rejected_pushes += len(step.contributors)
+        log.error("step failed and was undone: its pushes were dropped", extra={
+            "version": version, "dropped_workers": list(step.contributors), "error": str(error)})
+        return version
+
     # ------------------------------------------------------------------ closing steps
     def _maybe_close(self, first_push: bool = False) -> None:
         if self._applying:
@@ -227,6 +239,8 @@ class StepScheduler:
                     version = await self._store_thread.run(self.store.apply_step, step, cfg)
                 except NonFiniteStep:
                     version = await self._store_thread.run(self._apply_guarded, step, cfg)
+                except StepFailed as e:
+                    version = await self._store_thread.run(self._apply_failed, step, cfg, e)
                 now = self._clock.now()
                 self._stats.count_step(step.late, now, now - t0, opened)
                 self.last_apply_s = now - t0

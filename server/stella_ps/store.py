@@ -24,7 +24,7 @@ from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, V
 
 from .aggregation import Step
 from .broadcast import Broadcast, StepLog, replay
-from .errors import NonFiniteStep
+from .errors import CopyAbandoned, NonFiniteStep, StepFailed
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 
@@ -127,6 +127,7 @@ class ModelStore:
         self._encoded: dict[tuple[int, str], EncodedChanges] = {}
         # while a checkpoint copies the state a slice at a time: the steps applied meanwhile
         self._redo: list[RedoEntry] | None = None
+        self._copy_abandoned = False  # a step failed while a checkpoint's copy was logging (end_copy refuses it)
 
     @property
     def initialised(self) -> bool:
@@ -158,6 +159,7 @@ class ModelStore:
         """Start a checkpoint's copy: from now on the steps applied are logged, so that
         slices copied at different versions can be rolled forward to one (:func:`roll_forward`)."""
         self._redo = []
+        self._copy_abandoned = False
         return self.version
 
     def copy_records(self, tensor: int, start: int, n: int) -> RecordCopy:
@@ -170,6 +172,10 @@ class ModelStore:
     def end_copy(self) -> tuple[int, list[RedoEntry]]:
         """The version now and the steps applied since :meth:`begin_copy`."""
         redo, self._redo = self._redo or [], None
+        if self._copy_abandoned:
+            self._copy_abandoned = False
+            raise CopyAbandoned(f"a step failed during the checkpoint's copy (now at version {self.version}): "
+                                "the copy was abandoned; the next checkpoint starts afresh")
         return self.version, redo
 
     def restore(self, layout: list[TensorSpec], arrays: list[dict[str, np.ndarray]], cfg: OptimizerConfig,
@@ -200,13 +206,22 @@ class ModelStore:
         optimizer state, in any tensor) is NaN or Inf: then the step changed nothing
         (the kernel undid its tensor, the tensors before it are rolled back)."""
         touched = self._apply(step, cfg)
-        self.version += 1
         log = None
         if self.broadcast is not None:
-            changes = [s.last_changes(t) if t.size else np.empty(0, np.float32) for s, t in zip(self.tensors, touched)]
-            counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors)) for parts in step.per_tensor]
-            log = self.broadcast.step(self.version, touched, changes, counts)
-        else:
+            try:
+                changes = [s.last_changes(t) if t.size else np.empty(0, np.float32)
+                           for s, t in zip(self.tensors, touched)]
+                counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors))
+                          for parts in step.per_tensor]
+                log = self.broadcast.step(self.version + 1, touched, changes, counts)
+            except Exception as e:  # MemoryError, or a fault: the step must not stay half applied
+                self._rollback(touched)
+                self.broadcast.resync([s.snapshot() for s in self.tensors], self.version)
+                self._copy_abandoned = self._redo is not None
+                raise StepFailed(f"step {self.version + 1} failed in the broadcast ({type(e).__name__}: {e}); "
+                                 "it was undone") from e
+        self.version += 1
+        if self.broadcast is None:
             self._history.append((self.version, touched))
         if self._redo is not None:
             self._redo.append((self.version, step, cfg, log))
