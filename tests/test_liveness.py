@@ -4,6 +4,7 @@ sockets. Liveness timeouts are short (1-2 s) so that the module stays quick.
 Checkpoints are tests/test_checkpoints.py's; the step rules, pure, tests/test_steps.py's."""
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import sys
@@ -373,3 +374,51 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     assert "resumed from checkpoint" in srv2.logs()
     b.close()  # first: a's flush on close then closes a step of its own
     a.close()
+
+
+# --------------------------------------------------------------------------- a snapshot over a slow link
+_SNAPSHOT_CLIENT = """
+import sys, time, numpy as np
+from stella import Client
+c = Client(sys.argv[1], timeout=60, name=sys.argv[2])
+c.register({"w": np.zeros(int(sys.argv[3]), np.float32)}, {"name": "sgd", "lr": 0.1})
+if sys.argv[2] == "first":
+    time.sleep(float(sys.argv[4]))  # stays joined: the job is not over
+else:
+    t = time.monotonic()
+    r = c.pull(None)
+    print(f"snapshot {r.version} {time.monotonic() - t:.2f} s reconnects {c.reconnects}", flush=True)
+c.close()
+"""
+
+
+def test_a_snapshot_that_outlasts_four_heartbeats_on_a_slow_link_is_not_taken_for_a_lost_server(tmp_path):
+    """A worker joining over a slow link pulls the model's snapshot (4 MB over 4 Mbit/s: ~8 s)
+    while its heartbeats share that link (1 s heartbeats: "lost" after 4 s without a reply).
+    The heartbeats get through beside the snapshot (tbf keeps at most 50 ms queued), and the
+    pull completes without a reconnect."""
+    from bench.wan import Link, WanTestbed, netns_available
+    from stella_ps.process import ServerProcess
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(f"slow-link test bed unavailable: {why}")
+    numel = 1_000_000
+    with WanTestbed({"ps": Link(1000, 1000), "a": Link(1000, 1000), "b": Link(4, 4)}, max_lifetime=120) as bed:
+        ps = ServerProcess(2, ["--liveness-timeout", "4"], bind=f"tcp://{bed.address('ps')}:{free_port()}",
+                           log_level="INFO", cwd=ROOT, timeout=60, popen=functools.partial(bed.popen, "ps"))
+        try:
+            first = bed.popen("a", [sys.executable, "-c", _SNAPSHOT_CLIENT, ps.endpoint, "first", str(numel), "40"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(3)  # the model is in the server (1000 Mbit/s: 4 MB in well under a second)
+            second = bed.run("b", [sys.executable, "-c", _SNAPSHOT_CLIENT, ps.endpoint, "second", str(numel)],
+                             timeout=60)
+            out = second.stdout
+            first.kill()
+            first.wait()
+        finally:
+            ps.close()
+    assert second.returncode == 0, second.stderr[-2000:]
+    seconds, reconnects = float(out.split()[2]), int(out.split()[5])
+    assert seconds > 6.0  # the link's rate: the heartbeats really did wait behind the snapshot
+    assert reconnects == 0, out
