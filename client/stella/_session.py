@@ -161,7 +161,8 @@ class _Liveness:
         self.session = 0
         self.interval = 0.0
         self.last_ok = time.monotonic()  # the last heartbeat reply
-        self.refused = -1  # a session the server said it does not know
+        self.refused = -1  # a session the server said it does not know ...
+        self.refused_sent = 0.0  # ... in reply to a heartbeat sent then (monotonic)
         self.stop = threading.Event()
 
 
@@ -170,13 +171,13 @@ def _heartbeats(state: _Liveness, make_socket: Callable[[], zmq.Socket]) -> None
     replies tell the client the server is alive (or has forgotten this worker)."""
     sock = make_socket()
     req = itertools.count(1)
-    sessions: dict[int, int] = {}
+    sessions: dict[int, tuple[int, float]] = {}  # request -> (session, when sent)
     try:
         while not state.stop.is_set():
             interval = state.interval
             if sock.poll(0, zmq.POLLOUT):
                 r = next(req)
-                sessions[r] = state.session
+                sessions[r] = (state.session, time.monotonic())
                 if len(sessions) > 64:
                     sessions.pop(next(iter(sessions)))
                 sock.send_multipart(encode(Heartbeat(req=r, worker=state.worker, session=state.session)))
@@ -194,7 +195,9 @@ def _heartbeats(state: _Liveness, make_socket: Callable[[], zmq.Socket]) -> None
                 if isinstance(rx.msg, HeartbeatOk):
                     state.last_ok = time.monotonic()
                 elif isinstance(rx.msg, Error) and rx.msg.code == ErrorCode.NOT_REGISTERED.value:
-                    state.refused = sessions.get(rx.msg.req, -1)
+                    session, sent = sessions.get(rx.msg.req, (-1, 0.0))
+                    state.refused_sent = sent
+                    state.refused = session
     finally:
         sock.close(linger=0)
 
@@ -382,6 +385,7 @@ class Session:
         self._heartbeat_on = heartbeat
         self._joined = False  # a join succeeded: from then on a lost connection is reconnected
         self._live = _Liveness()
+        self._joined_at = 0.0  # when the last join succeeded (monotonic)
         self._hb_thread: threading.Thread | None = None
         self._sent: dict[int, tuple[Any, list[Any], float | None]] = {}  # requests waiting for replies
         self._rebased: set[int] = set()  # pulls that a reconnect rebased (rebase: wait_for dropped or a snapshot)
@@ -481,6 +485,7 @@ class Session:
         self._finalizer = weakref.finalize(self, _release, self._sock, self._handshakes, self._live, self._hb_thread)
 
     def _start_heartbeats(self, reply: Joined) -> None:
+        self._joined_at = time.monotonic()
         self._live.worker, self._live.session = reply.worker, reply.session
         self._live.interval = reply.heartbeat_s
         if not self._heartbeat_on or reply.heartbeat_s <= 0 or self._hb_thread is not None:
@@ -498,7 +503,9 @@ class Session:
         live = self._live
         if self._hb_thread is None or self.reconnect_s <= 0:
             return None
-        if live.refused == live.session:
+        # a refusal of a heartbeat sent before the last join is answered already: the join (a reconnect
+        # keeps the session token) made the worker known again
+        if live.refused == live.session and live.refused_sent >= self._joined_at:
             return "the server does not know this worker (restarted, or declared it gone and gave its id away)"
         silent = time.monotonic() - live.last_ok
         if silent > max(4 * live.interval, 1.0):
