@@ -416,6 +416,22 @@ def test_membership_declares_silent_workers_gone_revives_them_and_lets_a_session
     assert m.revive(b"conn-b2", again.worker) is again and again.worker in m.live
 
 
+def test_a_worker_asked_for_the_models_values_is_kept_alive_by_its_heartbeats_meanwhile():
+    """Its upload (39 MB take 31 s at 10 Mbit/s) may outlast the liveness timeout: a joined
+    worker the server asked for the values counts its heartbeats, as a registered one does;
+    a stray join still does not."""
+    from stella_ps.membership import Membership
+
+    m = Membership(expected=2)
+    up = m.join(b"conn-up", None)
+    stray = m.join(b"conn-stray", None)
+    up.registering = True
+    now = time.monotonic()
+    up.last_seen = stray.last_seen = now + 2.0  # both heartbeat; neither sends a request
+    assert m.sweep(1.0, now + 2.5) == [stray.worker]
+    assert up.worker in m.live
+
+
 # ------------------------------------------------------------------ a step that fails part way
 class _Fault(Exception):
     pass

@@ -13,9 +13,10 @@ one); one not heard from for the liveness timeout is declared *gone*: it leaves 
 live set (the open step stops waiting for it; its queued pushes still count), and
 ``status`` lists it among the gone. A worker that joined but never registered is
 gone once the same timeout passes after its last request, heartbeats or not, so a
-stray ``join`` never holds steps back. A gone worker that speaks again on its own
-connection (a process that was stopped, a link that came back) is live again at
-once; its id is free for a new connection to take (a restarted process rejoining
+stray ``join`` never holds steps back; except one the server asked for the model's values
+(they may take longer than the timeout to arrive over a slow link): its heartbeats count.
+A gone worker that speaks again on its own connection (a process that was stopped, a
+link that came back) is live again at once; its id is free for a new connection to take (a restarted process rejoining
 with its old id), and a client that holds the worker's session token takes the id
 to a new connection even while it is still live (a reconnect).
 """
@@ -43,6 +44,7 @@ class WorkerInfo:
     key: str = ""  # the CurveZMQ public key it connected with ("" with --insecure)
     fingerprint: str = ""  # what logs and status show of that key
     registered: bool = False
+    registering: bool = False  # asked to send the model's values (its upload may outlast the liveness timeout)
     waited: bool = False  # steps wait for its push (see the module doc)
     pushes: int = 0
     pulls: int = 0
@@ -152,7 +154,7 @@ class Membership:
         returns their ids."""
         now = self._clock() if now is None else now
         out = [w for w, i in self.live.items()
-               if now - (i.last_seen if i.registered else i.last_request) > timeout]
+               if now - (i.last_seen if i.registered or i.registering else i.last_request) > timeout]
         for w in out:
             info = self.live.pop(w)
             info.gone_at = now
@@ -182,7 +184,7 @@ class Membership:
         revived = False
         if info is None:
             old = self.gone.get(worker)
-            if old is not None and old.session == session and old.key == key and old.registered:
+            if old is not None and old.session == session and old.key == key and (old.registered or old.registering):
                 del self.gone[worker]
                 old.gone_at = None
                 self.live[worker] = info = old

@@ -286,6 +286,7 @@ class Service:
                                      f"(StellaOptimizer(mode={self.mode!r}))")
             if not self.store.initialised:
                 if values is None:  # the client's cheap probe: send the values next
+                    info.registering = True  # their upload is a sign of life only once it ends: heartbeats count
                     self._send(ident, Registered(req=msg.req, version=self.store.version, created=False,
                                                  needs_values=True, optimizer=None, numel=0), ())
                     return
