@@ -251,9 +251,10 @@ def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
     from bench.stella_e2e import run_stella
     from bench.wan import Link, WanTestbed
 
-    # Every worker site starts at the server's rate: a model's first copy (registration, snapshot: 39 MB for
-    # widemlp) over 10 Mbit/s outlasts the liveness timeout (the heartbeats wait behind it) and the workers
-    # reconnect for ever. A watcher sets each site's own rate once that copy has crossed its link.
+    # Every worker site starts at the server's rate, and a watcher sets each site's own rate once the model's
+    # first copy (registration, snapshot: 39 MB for widemlp) has crossed its link: the runs measure the rounds,
+    # not that copy. (Over 10 Mbit/s the copy once outlasted the liveness timeout and the workers reconnected
+    # for ever; fixed since, in the client and the server: tests/test_liveness.py, test_steps.py.)
     sites = {"ps": Link(PS_RATE, PS_RATE), **{f"w{i}": Link(PS_RATE, PS_RATE) for i in range(r.world)}}
     t0 = time.time()
     with WanTestbed(sites, max_lifetime=900) as bed:
