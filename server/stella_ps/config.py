@@ -217,7 +217,8 @@ class Liveness:
 
     timeout: float = setting(20.0, check=_finite_at_least(0),
                              help="declare a worker gone when neither a request nor a heartbeat came from it for "
-                                  "this many seconds (a joined, unregistered one: no request); 0: never")
+                                  "this many seconds (a joined one not yet registered nor asked for the model's "
+                                  "values: no request); 0: never")
 
     def __post_init__(self) -> None:
         _validate(self)
