@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.harness import REPO, loadavg
+from bench.wan import tbf_burst_bytes
 from stella import plan as P
 from stella.adapt import coordinate_bits
 from stella.profile import BENCH_SERVER
@@ -207,11 +208,6 @@ def runs(quick: bool) -> list[Run]:
     return fit + held
 
 
-def burst_kb(mbps: float) -> float:
-    """The test bed's tbf burst at a rate (bench.wan.testbed: 64 KiB, or 4 ms at the rate)."""
-    return max(64 * 1024, mbps * 1e6 / 8 * 0.004) / 1024
-
-
 def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
     """The run as the planner sees it: one machine kind per distinct worker speed, the
     sites' links, the server's site at 1000 Mbit/s, all on one shared host (this machine's
@@ -224,7 +220,8 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
         "hosts": {"bed": {"cores": os.cpu_count() or 1}},  # every worker and stella-ps share this machine
         "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE, "host": "bed"},
         "kinds": {f"site-x{f:g}": {"gpu": "cpu", "speed": 1 / f, "count": n, "onprem": True, "up_mbps": r.up,
-                                   "down_mbps": r.down, "host": "bed", "burst_kb": burst_kb(min(r.up, r.down))}
+                                   "down_mbps": r.down, "host": "bed",
+                                   "burst_kb": tbf_burst_bytes(min(r.up, r.down)) / 1024}
                   for f, n in kinds.items()}},
         f"test bed ({r.name})")
     groups = tuple(P.Group(cat.kind(f"site-x{f:g}"), "onprem", n) for f, n in kinds.items())

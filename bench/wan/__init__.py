@@ -8,4 +8,5 @@ from .testbed import (  # noqa: F401
     WanTestbed,
     cleanup_stale,
     netns_available,
+    tbf_burst_bytes,
 )

@@ -54,6 +54,7 @@ __all__ = [
     "PREFIX_ROOT",
     "cleanup_stale",
     "netns_available",
+    "tbf_burst_bytes",
 ]
 
 #: every namespace a test bed creates is named ``f"{PREFIX_ROOT}{8 hex}-{site}"``
@@ -166,12 +167,15 @@ def _run(args: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT)
     return r
 
 
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """The token bucket's burst at ``rate_mbit``: at least 64 KiB (one TSO/GSO
+    super-packet), and >= 4 ms worth at high rates so that the bucket is not starved by
+    timer granularity. That much of a message passes at line rate once the bucket refilled."""
+    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+
+
 def _tbf_args(rate_mbit: float) -> list[str]:
-    # burst: at least 64 KiB (one TSO/GSO super-packet), and >= 4 ms worth at
-    # high rates so the token bucket is not starved by timer granularity.
-    rate_bps = rate_mbit * 1e6
-    burst = max(64 * 1024, int(rate_bps / 8 * 0.004))
-    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "50ms"]
+    return ["tbf", "rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(tbf_burst_bytes(rate_mbit)), "latency", "50ms"]
 
 
 # --------------------------------------------------------------------------- #
