@@ -212,29 +212,34 @@ typedef struct {
 } pass_t;
 
 /* unit 1. has_grad is a compile-time constant at each call site. */
+/* One candidate (|a| >= thr) at coordinate i: counted, emitted while there is room (or
+ * the pass overflows, unless it truncates); returns 1 when its residual is to be zeroed
+ * (emitted and |a| >= tz: the rest of the emitted stay until the final cut). */
+static inline __attribute__((always_inline)) int emit_candidate(int64_t i, float a, float tz,
+                                                                int32_t *STELLA_RESTRICT idx,
+                                                                float *STELLA_RESTRICT val, int64_t cap,
+                                                                int truncate, pass_t *p) {
+    p->total++;
+    if (!p->overflow && p->units < cap) {
+        idx[p->units] = (int32_t)i;
+        val[p->units] = a;
+        p->units++;
+        return fabsf(a) >= tz;
+    }
+    if (!truncate) p->overflow = 1;
+    return 0;
+}
+
 static inline __attribute__((always_inline)) void pass_scalar_body(
     float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t i0,
     int64_t i1, float thr, float tz, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val,
     int64_t cap, int truncate, pass_t *p) {
     for (int64_t i = i0; i < i1; i++) {
         float a = has_grad ? res[i] + grad[i] : res[i];
-        if (fabsf(a) >= thr) {
-            p->total++;
-            if (!p->overflow && p->units < cap) {
-                idx[p->units] = (int32_t)i;
-                val[p->units] = a;
-                p->units++;
-                if (fabsf(a) >= tz) {
-                    res[i] = 0.f;
-                    continue;
-                }
-                if (has_grad) res[i] = a;
-                continue;
-            } else if (!truncate) {
-                p->overflow = 1;
-            }
-        }
-        if (has_grad) res[i] = a;
+        if (fabsf(a) >= thr && emit_candidate(i, a, tz, idx, val, cap, truncate, p))
+            res[i] = 0.f;
+        else if (has_grad)
+            res[i] = a;
     }
 }
 
@@ -308,15 +313,7 @@ static inline __attribute__((always_inline)) void pass1_impl(
             _mm256_storeu_ps(a + 8, a1);
             for (; m; m &= m - 1) {
                 const int j = __builtin_ctz(m);
-                p->total++;
-                if (!p->overflow && p->units < cap) {
-                    idx[p->units] = (int32_t)(i + j);
-                    val[p->units] = a[j];
-                    p->units++;
-                    if (fabsf(a[j]) >= tz) res[i + j] = 0.f;
-                } else if (!truncate) {
-                    p->overflow = 1;
-                }
+                if (emit_candidate(i + j, a[j], tz, idx, val, cap, truncate, p)) res[i + j] = 0.f;
             }
         }
     }
