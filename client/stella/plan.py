@@ -851,8 +851,11 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
       the measured compute per step: ``step = scale x (slowest machine's profiled step) x
       max(1, host_load x n / cores)`` (``host_load`` by a search on a fine grid, the scales
       in closed form at each point);
-    - across all runs, a link scale and a fixed overhead per round, on the measured exchange
-      per round less the model's compressor and server (with the fitted compute terms).
+    - across all runs, a link scale, a fixed overhead per round and ``exchange_stretch`` (the
+      share of the host's stretch the exchange's CPU work takes), by non-negative least
+      squares on the measured exchange per round less the model's unstretched compressor and
+      server, on the runs bound by their exchange only (:data:`EXCHANGE_BOUND`; all runs if
+      fewer than 2 are).
 
     Returns a :class:`Calibration` per model (``profile.model``)."""
     import numpy as np
