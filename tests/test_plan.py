@@ -333,15 +333,17 @@ def test_cli_reports_catalog_errors(tmp_path, capsys):
 def test_fit_recovers_known_coefficients(catalog, profile):
     """Runs predicted with known coefficients, some on a shared host of 2 cores (the server
     there too), some on hosts of their own: the fit finds the coefficients again."""
-    truth = P.Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02)
+    truth = P.Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02, tail_loss=1.2)
     fitted_profile = dataclasses.replace(profile, calibration=truth)
     obs = []
     runs = ((2, 100, 0.01, 1.5, 1, ""), (3, 20, 0.01, 1.0, 2, "bed"), (4, 50, 0.03, 0.7, 1, "bed"),
             (2, 10, 0.003, 1.5, 4, ""), (3, 200, 0.01, 2.0, 1, "bed"), (2, 30, 0.03, 1.0, 1, ""),
-            (3, 5, 0.01, 2.0, 1, "bed"), (4, 8, 0.03, 1.0, 2, "bed"))
+            (3, 5, 0.01, 2.0, 1, "bed"), (4, 8, 0.03, 1.0, 2, "bed"), (2, 6, 0.01, 1.0, 1, ""),
+            (3, 4, 0.003, 1.0, 1, "bed"))
+    queued = (3, 6, 8, 9)  # a drop-tail queue on the downlink: 6, 8 and 9 are bound by a pull that loses its tail
     for i, (w, rate, d, speed, h, host) in enumerate(runs):
         kind = dataclasses.replace(catalog.kind("cloud"), name=f"k{i}", speed=speed, up_mbps=rate, down_mbps=rate,
-                                   host=host)
+                                   host=host, down_queue_ms=50 if i in queued else 0)
         cfg = P.Config((P.Group(kind, "ondemand", w),), d, "f16", h, 1)
         cat = dataclasses.replace(catalog, kinds=(kind,), hosts=(("bed", 2),),
                                   server=dataclasses.replace(catalog.server, host="bed"))
@@ -355,8 +357,9 @@ def test_fit_recovers_known_coefficients(catalog, profile):
     assert cal.exchange_stretch == pytest.approx(0.4, rel=1e-6)
     assert cal.link == pytest.approx(1.1, rel=1e-6)
     assert cal.round_s == pytest.approx(0.02, rel=1e-6)
-    assert cal.runs == 8 and cal.source == "test"
-    assert 3 <= cal.exchange_runs < 8  # the link terms: fitted on the runs bound by their exchange
+    assert cal.tail_loss == pytest.approx(1.2, rel=1e-6)
+    assert cal.runs == 10 and cal.source == "test"
+    assert 4 <= cal.exchange_runs < 10  # the link terms: fitted on the runs bound by their exchange
 
 
 def test_shared_host_stretches_compute(catalog, profile):
@@ -392,6 +395,39 @@ def test_shaper_burst_passes_at_line_rate(catalog, profile):
         assert a.link_s == pytest.approx((push + pull) / 1.25e6)
         assert b.link_s == pytest.approx((max(push - 65536, 0) + max(pull - 65536, 0)) / 1.25e6, abs=1e-4)
         assert b.link_s < a.link_s
+
+
+def test_a_message_that_overflows_its_queue_in_one_flight_waits_for_its_tail(catalog, profile):
+    """A drop-tail queue (down_queue_ms at the rate, plus the burst) that a message overflows
+    (by TAIL_OVERFLOW x the queue) while TCP still sends it as one flight (<= TAIL_FLIGHT_BYTES)
+    costs tail_loss x the
+    queue's delay; a message that fits the queue, or a longer one, costs nothing more. Each
+    link counts only where its queue is declared."""
+    prof = dataclasses.replace(profile, calibration=P.Calibration(tail_loss=1.5))
+    plain = dataclasses.replace(catalog.kind("cloud"), name="plain", up_mbps=20, down_mbps=20)
+    down_q = dataclasses.replace(plain, name="down", down_queue_ms=50)
+    both_q = dataclasses.replace(down_q, name="both", up_queue_ms=50)
+    cat = dataclasses.replace(catalog, kinds=(plain, down_q, both_q),
+                              server=dataclasses.replace(catalog.server, up_mbps=1e7, down_mbps=1e7))
+    queue = 20e6 / 8 * 0.050  # bytes; its delay: 50 ms
+    wait = 1.5 * 0.050
+    for d, coding in ((0.003, "f16"), (0.01, "f16"), (0.03, "f16"), (0.01, "q4")):
+        push, pull = prof.push_bytes(d, coding), prof.pull_bytes(d)
+        link = {k.name: P.predict(prof, cat, P.Config((P.Group(k, "ondemand", 2),), d, coding, 1, 1)).link_s
+                for k in (plain, down_q, both_q)}
+        hit = lambda size: P.TAIL_OVERFLOW * queue < size <= P.TAIL_FLIGHT_BYTES
+        assert link["down"] - link["plain"] == pytest.approx(wait if hit(pull) else 0.0, abs=1e-9)
+        assert link["both"] - link["down"] == pytest.approx(wait if hit(push) else 0.0, abs=1e-9)
+    # the profile's sizes put each case in play: under the queue, in the window, past one flight
+    assert prof.pull_bytes(0.003) < P.TAIL_OVERFLOW * queue < prof.pull_bytes(0.01) <= P.TAIL_FLIGHT_BYTES \
+        < prof.pull_bytes(0.03)
+    # with the burst, the queue holds the burst too
+    burst = dataclasses.replace(down_q, name="burst", burst_kb=64)
+    cat = dataclasses.replace(cat, kinds=(burst,))
+    b = P.predict(prof, cat, P.Config((P.Group(burst, "ondemand", 2),), 0.01, "f16", 1, 1))
+    b0 = P.predict(dataclasses.replace(prof, calibration=P.Calibration()), cat,
+                   P.Config((P.Group(burst, "ondemand", 2),), 0.01, "f16", 1, 1))
+    assert b.link_s - b0.link_s == pytest.approx(1.5 * (queue + 65536) / (20e6 / 8))
 
 
 def test_catalog_hosts_are_checked(tmp_path):

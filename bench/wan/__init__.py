@@ -1,6 +1,7 @@
 """Slow-link test bed (network namespaces + tbf).  See docs/testbed.md."""
 
 from .testbed import (  # noqa: F401
+    TBF_QUEUE_MS,
     Link,
     NetnsUnavailableError,
     NotRootError,

@@ -55,6 +55,7 @@ __all__ = [
     "cleanup_stale",
     "netns_available",
     "tbf_burst_bytes",
+    "TBF_QUEUE_MS",
 ]
 
 #: every namespace a test bed creates is named ``f"{PREFIX_ROOT}{8 hex}-{site}"``
@@ -174,8 +175,13 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
     return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
 
 
+#: the tbf queue: this many ms at the rate, beside the burst; a packet that finds it full is dropped
+TBF_QUEUE_MS = 50
+
+
 def _tbf_args(rate_mbit: float) -> list[str]:
-    return ["tbf", "rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(tbf_burst_bytes(rate_mbit)), "latency", "50ms"]
+    return ["tbf", "rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(tbf_burst_bytes(rate_mbit)),
+            "latency", f"{TBF_QUEUE_MS}ms"]
 
 
 # --------------------------------------------------------------------------- #

@@ -20,11 +20,12 @@ speaks over the WAN). The slowest machine sets the round's compute; faster ones 
 exchange of a round runs in the background while the next round computes (one round
 stale): compress, push over the slowest uplink (and the server site's downlink, which
 carries every worker's push), the server's step (per pushed coordinate and per model
-coordinate, divided among shards), the broadcast pull over the slowest downlink. A round
-lasts the longer of the two. Four coefficients calibrate it, fitted by least squares on
-measured runs as CM-DARE (Li, Walls, Guo, ICDCS 2020) fits its speed models: the compute
-scale, the compute added per worker (contention on a shared host, the inside-site
-combine), the link scale and a fixed overhead per round.
+coordinate, divided among shards), the broadcast pull over the slowest downlink, and the
+wait of a message that loses its tail in a drop-tail queue. A round lasts the longer of the
+two. Six coefficients calibrate it, fitted by least squares on measured runs as CM-DARE (Li,
+Walls, Guo, ICDCS 2020) fits its speed models: the compute scale, processor sharing on a
+shared host, the share of it the exchange's CPU work takes, the link scale, a fixed
+overhead per round and the tail loss's wait (docs/plan.md section 3).
 
 **Time to target** = dense iterations (at the job's global batch, through a critical batch
 size: iterations scale as ``1 + B_crit / B``) x the configuration's iterations factor, at
@@ -122,6 +123,10 @@ class MachineKind:
     rtt_ms: float = 0.0  # round-trip time to the server's site
     host: str = ""  # a shared host ([hosts.NAME]) whose cores its workers share with other kinds and the server
     burst_kb: float = 0.0  # a token-bucket shaper's burst on its links: this much of a message passes at line rate
+    # the bottleneck's drop-tail queue on each link, in ms at its rate (0: not modelled), where the bottleneck is
+    # a hop away from the sender (a shaper on the sender's own interface pushes back without loss)
+    up_queue_ms: float = 0.0
+    down_queue_ms: float = 0.0
 
     def price_of(self, market: str) -> float:
         return self.spot_price if market == "spot" and self.spot_price is not None else self.price
@@ -177,6 +182,8 @@ KIND_FIELDS: dict[str, _Check] = {
     "rtt_ms": (_NUM, False, *_NONNEG),
     "host": (str, False, None, ""),
     "burst_kb": (_NUM, False, *_NONNEG),
+    "up_queue_ms": (_NUM, False, *_NONNEG),
+    "down_queue_ms": (_NUM, False, *_NONNEG),
 }
 SERVER_FIELDS: dict[str, _Check] = {
     "name": (str, False, None, ""),
@@ -303,7 +310,9 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
                                  spot_price=None if "spot_price" not in v else float(v["spot_price"]),
                                  mttr_h=None if "mttr_h" not in v else float(v["mttr_h"]),
                                  replace_s=float(v.get("replace_s", 300.0)), rtt_ms=float(v.get("rtt_ms", 0.0)),
-                                 host=host_of(v, where), burst_kb=float(v.get("burst_kb", 0.0))))
+                                 host=host_of(v, where), burst_kb=float(v.get("burst_kb", 0.0)),
+                                 up_queue_ms=float(v.get("up_queue_ms", 0.0)),
+                                 down_queue_ms=float(v.get("down_queue_ms", 0.0))))
     currency, note = doc.get("currency", "USD"), doc.get("prices_note", "")
     if not isinstance(currency, str) or not isinstance(note, str):
         raise CatalogError(f"{path}: fields 'currency' and 'prices_note' must be strings")
@@ -322,6 +331,7 @@ class Calibration:
     exchange_stretch: float = 0.0  # the share of that stretch the exchange's CPU work (compressor, server) takes
     link: float = 1.0  # measured link time / bytes over the nominal rate
     round_s: float = 0.0  # fixed seconds per round (messages, scheduling)
+    tail_loss: float = 0.0  # a message that loses its tail waits this many of its queue's delays (TCP's timer)
     source: str = "not fitted (the bare structure)"
     runs: int = 0
     exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
@@ -574,6 +584,8 @@ class _Mix:
     lam: Any  # revocations per second per machine (0: not spot)
     replace_s: Any
     burst: Any  # bytes
+    up_queue: Any  # bytes a link's bottleneck holds (rate x queue + burst; 0: not modelled)
+    down_queue: Any
     host: Any  # index into the catalog's hosts, -1: a host of its own
     # derived once (shape (mixes, 1) unless said): what every setting reads
     w: Any = None  # workers
@@ -598,7 +610,8 @@ def _mix_arrays(mixes: Sequence[Sequence[Group]], hosts: Sequence[tuple[str, int
 
     width = max(1, max(len(m) for m in mixes))
     shape = (len(mixes), width)
-    a = {k: np.zeros(shape) for k in ("count", "gpus", "up", "down", "rtt", "price", "lam", "replace_s", "burst")}
+    a = {k: np.zeros(shape) for k in ("count", "gpus", "up", "down", "rtt", "price", "lam", "replace_s", "burst",
+                                         "up_queue", "down_queue")}
     a["t_rel"] = np.full(shape, np.inf)
     a["host"] = np.full(shape, -1)
     index = {name: i for i, (name, _) in enumerate(hosts)}
@@ -611,6 +624,9 @@ def _mix_arrays(mixes: Sequence[Sequence[Group]], hosts: Sequence[tuple[str, int
             a["up"][i, j], a["down"][i, j] = k.up_mbps * 1e6 / 8 * GOODPUT, k.down_mbps * 1e6 / 8 * GOODPUT
             a["rtt"][i, j], a["price"][i, j], a["replace_s"][i, j] = k.rtt_ms / 1e3, k.price_of(g.market), k.replace_s
             a["burst"][i, j] = k.burst_kb * 1024
+            for q, ms, rate in (("up_queue", k.up_queue_ms, a["up"][i, j]), ("down_queue", k.down_queue_ms,
+                                                                               a["down"][i, j])):
+                a[q][i, j] = rate * ms / 1e3 + a["burst"][i, j] if ms > 0 else 0.0
             if g.market == "spot" and k.mttr_h:
                 a["lam"][i, j] = 1.0 / (k.mttr_h * 3600.0)
             if k.host:
@@ -661,7 +677,11 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
         push_s, pull_s = push_b * mix.inv_up, pull_b * mix.inv_down
     push_s = np.maximum(push_s, push_b * w / (srv.down_mbps * 1e6 / 8 * hosts))
     pull_s = np.maximum(pull_s, pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts))
-    link = cal.link * (push_s + pull_s) + 2 * mix.rtt_max
+    tail = 0.0
+    if cal.tail_loss and (mix.up_queue.any() or mix.down_queue.any()):
+        tail = cal.tail_loss * (_tail_loss_s(np, push_b, mix.up_queue, mix.up)
+                                + _tail_loss_s(np, pull_b, mix.down_queue, mix.down))
+    link = cal.link * (push_s + pull_s) + tail + 2 * mix.rtt_max
     server = (profile.server_per_update_s * w * profile.sparse_numel * d + profile.server_per_numel_s * n) / \
         np.minimum(shards, srv.cores * hosts) ** SHARD_EXPONENT
     compress_1 = np.array([profile.compress_s(x[0], x[1]) for x in settings])[None, :]  # one worker, per round
@@ -743,6 +763,29 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
             "iterations": iterations, "factor": factor, "h_eff": h_eff, "time_s": time_s,
             "revocations": lam_total * time_s, "cost": cost, "revocation_cost": cost - np.minimum(cost0, cost),
             "load": load_slow + 0 * round_s}
+
+
+# The window of message sizes that lose their tail, as bench.transport measured it on the test bed's links at
+# 10-100 Mbit/s (2026-11-26, docs/plan.md section 3): above TAIL_OVERFLOW x the queue (a message a little over
+# the queue gets through: the queue drains while the flight arrives), and up to TCP's largest single flight. A
+# larger message loses, if at all, mid-flight, and the segments behind the loss repair it at once
+TAIL_OVERFLOW = 1.3
+TAIL_FLIGHT_BYTES = 320 * 1024
+
+
+def _tail_loss_s(np: Any, size: Any, queue: Any, rate: Any) -> Any:
+    """The wait of a message that loses its tail, in queue delays (the calibration's
+    ``tail_loss`` scales it), the longest over the mix's machines: shape (mixes, settings).
+
+    A message that TCP sends as one flight (up to :data:`TAIL_FLIGHT_BYTES`) into a
+    drop-tail queue it overflows (``queue``: bytes, 0 where not modelled; by
+    :data:`TAIL_OVERFLOW` x the queue, as measured) loses its last
+    segments. No later segment tells the sender, so it waits for its timer (a tail-loss
+    probe, or the retransmission timeout), about one to two queue delays with the queue
+    full. bench.transport measures it: docs/plan.md section 3."""
+    q = queue[:, :, None]
+    hit = (q > 0) & (size[:, None, :] > TAIL_OVERFLOW * q) & (size[:, None, :] <= TAIL_FLIGHT_BYTES)
+    return np.where(hit, q / rate[:, :, None], 0.0).max(axis=1)
 
 
 def _host_load(np: Any, catalog: Catalog, mix: _Mix, compute_s: float, h: Any, compress: Any, server: Any,
@@ -851,10 +894,11 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
       the measured compute per step: ``step = scale x (slowest machine's profiled step) x
       max(1, host_load x n / cores)`` (``host_load`` by a search on a fine grid, the scales
       in closed form at each point);
-    - across all runs, a link scale, a fixed overhead per round and ``exchange_stretch`` (the
-      share of the host's stretch the exchange's CPU work takes), by non-negative least
-      squares on the measured exchange per round less the model's unstretched compressor and
-      server, on the runs bound by their exchange only (:data:`EXCHANGE_BOUND`; all runs if
+    - across all runs, a link scale, a fixed overhead per round, ``exchange_stretch`` (the
+      share of the host's stretch the exchange's CPU work takes) and ``tail_loss`` (the wait of
+      a message that loses its tail, in its queue's delays), by non-negative least squares on
+      the measured exchange per round less the model's unstretched compressor and server, on
+      the runs bound by their exchange only (:data:`EXCHANGE_BOUND`; all runs if
       fewer than 2 are).
 
     Returns a :class:`Calibration` per model (``profile.model``)."""
@@ -889,8 +933,9 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
         p = predict(dataclasses.replace(prof, calibration=cal), cat, ob.config)  # exchange unstretched
         full = predict(dataclasses.replace(prof, calibration=dataclasses.replace(cal, exchange_stretch=1.0)), cat,
                        ob.config)
-        # at link scale 1: push + pull at the nominal rates (+ RTTs); the CPU work's stretch
-        rows_e.append([1.0, p.link_s, full.exchange_s - p.exchange_s])
+        tail = predict(dataclasses.replace(prof, calibration=dataclasses.replace(cal, tail_loss=1.0)), cat, ob.config)
+        # at link scale 1: push + pull at the nominal rates (+ RTTs); the CPU work's stretch; the tail losses' waits
+        rows_e.append([1.0, p.link_s, full.exchange_s - p.exchange_s, tail.link_s - p.link_s])
         ye.append(ob.exchange_s - (p.exchange_s - p.link_s))  # less compress and server, unstretched
         # a worker's measured exchange ends when the step closes: in a run bound by compute, when the slowest
         # worker's push is in. It then measures the others' compute, not the link
@@ -900,7 +945,7 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
     we = 1 / np.maximum(np.abs(ve), 1e-3)
     ke = _nonneg_lstsq(np, ae * we[:, None], ve * we)
     return {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), link=float(max(ke[1], 1e-3)),
-                           round_s=float(ke[0]), exchange_stretch=float(min(ke[2], 1.0)),
+                           round_s=float(ke[0]), exchange_stretch=float(min(ke[2], 1.0)), tail_loss=float(ke[3]),
                            source=source or "fitted", runs=len(runs),
                            exchange_runs=int(keep.sum()))
             for i, n in enumerate(names)}
