@@ -1,0 +1,205 @@
+"""The CUDA paths, on a machine with an NVIDIA GPU: workers training on the GPU through a real `stella-ps`.
+
+    python -m bench.cuda [--steps 300] [--workers 2] [--json PATH] [--profile PATH]
+
+1. **Training.** The byte-level Transformer LM (bench.workloads ``bytelm``, AdamW) on the GPU:
+   dense on one process (the baseline), then ``--workers`` worker processes sharing the GPU, each
+   with a :class:`stella.StellaOptimizer` (update mode, H = 1, 1% f16) against a real ``stella-ps``
+   on this host's CPU over loopback, CurveZMQ on. Every run takes ``--steps`` steps per process;
+   reported: held-out loss, s/step and the bytes each worker moved. The check passes when every
+   Stella worker's held-out loss is within 5% of the dense run's (the same iterations, twice the
+   samples).
+2. **The compressor on the GPU**: :class:`stella.compress.ErrorFeedbackCompressor` on CUDA tensors
+   of the model's shapes and on one tensor of 100M coordinates, per density, in its steady state
+   (threshold carried over): ms per round and ns per coordinate. `stella plan`'s scenarios assume
+   1 ns per coordinate for a GPU's threshold pass.
+3. **A profile** (`stella profile`'s :func:`stella.profile.profile_model`) of the LM on the GPU,
+   written to ``--profile``: the compute per step a catalog's speed is relative to.
+
+CI has no GPU: this module says so and exits 0 where CUDA is not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from typing import Any
+
+TARGET_REL = 1.05
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
+            q: Any) -> None:
+    import torch
+
+    import stella
+    from bench import workloads as W
+
+    torch.manual_seed(seed + rank)
+    wl = W.get("bytelm")
+    dev = torch.device(device)
+    model = wl.build_model(seed).to(dev)
+    inner = wl.make_optimizer(model.parameters())
+    opt = stella.StellaOptimizer(model, address, optimizer=inner, sync_every=1,
+                                 compression=stella.Compression(density=0.01, value_dtype="f16"), **keys)
+    batches = wl.batches(rank, world, wl.batch_size, seed)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        wl.set_lr(opt, step)
+        x, y = (t.to(dev, non_blocking=True) for t in next(batches))
+        opt.zero_grad()
+        wl.loss(model, (x, y)).backward()
+        opt.step()
+    _sync(dev)
+    wall = time.perf_counter() - t0
+    moved = {"bytes_pushed": opt.bytes_pushed, "bytes_pulled": opt.bytes_pulled}
+    opt.close()  # pushes what is left and installs the last pull
+    st = opt.stats
+    q.put({"rank": rank, "wall_s": wall, "s_per_step": wall / steps, "heldout_loss": wl.evaluate(model.cpu()),
+           **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled})
+
+
+def dense(steps: int, seed: int, device: str) -> dict[str, Any]:
+    import torch
+
+    from bench import workloads as W
+
+    torch.manual_seed(seed)
+    wl = W.get("bytelm")
+    dev = torch.device(device)
+    model = wl.build_model(seed).to(dev)
+    opt = wl.make_optimizer(model.parameters())
+    batches = wl.batches(0, 1, wl.batch_size, seed)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        wl.set_lr(opt, step)
+        x, y = (t.to(dev, non_blocking=True) for t in next(batches))
+        opt.zero_grad()
+        wl.loss(model, (x, y)).backward()
+        opt.step()
+    _sync(dev)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "s_per_step": wall / steps, "heldout_loss": wl.evaluate(model.cpu())}
+
+
+def stella_run(workers: int, steps: int, seed: int, device: str) -> dict[str, Any]:
+    from stella_ps.process import ServerProcess
+
+    ctx = mp.get_context("spawn")
+    with ServerProcess(workers=workers) as ps:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, workers, ps.endpoint, ps.client_kwargs(), steps, seed, device, q))
+                 for r in range(workers)]
+        for p in procs:
+            p.start()
+        res = [q.get(timeout=900) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        raise RuntimeError(f"worker exit codes {codes}")
+    return {"workers": sorted(res, key=lambda r: r["rank"])}
+
+
+def compressor(shapes: dict[str, tuple[int, ...]], device: str, densities=(0.001, 0.01, 0.1),
+               rounds: int = 6, big: int = 100_000_000) -> list[dict]:
+    import torch
+
+    from stella.compress import ErrorFeedbackCompressor
+
+    dev = torch.device(device)
+    out = []
+    for label, sh in (("bytelm tensors", shapes), (f"one tensor of {big:,}", {"w": (big,)})):
+        grads = {n: torch.randn(*s, device=dev) for n, s in sh.items()}
+        numel = sum(g.numel() for g in grads.values())
+        for d in densities:
+            comp = ErrorFeedbackCompressor(density=d, value_dtype="f16")
+            times = []
+            for _ in range(rounds):
+                _sync(dev)
+                t0 = time.perf_counter()
+                for n, g in grads.items():
+                    comp.compress(n, g)
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            dt = statistics.median(times[1:])
+            out.append({"tensors": label, "numel": numel, "density": d, "ms_per_round": 1e3 * dt,
+                        "ns_per_coordinate": 1e9 * dt / numel})
+        del grads
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--profile", help="write the GPU profile of the LM here")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the code paths
+    a = ap.parse_args(argv)
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench.cuda: no CUDA device here (torch.cuda.is_available() is False): nothing to measure")
+        return 0
+    from bench import workloads as W
+
+    out: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "device": torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,
+                           "torch": torch.__version__,
+                           "steps": a.steps, "workers": a.workers}
+    print(f"bench.cuda: {out['started']}, {out['device']}, torch {out['torch']}", flush=True)
+    out["dense"] = dense(a.steps, a.seed, a.device)
+    print(f"dense, 1 process: held-out loss {out['dense']['heldout_loss']:.3f}, "
+          f"{1e3 * out['dense']['s_per_step']:.1f} ms/step", flush=True)
+    out["stella"] = stella_run(a.workers, a.steps, a.seed, a.device)
+    for w in out["stella"]["workers"]:
+        print(f"stella worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, {1e3 * w['s_per_step']:.1f} "
+              f"ms/step, {w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled", flush=True)
+    worst = max(w["heldout_loss"] for w in out["stella"]["workers"])
+    out["passed"] = worst <= TARGET_REL * out["dense"]["heldout_loss"]
+    print(f"training check: worst Stella worker {worst:.3f} against dense {out['dense']['heldout_loss']:.3f} "
+          f"(pass within {100 * (TARGET_REL - 1):.0f}%): {'PASS' if out['passed'] else 'FAIL'}", flush=True)
+    model = W.get("bytelm").build_model(0)
+    out["compressor"] = compressor({n: tuple(p.shape) for n, p in model.named_parameters()}, a.device,
+                                   big=100_000_000 if a.device == "cuda" else 1_000_000)
+    print("| tensors | coordinates | density | ms per round | ns per coordinate |\n|---|---|---|---|---|")
+    for r in out["compressor"]:
+        print(f"| {r['tensors']} | {r['numel']:,} | {r['density']:.1%} | {r['ms_per_round']:.2f} | "
+              f"{r['ns_per_coordinate']:.3f} |", flush=True)
+    if a.profile:
+        from stella import plan as P
+        from stella.profile import profile_model
+
+        wl = W.get("bytelm")
+        dev = torch.device(a.device)
+        m = wl.build_model(0).to(dev)
+        batches = wl.batches(0, 1, wl.batch_size, 0)
+        doc = profile_model(m, wl.loss, lambda: tuple(t.to(dev) for t in next(batches)),
+                            optimizer=wl.make_optimizer(m.parameters()), batch_size=wl.batch_size, name="bytelm",
+                            log=print)
+        P.write_json(a.profile, doc)
+        out["profile"] = {k: doc.get(k) for k in ("device", "compute_s", "compress_s_per_numel", "server")}
+        print(f"profile: {a.profile}: compute {1e3 * doc['compute_s']:.2f} ms/step on {doc.get('device')}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
