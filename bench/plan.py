@@ -501,6 +501,15 @@ def round_step(r: Run, m: Mapping[str, Any]) -> float:
     return min(float(m["compute_s"]), float(m["round_s"]) / r.h)
 
 
+def round_exchange(m: Mapping[str, Any]) -> float:
+    """A round's exchange (the fit's): the workers' mean exchange per round, but no longer than the
+    round. One exchange is in flight at a time, so a round lasts at least its exchange; the mean
+    counts every round, the round only the warm ones, and one slow early pull (a worker's snapshot
+    over a slow downlink) can lift the mean above every warm round (2026-11-26 round 4: q3's mean
+    exchange 1.21 s in rounds of 0.21 s)."""
+    return min(float(m["exchange_s"]), float(m["round_s"]))
+
+
 def mape(pairs: list[tuple[float, float]]) -> float:
     return 100 * statistics.mean(abs(p - m) / m for p, m in pairs) if pairs else float("nan")
 
@@ -567,7 +576,7 @@ def validate(a, log=print) -> dict[str, Any]:
         if r.role == "fit" and r.name in measured:
             cat, cfg = testbed_catalog(r)
             m = measured[r.name]
-            obs.append((profiles[r.workload], cat, P.Observation(cfg, round_step(r, m), m["exchange_s"],
+            obs.append((profiles[r.workload], cat, P.Observation(cfg, round_step(r, m), round_exchange(m),
                                                                  m["s_per_it"])))
     # the profiles were measured on this machine just before the runs: the compute scale is 1 by construction
     # (fitted, it trades off against host_load: on a loaded host both scale every step)

@@ -167,3 +167,20 @@ def test_signal_tears_down(sig, repeat):
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2]
+
+
+@needs_netns
+def test_a_message_that_overflows_the_downlink_queue_in_one_flight_loses_its_tail():
+    """bench.transport on the real test bed: 288 KiB down a 20 Mbit/s link (queue 186 KiB)
+    waits for TCP's timer (stella plan's tail loss); the same message up, shaped on the
+    sender's own interface, and 288 KiB down at 50 Mbit/s (queue 369 KiB) do not."""
+    from bench.transport import measure
+
+    hit = measure(20, 288 * 1024, reps=6)
+    qdelay = hit["queue_bytes"] * 8 / 20e6
+    assert hit["down_s"] > hit["base_s"] + 0.5 * qdelay, hit
+    assert hit["up_s"] < hit["base_s"] + 0.3 * qdelay, hit
+    assert hit["drops_down"] > 0
+    fits = measure(50, 288 * 1024, reps=6)
+    assert fits["down_s"] < fits["base_s"] + 0.3 * fits["queue_bytes"] * 8 / 50e6, fits
+    assert fits["drops_down"] == 0
