@@ -1,6 +1,6 @@
 """The CUDA paths, on a machine with an NVIDIA GPU: workers training on the GPU through a real `stella-ps`.
 
-    python -m bench.cuda [--steps 300] [--workers 2] [--json PATH] [--profile PATH]
+    python -m bench.cuda [--steps 300] [--workers 2] [--json PATH] [--profile PATH] [--quick]
 
 1. **Training.** The byte-level Transformer LM (bench.workloads ``bytelm``, AdamW) on the GPU:
    dense on one process (the baseline), then ``--workers`` worker processes sharing the GPU, each
@@ -148,9 +148,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="100 steps")
     ap.add_argument("--profile", help="write the GPU profile of the LM here")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the code paths
     a = ap.parse_args(argv)
+    if a.quick:
+        a.steps = min(a.steps, 100)
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():

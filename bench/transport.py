@@ -1,7 +1,7 @@
 """How long one message takes over a shaped link, by size: the transport under `stella plan`'s link model.
 
     python -m bench.transport [--rates 10,20,30,50] [--sizes 128,192,256,320,384,512,768] [--reps 12]
-                              [--json PATH]
+                              [--json PATH] [--quick]
 
 One test bed per (rate, size): the server's site at 1000 Mbit/s, one worker site at the rate both
 ways (``bench.wan``: tbf, 50 ms of queue beside its burst). A ZeroMQ DEALER in the worker's site
@@ -97,11 +97,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="128,192,256,320,384,512,768", help="kB (1024 bytes)")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="20 and 50 Mbit/s, three sizes, 6 messages each")
     ap.add_argument("--peer", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.peer:
         _peer(*a.peer)
         return 0
+    if a.quick:
+        a.rates, a.sizes, a.reps = "20,50", "224,288,352", 6
     out = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": loadavg(),
            "machine": machine(), "rows": []}
     print(f"bench.transport: {out['started']}, load {out['load_start']}, {out['machine']}")

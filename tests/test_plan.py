@@ -380,6 +380,22 @@ def test_shared_host_stretches_compute(catalog, profile):
         assert bed.compute_s == pytest.approx(step * max(1.0, n / 2), rel=1e-9)
 
 
+def test_a_machine_slower_by_waiting_loads_its_shared_host_less(catalog, profile):
+    """On a shared host, a machine f times slower than the host's fastest computes 1/f of
+    the time: the host carries 1 + 1/f workers (plus the background), not 2."""
+    prof = dataclasses.replace(profile, calibration=P.Calibration(host_load=1.0))
+    fast = dataclasses.replace(catalog.kind("cloud"), name="fast", speed=1.0, host="bed")
+    slow = dataclasses.replace(fast, name="slow", speed=0.5)
+    cat = dataclasses.replace(catalog, kinds=(fast, slow), hosts=(("bed", 1),))  # the server on its own host
+    step = prof.compute_s
+    both = P.predict(prof, cat, P.Config((P.Group(fast, "ondemand", 1), P.Group(slow, "ondemand", 1)),
+                                         0.01, "f16", 1, 1))
+    n = 1 + 0.5 + 2 * prof.compress_s_per_numel * prof.numel / step
+    assert both.compute_s == pytest.approx(2 * step * max(1.0, n), rel=1e-9)  # the slow machine's step, stretched
+    two_fast = P.predict(prof, cat, P.Config((P.Group(fast, "ondemand", 2),), 0.01, "f16", 1, 1))
+    assert two_fast.compute_s == pytest.approx(step * (n + 0.5), rel=1e-9)
+
+
 def test_shaper_burst_passes_at_line_rate(catalog, profile):
     """A token-bucket shaper's burst carries the first burst_kb of each message at line rate:
     the link time is the rest over the rate (none when the message fits)."""

@@ -795,9 +795,10 @@ def _host_load(np: Any, catalog: Catalog, mix: _Mix, compute_s: float, h: Any, c
     A worker on a shared host is busy through its round's compute; the CPU work of a round that
     runs in the background (each worker's compressor, and the server's step if ``stella-ps``
     shares the host) lands in that window too, for the next round's compute overlaps it. So
-    the host carries ``n = W_host + (W_host x compress + server) / (H x step)`` runnable
+    the host carries ``n = busy + (W_host x compress + server) / (H x step)`` runnable
     processes (``step``: its fastest machine's as profiled, uncalibrated; a slower machine there
-    is slower by waiting, not by CPU work; ``compress``: one worker's, per round) on ``cores``
+    is slower by waiting, not by CPU work, so ``busy`` counts each machine by the share of the
+    time it computes, ``t_fastest / t_machine``; ``compress``: one worker's, per round) on ``cores``
     cores, and every step there stretches by ``max(1, host_load x n / cores)``, the
     calibration's ``host_load`` fitted on measured runs. The exchange's CPU work (compressor,
     server) takes the share ``exchange_stretch`` of that stretch: it runs partly beside the
@@ -812,9 +813,12 @@ def _host_load(np: Any, catalog: Catalog, mix: _Mix, compute_s: float, h: Any, c
         if not on.any():
             continue
         w_h = (mix.count * on).sum(axis=1)[:, None]
-        step = compute_s * np.where(on, mix.t_rel, np.inf).min(axis=1)[:, None]  # inf: none on it
+        t_min = np.where(on, mix.t_rel, np.inf).min(axis=1)[:, None]  # inf: none on it
+        step = compute_s * t_min
+        # a machine slower than the host's fastest is slower by waiting: it is runnable t_min / t_rel of the time
+        busy = (mix.count * on * np.where(on, t_min / mix.t_rel, 0.0)).sum(axis=1)[:, None]
         bg = w_h * compress + (server if catalog.server.host == name else 0.0)
-        n_h = np.where(w_h > 0, w_h + bg / (h * step), 0.0) / cores
+        n_h = np.where(w_h > 0, busy + bg / (h * step), 0.0) / cores
         s_h = np.maximum(1.0, host_load * n_h)
         load = np.where(on[:, :, None], n_h[:, None, :], load)
         stretch = np.where(on[:, :, None], s_h[:, None, :], stretch)
