@@ -347,7 +347,8 @@ def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
     exchange = (slowest["exchange_s"] + slowest["compress_s"]) / max(1, slowest["rounds"]) \
         if r.slowdown and len(set(r.slowdown)) > 1 else statistics.mean(exch)
     reached = res.get("reached")
-    out = {"s_per_it": round_s / r.h, "round_s": round_s, "round_s_per_rank": paces, "log_dir": res["log_dir"], "compute_s": med_compute(slowest),
+    out = {"s_per_it": round_s / r.h, "round_s": round_s, "round_s_per_rank": paces, "log_dir": res["log_dir"],
+           "compute_s": med_compute(slowest),
            "compute_mean_s": statistics.mean(steps_slow), "exchange_s": exchange,
            "steps": res["steps"], "iter_median": res["iter_median"], "reached": reached,
            "final_metric": res.get("final_metric"), "bytes_per_round": res.get("client_bytes_per_round"),
