@@ -39,6 +39,19 @@ def _sync(dev) -> None:
         torch.cuda.synchronize()
 
 
+def _train(wl, model, opt, batches, steps: int, dev) -> float:
+    """``steps`` training steps on ``dev`` (the workload's learning-rate schedule); their wall seconds."""
+    t0 = time.perf_counter()
+    for step in range(steps):
+        wl.set_lr(opt, step)
+        x, y = (t.to(dev, non_blocking=True) for t in next(batches))
+        opt.zero_grad()
+        wl.loss(model, (x, y)).backward()
+        opt.step()
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
             q: Any) -> None:
     import torch
@@ -54,15 +67,7 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     opt = stella.StellaOptimizer(model, address, optimizer=inner, sync_every=1,
                                  compression=stella.Compression(density=0.01, value_dtype="f16"), **keys)
     batches = wl.batches(rank, world, wl.batch_size, seed)
-    t0 = time.perf_counter()
-    for step in range(steps):
-        wl.set_lr(opt, step)
-        x, y = (t.to(dev, non_blocking=True) for t in next(batches))
-        opt.zero_grad()
-        wl.loss(model, (x, y)).backward()
-        opt.step()
-    _sync(dev)
-    wall = time.perf_counter() - t0
+    wall = _train(wl, model, opt, batches, steps, dev)
     moved = {"bytes_pushed": opt.bytes_pushed, "bytes_pulled": opt.bytes_pulled}
     opt.close()  # pushes what is left and installs the last pull
     st = opt.stats
@@ -81,15 +86,7 @@ def dense(steps: int, seed: int, device: str) -> dict[str, Any]:
     model = wl.build_model(seed).to(dev)
     opt = wl.make_optimizer(model.parameters())
     batches = wl.batches(0, 1, wl.batch_size, seed)
-    t0 = time.perf_counter()
-    for step in range(steps):
-        wl.set_lr(opt, step)
-        x, y = (t.to(dev, non_blocking=True) for t in next(batches))
-        opt.zero_grad()
-        wl.loss(model, (x, y)).backward()
-        opt.step()
-    _sync(dev)
-    wall = time.perf_counter() - t0
+    wall = _train(wl, model, opt, batches, steps, dev)
     return {"wall_s": wall, "s_per_step": wall / steps, "heldout_loss": wl.evaluate(model.cpu())}
 
 
