@@ -324,7 +324,7 @@ def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
         raise RuntimeError(f"{r.name}: {res.get('error', '')[:2000]}")
     ranks = [k for k in collect_ranks(res["log_dir"], r.world) if k is not None]
     # the job's round: each worker's rounds after its first ones (join, snapshot, warm-up), the slowest
-    # worker's pace. (Until 2026-11-26 20:05 rank 0's alone: one step stale, a worker that started first
+    # worker's pace. (Until 2026-11-26 20:02 rank 0's alone: one step stale, a worker that started first
     # runs its warm rounds while the others still join, and its pace can be 20% above the job's.)
     def pace(k):
         its = k["iters"]
@@ -337,19 +337,20 @@ def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
     round_s = max(paces)
     # the slowest worker: its compute per local step, and its exchange per round (it pushes last, so its
     # exchange waits for nobody)
+    def steps(k):  # a worker's compute per step, after its first 3
+        return [x["compute"] for x in k["iters"][3:]] or [x["compute"] for x in k["iters"]]
+
     def med_compute(k):
-        xs = [x["compute"] for x in k["iters"][3:]] or [x["compute"] for x in k["iters"]]
-        return statistics.median(xs)
+        return statistics.median(steps(k))
 
     slowest = max(ranks, key=med_compute)
-    steps_slow = [x["compute"] for x in slowest["iters"][3:]] or [x["compute"] for x in slowest["iters"]]
     exch = [(k["exchange_s"] + k["compress_s"]) / max(1, k["rounds"]) for k in ranks]
     exchange = (slowest["exchange_s"] + slowest["compress_s"]) / max(1, slowest["rounds"]) \
         if r.slowdown and len(set(r.slowdown)) > 1 else statistics.mean(exch)
     reached = res.get("reached")
     out = {"s_per_it": round_s / r.h, "round_s": round_s, "round_s_per_rank": paces, "log_dir": res["log_dir"],
            "compute_s": med_compute(slowest),
-           "compute_mean_s": statistics.mean(steps_slow), "exchange_s": exchange,
+           "compute_mean_s": statistics.mean(steps(slowest)), "exchange_s": exchange,
            "steps": res["steps"], "iter_median": res["iter_median"], "reached": reached,
            "final_metric": res.get("final_metric"), "bytes_per_round": res.get("client_bytes_per_round"),
            "server_cpu_ms_per_round": res.get("server_cpu_ms_per_round"), "wall_s": time.time() - t0}
