@@ -173,12 +173,16 @@ def _proc_state(pid: int) -> str:
 def test_a_message_that_overflows_the_downlink_queue_in_one_flight_loses_its_tail():
     """bench.transport on the real test bed: 288 KiB down a 20 Mbit/s link (queue 186 KiB)
     waits for TCP's timer (stella plan's tail loss); the same message up, shaped on the
-    sender's own interface, and 288 KiB down at 50 Mbit/s (queue 369 KiB) do not."""
+    sender's own interface, and 288 KiB down at 50 Mbit/s (queue 369 KiB) do not.
+
+    Whether one message waits depends on the sender's window when it starts: here 15-17 of 17
+    did, in one CI run 1 of 3. So the test sends 17 and asks for one wait, not a median."""
     from bench.transport import measure
 
-    hit = measure(20, 288 * 1024, reps=6)
+    hit = measure(20, 288 * 1024, reps=20)
     qdelay = hit["queue_bytes"] * 8 / 20e6
-    assert hit["down_s"] > hit["base_s"] + 0.5 * qdelay, hit
+    assert hit["down_tail_hits"] >= 1, hit
+    assert max(hit["down_all_s"]) > hit["base_s"] + qdelay, hit
     assert hit["up_s"] < hit["base_s"] + 0.3 * qdelay, hit
     assert hit["drops_down"] > 0
     fits = measure(50, 288 * 1024, reps=6)
