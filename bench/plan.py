@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -41,7 +42,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,6 +297,84 @@ def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> N
         stop.wait(0.2)
 
 
+WARM_ROUNDS = 4  # a worker's rounds before this are its join, snapshot and warm-up
+SETTLE_ROUNDS = 2  # rounds after an evaluation ends before the workers are in step again
+
+
+def clean_measure(ranks: Sequence[Mapping[str, Any]], h: int, skewed: bool = False) -> dict[str, Any]:
+    """A job's pace, compute and exchange from its workers' iteration records (bench.stella_e2e), on
+    the iterations clear of worker 0's held-out evaluations.
+
+    Worker 0 evaluates between steps (its own clock leaves that out), and the job stalls meanwhile:
+    the others finish the step in hand, push, and wait for worker 0's next push. Counted, each stall
+    lifts the others' pace (2026-11-26 round 7: widemlp evaluates every 5 steps, ~0.25 s each on
+    this bed, +10-20% s/it). Worker 0's clock alone is no cure: while it evaluates, the others run
+    a step or two ahead on the freed cores, and its next rounds find their pulls waiting (-10-25%).
+    So an iteration counts where it neither overlaps an evaluation nor starts within
+    :data:`SETTLE_ROUNDS` rounds after one ends, and only once every worker has made
+    :data:`WARM_ROUNDS` rounds (a worker that registered first runs rounds alone until the others
+    join).
+
+    Returns ``s_per_it`` and ``round_s`` (the slowest worker's: its mean clean iteration x its
+    iterations per round, over H), ``round_s_per_rank``, ``compute_s`` / ``compute_mean_s`` (the
+    slowest worker's clean steps, median and mean), ``exchange_s`` (per round, compressor included:
+    the workers' mean, or with unequal speeds the slowest one's; summed over the clean iterations
+    where the records carry the running totals, else the whole run's), ``clean_share``."""
+    def epoch_span(x: Mapping[str, Any]) -> tuple[float, float]:
+        return x["t_epoch"] - x["iter"], x["t_epoch"]
+
+    warm_from = max(next((x["t_epoch"] for x in k["iters"] if x["rounds"] >= WARM_ROUNDS), k["iters"][-1]["t_epoch"])
+                    for k in ranks)
+    warm = [[x for x in k["iters"] if x["t_epoch"] >= warm_from] or k["iters"][len(k["iters"]) // 3:]
+            for k in ranks]
+    # and up to the end: once a worker has made its last step, the others' rounds wait for it to leave (u5 in
+    # round 7: 0.8-2.7 s steps at the end of a run-on run, the faster workers at their step cap first)
+    finish = min(epoch_span(k["iters"][-1])[0] for k in ranks)
+    warm = [[x for x in w if x["t_epoch"] <= finish] or w for w in warm]
+
+    def started(k: Mapping[str, Any], its: Sequence[Mapping[str, Any]], key: str = "rounds") -> float:
+        """What ``key``'s running total gained over ``its`` (iterations of worker ``k``)."""
+        before = {x["step"]: p for p, x in itertools.pairwise(k["iters"])}
+        return sum(x[key] - before[x["step"]][key] if x["step"] in before else 0.0 for x in its)
+
+    # steps per round of each worker (run-on: a faster worker makes more), over its warm iterations
+    per_round = [len(w) / max(1.0, started(k, w)) for k, w in zip(ranks, warm)]
+    settle = SETTLE_ROUNDS * max(statistics.median(x["iter"] for x in w) * pr for w, pr in zip(warm, per_round))
+    evals = {e["step"] for e in ranks[0].get("evals", [])}
+    its0 = ranks[0]["iters"]
+    stalls = [(a["t_epoch"], epoch_span(b)[0] + settle) for a, b in itertools.pairwise(its0) if a["step"] in evals]
+
+    def clear(x: Mapping[str, Any]) -> bool:
+        lo, hi = epoch_span(x)
+        return not any(lo < end and hi > begin for begin, end in stalls)
+
+    clean = [[x for x in w if clear(x)] for w in warm]
+    clean = [c if len(c) >= 3 else w for c, w in zip(clean, warm)]  # too few: the warm iterations, stalls and all
+    paces = [statistics.mean(x["iter"] for x in c) * pr for c, pr in zip(clean, per_round)]
+    slow = max(range(len(ranks)), key=lambda i: statistics.mean(x["compute"] for x in clean[i]))
+
+    def exchange(i: int) -> float:
+        k, c = ranks[i], clean[i]
+        if "exchange_s" in c[0] and started(k, c):  # the running totals, differenced over the clean iterations
+            return (started(k, c, "exchange_s") + started(k, c, "compress_s")) / started(k, c)
+        return (k["exchange_s"] + k["compress_s"]) / max(1, k["rounds"])
+
+    round_s = max(paces)
+    return {"s_per_it": round_s / h, "round_s": round_s, "round_s_per_rank": paces,
+            "compute_s": statistics.median(x["compute"] for x in clean[slow]),
+            "compute_mean_s": statistics.mean(x["compute"] for x in clean[slow]),
+            "exchange_s": exchange(slow) if skewed else statistics.mean(exchange(i) for i in range(len(ranks))),
+            "clean_share": sum(map(len, clean)) / max(1, sum(map(len, warm)))}
+
+
+def remeasure(r: Run, m: Mapping[str, Any]) -> dict[str, Any]:
+    """An earlier run's measurement, taken again from its workers' logs by :func:`clean_measure`."""
+    from bench.harness import collect_ranks
+
+    ranks = [k for k in collect_ranks(m["log_dir"], r.world) if k is not None]
+    return {**m, **clean_measure(ranks, r.h, skewed=bool(r.slowdown) and len(set(r.slowdown)) > 1)}
+
+
 def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
     """One real job over the test bed; what it measured (per round, per step, to target)."""
     from bench.harness import collect_ranks
@@ -316,46 +395,23 @@ def measure(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
                 res = run_stella(r.workload, world=r.world, steps=r.steps, max_seconds=150, bed=bed,
                              sites=[f"w{i}" for i in range(r.world)], density=r.density, value_dtype=r.coding,
                              sync_every=r.h, max_sync_every=r.max_h or r.h, max_accumulate=1, mode="update",
-                             slowdown=r.slowdown or 1.0, stop_at_target=r.to_target, log_dir=OUT_DIR)
+                             slowdown=r.slowdown or 1.0, stop_at_target=r.to_target, log_dir=OUT_DIR,
+                             eval_every=None if r.to_target else 10 ** 6)  # no evaluation stalls to step around
         finally:
             stop.set()
             watcher.join(timeout=5)
     if not res.get("ok"):
         raise RuntimeError(f"{r.name}: {res.get('error', '')[:2000]}")
     ranks = [k for k in collect_ranks(res["log_dir"], r.world) if k is not None]
-    # the job's round: each worker's rounds after its first ones (join, snapshot, warm-up), the slowest
-    # worker's pace. (Until 2026-11-26 20:02 rank 0's alone: one step stale, a worker that started first
-    # runs its warm rounds while the others still join, and its pace can be 20% above the job's.)
-    def pace(k):
-        its = k["iters"]
-        warm = [x for x in its if x["rounds"] >= 4]
-        if len(warm) < 3:
-            warm = its[len(its) // 3:]
-        return (warm[-1]["t"] - warm[0]["t"]) / max(1, warm[-1]["rounds"] - warm[0]["rounds"])
-
-    paces = [pace(k) for k in ranks]
-    round_s = max(paces)
-    # the slowest worker: its compute per local step, and its exchange per round (it pushes last, so its
-    # exchange waits for nobody)
-    def steps(k):  # a worker's compute per step, after its first 3
-        return [x["compute"] for x in k["iters"][3:]] or [x["compute"] for x in k["iters"]]
-
-    def med_compute(k):
-        return statistics.median(steps(k))
-
-    slowest = max(ranks, key=med_compute)
-    exch = [(k["exchange_s"] + k["compress_s"]) / max(1, k["rounds"]) for k in ranks]
-    exchange = (slowest["exchange_s"] + slowest["compress_s"]) / max(1, slowest["rounds"]) \
-        if r.slowdown and len(set(r.slowdown)) > 1 else statistics.mean(exch)
+    out = clean_measure(ranks, r.h, skewed=bool(r.slowdown) and len(set(r.slowdown)) > 1)
     reached = res.get("reached")
-    out = {"s_per_it": round_s / r.h, "round_s": round_s, "round_s_per_rank": paces, "log_dir": res["log_dir"],
-           "compute_s": med_compute(slowest),
-           "compute_mean_s": statistics.mean(steps(slowest)), "exchange_s": exchange,
-           "steps": res["steps"], "iter_median": res["iter_median"], "reached": reached,
-           "final_metric": res.get("final_metric"), "bytes_per_round": res.get("client_bytes_per_round"),
-           "server_cpu_ms_per_round": res.get("server_cpu_ms_per_round"), "wall_s": time.time() - t0}
-    log(f"  {r.name} {r.describe()}: {out['s_per_it']:.4f} s/it (round {round_s:.3f} s), compute "
-        f"{out['compute_s']:.4f} s, exchange {exchange:.3f} s/round"
+    out.update({"log_dir": res["log_dir"], "steps": res["steps"], "iter_median": res["iter_median"],
+                "reached": reached, "final_metric": res.get("final_metric"),
+                "bytes_per_round": res.get("client_bytes_per_round"),
+                "server_cpu_ms_per_round": res.get("server_cpu_ms_per_round"), "wall_s": time.time() - t0})
+    log(f"  {r.name} {r.describe()}: {out['s_per_it']:.4f} s/it (round {out['round_s']:.3f} s), compute "
+        f"{out['compute_s']:.4f} s, exchange {out['exchange_s']:.3f} s/round, {out['clean_share']:.0%} of warm "
+        "iterations clear of evaluations"
         + (f", target at {reached['step']} it / {reached['wall']:.1f} s" if reached else "")
         + f" [{out['wall_s']:.0f} s]")
     return out
@@ -577,10 +633,14 @@ def validate(a, log=print) -> dict[str, Any]:
     if a.fit:  # a subset of the fit runs (measured again when the system changed under the earlier ones)
         plan_runs = [r for r in plan_runs if r.name in a.fit.split(",") or r.role != "fit"]
     measured: dict[str, dict[str, Any]] = {}
+    by_name = {r.name: r for r in plan_runs}
     if a.from_json:  # the runs measured before: fit and predict again, run nothing
         with open(a.from_json) as f:
             old = json.load(f)
         measured = {x["run"]: x["measured"] for x in old["rows"]}
+        if a.remeasure:
+            measured = {n: remeasure(by_name[n], m) for n, m in measured.items() if n in by_name}
+            out["remeasured"] = True
         for k in ("started", "load_start", "load_end", "machine", "command"):
             out[k] = old.get(k, out.get(k))
         out["reanalysed"] = f"python -m bench.plan --from-json {a.from_json}"
@@ -591,6 +651,8 @@ def validate(a, log=print) -> dict[str, Any]:
             with open(path) as f:
                 old = json.load(f)
             got = {x["run"]: x["measured"] for x in old["rows"] if x["run"] in fit_names and x["run"] not in measured}
+            if a.remeasure:
+                got = {n: remeasure(by_name[n], m) for n, m in got.items()}
             measured.update(got)
             out["fit_runs_from"].append({"path": os.path.relpath(path, REPO), "started": old.get("started"),
                                          "load_start": old.get("load_start"), "machine": old.get("machine"),
@@ -626,8 +688,8 @@ def validate(a, log=print) -> dict[str, Any]:
         P.write_json(path, doc)
         log(f"fitted ({k}): compute x{c.compute:.3f}, host load x{c.host_load:.3f}, exchange stretch "
             f"x{c.exchange_stretch:.2f}, "
-            f"link x{c.link:.3f}, tail loss x{c.tail_loss:.2f} queue delays, {1e3 * c.round_s:.1f} ms per round "
-            f"({c.runs} runs, "
+            f"link x{c.link:.3f}, tail loss x{c.tail_loss:.2f} queue delays, {1e3 * c.round_s:.1f} ms per round, "
+            f"jitter {c.jitter:.3f} ({c.runs} runs, "
             f"{c.exchange_runs} bound by their exchange)")
     # predict every held-out run first, then measure it
     rows = []
@@ -751,6 +813,9 @@ def main(argv=None) -> int:
                     help="take the fit runs' measurements from a previous --json (repeat for several; the held-out "
                     "runs are measured)")
     ap.add_argument("--from-json", help="fit and predict again from the runs a previous --json measured (no runs)")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="with --from-json / --fit-from: measure those runs again from their workers' logs "
+                    "(bench.plan.clean_measure), not as the earlier --json recorded them")
     a = ap.parse_args(argv)
     if a.cmd == "profile":
         doc = profile_workload(a.workload, a.steps, log=lambda s: print(s, file=sys.stderr))

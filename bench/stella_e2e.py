@@ -55,7 +55,9 @@ from stella_ps.process import ServerProcess, process_cpu_seconds
 PS_PORT = 5555
 STOP_AHEAD = 3  # rounds: a worker is at most one round ahead of another in synchronous mode
 # per-iteration fields read from ``opt.stats``: what the worker's controller chose and measured
-STAT_FIELDS = ("value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps")
+# per iteration, as they stand after it: the adaptive state, and the exchange's running totals (bench.plan's
+# clean-window measurement sums them over the iterations clear of worker 0's evaluations)
+STAT_FIELDS = ("value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps", "exchange_s", "compress_s")
 
 
 def adaptation_kwargs(a) -> dict:

@@ -333,7 +333,8 @@ def test_cli_reports_catalog_errors(tmp_path, capsys):
 def test_fit_recovers_known_coefficients(catalog, profile):
     """Runs predicted with known coefficients, some on a shared host of 2 cores (the server
     there too), some on hosts of their own: the fit finds the coefficients again."""
-    truth = P.Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02, tail_loss=1.2)
+    truth = P.Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02, tail_loss=1.2,
+                          jitter=0.25)
     fitted_profile = dataclasses.replace(profile, calibration=truth)
     obs = []
     runs = ((2, 100, 0.01, 1.5, 1, ""), (3, 20, 0.01, 1.0, 2, "bed"), (4, 50, 0.03, 0.7, 1, "bed"),
@@ -358,8 +359,32 @@ def test_fit_recovers_known_coefficients(catalog, profile):
     assert cal.link == pytest.approx(1.1, rel=1e-6)
     assert cal.round_s == pytest.approx(0.02, rel=1e-6)
     assert cal.tail_loss == pytest.approx(1.2, rel=1e-6)
+    assert cal.jitter == pytest.approx(0.25, abs=1e-9)  # on the grid (step 0.005)
     assert cal.runs == 10 and cal.source == "test"
     assert 4 <= cal.exchange_runs < 10  # the link terms: fitted on the runs bound by their exchange
+
+
+def test_round_is_the_expected_max_of_compute_and_exchange(catalog, profile):
+    """With jitter, a round is E[max(C, E)] for normal C and E (Clark's formula): against a
+    Monte Carlo estimate; it tends to max(C, E) as they part, and is max(C, E) at jitter 0."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for c, e, h, j in ((1.0, 1.0, 1, 0.2), (1.0, 0.8, 2, 0.3), (0.5, 1.2, 4, 0.25)):
+        sc, se = j * c / math.sqrt(h), j * e
+        mc = np.maximum(rng.normal(c, sc, 400_000), rng.normal(e, se, 400_000)).mean()
+        got = float(P._expected_max(np, np.array(c), np.array(e), j, np.array(float(h))))
+        assert got == pytest.approx(mc, rel=2e-3)
+    assert float(P._expected_max(np, np.array(1.0), np.array(1.0), 0.2, np.array(1.0))) > 1.1
+    assert float(P._expected_max(np, np.array(3.0), np.array(1.0), 0.2, np.array(1.0))) == pytest.approx(3.0, rel=1e-4)
+    assert float(P._expected_max(np, np.array(1.0), np.array(0.9), 0.0, np.array(1.0))) == 1.0
+    kind = dataclasses.replace(catalog.kind("cloud"), up_mbps=20, down_mbps=20)
+    cfg = P.Config((P.Group(kind, "ondemand", 2),), 0.01, "f16", 1, 1)
+    cat = dataclasses.replace(catalog, kinds=(kind,))
+    plain = P.predict(profile, cat, cfg)
+    spread = P.predict(dataclasses.replace(profile, calibration=P.Calibration(jitter=0.2)), cat, cfg)
+    assert plain.round_s == max(plain.compute_s, plain.exchange_s)
+    assert spread.round_s > plain.round_s
 
 
 def test_shared_host_stretches_compute(catalog, profile):

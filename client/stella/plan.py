@@ -332,6 +332,7 @@ class Calibration:
     link: float = 1.0  # measured link time / bytes over the nominal rate
     round_s: float = 0.0  # fixed seconds per round (messages, scheduling)
     tail_loss: float = 0.0  # a message that loses its tail waits this many of its queue's delays (TCP's timer)
+    jitter: float = 0.0  # coefficient of variation of a step's and an exchange's time (the round's expected max)
     source: str = "not fitted (the bare structure)"
     runs: int = 0
     exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
@@ -708,7 +709,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
     compress = compress_1 * mix.t_rel_max * (1 + cal.exchange_stretch * (s_slow - 1))
     server = server * (1 + cal.exchange_stretch * (s_server - 1))
     exchange = compress + link + server + cal.round_s
-    round_s = np.maximum(compute, exchange)
+    round_s = _expected_max(np, compute, exchange, cal.jitter, h)
     # run-on: a faster machine keeps stepping through the round, up to max_sync_every (absent groups: t_step
     # inf, so h steps of no machine)
     max_h = np.minimum(np.ceil(h * t_slow / t_fast - 1e-9), h * MAX_RATIO_H)
@@ -786,6 +787,31 @@ def _tail_loss_s(np: Any, size: Any, queue: Any, rate: Any) -> Any:
     q = queue[:, :, None]
     hit = (q > 0) & (size[:, None, :] > TAIL_OVERFLOW * q) & (size[:, None, :] <= TAIL_FLIGHT_BYTES)
     return np.where(hit, q / rate[:, :, None], 0.0).max(axis=1)
+
+
+def _expected_max(np: Any, compute: Any, exchange: Any, jitter: float, h: Any) -> Any:
+    """A round's expected length: ``E[max(C, E)]`` for its compute ``C`` (H steps) and its
+    exchange ``E``, each normal around the model's value with the coefficient of variation
+    ``jitter`` (a round's H steps vary independently: ``jitter / sqrt(H)``); Clark's formula
+    (1961). One step stale, a worker waits for the exchange it started a round ago whenever
+    that round's exchange outlasts this round's compute; with the two close, that is half the
+    rounds, and the mean wait grows with their spread. ``jitter`` 0: ``max(C, E)``."""
+    if not jitter:
+        return np.maximum(compute, exchange)
+    theta = jitter * np.sqrt(compute ** 2 / h + exchange ** 2)
+    alpha = (compute - exchange) / np.maximum(theta, 1e-12)
+    cdf = 0.5 * (1 + _erf(np, alpha / math.sqrt(2)))
+    pdf = np.exp(-0.5 * alpha ** 2) / math.sqrt(2 * math.pi)
+    mean = compute * cdf + exchange * (1 - cdf) + theta * pdf
+    return np.where(np.isfinite(mean), mean, np.maximum(compute, exchange))  # inf: a configuration not considered
+
+
+def _erf(np: Any, x: Any) -> Any:
+    """The error function to 1.5e-7 (Abramowitz and Stegun 7.1.26): NumPy has none."""
+    t = 1 / (1 + 0.3275911 * np.abs(x))
+    y = 1 - t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))) \
+        * np.exp(-x * x)
+    return np.sign(x) * y
 
 
 def _host_load(np: Any, catalog: Catalog, mix: _Mix, compute_s: float, h: Any, compress: Any, server: Any,
@@ -903,7 +929,9 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
       a message that loses its tail, in its queue's delays), by non-negative least squares on
       the measured exchange per round less the model's unstretched compressor and server, on
       the runs bound by their exchange only (:data:`EXCHANGE_BOUND`; all runs if
-      fewer than 2 are).
+      fewer than 2 are);
+    - last, across all runs that carry a measured s/it, ``jitter`` (the spread of a step's and an
+      exchange's time, :func:`_expected_max`), by a search on a grid.
 
     Returns a :class:`Calibration` per model (``profile.model``)."""
     import numpy as np
@@ -948,11 +976,26 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
     ae, ve = np.array(rows_e)[keep], np.array(ye)[keep]
     we = 1 / np.maximum(np.abs(ve), 1e-3)
     ke = _nonneg_lstsq(np, ae * we[:, None], ve * we)
-    return {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), link=float(max(ke[1], 1e-3)),
+    cals = {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), link=float(max(ke[1], 1e-3)),
                            round_s=float(ke[0]), exchange_stretch=float(min(ke[2], 1.0)), tail_loss=float(ke[3]),
-                           source=source or "fitted", runs=len(runs),
-                           exchange_runs=int(keep.sum()))
+                           source=source or "fitted", runs=len(runs), exchange_runs=int(keep.sum()))
             for i, n in enumerate(names)}
+    # last, the round's spread, on every run's measured s/it: the model's compute and exchange at the fitted
+    # coefficients, their expected max over a grid of jitter (0 .. 0.6)
+    parts = []
+    for prof, cat, ob in runs:
+        if ob.s_per_it > 0:
+            p = predict(dataclasses.replace(prof, calibration=cals[prof.model]), cat, ob.config)
+            parts.append((p.compute_s, p.exchange_s, ob.config.sync_every, ob.s_per_it))
+    if len(parts) >= 2:
+        c, e, h, y = (np.array(x, float) for x in zip(*parts))
+
+        def err(j: float) -> float:
+            return float(np.sum((_expected_max(np, c, e, j, h) / h / y - 1) ** 2))
+
+        jitter = min(np.linspace(0.0, 0.6, 121), key=lambda j: err(float(j)))
+        cals = {n: dataclasses.replace(cal, jitter=float(jitter)) for n, cal in cals.items()}
+    return cals
 
 
 # ============================================================ enumeration and ranking
