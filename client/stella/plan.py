@@ -982,13 +982,13 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
             for i, n in enumerate(names)}
     # last, the round's spread, on every run's measured s/it: the model's compute and exchange at the fitted
     # coefficients, their expected max over a grid of jitter (0 .. 0.6)
-    parts = []
+    parts: list[tuple[float, float, int, float]] = []
     for prof, cat, ob in runs:
         if ob.s_per_it > 0:
             p = predict(dataclasses.replace(prof, calibration=cals[prof.model]), cat, ob.config)
             parts.append((p.compute_s, p.exchange_s, ob.config.sync_every, ob.s_per_it))
     if len(parts) >= 2:
-        c, e, h, y = (np.array(x, float) for x in zip(*parts))
+        c, e, h, y = (np.array([x[i] for x in parts], float) for i in range(4))
 
         def err(j: float) -> float:
             return float(np.sum((_expected_max(np, c, e, j, h) / h / y - 1) ** 2))
