@@ -988,10 +988,10 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
             p = predict(dataclasses.replace(prof, calibration=cals[prof.model]), cat, ob.config)
             parts.append((p.compute_s, p.exchange_s, ob.config.sync_every, ob.s_per_it))
     if len(parts) >= 2:
-        c, e, h, y = (np.array([x[i] for x in parts], float) for i in range(4))
+        cs, es, hs, ys = (np.array([x[i] for x in parts], float) for i in range(4))
 
         def err(j: float) -> float:
-            return float(np.sum((_expected_max(np, c, e, j, h) / h / y - 1) ** 2))
+            return float(np.sum((_expected_max(np, cs, es, j, hs) / hs / ys - 1) ** 2))
 
         jitter = min(np.linspace(0.0, 0.6, 121), key=lambda j: err(float(j)))
         cals = {n: dataclasses.replace(cal, jitter=float(jitter)) for n, cal in cals.items()}
