@@ -547,3 +547,47 @@ def test_profile_cli_and_from_a_running_job(tmp_path, make_server, make_client):
     live = P.load_profile(str(out2))
     assert live.compute_s == pytest.approx(0.05) and live.numel == 10_000
     assert live.push[0][:2] == (0.01, "f16")
+
+
+def _records(step_s: float, n: int, h: int = 1, t0: float = 1000.0, wait: float = 0.0) -> list[dict]:
+    """Synthetic bench.stella_e2e iteration records: n steps of step_s (+ wait at each round's
+    last step), H steps per round, the exchange's running totals 0.1 s per round."""
+    out, t = [], t0
+    for i in range(1, n + 1):
+        w = wait if i % h == 0 else 0.0
+        t += step_s + w
+        rounds = (i + h - 1) // h
+        out.append({"step": i, "iter": step_s + w, "compute": step_s, "net_wait": w, "t_epoch": t, "rounds": rounds,
+                    "exchange_s": 0.1 * rounds, "compress_s": 0.0})
+    return out
+
+
+def test_clean_measure_steps_around_evaluations_and_the_runs_end():
+    """bench.plan's measurement of a run from its workers' records: worker 0's evaluation stalls
+    (the others wait through them) and the steps after the first worker left are not the job's
+    pace; the steps clear of both are."""
+    from bench.plan import clean_measure
+
+    w0 = _records(0.2, 60)
+    w1 = _records(0.2, 60)
+    for x in w1[20:]:  # worker 1 waits 1 s through worker 0's evaluation after step 20
+        x["t_epoch"] += 1.0
+    w1[20]["iter"] += 1.0
+    w1[20]["net_wait"] = 1.0
+    for x in w0[20:]:
+        x["t_epoch"] += 1.0
+    w1.append({**w1[-1], "step": 61, "iter": 3.0, "net_wait": 2.8, "t_epoch": w1[-1]["t_epoch"] + 3.0,
+               "rounds": 61, "exchange_s": 6.1 + 2.8})  # alone at the end: waits for worker 0 to leave
+    ranks = [{"iters": w0, "evals": [{"step": 0}, {"step": 20}], "exchange_s": 9.0, "compress_s": 0.0, "rounds": 60},
+             {"iters": w1, "evals": [], "exchange_s": 9.0, "compress_s": 0.0, "rounds": 61}]
+    m = clean_measure(ranks, 1)
+    assert m["s_per_it"] == pytest.approx(0.2, rel=1e-6)
+    assert m["compute_mean_s"] == pytest.approx(0.2) and m["exchange_s"] == pytest.approx(0.1)
+    assert 0.8 < m["clean_share"] < 1.0
+    # counted whole, the stall and the end lift the pace by 4 s over 58 steps
+    naive = (w1[-1]["t_epoch"] - w1[2]["t_epoch"]) / (len(w1) - 3)
+    assert naive > 0.26
+    # H = 2: a round is two steps
+    m2 = clean_measure([{"iters": _records(0.1, 40, h=2), "evals": [], "exchange_s": 2.0, "compress_s": 0.0,
+                         "rounds": 20}], 2)
+    assert m2["round_s"] == pytest.approx(0.2) and m2["s_per_it"] == pytest.approx(0.1)
