@@ -34,6 +34,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -772,7 +773,7 @@ def validate(a, log=print) -> dict[str, Any]:
         if r.to_target:
             row["pred_iterations"], row["factor_source"] = pred.iterations, pred.factor_source
             row["pred_time_s"] = pred.time_s
-            if m["reached"]:
+            if m["reached"] and math.isfinite(pred.time_s):  # inf: harsher than the factor table, no estimate
                 row["meas_iterations"], row["meas_time_s"] = m["reached"]["step"], m["reached"]["wall"]
                 row["err_time"] = pred.time_s / m["reached"]["wall"] - 1
         rows.append(row)
@@ -795,7 +796,11 @@ def render_validation(out: dict[str, Any]) -> str:
              "predicted / measured time to target |", "|---|---|---|---|---|---|---|---|"]
     for x in out["rows"]:
         tt = ""
-        if "pred_time_s" in x:
+        if "pred_time_s" in x and not math.isfinite(x["pred_time_s"]):
+            tt = "no estimate: " + x["factor_source"] + (
+                f" / {x['measured']['reached']['wall']:.1f} s ({x['measured']['reached']['step']} it)"
+                if x["measured"].get("reached") else "")
+        elif "pred_time_s" in x:
             tt = (f"{x['pred_time_s']:.1f} s ({x['pred_iterations']:.0f} it) / "
                   + (f"{x['meas_time_s']:.1f} s ({x['meas_iterations']} it): {100 * x['err_time']:+.0f}%"
                      if "meas_time_s" in x else "not reached"))
