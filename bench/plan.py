@@ -540,8 +540,8 @@ def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
     log(P.table([rows[k]["row"] for k in ("on-premises only", "cloud only", "hybrid")], cat.currency))
     log(f"  hybrid against cloud only: {100 * out['cost_saving']:.0f}% less cost "
         f"({100 * (out['cloud_cost_saving'] or 0):.0f}% "
-        f"less cloud spend), {100 * out['time_saving_vs_cloud']:.0f}% less time; against the lab alone: "
-        f"{100 * out['time_saving_vs_lab']:.0f}% less time")
+        f"less cloud spend), {_less(out['time_saving_vs_cloud'])} time; against the lab alone: "
+        f"{_less(out['time_saving_vs_lab'])} time")
     log(P.recommend(h))
     return out
 
@@ -822,6 +822,11 @@ def ten_kind_catalog(path: str) -> None:
               f'spot_price={0.2 + 0.4 * i}\nmttr_h=4\nup_mbps=1000\ndown_mbps=1000\n' for i in range(8)]
     with open(path, "w") as f:
         f.write("[server]\nprice=0.5\ncores=8\nup_mbps=10000\ndown_mbps=10000\n\n" + "\n".join(kinds))
+
+
+def _less(saving: float) -> str:
+    """A saving as "N% less", or "N% more" where it is negative."""
+    return f"{100 * abs(saving):.0f}% {'less' if saving >= 0 else 'more'}"
 
 
 def planning_speed(log=print) -> dict[str, Any]:
