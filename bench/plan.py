@@ -271,15 +271,28 @@ def runs(quick: bool) -> list[Run]:
         Run("v7", "digits", "fit", 3, 20, 20, 0.005, "f16", 1, steps=400, to_target=True),
         Run("v8", "widemlp", "fit", 2, 30, 30, 0.01, "q4", 2, steps=200, to_target=True),
     ]
+    # the ninth round's held-out runs (2026-11-26 22:46): 13.9% MAPE, worst 27.1%, time to target +6%, -22%: the
+    # goals met. Fit runs since; the tenth round keeps the ninth's fit (they stay out of --fit) and judges the
+    # same model on new runs
+    fit += [
+        Run("w1", "widemlp", "fit", 2, 20, 20, 0.003, "f16", 2, steps=s),
+        Run("w2", "widemlp", "fit", 3, 100, 100, 0.03, "q2", 2, steps=s),
+        Run("w3", "widemlp", "fit", 4, 30, 30, 0.01, "q4", 1, steps=s),
+        Run("w4", "widemlp", "fit", 2, 50, 20, 0.005, "q2", 1, steps=s),
+        Run("w5", "widemlp", "fit", 2, 30, 30, 0.01, "f16", 2, max_h=4, slowdown=[1.0, 1.7], steps=2 * s),
+        Run("w6", "digits", "fit", 2, 50, 50, 0.03, "q4", 1, steps=400, to_target=True),
+        Run("w7", "widemlp", "fit", 3, 100, 100, 0.005, "q2", 2, steps=200, to_target=True),
+        Run("w8", "digits", "fit", 4, 30, 30, 0.01, "f16", 1, steps=400, to_target=True),
+    ]
     held = [
-        Run("w1", "widemlp", "held-out", 2, 20, 20, 0.003, "f16", 2, steps=s),
-        Run("w2", "widemlp", "held-out", 3, 100, 100, 0.03, "q2", 2, steps=s),
-        Run("w3", "widemlp", "held-out", 4, 30, 30, 0.01, "q4", 1, steps=s),
-        Run("w4", "widemlp", "held-out", 2, 50, 20, 0.005, "q2", 1, steps=s),
-        Run("w5", "widemlp", "held-out", 2, 30, 30, 0.01, "f16", 2, max_h=4, slowdown=[1.0, 1.7], steps=2 * s),
-        Run("w6", "digits", "held-out", 2, 50, 50, 0.03, "q4", 1, steps=400, to_target=True),
-        Run("w7", "widemlp", "held-out", 3, 100, 100, 0.005, "q2", 2, steps=200, to_target=True),
-        Run("w8", "digits", "held-out", 4, 30, 30, 0.01, "f16", 1, steps=400, to_target=True),
+        Run("x1", "widemlp", "held-out", 3, 20, 20, 0.01, "f16", 2, steps=s),
+        Run("x2", "widemlp", "held-out", 2, 100, 100, 0.005, "q4", 1, steps=s),
+        Run("x3", "widemlp", "held-out", 4, 50, 50, 0.01, "q2", 2, steps=s),
+        Run("x4", "widemlp", "held-out", 2, 30, 100, 0.03, "q2", 1, steps=s),
+        Run("x5", "widemlp", "held-out", 3, 30, 30, 0.003, "q4", 2, max_h=3, slowdown=[1.0, 1.0, 1.4], steps=2 * s),
+        Run("x6", "widemlp", "held-out", 4, 20, 20, 0.003, "f16", 1, steps=s),
+        Run("x7", "digits", "held-out", 3, 100, 100, 0.01, "q4", 1, steps=400, to_target=True),
+        Run("x8", "widemlp", "held-out", 2, 50, 50, 0.01, "f16", 1, steps=200, to_target=True),
     ]
     if quick:
         held = held[:6]
