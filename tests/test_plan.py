@@ -334,7 +334,7 @@ def test_fit_recovers_known_coefficients(catalog, profile):
     """Runs predicted with known coefficients, some on a shared host of 2 cores (the server
     there too), some on hosts of their own: the fit finds the coefficients again."""
     truth = P.Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02, tail_loss=1.2,
-                          jitter=0.25)
+                          jitter=0.25, worker_round_s=0.003)
     fitted_profile = dataclasses.replace(profile, calibration=truth)
     obs = []
     runs = ((2, 100, 0.01, 1.5, 1, ""), (3, 20, 0.01, 1.0, 2, "bed"), (4, 50, 0.03, 0.7, 1, "bed"),
@@ -360,6 +360,7 @@ def test_fit_recovers_known_coefficients(catalog, profile):
     assert cal.round_s == pytest.approx(0.02, rel=1e-6)
     assert cal.tail_loss == pytest.approx(1.2, rel=1e-6)
     assert cal.jitter == pytest.approx(0.25, abs=1e-9)  # on the grid (step 0.005)
+    assert cal.worker_round_s == pytest.approx(0.003, abs=1e-9)  # on the grid (step 0.5 ms)
     assert cal.runs == 10 and cal.source == "test"
     assert 4 <= cal.exchange_runs < 10  # the link terms: fitted on the runs bound by their exchange
 

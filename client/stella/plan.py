@@ -333,6 +333,7 @@ class Calibration:
     round_s: float = 0.0  # fixed seconds per round (messages, scheduling)
     tail_loss: float = 0.0  # a message that loses its tail waits this many of its queue's delays (TCP's timer)
     jitter: float = 0.0  # coefficient of variation of a step's and an exchange's time (the round's expected max)
+    worker_round_s: float = 0.0  # a worker's CPU per round beside its compressor (decoding, applying, messages)
     source: str = "not fitted (the bare structure)"
     runs: int = 0
     exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
@@ -686,7 +687,8 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: _Mix,
     link = cal.link * (push_s + pull_s) + tail + 2 * mix.rtt_max
     server = (profile.server_per_update_s * w * profile.sparse_numel * d + profile.server_per_numel_s * n) / \
         np.minimum(shards, srv.cores * hosts) ** SHARD_EXPONENT
-    compress_1 = np.array([profile.compress_s(x[0], x[1]) for x in settings])[None, :]  # one worker, per round
+    # one worker's CPU per round: its compressor, and the fixed rest (decode and apply the pull, the messages)
+    compress_1 = np.array([profile.compress_s(x[0], x[1]) for x in settings])[None, :] + cal.worker_round_s
     # compute: each machine's step, calibrated and stretched by its shared host; the slowest sets the round
     step = profile.compute_s * cal.compute
     if (mix.host >= 0).any():
@@ -956,28 +958,39 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
         raise PlanError("fit: need at least 2 measured runs")
     names = sorted({prof.model for prof, _, _ in runs})
     which = np.array([names.index(prof.model) for prof, _, _ in runs])
-    base, load, y = [], [], []
-    for prof, cat, ob in runs:
-        r = _evaluate(dataclasses.replace(prof, calibration=Calibration()), cat, _mix_arrays([ob.config.groups],
-                      cat.hosts), [(ob.config.density, ob.config.coding, ob.config.sync_every, ob.config.shards)])
+    base, y = [], []
+    mixes = [(prof, cat, ob, _mix_arrays([ob.config.groups], cat.hosts)) for prof, cat, ob in runs]
+    for prof, _, ob in runs:
         base.append(prof.compute_s * max(1.0 / g.kind.speed for g in ob.config.groups))
-        load.append(float(r["load"][0, 0]))
         y.append(ob.compute_s)
-    b, ld, yc = np.array(base), np.array(load), np.array(y)
+    b, yc = np.array(base), np.array(y)
 
-    def scales(kappa: float) -> tuple[Any, float]:
+    def loads(fixed: float) -> Any:
+        """Each run's host load, with ``fixed`` seconds of a worker's CPU per round beside its compressor."""
+        cal0 = Calibration(worker_round_s=fixed)
+        return np.array([float(_evaluate(dataclasses.replace(prof, calibration=cal0), cat, mix,
+                                         [(ob.config.density, ob.config.coding, ob.config.sync_every,
+                                           ob.config.shards)])["load"][0, 0]) for prof, cat, ob, mix in mixes])
+
+    def scales(kappa: float, ld: Any) -> tuple[Any, float]:
         m = b * np.maximum(1.0, kappa * ld) / yc  # the model at scale 1, relative to the measurement
         k = np.array([np.sum(m[which == i]) / np.sum(m[which == i] ** 2) if compute is None else compute
                       for i in range(len(names))])
         return k, float(np.sum((k[which] * m - 1) ** 2))
 
-    kappa = 1.0
-    if (ld > 0).any():  # runs on a shared host: the grid's best (0.2 .. 3)
-        kappa = min(np.linspace(0.2, 3.0, 561), key=lambda x: scales(float(x))[1])
-    k = scales(float(kappa))[0]
+    kappa, fixed, ld = 1.0, 0.0, loads(0.0)
+    if (ld > 0).any():  # runs on a shared host: the grids' best (host_load 0.2 .. 3, worker_round_s 0 .. 10 ms)
+        best = math.inf
+        for f in np.linspace(0.0, 0.01, 21):
+            ldf = loads(float(f))
+            kf = min(np.linspace(0.2, 3.0, 561), key=lambda x: scales(float(x), ldf)[1])
+            err = scales(float(kf), ldf)[1]
+            if err < best - 1e-12:
+                best, kappa, fixed, ld = err, float(kf), float(f), ldf
+    k = scales(float(kappa), ld)[0]
     rows_e, ye, bound = [], [], []
     for (prof, cat, ob), ki in zip(runs, k[which]):
-        cal = Calibration(compute=float(ki), host_load=float(kappa))
+        cal = Calibration(compute=float(ki), host_load=float(kappa), worker_round_s=fixed)
         p = predict(dataclasses.replace(prof, calibration=cal), cat, ob.config)  # exchange unstretched
         full = predict(dataclasses.replace(prof, calibration=dataclasses.replace(cal, exchange_stretch=1.0)), cat,
                        ob.config)
@@ -992,7 +1005,8 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
     ae, ve = np.array(rows_e)[keep], np.array(ye)[keep]
     we = 1 / np.maximum(np.abs(ve), 1e-3)
     ke = _nonneg_lstsq(np, ae * we[:, None], ve * we)
-    cals = {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), link=float(max(ke[1], 1e-3)),
+    cals = {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), worker_round_s=fixed,
+                           link=float(max(ke[1], 1e-3)),
                            round_s=float(ke[0]), exchange_stretch=float(min(ke[2], 1.0)), tail_loss=float(ke[3]),
                            source=source or "fitted", runs=len(runs), exchange_runs=int(keep.sum()))
             for i, n in enumerate(names)}
