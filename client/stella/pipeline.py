@@ -71,7 +71,7 @@ import torch
 
 from ._exchange import Grads, build_inner, exchange_for
 from .adapt import CODINGS, Controller, RoundMeasure
-from .client import PullResult
+from .client import Client, PullResult
 from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
@@ -327,10 +327,15 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._closed = False
         self.client: AnyClient | None = None  # the leader's (a site's other ranks never connect)
 
-        def init() -> tuple[Registered, PullResult]:
+        def init() -> tuple[Registered, PullResult | None]:
             self.client = client or connect(address, timeout=timeout, name=name, worker_id=worker_id,
                                             server_key=server_key, client_key=client_key)
             reply = self.client.register(self.params, self._exchange.server_config, mode=self.mode)
+            if reply.created and isinstance(self.client, Client):
+                # this registration's values are the model at reply.version: no snapshot to pull (over a slow
+                # link the first worker paid the model twice). A sharded job pulls it: its client learns each
+                # shard's version from that first pull
+                return reply, None
             return reply, self.client.pull(None)
 
         start: tuple[dict[str, Any], int] | None = None
@@ -340,9 +345,10 @@ class StellaOptimizer(torch.optim.Optimizer):
             except BaseException:
                 self._exec.shutdown(wait=False)
                 raise
-            with torch.no_grad():
-                snap.apply_to(self.params)
-            start = (reply.optimizer or {}, snap.version)
+            if snap is not None:
+                with torch.no_grad():
+                    snap.apply_to(self.params)
+            start = (reply.optimizer or {}, reply.version if snap is None else snap.version)
         if self.site is not None:  # the leader's model and the server's answer, on every rank
             with torch.no_grad():
                 self.site.broadcast(p.detach() for p in self.params.values())

@@ -1020,10 +1020,10 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
     if len(parts) >= 2:
         cs, es, hs, ys = (np.array([x[i] for x in parts], float) for i in range(4))
 
-        def err(j: float) -> float:
+        def spread_err(j: float) -> float:
             return float(np.sum((_expected_max(np, cs, es, j, hs) / hs / ys - 1) ** 2))
 
-        jitter = min(np.linspace(0.0, 0.6, 121), key=lambda j: err(float(j)))
+        jitter = min(np.linspace(0.0, 0.6, 121), key=lambda j: spread_err(float(j)))
         cals = {n: dataclasses.replace(cal, jitter=float(jitter)) for n, cal in cals.items()}
     return cals
 
