@@ -336,16 +336,17 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
 
 
 def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> None:
-    """Set each worker site's link to the run's rate once the model's first copy has come down it (every
-    worker pulls a snapshot when it starts, the one that registered the model's values too); bounded
-    by ``stop`` and 300 s. (Until 2026-11-26 19:55 an upload counted too, so the registering worker's
-    snapshot crossed the shaped link: 10 s at 30 Mbit/s inside its time to target.)"""
+    """Set each worker site's link to the run's rate once the model's first copy has crossed it: up, the
+    values of the worker whose registration starts the model (it pulls no snapshot since 2026-11-26
+    23:20), or down, every other worker's snapshot; bounded by ``stop`` and 300 s. (From 19:55 to 23:20
+    only a download counted, for the registering worker pulled a snapshot too: counting its upload then
+    put that snapshot on the shaped link, 10 s at 30 Mbit/s inside its time to target.)"""
     pending = {f"w{i}" for i in range(r.world)}
     deadline = time.monotonic() + 300
     while pending and not stop.is_set() and time.monotonic() < deadline:
         for site in sorted(pending):
             c = bed.counters(site)
-            if c["rx_bytes"] >= 0.98 * model_bytes:
+            if max(c["rx_bytes"], c["tx_bytes"]) >= 0.98 * model_bytes:
                 bed.set_rate(site, up=r.up, down=r.down)
                 pending.discard(site)
         stop.wait(0.2)
