@@ -336,19 +336,20 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
 
 
 def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> None:
-    """Set each worker site's link to the run's rate once the model's first copy has crossed it: up, the
-    values of the worker whose registration starts the model (it pulls no snapshot since 2026-11-26
-    23:20), or down, every other worker's snapshot; bounded by ``stop`` and 300 s. (From 19:55 to 23:20
-    only a download counted, for the registering worker pulled a snapshot too: counting its upload then
-    put that snapshot on the shaped link, 10 s at 30 Mbit/s inside its time to target.)"""
-    pending = {f"w{i}" for i in range(r.world)}
+    """Set every worker site's link to the run's rate once the model's first copy has reached the workers:
+    every worker but the one whose registration starts the model pulls a snapshot (that one pulls none
+    since 2026-11-26 23:20), so once W - 1 sites have had the model come down them, all W are shaped.
+    Bounded by ``stop`` and 300 s. (A site's own upload cannot tell: workers that register while the
+    model is not yet there all send their values; shaping on it put 39 MB snapshots on 30 Mbit/s links,
+    11 s inside round 11's first time to target. Until 19:55 an upload counted too, and the registering
+    worker's snapshot crossed its shaped link.)"""
+    sites = [f"w{i}" for i in range(r.world)]
     deadline = time.monotonic() + 300
-    while pending and not stop.is_set() and time.monotonic() < deadline:
-        for site in sorted(pending):
-            c = bed.counters(site)
-            if max(c["rx_bytes"], c["tx_bytes"]) >= 0.98 * model_bytes:
+    while not stop.is_set() and time.monotonic() < deadline:
+        if sum(bed.counters(site)["rx_bytes"] >= 0.98 * model_bytes for site in sites) >= r.world - 1:
+            for site in sites:
                 bed.set_rate(site, up=r.up, down=r.down)
-                pending.discard(site)
+            return
         stop.wait(0.2)
 
 
@@ -775,7 +776,7 @@ def validate(a, log=print) -> dict[str, Any]:
         log(f"fitted ({k}): compute x{c.compute:.3f}, host load x{c.host_load:.3f}, exchange stretch "
             f"x{c.exchange_stretch:.2f}, "
             f"link x{c.link:.3f}, tail loss x{c.tail_loss:.2f} queue delays, {1e3 * c.round_s:.1f} ms per round, "
-            f"jitter {c.jitter:.3f} ({c.runs} runs, "
+            f"jitter {c.jitter:.3f}, {1e3 * c.worker_round_s:.1f} ms of a worker's CPU per round ({c.runs} runs, "
             f"{c.exchange_runs} bound by their exchange)")
     # predict every held-out run first, then measure it
     rows = []
