@@ -297,15 +297,28 @@ def runs(quick: bool) -> list[Run]:
         Run("x7", "digits", "fit", 3, 100, 100, 0.01, "q4", 1, steps=400, to_target=True),
         Run("x8", "widemlp", "fit", 2, 50, 50, 0.01, "f16", 1, steps=200, to_target=True),
     ]
+    # the eleventh round's held-out runs (2026-11-26 23:20, worker_round_s): 6.6% MAPE, worst 11.3%, time to
+    # target +20%, -19% (y7, y8 measured again at 23:28 after the shaping fix). Fit runs since; the twelfth
+    # round keeps the eleventh's fit (they stay out of --fit) and judges the same model on new runs
+    fit += [
+        Run("y1", "widemlp", "fit", 2, 30, 30, 0.005, "f16", 1, steps=s),
+        Run("y2", "widemlp", "fit", 3, 50, 20, 0.003, "q4", 2, steps=s),
+        Run("y3", "widemlp", "fit", 4, 100, 100, 0.005, "q4", 2, steps=s),
+        Run("y4", "widemlp", "fit", 2, 20, 20, 0.03, "q2", 2, steps=s),
+        Run("y5", "widemlp", "fit", 2, 100, 100, 0.003, "q2", 1, max_h=2, slowdown=[1.0, 1.5], steps=2 * s),
+        Run("y6", "digits", "fit", 4, 50, 50, 0.01, "q2", 1, steps=3 * s),
+        Run("y7", "digits", "fit", 3, 30, 30, 0.01, "f16", 1, steps=400, to_target=True),
+        Run("y8", "widemlp", "fit", 3, 30, 30, 0.01, "q4", 1, steps=200, to_target=True),
+    ]
     held = [
-        Run("y1", "widemlp", "held-out", 2, 30, 30, 0.005, "f16", 1, steps=s),
-        Run("y2", "widemlp", "held-out", 3, 50, 20, 0.003, "q4", 2, steps=s),
-        Run("y3", "widemlp", "held-out", 4, 100, 100, 0.005, "q4", 2, steps=s),
-        Run("y4", "widemlp", "held-out", 2, 20, 20, 0.03, "q2", 2, steps=s),
-        Run("y5", "widemlp", "held-out", 2, 100, 100, 0.003, "q2", 1, max_h=2, slowdown=[1.0, 1.5], steps=2 * s),
-        Run("y6", "digits", "held-out", 4, 50, 50, 0.01, "q2", 1, steps=3 * s),
-        Run("y7", "digits", "held-out", 3, 30, 30, 0.01, "f16", 1, steps=400, to_target=True),
-        Run("y8", "widemlp", "held-out", 3, 30, 30, 0.01, "q4", 1, steps=200, to_target=True),
+        Run("z1", "widemlp", "held-out", 3, 100, 100, 0.003, "f16", 1, steps=s),
+        Run("z2", "widemlp", "held-out", 2, 50, 50, 0.01, "q2", 2, steps=s),
+        Run("z3", "widemlp", "held-out", 4, 30, 30, 0.005, "q2", 1, steps=s),
+        Run("z4", "widemlp", "held-out", 3, 20, 100, 0.01, "q4", 2, steps=s),
+        Run("z5", "widemlp", "held-out", 3, 50, 50, 0.01, "q4", 2, max_h=3, slowdown=[1.0, 1.0, 1.5], steps=2 * s),
+        Run("z6", "digits", "held-out", 2, 30, 30, 0.01, "q4", 1, steps=3 * s),
+        Run("z7", "digits", "held-out", 4, 20, 20, 0.01, "q2", 1, steps=400, to_target=True),
+        Run("z8", "widemlp", "held-out", 2, 20, 20, 0.01, "q4", 1, steps=200, to_target=True),
     ]
     if quick:
         held = held[:6]
