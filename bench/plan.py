@@ -155,10 +155,14 @@ class Run:
     steps: int = 30
     to_target: bool = False
 
+    @property
+    def skewed(self) -> bool:
+        """Whether the workers run at unequal speeds."""
+        return len(set(self.slowdown)) > 1
+
     def describe(self) -> str:
         link = f"{self.up:g}" if self.up == self.down else f"{self.up:g}/{self.down:g}"
-        mix = "" if not self.slowdown or len(set(self.slowdown)) == 1 else \
-            " speeds " + ":".join(f"{1 / s:.2g}" for s in self.slowdown)
+        mix = " speeds " + ":".join(f"{1 / s:.2g}" for s in self.slowdown) if self.skewed else ""
         return (f"{self.workload} W={self.world} {link} Mbit/s {self.density:.2%} {self.coding} H={self.h}"
                 + (f" (run-on to {self.max_h})" if self.max_h > self.h else "") + mix)
 
@@ -401,20 +405,22 @@ def clean_measure(ranks: Sequence[Mapping[str, Any]], h: int, skewed: bool = Fal
     finish = min(epoch_span(k["iters"][-1])[0] for k in ranks)
     warm = [[x for x in w if x["t_epoch"] <= finish] or w for w in warm]
 
-    def started(k: Mapping[str, Any], its: Sequence[Mapping[str, Any]], key: str = "rounds") -> float:
-        """What ``key``'s running total gained over ``its`` (iterations of worker ``k``)."""
-        before = {x["step"]: p for p, x in itertools.pairwise(k["iters"])}
-        return sum(x[key] - before[x["step"]][key] if x["step"] in before else 0.0 for x in its)
+    # each worker's iteration before each of its iterations (by step), to difference its running totals
+    before = [{x["step"]: p for p, x in itertools.pairwise(k["iters"])} for k in ranks]
 
-    def steps_per_round(k: Mapping[str, Any], w: Sequence[Mapping[str, Any]]) -> float:
+    def started(i: int, its: Sequence[Mapping[str, Any]], key: str = "rounds") -> float:
+        """What ``key``'s running total gained over ``its`` (iterations of worker ``i``)."""
+        return sum(x[key] - before[i][x["step"]][key] if x["step"] in before[i] else 0.0 for x in its)
+
+    def steps_per_round(i: int, w: Sequence[Mapping[str, Any]]) -> float:
         """A worker's steps per round (run-on: a faster worker makes more) between the first and the
         last of its warm steps that started a round (whole rounds: no edge counted half)."""
-        firsts = [x for x in w if started(k, [x]) > 0]
+        firsts = [x for x in w if started(i, [x]) > 0]
         if len(firsts) < 2:
-            return len(w) / max(1.0, started(k, w))
+            return len(w) / max(1.0, started(i, w))
         return (firsts[-1]["step"] - firsts[0]["step"]) / (firsts[-1]["rounds"] - firsts[0]["rounds"])
 
-    per_round = [steps_per_round(k, w) for k, w in zip(ranks, warm)]
+    per_round = [steps_per_round(i, w) for i, w in enumerate(warm)]
     settle = SETTLE_ROUNDS * max(statistics.median(x["iter"] for x in w) * pr for w, pr in zip(warm, per_round))
     evals = {e["step"] for e in ranks[0].get("evals", [])}
     its0 = ranks[0]["iters"]
@@ -431,8 +437,9 @@ def clean_measure(ranks: Sequence[Mapping[str, Any]], h: int, skewed: bool = Fal
 
     def exchange(i: int) -> float:
         k, c = ranks[i], clean[i]
-        if "exchange_s" in c[0] and started(k, c):  # the running totals, differenced over the clean iterations
-            return (started(k, c, "exchange_s") + started(k, c, "compress_s")) / started(k, c)
+        rounds = started(i, c)
+        if "exchange_s" in c[0] and rounds:  # the running totals, differenced over the clean iterations
+            return (started(i, c, "exchange_s") + started(i, c, "compress_s")) / rounds
         return (k["exchange_s"] + k["compress_s"]) / max(1, k["rounds"])
 
     round_s = max(paces)
@@ -448,7 +455,7 @@ def remeasure(r: Run, m: Mapping[str, Any]) -> dict[str, Any]:
     from bench.harness import collect_ranks
 
     ranks = [k for k in collect_ranks(m["log_dir"], r.world) if k is not None]
-    return {**m, **clean_measure(ranks, r.h, skewed=bool(r.slowdown) and len(set(r.slowdown)) > 1)}
+    return {**m, **clean_measure(ranks, r.h, skewed=r.skewed)}
 
 
 PACE_STEPS = {"digits": 90, "widemlp": 30}  # a to-target run's twin, which measures its pace
@@ -501,7 +508,7 @@ def _job(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
     if not res.get("ok"):
         raise RuntimeError(f"{r.name}: {res.get('error', '')[:2000]}")
     ranks = [k for k in collect_ranks(res["log_dir"], r.world) if k is not None]
-    out = clean_measure(ranks, r.h, skewed=bool(r.slowdown) and len(set(r.slowdown)) > 1)
+    out = clean_measure(ranks, r.h, skewed=r.skewed)
     reached = res.get("reached")
     out.update({"log_dir": res["log_dir"], "steps": res["steps"], "iter_median": res["iter_median"],
                 "reached": reached, "final_metric": res.get("final_metric"),

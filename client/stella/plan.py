@@ -806,7 +806,7 @@ def _expected_max(np: Any, compute: Any, exchange: Any, jitter: float, h: Any) -
     # Abramowitz and Stegun 7.1.26 (to 1.5e-7), whose exp(-a^2 / 2) is phi's own. In place: stella plan
     # evaluates millions of configurations at once. inf: a configuration not considered
     shape = top.shape
-    compute, exchange, top = (np.array(x, float, ndmin=1) for x in (compute, exchange, top))
+    compute, exchange, top = (np.atleast_1d(np.asarray(x, float)) for x in (compute, exchange, top))  # no copies
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         gap = np.abs(compute - exchange)
         theta = np.sqrt(compute * compute / h + exchange * exchange)
