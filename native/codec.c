@@ -168,6 +168,11 @@ static int64_t enc_rice(const int32_t *idx, int64_t count, uint8_t *out, int64_t
         uint32_t g = (uint32_t)((int64_t)idx[i] - prev - 1);
         prev = idx[i];
         uint32_t q = g >> b;
+        if (STELLA_LIKELY(q + 1 + (uint32_t)b <= 32)) { /* the whole code in one put (the common case) */
+            if (bitw_put(&w, ((uint64_t)1 << q) | ((uint64_t)(g & mask) << (q + 1)), (int)q + 1 + b))
+                return STELLA_E_ARG;
+            continue;
+        }
         for (; q >= 32; q -= 32) /* a long run of zero bits */
             if (bitw_put(&w, 0, 32)) return STELLA_E_ARG;
         if (bitw_put(&w, (uint64_t)1 << q, (int)q + 1)) return STELLA_E_ARG; /* q zeros then a one */
@@ -281,6 +286,43 @@ static int64_t dec_rice(const uint8_t *buf, int64_t len, int64_t count, int64_t 
     const uint64_t mask = (UINT64_C(1) << b) - 1;
     int64_t prev = -1;
     for (int64_t i = 0; i < count; i++) {
+        /* Fast path: one 8-byte load holds at least 57 bits from pos, so a code of
+         * q + 1 + b <= 57 bits (nearly all of them) is read from it alone; the index
+         * check also catches q > qmax. The general loop below handles the rest and
+         * the last bytes. */
+        if (STELLA_LIKELY((pos >> 3) + 8 <= nbytes)) {
+            uint64_t w;
+            memcpy(&w, s + (pos >> 3), 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+            w = __builtin_bswap64(w);
+#endif
+            w >>= pos & 7;
+            if (STELLA_LIKELY(w != 0)) {
+                const int z = __builtin_ctzll(w);
+                if (STELLA_LIKELY(z + 1 + b <= 57)) {
+                    const uint64_t r = (w >> (z + 1)) & mask;
+                    pos += z + 1 + b;
+                    int64_t x = prev + 1 + (int64_t)(((uint64_t)z << b) | r);
+                    if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
+                    out[i] = (int32_t)x;
+                    prev = x;
+                    /* and the next code too, when it lies whole in the same 57 bits */
+                    const int left = 57 - (z + 1 + b);
+                    const uint64_t w2 = w >> (z + 1 + b);
+                    if (i + 1 < count && w2 != 0) {
+                        const int z2 = __builtin_ctzll(w2);
+                        if (z2 + 1 + b <= left) {
+                            pos += z2 + 1 + b;
+                            x = prev + 1 + (int64_t)(((uint64_t)z2 << b) | ((w2 >> (z2 + 1)) & mask));
+                            if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
+                            out[++i] = (int32_t)x;
+                            prev = x;
+                        }
+                    }
+                    continue;
+                }
+            }
+        }
         uint64_t q = 0;
         for (;;) {
             uint64_t w = peek_bits(s, nbytes, pos);

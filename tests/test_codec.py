@@ -175,6 +175,38 @@ def test_rice_padding_and_parameter_checked():
         codec.decode_indices(bytes(bad), 3, 100, "rice")
 
 
+def _rice_bytes(idx: np.ndarray, b: int) -> bytes:
+    """A Rice stream of ``idx`` with parameter ``b``, bit by bit (docs/compression.md)."""
+    bits: list[int] = []
+    prev = -1
+    for x in idx.tolist():
+        g = x - prev - 1
+        prev = x
+        bits += [0] * (g >> b) + [1] + [(g >> j) & 1 for j in range(b)]
+    bits += [0] * (-len(bits) % 8)
+    body = bytes(sum(bit << j for j, bit in enumerate(bits[k:k + 8])) for k in range(0, len(bits), 8))
+    return bytes([b]) + body
+
+
+@pytest.mark.parametrize("b", [0, 1, 3, 9, 20, 25, 26, 31])
+def test_rice_any_parameter_long_and_short_codes(b):
+    # the decoder reads codes of up to 57 bits from one load and longer ones (long zero runs,
+    # a large b) bit by bit, near the buffer's end too: every parameter, mixed gap sizes
+    rng = np.random.default_rng(b)
+    numel = 2**31
+    gaps = np.where(rng.random(300) < 0.2, rng.integers(0, 2**31 // 400, 300), rng.integers(0, 64, 300))
+    if b < 9:  # a gap costs gap >> b zero bits: keep the stream small
+        gaps = gaps.clip(max=2**(b + 12))
+    idx = (np.cumsum(gaps + 1) - 1).astype(np.int64)
+    idx = idx[idx < numel].astype(np.int32)
+    raw = _rice_bytes(idx, b)
+    assert codec.decode_indices(raw, idx.size, numel, "rice").tolist() == idx.tolist()
+    with pytest.raises(CodecError):  # the last index is out of range
+        codec.decode_indices(raw, idx.size, int(idx[-1]), "rice")
+    with pytest.raises(CodecError):
+        codec.decode_indices(raw[:-1], idx.size, numel, "rice")
+
+
 def test_encode_rejects_bad_input():
     for coding in CODINGS:
         with pytest.raises(ValueError):
