@@ -39,10 +39,12 @@ from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, e
 from stella.topk import Selector
 
 from .kernel import scatter_add
+from .runtime import TensorPool
 
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
 
 DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
+_SERIAL = TensorPool(1)
 _FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
 
 
@@ -111,37 +113,52 @@ class Broadcast:
         self._valid_from = 0  # a replica older than this version gets a snapshot (resync)
 
     def step(self, version: int, touched: Sequence[np.ndarray], changes: Sequence[np.ndarray],
-             push_counts: Sequence[float]) -> StepLog:
+             push_counts: Sequence[float], pool: TensorPool | None = None) -> StepLog:
         """After the step that made ``version``: ``R[touched[t]] += changes[t]`` (the exact
         model's change), select and code each tensor's message (``push_counts[t]``: the
         mean count of the step's pushes for tensor t, 0 if none touched it), add it to
-        ``B``, keep the rest in ``R``; returns what it did (for a checkpoint's replay)."""
-        log = StepLog()
-        parts: list[SparseTensor] = []
-        whole: list[SparseTensor] = []  # the tensors that go whole, in the whole-tensor coding
-        for t, spec in enumerate(self.layout):
+        ``B``, keep the rest in ``R``; returns what it did (for a checkpoint's replay).
+        The tensors are independent: ``pool`` runs them on its threads."""
+
+        def one(t: int) -> tuple[np.ndarray | None, np.ndarray, tuple[list[TensorEntry], list[Any]] | None]:
             r, idx, ch = self.residual[t], touched[t], changes[t]
             if idx.size:
                 scatter_add(r, idx, ch)
                 self._owed[t] = True
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
-            log.touched.append(idx)
-            log.changes.append(ch)
-            sent, q = self._select(t, r, spec.numel)
+            sent, q = self._select(t, r, self.layout[t].numel)
+            if not q.size:
+                return sent, q, None
+            if sent is None:
+                self.model[t] += q
+            else:
+                scatter_add(self.model[t], sent, q)
+            coding = self._whole_coding if sent is None else self.coding
+            return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding)
+
+        done = (pool or _SERIAL).map(one, [s.numel for s in self.layout])
+        failed = [d for d in done if isinstance(d, Exception)]
+        if failed:
+            raise failed[0]
+        log = StepLog(list(touched), list(changes))
+        entries: list[TensorEntry] = []
+        frames: list[Any] = []
+        count = 0
+        # the sparse tensors' entries first, then the whole ones', each in tensor order
+        for whole in (False, True):
+            for sent, q, enc in done:  # type: ignore[misc]
+                if enc is None or (sent is None) != whole:
+                    continue
+                base = len(frames)
+                entries += [msgspec.structs.replace(
+                    e, index_frame=None if e.index_frame is None else e.index_frame + base,
+                    value_frame=e.value_frame + base) for e in enc[0]]
+                frames += enc[1]
+                count += q.size
+        for sent, q, _ in done:  # type: ignore[misc]
             log.sent.append(sent)
             log.values.append(q)
-            if q.size:
-                if sent is None:
-                    self.model[t] += q
-                else:
-                    scatter_add(self.model[t], sent, q)
-                (whole if sent is None else parts).append(SparseTensor(t, sent, q))
-        entries, frames = encode_tensors(parts, self.layout, "rice", self.coding)
-        e2, f2 = encode_tensors(whole, self.layout, "rice", self._whole_coding)
-        entries += [msgspec.structs.replace(e, value_frame=e.value_frame + len(frames)) for e in e2]
-        frames += f2
-        count = sum(p.values.size for p in parts) + sum(p.values.size for p in whole)
         self._messages.append(Message(version, entries, frames, count))
         return log
 

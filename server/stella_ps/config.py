@@ -305,6 +305,9 @@ class ServerConfig:
                                          help="the server's optimizer when a registration names none, e.g. "
                                               "'adamw:lr=0.001,weight_decay=0.01' or JSON (update-mode workers "
                                               "always name their outer step)")
+    threads: int = setting(0, check=at_least(0),
+                           help="threads for a step's per-tensor work (apply, the broadcast's selection and coding): "
+                                "0 takes the cores this process may use, up to 8; 1 does it all on the store thread")
     history: int = setting(64, check=at_least(1),
                            help="applied steps remembered for delta pulls; an older `since` gets a snapshot")
     log_level: str = setting("INFO", parse=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")

@@ -4,6 +4,8 @@ and the clock.
 - :class:`StoreThread`: every use of the model store runs on one dedicated thread,
   one task at a time, so a step and a pull never interleave and the event loop keeps
   receiving while the C kernel runs.
+- :class:`TensorPool`: the store thread's per-tensor work (a step's apply, its
+  broadcast) spread over a few threads; the C calls release the GIL.
 - :class:`Tasks`: coroutines started from handlers and timers; a task that fails
   reports its exception to the ``on_error`` given with it (the service refuses the
   request that started it), never to the event loop's default handler.
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["StoreThread", "Tasks", "Clock", "LoopClock", "Timer"]
+__all__ = ["StoreThread", "TensorPool", "default_threads", "Tasks", "Clock", "LoopClock", "Timer"]
 
 log = logging.getLogger("stella_ps.runtime")
 T = TypeVar("T")
@@ -41,6 +44,62 @@ class StoreThread:
     def close(self) -> None:
         """Wait for the running task and stop the thread."""
         self._exec.shutdown(wait=True)
+
+
+def default_threads(limit: int = 8) -> int:
+    """The cores this process may run on (its CPU affinity), at most ``limit``."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(limit, n))
+
+
+class TensorPool:
+    """Runs ``fn(t)`` for every tensor ``t`` of a model on ``threads`` threads, the
+    caller's among them: the tensors are dealt into one bin per thread by size (largest
+    first, each into the lightest bin), so a model of many small tensors costs one task
+    per thread, not one per tensor. Every tensor's work is independent, and the heavy
+    part of it is C that releases the GIL. ``threads`` 1: a plain loop on the caller's
+    thread."""
+
+    def __init__(self, threads: int = 1, name: str = "stella-tensors"):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._exec = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix=name) if threads > 1 else None
+
+    def map(self, fn: Callable[[int], T], sizes: Sequence[int]) -> list[T | Exception]:
+        """``fn(t)`` for each tensor (``sizes[t]``: its share of the work), in tensor
+        order: each result, or the exception it raised (every tensor runs, whatever the
+        others do, so the caller knows which ones changed)."""
+        out: list[T | Exception] = [None] * len(sizes)  # type: ignore[list-item]
+
+        def run(ts: list[int]) -> None:
+            for t in ts:
+                try:
+                    out[t] = fn(t)
+                except Exception as e:
+                    out[t] = e
+
+        if self._exec is None or len(sizes) < 2:
+            run(list(range(len(sizes))))
+            return out
+        bins: list[list[int]] = [[] for _ in range(min(self.threads, len(sizes)))]
+        load = [0] * len(bins)
+        for t in sorted(range(len(sizes)), key=lambda t: -sizes[t]):
+            b = load.index(min(load))
+            bins[b].append(t)
+            load[b] += max(1, sizes[t])
+        futures = [self._exec.submit(run, sorted(b)) for b in bins[1:] if b]
+        run(sorted(bins[0]))
+        for f in futures:
+            f.result()
+        return out
+
+    def close(self) -> None:
+        if self._exec is not None:
+            self._exec.shutdown(wait=True)
 
 
 class Tasks:

@@ -61,7 +61,7 @@ from .checkpoints import Checkpointer
 from .config import ServerConfig
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
-from .runtime import Clock, LoopClock, StoreThread, Tasks, Timer
+from .runtime import Clock, LoopClock, StoreThread, Tasks, Timer, default_threads
 from .security import fingerprint
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
@@ -103,7 +103,8 @@ class Service:
         self.waiters = PullWaiters(max_per_worker=limits.max_waiting_pulls, clock=self.clock)
         self.store = ModelStore(history=config.history, pull=config.pulls.mode,  # type: ignore[arg-type]
                                 broadcast_values=config.pulls.values,  # type: ignore[arg-type]
-                                broadcast_factor=config.pulls.factor)
+                                broadcast_factor=config.pulls.factor,
+                                threads=config.threads or default_threads())
         self.store_thread = StoreThread()
         self.tasks = Tasks()
         self.steps = StepScheduler(self.store, self.members, self.store_thread, self.tasks, self.clock, self.stats,
@@ -126,6 +127,7 @@ class Service:
         """Resume from the newest checkpoint and sweep for silent workers while inside;
         on the way out write the last checkpoint, then stop every part, in reverse order."""
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(self.store.close)  # after the store thread: its last task may use the pool
             stack.callback(self.store_thread.close)
             stack.callback(self.steps.close)
             stack.push_async_callback(self.tasks.close)

@@ -27,6 +27,7 @@ from .broadcast import Broadcast, StepLog, replay
 from .errors import CopyAbandoned, NonFiniteStep, StepFailed
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
+from .runtime import TensorPool
 
 __all__ = ["ModelStore", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes", "RecordCopy",
            "roll_forward", "RedoEntry", "BCAST_ARRAYS"]
@@ -113,8 +114,9 @@ class ModelStore:
     """Holds the registered model. Not thread-safe: use from one thread."""
 
     def __init__(self, history: int = 64, pull: Literal["broadcast", "exact"] = "exact",
-                 broadcast_values: ValueDtype = "f16", broadcast_factor: float = 1.0):
+                 broadcast_values: ValueDtype = "f16", broadcast_factor: float = 1.0, threads: int = 1):
         self.layout: list[TensorSpec] = []
+        self._pool = TensorPool(threads)  # a step's per-tensor work (apply, broadcast) on this many threads
         self.tensors: list[KernelTensorState] = []
         self.version = 0
         self.pull = pull
@@ -197,6 +199,10 @@ class ModelStore:
                                        residual=[a["bcast_residual"] for a in arrays] if saved else None,
                                        **self._bcast_opts)  # type: ignore[arg-type]
 
+    def close(self) -> None:
+        """Stop the pool's threads (the store is not used again)."""
+        self._pool.close()
+
     def apply_step(self, step: Step, cfg: OptimizerConfig) -> int:
         """Apply one closed step with optimizer ``cfg``; returns the new version.
 
@@ -209,11 +215,16 @@ class ModelStore:
         log = None
         if self.broadcast is not None:
             try:
-                changes = [s.last_changes(t) if t.size else np.empty(0, np.float32)
-                           for s, t in zip(self.tensors, touched)]
+                sizes = [s.numel for s in self.layout]
+                changes = self._pool.map(lambda t: self.tensors[t].last_changes(touched[t]) if touched[t].size
+                                         else np.empty(0, np.float32), sizes)
+                for c in changes:
+                    if isinstance(c, Exception):
+                        raise c
                 counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors))
                           for parts in step.per_tensor]
-                log = self.broadcast.step(self.version + 1, touched, changes, counts)
+                log = self.broadcast.step(self.version + 1, touched, changes, counts,  # type: ignore[arg-type]
+                                          pool=self._pool)
             except Exception as e:  # MemoryError, or a fault: the step must not stay half applied
                 self._rollback(touched)
                 self.broadcast.resync([s.snapshot() for s in self.tensors], self.version)
@@ -229,17 +240,21 @@ class ModelStore:
         return self.version
 
     def _apply(self, step: Step, cfg: OptimizerConfig) -> list[np.ndarray]:
-        touched: list[np.ndarray] = []
-        try:
-            for state, contributions in zip(self.tensors, step.per_tensor):
-                if contributions:
-                    touched.append(state.apply(contributions, step.scale, cfg, checked=False))
-                else:
-                    touched.append(np.empty(0, np.int32))
-        except NonFiniteStep:
-            self._rollback(touched)
-            raise
-        return touched
+        """Every tensor's part of ``step``, on the pool's threads; when one fails (a
+        non-finite result: that tensor undid itself), the others are undone too."""
+
+        def one(t: int) -> np.ndarray:
+            contributions = step.per_tensor[t]
+            if not contributions:
+                return np.empty(0, np.int32)
+            return self.tensors[t].apply(contributions, step.scale, cfg, checked=False)
+
+        done = self._pool.map(one, [sum(p.values.size for p in c) for c in step.per_tensor])
+        failed = [d for d in done if isinstance(d, Exception)]
+        if failed:
+            self._rollback([np.empty(0, np.int32) if isinstance(d, Exception) else d for d in done])
+            raise failed[0]
+        return done  # type: ignore[return-value]
 
     def _rollback(self, touched: list[np.ndarray]) -> None:
         for state, t in zip(self.tensors, touched):
