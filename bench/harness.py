@@ -127,12 +127,27 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def await_ready(queue, workers: int, timeout: float = 300.0) -> None:
-    """Wait for ``workers`` ``("ready", ...)`` messages on a multiprocessing queue."""
-    for _ in range(workers):
-        msg = queue.get(timeout=timeout)
+def await_ready(queue, workers: int, timeout: float = 300.0, procs: Sequence[Any] = ()) -> None:
+    """Wait for ``workers`` ``("ready", ...)`` messages on a multiprocessing queue; a
+    worker process of ``procs`` that exits first fails the wait at once."""
+    import queue as queues
+
+    deadline = time.monotonic() + timeout
+    got = 0
+    while got < workers:
+        try:
+            msg = queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{len(dead)} worker process(es) exited before they were ready "
+                                   f"(exit code {dead[0].exitcode}; their traceback is above)") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{got} of {workers} workers ready after {timeout:.0f} s") from None
+            continue
         if msg[0] != "ready":
             raise RuntimeError(f"worker failed to start: {msg}")
+        got += 1
 
 
 def launch_workers(argvs: Sequence[Sequence[str]], log_dir: str, *, bed=None,
@@ -266,10 +281,15 @@ def fmt_summary(r: dict) -> str:
 
 
 def start_shards(stack: contextlib.ExitStack, shards: int, args: Sequence[str] = (), **kw: Any) -> list[Any]:
-    """``shards`` ``stella-ps`` processes of one job (``--shard I/N`` when more than one),
-    closed with ``stack``; the others use the keys the first made (a job's shards share
+    """``shards`` ``stella-ps`` processes of one job (``--shard I/N`` when more than one,
+    each with its share of this host's cores as ``--threads`` unless ``args`` says), closed
+    with ``stack``; the others use the keys the first made (a job's shards share
     them), so the first's ``client_kwargs()`` reach every one."""
     from stella_ps.process import ServerProcess
+    from stella_ps.runtime import default_threads
+
+    if shards > 1 and "--threads" not in args:  # the shards share this host's cores, as an operator would split them
+        args = [*args, "--threads", str(max(1, default_threads() // shards))]
 
     def start(i: int, more: Sequence[str]) -> Any:
         label = ["--shard", f"{i}/{shards}"] if shards > 1 else []

@@ -333,6 +333,8 @@ def main(argv=None):
     ap.add_argument("--densities", type=float, nargs="*", help="override the per-worker densities")
     ap.add_argument("--workers", type=int, nargs="*", help="override the worker counts")
     ap.add_argument("--reps", type=int, help="timed reps per stella case (torch: a third of it)")
+    ap.add_argument("--impls", nargs="*", choices=["stella", "torch_sparse", "torch_dense"],
+                    help="only these implementations (default: all three)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     bw = triad_gbps(20_000_000 if args.quick else 50_000_000)
@@ -352,7 +354,8 @@ def main(argv=None):
                     for workers in args.workers or (1, 4):
                         if args.quick and density > 0.05:
                             continue
-                        run_case(rows, name, numel, density, workers, bw, reps, torch_reps)
+                        run_case(rows, name, numel, density, workers, bw, reps, torch_reps,
+                                 impls=tuple(args.impls or ("stella", "torch_sparse", "torch_dense")))
     print(f"# loadavg at end: {loadavg()}")
     if args.json:
         with open(args.json, "w") as f:

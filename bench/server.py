@@ -97,6 +97,8 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     opt = {"name": optimizer, "lr": 1e-3}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    if "--max-workers-per-key" not in server_args:  # every light worker uses the one key
+        server_args = (*server_args, "--max-workers-per-key", str(max(8, workers)))
     with contextlib.ExitStack() as stack:
         servers = start_shards(stack, shards, server_args, workers=workers, log_level="WARNING")
         keys, endpoints = servers[0].client_kwargs(), [s.endpoint for s in servers]
@@ -104,7 +106,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
                  for r in range(workers)]
         for p in procs:
             p.start()
-        await_ready(out, workers)
+        await_ready(out, workers, procs=procs)
         st0 = _counters(endpoints, keys)
         cpu0, t0 = sum(process_cpu_seconds(s.pid) for s in servers), time.perf_counter()
         done = [out.get(timeout=600) for _ in range(workers)]
