@@ -37,6 +37,7 @@ __all__ = ["ParameterServer"]
 
 log = logging.getLogger("stella_ps.server")
 CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (command, nonce, MAC)
+DRAIN = 64  # messages read per wake-up of the receive loop, at most, before the loop's other work
 HANG_UP_DELAY_S = 0.2  # from an oversized message's refusal to cutting its host's connections
 
 
@@ -153,10 +154,16 @@ class ParameterServer:
                                        "allowed_keys": len(self.allowlist)})
 
     async def serve(self) -> None:
-        """Receive and serve messages until :meth:`stop`, then :meth:`close`."""
+        """Receive and serve messages until :meth:`stop`, then :meth:`close`.
+
+        One awaited receive wakes the loop; then the messages already queued (up to
+        :data:`DRAIN`) are read without a future each, and a message's further frames
+        likewise (ZeroMQ delivers a message's parts together): a push of many tensors
+        is one wake-up, not one per frame."""
         if self._resources is None:
             await self.start()
         assert self._sock is not None
+        sync: zmq.Socket = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read without futures
         recv: asyncio.Future | None = None
         stop = asyncio.ensure_future(self._stop.wait())
         try:
@@ -164,33 +171,43 @@ class ParameterServer:
                 recv = asyncio.ensure_future(self._sock.recv(copy=False))
                 if recv not in (await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED))[0]:
                     break
-                first = recv.result()
+                first: zmq.Frame | None = recv.result()
                 recv = None  # nothing of this message outlives its handling here
-                frames, count, size = await self._rest_of_message(first)
-                try:
-                    self._on_message(frames, count, size)
-                except Exception as e:  # a bug must cost one message, never the receive loop
-                    log.error("message handling failed", exc_info=e)
-                    self._refuse_unread(frames, e)
-                del first, frames
-                if self._trim:
-                    self._trim = False
-                    _release_heap()
+                handled = 0
+                while first is not None:
+                    self._handle(first, sync)
+                    handled += 1
+                    first = None
+                    if handled < DRAIN and not self._stop.is_set():
+                        with contextlib.suppress(zmq.Again):
+                            first = sync.recv(zmq.NOBLOCK, copy=False)
+                await asyncio.sleep(0)  # the loop's other work (timers, replies) between batches
         finally:
             stop.cancel()
             if recv is not None:
                 recv.cancel()
             await self.close()
 
-    async def _rest_of_message(self, first: zmq.Frame) -> tuple[list[zmq.Frame], int, int]:
+    def _handle(self, first: zmq.Frame, sync: zmq.Socket) -> None:
+        frames, count, size = self._rest_of_message(first, sync)
+        try:
+            self._on_message(frames, count, size)
+        except Exception as e:  # a bug must cost one message, never the receive loop
+            log.error("message handling failed", exc_info=e)
+            self._refuse_unread(frames, e)
+        del first, frames
+        if self._trim:
+            self._trim = False
+            _release_heap()
+
+    def _rest_of_message(self, first: zmq.Frame, sync: zmq.Socket) -> tuple[list[zmq.Frame], int, int]:
         """The frames of the message ``first`` opens, the count and the bytes; frames past
         the protocol's or the size limit are read (to keep the stream in step) but not
         kept. All parts of a ZeroMQ message arrive together, so this never waits."""
-        assert self._sock is not None
         frames, count, size = [first], 1, 0
         limit = self.config.limits.max_message_bytes
-        while self._sock.get(zmq.RCVMORE):
-            f = await self._sock.recv(copy=False)
+        while sync.get(zmq.RCVMORE):
+            f = sync.recv(copy=False)  # there already: a message's parts arrive together
             count += 1
             size += len(f)
             if count <= MAX_FRAMES + 1 and size <= limit:
