@@ -90,7 +90,8 @@ def test_server_site_writes_checkpoints_to_its_volume():
 def test_the_sharded_server_site_runs_each_shard_on_its_own_port_and_volume():
     """Issue 21: a service per shard, labelled I/N in order, each with its own workers'
     port, metrics port and checkpoint volume, the keys' directory shared; the rest of a
-    shard's configuration is the single server's."""
+    shard's configuration is the single server's, but for its threads (the shards split
+    their host's cores)."""
     single = load("compose.server.yml")["services"]["ps"]
     shards = load("compose.shards.yml")["services"]
     ports, volumes = set(), set()
@@ -104,8 +105,9 @@ def test_the_sharded_server_site_runs_each_shard_on_its_own_port_and_volume():
         published = [defaults(p).rsplit(":", 1)[0] for p in svc["ports"]]
         assert not ports & set(published), published
         ports |= set(published)
-        assert {k: v for k, v in svc["environment"].items() if k != "STELLA_PS_SHARD"} == \
-            single["environment"]
+        assert cfg.threads == 1
+        assert {k: v for k, v in svc["environment"].items() if k not in ("STELLA_PS_SHARD", "STELLA_PS_THREADS")} \
+            == single["environment"]
     assert volumes == set(load("compose.shards.yml")["volumes"])
 
 
