@@ -146,3 +146,45 @@ def test_a_checkpoint_keeps_the_residual_and_a_replica_goes_on_after_the_restart
     assert srv2.close() == 0
     newest = ckfmt.read(str(tmp_path / ckfmt.names(str(tmp_path))[0]))
     assert newest.version == 9 and not np.array_equal(newest.tensors[0]["bcast_residual"], residual)
+
+
+@pytest.mark.parametrize("coding", ["f32", "f16", "q4"])
+def test_the_pool_selects_the_exact_top_k_without_a_pass_over_the_residual(coding):
+    """Sparse steps on a large tensor: the selection comes from the touched coordinates and
+    the pool (a pass over the whole residual only when the pool runs dry), and is still the
+    top k of the residual by magnitude, step after step; sent plus held is the global change."""
+    n, k = 100_000, 150
+    rng = np.random.default_rng(2)
+    layout = [TensorSpec("big", (n,), "float32")]
+    b = Broadcast(layout, [np.zeros(n, np.float32)], coding=coding, factor=1.0)
+    total, sent = np.zeros(n), np.zeros(n)
+    steps = 40
+    for step in range(1, steps + 1):
+        idx = np.unique(rng.integers(0, n, 300)).astype(np.int32)
+        ch = _dyadic(rng, idx.size)
+        before = b.residual[0].copy()
+        np.add.at(before, idx, ch)
+        log = b.step(step, [idx], [ch], [float(k)])
+        total[idx] += ch
+        sent[log.sent[0]] += log.values[0]
+        got = log.sent[0]
+        assert got.size == k and np.all(np.diff(got) > 0)
+        # the top k of |R| (ties would make it ambiguous: multiples of 1/64 have many, so compare the magnitudes)
+        want = np.sort(np.abs(before))[-k:]
+        np.testing.assert_array_equal(np.sort(np.abs(before[got])), want)
+    assert b.full_passes[0] <= steps // 4, b.full_passes  # most steps come from the pool
+    if coding != "q4":
+        np.testing.assert_array_equal(sent + b.residual[0], total)  # nothing lost, exactly
+    else:
+        np.testing.assert_allclose(sent + b.residual[0], total, atol=1e-5)
+
+
+def test_dense_steps_select_with_one_pass_and_keep_no_pool():
+    n = 20_000
+    b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], coding="f32", factor=1.0)
+    rng = np.random.default_rng(3)
+    for step in range(1, 4):
+        idx = np.arange(n, dtype=np.int32)
+        log = b.step(step, [idx], [rng.standard_normal(n).astype(np.float32)], [2000.0])
+        assert 0.9 * 2000 <= log.sent[0].size <= 1.1 * 2000
+    assert b.full_passes == [3] and b._pools == [None]

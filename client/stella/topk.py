@@ -21,6 +21,12 @@ class Selector:
         self._seed = seed & 0xFFFFFFFFFFFFFFFF
         self._calls = 0
 
+    @property
+    def threshold(self) -> float:
+        """The last :meth:`take`'s threshold: what it left in the residual is at most this
+        in magnitude (0.0 when it took every nonzero)."""
+        return float(self._state._c.last_threshold)
+
     def take(self, residual: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The sorted indices (int32) and values (float32) of about ``k`` of ``residual``'s
         largest magnitudes (within 10%, fewer when fewer are nonzero); they become zero

@@ -19,6 +19,14 @@ when the coding is q4 or q2: a 4- or 2-bit code has no zero and one scale per 64
 values, and a whole tensor's small changes beside its large ones would each move by
 a step of the largest (top-k values, alike in size, code well).
 
+The selection does not read the whole residual every step. Each large tensor keeps a
+*pool*: coordinates whose ``|R|`` reached a floor, such that every coordinate outside
+it is at most the floor. A step's candidates are its touched coordinates and the pool;
+while at least k of them reach the floor, their top k is the exact top k of ``R``. A
+pass over the whole residual (the streaming top-k of :mod:`stella.topk`) rebuilds the
+pool when it runs dry, and does the step itself when the candidates are too many for
+random access to pay (dense pushes, many workers).
+
 A worker that is behind by up to ``history`` steps gets their messages in order (it
 must add them one after another to stay equal to ``B``); one further behind, or new,
 gets a snapshot of ``B``. docs/optimizer.md, "The broadcast", has the rules and how
@@ -38,12 +46,19 @@ from stella import codec
 from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
-from .kernel import scatter_add
+from .kernel import scatter_add, union_indices
 from .runtime import TensorPool
 
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
 
 DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
+# The candidate pool (see Broadcast._select): it holds about POOL_FACTOR x k coordinates at or above its
+# floor, is cut back to that when it grows past POOL_MAX x k, and is used while the step's touched
+# coordinates and the pool together are under numel / POOL_SHARE (past that, a pass over the whole
+# residual costs less than their random accesses).
+POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
+# a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
+_Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _SERIAL = TensorPool(1)
 _FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
 
@@ -106,6 +121,9 @@ class Broadcast:
                          else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
         self._counts = [0.0] * len(self.layout)  # each tensor's budget: the mean push count last seen
         self._selectors = [Selector(seed=0x5EED + t) for t in range(len(self.layout))]
+        # each tensor's candidate pool: (sorted indices, floor), None until a full pass builds it
+        self._pools: list[tuple[np.ndarray, float] | None] = [None] * len(self.layout)
+        self.full_passes = [0] * len(self.layout)  # passes over the whole residual (tests, benchmarks)
         # whether each residual may hold anything: a residual no step has touched is zero, and a pass over a large
         # one to find that out costs as much as the selection (0.5 ns per coordinate)
         self._owed = [residual is not None for _ in self.layout]
@@ -127,7 +145,7 @@ class Broadcast:
                 self._owed[t] = True
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
-            sent, q = self._select(t, r, self.layout[t].numel)
+            sent, q = self._select(t, r, self.layout[t].numel, idx)
             if not q.size:
                 return sent, q, None
             if sent is None:
@@ -166,7 +184,8 @@ class Broadcast:
     def _whole_coding(self) -> ValueDtype:
         return "f16" if self.coding in codec.QUANT_BITS else self.coding
 
-    def _select(self, t: int, r: np.ndarray, numel: int) -> tuple[np.ndarray | None, np.ndarray]:
+    def _select(self, t: int, r: np.ndarray, numel: int,
+                touched: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """Tensor ``t``'s message: (indices, or None for the whole tensor; the coded values
         a receiver decodes); ``r`` keeps the rest and the coding's error."""
         if numel < self.dense_below:
@@ -179,10 +198,67 @@ class Broadcast:
         k = round(self.factor * self._counts[t])
         if k <= 0 or not self._owed[t]:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        idx, v = self._selectors[t].take(r, k)
+        pool = self._pools[t]
+        picked: _Picked | None = None
+        if touched.size + POOL_FACTOR * k >= numel // POOL_SHARE:  # a pool would not pay: one pass, no pool
+            self._pools[t] = None
+            self.full_passes[t] += 1
+            idx, v = self._selectors[t].take(r, k)
+            picked = (idx, v, None, 0.0)
+        elif pool is not None:
+            cand = pool[0] if not touched.size else touched if not pool[0].size else \
+                union_indices([touched, pool[0]], checked=False)
+            picked = self._top(r, k, cand, pool[1], full=False)
+        if picked is None:
+            picked = self._full_pass(t, r, k, numel)
+        idx, v, rest, floor = picked
         q = self._coded(v, self.coding)
-        scatter_add(r, idx, v - q)  # the coding's error stays owed (exact for f16/bf16)
+        err = v - q
+        scatter_add(r, idx, err)  # the coding's error stays owed (exact for f16/bf16)
+        if rest is not None:
+            big = idx[np.abs(err) > floor]  # an error above the floor joins the pool
+            self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
         return idx, q
+
+    def _full_pass(self, t: int, r: np.ndarray, k: int, numel: int) -> _Picked:
+        """The streaming top-k over the whole residual: about POOL_FACTOR x k of the
+        largest, everything else at most their threshold; given back to ``r``, they are
+        the new pool, and its top k the selection."""
+        self.full_passes[t] += 1
+        want = min(numel, POOL_FACTOR * k)
+        sel = self._selectors[t]
+        idx, v = sel.take(r, want)
+        r[idx] = v  # the same floats back: the pool holds them
+        picked = self._top(r, k, idx, sel.threshold, full=True)
+        assert picked is not None
+        return picked
+
+    @staticmethod
+    def _top(r: np.ndarray, k: int, cand: np.ndarray, floor: float, full: bool) -> _Picked | None:
+        """The top ``k`` by magnitude of the candidates that reach ``floor`` (every other
+        coordinate of ``r`` is at most ``floor``): (their sorted indices, values, zeroed
+        in ``r``; the rest of the pool, cut back to POOL_FACTOR x k with the floor raised
+        to match; the floor). None when fewer than k reach the floor and this is not a
+        full pass: the pool ran dry."""
+        a = np.abs(r[cand])
+        keep = (a >= floor) & (a > 0)  # a zero is never owed
+        pool, a = cand[keep], a[keep]
+        if pool.size < k and not full:
+            return None
+        if pool.size > k:
+            top = np.zeros(pool.size, bool)
+            top[np.argpartition(a, pool.size - k)[pool.size - k:]] = True
+            idx, rest, ra = pool[top], pool[~top], a[~top]
+        else:
+            idx, rest, ra = pool, pool[:0], a[:0]
+        if rest.size > POOL_MAX * k:  # keep the POOL_FACTOR x k largest; the floor rises to what is dropped
+            cut = rest.size - POOL_FACTOR * k
+            order = np.argpartition(ra, cut)
+            floor = max(floor, float(ra[order[:cut]].max()))
+            rest = np.sort(rest[order[cut:]])
+        v = r[idx]
+        r[idx] = 0.0
+        return idx, v, rest, floor
 
     @staticmethod
     def _coded(v: np.ndarray, coding: ValueDtype) -> np.ndarray:
@@ -214,9 +290,11 @@ class Broadcast:
         for t, x in enumerate(exact):
             self.residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), self.model[t], dtype=np.float32)
         self._owed = [True] * len(self.layout)
+        self._pools = [None] * len(self.layout)
         self._messages.clear()
         self._valid_from = version + 1
 
     def forget(self) -> None:
         """After the model was replaced (a checkpoint resumed): no message is valid."""
         self._messages.clear()
+        self._pools = [None] * len(self.layout)
