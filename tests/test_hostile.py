@@ -300,7 +300,9 @@ def test_all_checkpoints_damaged_then_two_restarts_resume_from_one_written_after
     s3 = make_server(1, args, bind=f"tcp://127.0.0.1:{port}")
     c = make_client(s3.endpoint)
     st = c.status()
-    assert st.version == st.checkpoint_version == 10, st  # written after the first restart
+    # written after the first restart: the one of step 10, or (a checkpoint copies the state a slice at a
+    # time and rolls forward the steps applied meanwhile) of a step after it, never the damaged ones' 30
+    assert 10 <= st.version == st.checkpoint_version <= 12, st
     assert "resumed from checkpoint" in s3.logs()
 
 
