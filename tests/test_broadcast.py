@@ -188,3 +188,12 @@ def test_dense_steps_select_with_one_pass_and_keep_no_pool():
         log = b.step(step, [idx], [rng.standard_normal(n).astype(np.float32)], [2000.0])
         assert 0.9 * 2000 <= log.sent[0].size <= 1.1 * 2000
     assert b.full_passes == [3] and b._pools == [None]
+
+
+def test_bench_broadcast_runs_both_on_the_same_steps():
+    from bench.broadcast import run
+
+    r = run(250_000, 2, 0.0003, 8, "q4", 2.0)
+    assert r["pass_full_passes"] == 8 * 8  # every tensor, every step
+    assert r["pool_full_passes"] == 8  # every tensor once: its pool lasts the run
+    assert r["pool_ms"] > 0 and r["pass_ms"] > 0

@@ -110,7 +110,7 @@ class Broadcast:
 
     def __init__(self, layout: Sequence[TensorSpec], values: Sequence[np.ndarray], *, coding: ValueDtype = "f16",
                  factor: float = 1.0, history: int = 64, dense_below: int = DENSE_BELOW,
-                 residual: Sequence[np.ndarray] | None = None):
+                 residual: Sequence[np.ndarray] | None = None, pool: bool = True):
         if coding not in codec.VALUE_DTYPES:
             raise ValueError(f"broadcast coding must be one of {codec.VALUE_DTYPES}, got {coding!r}")
         self.layout = list(layout)
@@ -124,6 +124,7 @@ class Broadcast:
         self._selectors = [Selector(seed=0x5EED + t) for t in range(len(self.layout))]
         # each tensor's candidate pool: (sorted indices, floor), None until a full pass builds it
         self._pools: list[tuple[np.ndarray, float] | None] = [None] * len(self.layout)
+        self._use_pool = pool  # False: the streaming pass every step (bench.broadcast's baseline)
         self.full_passes = [0] * len(self.layout)  # passes over the whole residual (tests, benchmarks)
         # whether each residual may hold anything: a residual no step has touched is zero, and a pass over a large
         # one to find that out costs as much as the selection (0.5 ns per coordinate)
@@ -201,7 +202,7 @@ class Broadcast:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         pool = self._pools[t]
         picked: _Picked | None = None
-        if touched.size + POOL_FACTOR * k >= numel // POOL_SHARE:  # a pool would not pay: one pass, no pool
+        if not self._use_pool or touched.size + POOL_FACTOR * k >= numel // POOL_SHARE:  # one pass, no pool
             self._pools[t] = None
             self.full_passes[t] += 1
             idx, v = self._selectors[t].take(r, k)
