@@ -35,7 +35,7 @@ the update mode's merge rule reads them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,16 +132,20 @@ class Broadcast:
         self._messages: deque[Message] = deque(maxlen=history)
         self._valid_from = 0  # a replica older than this version gets a snapshot (resync)
 
-    def step(self, version: int, touched: Sequence[np.ndarray], changes: Sequence[np.ndarray],
+    def step(self, version: int, touched: Sequence[np.ndarray],
+             changes: Sequence[np.ndarray] | Callable[[int], np.ndarray],
              push_counts: Sequence[float], pool: TensorPool | None = None) -> StepLog:
         """After the step that made ``version``: ``R[touched[t]] += changes[t]`` (the exact
-        model's change), select and code each tensor's message (``push_counts[t]``: the
-        mean count of the step's pushes for tensor t, 0 if none touched it), add it to
-        ``B``, keep the rest in ``R``; returns what it did (for a checkpoint's replay).
-        The tensors are independent: ``pool`` runs them on its threads."""
+        model's change; or ``changes(t)``, computed on the tensor's thread), select and
+        code each tensor's message (``push_counts[t]``: the mean count of the step's
+        pushes for tensor t, 0 if none touched it), add it to ``B``, keep the rest in
+        ``R``; returns what it did (for a checkpoint's replay). The tensors are
+        independent: ``pool`` runs them on its threads."""
 
-        def one(t: int) -> tuple[np.ndarray | None, np.ndarray, tuple[list[TensorEntry], list[Any]] | None]:
-            r, idx, ch = self.residual[t], touched[t], changes[t]
+        def one(t: int) -> tuple[np.ndarray | None, np.ndarray, tuple[list[TensorEntry], list[Any]] | None,
+                                 np.ndarray]:
+            r, idx = self.residual[t], touched[t]
+            ch = changes(t) if callable(changes) else changes[t]
             if idx.size:
                 scatter_add(r, idx, ch)
                 self._owed[t] = True
@@ -149,25 +153,25 @@ class Broadcast:
                 self._counts[t] = push_counts[t]
             sent, q = self._select(t, r, self.layout[t].numel, idx)
             if not q.size:
-                return sent, q, None
+                return sent, q, None, ch
             if sent is None:
                 self.model[t] += q
             else:
                 scatter_add(self.model[t], sent, q)
             coding = self._whole_coding if sent is None else self.coding
-            return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding)
+            return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding), ch
 
         done = (pool or _SERIAL).map(one, [s.numel for s in self.layout])
         failed = [d for d in done if isinstance(d, Exception)]
         if failed:
             raise failed[0]
-        log = StepLog(list(touched), list(changes))
+        log = StepLog(list(touched), [d[3] for d in done])  # type: ignore[index]
         entries: list[TensorEntry] = []
         frames: list[Any] = []
         count = 0
         # the sparse tensors' entries first, then the whole ones', each in tensor order
         for whole in (False, True):
-            for sent, q, enc in done:  # type: ignore[misc]
+            for sent, q, enc, _ in done:  # type: ignore[misc]
                 if enc is None or (sent is None) != whole:
                     continue
                 base = len(frames)
@@ -176,7 +180,7 @@ class Broadcast:
                     value_frame=e.value_frame + base) for e in enc[0]]
                 frames += enc[1]
                 count += q.size
-        for sent, q, _ in done:  # type: ignore[misc]
+        for sent, q, _, _ in done:  # type: ignore[misc]
             log.sent.append(sent)
             log.values.append(q)
         self._messages.append(Message(version, entries, frames, count))

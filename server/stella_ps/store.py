@@ -215,16 +215,11 @@ class ModelStore:
         log = None
         if self.broadcast is not None:
             try:
-                sizes = [s.numel for s in self.layout]
-                changes = self._pool.map(lambda t: self.tensors[t].last_changes(touched[t]) if touched[t].size
-                                         else np.empty(0, np.float32), sizes)
-                for c in changes:
-                    if isinstance(c, Exception):
-                        raise c
                 counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors))
                           for parts in step.per_tensor]
-                log = self.broadcast.step(self.version + 1, touched, changes, counts,  # type: ignore[arg-type]
-                                          pool=self._pool)
+                log = self.broadcast.step(  # each tensor's change taken on its own thread, with the rest of its part
+                    self.version + 1, touched, lambda t: self.tensors[t].last_changes(touched[t]) if touched[t].size
+                    else np.empty(0, np.float32), counts, pool=self._pool)
             except Exception as e:  # MemoryError, or a fault: the step must not stay half applied
                 self._rollback(touched)
                 self.broadcast.resync([s.snapshot() for s in self.tensors], self.version)
