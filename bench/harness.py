@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue as queues
 import statistics
 import subprocess
 import time
@@ -130,8 +131,6 @@ def loadavg() -> str:
 def await_ready(queue, workers: int, timeout: float = 300.0, procs: Sequence[Any] = ()) -> None:
     """Wait for ``workers`` ``("ready", ...)`` messages on a multiprocessing queue; a
     worker process of ``procs`` that exits first fails the wait at once."""
-    import queue as queues
-
     deadline = time.monotonic() + timeout
     got = 0
     while got < workers:

@@ -38,6 +38,7 @@ from stella_ps.kernel import KernelTensorState
 from stella_ps.optim import OptimizerConfig
 
 LINE = 64
+IMPLS = ("stella", "torch_sparse", "torch_dense")  # what run_case measures: the kernel and two torch baselines
 F32 = np.float32
 
 
@@ -189,7 +190,7 @@ def rmw_floor(numel: int, record_floats: int, union: np.ndarray, reps: int) -> f
 
 
 def run_case(rows, name, numel, density, workers, bw, reps, torch_reps=2, seed=0,
-             impls=("stella", "torch_sparse", "torch_dense")):
+             impls=IMPLS):
     """Every timed apply gets a fresh push set (as in training, where the touched lines
     change every step); the best rep is reported."""
     rng = np.random.default_rng(seed)
@@ -333,7 +334,7 @@ def main(argv=None):
     ap.add_argument("--densities", type=float, nargs="*", help="override the per-worker densities")
     ap.add_argument("--workers", type=int, nargs="*", help="override the worker counts")
     ap.add_argument("--reps", type=int, help="timed reps per stella case (torch: a third of it)")
-    ap.add_argument("--impls", nargs="*", choices=["stella", "torch_sparse", "torch_dense"],
+    ap.add_argument("--impls", nargs="*", choices=IMPLS,
                     help="only these implementations (default: all three)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -355,7 +356,7 @@ def main(argv=None):
                         if args.quick and density > 0.05:
                             continue
                         run_case(rows, name, numel, density, workers, bw, reps, torch_reps,
-                                 impls=tuple(args.impls or ("stella", "torch_sparse", "torch_dense")))
+                                 impls=tuple(args.impls or IMPLS))
     print(f"# loadavg at end: {loadavg()}")
     if args.json:
         with open(args.json, "w") as f:
