@@ -1,7 +1,8 @@
 """cffi builds of Stella's native code (out-of-line API mode): one module per owner.
 
 ``stella._native`` (client)       codec.c, half.c (wire coding), compress.c (top-k selection)
-``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer)
+``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer),
+                                  pool.c (the broadcast's candidate pool)
 
 Both also compile core.c (ABI version, ``stella_strerror``, the sortedness check)
 and share ``stella_native.h`` (return codes, value dtypes, bit casts) and
@@ -49,7 +50,7 @@ AREAS = {
     "core": ("stella_native.h", ["core.c"]),
     "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c")]),
     "compress": ("cdefs/compress.h", _with_variants("compress.c")),
-    "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", *_with_variants("merge.c", "update.c")]),
+    "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", "pool.c", *_with_variants("merge.c", "update.c")]),
     "bench": ("optim_tuning.h", ["bench/tuning.c", "bench/probe.c"]),
 }
 

@@ -326,6 +326,81 @@ def test_scatter_add_matches_numpy_bit_for_bit_and_refuses_out_of_range():
     assert dst.tobytes() == before.tobytes()  # nothing changed
 
 
+def _pool_pick_ref(r, touched, ch, pool, floor, k, cut_above, cut_to, full):
+    """pool_pick in NumPy: the rule of stella_ps/broadcast.py, "Selecting without reading all of R"."""
+    r[touched] += ch
+    cand = np.union1d(touched, pool).astype(np.int32)
+    a = np.abs(r[cand])
+    keep = (a >= floor) & (a > 0)
+    cand, a = cand[keep], a[keep]
+    if cand.size < k and not full:
+        return None
+    take = min(k, cand.size)
+    # the top `take`: above the take-th largest, then ties with it, first in index order
+    tau = np.sort(a)[::-1][take - 1] if take else np.inf
+    top = a > tau
+    ties = np.flatnonzero(a == tau)[: take - int(top.sum())]
+    top[ties] = True
+    sel, vals = cand[top], r[cand[top]].copy()
+    r[sel] = 0
+    rest, ra = cand[~top], a[~top]
+    if rest.size > cut_above:
+        drop = np.sort(ra)[::-1][cut_to]
+        rest = rest[ra > drop]
+        floor = max(floor, float(drop))
+    return sel, vals, rest, floor
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_pool_pick_matches_its_numpy_reference(seed):
+    """The candidate pool's C sweep (scatter, gather, top k with ties, the pool's cut)
+    against the rule written in NumPy: the same indices, values, pool, floor and R."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1_000, 200_000))
+    # seeds 0-7: values on a coarse grid, many ties at the k-th largest and at the cut; 8-11: no ties
+    grid = seed < 8
+    r = (rng.integers(-40, 41, n) / 8 if grid else rng.standard_normal(n) * 2).astype(F32)
+    touched = np.sort(rng.choice(n, int(rng.integers(0, n // 20)), replace=False)).astype(np.int32)
+    ch = (rng.integers(-40, 41, touched.size) / 8 if grid else rng.standard_normal(touched.size) * 2).astype(F32)
+    pool = np.sort(rng.choice(n, int(rng.integers(0, n // 20)), replace=False)).astype(np.int32)
+    floor = float(rng.integers(0, 30) / 8)
+    k = int(rng.integers(0, max(1, (touched.size + pool.size) // 2)))
+    cut_to = int(rng.integers(0, 3 * k + 2))
+    cut_above = cut_to + int(rng.integers(0, 2 * k + 2))
+    full = bool(seed % 2)
+    want_r = r.copy()
+    want = _pool_pick_ref(want_r, touched, ch, pool, floor, k, cut_above, cut_to, full)
+    got = kernel.pool_pick(r, touched, ch, pool, floor, k, cut_above=cut_above, cut_to=cut_to, full=full)
+    assert r.tobytes() == want_r.tobytes()
+    assert (got is None) == (want is None)
+    if want is not None:
+        for g, w in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(g, w)
+        assert got[3] == want[3]
+        assert got[0].size == min(k, got[0].size + got[2].size) or full
+
+
+def test_pool_pick_runs_dry_and_refuses_bad_lists_changing_nothing():
+    r = np.zeros(1_000, F32)
+    r[[3, 500]] = [2.0, -3.0]
+    none = np.zeros(0, np.int32)
+    got = kernel.pool_pick(r, np.array([7], np.int32), np.array([1.5], F32), np.array([3, 500], np.int32), 1.0, 4,
+                           cut_above=8, cut_to=8)
+    assert got is None and r[7] == 1.5  # dry: 3 candidates for k = 4; the change is added all the same
+    sel, val, rest, floor = kernel.pool_pick(r, none, np.zeros(0, F32), np.array([3, 7, 500], np.int32), 1.0, 2,
+                                             cut_above=8, cut_to=8)
+    assert sel.tolist() == [3, 500] and val.tolist() == [2.0, -3.0] and rest.tolist() == [7] and floor == 1.0
+    assert r[3] == 0 and r[500] == 0 and r[7] == 1.5
+    before = r.copy()
+    for bad in (np.array([5, 5], np.int32), np.array([9, 2], np.int32), np.array([1, 1_000], np.int32),
+                np.array([-1], np.int32)):
+        with pytest.raises(kernel.KernelInputError):
+            kernel.pool_pick(r, bad, np.ones(bad.size, F32), none, 0.0, 1, cut_above=4, cut_to=2)
+        with pytest.raises(kernel.KernelInputError):
+            kernel.pool_pick(r, none, np.zeros(0, F32), bad, 0.0, 1, cut_above=4, cut_to=2)
+    assert r.tobytes() == before.tobytes()
+
+
 @pytest.mark.parametrize("tuning", [(0, 16, 0), (3, 16, 1), (8, 64, 2), "default", (24, 4096, 3)])
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_tiles_and_prefetch_do_not_change_results(name, tuning):

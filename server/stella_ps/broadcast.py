@@ -46,7 +46,7 @@ from stella import codec
 from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
-from .kernel import scatter_add, union_indices
+from .kernel import pool_pick, pool_scratch_len, scatter_add, union_indices
 from .runtime import TensorPool
 
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
@@ -54,13 +54,16 @@ __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
 DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
 # The candidate pool (see Broadcast._select): it holds about POOL_FACTOR x k coordinates at or above its
 # floor, is cut back to that when it grows past POOL_MAX x k, and is used while the step's touched
-# coordinates and the pool together are under numel / POOL_SHARE. A random access costs ~100 times a
-# coordinate of the streaming pass: on 1.25M-coordinate tensors the pool was 3.3x faster with candidates
-# at 0.1% of the tensor, 1.6x at 0.6%, and slower at 1.2%.
-POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 128
+# coordinates and the pool together are under numel / POOL_SHARE. R is out of cache by the time of the
+# selection, so a candidate costs a random access to memory (~10-20 ns with prefetching, native/pool.c)
+# where the streaming pass costs ~0.5 ns a coordinate: bench.broadcast on 1.25M-coordinate tensors had
+# the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, even at 3.6% and
+# slower (0.64x) at 6%.
+POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
 # a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
 _Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _SERIAL = TensorPool(1)
+_NONE_I, _NONE_F = np.zeros(0, np.int32), np.zeros(0, np.float32)
 _FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
 
 
@@ -125,6 +128,7 @@ class Broadcast:
         # each tensor's candidate pool: (sorted indices, floor), None until a full pass builds it
         self._pools: list[tuple[np.ndarray, float] | None] = [None] * len(self.layout)
         self._use_pool = pool  # False: the streaming pass every step (bench.broadcast's baseline)
+        self._scratch = [np.zeros(0, np.uint32) for _ in self.layout]  # pool_pick's work space, kept: no page faults
         self.full_passes = [0] * len(self.layout)  # passes over the whole residual (tests, benchmarks)
         # whether each residual may hold anything: a residual no step has touched is zero, and a pass over a large
         # one to find that out costs as much as the selection (0.5 ns per coordinate)
@@ -147,11 +151,10 @@ class Broadcast:
             r, idx = self.residual[t], touched[t]
             ch = changes(t) if callable(changes) else changes[t]
             if idx.size:
-                scatter_add(r, idx, ch)
                 self._owed[t] = True
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
-            sent, q = self._select(t, r, self.layout[t].numel, idx)
+            sent, q = self._select(t, r, self.layout[t].numel, idx, ch)
             if not q.size:
                 return sent, q, None, ch
             if sent is None:
@@ -190,10 +193,21 @@ class Broadcast:
     def _whole_coding(self) -> ValueDtype:
         return "f16" if self.coding in codec.QUANT_BITS else self.coding
 
-    def _select(self, t: int, r: np.ndarray, numel: int,
-                touched: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """Tensor ``t``'s message: (indices, or None for the whole tensor; the coded values
-        a receiver decodes); ``r`` keeps the rest and the coding's error."""
+    def _select(self, t: int, r: np.ndarray, numel: int, touched: np.ndarray,
+                changes: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """``r[touched] += changes``, then tensor ``t``'s message: (indices, or None for
+        the whole tensor; the coded values a receiver decodes); ``r`` keeps the rest and
+        the coding's error."""
+        k = round(self.factor * self._counts[t])
+        pool = self._pools[t]
+        picked: _Picked | None = None
+        use_pool = (numel >= self.dense_below and self._use_pool
+                    and touched.size + POOL_FACTOR * k < numel // POOL_SHARE)
+        if use_pool and pool is not None and k > 0 and self._owed[t]:  # the change added in the same sweep
+            picked = pool_pick(r, touched, changes, pool[0], pool[1], k, cut_above=POOL_MAX * k,
+                               cut_to=POOL_FACTOR * k, scratch=self._work(t, touched.size + pool[0].size))
+        elif touched.size:
+            scatter_add(r, touched, changes)
         if numel < self.dense_below:
             if not r.any():
                 return None, np.zeros(0, np.float32)
@@ -201,21 +215,14 @@ class Broadcast:
             q = self._coded(v, self._whole_coding)
             r[:] = v - q
             return None, q
-        k = round(self.factor * self._counts[t])
         if k <= 0 or not self._owed[t]:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        pool = self._pools[t]
-        picked: _Picked | None = None
-        if not self._use_pool or touched.size + POOL_FACTOR * k >= numel // POOL_SHARE:  # one pass, no pool
+        if picked is None and not use_pool:  # one pass, no pool
             self._pools[t] = None
             self.full_passes[t] += 1
             idx, v = self._selectors[t].take(r, k)
             picked = (idx, v, None, 0.0)
-        elif pool is not None:
-            cand = pool[0] if not touched.size else touched if not pool[0].size else \
-                union_indices([touched, pool[0]], checked=False)
-            picked = self._top(r, k, cand, pool[1], full=False)
-        if picked is None:
+        if picked is None:  # no pool yet, or it ran dry
             picked = self._full_pass(t, r, k, numel)
         idx, v, rest, floor = picked
         q = self._coded(v, self.coding)
@@ -235,36 +242,17 @@ class Broadcast:
         sel = self._selectors[t]
         idx, v = sel.take(r, want)
         r[idx] = v  # the same floats back: the pool holds them
-        picked = self._top(r, k, idx, sel.threshold, full=True)
+        picked = pool_pick(r, _NONE_I, _NONE_F, idx, sel.threshold, k, cut_above=POOL_MAX * k,
+                           cut_to=POOL_FACTOR * k, full=True, scratch=self._work(t, idx.size))
         assert picked is not None
         return picked
 
-    @staticmethod
-    def _top(r: np.ndarray, k: int, cand: np.ndarray, floor: float, full: bool) -> _Picked | None:
-        """The top ``k`` by magnitude of the candidates that reach ``floor`` (every other
-        coordinate of ``r`` is at most ``floor``): (their sorted indices, values, zeroed
-        in ``r``; the rest of the pool, cut back to POOL_FACTOR x k with the floor raised
-        to match; the floor). None when fewer than k reach the floor and this is not a
-        full pass: the pool ran dry."""
-        a = np.abs(r[cand])
-        keep = (a >= floor) & (a > 0)  # a zero is never owed
-        pool, a = cand[keep], a[keep]
-        if pool.size < k and not full:
-            return None
-        if pool.size > k:
-            top = np.zeros(pool.size, bool)
-            top[np.argpartition(a, pool.size - k)[pool.size - k:]] = True
-            idx, rest, ra = pool[top], pool[~top], a[~top]
-        else:
-            idx, rest, ra = pool, pool[:0], a[:0]
-        if rest.size > POOL_MAX * k:  # keep the POOL_FACTOR x k largest; the floor rises to what is dropped
-            cut = rest.size - POOL_FACTOR * k
-            order = np.argpartition(ra, cut)
-            floor = max(floor, float(ra[order[:cut]].max()))
-            rest = np.sort(rest[order[cut:]])
-        v = r[idx]
-        r[idx] = 0.0
-        return idx, v, rest, floor
+    def _work(self, t: int, candidates: int) -> np.ndarray:
+        """Tensor ``t``'s pool_pick work space, grown (by half again) when too small."""
+        need = pool_scratch_len(candidates)
+        if self._scratch[t].size < need:
+            self._scratch[t] = np.empty(need + need // 2, np.uint32)
+        return self._scratch[t]
 
     @staticmethod
     def _coded(v: np.ndarray, coding: ValueDtype) -> np.ndarray:
