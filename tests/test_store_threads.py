@@ -11,6 +11,7 @@ from stella.protocol import SparseTensor, TensorSpec
 from stella_ps.aggregation import Step
 from stella_ps.errors import NonFiniteStep
 from stella_ps.optim import OptimizerConfig
+from stella_ps import runtime
 from stella_ps.runtime import TensorPool
 from stella_ps.store import ModelStore
 
@@ -47,6 +48,12 @@ def _state(s: ModelStore) -> list[np.ndarray]:
     if s.broadcast is not None:
         out += s.broadcast.model + s.broadcast.residual
     return out
+
+
+@pytest.fixture(autouse=True)
+def _parallel_whatever_the_work(monkeypatch):
+    """These steps are light: a store would run them on one thread (PARALLEL_MIN_WORK)."""
+    monkeypatch.setattr(runtime, "PARALLEL_MIN_WORK", 0)
 
 
 @pytest.mark.parametrize("cfg", OPTIMIZERS, ids=lambda c: c.name)
@@ -99,3 +106,19 @@ def test_pool_runs_every_tensor_in_order_on_several_threads_and_returns_errors()
     assert TensorPool(1).map(lambda t: t, [1, 2]) == [0, 1]
     with pytest.raises(ValueError):
         TensorPool(0)
+
+
+def test_light_work_stays_on_the_callers_thread():
+    pool = TensorPool(2, min_work=1000)
+    me = threading.get_ident()
+    where: dict[int, int] = {}
+
+    def fn(t: int) -> None:
+        where[t] = threading.get_ident()
+
+    pool.map(fn, [400, 500])
+    assert set(where.values()) == {me}
+    pool.map(fn, [600, 500])
+    assert where[0] == me and where[1] != me  # a bin on each thread
+    pool.close()
+    assert TensorPool(2).min_work == runtime.PARALLEL_MIN_WORK

@@ -60,6 +60,7 @@ DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of 
 # the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, even at 3.6% and
 # slower (0.64x) at 6%.
 POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
+PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a random access does
 # a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
 _Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _SERIAL = TensorPool(1)
@@ -164,7 +165,8 @@ class Broadcast:
             coding = self._whole_coding if sent is None else self.coding
             return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding), ch
 
-        done = (pool or _SERIAL).map(one, [s.numel for s in self.layout])
+        done = (pool or _SERIAL).map(one, [self._cost(t, touched[t].size, push_counts[t])
+                                           for t in range(len(self.layout))])
         failed = [d for d in done if isinstance(d, Exception)]
         if failed:
             raise failed[0]
@@ -201,11 +203,10 @@ class Broadcast:
         k = round(self.factor * self._counts[t])
         pool = self._pools[t]
         picked: _Picked | None = None
-        use_pool = (numel >= self.dense_below and self._use_pool
-                    and touched.size + POOL_FACTOR * k < numel // POOL_SHARE)
+        use_pool = self._pool_fits(touched.size, k, numel)
         if use_pool and pool is not None and k > 0 and self._owed[t]:  # the change added in the same sweep
             picked = pool_pick(r, touched, changes, pool[0], pool[1], k, cut_above=POOL_MAX * k,
-                               cut_to=POOL_FACTOR * k, scratch=self._work(t, touched.size + pool[0].size))
+                               cut_to=POOL_FACTOR * k, scratch=self._scratch_for(t, touched.size + pool[0].size))
         elif touched.size:
             scatter_add(r, touched, changes)
         if numel < self.dense_below:
@@ -233,6 +234,20 @@ class Broadcast:
             self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
         return idx, q
 
+    def _pool_fits(self, touched: int, k: int, numel: int) -> bool:
+        """Whether a step of ``touched`` coordinates and budget ``k`` selects from the pool."""
+        return numel >= self.dense_below and self._use_pool and touched + POOL_FACTOR * k < numel // POOL_SHARE
+
+    def _cost(self, t: int, touched: int, count: float) -> int:
+        """Tensor ``t``'s part of a step in random accesses to memory, about (TensorPool
+        deals the tensors to its threads by it, and runs a light step on one)."""
+        numel = self.layout[t].numel
+        k = round(self.factor * (count if count > 0 else self._counts[t]))
+        pool = self._pools[t]
+        if pool is not None and self._pool_fits(touched, k, numel):
+            return touched + pool[0].size
+        return touched + numel // PASS_PER_ACCESS
+
     def _full_pass(self, t: int, r: np.ndarray, k: int, numel: int) -> _Picked:
         """The streaming top-k over the whole residual: about POOL_FACTOR x k of the
         largest, everything else at most their threshold; given back to ``r``, they are
@@ -243,11 +258,11 @@ class Broadcast:
         idx, v = sel.take(r, want)
         r[idx] = v  # the same floats back: the pool holds them
         picked = pool_pick(r, _NONE_I, _NONE_F, idx, sel.threshold, k, cut_above=POOL_MAX * k,
-                           cut_to=POOL_FACTOR * k, full=True, scratch=self._work(t, idx.size))
+                           cut_to=POOL_FACTOR * k, full=True, scratch=self._scratch_for(t, idx.size))
         assert picked is not None
         return picked
 
-    def _work(self, t: int, candidates: int) -> np.ndarray:
+    def _scratch_for(self, t: int, candidates: int) -> np.ndarray:
         """Tensor ``t``'s pool_pick work space, grown (by half again) when too small."""
         need = pool_scratch_len(candidates)
         if self._scratch[t].size < need:

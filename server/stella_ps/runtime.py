@@ -25,10 +25,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["StoreThread", "TensorPool", "default_threads", "Tasks", "Clock", "LoopClock", "Timer"]
+__all__ = ["StoreThread", "TensorPool", "default_threads", "Tasks", "Clock", "LoopClock", "Timer",
+           "PARALLEL_MIN_WORK"]
 
 log = logging.getLogger("stella_ps.runtime")
 T = TypeVar("T")
+
+# A step whose work (TensorPool.map's sizes: about one random access to memory each) is under this runs
+# on the caller's thread. Handing it to the pool costs wake-ups, and two threads that each run a tensor's
+# Python between short C calls pass the GIL back and forth (16 context switches a step per thread at 0.1%
+# pushes): at 2 workers and 0.1% of 10M parameters (a step's apply ~20k units, its broadcast ~80k), one
+# thread took 10.2 ms of server CPU a step and two 12.9 ms; at 1% (200k and 700k) two threads were
+# 1.3-1.4x one.
+PARALLEL_MIN_WORK = 100_000
 
 
 class StoreThread:
@@ -61,12 +70,14 @@ class TensorPool:
     first, each into the lightest bin), so a model of many small tensors costs one task
     per thread, not one per tensor. Every tensor's work is independent, and the heavy
     part of it is C that releases the GIL. ``threads`` 1: a plain loop on the caller's
-    thread."""
+    thread, as is a call whose work (the sum of the sizes) is under ``min_work``
+    (default :data:`PARALLEL_MIN_WORK`)."""
 
-    def __init__(self, threads: int = 1, name: str = "stella-tensors"):
+    def __init__(self, threads: int = 1, name: str = "stella-tensors", min_work: int | None = None):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
+        self.min_work = PARALLEL_MIN_WORK if min_work is None else min_work
         self._exec = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix=name) if threads > 1 else None
 
     def map(self, fn: Callable[[int], T], sizes: Sequence[int]) -> list[T | Exception]:
@@ -82,7 +93,7 @@ class TensorPool:
                 except Exception as e:
                     out[t] = e
 
-        if self._exec is None or len(sizes) < 2:
+        if self._exec is None or len(sizes) < 2 or sum(sizes) < self.min_work:
             run(list(range(len(sizes))))
             return out
         bins: list[list[int]] = [[] for _ in range(min(self.threads, len(sizes)))]
