@@ -57,7 +57,7 @@ DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of 
 # coordinates and the pool together are under numel / POOL_SHARE. R is out of cache by the time of the
 # selection, so a candidate costs a random access to memory (~10-20 ns with prefetching, native/pool.c)
 # where the streaming pass costs ~0.5 ns a coordinate: bench.broadcast on 1.25M-coordinate tensors had
-# the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, even at 3.6% and
+# the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, about even at 3.6%, and
 # slower (0.64x) at 6%.
 POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
 PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a random access does
