@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from stella.protocol import SparseTensor, TensorSpec
+from stella_ps import runtime
 from stella_ps.aggregation import Step
 from stella_ps.errors import NonFiniteStep
 from stella_ps.optim import OptimizerConfig
-from stella_ps import runtime
 from stella_ps.runtime import TensorPool
 from stella_ps.store import ModelStore
 
