@@ -122,3 +122,18 @@ def test_light_work_stays_on_the_callers_thread():
     assert where[0] == me and where[1] != me  # a bin on each thread
     pool.close()
     assert TensorPool(2).min_work == runtime.PARALLEL_MIN_WORK
+
+
+def test_a_snapshot_of_the_broadcast_model_is_not_changed_by_the_next_step():
+    """The snapshot's frames are sent zero-copy, after the store thread has moved on to
+    the next step: they must hold this version's B, not a view of the live one."""
+    cfg = OPTIMIZERS[0]
+    s = _store(1, cfg)
+    s.apply_step(_step(np.random.default_rng(1)), cfg)
+    snap = s.encoded_delta(-1, "rice")
+    assert snap.full
+    sent = [bytes(memoryview(f)) for f in snap.frames]
+    s.apply_step(_step(np.random.default_rng(2)), cfg)
+    assert [bytes(memoryview(f)) for f in snap.frames] == sent
+    assert sent != [bytes(memoryview(f)) for f in s.encoded_delta(-1, "rice").frames]  # B did change
+    s.close()

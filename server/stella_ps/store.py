@@ -303,7 +303,9 @@ class ModelStore:
             return EncodedChanges(changes.version, changes.full, entries, frames)
         messages = b.since(since, self.version) if since >= 0 else None
         if messages is None:  # a snapshot of B, what every replica holds
-            snap = [SparseTensor(t, None, m) for t, m in enumerate(b.model)]
+            # copies: the frames go out zero-copy, after this returns, and the next step changes B in place; a
+            # view would let a replica get some of the next step's values with this version's number
+            snap = [SparseTensor(t, None, m.copy()) for t, m in enumerate(b.model)]
             entries, frames = encode_tensors(snap, self.layout, coding, "f32")
             return EncodedChanges(self.version, True, entries, frames)
         entries, frames, parts = [], [], []
