@@ -14,7 +14,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import asyncio  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
@@ -29,7 +28,6 @@ __all__ = ["main", "run"]
 
 log = logging.getLogger("stella_ps")
 SHUTDOWN_TIMEOUT_S = 10.0
-GC_YOUNG = 50_000  # allocations between young collections (Python's default is 700)
 CHECKPOINT_SHUTDOWN_TIMEOUT_S = 600.0  # with --checkpoint-dir: the last checkpoint of a large model takes time
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
@@ -76,7 +74,6 @@ async def run(cfg: ServerConfig) -> int:
     1 if serving ended by itself (a bug: docker or systemd should restart the server)."""
     server = ParameterServer(cfg)
     endpoint = await server.start()
-    _quiet_gc()
     if server.metrics is not None:
         print(f"stella-ps metrics on http://{server.metrics.host}:{server.metrics.port}/metrics", flush=True)
     loop = asyncio.get_running_loop()
@@ -103,19 +100,6 @@ async def run(cfg: ServerConfig) -> int:
     except asyncio.TimeoutError:
         log.error("shutdown timed out")
     return 0
-
-
-def _quiet_gc() -> None:
-    """The cyclic collector, kept for the few cycles a server makes (tracebacks, tasks),
-    but off the hot path: what exists once serving starts (modules, the model's layout,
-    the store) moves to the permanent generation, and a young collection runs every
-    GC_YOUNG allocations rather than 700. A step allocates thousands of small objects
-    (headers, entries, tuples); at the default threshold the collector took about 4% of
-    the server's CPU at 2 workers, most of it in full collections that walked objects
-    that never die."""
-    gc.freeze()
-    _, mid, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG, mid, old)
 
 
 def main(argv: list[str] | None = None) -> int:
