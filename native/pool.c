@@ -2,8 +2,9 @@
  * "Selecting without reading all of R"): one call adds a step's change to the
  * residual at the touched coordinates, reads |R| there and at the pool's, and takes
  * the top k of those that reach the pool's floor out of R; the rest are the next
- * pool. Both lists are sorted, so R is read in one forward sweep that skips what no
- * candidate needs, and the scatter's cache lines are not read twice. */
+ * pool. Both lists are sorted, so R is read in two forward sweeps (the touched
+ * coordinates, then the pool's) that skip what no candidate needs, and a touched
+ * coordinate's change and read are one access. */
 #include <string.h>
 
 #include "optim_internal.h"
