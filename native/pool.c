@@ -19,8 +19,9 @@ static inline uint32_t abs_key(float x) { return stella_f32_bits(x) & 0x7fffffff
 /* The key (bits of |v|) of the rank-th largest |v[i]| (1 <= rank <= m), given hist:
  * the count of keys in each of the HI_BINS. One pass over v gathers the bin that holds
  * the rank into sub (room for m); two radix passes over that bin alone find the rest
- * of the key. */
-static uint32_t rank_key(const float *v, int64_t m, const uint32_t *hist, int64_t rank, uint32_t *sub) {
+ * of the key. above (unless NULL): how many keys are larger than it. */
+static uint32_t rank_key(const float *v, int64_t m, const uint32_t *hist, int64_t rank, uint32_t *sub,
+                         int64_t *above) {
     uint32_t b = HI_BINS - 1;
     for (; b > 0 && (int64_t)hist[b] < rank; b--) rank -= hist[b];
     int64_t ns = 0;
@@ -38,6 +39,12 @@ static uint32_t rank_key(const float *v, int64_t m, const uint32_t *hist, int64_
         for (; d > 0 && (int64_t)lo[d] < rank; d--) rank -= lo[d];
         prefix |= d << shift;
         mask |= (uint32_t)(LO_BINS - 1) << shift;
+    }
+    if (above) { /* the bins above b, and the keys of bin b above the result */
+        int64_t n = 0;
+        for (uint32_t c = b + 1; c < HI_BINS; c++) n += hist[c];
+        for (int64_t i = 0; i < ns; i++) n += sub[i] > prefix;
+        *above = n;
     }
     return prefix;
 }
@@ -109,15 +116,10 @@ int stella_pool_pick(float *r, int64_t numel, const int32_t *touched, const floa
     uint32_t tau = 0, drop = 0;
     int all = take == m, cut = m - take > cut_above;
     if (!all) {
-        tau = rank_key(kval, m, hist, take, sub);
-        int64_t above = 0;
-        for (uint32_t b = (tau >> HI_SHIFT) + 1; b < HI_BINS; b++) above += hist[b];
-        for (int64_t q = 0; q < m; q++) {
-            uint32_t key = abs_key(kval[q]);
-            above += (key >> HI_SHIFT) == (tau >> HI_SHIFT) && key > tau;
-        }
+        int64_t above;
+        tau = rank_key(kval, m, hist, take, sub, &above);
         ties = take - above;
-        if (cut) drop = rank_key(kval, m, hist, take + cut_to + 1, sub);
+        if (cut) drop = rank_key(kval, m, hist, take + cut_to + 1, sub, NULL);
     }
     /* Out in index order: the two sorted runs merged as they are written. */
     int64_t ns = 0, nr = 0, a = 0, b = mt;
