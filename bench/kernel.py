@@ -3,10 +3,12 @@
     python -m bench.kernel [--quick] [--json PATH] [--explore]
 
 For each (optimizer, params, density, workers): the stella C kernel with 1 and 2
-threads; the same lazy semantics as vectorised torch ops (merge by cat + unique +
-index_add_, update by index_select / index_copy_); and a dense torch optimizer step
-over the whole tensor. ``density`` is each worker's push density; pushes are random
-sorted unique index sets, independent per worker (so they overlap), and
+threads, and (several workers) on one thread with each step's pushes merged into
+one before the clock starts (``stella_merged``: the update without the merge, so
+the two rows split the kernel's time between them); the same lazy semantics as
+vectorised torch ops (merge by cat + unique + index_add_, update by index_select /
+index_copy_); and a dense torch optimizer step over the whole tensor. ``density`` is
+each worker's push density; pushes are random sorted unique index sets, independent per worker (so they overlap), and
 ``updates/s`` counts coordinate updates (the union of the pushes) per second for
 every implementation; every timed apply gets fresh pushes and the best rep is
 shown (``cpu``: per CPU second of the process). A STREAM-style triad gives this
@@ -71,6 +73,14 @@ def random_sorted(rng: np.random.Generator, numel: int, density: float) -> np.nd
 def make_pushes(rng, numel, density, workers):
     return [(i := random_sorted(rng, numel, density), rng.standard_normal(i.shape[0]).astype(F32))
             for _ in range(workers)]
+
+
+def premerge(pushes):
+    """The pushes of one step as one push: their union, values summed."""
+    union, inv = np.unique(np.concatenate([i for i, _ in pushes]), return_inverse=True)
+    vals = np.zeros(union.shape[0], F32)
+    np.add.at(vals, inv, np.concatenate([v for _, v in pushes]))
+    return union.astype(np.int32), vals
 
 
 def config(name: str) -> OptimizerConfig:
@@ -152,7 +162,7 @@ def bytes_per_update(impl: str, name: str, union: np.ndarray, pushes, numel: int
     n = max(union.shape[0], 1)
     fields = 2 if name == "sgd" else 4
     stream = sum(i.nbytes + v.nbytes for i, v in pushes) + 4 * n
-    if impl == "stella":
+    if impl.startswith("stella"):
         state = 2 * LINE * lines_touched(union, 4 * fields)
     elif impl == "torch_sparse":  # one array per field, plus merge temporaries (~6 x 4 B per pushed entry)
         state = 2 * LINE * fields * lines_touched(union, 4)
@@ -230,6 +240,10 @@ def run_case(rows, name, numel, density, workers, bw, reps, torch_reps=2, seed=0
             kernel.set_num_threads(threads)
             row("stella", threads, run(lambda p: st.apply(p, scale, cfg), reps))
         kernel.set_num_threads(1)
+        if workers > 1:  # the same steps as one push each, merged before the clock starts
+            merged = {id(p): [premerge(p)] for p in sets}
+            row("stella_merged", 1, run(lambda p: st.apply(merged[id(p)], scale, cfg), reps))
+            del merged
         del st
     torch.set_num_threads(1)
     if "torch_sparse" in impls:
