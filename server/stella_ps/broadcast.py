@@ -200,7 +200,7 @@ class Broadcast:
         """``r[touched] += changes``, then tensor ``t``'s message: (indices, or None for
         the whole tensor; the coded values a receiver decodes); ``r`` keeps the rest and
         the coding's error."""
-        k = round(self.factor * self._counts[t])
+        k = self._budget(self._counts[t])
         pool = self._pools[t]
         picked: _Picked | None = None
         use_pool = self._pool_fits(touched.size, k, numel)
@@ -234,6 +234,10 @@ class Broadcast:
             self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
         return idx, q
 
+    def _budget(self, count: float) -> int:
+        """Entries a tensor's message carries when its pushes held ``count`` on average."""
+        return round(self.factor * count)
+
     def _pool_fits(self, touched: int, k: int, numel: int) -> bool:
         """Whether a step of ``touched`` coordinates and budget ``k`` selects from the pool."""
         return numel >= self.dense_below and self._use_pool and touched + POOL_FACTOR * k < numel // POOL_SHARE
@@ -242,7 +246,7 @@ class Broadcast:
         """Tensor ``t``'s part of a step in random accesses to memory, about (TensorPool
         deals the tensors to its threads by it, and runs a light step on one)."""
         numel = self.layout[t].numel
-        k = round(self.factor * (count if count > 0 else self._counts[t]))
+        k = self._budget(count if count > 0 else self._counts[t])
         pool = self._pools[t]
         if pool is not None and self._pool_fits(touched, k, numel):
             return touched + pool[0].size
