@@ -113,6 +113,9 @@ typedef struct {
  * One copy per ISA level, called by the same level's stella_optim_apply (stella_isa.h). */
 int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, float *og, int cap,
                                             const early_prefetch *ep);
+/* The same for two sparse streams (a, then b, in push order): a comparison merge. */
+int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale, uint32_t *oi, float *og, int cap,
+                                         const early_prefetch *ep);
 /* The same for one stream: no merge, values converted and scaled. */
 int STELLA_ISA_FN(stella_merge_single_tile)(stream_t *a, float scale, uint32_t *oi, float *og, int cap,
                                             const early_prefetch *ep);

@@ -166,6 +166,10 @@ typedef struct {
     int rc;
 } range_job;
 
+/* Pushed entries per coordinate of a range below which two sparse pushes are merged
+ * by comparison rather than through the window (about 5% density each). */
+#define TWO_WAY_BELOW 0.1
+
 static void run_range(range_job *job) {
     stella_optim *st = job->st;
     const int W = job->npush;
@@ -199,11 +203,14 @@ static void run_range(range_job *job) {
     float(*gbuf)[TILE_BUF] = (float(*)[TILE_BUF])(scratch + sizeof(uint32_t[2][TILE_BUF]));
     float *abuf = (float *)(scratch + sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]));
     window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL};
-    if (live > 1) {
+    int64_t pushed = 0;
+    for (int w = 0; w < live; w++) pushed += streams[w].end - streams[w].pos;
+    const double per_coord = (double)pushed / (double)(job->hi - job->lo);
+    /* Two sparse pushes: the comparison merge, below the density where the window's
+     * sweep catches up with it (merge.c; measured in docs/optimizer.md). */
+    const int two = live == 2 && streams[0].idx && streams[1].idx && per_coord < TWO_WAY_BELOW;
+    if (live > 1 && !two) {
         /* Window: about 256 pushed entries, between 1 and 64 Ki coordinates. */
-        int64_t pushed = 0;
-        for (int w = 0; w < live; w++) pushed += streams[w].end - streams[w].pos;
-        double per_coord = (double)pushed / (double)(job->hi - job->lo);
         int64_t B = 64;
         while (B < 65536 && (double)B * per_coord < 256.0 && B < job->hi - job->lo) B *= 2;
         wm.B = B;
@@ -220,10 +227,11 @@ static void run_range(range_job *job) {
         memset(wm.flag, 0, (size_t)B);
     }
     const early_prefetch ep = {TUNE_EARLY ? st->mem : NULL, st->nfields};
-#define NEXT_TILE(oi, og)                                                                           \
-    (live > 1 ? STELLA_ISA_FN(stella_merge_window_tile)(&wm, (oi), (og), tile, &ep)                 \
-     : live   ? STELLA_ISA_FN(stella_merge_single_tile)(streams, job->scale, (oi), (og), tile, &ep) \
-              : 0)
+#define NEXT_TILE(oi, og)                                                                                    \
+    (two        ? STELLA_ISA_FN(stella_merge_two_tile)(streams, streams + 1, job->scale, (oi), (og), tile, &ep) \
+     : live > 1 ? STELLA_ISA_FN(stella_merge_window_tile)(&wm, (oi), (og), tile, &ep)                          \
+     : live     ? STELLA_ISA_FN(stella_merge_single_tile)(streams, job->scale, (oi), (og), tile, &ep)          \
+                : 0)
     int cur = 0;
     int n = NEXT_TILE(ibuf[0], gbuf[0]);
     int64_t total = 0;
