@@ -17,25 +17,40 @@ static inline float load_val(const void *val, int32_t dt, int64_t i) {
     return stella_bf16_to_float(((const uint16_t *)val)[i]);
 }
 
+/* Sets bits [lo, hi) of a bitmap. */
+static inline void set_bits(uint64_t *bits, int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    int64_t w0 = lo >> 6, w1 = (hi - 1) >> 6;
+    const uint64_t first = ~(uint64_t)0 << (lo & 63), last = ~(uint64_t)0 >> (63 - ((hi - 1) & 63));
+    if (w0 == w1) {
+        bits[w0] |= first & last;
+        return;
+    }
+    bits[w0] |= first;
+    for (int64_t w = w0 + 1; w < w1; w++) bits[w] = ~(uint64_t)0;
+    bits[w1] |= last;
+}
+
 /* Merge of W >= 2 streams through a window of the coordinate space.
  *
  * A comparison merge has to decide, for every output, which of the W heads hold
  * the next coordinate; that is random, and it cost 18-20 ns per output even
- * branch-free (a loop-carried chain: load head -> min -> compare -> advance).
+ * branch-free (a loop-carried chain: load head -> min -> compare -> advance), and
+ * 13 ns for W = 4 on the AVX2 machine (two streams are the exception: below).
  * Instead each window [a, a + len) is filled stream by stream, in push order:
- * acc[idx - a] += value, flag[idx - a] = 1 (no comparisons between streams, no
- * dependency between entries), and then swept in coordinate order, emitting the
- * flagged coordinates with AVX-512 compress (no data-dependent branch). Per
+ * acc[idx - a] += value and bit idx - a of flag set (no comparisons between
+ * streams; entries depend on each other only through a shared 64-bit flag word),
+ * and then swept in coordinate order, emitting the flagged coordinates with
+ * AVX-512 compress (no data-dependent branch) or bit scans. Per
  * coordinate the sum is ((0 + v_first) + v_next) + ..., in push order, exactly
  * the reference's `acc[pos] += vals`. The window is sized from the push density
  * so that it holds a few hundred entries and fits L1/L2, and the sweep can stop
  * anywhere when the output tile is full. */
-static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint8_t *flag) {
+static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint64_t *flag) {
     if (!st->idx) { /* dense: every coordinate of the window, position == coordinate */
         int64_t e = lim < st->end ? lim : st->end;
         const int64_t p0 = st->pos;
         float *A = acc + (p0 - a);
-        uint8_t *F = flag + (p0 - a);
         const int64_t m = e - p0;
         switch (st->dt) {
         case STELLA_VAL_F32: {
@@ -53,7 +68,7 @@ static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *a
             for (int64_t j = 0; j < m; j++) A[j] += stella_bf16_to_float(v[j]);
         }
         }
-        memset(F, 1, (size_t)m);
+        set_bits(flag, p0 - a, e - a);
         st->pos = e;
         st->head = stream_head(st);
         return;
@@ -68,13 +83,13 @@ static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *a
         for (; p < e; p++) {                                                                   \
             const int64_t j = (int64_t)ix[p] - a;                                              \
             acc[j] += LOAD;                                                                    \
-            flag[j] = 1;                                                                       \
+            flag[j >> 6] |= (uint64_t)1 << (j & 63);                                           \
         }                                                                                      \
     } else {                                                                                   \
         for (; (int64_t)ix[p] < lim; p++) {                                                    \
             const int64_t j = (int64_t)ix[p] - a;                                              \
             acc[j] += LOAD;                                                                    \
-            flag[j] = 1;                                                                       \
+            flag[j >> 6] |= (uint64_t)1 << (j & 63);                                           \
         }                                                                                      \
     }
     switch (st->dt) {
@@ -115,15 +130,17 @@ static int window_fill(window_merge *wm) {
 }
 
 /* Emits the flagged coordinates of block [off, off + 64) and clears it; returns
- * how many. Writes up to 64 entries at oi/og. */
+ * how many. Writes up to 64 entries at oi/og. The block's flags are one word of the
+ * bitmap: at 1% density most blocks hold one flagged coordinate or none, and the
+ * sweep visits every block of the window (a byte per flag, tested 32 at a time, cost
+ * 15-30% more of the merge at 0.1-1% density; docs/optimizer.md). */
 static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float *og) {
-    uint8_t *F = wm->flag + off;
+    uint64_t m = wm->flag[off >> 6];
+    if (!m) return 0;
+    wm->flag[off >> 6] = 0;
     float *A = wm->acc + off;
     const uint32_t base = (uint32_t)(wm->a + off);
-#if defined(__AVX512BW__) && defined(__AVX512F__)
-    const __m512i f = _mm512_loadu_si512(F);
-    uint64_t m = _mm512_test_epi8_mask(f, f);
-    if (!m) return 0;
+#if defined(__AVX512F__)
     const __m512 sc = _mm512_set1_ps(wm->scale);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int n = 0;
@@ -136,28 +153,8 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
         _mm512_storeu_ps(A + 16 * c, _mm512_setzero_ps());
         n += __builtin_popcount(k);
     }
-    _mm512_storeu_si512(F, _mm512_setzero_si512());
     return n;
 #else
-    /* The flags of a block as a 64-bit mask. At 1% density most blocks hold one
-     * flagged coordinate or none, and the sweep visits every block of the window:
-     * a byte-by-byte test here cost ~1 ns per coordinate of the model every step
-     * (12 ms of a 10M-parameter step), the mask in two AVX2 compares or eight
-     * word tests costs a few ns per 64 coordinates. */
-#if defined(__AVX2__)
-    const __m256i z = _mm256_setzero_si256();
-    const uint32_t lo = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)F), z));
-    const uint32_t hi =
-        ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(F + 32)), z));
-    uint64_t m = (uint64_t)lo | ((uint64_t)hi << 32);
-    if (!m) return 0;
-#else
-    uint64_t words[8];
-    memcpy(words, F, 64);
-    if (!(words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] | words[7])) return 0;
-    uint64_t m = 0;
-    for (int j = 0; j < 64; j++) m |= (uint64_t)(F[j] != 0) << j;
-#endif
     int n = 0;
     while (m) {
         const int j = __builtin_ctzll(m);
@@ -167,7 +164,6 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
         n++;
         m &= m - 1;
     }
-    memset(F, 0, 64);
     return n;
 #endif
 }

@@ -99,7 +99,7 @@ typedef struct {
     int64_t len;   /* coordinates in the current window, rounded up to 64 */
     int64_t sweep; /* next 64-coordinate block to sweep */
     float *acc;    /* B floats, zero outside the current window's pending part */
-    uint8_t *flag; /* B bytes, likewise */
+    uint64_t *flag; /* B bits: coordinate a + j holds a sum; likewise zero outside */
 } window_merge;
 
 /* Early prefetch of a tile's state records while it is merged; mem == NULL: off. */

@@ -215,7 +215,7 @@ static void run_range(range_job *job) {
         while (B < 65536 && (double)B * per_coord < 256.0 && B < job->hi - job->lo) B *= 2;
         wm.B = B;
         wm.acc = aligned_alloc(64, (size_t)B * sizeof(float));
-        wm.flag = aligned_alloc(64, (size_t)B);
+        wm.flag = aligned_alloc(64, ((size_t)B / 8 + 63) & ~(size_t)63);
         if (!wm.acc || !wm.flag) {
             free(wm.acc);
             free(wm.flag);
@@ -224,7 +224,7 @@ static void run_range(range_job *job) {
             return;
         }
         memset(wm.acc, 0, (size_t)B * sizeof(float));
-        memset(wm.flag, 0, (size_t)B);
+        memset(wm.flag, 0, ((size_t)B / 8 + 63) & ~(size_t)63);
     }
     const early_prefetch ep = {TUNE_EARLY ? st->mem : NULL, st->nfields};
 #define NEXT_TILE(oi, og)                                                                                    \
