@@ -205,7 +205,7 @@ static void run_range(range_job *job) {
     window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL};
     int64_t pushed = 0;
     for (int w = 0; w < live; w++) pushed += streams[w].end - streams[w].pos;
-    const double per_coord = (double)pushed / (double)(job->hi - job->lo);
+    const double per_coord = job->hi > job->lo ? (double)pushed / (double)(job->hi - job->lo) : 0.0;
     /* Two sparse pushes: the comparison merge, below the density where the window's
      * sweep catches up with it (merge.c; measured in docs/optimizer.md). */
     const int two = live == 2 && streams[0].idx && streams[1].idx && per_coord < TWO_WAY_BELOW;
