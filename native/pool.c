@@ -138,7 +138,7 @@ int stella_pool_pick(float *r, int64_t numel, const int32_t *touched, const floa
         val[ns] = x;
         ns += s;
         rest[nr] = c;
-        nr += !s & (!cut | (key > drop));
+        nr += (!s) & (!cut | (key > drop)); /* branch-free: both sides are 0 or 1 */
     }
     for (int64_t q = 0; q < ns; q++) r[sel[q]] = 0.0f;
     if (cut && stella_bits_f32(drop) > floor) *floor_out = stella_bits_f32(drop);
