@@ -8,9 +8,9 @@ one before the clock starts (``stella_merged``: the update without the merge, so
 the two rows split the kernel's time between them); the same lazy semantics as
 vectorised torch ops (merge by cat + unique + index_add_, update by index_select /
 index_copy_); and a dense torch optimizer step over the whole tensor. ``density`` is
-each worker's push density; pushes are random sorted unique index sets, independent per worker (so they overlap), and
-``updates/s`` counts coordinate updates (the union of the pushes) per second for
-every implementation; every timed apply gets fresh pushes and the best rep is
+each worker's push density; pushes are random sorted unique index sets, independent
+per worker (so they overlap), and ``updates/s`` counts coordinate updates (the union
+of the pushes) per second for every implementation; every timed apply gets fresh pushes and the best rep is
 shown (``cpu``: per CPU second of the process). A STREAM-style triad gives this
 machine's one-core bandwidth; ``B/upd`` models the DRAM bytes an update moves in
 each implementation's layout, ``%bw`` is the resulting share of the triad
