@@ -246,12 +246,40 @@ static inline __attribute__((always_inline)) void pass_scalar_body(
 static inline __attribute__((always_inline)) void pass1_impl(
     float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t n,
     float thr, float tz, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap,
-    int truncate, pass_t *p) {
+    int truncate, int flat, pass_t *p) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 vt = _mm512_set1_ps(thr);
     const __m512 vz = _mm512_set1_ps(tz);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* While 16 more candidates fit: no branch on the data. Every block compresses its
+     * candidates (maybe none) into a register and stores all 16 lanes where the next go
+     * (the slack is within cap), and zeroes its lanes at or above tz through a mask
+     * (maybe empty). A branch on "any candidate" (40% of blocks at 1% pushes and W = 2,
+     * at random) mispredicted often enough to cost about 40% of the pass. Below about
+     * 0.3% candidates the branch is predictable and cheaper (flat: the caller's pick). */
+    if (flat && !p->overflow) {
+        int64_t u = p->units;
+        __m512i ix = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), iota);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= n && u + 16 <= cap; i += 16) {
+            __m512 a = _mm512_loadu_ps(res + i);
+            if (has_grad) a = _mm512_add_ps(a, _mm512_loadu_ps(grad + i));
+            const __m512 aa = _mm512_abs_ps(a);
+            const __mmask16 m = _mm512_cmp_ps_mask(aa, vt, _CMP_GE_OQ);
+            _mm512_storeu_ps(val + u, _mm512_maskz_compress_ps(m, a));
+            _mm512_storeu_si512(idx + u, _mm512_maskz_compress_epi32(m, ix));
+            u += __builtin_popcount((unsigned)m);
+            const __mmask16 mz = _mm512_mask_cmp_ps_mask(m, aa, vz, _CMP_GE_OQ);
+            if (has_grad)
+                _mm512_storeu_ps(res + i, _mm512_maskz_mov_ps((__mmask16)~mz, a));
+            else
+                _mm512_mask_storeu_ps(res + i, mz, _mm512_setzero_ps());
+            ix = _mm512_add_epi32(ix, step);
+        }
+        p->total += u - p->units;
+        p->units = u;
+    }
     for (; i + 16 <= n; i += 16) {
         __m512 a = _mm512_loadu_ps(res + i);
         if (has_grad) a = _mm512_add_ps(a, _mm512_loadu_ps(grad + i));
@@ -411,15 +439,20 @@ static inline __attribute__((always_inline)) void pass16_impl(
     }
 }
 
+/* Candidates per coordinate from which pass1_impl runs without a branch on the data
+ * (AVX-512): measured crossover 0.3-0.4% on 1.25M coordinates (Sapphire Rapids class). */
+#define FLAT_FROM (1.0 / 300.0)
+
 static pass_t run_pass(float *res, const float *grad, int64_t n, int unit, float thr, float tz,
-                       int32_t *idx, float *val, float *score, int64_t cap, int truncate) {
+                       int32_t *idx, float *val, float *score, int64_t cap, int truncate, double aim) {
     pass_t p = {0, 0, 0, 0};
     if (tz < thr) tz = thr;
     if (unit == 1) {
+        const int flat = aim >= FLAT_FROM * (double)n;
         if (grad)
-            pass1_impl(res, grad, 1, n, thr, tz, idx, val, cap, truncate, &p);
+            pass1_impl(res, grad, 1, n, thr, tz, idx, val, cap, truncate, flat, &p);
         else
-            pass1_impl(res, NULL, 0, n, thr, tz, idx, val, cap, truncate, &p);
+            pass1_impl(res, NULL, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
         p.elems = p.units;
     } else {
         if (grad)
@@ -642,7 +675,7 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
             exact = 1;
             st.exact_fallback = 1;
         }
-        p = run_pass(res, g, n, unit, thr, tz, idx, val, score, cap_units, truncate);
+        p = run_pass(res, g, n, unit, thr, tz, idx, val, score, cap_units, truncate, AIM * (double)k);
         g = NULL; /* the gradient is in the residual from now on */
         st.passes++;
 #ifdef STELLA_CDEBUG
