@@ -52,6 +52,8 @@ def _topk_inputs():
         yield method, res, grads
     ties = np.round(rng.standard_normal(N_TOPK) * 2).astype(F32)  # a handful of distinct values
     yield "threshold", ties, [None]
+    # no gradient (the server's broadcast): the residual alone, step after step
+    yield "threshold", rng.standard_normal(N_TOPK).astype(F32), [None] * TOPK_STEPS
 
 
 def _opt_pushes(step: int):
