@@ -79,7 +79,8 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             g = _gen_grad(n, mean, gen_m, device)
             last = step == w + s - 1
             if last:
-                res = comp.residual("w").reshape(-1) if "w" in comp.keys() else torch.zeros_like(g)
+                seen = comp.keys()  # (a list: the compressor has no __contains__)
+                res = comp.residual("w").reshape(-1) if "w" in seen else torch.zeros_like(g)
                 acc = res + g
             _sync(device)
             t = time.perf_counter()
