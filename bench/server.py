@@ -15,7 +15,13 @@ byte counters), the step latency seen by a worker (push sent to the step's answe
 every shard; p50 and p99), the servers' CPU per step and peak RSS (all shards together,
 from /proc), and the cost of decoding and validating one push header in this process.
 
-    python -m bench.server [--quick] [--workers 2] [--shards 1,2,4] [--json PATH]
+With ``--pin`` each shard runs on a core of its own with one thread (``--threads 1``:
+"one shard, one core") and the worker processes on the cores left over (all of them
+when none is): the server's CPU a step is then its work alone, not its share of cores
+the workers also use. ``srv cores`` is the servers' CPU time over the wall time: how
+many cores they kept busy.
+
+    python -m bench.server [--quick] [--workers 2] [--shards 1,2,4] [--pin] [--json PATH]
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -42,7 +49,9 @@ def _layout(numel: int) -> dict[str, np.ndarray]:
 
 
 def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: int, optimizer: dict, out,
-            keys: dict) -> None:
+            keys: dict, cpus: list[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     rng = np.random.default_rng(rank)
     init = _layout(numel)
     c = connect(endpoints, timeout=120, **keys)
@@ -84,6 +93,22 @@ def _peak_rss_mb(pid: int) -> float:
     return float("nan")  # pragma: no cover
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _thread_cpus(pid: int) -> list[int]:
+    """The CPUs any thread of process ``pid`` may run on."""
+    out: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            out |= os.sched_getaffinity(int(tid))
+    return sorted(out)
+
+
 def _counters(endpoints: list[str], keys: dict) -> list[protocol.StatusReply]:
     out = []
     for e in endpoints:
@@ -93,21 +118,31 @@ def _counters(endpoints: list[str], keys: dict) -> list[protocol.StatusReply]:
 
 
 def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str, shards: int = 1,
-                   server_args: tuple[str, ...] = ()) -> dict:
+                   server_args: tuple[str, ...] = (), pin: bool = False) -> dict:
     opt = {"name": optimizer, "lr": 1e-3}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     if "--max-workers-per-key" not in server_args:  # every light worker uses the one key
         server_args = (*server_args, "--max-workers-per-key", str(max(8, workers)))
+    cpus = sorted(os.sched_getaffinity(0))
+    worker_cpus = None
+    if pin:
+        if "--threads" not in server_args:
+            server_args = (*server_args, "--threads", "1")
+        worker_cpus = cpus[shards:] or cpus
     with contextlib.ExitStack() as stack:
         servers = start_shards(stack, shards, server_args, workers=workers, log_level="WARNING")
+        if pin:
+            for i, s in enumerate(servers):
+                _pin(s.pid, {cpus[i % len(cpus)]})
         keys, endpoints = servers[0].client_kwargs(), [s.endpoint for s in servers]
-        procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, density, steps, opt, out, keys))
+        procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, density, steps, opt, out, keys, worker_cpus))
                  for r in range(workers)]
         for p in procs:
             p.start()
         await_ready(out, workers, procs=procs)
         st0 = _counters(endpoints, keys)
+        server_cpus = [_thread_cpus(s.pid) for s in servers]
         cpu0, t0 = sum(process_cpu_seconds(s.pid) for s in servers), time.perf_counter()
         done = [out.get(timeout=600) for _ in range(workers)]
         wall = time.perf_counter() - t0
@@ -122,7 +157,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     mb_out = sum(b.bytes_out - a.bytes_out for a, b in zip(st0, st1)) / 1e6
     return {
         "numel": numel, "density": density, "workers": workers, "shards": shards, "steps": steps,
-        "optimizer": optimizer, "wall_s": round(wall, 3),
+        "optimizer": optimizer, "pinned": pin, "server_cpus": server_cpus, "wall_s": round(wall, 3),
         "steps_per_s": round(steps / wall, 2),
         "pushes_per_s": round(steps * workers / wall, 1),
         "updates_per_s": round(steps * workers * k / wall),
@@ -130,6 +165,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         "step_latency_ms_p50": round(1e3 * float(np.percentile(lat, 50)), 3),
         "step_latency_ms_p99": round(1e3 * float(np.percentile(lat, 99)), 3),
         "server_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
+        "server_cores_busy": round(cpu / wall, 3),
         "server_cpu_ns_per_update": round(1e9 * cpu / (steps * workers * k), 2),
         "server_peak_rss_mb": round(rss, 1),
         "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),  # all workers
@@ -164,19 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizers", default="sgd,adamw")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--server-args", default="", help="flags for stella-ps, e.g. '--push-norm-factor 0'")
+    p.add_argument("--pin", action="store_true",
+                   help="each shard on a core of its own with one thread, the workers on the other cores")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     numel = a.numel or (1_000_000 if a.quick else 10_000_000)
     steps = a.steps or (40 if a.quick else 100)
     server_args = tuple(a.server_args.split())
     load = loadavg()
-    rows = [run_throughput(numel, a.density, a.workers, steps, opt, int(n), server_args)
+    rows = [run_throughput(numel, a.density, a.workers, steps, opt, int(n), server_args, a.pin)
             for n in a.shards.split(",") for opt in a.optimizers.split(",")]
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
     print(f"stella-ps throughput: {a.workers} workers, {numel:,} parameters in {TENSORS} tensors, density "
-          f"{a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step (load at start: {load})")
+          f"{a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step"
+          f"{', shards pinned to a core each' if a.pin else ''} (load at start: {load})")
     print(f"{'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
-          f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'RSS MB':>7}")
+          f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'srv cores':>9} "
+          f"{'RSS MB':>7}")
     one = {r["optimizer"]: r["updates_per_s"] for r in rows if r["shards"] == 1}
     for r in rows:
         base = one.get(r["optimizer"])
@@ -184,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} {r['pushes_per_s']:>9.1f} "
               f"{r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} {r['mb_in_per_s']:>8.2f} "
               f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
-              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_peak_rss_mb']:>7.0f}")
+              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cores_busy']:>9.2f} {r['server_peak_rss_mb']:>7.0f}")
     print("\npush header decode + validation (this process)")
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:

@@ -1,0 +1,28 @@
+"""bench.server's pinned mode: each shard's threads on a core of their own, one thread
+each, the light workers on the cores left over; a real run on loopback."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import server as S
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pinned_shards_run_on_a_core_each(shards):
+    if len(CPUS) < shards:
+        pytest.skip(f"{shards} shards pinned need {shards} usable cores, this process has {len(CPUS)}")
+    r = S.run_throughput(200_000, 0.01, workers=2, steps=20, optimizer="sgd", shards=shards, pin=True)
+    assert r["pinned"] and r["shards"] == shards
+    assert r["server_cpus"] == [[CPUS[i]] for i in range(shards)]  # every thread of shard i on core i alone
+    assert r["steps_per_s"] > 0 and r["bytes_pushed_per_step"] > 0 and r["bytes_pulled_per_step"] > 0
+    # one thread each on one core: the servers cannot keep more cores busy than they have
+    assert r["server_cores_busy"] <= shards * 1.05
+
+
+def test_unpinned_servers_may_use_every_core():
+    r = S.run_throughput(200_000, 0.01, workers=2, steps=10, optimizer="sgd")
+    assert not r["pinned"] and r["server_cpus"] == [CPUS]
