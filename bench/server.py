@@ -21,7 +21,10 @@ when none is): the server's CPU a step is then its work alone, not its share of 
 the workers also use. ``srv cores`` is the servers' CPU time over the wall time: how
 many cores they kept busy.
 
-    python -m bench.server [--quick] [--workers 2] [--shards 1,2,4] [--pin] [--json PATH]
+``--plot PATH`` draws pushed updates/s against shards, a line per (workers, optimizer),
+beside the linear scaling from one shard.
+
+    python -m bench.server [--quick] [--workers 2,8] [--shards 1,2,4] [--pin] [--json PATH] [--plot PATH]
 """
 from __future__ import annotations
 
@@ -173,6 +176,35 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     }
 
 
+def _plot(rows: list[dict], pin: bool, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, key in enumerate(dict.fromkeys((r["workers"], r["optimizer"]) for r in rows)):
+        rs = sorted((r for r in rows if (r["workers"], r["optimizer"]) == key), key=lambda r: r["shards"])
+        xs = [r["shards"] for r in rs]
+        color = f"C{i}"
+        ax1.plot(xs, [r["updates_per_s"] / 1e6 for r in rs], "o-", color=color, label=f"W = {key[0]}, {key[1]}")
+        one = next((r["updates_per_s"] for r in rs if r["shards"] == 1), None)
+        if one:
+            ax1.plot(xs, [one * x / 1e6 for x in xs], ":", color=color, lw=0.8)
+        ax2.plot(xs, [r["server_cpu_ms_per_step"] for r in rs], "s-", color=color, label=f"W = {key[0]}, {key[1]}")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("shards")
+        ax.set_xticks(sorted({r["shards"] for r in rows}))
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("M pushed updates/s (dotted: linear from 1 shard)")
+    ax2.set_ylabel("servers' CPU ms a step (all shards)")
+    how = "a core and a thread each" if pin else "threads: cores / shards"
+    fig.suptitle(f"bench.server: shards on {len(os.sched_getaffinity(0))} cores ({how}), "
+                 f"{rows[0]['numel']:,} parameters, {rows[0]['density']:.0%} pushes, loopback")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def header_decode_cost(tensors: int, reps: int) -> dict:
     """Decode and validate one push header of ``tensors`` sparse entries (no payload
     checks against a model): microseconds per header."""
@@ -195,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1M parameters, 40 steps")
     p.add_argument("--numel", type=int, default=None)
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", default="2", help="worker counts, comma-separated (default 2)")
     p.add_argument("--shards", default="1,2,4", help="comma-separated shard counts to run (default 1,2,4)")
     p.add_argument("--optimizers", default="sgd,adamw")
     p.add_argument("--steps", type=int, default=None)
@@ -203,26 +235,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", action="store_true",
                    help="each shard on a core of its own with one thread, the workers on the other cores")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="updates/s and server CPU against shards (PNG)")
     a = p.parse_args(argv)
+    workers = [int(w) for w in str(a.workers).split(",")]
     numel = a.numel or (1_000_000 if a.quick else 10_000_000)
     steps = a.steps or (40 if a.quick else 100)
     server_args = tuple(a.server_args.split())
     load = loadavg()
-    rows = [run_throughput(numel, a.density, a.workers, steps, opt, int(n), server_args, a.pin)
-            for n in a.shards.split(",") for opt in a.optimizers.split(",")]
+    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin)
+            for w in workers for n in a.shards.split(",") for opt in a.optimizers.split(",")]
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
-    print(f"stella-ps throughput: {a.workers} workers, {numel:,} parameters in {TENSORS} tensors, density "
-          f"{a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step"
+    print(f"stella-ps throughput: {'/'.join(map(str, workers))} workers, {numel:,} parameters in {TENSORS} tensors, "
+          f"density {a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step"
           f"{', shards pinned to a core each' if a.pin else ''} (load at start: {load})")
-    print(f"{'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
+    print(f"{'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
           f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'srv cores':>9} "
           f"{'RSS MB':>7}")
-    one = {r["optimizer"]: r["updates_per_s"] for r in rows if r["shards"] == 1}
+    one = {(r["workers"], r["optimizer"]): r["updates_per_s"] for r in rows if r["shards"] == 1}
     for r in rows:
-        base = one.get(r["optimizer"])
+        base = one.get((r["workers"], r["optimizer"]))
         r["x_one_shard"] = round(r["updates_per_s"] / base, 3) if base else None
-        print(f"{r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} {r['pushes_per_s']:>9.1f} "
-              f"{r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} {r['mb_in_per_s']:>8.2f} "
+        print(f"{r['workers']:>3} {r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} "
+              f"{r['pushes_per_s']:>9.1f} {r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} "
+              f"{r['mb_in_per_s']:>8.2f} "
               f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
               f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cores_busy']:>9.2f} {r['server_peak_rss_mb']:>7.0f}")
     print("\npush header decode + validation (this process)")
@@ -231,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{d['tensors']:>8} {d['header_bytes']:>9} {d['decode_us']:>8.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"load_at_start": load, "throughput": rows, "header_decode": dec}, f, indent=2)
+            json.dump({"load_at_start": load, "load_at_end": loadavg(), "throughput": rows, "header_decode": dec},
+                      f, indent=2)
+    if a.plot:
+        _plot(rows, a.pin, a.plot)
     return 0
 
 
