@@ -46,7 +46,7 @@ from stella import codec
 from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
-from .kernel import pool_pick, pool_scratch_len, scatter_add, union_indices
+from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_sent, union_indices
 from .runtime import TensorPool
 
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
@@ -160,8 +160,6 @@ class Broadcast:
                 return sent, q, None, ch
             if sent is None:
                 self.model[t] += q
-            else:
-                scatter_add(self.model[t], sent, q)
             coding = self._whole_coding if sent is None else self.coding
             return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding), ch
 
@@ -199,7 +197,7 @@ class Broadcast:
                 changes: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """``r[touched] += changes``, then tensor ``t``'s message: (indices, or None for
         the whole tensor; the coded values a receiver decodes); ``r`` keeps the rest and
-        the coding's error."""
+        the coding's error, and ``B`` gains a sparse message here (a whole one: the caller)."""
         k = self._budget(self._counts[t])
         pool = self._pools[t]
         picked: _Picked | None = None
@@ -227,10 +225,10 @@ class Broadcast:
             picked = self._full_pass(t, r, k, numel)
         idx, v, rest, floor = picked
         q = self._coded(v, self.coding)
-        err = v - q
-        scatter_add(r, idx, err)  # the coding's error stays owed (exact for f16/bf16)
+        # the coding's error stays owed (exact for f16/bf16); B gains what the replicas decode
+        scatter_sent(r, self.model[t], idx, v, q)
         if rest is not None:
-            big = idx[np.abs(err) > floor]  # an error above the floor joins the pool
+            big = idx[np.abs(v - q) > floor]  # an error above the floor joins the pool
             self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
         return idx, q
 

@@ -38,6 +38,7 @@ __all__ = [
     "get_num_threads",
     "union_indices",
     "scatter_add",
+    "scatter_sent",
     "pool_pick",
     "pool_scratch_len",
     "state_bytes",
@@ -403,6 +404,26 @@ def scatter_add(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     rc = lib.stella_scatter_add(ffi.from_buffer("float[]", dst, require_writable=True), dst.shape[0],
                                 ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", src), idx.shape[0])
     check(lib, rc, "scatter_add: an index out of range", _INPUT_ERRORS)
+
+
+def scatter_sent(res: np.ndarray, model: np.ndarray, idx: np.ndarray, val: np.ndarray, q: np.ndarray) -> None:
+    """``res[idx] += val - q`` and ``model[idx] += q`` in one C pass, in float32: the
+    broadcast's residual keeps the coding's error of what it sent, its model gains what
+    the receivers decode (both flat, contiguous, writable float32 arrays of one size;
+    ``idx`` int32 in range; ``val`` and ``q`` float32 of its length)."""
+    for a, what in ((res, "res"), (model, "model")):
+        if a.dtype != F32 or a.ndim != 1 or not a.flags.c_contiguous or not a.flags.writeable:
+            raise KernelInputError(f"scatter_sent: {what} must be a flat, contiguous, writable float32 array")
+    if model.shape != res.shape:
+        raise KernelInputError("scatter_sent: res and model differ in size")
+    idx, val, q = (np.ascontiguousarray(idx, np.int32), np.ascontiguousarray(val, F32), np.ascontiguousarray(q, F32))
+    if idx.ndim != 1 or val.shape != idx.shape or q.shape != idx.shape:
+        raise KernelInputError(f"scatter_sent: {idx.shape[0]} indices for {val.size} and {q.size} values")
+    rc = lib.stella_scatter_sent(ffi.from_buffer("float[]", res, require_writable=True),
+                                 ffi.from_buffer("float[]", model, require_writable=True), res.shape[0],
+                                 ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", val),
+                                 ffi.from_buffer("float[]", q), idx.shape[0])
+    check(lib, rc, "scatter_sent: an index out of range", _INPUT_ERRORS)
 
 
 def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.ndarray:
