@@ -224,27 +224,13 @@ int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale, 
         pb += tb;
         n++;
     }
-    if (pa >= ea || pb >= eb) { /* at most one stream left: its entries as they are */
-        const int left_a = pa < ea;
-        const int32_t *ir = left_a ? ia : ib;
-        const void *vr = left_a ? va : vb;
-        const int32_t dr = left_a ? da : db;
-        int64_t p = left_a ? pa : pb;
-        const int64_t e = left_a ? ea : eb;
-        for (; p < e && n < cap; p++, n++) {
-            oi[n] = (uint32_t)ir[p];
-            og[n] = (0.0f + load_val(vr, dr, p)) * scale;
-        }
-        if (left_a)
-            pa = p;
-        else
-            pb = p;
-    }
     prefetch_new(ep, oi, 0, n);
     a->pos = pa;
     b->pos = pb;
     a->head = stream_head(a);
     b->head = stream_head(b);
+    if (n < cap && (pa >= ea) != (pb >= eb)) /* one stream left: its entries as they are */
+        n += STELLA_ISA_FN(stella_merge_single_tile)(pa < ea ? a : b, scale, oi + n, og + n, cap - n, ep);
     return n;
 }
 

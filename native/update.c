@@ -214,8 +214,9 @@ static void run_range(range_job *job) {
         int64_t B = 64;
         while (B < 65536 && (double)B * per_coord < 256.0 && B < job->hi - job->lo) B *= 2;
         wm.B = B;
+        const size_t flag_bytes = ((size_t)B / 8 + 63) & ~(size_t)63; /* B bits, whole cache lines */
         wm.acc = aligned_alloc(64, (size_t)B * sizeof(float));
-        wm.flag = aligned_alloc(64, ((size_t)B / 8 + 63) & ~(size_t)63);
+        wm.flag = aligned_alloc(64, flag_bytes);
         if (!wm.acc || !wm.flag) {
             free(wm.acc);
             free(wm.flag);
@@ -224,7 +225,7 @@ static void run_range(range_job *job) {
             return;
         }
         memset(wm.acc, 0, (size_t)B * sizeof(float));
-        memset(wm.flag, 0, ((size_t)B / 8 + 63) & ~(size_t)63);
+        memset(wm.flag, 0, flag_bytes);
     }
     const early_prefetch ep = {TUNE_EARLY ? st->mem : NULL, st->nfields};
 #define NEXT_TILE(oi, og)                                                                                    \
