@@ -96,19 +96,24 @@ def _peak_rss_mb(pid: int) -> float:
     return float("nan")  # pragma: no cover
 
 
+def _threads(pid: int) -> list[int]:
+    """The thread ids of process ``pid`` (one may end before the caller reaches it)."""
+    return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
 def _pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in _threads(pid):
         with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(tid), cpus)
+            os.sched_setaffinity(tid, cpus)
 
 
 def _thread_cpus(pid: int) -> list[int]:
     """The CPUs any thread of process ``pid`` may run on."""
     out: set[int] = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in _threads(pid):
         with contextlib.suppress(ProcessLookupError):
-            out |= os.sched_getaffinity(int(tid))
+            out |= os.sched_getaffinity(tid)
     return sorted(out)
 
 

@@ -393,16 +393,23 @@ class KernelTensorState:
             self._set_field(f, a)
 
 
+def _out_f32(a: np.ndarray, what: str) -> object:
+    """``a``'s buffer for the C to write into: a flat, contiguous, writable float32 array
+    (else :class:`KernelInputError`, "``what`` must be ...")."""
+    if a.dtype != F32 or a.ndim != 1 or not a.flags.c_contiguous or not a.flags.writeable:
+        raise KernelInputError(f"{what} must be a flat, contiguous, writable float32 array")
+    return ffi.from_buffer("float[]", a, require_writable=True)
+
+
 def scatter_add(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     """``dst[idx] += src`` in one C pass (float32 ``dst``, flat and contiguous; int32
     ``idx`` in range, in any order; float32 ``src`` of the same length)."""
-    if dst.dtype != F32 or dst.ndim != 1 or not dst.flags.c_contiguous or not dst.flags.writeable:
-        raise KernelInputError("scatter_add: dst must be a flat, contiguous, writable float32 array")
+    out = _out_f32(dst, "scatter_add: dst")
     idx, src = np.ascontiguousarray(idx, np.int32), np.ascontiguousarray(src, F32)
     if idx.shape != src.shape or idx.ndim != 1:
         raise KernelInputError(f"scatter_add: {idx.shape[0]} indices for {src.size} values")
-    rc = lib.stella_scatter_add(ffi.from_buffer("float[]", dst, require_writable=True), dst.shape[0],
-                                ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", src), idx.shape[0])
+    rc = lib.stella_scatter_add(out, dst.shape[0], ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", src),
+                                idx.shape[0])
     check(lib, rc, "scatter_add: an index out of range", _INPUT_ERRORS)
 
 
@@ -411,18 +418,14 @@ def scatter_sent(res: np.ndarray, model: np.ndarray, idx: np.ndarray, val: np.nd
     broadcast's residual keeps the coding's error of what it sent, its model gains what
     the receivers decode (both flat, contiguous, writable float32 arrays of one size;
     ``idx`` int32 in range; ``val`` and ``q`` float32 of its length)."""
-    for a, what in ((res, "res"), (model, "model")):
-        if a.dtype != F32 or a.ndim != 1 or not a.flags.c_contiguous or not a.flags.writeable:
-            raise KernelInputError(f"scatter_sent: {what} must be a flat, contiguous, writable float32 array")
+    res_out, model_out = _out_f32(res, "scatter_sent: res"), _out_f32(model, "scatter_sent: model")
     if model.shape != res.shape:
         raise KernelInputError("scatter_sent: res and model differ in size")
     idx, val, q = (np.ascontiguousarray(idx, np.int32), np.ascontiguousarray(val, F32), np.ascontiguousarray(q, F32))
     if idx.ndim != 1 or val.shape != idx.shape or q.shape != idx.shape:
         raise KernelInputError(f"scatter_sent: {idx.shape[0]} indices for {val.size} and {q.size} values")
-    rc = lib.stella_scatter_sent(ffi.from_buffer("float[]", res, require_writable=True),
-                                 ffi.from_buffer("float[]", model, require_writable=True), res.shape[0],
-                                 ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", val),
-                                 ffi.from_buffer("float[]", q), idx.shape[0])
+    rc = lib.stella_scatter_sent(res_out, model_out, res.shape[0], ffi.from_buffer("int32_t[]", idx),
+                                 ffi.from_buffer("float[]", val), ffi.from_buffer("float[]", q), idx.shape[0])
     check(lib, rc, "scatter_sent: an index out of range", _INPUT_ERRORS)
 
 
@@ -466,8 +469,7 @@ def pool_pick(r: np.ndarray, touched: np.ndarray, changes: np.ndarray, pool: np.
     ``full``: the pool ran dry, and ``r`` has only had the change added. ``scratch``: a
     uint32 work array of at least ``pool_scratch_len(touched.size + pool.size)`` kept
     by the caller from call to call (fresh memory costs a page fault per 4 KiB)."""
-    if r.dtype != F32 or r.ndim != 1 or not r.flags.c_contiguous or not r.flags.writeable:
-        raise KernelInputError("pool_pick: r must be a flat, contiguous, writable float32 array")
+    r_out = _out_f32(r, "pool_pick: r")
     touched, pool = np.ascontiguousarray(touched, np.int32), np.ascontiguousarray(pool, np.int32)
     changes = np.ascontiguousarray(changes, F32)
     if changes.shape != touched.shape or touched.ndim != 1 or pool.ndim != 1:
@@ -483,7 +485,7 @@ def pool_pick(r: np.ndarray, touched: np.ndarray, changes: np.ndarray, pool: np.
         return ffi.from_buffer(ctype, a, require_writable=True)
 
     rc = lib.stella_pool_pick(
-        out("float[]", r), r.shape[0],
+        r_out, r.shape[0],
         ffi.from_buffer("int32_t[]", touched), ffi.from_buffer("float[]", changes), touched.shape[0],
         ffi.from_buffer("int32_t[]", pool), pool.shape[0], floor, k, cut_above, cut_to, int(full),
         out("int32_t[]", sel), out("float[]", val), counts, out("int32_t[]", rest), counts + 1, floor_out,
