@@ -1,0 +1,31 @@
+"""bench.compress as a user runs it (it once stopped with a TypeError that no test saw):
+the command line, its JSON, and what its rows must say about the compressors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_compress_runs_and_reports_sound_rows(tmp_path):
+    out = tmp_path / "compress.json"
+    r = subprocess.run([sys.executable, "-m", "bench.compress", "--sizes", "2e5", "--densities", "0.01",
+                        "--no-cuda", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    select = {x["method"]: x for x in rows if x["kind"] == "select"}
+    assert {"threshold", "block", "exact"} <= select.keys()
+    assert abs(select["exact"]["captured"] - 1.0) < 1e-9 and select["exact"]["count_over_k"] == 1.0
+    # the threshold selector keeps about k entries and nearly all of the top k's mass
+    assert 0.9 <= select["threshold"]["count_over_k"] <= 1.1
+    assert select["threshold"]["captured"] > 0.95
+    coding = [x for x in rows if x["kind"] == "wire"]
+    assert coding, "no coding rows"
+    by = {(x["method"], x["coding"], x["dtype"]): x["bytes_per_pair"] for x in coding}
+    assert by[("threshold", "raw32", "f32")] == 8.0  # 4-byte index + 4-byte value, nothing else
+    # Rice-coded indices cost fewer bytes than raw ones at 1% (gaps of about 100: ~8 bits)
+    assert by[("threshold", "rice", "f16")] < by[("threshold", "varint", "f16")] < by[("threshold", "raw32", "f16")]
+    assert by[("threshold", "rice", "f16")] < 3.5
