@@ -1,11 +1,16 @@
 """Protocol round trips and aggregation semantics against a real stella-ps."""
 from __future__ import annotations
 
+import threading
+import time
+
+import msgspec
 import numpy as np
 import pytest
 
 from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError
 from stella.client import Client
+from stella.protocol import PROTOCOL_VERSION
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 
@@ -34,6 +39,77 @@ def test_join_register_status_round_trip(server, make_client):
     assert st.version == 0 and st.workers == sorted([a.worker_id, b.worker_id])
     assert st.bytes_in > 0 and st.bytes_out > 0 and st.numel == 210
     assert st.optimizer["name"] == "sgd" and st.optimizer["lr"] == 1.0
+
+
+class RawWorker:
+    """A worker speaking the protocol by hand, to stop between the probe and the upload."""
+
+    def __init__(self, sock):
+        self.sock, self.req = sock, 0
+        self.worker = self.call({"type": "join", "name": "raw"})["worker"]
+
+    def call(self, hdr, frames=()):
+        self.req += 1
+        self.sock.send_multipart([msgspec.msgpack.encode({"proto": PROTOCOL_VERSION, "req": self.req, **hdr}),
+                                  *frames])
+        return msgspec.msgpack.decode(self.sock.recv_multipart()[0])
+
+    def register(self, m, values):
+        layout = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in m.items()]
+        return self.call({"type": "register", "worker": self.worker, "tensors": layout, "optimizer": SGD1,
+                          "values": values}, [t.tobytes() for t in m.values()] if values else ())
+
+
+def register_in_thread(client, m):
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        out["reply"] = client.register(m, SGD1)
+        out["s"] = time.monotonic() - t0
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, out
+
+
+def test_workers_starting_together_send_the_model_once(server, make_client, raw_dealer):
+    a = RawWorker(raw_dealer(server.endpoint))
+    assert a.register(model(), values=False)["needs_values"]  # a is asked for the values ...
+    b = make_client(server.endpoint)
+    th, out = register_in_thread(b, model(1))
+    th.join(0.6)
+    assert th.is_alive(), "b's probe was answered while a's upload was due: both would send the model"
+    reply = a.register(model(), values=True)  # ... and sends them
+    assert reply["type"] == "registered" and reply["created"], reply
+    th.join(10)
+    assert not th.is_alive() and out["s"] >= 0.6
+    assert out["reply"].created is False and not out["reply"].needs_values  # b joined a's model, sent nothing
+    np.testing.assert_array_equal(b.pull(None).tensors["w"][1].reshape(20, 10), model()["w"])
+    assert b.status().workers == sorted([a.worker, b.worker_id])
+
+
+@pytest.mark.parametrize("how", ["leaves", "is_refused", "goes_quiet"])
+def test_a_held_probe_uploads_itself_when_the_upload_does_not_come(server, make_client, raw_dealer, how):
+    a = RawWorker(raw_dealer(server.endpoint))
+    assert a.register(model(), values=False)["needs_values"]
+    # goes_quiet: b holds on for 90% of its timeout (its wait_ms), then is asked for the values itself
+    b = make_client(server.endpoint, timeout=1.5 if how == "goes_quiet" else 10.0)
+    th, out = register_in_thread(b, model(1))
+    th.join(0.5)
+    assert th.is_alive()
+    if how == "leaves":
+        assert a.call({"type": "leave", "worker": a.worker})["type"] == "left"
+    if how == "is_refused":
+        bad = {**model(), "b": np.full(10, np.nan, np.float32)}
+        assert a.register(bad, values=True)["code"] == "bad_value"
+    th.join(10)
+    assert not th.is_alive() and out["reply"].created is True  # b's values made the model
+    if how == "goes_quiet":
+        assert 1.2 <= out["s"] < 3.0, out["s"]
+    else:  # answered as soon as no upload was under way
+        assert out["s"] < 3.0, out["s"]
+    np.testing.assert_array_equal(b.pull(None).tensors["w"][1].reshape(20, 10), model(1)["w"])
 
 
 def test_layout_conflict_names_the_difference_not_the_model(server, make_client):

@@ -434,11 +434,14 @@ class Session:
         return reply
 
     def _register(self, reg: _Registration, timeout: float | None) -> Registered:
-        msg = Register(worker=self.worker(), tensors=reg.layout, optimizer=reg.optimizer, values=False, mode=reg.mode)
+        t = self.timeout if timeout is None else timeout
+        # the probe may be held while another worker uploads the model (workers starting together send it once)
+        msg = Register(worker=self.worker(), tensors=reg.layout, optimizer=reg.optimizer, values=False, mode=reg.mode,
+                       wait_ms=int(t * 1000 * 0.9))
         # joining a model sends no values; Register is not re-sent by a reconnect, which redoes it
         reply = expect(self.wait(self.send(msg, (), timeout), timeout), Registered)
         if reply.needs_values:  # this registration initialises the model
-            msg = msgspec.structs.replace(msg, values=True)
+            msg = msgspec.structs.replace(msg, values=True, wait_ms=0)
             reply = expect(self.wait(self.send(msg, reg.values(), timeout), timeout), Registered)
         return reply
 

@@ -85,7 +85,7 @@ __all__ = [
     "decode_register_values",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -236,6 +236,9 @@ class Register(_Message, tag="register", frozen=True):
     # what the workers push: "gradient" or "update" (docs/optimizer.md); None: not said. A job
     # takes the mode of its first registration that says one and refuses the other.
     mode: TrainingMode | None = None
+    # a probe (no values) that finds another worker uploading the model may be held this
+    # long for that upload to end, and then joins it; 0: answered at once
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 0
 
 
 class Push(_Message, tag="push", frozen=True):

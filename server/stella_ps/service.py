@@ -120,6 +120,7 @@ class Service:
         self.key_name: Callable[[str], str] = lambda key: ""
         self._sweeper: Timer | None = None
         self._init_lock = asyncio.Lock()  # two first registrations must not both initialise
+        self._initialised = asyncio.Event()  # set once the model exists: held probes join it
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -276,11 +277,33 @@ class Service:
         cfg = self.steps.initial(msg.optimizer)
         if not self.store.initialised:
             check_model_bytes(layout, cfg, self.config.limits.max_model_bytes, self.store.pull == "broadcast")
-        values = decode_register_values(rx) if msg.values else None
+        try:
+            values = decode_register_values(rx) if msg.values else None
+        except StellaError:
+            info.registering = False  # a refused upload: probes held for it stop waiting
+            raise
         self._spawn(self._register_async(ident, msg, info, layout, values, cfg), ident, msg.req)
+
+    def _uploading(self, info: WorkerInfo) -> bool:
+        """Whether another live worker was asked for the model's values and has not registered yet."""
+        return any(m.registering and not m.registered for m in self.members.live.values() if m is not info)
+
+    async def _hold_probe(self, info: WorkerInfo, wait_s: float) -> None:
+        """Hold a probe while another worker uploads the model, so that a job's workers
+        starting together send it once: until the model exists, no upload is under way
+        (the uploader left, or its values were refused), or ``wait_s`` passes."""
+        deadline = self.clock.now() + wait_s
+        while not self.store.initialised and self._uploading(info):
+            left = deadline - self.clock.now()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._initialised.wait(), min(left, 0.25))
 
     async def _register_async(self, ident: bytes, msg: Register, info: WorkerInfo, layout: list[TensorSpec],
                               values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
+        if values is None and msg.wait_ms and not self.store.initialised:
+            await self._hold_probe(info, msg.wait_ms / 1000)
         async with self._init_lock:
             created = False
             if msg.mode is not None and self.mode is not None and msg.mode != self.mode:
@@ -292,8 +315,13 @@ class Service:
                     self._send(ident, Registered(req=msg.req, version=self.store.version, created=False,
                                                  needs_values=True, optimizer=None, numel=0), ())
                     return
-                await self.store_thread.run(self.store.initialise, layout, values, cfg)
+                try:
+                    await self.store_thread.run(self.store.initialise, layout, values, cfg)
+                except BaseException:
+                    info.registering = False
+                    raise
                 self.steps.optimizer = cfg
+                self._initialised.set()
                 created = True
                 log.info("model initialised", extra={"tensors": len(layout), "numel": self.store.numel,
                                                      "optimizer": cfg.to_wire()})
