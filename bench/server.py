@@ -19,7 +19,10 @@ With ``--pin`` each shard runs on a core of its own with one thread (``--threads
 "one shard, one core") and the worker processes on the cores left over (all of them
 when none is): the server's CPU a step is then its work alone, not its share of cores
 the workers also use. ``srv cores`` is the servers' CPU time over the wall time: how
-many cores they kept busy.
+many cores they kept busy; ``wkr cores`` the same for the light workers (all their
+threads: replaying pushes, receiving pulls, CurveZMQ both ways). On a machine with
+as many cores as shards the workers share the shards' cores, so the two columns
+together show what the shards were left.
 
 ``--plot PATH`` draws pushed updates/s against shards, a line per (workers, optimizer),
 beside the linear scaling from one shard.
@@ -74,7 +77,7 @@ def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: 
     out.put(("ready", rank))
     pushed0, pulled0 = c.bytes_pushed, c.bytes_pulled  # the timed loop's bytes only
     latencies = np.zeros(steps)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for s in range(steps):
         ts = time.perf_counter()
         pushes = [cl.push(enc, v, wait=False) for cl, enc, v in zip(clients, encoded[s % VARIANTS], versions)]
@@ -84,7 +87,7 @@ def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: 
         versions = [p.result().version for p in pulls]
         latencies[s] = time.perf_counter() - ts
     out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0,
-             latencies.tolist()))
+             latencies.tolist(), time.process_time() - c0))
     c.close()
 
 
@@ -174,6 +177,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         "step_latency_ms_p99": round(1e3 * float(np.percentile(lat, 99)), 3),
         "server_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
         "server_cores_busy": round(cpu / wall, 3),
+        "worker_cores_busy": round(sum(d[6] for d in done) / wall, 3),  # their CPU, all threads
         "server_cpu_ns_per_update": round(1e9 * cpu / (steps * workers * k), 2),
         "server_peak_rss_mb": round(rss, 1),
         "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),  # all workers
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{', shards pinned to a core each' if a.pin else ''} (load at start: {load})")
     print(f"{'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
           f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'srv cores':>9} "
-          f"{'RSS MB':>7}")
+          f"{'wkr cores':>9} {'RSS MB':>7}")
     one = {(r["workers"], r["optimizer"]): r["updates_per_s"] for r in rows if r["shards"] == 1}
     for r in rows:
         base = one.get((r["workers"], r["optimizer"]))
@@ -264,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['pushes_per_s']:>9.1f} {r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} "
               f"{r['mb_in_per_s']:>8.2f} "
               f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
-              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cores_busy']:>9.2f} {r['server_peak_rss_mb']:>7.0f}")
+              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cores_busy']:>9.2f} "
+              f"{r['worker_cores_busy']:>9.2f} {r['server_peak_rss_mb']:>7.0f}")
     print("\npush header decode + validation (this process)")
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:

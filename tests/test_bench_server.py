@@ -19,6 +19,7 @@ def test_pinned_shards_run_on_a_core_each(shards):
     assert r["pinned"] and r["shards"] == shards
     assert r["server_cpus"] == [[CPUS[i]] for i in range(shards)]  # every thread of shard i on core i alone
     assert r["steps_per_s"] > 0 and r["bytes_pushed_per_step"] > 0 and r["bytes_pulled_per_step"] > 0
+    assert 0 < r["worker_cores_busy"] <= len(CPUS)  # the light workers' own CPU over the timed loop
     # one thread each on one core: the servers cannot keep more cores busy than they have
     assert r["server_cores_busy"] <= shards * 1.05
 
