@@ -12,6 +12,7 @@ from stella._native import lib as client_lib
 from stella.compress import BLOCK, ErrorFeedbackCompressor
 from stella.errors import CodecError
 from stella_ps import kernel
+from stella_ps._kernel import ffi as server_ffi
 from stella_ps._kernel import lib as server_lib
 from stella_ps.errors import KernelError, KernelInputError, StellaPSError
 
@@ -83,6 +84,39 @@ def test_sortedness_check_reports_position():
         state.apply([(np.array([1, 2, 9], np.int32), np.ones(3, np.float32))], 1.0, cfg)
     with pytest.raises(KernelInputError, match="not strictly increasing at position 1"):
         kernel.union_indices([np.array([3, 3], np.int32)])
+
+
+def _first_offender(idx: np.ndarray, numel: int) -> tuple[str, int] | None:
+    prev = -1
+    for i, x in enumerate(idx.tolist()):
+        if x < 0 or x >= numel:
+            return "range", i
+        if x <= prev:
+            return "order", i
+        prev = x
+    return None
+
+
+def test_sortedness_check_finds_the_first_offender_in_long_arrays():
+    """The check runs whole blocks without branches and the scalar loop from the first
+    block marked: every kind of fault, anywhere (block edges included), against a
+    plain loop; the error kinds interleaved so that the first one must win."""
+    rng = np.random.default_rng(7)
+    out = server_ffi.new("int64_t *")
+    codes = {server_lib.STELLA_E_RANGE: "range", server_lib.STELLA_E_ORDER: "order"}
+    for case in range(400):
+        n = int(rng.integers(1, 1400))
+        numel = int(rng.choice([n + 5, 3 * n, 2**31 - 1, 2**40]))
+        idx = np.sort(rng.choice(min(numel, 4 * n + 10), n, replace=False)).astype(np.int32)
+        for _ in range(int(rng.integers(0, 3))):  # 0, 1 or 2 faults
+            pos = int(rng.choice([0, 255, 256, 257, 511, 512, n - 1, int(rng.integers(0, n))])) % n
+            kind = rng.integers(0, 4)
+            idx[pos] = (-1 if kind == 0 else min(numel, 2**31 - 1) if kind == 1 else
+                        idx[pos - 1] if kind == 2 and pos else max(idx[pos] - 7, -3))
+        rc = server_lib.stella_check_sorted(server_ffi.from_buffer("int32_t[]", idx), n, numel, out)
+        want = _first_offender(idx, numel)
+        got = None if rc == server_lib.STELLA_OK else (codes[rc], int(out[0]))
+        assert got == want, (case, n, numel, got, want)
 
 
 def _cfg():
