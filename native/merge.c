@@ -134,12 +134,28 @@ static int window_fill(window_merge *wm) {
  * bitmap: at 1% density most blocks hold one flagged coordinate or none, and the
  * sweep visits every block of the window (a byte per flag, tested 32 at a time, cost
  * 15-30% more of the merge at 0.1-1% density; docs/optimizer.md). */
+#define SWEEP_FEW 4
 static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float *og) {
     uint64_t m = wm->flag[off >> 6];
     if (!m) return 0;
     wm->flag[off >> 6] = 0;
     float *A = wm->acc + off;
     const uint32_t base = (uint32_t)(wm->a + off);
+    const int p = wm->few ? __builtin_popcountll(m) : SWEEP_FEW + 1;
+    if (p <= SWEEP_FEW) {
+        /* A few flags (most blocks at 1-5% density): a fixed number of slots without
+         * branches; the slots past p repeat coordinate 63, which is unflagged or
+         * already emitted and cleared, and land past the count. */
+        const float sc = wm->scale;
+        for (int e = 0; e < SWEEP_FEW; e++) {
+            const int j = __builtin_ctzll(m | ((uint64_t)1 << 63));
+            oi[e] = base + (uint32_t)j;
+            og[e] = A[j] * sc;
+            A[j] = 0.0f;
+            m &= m - 1;
+        }
+        return p;
+    }
 #if defined(__AVX512F__)
     const __m512 sc = _mm512_set1_ps(wm->scale);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

@@ -100,6 +100,7 @@ typedef struct {
     int64_t sweep; /* next 64-coordinate block to sweep */
     float *acc;    /* B floats, zero outside the current window's pending part */
     uint64_t *flag; /* B bits: coordinate a + j holds a sum; likewise zero outside */
+    int few;        /* blocks hold few flags (sparse pushes): the sweep's scalar slots first */
 } window_merge;
 
 /* Early prefetch of a tile's state records while it is merged; mem == NULL: off. */

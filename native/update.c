@@ -169,6 +169,10 @@ typedef struct {
 /* Pushed entries per coordinate of a range below which two sparse pushes are merged
  * by comparison rather than through the window (about 5% density each). */
 #define TWO_WAY_BELOW 0.1
+/* Pushed entries per 64-coordinate block up to which the window's sweep tries a few
+ * scalar slots before its vector path (merge.c sweep_block): about 2.5 a block at
+ * W = 4 x 1% (+8% SGD at 100M), and a mispredicted branch at W = 8 x 1% (about 5). */
+#define SWEEP_FEW_BELOW 3.0
 
 static void run_range(range_job *job) {
     stella_optim *st = job->st;
@@ -202,7 +206,7 @@ static void run_range(range_job *job) {
     uint32_t(*ibuf)[TILE_BUF] = (uint32_t(*)[TILE_BUF])scratch;
     float(*gbuf)[TILE_BUF] = (float(*)[TILE_BUF])(scratch + sizeof(uint32_t[2][TILE_BUF]));
     float *abuf = (float *)(scratch + sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]));
-    window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL};
+    window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL, 0};
     int64_t pushed = 0;
     for (int w = 0; w < live; w++) pushed += streams[w].end - streams[w].pos;
     const double per_coord = job->hi > job->lo ? (double)pushed / (double)(job->hi - job->lo) : 0.0;
@@ -214,6 +218,7 @@ static void run_range(range_job *job) {
         int64_t B = 64;
         while (B < 65536 && (double)B * per_coord < 256.0 && B < job->hi - job->lo) B *= 2;
         wm.B = B;
+        wm.few = per_coord * 64.0 <= SWEEP_FEW_BELOW;
         const size_t flag_bytes = ((size_t)B / 8 + 63) & ~(size_t)63; /* B bits, whole cache lines */
         wm.acc = aligned_alloc(64, (size_t)B * sizeof(float));
         wm.flag = aligned_alloc(64, flag_bytes);
