@@ -89,6 +89,21 @@ def test_workers_starting_together_send_the_model_once(server, make_client, raw_
     assert b.status().workers == sorted([a.worker, b.worker_id])
 
 
+def test_one_probe_per_worker_is_held(server, raw_dealer):
+    a, b = RawWorker(raw_dealer(server.endpoint)), RawWorker(raw_dealer(server.endpoint))
+    assert a.register(model(), values=False)["needs_values"]
+    layout = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in model(1).items()]
+    probe = {"type": "register", "worker": b.worker, "tensors": layout, "optimizer": SGD1, "values": False,
+             "wait_ms": 20_000}
+    b.sock.send_multipart([msgspec.msgpack.encode({"proto": PROTOCOL_VERSION, "req": 101, **probe})])
+    t0 = time.monotonic()
+    second = b.call({**probe})  # held probes cost the server a task each: the second is answered at once
+    assert second["req"] == b.req and second["needs_values"] and time.monotonic() - t0 < 5.0, second
+    assert a.register(model(), values=True)["created"]
+    first = msgspec.msgpack.decode(b.sock.recv_multipart()[0])  # the held one, once the model exists
+    assert first["req"] == 101 and first["type"] == "registered" and not first["needs_values"], first
+
+
 @pytest.mark.parametrize("how", ["leaves", "is_refused", "goes_quiet"])
 def test_a_held_probe_uploads_itself_when_the_upload_does_not_come(server, make_client, raw_dealer, how):
     a = RawWorker(raw_dealer(server.endpoint))

@@ -45,6 +45,7 @@ class WorkerInfo:
     fingerprint: str = ""  # what logs and status show of that key
     registered: bool = False
     registering: bool = False  # asked to send the model's values (its upload may outlast the liveness timeout)
+    held: bool = False  # a probe of its is held for another worker's upload (one at a time)
     waited: bool = False  # steps wait for its push (see the module doc)
     pushes: int = 0
     pulls: int = 0

@@ -302,8 +302,12 @@ class Service:
 
     async def _register_async(self, ident: bytes, msg: Register, info: WorkerInfo, layout: list[TensorSpec],
                               values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
-        if values is None and msg.wait_ms and not self.store.initialised:
-            await self._hold_probe(info, msg.wait_ms / 1000)
+        if values is None and msg.wait_ms and not self.store.initialised and not info.held:
+            info.held = True  # one held probe per worker: more are answered at once
+            try:
+                await self._hold_probe(info, msg.wait_ms / 1000)
+            finally:
+                info.held = False
         async with self._init_lock:
             created = False
             if msg.mode is not None and self.mode is not None and msg.mode != self.mode:
