@@ -134,8 +134,9 @@ def test_bit_identical_long_run(name):
 @pytest.mark.parametrize("workers", [3, 4, 6])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_several_sparse_pushes_bit_identical(name, workers, threads):
-    """Three to six sparse pushes at low density (update.c: the first W - 1 chained
-    through two-way merges, the last merged into the tiles) and at 1% (the window):
+    """Three to six sparse pushes at low density (update.c: with 3 or 4, the first W - 1
+    chained through two-way merges, the last merged into the tiles; with 6, the window)
+    and at 1% (the window):
     every field equal bit for bit to the reference, with coordinates shared by some
     pushes, negative zeros, mixed value codings, and pushes that end early."""
     rng = np.random.default_rng(23 + workers)
