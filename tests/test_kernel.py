@@ -130,6 +130,21 @@ def test_bit_identical_long_run(name):
         assert a.tobytes() == getattr(r, name_).tobytes(), name_
 
 
+def _kernel_and_reference(name: str, numel: int, rng: np.random.Generator):
+    """A config with momentum or betas and weight decay, and kernel and reference
+    states from one random init."""
+    hp = {"momentum": 0.9} if name == "sgd" else {"betas": (0.8, 0.95)}
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01, **hp})
+    init = rng.standard_normal(numel).astype(F32)
+    return cfg, KernelTensorState(init, cfg), RefTensorState(init, cfg)
+
+
+def _some_negative_zeros(rng: np.random.Generator, vals: np.ndarray) -> None:
+    """About 2% of ``vals`` (f32, f16, or bf16 bits) set to -0.0, in place."""
+    z = rng.choice(vals.size, max(1, vals.size // 50), replace=False)
+    vals[z] = np.array(-0.0, np.float32).astype(vals.dtype) if vals.dtype != np.uint16 else 0x8000
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 @pytest.mark.parametrize("workers", [3, 4, 6])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -141,10 +156,7 @@ def test_several_sparse_pushes_bit_identical(name, workers, threads):
     pushes, negative zeros, mixed value codings, and pushes that end early."""
     rng = np.random.default_rng(23 + workers)
     numel = 200_000
-    hp = {"momentum": 0.9} if name == "sgd" else {"betas": (0.8, 0.95)}
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01, **hp})
-    init = rng.standard_normal(numel).astype(F32)
-    k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
+    cfg, k, r = _kernel_and_reference(name, numel, rng)
     kernel.set_num_threads(threads)
     try:
         for step in range(6):
@@ -157,8 +169,7 @@ def test_several_sparse_pushes_bit_identical(name, workers, threads):
                 idx = np.union1d(own, shared).astype(np.int32)
                 dt = ("f32", "f16", "bf16")[(w + step) % 3]
                 vals = make_push(rng, idx.size, 1.0, True, dt)[1]
-                z = rng.choice(idx.size, max(1, idx.size // 50), replace=False)
-                vals[z] = np.array(-0.0, np.float32).astype(vals.dtype) if vals.dtype != np.uint16 else 0x8000
+                _some_negative_zeros(rng, vals)
                 pushes.append((idx, vals))
             got = k.apply(pushes, 1.0 / workers, cfg)
             want = r.apply([as_ref_push(p) for p in pushes], 1.0 / workers, cfg)
@@ -179,10 +190,7 @@ def test_two_sparse_pushes_bit_identical(name, dtypes, threads):
     value codings, and a push that ends long before the tensor does."""
     rng = np.random.default_rng(11)
     numel = 300_000
-    hp = {"momentum": 0.9} if name == "sgd" else {"betas": (0.8, 0.95)}
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01, **hp})
-    init = rng.standard_normal(numel).astype(F32)
-    k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
+    cfg, k, r = _kernel_and_reference(name, numel, rng)
     kernel.set_num_threads(threads)
     try:
         for step in range(6):
@@ -192,9 +200,8 @@ def test_two_sparse_pushes_bit_identical(name, dtypes, threads):
             shared = rng.choice(a[0], a[0].size // 3, replace=False)  # a third of a's coordinates in b too
             bi = np.union1d(b[0], shared).astype(np.int32)
             bv = make_push(rng, bi.size, 1.0, True, dtypes[1])[1]
-            for idx, vals in ((a[0], a[1]), (bi, bv)):  # some negative zeros
-                z = rng.choice(idx.size, max(1, idx.size // 50), replace=False)
-                vals[z] = np.array(-0.0, np.float32).astype(vals.dtype) if vals.dtype != np.uint16 else 0x8000
+            for vals in (a[1], bv):
+                _some_negative_zeros(rng, vals)
             pushes = [a, (bi, bv)]
             got = k.apply(pushes, 0.5, cfg)
             want = r.apply([as_ref_push(p) for p in pushes], 0.5, cfg)
