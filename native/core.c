@@ -22,11 +22,11 @@ const char *stella_strerror(int rc) {
     }
 }
 
+#define CHECK_BLOCK 256 /* entries the branch-free pass tests at a time */
+
 /* STELLA_OK when idx[0..n) is strictly increasing and inside [0, numel); otherwise
  * STELLA_E_RANGE or STELLA_E_ORDER for the first offending entry, whose position
  * goes to *where (when not NULL). */
-#define CHECK_BLOCK 256
-
 int stella_check_sorted(const int32_t *idx, int64_t n, int64_t numel, int64_t *where) {
     /* Whole blocks first, without branches (the compiler vectorises both loops): an
      * entry outside [0, lim) or not above its predecessor marks its block, and the

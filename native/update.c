@@ -173,7 +173,7 @@ typedef struct {
  * scalar slots before its vector path (merge.c sweep_block): about 2.5 a block at
  * W = 4 x 1% (+8% SGD at 100M), and a mispredicted branch at W = 8 x 1% (about 5). */
 #define SWEEP_FEW_BELOW 3.0
-/* Pushed entries per coordinate below which three or more sparse pushes are merged by
+/* Pushed entries per coordinate below which three or four sparse pushes are merged by
  * chained two-way merges rather than through the window (whose sweep costs per block
  * of coordinates, however few entries it finds). */
 #define CHAIN_BELOW 0.02
@@ -221,7 +221,7 @@ static void run_range(range_job *job) {
      * sweep catches up with it (merge.c; measured in docs/optimizer.md). */
     int sparse = 1;
     for (int w = 0; w < live; w++) sparse &= streams[w].idx != NULL;
-    /* Three or more sparse pushes, few entries a coordinate: the first W - 1 merged into
+    /* Three or four sparse pushes, few entries a coordinate: the first W - 1 merged into
      * one float32 stream by chained two-way merges, in push order and unscaled (so the
      * sums are the reference's bit for bit), then the last one as a two-way merge. */
     uint32_t *chain_buf = NULL;
