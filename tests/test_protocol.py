@@ -1,6 +1,7 @@
 """Protocol round trips and aggregation semantics against a real stella-ps."""
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -8,9 +9,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError
+from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError, _session
 from stella.client import Client
 from stella.protocol import PROTOCOL_VERSION
+from stella_ps.process import free_port
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 
@@ -102,6 +104,32 @@ def test_one_probe_per_worker_is_held(server, raw_dealer):
     assert a.register(model(), values=True)["created"]
     first = msgspec.msgpack.decode(b.sock.recv_multipart()[0])  # the held one, once the model exists
     assert first["req"] == 101 and first["type"] == "registered" and not first["needs_values"], first
+
+
+def test_a_reconnect_to_an_empty_server_waits_for_the_upload_under_way(make_server, make_client, raw_dealer,
+                                                                       monkeypatch):
+    """The server restarts with no checkpoint while another worker already uploads the
+    model to it: the reconnecting worker's probe is held for the session's timeout,
+    not the reconnect attempt's short one, and it joins that model instead of sending
+    its own (an upload takes what the model's size and the link take)."""
+    monkeypatch.setattr(_session, "ATTEMPT_TIMEOUT_S", 0.5)
+    port = free_port()
+    s1 = make_server(1, bind=f"tcp://127.0.0.1:{port}")
+    c = make_client(s1.endpoint, timeout=20)
+    c.register(model(1), SGD1)
+    s1.kill(signal.SIGKILL)
+    s1.wait(10)
+    s2 = make_server(1, bind=f"tcp://127.0.0.1:{port}")
+    a = RawWorker(raw_dealer(s2.endpoint))
+    assert a.register(model(), values=False)["needs_values"]  # a's upload is due
+    th, out = threading.Thread(target=lambda: out.update(snap=c.pull(None))), {}
+    th.start()  # c finds the server gone, reconnects, and registers again
+    th.join(2.0)
+    assert th.is_alive(), "c's probe was answered within the attempt's timeout: it would upload its own model"
+    assert a.register(model(), values=True)["created"]
+    th.join(20)
+    assert not th.is_alive() and c.reconnects >= 1
+    np.testing.assert_array_equal(out["snap"].tensors["w"][1].reshape(20, 10), model()["w"])  # a's, not c's
 
 
 @pytest.mark.parametrize("how", ["leaves", "is_refused", "goes_quiet"])

@@ -676,7 +676,10 @@ class Session:
         self.server_version = joined.version
         seeded = False
         if self._registration is not None:
-            reg = self._register(self._registration, t)
+            # the server answered the join: registering, and uploading the model if the server lost it, take the
+            # session's timeout. An upload's time follows the model's size and the link, not the reachability that
+            # the attempt's short timeout probes (at 100 Mbit/s a 400 MB model takes 32 s, never 5).
+            reg = self._register(self._registration, self.timeout)
             self.server_version, seeded = reg.version, reg.created
         v = self.server_version
         if v < self._seen_version:
