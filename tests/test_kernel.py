@@ -84,6 +84,12 @@ def assert_same_state(k: KernelTensorState, r: RefTensorState):
     np.testing.assert_array_equal(k.snapshot(), arrays["param"])
 
 
+def assert_same_bits(k: KernelTensorState, r: RefTensorState):
+    """Every state field of the kernel equal bit for bit to the reference's."""
+    for name, a in k.state_arrays().items():
+        assert a.tobytes() == getattr(r, name).tobytes(), name
+
+
 @SETTINGS
 @given(
     cfg=configs(),
@@ -126,8 +132,7 @@ def test_bit_identical_long_run(name):
         pushes = [make_push(rng, 5000, 0.05, False, "f32") for _ in range(4)]
         k.apply(pushes, 0.25, cfg)
         r.apply(pushes, 0.25, cfg)
-    for name_, a in k.state_arrays().items():
-        assert a.tobytes() == getattr(r, name_).tobytes(), name_
+    assert_same_bits(k, r)
 
 
 def _kernel_and_reference(name: str, numel: int, rng: np.random.Generator):
@@ -157,27 +162,23 @@ def test_several_sparse_pushes_bit_identical(name, workers, threads):
     rng = np.random.default_rng(23 + workers)
     numel = 200_000
     cfg, k, r = _kernel_and_reference(name, numel, rng)
-    kernel.set_num_threads(threads)
-    try:
-        for step in range(6):
-            density = (0.0005, 0.002, 0.01)[step % 3]
-            base = make_push(rng, numel, density, False, "f32")[0]
-            pushes = []
-            for w in range(workers):
-                own = make_push(rng, numel // (1 + (w + step) % 3), density, False, "f32")[0]  # some end early
-                shared = rng.choice(base, base.size // 2, replace=False)  # half of base in every push
-                idx = np.union1d(own, shared).astype(np.int32)
-                dt = ("f32", "f16", "bf16")[(w + step) % 3]
-                vals = make_push(rng, idx.size, 1.0, True, dt)[1]
-                _some_negative_zeros(rng, vals)
-                pushes.append((idx, vals))
-            got = k.apply(pushes, 1.0 / workers, cfg)
-            want = r.apply([as_ref_push(p) for p in pushes], 1.0 / workers, cfg)
-            np.testing.assert_array_equal(got, want)
-    finally:
-        kernel.set_num_threads(1)
-    for field_, arr in k.state_arrays().items():
-        assert arr.tobytes() == getattr(r, field_).tobytes(), field_
+    kernel.set_num_threads(threads)  # the autouse fixture resets it
+    for step in range(6):
+        density = (0.0005, 0.002, 0.01)[step % 3]
+        base = make_push(rng, numel, density, False, "f32")[0]
+        pushes = []
+        for w in range(workers):
+            own = make_push(rng, numel // (1 + (w + step) % 3), density, False, "f32")[0]  # some end early
+            shared = rng.choice(base, base.size // 2, replace=False)  # half of base in every push
+            idx = np.union1d(own, shared).astype(np.int32)
+            dt = ("f32", "f16", "bf16")[(w + step) % 3]
+            vals = make_push(rng, idx.size, 1.0, True, dt)[1]
+            _some_negative_zeros(rng, vals)
+            pushes.append((idx, vals))
+        got = k.apply(pushes, 1.0 / workers, cfg)
+        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / workers, cfg)
+        np.testing.assert_array_equal(got, want)
+    assert_same_bits(k, r)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
@@ -191,25 +192,21 @@ def test_two_sparse_pushes_bit_identical(name, dtypes, threads):
     rng = np.random.default_rng(11)
     numel = 300_000
     cfg, k, r = _kernel_and_reference(name, numel, rng)
-    kernel.set_num_threads(threads)
-    try:
-        for step in range(6):
-            density = (0.001, 0.01, 0.04)[step % 3]
-            a = make_push(rng, numel, density, False, dtypes[0])
-            b = make_push(rng, numel // (1 + step % 2), density, False, dtypes[1])  # odd steps: b stops halfway
-            shared = rng.choice(a[0], a[0].size // 3, replace=False)  # a third of a's coordinates in b too
-            bi = np.union1d(b[0], shared).astype(np.int32)
-            bv = make_push(rng, bi.size, 1.0, True, dtypes[1])[1]
-            for vals in (a[1], bv):
-                _some_negative_zeros(rng, vals)
-            pushes = [a, (bi, bv)]
-            got = k.apply(pushes, 0.5, cfg)
-            want = r.apply([as_ref_push(p) for p in pushes], 0.5, cfg)
-            np.testing.assert_array_equal(got, want)
-    finally:
-        kernel.set_num_threads(1)
-    for field_, arr in k.state_arrays().items():
-        assert arr.tobytes() == getattr(r, field_).tobytes(), field_
+    kernel.set_num_threads(threads)  # the autouse fixture resets it
+    for step in range(6):
+        density = (0.001, 0.01, 0.04)[step % 3]
+        a = make_push(rng, numel, density, False, dtypes[0])
+        b = make_push(rng, numel // (1 + step % 2), density, False, dtypes[1])  # odd steps: b stops halfway
+        shared = rng.choice(a[0], a[0].size // 3, replace=False)  # a third of a's coordinates in b too
+        bi = np.union1d(b[0], shared).astype(np.int32)
+        bv = make_push(rng, bi.size, 1.0, True, dtypes[1])[1]
+        for vals in (a[1], bv):
+            _some_negative_zeros(rng, vals)
+        pushes = [a, (bi, bv)]
+        got = k.apply(pushes, 0.5, cfg)
+        want = r.apply([as_ref_push(p) for p in pushes], 0.5, cfg)
+        np.testing.assert_array_equal(got, want)
+    assert_same_bits(k, r)
 
 
 def test_edge_cases():
