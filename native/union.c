@@ -84,13 +84,19 @@ int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, i
     return n;
 }
 
+/* Whether every idx[j], j < n, lies in [0, numel) (any order). */
+static int in_range(const int32_t *idx, int64_t n, int64_t numel) {
+    for (int64_t j = 0; j < n; j++)
+        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= numel)) return 0;
+    return 1;
+}
+
 /* dst[idx[j]] += src[j] for j < n, in float32 (idx: in [0, numel), any order; a repeated
  * index adds each time). One pass, no temporaries: the broadcast's residual and model
  * updates, where NumPy's fancy-index += gathers, adds and scatters in three. */
 int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const float *src, int64_t n) {
     if (n < 0 || numel < 0 || (n > 0 && (!dst || !idx || !src))) return STELLA_E_ARG;
-    for (int64_t j = 0; j < n; j++)
-        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= numel)) return STELLA_E_RANGE;
+    if (!in_range(idx, n, numel)) return STELLA_E_RANGE;
     for (int64_t j = 0; j < n; j++) dst[idx[j]] += src[j];
     return STELLA_OK;
 }
@@ -98,8 +104,7 @@ int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const floa
 int stella_scatter_sent(float *res, float *model, int64_t numel, const int32_t *idx, const float *val,
                         const float *q, int64_t n) {
     if (n < 0 || numel < 0 || (n > 0 && (!res || !model || !idx || !val || !q))) return STELLA_E_ARG;
-    for (int64_t j = 0; j < n; j++)
-        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= numel)) return STELLA_E_RANGE;
+    if (!in_range(idx, n, numel)) return STELLA_E_RANGE;
     for (int64_t j = 0; j < n; j++) {
         const int32_t i = idx[j];
         res[i] += val[j] - q[j];
