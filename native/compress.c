@@ -137,12 +137,40 @@ static inline float block_score(const float *a, int len) {
  * tensor. Runs of 1 KiB stay inside one page: random pages cost far more than
  * the floats read in them. Returns how many scores were written. */
 #define RUN 256
+
+/* A sparse change not yet added to the residual (stella_ef_topk_add): sorted, unique,
+ * in-range indices and their values. Until the first pass adds it, what a sample reads
+ * at one of its coordinates is (res + val) + 0: the float a scatter-add and then a
+ * gradient-free read of the residual would give, so the selection comes out the same. */
+typedef struct {
+    const int32_t *idx;
+    const float *val;
+    int64_t n;
+} adds_t;
+
+static inline int64_t lower_bound32(const int32_t *a, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* samp[0..len) holds res[s..s+len) (+ 0): overlay the adds that fall there. */
+static void overlay_adds(const float *res, const adds_t *ad, int64_t s, int64_t len, float *samp) {
+    for (int64_t j = lower_bound32(ad->idx, ad->n, s); j < ad->n && ad->idx[j] < s + len; j++)
+        samp[ad->idx[j] - s] = (res[ad->idx[j]] + ad->val[j]) + 0.f;
+}
+
 static int64_t sample_scores(const float *res, const float *g, int64_t n, int unit,
-                             int64_t nsample, uint64_t *rng, float *samp) {
+                             int64_t nsample, uint64_t *rng, float *samp, const adds_t *ad) {
     int64_t m = 0;
     if (unit == 1) {
         if (nsample >= n || n < 2 * RUN) {
             for (int64_t i = 0; i < n; i++) samp[i] = res[i] + (g ? g[i] : 0.f);
+            if (ad) overlay_adds(res, ad, 0, n, samp);
             return n;
         }
         int64_t runs = nsample / RUN > 0 ? nsample / RUN : 1;
@@ -150,6 +178,7 @@ static int64_t sample_scores(const float *res, const float *g, int64_t n, int un
         for (int64_t j = 0; j < runs; j++) {
             int64_t s = (int64_t)(splitmix64(rng) % span);
             for (int t = 0; t < RUN; t++) samp[m + t] = res[s + t] + (g ? g[s + t] : 0.f);
+            if (ad) overlay_adds(res, ad, s, RUN, samp + m);
             m += RUN;
         }
         return m;
@@ -184,11 +213,11 @@ static int64_t sample_scores(const float *res, const float *g, int64_t n, int un
 /* Threshold whose expected count of units with score >= it is `target`,
  * estimated from a sample; *t2 (if not NULL) gets the one for `target2` from
  * the same sample. */
-static float estimate(const float *res, const float *g, int64_t n, int unit, int64_t nsample,
+static float estimate(const float *res, const float *g, const adds_t *ad, int64_t n, int unit, int64_t nsample,
                       uint64_t *rng, double target, float *samp, uint32_t *hist, double target2,
                       float *t2) {
     int64_t nu = unit == 1 ? n : (n + 15) / 16;
-    int64_t m = sample_scores(res, g, n, unit, nsample, rng, samp);
+    int64_t m = sample_scores(res, g, n, unit, nsample, rng, samp, ad);
     double tg[2] = {target, target2};
     float out[2];
     for (int w = 0; w < (t2 ? 2 : 1); w++) {
@@ -255,11 +284,12 @@ __attribute__((constructor)) static void init_keep_lanes(void) {
 }
 #endif
 
+/* Coordinates i0..n-1 (i0 a multiple of 16, or n). */
 static inline __attribute__((always_inline)) void pass1_impl(
-    float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t n,
+    float *STELLA_RESTRICT res, const float *STELLA_RESTRICT grad, const int has_grad, int64_t i0, int64_t n,
     float thr, float tz, int32_t *STELLA_RESTRICT idx, float *STELLA_RESTRICT val, int64_t cap,
     int truncate, int flat, pass_t *p) {
-    int64_t i = 0;
+    int64_t i = i0;
 #if defined(__AVX512F__)
     const __m512 vt = _mm512_set1_ps(thr);
     const __m512 vz = _mm512_set1_ps(tz);
@@ -483,16 +513,30 @@ static inline __attribute__((always_inline)) void pass16_impl(
  * (AVX-512): measured crossover 0.3-0.4% on 1.25M coordinates (Sapphire Rapids class). */
 #define FLAT_FROM (1.0 / 300.0)
 
-static pass_t run_pass(float *res, const float *grad, int64_t n, int unit, float thr, float tz,
-                       int32_t *idx, float *val, float *score, int64_t cap, int truncate, double aim) {
+/* Floats of a tile of the pass that adds a sparse change first (run_pass with adds): the
+ * change's scattered read-modify-writes bring the tile's lines into L1, where the pass
+ * then reads them, instead of a scatter over the whole tensor and a pass that reads its
+ * lines again from memory. */
+#define ADD_TILE 4096
+
+static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t n, int unit, float thr,
+                       float tz, int32_t *idx, float *val, float *score, int64_t cap, int truncate, double aim) {
     pass_t p = {0, 0, 0, 0};
     if (tz < thr) tz = thr;
     if (unit == 1) {
         const int flat = aim >= FLAT_FROM * (double)n;
-        if (grad)
-            pass1_impl(res, grad, 1, n, thr, tz, idx, val, cap, truncate, flat, &p);
-        else
-            pass1_impl(res, NULL, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
+        if (ad) { /* unit 1, no gradient (the caller checked) */
+            int64_t j = 0;
+            for (int64_t lo = 0; lo < n; lo += ADD_TILE) {
+                const int64_t hi = n - lo < ADD_TILE ? n : lo + ADD_TILE;
+                for (; j < ad->n && ad->idx[j] < hi; j++) res[ad->idx[j]] += ad->val[j];
+                pass1_impl(res, NULL, 0, lo, hi, thr, tz, idx, val, cap, truncate, flat, &p);
+            }
+        } else if (grad) {
+            pass1_impl(res, grad, 1, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
+        } else {
+            pass1_impl(res, NULL, 0, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
+        }
         p.elems = p.units;
     } else {
         if (grad)
@@ -621,9 +665,8 @@ static float finalize(float *res, int unit, int32_t *idx, float *val, float *sco
  * Types and fields: cdefs/compress.h. Dispatched by ISA level (stella_isa.h): the
  * x86-64-v4 copy runs the AVX-512 scan and block kernels above, the v3 copy the
  * plain C ones at AVX2 width; all give the same selection and residual. */
-int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, const stella_topk_args *args,
-                                      stella_topk_state *state, const stella_topk_out *out,
-                                      stella_topk_stats *stats) {
+static int64_t ef_topk(float *res, const float *grad, const adds_t *ad, int64_t n, const stella_topk_args *args,
+                       stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats) {
     if (!res || !args || !state || !out || !out->idx || !out->val || n < 0 || n > INT32_MAX)
         return STELLA_E_ARG;
     const int64_t k_units = args->k_units;
@@ -669,13 +712,13 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
     if (k >= nu) {
         thr = tz = tiny();
     } else if (!(thr > 0.f) || !isfinite(thr)) {
-        thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
+        thr = estimate(res, g, ad, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
         st.estimates++;
     } else {
         /* a carried threshold: check it on a small sample (a quarter of the
          * estimate's) and re-estimate when it is clearly off (early steps, when
          * the residual builds up, or a change of gradient scale) */
-        int64_t m = sample_scores(res, g, n, unit, nsample / 4, &rng, samp);
+        int64_t m = sample_scores(res, g, n, unit, nsample / 4, &rng, samp, ad);
         double expect = AIM * (double)k * (double)m / (double)nu;
         int64_t hits = 0;
         for (int64_t j = 0; j < m; j++) hits += samp[j] >= thr || -samp[j] >= thr;
@@ -683,7 +726,7 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
         fprintf(stderr, "  check thr %g hits %ld expect %.1f (m %ld)\n", thr, (long)hits, expect, (long)m);
 #endif
         if (expect >= 8.0 && (hits < 0.6 * expect || hits > 1.7 * expect)) {
-            thr = estimate(res, g, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
+            thr = estimate(res, g, ad, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &tz);
             st.estimates++;
         }
     }
@@ -715,8 +758,9 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
             exact = 1;
             st.exact_fallback = 1;
         }
-        p = run_pass(res, g, n, unit, thr, tz, idx, val, score, cap_units, truncate, AIM * (double)k);
-        g = NULL; /* the gradient is in the residual from now on */
+        p = run_pass(res, g, ad, n, unit, thr, tz, idx, val, score, cap_units, truncate, AIM * (double)k);
+        g = NULL; /* the gradient (or the adds) is in the residual from now on */
+        ad = NULL;
         st.passes++;
 #ifdef STELLA_CDEBUG
         fprintf(stderr, "  attempt %d thr %g tz %g total %ld units %ld overflow %d (k %ld)\n", attempt,
@@ -730,7 +774,7 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
         if (dir < 0) /* an overflowing pass has already given everything back */
             for (int64_t j = 0; j < p.elems; j++) res[idx[j]] = val[j];
         st.givebacks++;
-        float z2, t2 = estimate(res, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
+        float z2, t2 = estimate(res, NULL, NULL, n, unit, nsample, &rng, AIM * (double)k, samp, hist, (double)k, &z2);
         st.estimates++;
         if (dir > 0 ? t2 > thr : t2 < thr) {
             thr = t2;
@@ -794,11 +838,39 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
     return p.elems;
 }
 
+int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, const stella_topk_args *args,
+                                      stella_topk_state *state, const stella_topk_out *out,
+                                      stella_topk_stats *stats) {
+    return ef_topk(res, grad, NULL, n, args, state, out, stats);
+}
+
+/* res[add_idx[j]] += add_val[j] for j < add_n, then stella_ef_topk(res, NULL, ...): the
+ * same selection, residual and state, bit for bit, but the first pass adds the change a
+ * tile at a time as it goes (unit 1 only). add_idx must be strictly increasing and in
+ * [0, n): checked before anything is written. */
+int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const int32_t *add_idx, const float *add_val,
+                                          int64_t add_n, const stella_topk_args *args, stella_topk_state *state,
+                                          const stella_topk_out *out, stella_topk_stats *stats) {
+    if (!args || args->unit != 1 || add_n < 0 || (add_n > 0 && (!add_idx || !add_val))) return STELLA_E_ARG;
+    if (n < 0 || n > INT32_MAX) return STELLA_E_ARG;
+    const int rc = stella_check_sorted(add_idx, add_n, n, NULL);
+    if (rc != STELLA_OK) return rc;
+    const adds_t ad = {add_idx, add_val, add_n};
+    return ef_topk(res, NULL, add_n > 0 ? &ad : NULL, n, args, state, out, stats);
+}
+
 #if STELLA_ISA_BASE
 STELLA_ISA_VARIANTS(stella_ef_topk);
+STELLA_ISA_VARIANTS(stella_ef_topk_add);
 
 int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
                        stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats) {
     return STELLA_ISA_PICK(stella_ef_topk)(res, grad, n, args, state, out, stats);
+}
+
+int64_t stella_ef_topk_add(float *res, int64_t n, const int32_t *add_idx, const float *add_val, int64_t add_n,
+                           const stella_topk_args *args, stella_topk_state *state, const stella_topk_out *out,
+                           stella_topk_stats *stats) {
+    return STELLA_ISA_PICK(stella_ef_topk_add)(res, n, add_idx, add_val, add_n, args, state, out, stats);
 }
 #endif

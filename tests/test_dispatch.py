@@ -106,6 +106,23 @@ def run_kernels(out: str) -> None:
             res_[key + "_idx"], res_[key + "_val"], res_[key + "_res"] = idx[:n], val[:n], res.copy()
             res_[key + "_state"] = np.array([state.emit_threshold, state.last_threshold, state.zero_threshold], F32)
             res_[key + "_passes"] = np.array([stats.passes, stats.exact_fallback])
+    # the broadcast's pass that adds the step's sparse change as it goes: every level, and
+    # the same bits as the scatter-add and then the pass (checked in the subprocess)
+    from stella import _select_native as select
+    rng = np.random.default_rng(12)
+    for d, density in enumerate((0.003, 0.08, 0.6)):
+        fused = rng.standard_normal(N_TOPK).astype(F32)
+        plain, sf, sp = fused.copy(), select.TopkState(), select.TopkState()
+        for step in range(TOPK_STEPS):
+            t = np.sort(rng.choice(N_TOPK, int(N_TOPK * density), replace=False)).astype(np.int32)
+            ch = (rng.standard_normal(t.size) * (1 + step)).astype(F32)
+            i_f, v_f = select.ef_select(fused, None, K_TOPK, 1, sf, 4096, step, add=(t, ch))
+            plain[t] += ch
+            i_p, v_p = select.ef_select(plain, None, K_TOPK, 1, sp, 4096, step)
+            assert i_f.tobytes() == i_p.tobytes() and v_f.tobytes() == v_p.tobytes(), (d, step)
+            assert fused.tobytes() == plain.tobytes(), (d, step)
+            res_[f"add{d}_{step}_idx"], res_[f"add{d}_{step}_val"] = i_f, v_f
+        res_[f"add{d}_res"] = fused
     v = _conversion_input()
     res_["f16"], res_["bf16"] = codec_native.f32_to_f16(v), codec_native.f32_to_bf16(v)
     res_["f16_back"] = codec_native.f16_to_f32(res_["f16"])

@@ -137,3 +137,62 @@ def test_select_stats_are_filled_per_key(method):
     torch_comp = ErrorFeedbackCompressor(density=0.01, method=method, backend="torch")
     torch_comp.compress("w", torch.randn(100_000))
     assert torch_comp.select_stats("w") is None
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("n", [3_000, 70_001])  # below and above the pass's tiles (4096 floats)
+def test_a_selection_that_adds_a_sparse_change_matches_the_scatter_then_the_pass(n):
+    """stella_ef_topk_add (the broadcast's step): the same selection, residual and carried
+    thresholds, bit for bit, as adding the change and then selecting; at densities from
+    none to all, a change that cancels a value exactly (to 0 and -0), k from 1 to n."""
+    from stella.topk import Selector
+
+    rng = np.random.default_rng(5)
+    for density in (0.0, 0.001, 0.03, 0.3, 1.0):
+        for k in (1, n // 100, n):
+            plain = (rng.standard_normal(n) * 0.01).astype(np.float32)
+            plain[rng.random(n) < 0.3] = 0.0
+            plain[:3] = -0.0
+            fused = plain.copy()
+            sp, sf = Selector(seed=9), Selector(seed=9)
+            for step in range(4):
+                idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
+                ch = (rng.standard_normal(idx.size) * (1 + step)).astype(np.float32)
+                if idx.size > 1:
+                    ch[0], ch[1] = -plain[idx[0]], -np.float32(0.0)
+                plain[idx] += ch
+                ip, vp = sp.take(plain, k)
+                i_f, vf = sf.take(fused, k, add=(idx, ch))
+                case = (n, density, k, step)
+                assert _same_bits(ip, i_f) and _same_bits(vp, vf), case
+                assert _same_bits(plain, fused) and sp.threshold == sf.threshold, case
+                assert ip.size > 0 or not plain.any(), case
+
+
+def test_a_bad_sparse_change_is_refused_before_anything_is_written():
+    from stella import _select_native as select
+
+    rng = np.random.default_rng(6)
+    res = rng.standard_normal(10_000).astype(np.float32)
+    before = res.copy()
+    good_idx, good_val = np.array([3, 70, 9_999], np.int32), np.ones(3, np.float32)
+    bad = {
+        "out of range": (np.array([3, 70, 10_000], np.int32), good_val),
+        "negative": (np.array([-1, 70, 900], np.int32), good_val),
+        "unsorted": (np.array([70, 3, 900], np.int32), good_val),
+        "repeated": (np.array([3, 70, 70], np.int32), good_val),
+        "int64": (good_idx.astype(np.int64), good_val),
+        "f64": (good_idx, good_val.astype(np.float64)),
+        "lengths": (good_idx, np.ones(2, np.float32)),
+    }
+    for what, add in bad.items():
+        with pytest.raises(ValueError):
+            select.ef_select(res, None, 100, 1, select.TopkState(), 4096, 1, add=add)  # type: ignore[arg-type]
+        assert _same_bits(res, before), what
+    for unit, grad in ((BLOCK, None), (1, np.zeros_like(res))):  # blocks, or a gradient as well: not offered
+        with pytest.raises(ValueError, match="unit 1 and no grad"):
+            select.ef_select(res, grad, 100, unit, select.TopkState(), 4096, 1, add=(good_idx, good_val))
+        assert _same_bits(res, before)

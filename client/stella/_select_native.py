@@ -71,11 +71,16 @@ def _check_pair(res, grad) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
-              stats: SelectStats | None = None):
+              stats: SelectStats | None = None, add: tuple[np.ndarray, np.ndarray] | None = None):
     """``res += grad`` (grad may be None); select about ``k_units`` units of largest
     magnitude (``unit`` 1: floats by ``|res|``; :data:`BLOCK`: whole blocks by squared
     norm), returned as sorted element indices; zero them in res. ``nsample`` units are
     sampled for the first threshold; ``state`` is updated, ``stats`` filled when given.
+
+    ``add``: a sparse change ``(indices, values)`` to add to ``res`` first (int32
+    indices, strictly increasing and in range; float32 values; unit 1, no ``grad``).
+    The result is the same, bit for bit, as ``res[indices] += values`` and then the
+    call without it; the first pass adds it a tile at a time as it goes.
 
     Returns (indices int32, values float32).
     """
@@ -84,6 +89,8 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
         raise ValueError(f"unit must be 1 or {BLOCK}, got {unit}")
     if not isinstance(state, TopkState):
         raise TypeError("state must be a TopkState")
+    if add is not None and (unit != 1 or g is not None):
+        raise ValueError("add: unit 1 and no grad only")
     n = r.shape[0]
     nu = n if unit == 1 else (n + BLOCK - 1) // BLOCK
     k_units = max(1, min(int(k_units), nu))
@@ -98,9 +105,20 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
             ffi.from_buffer("float[]", score, require_writable=True))
     out = ffi.new("stella_topk_out *", {"idx": bufs[0], "val": bufs[1], "score": bufs[2], "cap_units": cap})
     res_c = ffi.from_buffer("float[]", r, require_writable=True)
-    grad_c = ffi.NULL if g is None else ffi.from_buffer("float[]", g)
-    rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, ffi.NULL if stats is None else stats._c)
-    check(lib, rc, "stella_ef_topk", ValueError)
+    stats_c = ffi.NULL if stats is None else stats._c
+    if add is None:
+        grad_c = ffi.NULL if g is None else ffi.from_buffer("float[]", g)
+        rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, stats_c)
+        check(lib, rc, "stella_ef_topk", ValueError)
+    else:
+        ai, av = add
+        if not (isinstance(ai, np.ndarray) and isinstance(av, np.ndarray) and ai.dtype == np.int32
+                and av.dtype == np.float32 and ai.ndim == av.ndim == 1 and ai.shape == av.shape
+                and ai.flags.c_contiguous and av.flags.c_contiguous):
+            raise ValueError("add: 1-D contiguous int32 indices and float32 values of one length")
+        rc = lib.stella_ef_topk_add(res_c, n, ffi.from_buffer("int32_t[]", ai), ffi.from_buffer("float[]", av),
+                                    ai.shape[0], args, state._c, out, stats_c)
+        check(lib, rc, "stella_ef_topk_add", ValueError)
     return idx[:rc], val[:rc]
 
 

@@ -202,11 +202,16 @@ class Broadcast:
         pool = self._pools[t]
         picked: _Picked | None = None
         use_pool = self._pool_fits(touched.size, k, numel)
+        # the change not yet in r: a streaming pass adds it as it goes (Selector.take's add), anything else first
+        add: tuple[np.ndarray, np.ndarray] | None = None
         if use_pool and pool is not None and k > 0 and self._owed[t]:  # the change added in the same sweep
             picked = pool_pick(r, touched, changes, pool[0], pool[1], k, cut_above=POOL_MAX * k,
                                cut_to=POOL_FACTOR * k, scratch=self._scratch_for(t, touched.size + pool[0].size))
         elif touched.size:
-            scatter_add(r, touched, changes)
+            add = (touched, changes)
+        if add is not None and (numel < self.dense_below or k <= 0 or not self._owed[t]):
+            scatter_add(r, *add)
+            add = None
         if numel < self.dense_below:
             if not r.any():
                 return None, np.zeros(0, np.float32)
@@ -219,10 +224,10 @@ class Broadcast:
         if picked is None and not use_pool:  # one pass, no pool
             self._pools[t] = None
             self.full_passes[t] += 1
-            idx, v = self._selectors[t].take(r, k)
+            idx, v = self._selectors[t].take(r, k, add=add)
             picked = (idx, v, None, 0.0)
         if picked is None:  # no pool yet, or it ran dry
-            picked = self._full_pass(t, r, k, numel)
+            picked = self._full_pass(t, r, k, numel, add)
         idx, v, rest, floor = picked
         q = self._coded(v, self.coding)
         # the coding's error stays owed (exact for f16/bf16); B gains what the replicas decode
@@ -250,14 +255,16 @@ class Broadcast:
             return touched + pool[0].size
         return touched + numel // PASS_PER_ACCESS
 
-    def _full_pass(self, t: int, r: np.ndarray, k: int, numel: int) -> _Picked:
-        """The streaming top-k over the whole residual: about POOL_FACTOR x k of the
-        largest, everything else at most their threshold; given back to ``r``, they are
-        the new pool, and its top k the selection."""
+    def _full_pass(self, t: int, r: np.ndarray, k: int, numel: int,
+                   add: tuple[np.ndarray, np.ndarray] | None = None) -> _Picked:
+        """The streaming top-k over the whole residual (after adding ``add``, the step's
+        change, in the same pass): about POOL_FACTOR x k of the largest, everything else
+        at most their threshold; given back to ``r``, they are the new pool, and its top
+        k the selection."""
         self.full_passes[t] += 1
         want = min(numel, POOL_FACTOR * k)
         sel = self._selectors[t]
-        idx, v = sel.take(r, want)
+        idx, v = sel.take(r, want, add=add)
         r[idx] = v  # the same floats back: the pool holds them
         picked = pool_pick(r, _NONE_I, _NONE_F, idx, sel.threshold, k, cut_above=POOL_MAX * k,
                            cut_to=POOL_FACTOR * k, full=True, scratch=self._scratch_for(t, idx.size))
