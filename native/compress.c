@@ -138,14 +138,15 @@ static inline float block_score(const float *a, int len) {
  * the floats read in them. Returns how many scores were written. */
 #define RUN 256
 
-/* A sparse change not yet added to the residual (stella_ef_topk_add): sorted, unique,
- * in-range indices and their values. Until the first pass adds it, what a sample reads
- * at one of its coordinates is (res + val) + 0: the float a scatter-add and then a
- * gradient-free read of the residual would give, so the selection comes out the same. */
+/* Sparse changes not yet added to the residual (stella_ef_topk_add): up to
+ * STELLA_TOPK_MAX_ADDS lists of sorted, unique, in-range indices and their values, added
+ * list after list. Until the first pass adds them, what a sample reads at a coordinate
+ * they touch is (res + val_1 + val_2 ...) + 0, in that order: the float that scatter-adds
+ * and then a gradient-free read of the residual would give, so the selection comes out
+ * the same. */
 typedef struct {
-    const int32_t *idx;
-    const float *val;
-    int64_t n;
+    const stella_topk_add *list;
+    int32_t nlists;
 } adds_t;
 
 static inline int64_t lower_bound32(const int32_t *a, int64_t n, int64_t x) {
@@ -158,10 +159,19 @@ static inline int64_t lower_bound32(const int32_t *a, int64_t n, int64_t x) {
     return lo;
 }
 
-/* samp[0..len) holds res[s..s+len) (+ 0): overlay the adds that fall there. */
-static void overlay_adds(const float *res, const adds_t *ad, int64_t s, int64_t len, float *samp) {
-    for (int64_t j = lower_bound32(ad->idx, ad->n, s); j < ad->n && ad->idx[j] < s + len; j++)
-        samp[ad->idx[j] - s] = (res[ad->idx[j]] + ad->val[j]) + 0.f;
+/* samp[0..len) = res[s..s+len) with the adds that fall there, + 0 (a chunk at a time). */
+static void sample_with_adds(const float *res, const adds_t *ad, int64_t s, int64_t len, float *samp) {
+    float raw[RUN];
+    for (int64_t c = s; c < s + len; c += RUN) {
+        const int64_t m = s + len - c < RUN ? s + len - c : RUN;
+        memcpy(raw, res + c, (size_t)m * sizeof(float));
+        for (int32_t l = 0; l < ad->nlists; l++) {
+            const stella_topk_add *a = &ad->list[l];
+            for (int64_t j = lower_bound32(a->idx, a->n, c); j < a->n && a->idx[j] < c + m; j++)
+                raw[a->idx[j] - c] += a->val[j];
+        }
+        for (int64_t t = 0; t < m; t++) samp[c - s + t] = raw[t] + 0.f;
+    }
 }
 
 static int64_t sample_scores(const float *res, const float *g, int64_t n, int unit,
@@ -169,16 +179,18 @@ static int64_t sample_scores(const float *res, const float *g, int64_t n, int un
     int64_t m = 0;
     if (unit == 1) {
         if (nsample >= n || n < 2 * RUN) {
-            for (int64_t i = 0; i < n; i++) samp[i] = res[i] + (g ? g[i] : 0.f);
-            if (ad) overlay_adds(res, ad, 0, n, samp);
+            if (ad) sample_with_adds(res, ad, 0, n, samp);
+            else
+                for (int64_t i = 0; i < n; i++) samp[i] = res[i] + (g ? g[i] : 0.f);
             return n;
         }
         int64_t runs = nsample / RUN > 0 ? nsample / RUN : 1;
         uint64_t span = (uint64_t)(n - RUN + 1);
         for (int64_t j = 0; j < runs; j++) {
             int64_t s = (int64_t)(splitmix64(rng) % span);
-            for (int t = 0; t < RUN; t++) samp[m + t] = res[s + t] + (g ? g[s + t] : 0.f);
-            if (ad) overlay_adds(res, ad, s, RUN, samp + m);
+            if (ad) sample_with_adds(res, ad, s, RUN, samp + m);
+            else
+                for (int t = 0; t < RUN; t++) samp[m + t] = res[s + t] + (g ? g[s + t] : 0.f);
             m += RUN;
         }
         return m;
@@ -534,12 +546,17 @@ static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t 
     if (unit == 1) {
         const int flat = aim >= FLAT_FROM * (double)n;
         if (ad) { /* unit 1, no gradient (the caller checked) */
-            int64_t j = 0;
+            int64_t j[STELLA_TOPK_MAX_ADDS] = {0};
             prefetch_tile(res, 0, n);
             for (int64_t lo = 0; lo < n; lo += ADD_TILE) {
                 const int64_t hi = n - lo < ADD_TILE ? n : lo + ADD_TILE;
                 prefetch_tile(res, hi, n);
-                for (; j < ad->n && ad->idx[j] < hi; j++) res[ad->idx[j]] += ad->val[j];
+                for (int32_t l = 0; l < ad->nlists; l++) { /* list after list: their order at a coordinate */
+                    const stella_topk_add *a = &ad->list[l];
+                    int64_t jl = j[l];
+                    for (; jl < a->n && a->idx[jl] < hi; jl++) res[a->idx[jl]] += a->val[jl];
+                    j[l] = jl;
+                }
                 pass1_impl(res, NULL, 0, lo, hi, thr, tz, idx, val, cap, truncate, flat, &p);
             }
         } else if (grad) {
@@ -854,19 +871,27 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
     return ef_topk(res, grad, NULL, n, args, state, out, stats);
 }
 
-/* res[add_idx[j]] += add_val[j] for j < add_n, then stella_ef_topk(res, NULL, ...): the
- * same selection, residual and state, bit for bit, but the first pass adds the change a
- * tile at a time as it goes (unit 1 only). add_idx must be strictly increasing and in
- * [0, n): checked before anything is written. */
-int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const int32_t *add_idx, const float *add_val,
-                                          int64_t add_n, const stella_topk_args *args, stella_topk_state *state,
+/* res[adds[l].idx[j]] += adds[l].val[j] for every list l < nadds in order, then
+ * stella_ef_topk(res, NULL, ...): the same selection, residual and state, bit for bit,
+ * but the first pass adds the lists a tile at a time as it goes (unit 1 only). Each
+ * list's indices must be strictly increasing and in [0, n): checked before anything is
+ * written. */
+int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const stella_topk_add *adds, int32_t nadds,
+                                          const stella_topk_args *args, stella_topk_state *state,
                                           const stella_topk_out *out, stella_topk_stats *stats) {
-    if (!args || args->unit != 1 || add_n < 0 || (add_n > 0 && (!add_idx || !add_val))) return STELLA_E_ARG;
+    if (!args || args->unit != 1 || nadds < 0 || nadds > STELLA_TOPK_MAX_ADDS || (nadds > 0 && !adds))
+        return STELLA_E_ARG;
     if (n < 0 || n > INT32_MAX) return STELLA_E_ARG;
-    const int rc = stella_check_sorted(add_idx, add_n, n, NULL);
-    if (rc != STELLA_OK) return rc;
-    const adds_t ad = {add_idx, add_val, add_n};
-    return ef_topk(res, NULL, add_n > 0 ? &ad : NULL, n, args, state, out, stats);
+    stella_topk_add kept[STELLA_TOPK_MAX_ADDS];
+    int32_t nk = 0;
+    for (int32_t l = 0; l < nadds; l++) {
+        if (adds[l].n < 0 || (adds[l].n > 0 && (!adds[l].idx || !adds[l].val))) return STELLA_E_ARG;
+        const int rc = stella_check_sorted(adds[l].idx, adds[l].n, n, NULL);
+        if (rc != STELLA_OK) return rc;
+        if (adds[l].n > 0) kept[nk++] = adds[l];
+    }
+    const adds_t ad = {kept, nk};
+    return ef_topk(res, NULL, nk > 0 ? &ad : NULL, n, args, state, out, stats);
 }
 
 #if STELLA_ISA_BASE
@@ -878,9 +903,9 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_to
     return STELLA_ISA_PICK(stella_ef_topk)(res, grad, n, args, state, out, stats);
 }
 
-int64_t stella_ef_topk_add(float *res, int64_t n, const int32_t *add_idx, const float *add_val, int64_t add_n,
+int64_t stella_ef_topk_add(float *res, int64_t n, const stella_topk_add *adds, int32_t nadds,
                            const stella_topk_args *args, stella_topk_state *state, const stella_topk_out *out,
                            stella_topk_stats *stats) {
-    return STELLA_ISA_PICK(stella_ef_topk_add)(res, n, add_idx, add_val, add_n, args, state, out, stats);
+    return STELLA_ISA_PICK(stella_ef_topk_add)(res, n, adds, nadds, args, state, out, stats);
 }
 #endif

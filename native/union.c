@@ -100,15 +100,3 @@ int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const floa
     for (int64_t j = 0; j < n; j++) dst[idx[j]] += src[j];
     return STELLA_OK;
 }
-
-int stella_scatter_sent(float *res, float *model, int64_t numel, const int32_t *idx, const float *val,
-                        const float *q, int64_t n) {
-    if (n < 0 || numel < 0 || (n > 0 && (!res || !model || !idx || !val || !q))) return STELLA_E_ARG;
-    if (!in_range(idx, n, numel)) return STELLA_E_RANGE;
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t i = idx[j];
-        res[i] += val[j] - q[j];
-        model[i] += q[j];
-    }
-    return STELLA_OK;
-}

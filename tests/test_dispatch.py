@@ -116,7 +116,7 @@ def run_kernels(out: str) -> None:
         for step in range(TOPK_STEPS):
             t = np.sort(rng.choice(N_TOPK, int(N_TOPK * density), replace=False)).astype(np.int32)
             ch = (rng.standard_normal(t.size) * (1 + step)).astype(F32)
-            i_f, v_f = select.ef_select(fused, None, K_TOPK, 1, sf, 4096, step, add=(t, ch))
+            i_f, v_f = select.ef_select(fused, None, K_TOPK, 1, sf, 4096, step, adds=[(t, ch)])
             plain[t] += ch
             i_p, v_p = select.ef_select(plain, None, K_TOPK, 1, sp, 4096, step)
             assert i_f.tobytes() == i_p.tobytes() and v_f.tobytes() == v_p.tobytes(), (d, step)

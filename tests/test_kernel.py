@@ -405,28 +405,6 @@ def test_scatter_add_matches_numpy_bit_for_bit_and_refuses_out_of_range():
     assert dst.tobytes() == before.tobytes()  # nothing changed
 
 
-def test_scatter_sent_matches_numpy_bit_for_bit_and_refuses_bad_input():
-    rng = np.random.default_rng(6)
-    res, model = (rng.standard_normal(100_000).astype(np.float32) for _ in range(2))
-    idx = np.sort(rng.choice(res.size, 3_000, replace=False)).astype(np.int32)
-    val = rng.standard_normal(idx.size).astype(np.float32)
-    q = (val + rng.standard_normal(idx.size).astype(np.float32) * 1e-3).astype(np.float32)
-    want_r, want_b = res.copy(), model.copy()
-    want_r[idx] += val - q  # the broadcast's two float32 steps, as NumPy takes them
-    want_b[idx] += q
-    kernel.scatter_sent(res, model, idx, val, q)
-    assert res.tobytes() == want_r.tobytes() and model.tobytes() == want_b.tobytes()
-    before = res.copy(), model.copy()
-    with pytest.raises(kernel.KernelInputError, match="out of range"):
-        two = np.ones(2, np.float32)
-        kernel.scatter_sent(res, model, np.array([0, res.size], np.int32), two, two)
-    with pytest.raises(kernel.KernelInputError, match="differ in size"):
-        kernel.scatter_sent(res, model[:-1], idx, val, q)
-    with pytest.raises(kernel.KernelInputError, match="indices for"):
-        kernel.scatter_sent(res, model, idx, val[:-1], q)
-    assert res.tobytes() == before[0].tobytes() and model.tobytes() == before[1].tobytes()  # nothing changed
-
-
 def _pool_pick_ref(r, touched, ch, pool, floor, k, cut_above, cut_to, full):
     """pool_pick in NumPy: the rule of stella_ps/broadcast.py, "Selecting without reading all of R"."""
     r[touched] += ch

@@ -144,10 +144,12 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize("n", [3_000, 70_001])  # below and above the pass's tiles (4096 floats)
-def test_a_selection_that_adds_a_sparse_change_matches_the_scatter_then_the_pass(n):
-    """stella_ef_topk_add (the broadcast's step): the same selection, residual and carried
-    thresholds, bit for bit, as adding the change and then selecting; at densities from
-    none to all, a change that cancels a value exactly (to 0 and -0), k from 1 to n."""
+def test_a_selection_that_adds_sparse_changes_matches_the_scatters_then_the_pass(n):
+    """stella_ef_topk_add (the broadcast's step: the last message's coding error, then
+    the step's change): the same selection, residual and carried thresholds, bit for bit,
+    as adding the changes one after the other and then selecting; at densities from none
+    to all, with changes that meet at some coordinates, one that cancels a value exactly
+    (to 0 and -0), k from 1 to n."""
     from stella.topk import Selector
 
     rng = np.random.default_rng(5)
@@ -159,13 +161,16 @@ def test_a_selection_that_adds_a_sparse_change_matches_the_scatter_then_the_pass
             fused = plain.copy()
             sp, sf = Selector(seed=9), Selector(seed=9)
             for step in range(4):
-                idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
-                ch = (rng.standard_normal(idx.size) * (1 + step)).astype(np.float32)
-                if idx.size > 1:
-                    ch[0], ch[1] = -plain[idx[0]], -np.float32(0.0)
-                plain[idx] += ch
+                adds = []
+                for part in range(1 + step % 3):  # 1, 2 or 3 lists
+                    idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
+                    ch = (rng.standard_normal(idx.size) * (1 + step) * 10.0**-part).astype(np.float32)
+                    if idx.size > 1 and part == 0:
+                        ch[0], ch[1] = -plain[idx[0]], -np.float32(0.0)
+                    plain[idx] += ch
+                    adds.append((idx, ch))
                 ip, vp = sp.take(plain, k)
-                i_f, vf = sf.take(fused, k, add=(idx, ch))
+                i_f, vf = sf.take(fused, k, adds=adds)
                 case = (n, density, k, step)
                 assert _same_bits(ip, i_f) and _same_bits(vp, vf), case
                 assert _same_bits(plain, fused) and sp.threshold == sf.threshold, case
@@ -189,10 +194,13 @@ def test_a_bad_sparse_change_is_refused_before_anything_is_written():
         "lengths": (good_idx, np.ones(2, np.float32)),
     }
     for what, add in bad.items():
-        with pytest.raises(ValueError):
-            select.ef_select(res, None, 100, 1, select.TopkState(), 4096, 1, add=add)  # type: ignore[arg-type]
-        assert _same_bits(res, before), what
+        for adds in ([add], [(good_idx, good_val), add]):  # a good list before a bad one is not added either
+            with pytest.raises(ValueError):
+                select.ef_select(res, None, 100, 1, select.TopkState(), 4096, 1, adds=adds)  # type: ignore[arg-type]
+            assert _same_bits(res, before), what
+    with pytest.raises(ValueError, match="at most"):
+        select.ef_select(res, None, 100, 1, select.TopkState(), 4096, 1, adds=[(good_idx, good_val)] * 5)
     for unit, grad in ((BLOCK, None), (1, np.zeros_like(res))):  # blocks, or a gradient as well: not offered
         with pytest.raises(ValueError, match="unit 1 and no grad"):
-            select.ef_select(res, grad, 100, unit, select.TopkState(), 4096, 1, add=(good_idx, good_val))
+            select.ef_select(res, grad, 100, unit, select.TopkState(), 4096, 1, adds=[(good_idx, good_val)])
         assert _same_bits(res, before)

@@ -11,6 +11,8 @@ releases the GIL.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ._native import ffi, lib
@@ -18,10 +20,12 @@ from .native_errors import check, require_abi
 
 require_abi(lib, "stella._native")
 
-__all__ = ["BLOCK", "TopkState", "SelectStats", "ef_select", "kth_largest_abs"]
+__all__ = ["BLOCK", "MAX_ADDS", "TopkState", "SelectStats", "ef_select", "kth_largest_abs"]
 
 BLOCK: int = lib.STELLA_BLOCK
 """Floats per block of the "block" method (native/cdefs/compress.h)."""
+MAX_ADDS: int = lib.STELLA_TOPK_MAX_ADDS
+"""Sparse changes one :func:`ef_select` call may add as it goes."""
 
 _STAT_FIELDS = ("passes", "estimates", "trims", "givebacks", "units", "exact_fallback")
 
@@ -71,16 +75,17 @@ def _check_pair(res, grad) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
-              stats: SelectStats | None = None, add: tuple[np.ndarray, np.ndarray] | None = None):
+              stats: SelectStats | None = None, adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()):
     """``res += grad`` (grad may be None); select about ``k_units`` units of largest
     magnitude (``unit`` 1: floats by ``|res|``; :data:`BLOCK`: whole blocks by squared
     norm), returned as sorted element indices; zero them in res. ``nsample`` units are
     sampled for the first threshold; ``state`` is updated, ``stats`` filled when given.
 
-    ``add``: a sparse change ``(indices, values)`` to add to ``res`` first (int32
-    indices, strictly increasing and in range; float32 values; unit 1, no ``grad``).
-    The result is the same, bit for bit, as ``res[indices] += values`` and then the
-    call without it; the first pass adds it a tile at a time as it goes.
+    ``adds``: sparse changes ``(indices, values)`` to add to ``res`` first, one after
+    another (at most :data:`MAX_ADDS`; int32 indices, strictly increasing and in range;
+    float32 values; unit 1, no ``grad``). The result is the same, bit for bit, as
+    ``res[indices] += values`` for each and then the call without them; the first pass
+    adds them a tile at a time as it goes.
 
     Returns (indices int32, values float32).
     """
@@ -89,8 +94,10 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
         raise ValueError(f"unit must be 1 or {BLOCK}, got {unit}")
     if not isinstance(state, TopkState):
         raise TypeError("state must be a TopkState")
-    if add is not None and (unit != 1 or g is not None):
-        raise ValueError("add: unit 1 and no grad only")
+    if adds and (unit != 1 or g is not None):
+        raise ValueError("adds: unit 1 and no grad only")
+    if len(adds) > MAX_ADDS:
+        raise ValueError(f"adds: at most {MAX_ADDS} lists")
     n = r.shape[0]
     nu = n if unit == 1 else (n + BLOCK - 1) // BLOCK
     k_units = max(1, min(int(k_units), nu))
@@ -106,18 +113,21 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
     out = ffi.new("stella_topk_out *", {"idx": bufs[0], "val": bufs[1], "score": bufs[2], "cap_units": cap})
     res_c = ffi.from_buffer("float[]", r, require_writable=True)
     stats_c = ffi.NULL if stats is None else stats._c
-    if add is None:
+    if not adds:
         grad_c = ffi.NULL if g is None else ffi.from_buffer("float[]", g)
         rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, stats_c)
         check(lib, rc, "stella_ef_topk", ValueError)
     else:
-        ai, av = add
-        if not (isinstance(ai, np.ndarray) and isinstance(av, np.ndarray) and ai.dtype == np.int32
-                and av.dtype == np.float32 and ai.ndim == av.ndim == 1 and ai.shape == av.shape
-                and ai.flags.c_contiguous and av.flags.c_contiguous):
-            raise ValueError("add: 1-D contiguous int32 indices and float32 values of one length")
-        rc = lib.stella_ef_topk_add(res_c, n, ffi.from_buffer("int32_t[]", ai), ffi.from_buffer("float[]", av),
-                                    ai.shape[0], args, state._c, out, stats_c)
+        lists = ffi.new("stella_topk_add[]", len(adds))
+        keep = []  # the buffers, alive through the call
+        for lst, (ai, av) in zip(lists, adds):
+            if not (isinstance(ai, np.ndarray) and isinstance(av, np.ndarray) and ai.dtype == np.int32
+                    and av.dtype == np.float32 and ai.ndim == av.ndim == 1 and ai.shape == av.shape
+                    and ai.flags.c_contiguous and av.flags.c_contiguous):
+                raise ValueError("adds: 1-D contiguous int32 indices and float32 values of one length")
+            keep += [ffi.from_buffer("int32_t[]", ai), ffi.from_buffer("float[]", av)]
+            lst.idx, lst.val, lst.n = keep[-2], keep[-1], ai.shape[0]
+        rc = lib.stella_ef_topk_add(res_c, n, lists, len(adds), args, state._c, out, stats_c)
         check(lib, rc, "stella_ef_topk_add", ValueError)
     return idx[:rc], val[:rc]
 

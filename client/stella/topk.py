@@ -5,6 +5,8 @@ compressed broadcast (:mod:`stella_ps.broadcast`) selects from its residual with
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from . import _select_native as _select
@@ -28,15 +30,16 @@ class Selector:
         return float(self._state._c.last_threshold)
 
     def take(self, residual: np.ndarray, k: int,
-             add: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+             adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The sorted indices (int32) and values (float32) of about ``k`` of ``residual``'s
         largest magnitudes (within 10%, fewer when fewer are nonzero); they become zero
-        in ``residual`` (a contiguous 1-D float32 array, changed in place). ``add``
-        (sorted unique int32 indices, float32 values) is added to ``residual`` first,
-        in the same pass: the result is that of ``residual[i] += v`` and then ``take``."""
+        in ``residual`` (a contiguous 1-D float32 array, changed in place). ``adds``
+        (each sorted unique int32 indices and float32 values) are added to ``residual``
+        first, in the same pass: the result is that of ``residual[i] += v`` for each, in
+        order, and then ``take``."""
         n = residual.shape[0]
         k = max(1, min(int(k), n))
         self._calls += 1
         seed = (self._seed * 0x9E3779B97F4A7C15 + self._calls) & 0xFFFFFFFFFFFFFFFF
         sample = min(n, max(4096, min(65536, 400 * n // k)))
-        return _select.ef_select(residual, None, k, 1, self._state, sample, seed, add=add)
+        return _select.ef_select(residual, None, k, 1, self._state, sample, seed, adds=adds)

@@ -40,10 +40,19 @@ typedef struct {
  * may be NULL. */
 int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
                        stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats);
-/* res[add_idx[j]] += add_val[j] (j < add_n; add_idx strictly increasing, in [0, n)), then
- * stella_ef_topk(res, NULL, ...): the same result bit for bit, the change added tile by
- * tile in the first pass. unit 1 only. */
-int64_t stella_ef_topk_add(float *res, int64_t n, const int32_t *add_idx, const float *add_val, int64_t add_n,
+/* A sparse change for stella_ef_topk_add: n sorted, unique indices in [0, n of the
+ * tensor) and their values. */
+#define STELLA_TOPK_MAX_ADDS 4
+typedef struct {
+    const int32_t *idx;
+    const float *val;
+    int64_t n;
+} stella_topk_add;
+
+/* res[adds[l].idx[j]] += adds[l].val[j] for each list l < nadds (at most
+ * STELLA_TOPK_MAX_ADDS) in order, then stella_ef_topk(res, NULL, ...): the same result bit
+ * for bit, the lists added tile by tile in the first pass. unit 1 only. */
+int64_t stella_ef_topk_add(float *res, int64_t n, const stella_topk_add *adds, int32_t nadds,
                            const stella_topk_args *args, stella_topk_state *state, const stella_topk_out *out,
                            stella_topk_stats *stats);
 float stella_kth_largest_abs(const float *v, int64_t n, int64_t k);

@@ -69,10 +69,6 @@ int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, f
                         int32_t nthreads);
 /* dst[idx[j]] += src[j] (idx in [0, numel), checked first: nothing changes on a bad one). */
 int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const float *src, int64_t n);
-/* The broadcast's message, sent: res[idx[j]] += val[j] - q[j] and model[idx[j]] += q[j] (val: what was
- * selected, q: what a receiver decodes), float32, in one pass; idx checked first as above. */
-int stella_scatter_sent(float *res, float *model, int64_t numel, const int32_t *idx, const float *val,
-                        const float *q, int64_t n);
 /* The broadcast's candidate pool (pool.c): r[touched] += ch; of the touched and pool coordinates
  * (each list sorted, unique, in range) those with |r| >= floor and not 0 are candidates; the top k of
  * them (all, when fewer and full) go to sel/val (sorted; room for k + 1) and are zeroed in r; the others to rest

@@ -46,7 +46,7 @@ from stella import codec
 from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
-from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_sent, union_indices
+from .kernel import pool_pick, pool_scratch_len, scatter_add, union_indices
 from .runtime import TensorPool
 
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
@@ -122,8 +122,12 @@ class Broadcast:
         self.factor = factor
         self.dense_below = dense_below
         self.model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
-        self.residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual] if residual is not None
-                         else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
+        self._residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual]
+                          if residual is not None else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
+        # what R is still owed of each tensor's last message: (its indices, the coding's error there), added by
+        # the next step's streaming pass as it goes (R's lines are read there anyway) rather than by a scattered
+        # write now; every other reader of R (the residual property, the pool) adds it first
+        self._pending: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.layout)
         self._counts = [0.0] * len(self.layout)  # each tensor's budget: the mean push count last seen
         self._selectors = [Selector(seed=0x5EED + t) for t in range(len(self.layout))]
         # each tensor's candidate pool: (sorted indices, floor), None until a full pass builds it
@@ -137,11 +141,25 @@ class Broadcast:
         self._messages: deque[Message] = deque(maxlen=history)
         self._valid_from = 0  # a replica older than this version gets a snapshot (resync)
 
+    @property
+    def residual(self) -> list[np.ndarray]:
+        """``R``, one float32 array per tensor (what the exact model is owed beyond ``B``)."""
+        for t in range(len(self.layout)):
+            self._settle(t)
+        return self._residual
+
+    def _settle(self, t: int) -> None:
+        """Add tensor ``t``'s pending coding error to its residual."""
+        pending, self._pending[t] = self._pending[t], None
+        if pending is not None:
+            scatter_add(self._residual[t], *pending)
+
     def step(self, version: int, touched: Sequence[np.ndarray],
              changes: Sequence[np.ndarray] | Callable[[int], np.ndarray],
              push_counts: Sequence[float], pool: TensorPool | None = None) -> StepLog:
-        """After the step that made ``version``: ``R[touched[t]] += changes[t]`` (the exact
-        model's change; or ``changes(t)``, computed on the tensor's thread), select and
+        """After the step that made ``version``: ``R[touched[t]] += changes[t]`` (sorted
+        unique int32 indices; the exact model's change, or ``changes(t)``, computed on
+        the tensor's thread), select and
         code each tensor's message (``push_counts[t]``: the mean count of the step's
         pushes for tensor t, 0 if none touched it), add it to ``B``, keep the rest in
         ``R``; returns what it did (for a checkpoint's replay). The tensors are
@@ -149,7 +167,7 @@ class Broadcast:
 
         def one(t: int) -> tuple[np.ndarray | None, np.ndarray, tuple[list[TensorEntry], list[Any]] | None,
                                  np.ndarray]:
-            r, idx = self.residual[t], touched[t]
+            r, idx = self._residual[t], touched[t]
             ch = changes(t) if callable(changes) else changes[t]
             if idx.size:
                 self._owed[t] = True
@@ -202,16 +220,22 @@ class Broadcast:
         pool = self._pools[t]
         picked: _Picked | None = None
         use_pool = self._pool_fits(touched.size, k, numel)
-        # the change not yet in r: a streaming pass adds it as it goes (Selector.take's add), anything else first
-        add: tuple[np.ndarray, np.ndarray] | None = None
+        # what r is owed and not yet added: the last message's coding error, then this step's change; a streaming
+        # pass adds them as it goes (Selector.take's adds), anything else adds them first
+        pending, self._pending[t] = self._pending[t], None
+        adds: list[tuple[np.ndarray, np.ndarray]] = [] if pending is None else [pending]
         if use_pool and pool is not None and k > 0 and self._owed[t]:  # the change added in the same sweep
+            if pending is not None:
+                scatter_add(r, *pending)
             picked = pool_pick(r, touched, changes, pool[0], pool[1], k, cut_above=POOL_MAX * k,
                                cut_to=POOL_FACTOR * k, scratch=self._scratch_for(t, touched.size + pool[0].size))
+            adds = []
         elif touched.size:
-            add = (touched, changes)
-        if add is not None and (numel < self.dense_below or k <= 0 or not self._owed[t]):
-            scatter_add(r, *add)
-            add = None
+            adds.append((touched, changes))
+        if adds and (numel < self.dense_below or k <= 0 or not self._owed[t]):
+            for a in adds:
+                scatter_add(r, *a)
+            adds = []
         if numel < self.dense_below:
             if not r.any():
                 return None, np.zeros(0, np.float32)
@@ -224,16 +248,21 @@ class Broadcast:
         if picked is None and not use_pool:  # one pass, no pool
             self._pools[t] = None
             self.full_passes[t] += 1
-            idx, v = self._selectors[t].take(r, k, add=add)
+            idx, v = self._selectors[t].take(r, k, adds=adds)
             picked = (idx, v, None, 0.0)
         if picked is None:  # no pool yet, or it ran dry
-            picked = self._full_pass(t, r, k, numel, add)
+            picked = self._full_pass(t, r, k, numel, adds)
         idx, v, rest, floor = picked
         q = self._coded(v, self.coding)
-        # the coding's error stays owed (exact for f16/bf16); B gains what the replicas decode
-        scatter_sent(r, self.model[t], idx, v, q)
+        # B gains what the replicas decode; the coding's error stays owed (exact for f16/bf16): r is 0 at the
+        # sent coordinates (the selection zeroed them), so the error is what the next step adds there
+        scatter_add(self.model[t], idx, q)
+        err = v - q
+        owed = err != 0
+        if owed.any():
+            self._pending[t] = (idx[owed], err[owed])
         if rest is not None:
-            big = idx[np.abs(v - q) > floor]  # an error above the floor joins the pool
+            big = idx[np.abs(err) > floor]  # an error above the floor joins the pool
             self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
         return idx, q
 
@@ -256,15 +285,15 @@ class Broadcast:
         return touched + numel // PASS_PER_ACCESS
 
     def _full_pass(self, t: int, r: np.ndarray, k: int, numel: int,
-                   add: tuple[np.ndarray, np.ndarray] | None = None) -> _Picked:
-        """The streaming top-k over the whole residual (after adding ``add``, the step's
-        change, in the same pass): about POOL_FACTOR x k of the largest, everything else
+                   adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> _Picked:
+        """The streaming top-k over the whole residual (after adding ``adds``, what it
+        is owed, in the same pass): about POOL_FACTOR x k of the largest, everything else
         at most their threshold; given back to ``r``, they are the new pool, and its top
         k the selection."""
         self.full_passes[t] += 1
         want = min(numel, POOL_FACTOR * k)
         sel = self._selectors[t]
-        idx, v = sel.take(r, want, add=add)
+        idx, v = sel.take(r, want, adds=adds)
         r[idx] = v  # the same floats back: the pool holds them
         picked = pool_pick(r, _NONE_I, _NONE_F, idx, sel.threshold, k, cut_above=POOL_MAX * k,
                            cut_to=POOL_FACTOR * k, full=True, scratch=self._scratch_for(t, idx.size))
@@ -306,7 +335,8 @@ class Broadcast:
         no message reaches a replica at ``version`` or before, so every replica's next
         pull is a snapshot of ``B``."""
         for t, x in enumerate(exact):
-            self.residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), self.model[t], dtype=np.float32)
+            self._residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), self.model[t], dtype=np.float32)
+        self._pending = [None] * len(self.layout)
         self._owed = [True] * len(self.layout)
         self._pools = [None] * len(self.layout)
         self._messages.clear()

@@ -38,7 +38,6 @@ __all__ = [
     "get_num_threads",
     "union_indices",
     "scatter_add",
-    "scatter_sent",
     "pool_pick",
     "pool_scratch_len",
     "state_bytes",
@@ -411,22 +410,6 @@ def scatter_add(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     rc = lib.stella_scatter_add(out, dst.shape[0], ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", src),
                                 idx.shape[0])
     check(lib, rc, "scatter_add: an index out of range", _INPUT_ERRORS)
-
-
-def scatter_sent(res: np.ndarray, model: np.ndarray, idx: np.ndarray, val: np.ndarray, q: np.ndarray) -> None:
-    """``res[idx] += val - q`` and ``model[idx] += q`` in one C pass, in float32: the
-    broadcast's residual keeps the coding's error of what it sent, its model gains what
-    the receivers decode (both flat, contiguous, writable float32 arrays of one size;
-    ``idx`` int32 in range; ``val`` and ``q`` float32 of its length)."""
-    res_out, model_out = _out_f32(res, "scatter_sent: res"), _out_f32(model, "scatter_sent: model")
-    if model.shape != res.shape:
-        raise KernelInputError("scatter_sent: res and model differ in size")
-    idx, val, q = (np.ascontiguousarray(idx, np.int32), np.ascontiguousarray(val, F32), np.ascontiguousarray(q, F32))
-    if idx.ndim != 1 or val.shape != idx.shape or q.shape != idx.shape:
-        raise KernelInputError(f"scatter_sent: {idx.shape[0]} indices for {val.size} and {q.size} values")
-    rc = lib.stella_scatter_sent(res_out, model_out, res.shape[0], ffi.from_buffer("int32_t[]", idx),
-                                 ffi.from_buffer("float[]", val), ffi.from_buffer("float[]", q), idx.shape[0])
-    check(lib, rc, "scatter_sent: an index out of range", _INPUT_ERRORS)
 
 
 def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.ndarray:
