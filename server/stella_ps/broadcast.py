@@ -257,10 +257,9 @@ class Broadcast:
         # B gains what the replicas decode; the coding's error stays owed (exact for f16/bf16): r is 0 at the
         # sent coordinates (the selection zeroed them), so the error is what the next step adds there
         scatter_add(self.model[t], idx, q)
-        err = v - q
-        owed = err != 0
-        if owed.any():
-            self._pending[t] = (idx[owed], err[owed])
+        err = v - q  # never -0 (x - x is +0), so a zero here adds nothing to r's +0: no need to drop the zeros
+        if self.coding != "f32":  # (f32: q is v)
+            self._pending[t] = (idx, err)
         if rest is not None:
             big = idx[np.abs(err) > floor]  # an error above the floor joins the pool
             self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
