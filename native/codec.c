@@ -286,10 +286,11 @@ static int64_t dec_rice(const uint8_t *buf, int64_t len, int64_t count, int64_t 
     const uint64_t mask = (UINT64_C(1) << b) - 1;
     int64_t prev = -1;
     for (int64_t i = 0; i < count; i++) {
-        /* Fast path: one 8-byte load holds at least 57 bits from pos, so a code of
-         * q + 1 + b <= 57 bits (nearly all of them) is read from it alone; the index
-         * check also catches q > qmax. The general loop below handles the rest and
-         * the last bytes. */
+        /* Fast path: one 8-byte load holds at least 57 bits from pos, and every code
+         * that lies whole in them (q + 1 + b bits; nearly all codes, several a load) is
+         * read from the register: the chain from one code to the next is a count of
+         * trailing zeros and a shift, no load. The index check also catches q > qmax.
+         * The general loop below handles the rest and the last bytes. */
         if (STELLA_LIKELY((pos >> 3) + 8 <= nbytes)) {
             uint64_t w;
             memcpy(&w, s + (pos >> 3), 8);
@@ -297,30 +298,23 @@ static int64_t dec_rice(const uint8_t *buf, int64_t len, int64_t count, int64_t 
             w = __builtin_bswap64(w);
 #endif
             w >>= pos & 7;
-            if (STELLA_LIKELY(w != 0)) {
+            int avail = 57;
+            const int64_t i0 = i;
+            while (i < count && w != 0) {
                 const int z = __builtin_ctzll(w);
-                if (STELLA_LIKELY(z + 1 + b <= 57)) {
-                    const uint64_t r = (w >> (z + 1)) & mask;
-                    pos += z + 1 + b;
-                    int64_t x = prev + 1 + (int64_t)(((uint64_t)z << b) | r);
-                    if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
-                    out[i] = (int32_t)x;
-                    prev = x;
-                    /* and the next code too, when it lies whole in the same 57 bits */
-                    const int left = 57 - (z + 1 + b);
-                    const uint64_t w2 = w >> (z + 1 + b);
-                    if (i + 1 < count && w2 != 0) {
-                        const int z2 = __builtin_ctzll(w2);
-                        if (z2 + 1 + b <= left) {
-                            pos += z2 + 1 + b;
-                            x = prev + 1 + (int64_t)(((uint64_t)z2 << b) | ((w2 >> (z2 + 1)) & mask));
-                            if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
-                            out[++i] = (int32_t)x;
-                            prev = x;
-                        }
-                    }
-                    continue;
-                }
+                const int n = z + 1 + b;
+                if (n > avail) break;
+                const int64_t x = prev + 1 + (int64_t)(((uint64_t)z << b) | ((w >> (z + 1)) & mask));
+                if (STELLA_UNLIKELY(x >= numel)) return STELLA_E_CORRUPT;
+                out[i++] = (int32_t)x;
+                prev = x;
+                pos += n;
+                avail -= n;
+                w >>= n; /* n <= avail <= 57 */
+            }
+            if (STELLA_LIKELY(i > i0)) {
+                i--; /* the loop's i++ */
+                continue;
             }
         }
         uint64_t q = 0;
