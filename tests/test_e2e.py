@@ -19,13 +19,14 @@ _ok, _why = netns_available()
 @pytest.mark.timeout(600)  # up to max_seconds=120 of training per run, plus start-up on a busy machine
 @pytest.mark.parametrize(("mode", "staleness"), [("update", 1), ("gradient", 1), ("gradient", 0)])
 def test_stella_runner_trains_digits_through_a_real_server(mode, staleness, tmp_path):
-    res = run_stella("digits", steps=120, max_seconds=120, eval_every=20, staleness=staleness, mode=mode,
+    res = run_stella("digits", steps=160, max_seconds=120, eval_every=20, staleness=staleness, mode=mode,
                      log_dir=str(tmp_path))
     assert res["ok"], res.get("error")
-    assert res["steps"] == 120
+    assert res["steps"] == 160
     accs = [e["metric"] for e in res["evals"]]
     assert accs[0] < 0.2  # untrained CNN: chance level
-    assert max(accs) >= 0.8, accs  # both modes, overlapped or not, really train
+    assert max(accs) >= 0.8, accs  # both modes, overlapped or not, really train (160 steps: at 120 the
+    # gradient mode, still climbing, ended at 0.81-0.94 in 22 runs here and 0.74 in one CI run; at 160, 0.93-0.95)
     assert res["iter_median"] > 0 and 0 <= res["net_wait_fraction"] <= 1
     assert res["compress_s_per_iter"] > 0 and res["exchange_s_per_iter"] > 0
     assert all(0.001 <= d <= 0.1 for d in res["final_density"])  # density="auto" stays in its range
