@@ -43,7 +43,7 @@ $(STAMP): $(PY) pyproject.toml setup.py $(NATIVE)
 demo: $(STAMP)
 	$(VENV)/bin/stella demo
 
-# lint: ruff over everything Python, mypy over client/ and server/ (strict on the wire schema and
+# lint: ruff over everything Python, mypy over client/, server/ and bench/ (strict on the wire schema and
 # the server's policy modules); configured in pyproject.toml; part of `make test`
 lint: $(STAMP)
 	$(VENV)/bin/ruff check client server bench tests docker

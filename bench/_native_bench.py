@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import pathlib
 import sys
+import types
 from functools import cache
 
 import numpy as np
@@ -25,11 +26,20 @@ MODULE = "_stella_kernel_bench"
 __all__ = ["load", "state_class", "default_tuning", "set_tuning", "probe_random_rmw"]
 
 
-def _build_script():
-    spec = importlib.util.spec_from_file_location("_stella_build_cffi", NATIVE / "build_cffi.py")
+def _module_from(name: str, path: pathlib.Path, register: bool = False) -> types.ModuleType:
+    """Module ``name`` executed from the file ``path`` (in sys.modules first when ``register``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name} from {path}")
     mod = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def _build_script():
+    return _module_from("_stella_build_cffi", NATIVE / "build_cffi.py")
 
 
 @cache
@@ -45,9 +55,7 @@ def load():
         out.mkdir(parents=True, exist_ok=True)
         ffi = _build_script().builder(MODULE, ["optim", "bench"], defines=("STELLA_TUNABLE",), absolute=True)
         found = [pathlib.Path(ffi.compile(tmpdir=str(out), verbose=False))]
-    spec = importlib.util.spec_from_file_location(MODULE, found[0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _module_from(MODULE, found[0])
     sys.modules.setdefault(MODULE, mod)
     from stella.native_errors import require_abi
 
@@ -74,11 +82,7 @@ def state_class():
         sys.modules[pkg] = parent
         sys.modules[f"{pkg}._kernel"] = sys.modules[MODULE]
         sys.modules[f"{pkg}.errors"], sys.modules[f"{pkg}.optim"] = errors, optim
-        spec = importlib.util.spec_from_file_location(f"{pkg}.kernel", pathlib.Path(stella_ps.__file__).parent /
-                                                      "kernel.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
+        _module_from(f"{pkg}.kernel", pathlib.Path(stella_ps.__file__).parent / "kernel.py", register=True)
     return sys.modules[f"{pkg}.kernel"].KernelTensorState
 
 

@@ -218,7 +218,7 @@ def run_system(system: System, scenario: str, workload: str, caps: Caps, *, seed
 
             bed = WanTestbed(lk["links"], max_lifetime=caps.max_seconds + 420).start()
             out["bed_epoch"] = time.time() - bed.elapsed()
-        common = dict(world=2, steps=caps.max_steps, max_seconds=caps.max_seconds, bed=bed,
+        common: dict[str, Any] = dict(world=2, steps=caps.max_steps, max_seconds=caps.max_seconds, bed=bed,
                       sites=["a", "b"] if bed else None, seed=seed, eval_every=caps.eval_every,
                       stop_at_target=caps.stop_at_target, log_dir=log_dir)
         if system.kind == "ddp":

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 from bench.harness import (
     IterRecorder,
@@ -73,11 +74,11 @@ def serialized_hook(hook):
     """
     import torch
 
-    state_box = {"prev": None}
+    state_box: dict[str, Any] = {"prev": None}
 
     def wrapped(state, bucket):
         prev = state_box["prev"]
-        out = torch.futures.Future()
+        out: torch.futures.Future = torch.futures.Future()
 
         def start(_=None):
             try:
@@ -121,7 +122,7 @@ def _patch_orthogonalize_2d(ps_module):
             return orig(matrices.unsqueeze(0), epsilon)
         return orig(matrices, epsilon)
 
-    _orthogonalize._stella_2d = True
+    _orthogonalize._stella_2d = True  # type: ignore[attr-defined]
     ps_module._orthogonalize = _orthogonalize
 
 
@@ -298,9 +299,10 @@ def run_ddp(workload: str, system: str, *, world: int = 2, steps: int = 50, max_
         argvs.append(argv)
     procs = launch_workers(argvs, tmp, bed=bed, sites=sites)
     rcs = wait_workers(procs, max_seconds + 120)
-    ranks = collect_ranks(tmp, world)
-    if any(x is None for x in ranks):
+    found = collect_ranks(tmp, world)
+    if any(x is None for x in found):
         return {"system": system, "workload": workload, "ok": False, "error": log_tails(tmp, rcs), "log_dir": tmp}
+    ranks = [k for k in found if k is not None]
     res = summarize(system, workload, ranks, wl)
     res["log_dir"] = tmp
     return res

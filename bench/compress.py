@@ -89,6 +89,7 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             if step >= w:
                 times.append(time.perf_counter() - t)
             del g
+        assert acc is not None and sg is not None  # the last step set them
         if topk_s is None:
             topk_s = _time_topk(acc, k, topk_reps)
         exact_sq = float(torch.topk(acc.abs(), k, sorted=False).values.double().square().sum())

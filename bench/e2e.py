@@ -242,7 +242,7 @@ def goal_ratios(results: list[dict]) -> list[dict]:
     rows = {(r.get("workload"), r.get("rate_mbit"), r.get("system")): r for r in results if r.get("ok")}
     out = []
     for (wl, rate, system), st in sorted(rows.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0, kv[0][2])):
-        if not system.startswith("stella"):
+        if not str(system).startswith("stella"):
             continue
         comp = st.get("compute_median")
         speedup = {}
@@ -332,13 +332,13 @@ def main(argv=None):
     if a.from_json:
         with open(a.from_json) as f:
             saved = json.load(f)
-        results = saved["results"]
-        print(table(results))
+        saved_results = saved["results"]
+        print(table(saved_results))
         if a.plot:
-            plot(results, a.plot)
+            plot(saved_results, a.plot)
         if a.results_md:
-            write_results_md(results, a.results_md, saved["command"], a.plot, {"ps": saved.get("ps_rate", a.ps_rate)},
-                             saved.get("started", "?"), saved.get("loads", ""))
+            write_results_md(saved_results, a.results_md, saved["command"], a.plot,
+                             {"ps": saved.get("ps_rate", a.ps_rate)}, saved.get("started", "?"), saved.get("loads", ""))
         return 0
     started = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
     load_start = os.getloadavg()

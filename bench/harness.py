@@ -161,6 +161,7 @@ def launch_workers(argvs: Sequence[Sequence[str]], log_dir: str, *, bed=None,
         for r, argv in enumerate(argvs):
             with open(os.path.join(log_dir, f"rank{r}.log"), "w") as log:
                 if bed is not None:
+                    assert sites is not None, "a test bed needs each rank's site"
                     p = bed.popen(sites[r], list(argv), rank=r, world=world, stdout=log, stderr=subprocess.STDOUT,
                                   cwd=REPO)
                 else:

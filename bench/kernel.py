@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -139,6 +140,7 @@ def torch_dense_step(init: torch.Tensor, cfg: OptimizerConfig, union: np.ndarray
     p.grad = torch.zeros_like(p)
     p.grad[torch.from_numpy(union)] = torch.from_numpy(g)
     h = cfg.hparams
+    opt: torch.optim.Optimizer
     if cfg.name == "sgd":
         opt = torch.optim.SGD([p], lr=h["lr"], momentum=h["momentum"])
     else:
@@ -226,7 +228,7 @@ def run_case(rows, name, numel, density, workers, bw, reps, torch_reps=2, seed=0
 
     def run(apply_fn, n_reps):
         apply_fn(sets[0])  # warm-up (allocations, first touch)
-        best = (0.0, 0.0, None, None)
+        best: tuple[float, float, Any, Any] = (0.0, 0.0, None, None)
         for pushes in sets[1:1 + n_reps]:
             wall, cpu, u = timed(lambda pushes=pushes: apply_fn(pushes))
             u = np.asarray(u)
@@ -305,7 +307,7 @@ def explore(rows, numel, bw, reps, names=("adamw", "sgd"), density=0.01, variant
                 states[huge] = TunableState(init, cfg, hugepages=huge)
         for st_ in states.values():
             st_.apply(make_pushes(rng, numel, density, 4), 0.25, cfg)
-        best = dict.fromkeys(variants, (0.0, 0.0, None))
+        best: dict[Any, tuple[float, float, Any]] = dict.fromkeys(variants, (0.0, 0.0, None))
         for rep in range(reps):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for v in order:

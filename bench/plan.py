@@ -334,7 +334,7 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
     sites' links, the server's site at 1000 Mbit/s, all on one shared host (this machine's
     cores)."""
     slow = r.slowdown or [1.0] * r.world
-    kinds = {}
+    kinds: dict[float, int] = {}
     for f in slow:
         kinds[f] = kinds.get(f, 0) + 1
     cat = P.catalog_from_dict({
@@ -561,7 +561,7 @@ def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
     deadline = DEADLINE_H * 3600.0
     out: dict[str, Any] = {"model": prof.model, "compute_s": compute_s, "deadline_h": deadline / 3600,
                            "prices": cat.prices_note}
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for label, c in (("on-premises only", restricted(cat, lambda k: k.onprem)),
                      ("cloud only", restricted(cat, lambda k: not k.onprem)),
                      ("hybrid", cat)):
@@ -912,6 +912,11 @@ def machine() -> str:
     return f"{platform.node()}: {_machine()}, Linux {platform.release()}, Python {platform.python_version()}"
 
 
+
+def _jsonable(o: Any) -> Any:
+    """What json.dump writes for an object it does not know: a dataclass's fields, else its text."""
+    return dataclasses.asdict(o) if dataclasses.is_dataclass(o) and not isinstance(o, type) else str(o)
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd")
@@ -962,7 +967,7 @@ def main(argv=None) -> int:
     out["chaos"] = chaos_check()
     out["planning"] = planning_speed()
     with open(a.json, "w") as f:
-        json.dump(out, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+        json.dump(out, f, indent=1, default=_jsonable)
     print(f"\nwrote {a.json}, bench/plan_pareto.png")
     if not a.scenarios_only:
         goal = out["held_out_mape"] <= 15 and out["held_out_max_error"] <= 30

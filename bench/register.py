@@ -24,6 +24,7 @@ import contextlib
 import json
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from bench.harness import loadavg, start_shards
 from stella import Client
 from stella.protocol import Register, Registered, TensorSpec
 
-OPTIMIZER = {"name": "sgd", "lr": 0.1}
+OPTIMIZER: dict[str, Any] = {"name": "sgd", "lr": 0.1}
 
 
 def _register_all(clients: list[Client], model: dict[str, np.ndarray], how: str) -> float:
@@ -39,6 +40,7 @@ def _register_all(clients: list[Client], model: dict[str, np.ndarray], how: str)
         c.register(model, OPTIMIZER)
 
     def each_sends(c: Client) -> None:  # the values with the registration, at once
+        assert c.worker_id is not None  # joined
         layout = [TensorSpec(n, tuple(t.shape), "float32") for n, t in model.items()]
         msg = Register(worker=c.worker_id, tensors=layout, optimizer=OPTIMIZER, values=True)
         c._session.request(msg, Registered, list(model.values()))
@@ -63,7 +65,8 @@ def run(workers: int, numel: int, how: str) -> dict:
                    for _ in range(workers)]
         wall = _register_all(clients, model, how)
         st = clients[0].status()
-        if st.workers != sorted(c.worker_id for c in clients):
+        ids = sorted(c.worker_id for c in clients if c.worker_id is not None)
+        if len(ids) != len(clients) or st.workers != ids:
             raise RuntimeError(f"not every worker registered: {st.workers}")
     return {"workers": workers, "numel": numel, "how": how, "wall_s": round(wall, 3),
             "bytes_in": st.bytes_in, "model_bytes": 4 * numel, "uploads": round(st.bytes_in / (4 * numel), 2)}

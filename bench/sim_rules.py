@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from typing import cast
 
 import torch
 
@@ -115,7 +116,7 @@ def run(workload, rule, steps, density, world=2, seed=0, staleness=1, log=print)
         for r in range(world):
             model.zero_grad()
             wl.loss(model, next(its[r])).backward()
-            grads.append([q.grad.detach().reshape(-1).clone() for q in params])
+            grads.append([cast(torch.Tensor, q.grad).detach().reshape(-1).clone() for q in params])  # all have one
         R.step(grads, wl.lr_at(t))
         hist.append([x.clone() for x in R.p])
         hist = hist[-(staleness + 1):]

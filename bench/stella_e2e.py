@@ -231,9 +231,10 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     if None in rcs:
         return {"ok": False, "error": f"stella job exceeded {max_seconds + 180:.0f} s\n{log_tails(tmp, rcs)}",
                 "log_dir": tmp}
-    ranks = collect_ranks(tmp, world)
-    if any(rcs) or None in ranks:
+    found = collect_ranks(tmp, world)
+    if any(rcs) or None in found:
         return {"ok": False, "error": f"stella workers exited {rcs}:\n{log_tails(tmp, rcs)}", "log_dir": tmp}
+    ranks = [k for k in found if k is not None]
     res = summarize("stella", workload, ranks, wl)
     res["density"] = density
     res.update(mode=mode, sync_every=sync_every, value_dtype=value_dtype, outer=outer, slowdown=slow,

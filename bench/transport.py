@@ -105,8 +105,9 @@ def main(argv=None) -> int:
         return 0
     if a.quick:
         a.rates, a.sizes, a.reps = "20,50", "224,288,352", 6
+    rows: list[dict] = []
     out = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": loadavg(),
-           "machine": machine(), "rows": []}
+           "machine": machine(), "rows": rows}
     print(f"bench.transport: {out['started']}, load {out['load_start']}, {out['machine']}")
     print("| Mbit/s | kB | queue kB | no-loss model ms | down ms (median) | tail-loss hits | extra / queue delay "
           "| up ms | drops up / down |")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     for rate in (float(x) for x in a.rates.split(",")):
         for kb in (int(x) for x in a.sizes.split(",")):
             r = measure(rate, kb * 1024, max(4, a.reps))
-            out["rows"].append(r)
+            rows.append(r)
             qdelay = r["queue_bytes"] * 8 / (rate * 1e6)
             print(f"| {rate:g} | {kb} | {r['queue_bytes'] / 1024:.0f} | {1e3 * r['base_s']:.1f} | "
                   f"{1e3 * r['down_s']:.1f} | {r['down_tail_hits']}/{r['reps']} | "

@@ -111,7 +111,8 @@ def stdlib_corpus(heldout_percent: int = 5) -> dict[str, np.ndarray]:
     """Concatenated bytes of the stdlib's ``.py`` files, split by file: a file is
     held out when ``sha1(relative path) % 100 < heldout_percent``."""
     root, files = _stdlib_files()
-    train, held = [], []
+    train: list[bytes] = []
+    held: list[bytes] = []
     for rel in files:
         with open(os.path.join(root, rel), "rb") as f:
             data = f.read() + b"\n\n"
@@ -153,6 +154,7 @@ class ByteLM(nn.Module):
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.01)
         for b in self.blocks:
+            assert isinstance(b, _Block)
             for lin in (b.qkv, b.proj, b.fc1, b.fc2):
                 nn.init.normal_(lin.weight, std=0.02)
                 nn.init.zeros_(lin.bias)

@@ -73,6 +73,7 @@ def transfer(bed, src: str, dst: str, duration: float, port: int = 5201) -> list
     recv = subprocess.Popen(["ip", "netns", "exec", dns, sys.executable, "-c", _RECV, daddr, str(port), str(limit)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     bed._procs.append(recv)
+    assert recv.stdout is not None and recv.stderr is not None  # both piped
     try:
         line = recv.stdout.readline()
         if line.strip() != "ready":
