@@ -222,16 +222,17 @@ class Broadcast:
         use_pool = self._pool_fits(touched.size, k, numel)
         # what r is owed and not yet added: the last message's coding error, then this step's change; a streaming
         # pass adds them as it goes (Selector.take's adds), anything else adds them first
-        pending, self._pending[t] = self._pending[t], None
-        adds: list[tuple[np.ndarray, np.ndarray]] = [] if pending is None else [pending]
+        adds: list[tuple[np.ndarray, np.ndarray]] = []
         if use_pool and pool is not None and k > 0 and self._owed[t]:  # the change added in the same sweep
-            if pending is not None:
-                scatter_add(r, *pending)
+            self._settle(t)
             picked = pool_pick(r, touched, changes, pool[0], pool[1], k, cut_above=POOL_MAX * k,
                                cut_to=POOL_FACTOR * k, scratch=self._scratch_for(t, touched.size + pool[0].size))
-            adds = []
-        elif touched.size:
-            adds.append((touched, changes))
+        else:
+            pending, self._pending[t] = self._pending[t], None
+            if pending is not None:
+                adds.append(pending)
+            if touched.size:
+                adds.append((touched, changes))
         if adds and (numel < self.dense_below or k <= 0 or not self._owed[t]):
             for a in adds:
                 scatter_add(r, *a)
