@@ -149,16 +149,6 @@ typedef struct {
     int32_t nlists;
 } adds_t;
 
-static inline int64_t lower_bound32(const int32_t *a, int64_t n, int64_t x) {
-    int64_t lo = 0, hi = n;
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (a[mid] < x) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
 /* samp[0..len) = res[s..s+len) with the adds that fall there, + 0 (a chunk at a time). */
 static void sample_with_adds(const float *res, const adds_t *ad, int64_t s, int64_t len, float *samp) {
     float raw[RUN];
@@ -167,7 +157,7 @@ static void sample_with_adds(const float *res, const adds_t *ad, int64_t s, int6
         memcpy(raw, res + c, (size_t)m * sizeof(float));
         for (int32_t l = 0; l < ad->nlists; l++) {
             const stella_topk_add *a = &ad->list[l];
-            for (int64_t j = lower_bound32(a->idx, a->n, c); j < a->n && a->idx[j] < c + m; j++)
+            for (int64_t j = stella_lower_bound(a->idx, a->n, c); j < a->n && a->idx[j] < c + m; j++)
                 raw[a->idx[j] - c] += a->val[j];
         }
         for (int64_t t = 0; t < m; t++) samp[c - s + t] = raw[t] + 0.f;

@@ -76,18 +76,6 @@ static inline uint32_t stream_head(const stream_t *s) {
     return s->idx ? (uint32_t)s->idx[s->pos] : (uint32_t)s->pos;
 }
 
-static inline int64_t lower_bound(const int32_t *a, int64_t n, int64_t x) {
-    int64_t lo = 0, hi = n;
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if ((int64_t)a[mid] < x)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
 /* The windowed merge of W >= 2 streams (merge.c explains it). */
 typedef struct {
     stream_t *s;

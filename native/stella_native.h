@@ -57,6 +57,19 @@ static inline float stella_bits_f32(uint32_t u) {
     return f;
 }
 
+/* The first position j of the sorted a[0..n) with a[j] >= x (n when none). */
+static inline int64_t stella_lower_bound(const int32_t *a, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)a[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* core.c, compiled into both modules. */
 int stella_abi_version(void);
 const char *stella_strerror(int rc);

@@ -190,8 +190,8 @@ static void run_range(range_job *job) {
         const stella_push *ps = &job->pushes[w];
         stream_t s = {ps->idx, ps->val, 0, 0, SENTINEL, ps->dtype};
         if (ps->idx) {
-            s.pos = lower_bound(ps->idx, ps->n, job->lo);
-            s.end = lower_bound(ps->idx, ps->n, job->hi);
+            s.pos = stella_lower_bound(ps->idx, ps->n, job->lo);
+            s.end = stella_lower_bound(ps->idx, ps->n, job->hi);
         } else {
             s.pos = job->lo;
             s.end = job->hi;
@@ -380,7 +380,7 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
         int64_t lo = cut[t], hi = cut[t + 1], cnt = 0;
         for (int w = 0; w < npush; w++) {
             const stella_push *p = &pushes[w];
-            cnt += p->idx ? lower_bound(p->idx, p->n, hi) - lower_bound(p->idx, p->n, lo) : hi - lo;
+            cnt += p->idx ? stella_lower_bound(p->idx, p->n, hi) - stella_lower_bound(p->idx, p->n, lo) : hi - lo;
         }
         if (cnt > hi - lo) cnt = hi - lo;
         jobs[t] = (range_job){st, pushes, npush, scale, cfg, lo, hi, (uint32_t *)out_idx + off,
