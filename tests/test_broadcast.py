@@ -10,6 +10,7 @@ import pytest
 from stella import Client
 from stella import checkpoint_file as ckfmt
 from stella.protocol import TensorSpec
+from stella_ps import broadcast as bmod
 from stella_ps.broadcast import Broadcast
 
 BIG, SMALL = 8192, 100  # a tensor that is selected from, and one that goes whole
@@ -180,6 +181,35 @@ def test_the_pool_selects_the_exact_top_k_without_a_pass_over_the_residual(codin
         np.testing.assert_array_equal(sent + b.residual[0], total)  # nothing lost, exactly
     else:
         np.testing.assert_allclose(sent + b.residual[0], total, atol=1e-5)
+
+
+@pytest.mark.parametrize("every", [1, 5, 0])
+def test_b_takes_its_messages_in_later_sweeps_with_the_same_floats(every):
+    """B's sparse messages wait and go in together (MODEL_OWED_SHARE, MODEL_OWED_LISTS);
+    B read after every step, every fifth or only at the end is the start plus the messages
+    added one at a time, in order, bit for bit, and the wait stays bounded."""
+    rng = np.random.default_rng(7)
+    sizes = [BIG, 3 * BIG, SMALL]
+    layout = [TensorSpec(f"t{i}", (n,), "float32") for i, n in enumerate(sizes)]
+    x0 = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    b = Broadcast(layout, x0, coding="q4", factor=2.0)
+    want = [x.copy() for x in x0]
+    for step in range(1, 90):
+        dens = 0.001 if step < 60 else 0.05  # small messages (the list bound), then large (the entry bound)
+        touched = [np.sort(rng.choice(n, max(1, int(n * dens)), replace=False)).astype(np.int32) for n in sizes]
+        changes = [(rng.standard_normal(t.size) * 10.0 ** rng.integers(-4, 2)).astype(np.float32) for t in touched]
+        log = b.step(step, touched, changes, [t.size / 2 for t in touched])
+        for t, (sent, v) in enumerate(zip(log.sent, log.values)):
+            if sent is None:
+                want[t] += v
+            else:
+                want[t][sent] += v
+        for t, n in enumerate(sizes):
+            assert len(b._model_owed[t]) < bmod.MODEL_OWED_LISTS
+            assert sum(i.size for i, _ in b._model_owed[t]) < n // bmod.MODEL_OWED_SHARE
+        if every and step % every == 0:
+            assert [m.tobytes() for m in b.model] == [w.tobytes() for w in want]
+    assert [m.tobytes() for m in b.model] == [w.tobytes() for w in want]
 
 
 def test_dense_steps_select_with_one_pass_and_keep_no_pool():

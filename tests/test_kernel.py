@@ -405,6 +405,40 @@ def test_scatter_add_matches_numpy_bit_for_bit_and_refuses_out_of_range():
     assert dst.tobytes() == before.tobytes()  # nothing changed
 
 
+@pytest.mark.parametrize("numel", [1, 4095, 4096, 4097, 100_003])
+def test_scatter_add_lists_adds_list_after_list_bit_for_bit_and_refuses_bad_lists_whole(numel):
+    rng = np.random.default_rng(numel)
+    dst = rng.standard_normal(numel).astype(np.float32)
+    # overlapping lists of values far apart in size: float32 sums that depend on the order of the adds
+    lists = []
+    for m in range(9):
+        idx = np.sort(rng.choice(numel, rng.integers(0, numel + 1) if m % 4 else numel, replace=False))
+        lists.append((idx.astype(np.int32), (rng.standard_normal(idx.size) * 10.0 ** rng.integers(-6, 7)).astype(
+            np.float32)))
+    lists.insert(3, (np.zeros(0, np.int32), np.zeros(0, np.float32)))
+    want = dst.copy()
+    for idx, v in lists:  # one at a time, in order
+        want[idx] += v
+    got = dst.copy()
+    kernel.scatter_add_lists(got, lists)
+    assert got.tobytes() == want.tobytes()
+    unordered = lists[0][0][::-1].copy()
+    for bad, match in [((np.array([numel], np.int32), np.ones(1, np.float32)), "out of range"),
+                       ((np.array([-1], np.int32), np.ones(1, np.float32)), "out of range"),
+                       ((np.array([0, 0], np.int32), np.ones(2, np.float32)), "order"),
+                       ((unordered, np.ones(unordered.size, np.float32)), "order" if unordered.size > 1 else None)]:
+        if match is None:
+            continue
+        before = got.copy()
+        with pytest.raises(kernel.KernelInputError):
+            kernel.scatter_add_lists(got, [*lists, bad])  # the bad list last: the good ones before it not added
+        assert got.tobytes() == before.tobytes()
+    with pytest.raises(kernel.KernelInputError, match="indices for"):
+        kernel.scatter_add_lists(got, [(np.zeros(2, np.int32), np.zeros(3, np.float32))])
+    kernel.scatter_add_lists(got, [])  # nothing to add
+    assert got.tobytes() == want.tobytes()
+
+
 def _pool_pick_ref(r, touched, ch, pool, floor, k, cut_above, cut_to, full):
     """pool_pick in NumPy: the rule of stella_ps/broadcast.py, "Selecting without reading all of R"."""
     r[touched] += ch

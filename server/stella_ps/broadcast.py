@@ -46,7 +46,7 @@ from stella import codec
 from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
-from .kernel import pool_pick, pool_scratch_len, scatter_add, union_indices
+from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_add_lists, union_indices
 from .runtime import TensorPool
 
 __all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
@@ -61,6 +61,12 @@ DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of 
 # slower (0.64x) at 6%.
 POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
 PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a random access does
+# B's sparse messages wait (see Broadcast._owe_model) until they hold numel / MODEL_OWED_SHARE entries or there
+# are MODEL_OWED_LISTS of them, then go in together in one sweep over B's lines: a message of 1% touches 15% of
+# B's lines, each a random access to memory, where the sweep streams them. On 8 tensors of 1.25M with messages
+# of 1% and the caches flushed between steps (this VM): 1.5 ms a step one at a time, 0.82 ms in sweeps of 8,
+# 0.52 of 16, 0.39 of 32. The wait costs at most 2 bytes a coordinate (int32 index and float32 value).
+MODEL_OWED_SHARE, MODEL_OWED_LISTS = 4, 64
 # a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
 _Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _SERIAL = TensorPool(1)
@@ -121,7 +127,13 @@ class Broadcast:
         self.coding: ValueDtype = coding
         self.factor = factor
         self.dense_below = dense_below
-        self.model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
+        self._model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
+        # what B is still owed of each tensor's sparse messages, oldest first, and their entries (with a head
+        # start per tensor so that equal tensors take their sweeps at different steps); every reader of B
+        # (the model property) adds them first
+        self._model_owed: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.layout]
+        self._model_owed_n = [s.numel // MODEL_OWED_SHARE * t // max(1, len(self.layout))
+                              for t, s in enumerate(self.layout)]
         self._residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual]
                           if residual is not None else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
         # what R is still owed of each tensor's last message: (its indices, the coding's error there), added by
@@ -140,6 +152,29 @@ class Broadcast:
         self._owed = [residual is not None for _ in self.layout]
         self._messages: deque[Message] = deque(maxlen=history)
         self._valid_from = 0  # a replica older than this version gets a snapshot (resync)
+
+    @property
+    def model(self) -> list[np.ndarray]:
+        """``B``, one float32 array per tensor (what every replica holds)."""
+        for t in range(len(self.layout)):
+            self._settle_model(t)
+        return self._model
+
+    def _settle_model(self, t: int) -> None:
+        """Add tensor ``t``'s waiting messages to ``B`` (in their order: the same floats as
+        one at a time)."""
+        owed, self._model_owed[t] = self._model_owed[t], []
+        self._model_owed_n[t] = 0
+        if owed:
+            scatter_add_lists(self._model[t], owed)
+
+    def _owe_model(self, t: int, idx: np.ndarray, q: np.ndarray) -> None:
+        """``B[idx] += q`` for tensor ``t``, now or in a later sweep with other messages."""
+        self._model_owed[t].append((idx, q))
+        self._model_owed_n[t] += idx.size
+        if (self._model_owed_n[t] >= self.layout[t].numel // MODEL_OWED_SHARE
+                or len(self._model_owed[t]) >= MODEL_OWED_LISTS):
+            self._settle_model(t)
 
     @property
     def residual(self) -> list[np.ndarray]:
@@ -177,7 +212,8 @@ class Broadcast:
             if not q.size:
                 return sent, q, None, ch
             if sent is None:
-                self.model[t] += q
+                self._settle_model(t)
+                self._model[t] += q
             coding = self._whole_coding if sent is None else self.coding
             return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding), ch
 
@@ -255,9 +291,10 @@ class Broadcast:
             picked = self._full_pass(t, r, k, numel, adds)
         idx, v, rest, floor = picked
         q = self._coded(v, self.coding)
-        # B gains what the replicas decode; the coding's error stays owed (exact for f16/bf16): r is 0 at the
-        # sent coordinates (the selection zeroed them), so the error is what the next step adds there
-        scatter_add(self.model[t], idx, q)
+        # B gains what the replicas decode (in a later sweep, with other messages); the coding's error stays
+        # owed (exact for f16/bf16): r is 0 at the sent coordinates (the selection zeroed them), so the error
+        # is what the next step adds there
+        self._owe_model(t, idx, q)
         err = v - q  # never -0 (x - x is +0), so a zero here adds nothing to r's +0: no need to drop the zeros
         if self.coding != "f32":  # (f32: q is v)
             self._pending[t] = (idx, err)
@@ -334,8 +371,9 @@ class Broadcast:
         tensors changed, no message made): ``R = exact - B`` again for every tensor, and
         no message reaches a replica at ``version`` or before, so every replica's next
         pull is a snapshot of ``B``."""
+        model = self.model
         for t, x in enumerate(exact):
-            self._residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), self.model[t], dtype=np.float32)
+            self._residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), model[t], dtype=np.float32)
         self._pending = [None] * len(self.layout)
         self._owed = [True] * len(self.layout)
         self._pools = [None] * len(self.layout)

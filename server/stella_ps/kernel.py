@@ -38,6 +38,7 @@ __all__ = [
     "get_num_threads",
     "union_indices",
     "scatter_add",
+    "scatter_add_lists",
     "pool_pick",
     "pool_scratch_len",
     "state_bytes",
@@ -410,6 +411,26 @@ def scatter_add(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     rc = lib.stella_scatter_add(out, dst.shape[0], ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", src),
                                 idx.shape[0])
     check(lib, rc, "scatter_add: an index out of range", _INPUT_ERRORS)
+
+
+def scatter_add_lists(dst: np.ndarray, lists: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``dst[idx] += val`` for each ``(idx, val)`` of ``lists`` in turn, in one C sweep
+    over ``dst`` tile by tile (float32 ``dst``, flat and contiguous; each ``idx`` sorted,
+    unique int32 in range, ``val`` float32 of its length; all checked before anything is
+    written). The same floats as one :func:`scatter_add` per list, in list order."""
+    out = _out_f32(dst, "scatter_add_lists: dst")
+    keep = []
+    for i, v in lists:
+        i, v = np.ascontiguousarray(i, np.int32), np.ascontiguousarray(v, F32)
+        if i.shape != v.shape or i.ndim != 1:
+            raise KernelInputError(f"scatter_add_lists: {i.shape[0]} indices for {v.size} values")
+        keep.append((i, v))
+    m = len(keep)
+    idx = ffi.new("int32_t *[]", [ffi.from_buffer("int32_t[]", i) for i, _ in keep])
+    val = ffi.new("float *[]", [ffi.from_buffer("float[]", v) for _, v in keep])
+    n = ffi.new("int64_t[]", [i.shape[0] for i, _ in keep])
+    rc = lib.stella_scatter_add_lists(out, dst.shape[0], idx, val, n, m)
+    check(lib, rc, "scatter_add_lists: an index list out of range or order", _INPUT_ERRORS)
 
 
 def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.ndarray:
