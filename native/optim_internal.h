@@ -48,10 +48,10 @@ struct stella_optim {
     float *undo;
     int64_t undo_cap; /* coordinates */
     int64_t undo_len;
-    /* ... and the parameters it wrote, in the same order (stella_optim_last_changes
-     * reads them sequentially instead of gathering the records again). */
-    float *newp;
-    int64_t newp_cap;
+    /* ... and what it did to the parameters there, p_new - p_before in float32, in the
+     * same order, written as it went (stella_optim_last_changes copies it out). */
+    float *delta;
+    int64_t delta_cap;
 };
 
 #include "optim_tuning.h"

@@ -51,7 +51,7 @@ void stella_optim_free(stella_optim *st) {
     free(st->tab2);
     free(st->sstab);
     free(st->undo);
-    free(st->newp);
+    free(st->delta);
     free(st);
 }
 
@@ -100,13 +100,9 @@ int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n) {
 /* What the last apply did to the parameters: out[j] = p_now - p_before at idx[j] (its
  * out_idx, n entries), from the undo log, in float32 (the server's broadcast adds it to
  * its residual). */
-int stella_optim_last_changes(const stella_optim *st, const int32_t *idx, int64_t n, float *out) {
-    if (!st || n < 0 || n != st->undo_len || (n > 0 && (!idx || !out))) return STELLA_E_ARG;
-    const int64_t s = st->nfields;
-    for (int64_t j = 0; j < n; j++) {
-        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= st->numel)) return STELLA_E_RANGE;
-        out[j] = st->newp[j] - st->undo[j * s];
-    }
+int stella_optim_last_changes(const stella_optim *st, int64_t n, float *out) {
+    if (!st || n < 0 || n != st->undo_len || (n > 0 && !out)) return STELLA_E_ARG;
+    if (n > 0) memcpy(out, st->delta, (size_t)n * sizeof(float));
     return STELLA_OK;
 }
 
@@ -161,7 +157,7 @@ static int grow(void **tab, size_t elem, int64_t *cap, int64_t want) {
 
 int stella_optim_reserve_undo(stella_optim *st, int64_t n) {
     int rc = grow((void **)&st->undo, (size_t)st->nfields * sizeof(float), &st->undo_cap, n);
-    return rc != STELLA_OK ? rc : grow((void **)&st->newp, sizeof(float), &st->newp_cap, n);
+    return rc != STELLA_OK ? rc : grow((void **)&st->delta, sizeof(float), &st->delta_cap, n);
 }
 
 /* Make tab1/tab2 valid for every step up to `need` (or their saturation step). */

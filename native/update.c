@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) uint32_t sgd_tile(float *mem,
                                                                const uint32_t *ix, const float *g, int n,
                                                                const uint32_t *nx, int nn,
                                                                const stella_optim_cfg *c, int pd, int pmode,
-                                                               float *STELLA_RESTRICT U, float *STELLA_RESTRICT NP) {
+                                                               float *STELLA_RESTRICT U, float *STELLA_RESTRICT D) {
     const float lr = c->lr, wd = c->weight_decay, mom = c->momentum, omd = c->one_minus_dampening;
     const int has_wd = c->has_weight_decay, has_mom = c->has_momentum, nest = c->nesterov;
     uint32_t ok = 1;
@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) uint32_t sgd_tile(float *mem,
         }
         const float np = p - lr * d;
         *P = np;
-        NP[j] = np;
+        D[j] = np - p;
         ok &= FINITE(np);
     }
     return ok;
@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) uint32_t adam_tile(float *mem,
                                                                 const float *sstab, uint32_t last1,
                                                                 const float *tab2, uint32_t last2,
                                                                 float *buf, float *STELLA_RESTRICT U,
-                                                                float *STELLA_RESTRICT NP, uint32_t *ok) {
+                                                                float *STELLA_RESTRICT D, uint32_t *ok) {
     float *tp = buf, *tm = buf + TILE_BUF, *tv = buf + 2 * TILE_BUF;
     uint32_t *tk = (uint32_t *)(buf + 3 * TILE_BUF);
     for (int j = 0; j < n; j++) {
@@ -137,7 +137,7 @@ static inline __attribute__((always_inline)) uint32_t adam_tile(float *mem,
     uint32_t good = 1;
     for (int j = 0; j < n; j++) good &= FINITE(tp[j]) & FINITE(tm[j]) & FINITE(tv[j]);
     *ok &= good;
-    memcpy(NP, tp, (size_t)n * sizeof(float));
+    for (int j = 0; j < n; j++) D[j] = tp[j] - U[4 * j];
     for (int j = 0; j < n; j++) {
         float *R = mem + (int64_t)ix[j] * 4;
         R[0] = tp[j];
@@ -159,7 +159,7 @@ typedef struct {
     int64_t lo, hi;
     uint32_t *out; /* this range's slice of the output */
     float *undo;   /* and of the undo log (records, in the order of out) */
-    float *newp;   /* and of the parameters written (in the order of out) */
+    float *delta;  /* and of the parameters' changes (in the order of out) */
     int64_t count;
     uint32_t kmax;
     uint32_t finite; /* every value written was finite */
@@ -291,12 +291,12 @@ static void run_range(range_job *job) {
         int nn = NEXT_TILE(ibuf[nxt], gbuf[nxt]);
         const uint32_t *ix = ibuf[cur], *nx = ibuf[nxt];
         const float *g = gbuf[cur];
-        float *U = job->undo + total * nf, *NP = job->newp + total;
+        float *U = job->undo + total * nf, *D = job->delta + total;
         if (st->kind == STELLA_OPT_SGD) {
-            finite &= sgd_tile(mem, ix, g, n, nx, nn, c, pd, pmode, U, NP);
+            finite &= sgd_tile(mem, ix, g, n, nx, nn, c, pd, pmode, U, D);
         } else {
             uint32_t k = adam_tile(mem, ix, g, n, nx, nn, c, pd, pmode, st->sstab, last1, st->tab2, last2, abuf,
-                                   U, NP, &finite);
+                                   U, D, &finite);
             kmax = k > kmax ? k : kmax;
         }
         memcpy(job->out + total, ix, (size_t)n * 4);
@@ -384,7 +384,7 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
         }
         if (cnt > hi - lo) cnt = hi - lo;
         jobs[t] = (range_job){st, pushes, npush, scale, cfg, lo, hi, (uint32_t *)out_idx + off,
-                              st->undo + off * st->nfields, st->newp + off, 0, 0, 1, STELLA_OK};
+                              st->undo + off * st->nfields, st->delta + off, 0, 0, 1, STELLA_OK};
         off += cnt;
     }
     pthread_t tid[MAX_THREADS];
@@ -416,7 +416,7 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
         if ((uint32_t *)out_idx + total != jobs[t].out) {
             memmove(out_idx + total, jobs[t].out, (size_t)jobs[t].count * 4);
             memmove(st->undo + total * nf, jobs[t].undo, (size_t)(jobs[t].count * nf) * sizeof(float));
-            memmove(st->newp + total, jobs[t].newp, (size_t)jobs[t].count * sizeof(float));
+            memmove(st->delta + total, jobs[t].delta, (size_t)jobs[t].count * sizeof(float));
         }
         total += jobs[t].count;
         kmax = jobs[t].kmax > kmax ? jobs[t].kmax : kmax;

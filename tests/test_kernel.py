@@ -280,6 +280,33 @@ def test_threads_give_identical_results(name, dense):
     assert_same_state(states[2], ref)
 
 
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_last_changes_are_what_the_apply_did_bit_for_bit(name, threads):
+    """The change the apply wrote as it went (the broadcast's input) equals the
+    parameters after minus before, float32, at its touched indices; a rolled-back or
+    mismatched apply has none to give."""
+    rng = np.random.default_rng(11)
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
+    numel = 200_000
+    k = KernelTensorState(rng.standard_normal(numel).astype(F32), cfg)
+    old = kernel.get_num_threads()
+    kernel.set_num_threads(threads)
+    try:
+        for _step in range(3):
+            before = k.state_arrays()["param"].copy()
+            pushes = [make_push(rng, numel, 0.05, False, "f16") for _ in range(3)]
+            touched = k.apply(pushes, 1 / 3, cfg)
+            after = k.state_arrays()["param"]
+            want = after[touched] - before[touched]
+            assert k.last_changes(touched).tobytes() == want.tobytes()
+            assert np.count_nonzero(want) > 0.9 * touched.size
+        with pytest.raises(kernel.KernelError, match="not the last apply"):
+            k.last_changes(touched[:-1])
+    finally:
+        kernel.set_num_threads(old)
+
+
 def test_env_and_setter_for_threads():
     kernel.set_num_threads(2)
     assert kernel.get_num_threads() == 2

@@ -60,9 +60,9 @@ int stella_optim_set_records(stella_optim *st, const void *src, int64_t start, i
 int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
                            const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
                            int32_t nthreads);
-/* What the last successful apply did to the parameters (idx: its out_idx, n: its count):
- * out[j] = p_now - p_before, float32. */
-int stella_optim_last_changes(const stella_optim *st, const int32_t *idx, int64_t n, float *out);
+/* What the last successful apply did to the parameters at its out_idx (n: its count):
+ * out[j] = p_now - p_before, float32, as the apply wrote it (a copy, no gather). */
+int stella_optim_last_changes(const stella_optim *st, int64_t n, float *out);
 /* Undo the last successful apply (idx: its out_idx, n: its count); then it changed nothing. */
 int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n);
 int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, float *out,

@@ -315,12 +315,13 @@ class KernelTensorState:
 
     def last_changes(self, touched: np.ndarray) -> np.ndarray:
         """What the last :meth:`apply` (``touched``: what it returned) did to the
-        parameters there: ``p_now - p_before``, float32, from the kernel's undo log."""
+        parameters there: ``p_now - p_before``, float32, as the apply computed it (a copy of
+        the kernel's buffer, valid until the next apply)."""
         if not isinstance(touched, np.ndarray) or touched.dtype != np.int32 or touched.ndim != 1:
             raise KernelInputError("last_changes: touched must be the int32 array apply returned")
         touched = np.ascontiguousarray(touched)
         out = np.empty(touched.shape[0], F32)
-        rc = lib.stella_optim_last_changes(self._st, ffi.from_buffer("int32_t[]", touched), touched.shape[0],
+        rc = lib.stella_optim_last_changes(self._st, touched.shape[0],
                                            ffi.from_buffer("float[]", out, require_writable=True))
         check(lib, rc, "last_changes: not the last apply's touched indices", _INPUT_ERRORS)
         return out
