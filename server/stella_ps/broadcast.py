@@ -61,12 +61,15 @@ DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of 
 # slower (0.64x) at 6%.
 POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
 PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a random access does
-# B's sparse messages wait (see Broadcast._owe_model) until they hold numel / MODEL_OWED_SHARE entries or there
-# are MODEL_OWED_LISTS of them, then go in together in one sweep over B's lines: a message of 1% touches 15% of
-# B's lines, each a random access to memory, where the sweep streams them. On 8 tensors of 1.25M with messages
-# of 1% and the caches flushed between steps (this VM): 1.5 ms a step one at a time, 0.82 ms in sweeps of 8,
-# 0.52 of 16, 0.39 of 32. The wait costs at most 2 bytes a coordinate (int32 index and float32 value).
-MODEL_OWED_SHARE, MODEL_OWED_LISTS = 4, 64
+# B's sparse messages wait (see Broadcast._owe_model) and go in together in one sweep over B's lines: a message
+# of 1% touches 15% of B's lines, each a random access to memory, where the sweep streams them. On 8 tensors of
+# 1.25M with messages of 1% and the caches flushed between steps (this VM): 1.5 ms a step one at a time, 0.82 ms
+# in sweeps of 8, 0.52 of 16, 0.39 of 32. Tensor t sweeps at a version of its slot (version % MODEL_SLOTS ==
+# t % MODEL_SLOTS) once its messages hold numel / (2 MODEL_OWED_SHARE) entries, and at any version once they
+# hold numel / MODEL_OWED_SHARE or number MODEL_OWED_LISTS. The slots spread a model's sweeps over the steps and
+# put those of shards with alike tensors on the same steps (a step waits for the slowest shard: sweeps on
+# different steps would each hold up every shard). The wait costs at most 2 bytes a coordinate.
+MODEL_OWED_SHARE, MODEL_OWED_LISTS, MODEL_SLOTS = 4, 64, 8
 # a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
 _Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _SERIAL = TensorPool(1)
@@ -128,12 +131,10 @@ class Broadcast:
         self.factor = factor
         self.dense_below = dense_below
         self._model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
-        # what B is still owed of each tensor's sparse messages, oldest first, and their entries (with a head
-        # start per tensor so that equal tensors take their sweeps at different steps); every reader of B
-        # (the model property) adds them first
+        # what B is still owed of each tensor's sparse messages, oldest first, and their entries; every reader
+        # of B (the model property) adds them first
         self._model_owed: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.layout]
-        self._model_owed_n = [s.numel // MODEL_OWED_SHARE * t // max(1, len(self.layout))
-                              for t, s in enumerate(self.layout)]
+        self._model_owed_n = [0] * len(self.layout)
         self._residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual]
                           if residual is not None else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
         # what R is still owed of each tensor's last message: (its indices, the coding's error there), added by
@@ -168,12 +169,14 @@ class Broadcast:
         if owed:
             scatter_add_lists(self._model[t], owed)
 
-    def _owe_model(self, t: int, idx: np.ndarray, q: np.ndarray) -> None:
-        """``B[idx] += q`` for tensor ``t``, now or in a later sweep with other messages."""
+    def _owe_model(self, t: int, version: int, idx: np.ndarray, q: np.ndarray) -> None:
+        """``B[idx] += q`` for tensor ``t`` at ``version``, now or in a later sweep with
+        other messages (MODEL_OWED_SHARE, MODEL_SLOTS)."""
         self._model_owed[t].append((idx, q))
         self._model_owed_n[t] += idx.size
-        if (self._model_owed_n[t] >= self.layout[t].numel // MODEL_OWED_SHARE
-                or len(self._model_owed[t]) >= MODEL_OWED_LISTS):
+        full = self.layout[t].numel // MODEL_OWED_SHARE
+        if (self._model_owed_n[t] >= full or len(self._model_owed[t]) >= MODEL_OWED_LISTS
+                or (self._model_owed_n[t] >= full // 2 and version % MODEL_SLOTS == t % MODEL_SLOTS)):
             self._settle_model(t)
 
     @property
@@ -208,7 +211,7 @@ class Broadcast:
                 self._owed[t] = True
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
-            sent, q = self._select(t, r, self.layout[t].numel, idx, ch)
+            sent, q = self._select(t, version, r, self.layout[t].numel, idx, ch)
             if not q.size:
                 return sent, q, None, ch
             if sent is None:
@@ -247,7 +250,7 @@ class Broadcast:
     def _whole_coding(self) -> ValueDtype:
         return "f16" if self.coding in codec.QUANT_BITS else self.coding
 
-    def _select(self, t: int, r: np.ndarray, numel: int, touched: np.ndarray,
+    def _select(self, t: int, version: int, r: np.ndarray, numel: int, touched: np.ndarray,
                 changes: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """``r[touched] += changes``, then tensor ``t``'s message: (indices, or None for
         the whole tensor; the coded values a receiver decodes); ``r`` keeps the rest and
@@ -294,7 +297,7 @@ class Broadcast:
         # B gains what the replicas decode (in a later sweep, with other messages); the coding's error stays
         # owed (exact for f16/bf16): r is 0 at the sent coordinates (the selection zeroed them), so the error
         # is what the next step adds there
-        self._owe_model(t, idx, q)
+        self._owe_model(t, version, idx, q)
         err = v - q  # never -0 (x - x is +0), so a zero here adds nothing to r's +0: no need to drop the zeros
         if self.coding != "f32":  # (f32: q is v)
             self._pending[t] = (idx, err)
