@@ -49,7 +49,7 @@ from stella.topk import Selector
 from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_add_lists, union_indices
 from .runtime import TensorPool
 
-__all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW"]
+__all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW", "OWED_BYTES"]
 
 DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
 # The candidate pool (see Broadcast._select): it holds about POOL_FACTOR x k coordinates at or above its
@@ -70,6 +70,7 @@ PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a
 # put those of shards with alike tensors on the same steps (a step waits for the slowest shard: sweeps on
 # different steps would each hold up every shard). The wait costs at most 2 bytes a coordinate.
 MODEL_OWED_SHARE, MODEL_OWED_LISTS, MODEL_SLOTS = 4, 64, 8
+OWED_BYTES = 8 // MODEL_OWED_SHARE  # what the waiting messages may hold, a coordinate (int32 index, float32 value)
 # a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
 _Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _SERIAL = TensorPool(1)

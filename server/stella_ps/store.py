@@ -23,7 +23,7 @@ from stella.errors import ErrorCode, ServerError
 from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 
 from .aggregation import Step
-from .broadcast import Broadcast, StepLog, replay
+from .broadcast import OWED_BYTES, Broadcast, StepLog, replay
 from .errors import CopyAbandoned, NonFiniteStep, StepFailed
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
@@ -94,8 +94,9 @@ def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: in
 def model_bytes(numels: Sequence[int], optimizer: str, broadcast: bool) -> int:
     """Bytes the store allocates for a model: the kernel's parameters and optimizer state
     (:func:`~stella_ps.kernel.state_bytes`) and, with the broadcast, its model and
-    residual (8 bytes a coordinate)."""
-    return sum(state_bytes(n, optimizer) + (8 * n if broadcast else 0) for n in numels)
+    residual (8 bytes a coordinate) and the messages its model may owe between sweeps
+    (:data:`~stella_ps.broadcast.OWED_BYTES`, 2 bytes a coordinate)."""
+    return sum(state_bytes(n, optimizer) + ((8 + OWED_BYTES) * n if broadcast else 0) for n in numels)
 
 
 def check_model_bytes(layout: Sequence[TensorSpec], cfg: OptimizerConfig, limit: int, broadcast: bool) -> None:
