@@ -97,9 +97,9 @@ int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n) {
     return STELLA_OK;
 }
 
-/* What the last apply did to the parameters: out[j] = p_now - p_before at idx[j] (its
- * out_idx, n entries), from the undo log, in float32 (the server's broadcast adds it to
- * its residual). */
+/* What the last apply did to the parameters: out[j] = p_now - p_before at its out_idx[j]
+ * (n entries), float32, as its tile loops wrote it beside the undo log (the server's
+ * broadcast adds it to its residual). */
 int stella_optim_last_changes(const stella_optim *st, int64_t n, float *out) {
     if (!st || n < 0 || n != st->undo_len || (n > 0 && !out)) return STELLA_E_ARG;
     if (n > 0) memcpy(out, st->delta, (size_t)n * sizeof(float));
