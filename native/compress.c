@@ -145,7 +145,7 @@ static inline float block_score(const float *a, int len) {
  * and then a gradient-free read of the residual would give, so the selection comes out
  * the same. */
 typedef struct {
-    const stella_topk_add *list;
+    const stella_sparse_list *list;
     int32_t nlists;
 } adds_t;
 
@@ -156,7 +156,7 @@ static void sample_with_adds(const float *res, const adds_t *ad, int64_t s, int6
         const int64_t m = s + len - c < RUN ? s + len - c : RUN;
         memcpy(raw, res + c, (size_t)m * sizeof(float));
         for (int32_t l = 0; l < ad->nlists; l++) {
-            const stella_topk_add *a = &ad->list[l];
+            const stella_sparse_list *a = &ad->list[l];
             for (int64_t j = stella_lower_bound(a->idx, a->n, c); j < a->n && a->idx[j] < c + m; j++)
                 raw[a->idx[j] - c] += a->val[j];
         }
@@ -515,38 +515,21 @@ static inline __attribute__((always_inline)) void pass16_impl(
  * (AVX-512): measured crossover 0.3-0.4% on 1.25M coordinates (Sapphire Rapids class). */
 #define FLAT_FROM (1.0 / 300.0)
 
-/* Floats of a tile of the pass that adds a sparse change first (run_pass with adds): the
- * tile's adds, then the pass over it while its lines are in L1, instead of a scatter over
- * the whole tensor and a pass that reads its lines again from memory. */
-#define ADD_TILE 4096
-
-/* The lines of the tile from `lo`, asked for ahead of the adds that land in it: the adds
- * alone are scattered misses that the hardware's stream prefetcher does not follow (at
- * 0.6% of coordinates touched the tiled pass was 10% slower than the scatter and the
- * plain pass without this, 10% faster with it; bench.broadcast's shapes, this VM). */
-static inline void prefetch_tile(const float *res, int64_t lo, int64_t n) {
-    const int64_t hi = n - lo < ADD_TILE ? n : lo + ADD_TILE;
-    for (int64_t c = lo; c < hi; c += 16) __builtin_prefetch(res + c, 1, 3);
-}
-
 static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t n, int unit, float thr,
                        float tz, int32_t *idx, float *val, float *score, int64_t cap, int truncate, double aim) {
     pass_t p = {0, 0, 0, 0};
     if (tz < thr) tz = thr;
     if (unit == 1) {
         const int flat = aim >= FLAT_FROM * (double)n;
-        if (ad) { /* unit 1, no gradient (the caller checked) */
+        if (ad) { /* unit 1, no gradient (the caller checked): each tile's adds (stella_native.h), then the
+                   * pass over it while its lines are in L1, instead of a scatter over the whole tensor and a
+                   * pass that reads its lines again from memory */
             int64_t j[STELLA_TOPK_MAX_ADDS] = {0};
-            prefetch_tile(res, 0, n);
-            for (int64_t lo = 0; lo < n; lo += ADD_TILE) {
-                const int64_t hi = n - lo < ADD_TILE ? n : lo + ADD_TILE;
-                prefetch_tile(res, hi, n);
-                for (int32_t l = 0; l < ad->nlists; l++) { /* list after list: their order at a coordinate */
-                    const stella_topk_add *a = &ad->list[l];
-                    int64_t jl = j[l];
-                    for (; jl < a->n && a->idx[jl] < hi; jl++) res[a->idx[jl]] += a->val[jl];
-                    j[l] = jl;
-                }
+            stella_prefetch_tile(res, 0, n);
+            for (int64_t lo = 0; lo < n; lo += STELLA_ADD_TILE) {
+                const int64_t hi = n - lo < STELLA_ADD_TILE ? n : lo + STELLA_ADD_TILE;
+                stella_prefetch_tile(res, hi, n);
+                stella_add_lists_below(res, ad->list, ad->nlists, j, hi);
                 pass1_impl(res, NULL, 0, lo, hi, thr, tz, idx, val, cap, truncate, flat, &p);
             }
         } else if (grad) {
@@ -866,20 +849,18 @@ int64_t STELLA_ISA_FN(stella_ef_topk)(float *res, const float *grad, int64_t n, 
  * but the first pass adds the lists a tile at a time as it goes (unit 1 only). Each
  * list's indices must be strictly increasing and in [0, n): checked before anything is
  * written. */
-int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const stella_topk_add *adds, int32_t nadds,
+int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const stella_sparse_list *adds, int32_t nadds,
                                           const stella_topk_args *args, stella_topk_state *state,
                                           const stella_topk_out *out, stella_topk_stats *stats) {
     if (!args || args->unit != 1 || nadds < 0 || nadds > STELLA_TOPK_MAX_ADDS || (nadds > 0 && !adds))
         return STELLA_E_ARG;
     if (n < 0 || n > INT32_MAX) return STELLA_E_ARG;
-    stella_topk_add kept[STELLA_TOPK_MAX_ADDS];
+    const int rc = stella_check_lists(adds, nadds, n);
+    if (rc != STELLA_OK) return rc;
+    stella_sparse_list kept[STELLA_TOPK_MAX_ADDS];
     int32_t nk = 0;
-    for (int32_t l = 0; l < nadds; l++) {
-        if (adds[l].n < 0 || (adds[l].n > 0 && (!adds[l].idx || !adds[l].val))) return STELLA_E_ARG;
-        const int rc = stella_check_sorted(adds[l].idx, adds[l].n, n, NULL);
-        if (rc != STELLA_OK) return rc;
+    for (int32_t l = 0; l < nadds; l++)
         if (adds[l].n > 0) kept[nk++] = adds[l];
-    }
     const adds_t ad = {kept, nk};
     return ef_topk(res, NULL, nk > 0 ? &ad : NULL, n, args, state, out, stats);
 }
@@ -893,7 +874,7 @@ int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_to
     return STELLA_ISA_PICK(stella_ef_topk)(res, grad, n, args, state, out, stats);
 }
 
-int64_t stella_ef_topk_add(float *res, int64_t n, const stella_topk_add *adds, int32_t nadds,
+int64_t stella_ef_topk_add(float *res, int64_t n, const stella_sparse_list *adds, int32_t nadds,
                            const stella_topk_args *args, stella_topk_state *state, const stella_topk_out *out,
                            stella_topk_stats *stats) {
     return STELLA_ISA_PICK(stella_ef_topk_add)(res, n, adds, nadds, args, state, out, stats);

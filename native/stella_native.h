@@ -13,7 +13,7 @@
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
  * wrappers (stella.native_errors.require_abi) assert it at import so a stale build
  * fails loudly. */
-#define STELLA_ABI_VERSION 9
+#define STELLA_ABI_VERSION 10
 
 /* Return codes shared by all kernels (0 = ok, negative = error); stella_strerror()
  * has their text. */
@@ -77,5 +77,52 @@ int stella_check_sorted(const int32_t *idx, int64_t n, int64_t numel, int64_t *w
 const char *stella_native_isa(void);
 const char *stella_native_isa_requested(void);
 int stella_native_isa_levels(int runnable);
+
+/* A sparse change to a tensor: n sorted, unique indices in [0, its size) and their
+ * values (stella_ef_topk_add's adds, stella_scatter_add_lists' lists). */
+typedef struct {
+    const int32_t *idx;
+    const float *val;
+    int64_t n;
+} stella_sparse_list;
+
+/* STELLA_OK when each of the nlists lists is well formed (n >= 0, its arrays given
+ * when n > 0) and its indices strictly increase inside [0, numel); else the first
+ * offender's STELLA_E_ARG, STELLA_E_RANGE or STELLA_E_ORDER. */
+static inline int stella_check_lists(const stella_sparse_list *list, int32_t nlists, int64_t numel) {
+    for (int32_t l = 0; l < nlists; l++) {
+        if (list[l].n < 0 || (list[l].n > 0 && (!list[l].idx || !list[l].val))) return STELLA_E_ARG;
+        const int rc = stella_check_sorted(list[l].idx, list[l].n, numel, NULL);
+        if (rc != STELLA_OK) return rc;
+    }
+    return STELLA_OK;
+}
+
+/* Sparse lists added to an array as a sweep goes over it: a tile of STELLA_ADD_TILE
+ * floats at a time, the next tile's lines asked for ahead (the adds alone are scattered
+ * misses that the hardware's stream prefetcher does not follow), then the tile's share
+ * of every list. At 0.6% of coordinates touched, the broadcast's tiled pass was 10%
+ * slower than a scatter and a plain pass without the prefetch, 10% faster with it. */
+#define STELLA_ADD_TILE 4096
+
+/* Ask for the lines of a[lo .. min(lo + STELLA_ADD_TILE, n)), for writing. */
+static inline void stella_prefetch_tile(const float *a, int64_t lo, int64_t n) {
+    const int64_t hi = n - lo < STELLA_ADD_TILE ? n : lo + STELLA_ADD_TILE;
+    for (int64_t c = lo; c < hi; c += 16) __builtin_prefetch(a + c, 1, 3);
+}
+
+/* a[idx] += val for the entries of each list from cursor[l] up to the first index >= hi,
+ * list after list (their order at a coordinate); the cursors move past them. */
+static inline void stella_add_lists_below(float *a, const stella_sparse_list *list, int32_t nlists,
+                                          int64_t *cursor, int64_t hi) {
+    for (int32_t l = 0; l < nlists; l++) {
+        const int32_t *il = list[l].idx;
+        const float *vl = list[l].val;
+        const int64_t nl = list[l].n;
+        int64_t j = cursor[l];
+        for (; j < nl && il[j] < hi; j++) a[il[j]] += vl[j];
+        cursor[l] = j;
+    }
+}
 
 #endif

@@ -101,39 +101,20 @@ int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const floa
     return STELLA_OK;
 }
 
-/* Floats of dst a tile of stella_scatter_add_lists covers. */
-#define LISTS_TILE 4096
-
-/* The lines of dst's tile from lo, asked for ahead of the adds that land in them: those
- * adds are scattered within the tile, which the stream prefetcher does not follow. */
-static inline void prefetch_lines(const float *dst, int64_t lo, int64_t numel) {
-    const int64_t hi = numel - lo < LISTS_TILE ? numel : lo + LISTS_TILE;
-    for (int64_t c = lo; c < hi; c += 16) __builtin_prefetch(dst + c, 1, 3);
-}
-
-int stella_scatter_add_lists(float *dst, int64_t numel, const int32_t *const *idx, const float *const *val,
-                             const int64_t *n, int32_t nlists) {
-    if (numel < 0 || nlists < 0 || (nlists > 0 && (!idx || !val || !n))) return STELLA_E_ARG;
-    for (int32_t l = 0; l < nlists; l++) {
-        if (n[l] < 0 || (n[l] > 0 && (!idx[l] || !val[l] || !dst))) return STELLA_E_ARG;
-        const int rc = stella_check_sorted(idx[l], n[l], numel, NULL);
-        if (rc != STELLA_OK) return rc;
-    }
-    if (nlists == 0) return STELLA_OK;
+/* A tile at a time (stella_native.h, STELLA_ADD_TILE), like the broadcast's pass. */
+int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list *lists, int32_t nlists) {
+    if (numel < 0 || nlists < 0 || (nlists > 0 && !lists)) return STELLA_E_ARG;
+    const int rc = stella_check_lists(lists, nlists, numel);
+    if (rc != STELLA_OK || nlists == 0) return rc;
+    for (int32_t l = 0; l < nlists; l++)
+        if (lists[l].n > 0 && !dst) return STELLA_E_ARG;
     int64_t *cursor = calloc((size_t)nlists, sizeof *cursor);
     if (!cursor) return STELLA_E_NOMEM;
-    prefetch_lines(dst, 0, numel);
-    for (int64_t lo = 0; lo < numel; lo += LISTS_TILE) {
-        const int64_t hi = numel - lo < LISTS_TILE ? numel : lo + LISTS_TILE;
-        prefetch_lines(dst, hi, numel);
-        for (int32_t l = 0; l < nlists; l++) { /* list after list: their order at a coordinate */
-            const int32_t *il = idx[l];
-            const float *vl = val[l];
-            int64_t j = cursor[l];
-            const int64_t nl = n[l];
-            for (; j < nl && il[j] < hi; j++) dst[il[j]] += vl[j];
-            cursor[l] = j;
-        }
+    stella_prefetch_tile(dst, 0, numel);
+    for (int64_t lo = 0; lo < numel; lo += STELLA_ADD_TILE) {
+        const int64_t hi = numel - lo < STELLA_ADD_TILE ? numel : lo + STELLA_ADD_TILE;
+        stella_prefetch_tile(dst, hi, numel);
+        stella_add_lists_below(dst, lists, nlists, cursor, hi);
     }
     free(cursor);
     return STELLA_OK;

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._native import ffi, lib
-from .native_errors import check, require_abi
+from .native_errors import check, require_abi, sparse_lists
 
 require_abi(lib, "stella._native")
 
@@ -118,15 +118,12 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
         rc = lib.stella_ef_topk(res_c, grad_c, n, args, state._c, out, stats_c)
         check(lib, rc, "stella_ef_topk", ValueError)
     else:
-        lists = ffi.new("stella_topk_add[]", len(adds))
-        keep = []  # the buffers, alive through the call
-        for lst, (ai, av) in zip(lists, adds):
+        for ai, av in adds:
             if not (isinstance(ai, np.ndarray) and isinstance(av, np.ndarray) and ai.dtype == np.int32
                     and av.dtype == np.float32 and ai.ndim == av.ndim == 1 and ai.shape == av.shape
                     and ai.flags.c_contiguous and av.flags.c_contiguous):
                 raise ValueError("adds: 1-D contiguous int32 indices and float32 values of one length")
-            keep += [ffi.from_buffer("int32_t[]", ai), ffi.from_buffer("float[]", av)]
-            lst.idx, lst.val, lst.n = keep[-2], keep[-1], ai.shape[0]
+        lists, _keep = sparse_lists(ffi, adds)
         rc = lib.stella_ef_topk_add(res_c, n, lists, len(adds), args, state._c, out, stats_c)
         check(lib, rc, "stella_ef_topk_add", ValueError)
     return idx[:rc], val[:rc]

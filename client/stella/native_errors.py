@@ -8,6 +8,9 @@ call that returns a code, as PyNaCl's ``ensure`` and pyzmq's ``_check_rc`` do. T
 return codes (``lib.STELLA_E_*``) and their text (``stella_strerror``) come from
 ``native/stella_native.h`` through cffi: nothing here mirrors a C table.
 
+Both modules take sparse changes as arrays of ``stella_sparse_list`` (indices, values,
+count): :func:`sparse_lists` builds one.
+
 Both modules also choose, once, the x86-64 level their hot kernels run at
 (``native/stella_isa.h``): :func:`isa_info` reads the choice, :func:`warn_isa_fallback`
 says when ``STELLA_NATIVE_ISA`` asked for a level this CPU lacks.
@@ -18,16 +21,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cffi import FFI
 
 __all__ = ["ABI_VERSION", "require_abi", "strerror", "check", "ISA_ENV", "NativeIsa", "isa_info",
-           "warn_isa_fallback"]
+           "warn_isa_fallback", "sparse_lists"]
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 """The ``STELLA_ABI_VERSION`` these wrappers were written against (native/stella_native.h);
 bumped together with it."""
 
@@ -77,6 +80,18 @@ ISA_ENV = "STELLA_NATIVE_ISA"
 
 ISA_LEVELS = ("portable", "x86-64-v3", "x86-64-v4")
 """The levels, in the order of their bits (``STELLA_ISA_*``, native/stella_isa.h)."""
+
+
+def sparse_lists(ffi: FFI, lists: Sequence[tuple[Any, Any]]) -> tuple[Any, list[Any]]:
+    """``lists`` (pairs of 1-D contiguous int32 indices and float32 values of one length,
+    checked by the caller) as a C ``stella_sparse_list[]`` of ``ffi``, and the buffers it
+    points into (keep them alive through the call)."""
+    out = ffi.new("stella_sparse_list[]", len(lists))
+    keep = []
+    for lst, (idx, val) in zip(out, lists):
+        keep += [ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", val)]
+        lst.idx, lst.val, lst.n = keep[-2], keep[-1], idx.shape[0]
+    return out, keep
 
 
 @dataclass(frozen=True)

@@ -40,19 +40,13 @@ typedef struct {
  * may be NULL. */
 int64_t stella_ef_topk(float *res, const float *grad, int64_t n, const stella_topk_args *args,
                        stella_topk_state *state, const stella_topk_out *out, stella_topk_stats *stats);
-/* A sparse change for stella_ef_topk_add: n sorted, unique indices in [0, n of the
- * tensor) and their values. */
+/* Sparse changes (stella_sparse_list, cdefs/core.h) one stella_ef_topk_add call adds. */
 #define STELLA_TOPK_MAX_ADDS 4
-typedef struct {
-    const int32_t *idx;
-    const float *val;
-    int64_t n;
-} stella_topk_add;
 
 /* res[adds[l].idx[j]] += adds[l].val[j] for each list l < nadds (at most
  * STELLA_TOPK_MAX_ADDS) in order, then stella_ef_topk(res, NULL, ...): the same result bit
  * for bit, the lists added tile by tile in the first pass. unit 1 only. */
-int64_t stella_ef_topk_add(float *res, int64_t n, const stella_topk_add *adds, int32_t nadds,
+int64_t stella_ef_topk_add(float *res, int64_t n, const stella_sparse_list *adds, int32_t nadds,
                            const stella_topk_args *args, stella_topk_state *state, const stella_topk_out *out,
                            stella_topk_stats *stats);
 float stella_kth_largest_abs(const float *v, int64_t n, int64_t k);

@@ -23,6 +23,12 @@ int stella_abi_version(void);
 const char *stella_strerror(int rc);
 /* STELLA_OK, or STELLA_E_RANGE / STELLA_E_ORDER with the first bad position in *where. */
 int stella_check_sorted(const int32_t *idx, int64_t n, int64_t numel, int64_t *where);
+/* A sparse change to a tensor: n sorted, unique indices in [0, its size) and their values. */
+typedef struct {
+    const int32_t *idx;
+    const float *val;
+    int64_t n;
+} stella_sparse_list;
 /* The x86-64 level the dispatched kernels run at ("portable", "x86-64-v3",
  * "x86-64-v4"), chosen once; what STELLA_NATIVE_ISA asked for ("auto", a level,
  * "unknown"); the levels compiled in (runnable == 0) or also runnable on this CPU, as

@@ -69,12 +69,11 @@ int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, f
                         int32_t nthreads);
 /* dst[idx[j]] += src[j] (idx in [0, numel), checked first: nothing changes on a bad one). */
 int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const float *src, int64_t n);
-/* dst[idx[l][j]] += val[l][j] for every list l < nlists in turn (each sorted, unique, in
+/* dst[lists[l].idx[j]] += lists[l].val[j] for every list l < nlists in turn (each sorted, unique, in
  * [0, numel), all checked first: nothing changes on a bad one), so a coordinate gets its adds
  * in list order, as one stella_scatter_add per list would give them; done tile by tile over
  * dst (one sweep of its lines, not one random access per entry). */
-int stella_scatter_add_lists(float *dst, int64_t numel, const int32_t *const *idx, const float *const *val,
-                             const int64_t *n, int32_t nlists);
+int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list *lists, int32_t nlists);
 /* The broadcast's candidate pool (pool.c): r[touched] += ch; of the touched and pool coordinates
  * (each list sorted, unique, in range) those with |r| >= floor and not 0 are candidates; the top k of
  * them (all, when fewer and full) go to sel/val (sorted; room for k + 1) and are zeroed in r; the others to rest

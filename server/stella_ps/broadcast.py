@@ -132,10 +132,9 @@ class Broadcast:
         self.factor = factor
         self.dense_below = dense_below
         self._model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
-        # what B is still owed of each tensor's sparse messages, oldest first, and their entries; every reader
-        # of B (the model property) adds them first
+        # what B is still owed of each tensor's sparse messages, oldest first; every reader of B (the model
+        # property) adds them first
         self._model_owed: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.layout]
-        self._model_owed_n = [0] * len(self.layout)
         self._residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual]
                           if residual is not None else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
         # what R is still owed of each tensor's last message: (its indices, the coding's error there), added by
@@ -166,18 +165,18 @@ class Broadcast:
         """Add tensor ``t``'s waiting messages to ``B`` (in their order: the same floats as
         one at a time)."""
         owed, self._model_owed[t] = self._model_owed[t], []
-        self._model_owed_n[t] = 0
         if owed:
             scatter_add_lists(self._model[t], owed)
 
     def _owe_model(self, t: int, version: int, idx: np.ndarray, q: np.ndarray) -> None:
         """``B[idx] += q`` for tensor ``t`` at ``version``, now or in a later sweep with
         other messages (MODEL_OWED_SHARE, MODEL_SLOTS)."""
-        self._model_owed[t].append((idx, q))
-        self._model_owed_n[t] += idx.size
+        owed = self._model_owed[t]
+        owed.append((idx, q))
+        entries = sum(i.size for i, _ in owed)  # at most MODEL_OWED_LISTS lists
         full = self.layout[t].numel // MODEL_OWED_SHARE
-        if (self._model_owed_n[t] >= full or len(self._model_owed[t]) >= MODEL_OWED_LISTS
-                or (self._model_owed_n[t] >= full // 2 and version % MODEL_SLOTS == t % MODEL_SLOTS)):
+        if (entries >= full or len(owed) >= MODEL_OWED_LISTS
+                or (entries >= full // 2 and version % MODEL_SLOTS == t % MODEL_SLOTS)):
             self._settle_model(t)
 
     @property

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stella.native_errors import NativeIsa, check, isa_info, require_abi, warn_isa_fallback
+from stella.native_errors import NativeIsa, check, isa_info, require_abi, sparse_lists, warn_isa_fallback
 from stella.protocol import SparseTensor
 
 from ._kernel import ffi, lib
@@ -319,7 +319,6 @@ class KernelTensorState:
         the kernel's buffer, valid until the next apply)."""
         if not isinstance(touched, np.ndarray) or touched.dtype != np.int32 or touched.ndim != 1:
             raise KernelInputError("last_changes: touched must be the int32 array apply returned")
-        touched = np.ascontiguousarray(touched)
         out = np.empty(touched.shape[0], F32)
         rc = lib.stella_optim_last_changes(self._st, touched.shape[0],
                                            ffi.from_buffer("float[]", out, require_writable=True))
@@ -426,11 +425,8 @@ def scatter_add_lists(dst: np.ndarray, lists: Sequence[tuple[np.ndarray, np.ndar
         if i.shape != v.shape or i.ndim != 1:
             raise KernelInputError(f"scatter_add_lists: {i.shape[0]} indices for {v.size} values")
         keep.append((i, v))
-    m = len(keep)
-    idx = ffi.new("int32_t *[]", [ffi.from_buffer("int32_t[]", i) for i, _ in keep])
-    val = ffi.new("float *[]", [ffi.from_buffer("float[]", v) for _, v in keep])
-    n = ffi.new("int64_t[]", [i.shape[0] for i, _ in keep])
-    rc = lib.stella_scatter_add_lists(out, dst.shape[0], idx, val, n, m)
+    c_lists, _bufs = sparse_lists(ffi, keep)
+    rc = lib.stella_scatter_add_lists(out, dst.shape[0], c_lists, len(keep))
     check(lib, rc, "scatter_add_lists: an index list out of range or order", _INPUT_ERRORS)
 
 
