@@ -19,23 +19,29 @@ N = 10_000_000  # coordinates a push could carry at density 1
 COMPUTE = 0.2  # seconds of computation per round
 
 
-def link_round(c: Controller, up_mbps: float, down_mbps: float | None = None) -> RoundMeasure:
+def link_round(c: Controller, up_mbps: float, down_mbps: float | None = None, latency_s: float = 0.0) -> RoundMeasure:
     """What a round at the controller's current choice measures on a link of these rates:
     the push's coded size (plus a fixed header), the broadcast pull (twice the push's
-    coordinates in q4)."""
+    coordinates in q4); each transfer also takes ``latency_s`` whatever its size (a round
+    trip, the work of sending a message)."""
     d, coding = c.density, c.value_dtype
     push = int(N * d * coordinate_bits(d, coding) / 8) + 2000
     pull = int(2 * N * d * coordinate_bits(d, "q4") / 8)
     down = down_mbps or up_mbps
-    return RoundMeasure(compute_s=COMPUTE, compress_s=0.01, push_bytes=push, push_s=push * 8 / (up_mbps * 1e6),
-                        pull_bytes=pull, pull_s=pull * 8 / (down * 1e6))
+    return RoundMeasure(compute_s=COMPUTE, compress_s=0.01, push_bytes=push,
+                        push_s=latency_s + push * 8 / (up_mbps * 1e6), pull_bytes=pull,
+                        pull_s=latency_s + pull * 8 / (down * 1e6))
 
 
-def exchange_s(c: Controller, up_mbps: float, at: tuple[float, str] | None = None) -> float:
-    """The exchange a round would take on this link, at the controller's choice or ``at``."""
+def exchange_s(c: Controller, up_mbps: float, at: tuple[float, str] | int | None = None,
+               latency_s: float = 0.0) -> float:
+    """The exchange a round would take on this link, at the controller's choice or ``at``
+    (a candidate or its index)."""
+    if isinstance(at, int):
+        at = c.candidates[at]
     if at is not None:
         c = Controller(density=at[0], floor=at[0], ceiling=at[0], codings=(at[1],))  # type: ignore[arg-type]
-    m = link_round(c, up_mbps)
+    m = link_round(c, up_mbps, latency_s=latency_s)
     return m.compress_s + m.push_s + m.pull_s
 
 
@@ -120,6 +126,38 @@ def test_bounds_hold_and_a_hopeless_link_gets_the_cheapest():
     assert (c.density, c.value_dtype) == (0.01, "q2")
     run(c, [1e5] * 6)  # a LAN: the ceiling in f16, no further
     assert (c.density, c.value_dtype) == (0.05, "f16")
+
+
+def test_a_round_trip_longer_than_the_compute_keeps_the_best_push():
+    """A LAN's rate with a long round trip (0.1 s a transfer, so no push hides behind
+    0.2 s of compute): a cheaper push would save almost nothing, so after a try or two
+    the controller has learnt the fixed part and goes back to the best candidate; it
+    does not stay at the cheapest (the pipeline absorbs the rest). The proportional
+    model of the link fell to the cheapest and stayed."""
+    c = adaptive()
+    history = [(c.density, c.value_dtype)]
+    for _ in range(40):
+        c.observe(link_round(c, 1e5, latency_s=0.1))
+        history.append((c.density, c.value_dtype))
+    assert history[-1] == (0.1, "f16"), history
+    assert len(set(history[20:])) == 1, history  # settled
+    assert c.fixed_s == pytest.approx(0.2, rel=0.05)  # push and pull, one latency each
+
+
+def test_a_round_trip_and_a_slow_link_settle_on_what_hides_and_no_lower():
+    """A link of 30 Mbit/s whose transfers also take 40 ms each: the controller settles
+    on a push that hides behind the compute and uses the link (the next better one
+    would not fit with room to spare), and stays there."""
+    c = adaptive()
+    for _ in range(30):
+        c.observe(link_round(c, 30.0, latency_s=0.04))
+    i = c.current
+    assert exchange_s(c, 30.0, i, latency_s=0.04) <= 0.8 * COMPUTE
+    assert i == 0 or exchange_s(c, 30.0, i - 1, latency_s=0.04) > c.raise_fill * COMPUTE
+    before = c.decisions
+    for _ in range(30):
+        c.observe(link_round(c, 30.0, latency_s=0.04))
+    assert c.decisions == before
 
 
 def test_cheaper_coding_comes_before_lower_density():

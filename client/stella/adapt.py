@@ -17,16 +17,24 @@ bed at a steady 115 Mbit/s single rounds measured 30 to 110. The fastest of five
 follows a rise at once and a fall in five rounds; against rounds that measure
 uniformly 30-100% of the link it changes its choice about twice in 60 rounds, the
 second fastest about six times, the median more (tests/test_adapt.py). A candidate
-``(density, coding)`` would take
-``compress + push_bytes' / up + server' + pull_bytes' / down``, where
-``push_bytes'`` scales the bytes measured at the current candidate by the coded size
-of a coordinate (value bits plus Rice index bits, ``log2(1/density) + 2``), and the
-pull's follow the density likewise, in the broadcast's q4 (it sends a multiple of a
-push's coordinates). ``server'`` is the server's time applying the round's step (the
-``delta``'s ``step_ms``), taken as proportional to the density: decoding, applying and
-encoding grow with the coordinates every worker pushes, and the workers of a job adapt
-alike (the broadcast's pass over the whole residual does not shrink: issue 21).
-Waiting for other workers is in none of these terms.
+``(density, coding)`` would take ``compress + push' + server' + pull'``. Each of the
+last three is ``fixed + per_unit * size``: the push's size is its bytes, scaled from
+those measured at the current candidate by the coded size of a coordinate (value bits
+plus Rice index bits, ``log2(1/density) + 2``); the pull's follow the density likewise,
+in the broadcast's q4 (it sends a multiple of a push's coordinates); the server's is
+the density (``server'`` is its time applying the round's step, the ``delta``'s
+``step_ms``: decoding, applying and encoding grow with the coordinates every worker
+pushes, and the workers of a job adapt alike). ``per_unit`` is the fastest of the
+window's rounds once ``fixed`` is taken off. ``fixed`` is what a smaller push does not
+save: a round trip, the work of handling a message, the broadcast's pass over the whole
+residual (issue 21). No single size tells it apart, so it starts at 0 (a cost
+proportional to the size) and is learnt from the changes of candidate: when the first
+``window`` rounds after a change cost, at their fastest, more than 1.25 times what the
+model predicted, or less than that much below, ``fixed`` becomes the intercept of the
+line through the fastest round on either side of the change (the same link, measured
+at two sizes, a few rounds apart). Within that band the prediction stands and ``fixed``
+stays, so the noise of single rounds does not teach it. Waiting for other workers is in
+none of these terms.
 
 The choice. Candidates are ordered best first: densities from ``ceiling`` down to
 ``floor`` by factors of 1.25, and at each density the codings best first (f16, q4,
@@ -37,8 +45,13 @@ the iterations f16 did, while lower densities delay what error feedback delivers
 the compute, it stays, unless a better one predicts within ``raise_fill`` (0.6): the
 band between the two, and ``window`` rounds at least between a change and a rise,
 keep a steady link from oscillating. Above ``fill`` it moves to the best candidate
-that fits, or to the cheapest one, at once. A pinned knob (a number
-for the density, a coding for the values) leaves one candidate on its axis.
+that fits, at once. When none fits, it moves to the best candidate within ``slack``
+(a tenth) of the compute of the least any candidate predicts: on a link where a round
+trip takes longer than the computation, a cheaper push would buy little time at a cost
+in convergence, and the proportional model (``fixed`` 0) that took the cheapest there
+learns after a try that it saves little. It rises back, after ``window`` rounds, to a
+better candidate within half that slack. A pinned knob (a number for the density, a
+coding for the values) leaves one candidate on its axis.
 
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
@@ -83,6 +96,65 @@ def densities(floor: float, ceiling: float) -> list[float]:
     return out
 
 
+SURPRISE = 1.25  # a change of candidate whose cost differs more than this from the prediction teaches ``fixed``
+
+
+class _Cost:
+    """One term of a round's cost, ``fixed + per_unit * size`` (the size: bytes, or the
+    density), learnt from the rounds as the module doc describes. ``per_unit``: from the
+    fastest of the latest ``window`` rounds. ``fixed``: 0 until a change of candidate
+    turns out to cost, over its first ``window`` rounds, more than :data:`SURPRISE` times
+    what the model predicted, or less than that much below; then the line through the
+    fastest round on either side of the change (the same link, two sizes). It is never
+    taken above a recent round."""
+
+    def __init__(self, window: int):
+        self.recent: deque[tuple[int, float, float]] = deque(maxlen=window)  # (candidate, size, seconds)
+        self._fixed = 0.0
+        self._before: tuple[float, float] | None = None  # the fastest round before the latest change
+        self._after: list[tuple[float, float]] = []  # the rounds since, until a window is full
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.recent)
+
+    @property
+    def rate(self) -> float:
+        """Size per second of the fastest recent round (0: none measured)."""
+        return max((x / t for _, x, t in self.recent if t > 0.0), default=0.0)
+
+    def add(self, candidate: int, size: float, seconds: float) -> None:
+        if self.recent and self.recent[-1][0] != candidate:
+            old = self.recent[-1][0]
+            self._before = min(((x, t) for c, x, t in self.recent if c == old), key=lambda xt: xt[1])
+            self._after = []
+        self.recent.append((candidate, size, seconds))
+        if self._before is None:
+            return
+        self._after.append((size, seconds))
+        if len(self._after) < (self.recent.maxlen or 1):
+            return
+        (x1, t1), (x2, t2) = self._before, min(self._after, key=lambda xt: xt[1])
+        self._before = None
+        if x1 <= 0.0 or x2 <= 0.0 or abs(x1 - x2) <= 1e-6 * max(x1, x2):
+            return
+        fixed = min(self._fixed, t1)
+        predicted = fixed + (t1 - fixed) * x2 / x1
+        if predicted > 0.0 and not predicted / SURPRISE <= t2 <= predicted * SURPRISE:
+            self._fixed = max(0.0, (t2 * x1 - t1 * x2) / (x1 - x2))
+
+    def parts(self) -> tuple[float, float]:
+        """``(fixed seconds, seconds per unit of size)``."""
+        if not self.recent:
+            return 0.0, 0.0
+        fixed = min(self._fixed, min(t for _, _, t in self.recent))
+        return fixed, min(((t - fixed) / x for _, x, t in self.recent if x > 0.0), default=0.0)
+
+    def predict(self, size: float) -> float:
+        fixed, per_unit = self.parts()
+        return fixed + per_unit * size
+
+
 @dataclass(frozen=True)
 class RoundMeasure:
     """What one finished round measured (seconds, bytes)."""
@@ -113,23 +185,24 @@ class Controller:
 
     def __init__(self, *, density: float | None, floor: float, ceiling: float,
                  codings: Sequence[ValueDtype] = CODINGS, fill: float = 0.8, raise_fill: float = 0.6,
-                 window: int = 5):
+                 slack: float = 0.1, window: int = 5):
         if not codings or any(c not in VALUE_BITS for c in codings):
             raise ValueError(f"codings must be a non-empty subset of {tuple(VALUE_BITS)}, got {codings!r}")
-        if not 0.0 < raise_fill < fill <= 1.0 or window < 1:
-            raise ValueError("need 0 < raise_fill < fill <= 1 and window >= 1")
+        if not 0.0 < raise_fill < fill <= 1.0 or not 0.0 < slack <= 1.0 or window < 1:
+            raise ValueError("need 0 < raise_fill < fill <= 1, 0 < slack <= 1 and window >= 1")
         ladder = [density] if density is not None else densities(floor, ceiling)
         self.candidates: list[tuple[float, ValueDtype]] = [(d, c) for d in ladder for c in codings]
         self.fill, self.raise_fill = fill, raise_fill
+        self.slack = slack
         # start at the best candidate: a link too slow for it shows in the first round
         self.current = 0
-        self._up: deque[float] = deque(maxlen=window)  # rates measured, bytes/s
-        self._down: deque[float] = deque(maxlen=window)
+        self._up = _Cost(window)  # push bytes -> seconds
+        self._down = _Cost(window)  # pull bytes -> seconds
+        self._server = _Cost(window)  # density -> the server's step, seconds
         self._compute: deque[float] = deque(maxlen=window)
         self._compress: deque[float] = deque(maxlen=window)
         self._bytes_per_bit = 0.0  # push bytes per coded bit, at the latest candidate measured
         self._pull_per_bit = 0.0  # the latest pull's bytes per coded bit of a pushed coordinate
-        self._server: deque[float] = deque(maxlen=window)  # the server's step per unit of density
         self.decisions = 0  # changes made
         self.window = window
         self._since_change = 0  # rounds observed since the latest change
@@ -146,66 +219,71 @@ class Controller:
     def value_dtype(self) -> ValueDtype:
         return self.candidates[self.current][1]
 
-    @staticmethod
-    def _rate(xs: deque[float]) -> float:
-        """The fastest of the window (module doc: delays only ever slow a measurement)."""
-        return max(xs) if xs else 0.0
+    @property
+    def fixed_s(self) -> float:
+        """The part of a round's exchange that no cheaper push saves (the model's; 0 until
+        two candidates were measured)."""
+        return sum(cost.parts()[0] for cost in (self._up, self._down, self._server))
 
     @property
     def up_bps(self) -> float:
-        """The uplink's rate, bytes/s (0: not measured yet)."""
-        return self._rate(self._up)
+        """The uplink's rate, bytes/s: the fastest push of the window (0: not measured yet)."""
+        return self._up.rate
 
     @property
     def down_bps(self) -> float:
-        return self._rate(self._down)
+        return self._down.rate
 
     def predict(self, i: int) -> float:
         """The exchange time the model predicts for candidate ``i`` (0 with no measurement)."""
-        up, down = self.up_bps, self.down_bps
-        if up <= 0.0:
+        if not self._up.measured:
             return 0.0
         d, c = self.candidates[i]
-        push = self._bytes_per_bit * d * coordinate_bits(d, c) / up
-        pull = self._pull_per_bit * d * coordinate_bits(d, PULL_CODING) / down if down > 0.0 else 0.0
-        server = statistics.median(self._server) * d if self._server else 0.0
-        return statistics.median(self._compress) + push + server + pull
+        push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c))
+        pull = self._down.predict(self._pull_per_bit * d * coordinate_bits(d, PULL_CODING))
+        return statistics.median(self._compress) + push + self._server.predict(d) + pull
 
     def observe(self, m: RoundMeasure) -> Decision:
         """Learn from one round, measured at the current candidate; returns the next push's."""
         self._compute.append(m.compute_s)
         self._compress.append(m.compress_s)
         self._since_change += 1
-        d, c = self.candidates[self.current]
+        i, (d, c) = self.current, self.candidates[self.current]
         if m.push_bytes > 0 and m.push_s > 0.0:
-            self._up.append(m.push_bytes / m.push_s)
+            self._up.add(i, m.push_bytes, m.push_s)
             self._bytes_per_bit = m.push_bytes / (d * coordinate_bits(d, c))
-        self._server.append(m.server_s / d)
+        self._server.add(i, d, m.server_s)
         if m.pull_s > 0.0 and m.pull_bytes > 0:
-            self._down.append(m.pull_bytes / m.pull_s)
+            self._down.add(i, m.pull_bytes, m.pull_s)
             self._pull_per_bit = m.pull_bytes / (d * coordinate_bits(d, PULL_CODING))
-        if self.pinned or self.up_bps <= 0.0:
+        if self.pinned or not self._up.measured:
             return Decision(self.density, self.value_dtype, self.predict(self.current), "pinned" if self.pinned
                             else "no measurement yet")
         budget = statistics.median(self._compute)
-        now = self.predict(self.current)
-        best = self.current
-        if now > self.fill * budget:  # too slow: the best candidate that fits, else the cheapest
-            fits = [i for i in range(len(self.candidates)) if self.predict(i) <= self.fill * budget]
-            best = fits[0] if fits else len(self.candidates) - 1
-            why = "the exchange would not hide behind the computation"
-        elif self._since_change >= self.window:  # fits: a better candidate only with room to spare
-            better = [i for i in range(self.current) if self.predict(i) <= self.raise_fill * budget]
-            if better:
-                best = better[0]
-            why = "the link has room for more"
+        predicted = [self.predict(j) for j in range(len(self.candidates))]
+        now = predicted[i]
+        best = i
+        # what a round can reach: within the margin of the compute if any candidate fits; else the
+        # least any candidate predicts, give or take ``slack`` of the compute (the pipeline absorbs
+        # the rest: a cheaper push would cost convergence to save little time)
+        fits = any(p <= self.fill * budget for p in predicted)
+        reach = self.fill * budget if fits else min(predicted) + self.slack * budget
+        if now > reach:  # too slow: the best candidate that reaches, at once
+            best = next(j for j, p in enumerate(predicted) if p <= reach)
+            why = ("the exchange would not hide behind the computation" if fits else
+                   "no push hides behind the computation: the best that saves nearly all a cheaper one would")
+        elif self._since_change >= self.window:  # reaches: a better candidate only with room to spare
+            room = self.raise_fill * budget if fits else min(predicted) + self.slack * budget / 2
+            best = next(j for j, p in enumerate(predicted[:i + 1]) if p <= room or j == i)
+            why = "the link has room for more" if fits else "a cheaper push saves little time"
         if best != self.current:
             old = self.candidates[self.current]
             self.current = best
             self._since_change = 0
             self.decisions += 1
             log.info("stella adapt: density %.3g%% %s -> %.3g%% %s (%s: predicted %.3f s against %.3f s of "
-                     "compute; up %.1f Mbit/s, down %.1f Mbit/s)", 100 * old[0], old[1], 100 * self.density,
-                     self.value_dtype, why, self.predict(best), budget, 8e-6 * self.up_bps, 8e-6 * self.down_bps)
-            return Decision(self.density, self.value_dtype, self.predict(best), why)
+                     "compute; up %.1f Mbit/s, down %.1f Mbit/s, fixed %.1f ms a round)", 100 * old[0], old[1],
+                     100 * self.density, self.value_dtype, why, predicted[best], budget, 8e-6 * self.up_bps,
+                     8e-6 * self.down_bps, 1e3 * self.fixed_s)
+            return Decision(self.density, self.value_dtype, predicted[best], why)
         return Decision(self.density, self.value_dtype, now, "unchanged")
