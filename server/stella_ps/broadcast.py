@@ -382,8 +382,3 @@ class Broadcast:
         self._pools = [None] * len(self.layout)
         self._messages.clear()
         self._valid_from = version + 1
-
-    def forget(self) -> None:
-        """After the model was replaced (a checkpoint resumed): no message is valid."""
-        self._messages.clear()
-        self._pools = [None] * len(self.layout)
