@@ -130,18 +130,39 @@ def test_bounds_hold_and_a_hopeless_link_gets_the_cheapest():
 
 def test_a_round_trip_longer_than_the_compute_keeps_the_best_push():
     """A LAN's rate with a long round trip (0.1 s a transfer, so no push hides behind
-    0.2 s of compute): a cheaper push would save almost nothing, so after a try or two
-    the controller has learnt the fixed part and goes back to the best candidate; it
-    does not stay at the cheapest (the pipeline absorbs the rest). The proportional
-    model of the link fell to the cheapest and stayed."""
+    0.2 s of compute): a cheaper push would save almost nothing, so after a few tries
+    (two that agree) the controller has learnt the fixed part and goes back to the best
+    candidate; it does not stay at the cheapest (the pipeline absorbs the rest). The
+    proportional model of the link fell to the cheapest and stayed."""
     c = adaptive()
     history = [(c.density, c.value_dtype)]
-    for _ in range(40):
+    for _ in range(50):
         c.observe(link_round(c, 1e5, latency_s=0.1))
         history.append((c.density, c.value_dtype))
     assert history[-1] == (0.1, "f16"), history
-    assert len(set(history[20:])) == 1, history  # settled
+    assert len(set(history[30:])) == 1, history  # settled
     assert c.fixed_s == pytest.approx(0.2, rel=0.05)  # push and pull, one latency each
+
+
+def test_the_fixed_part_needs_two_changes_that_agree_and_never_makes_a_larger_push_look_cheap():
+    """The cost model alone: a size that does not change the time teaches ``fixed`` only
+    at the second change of candidate that shows it; then a smaller size saves nothing,
+    while a larger one, predicted cautiously, costs at least in proportion."""
+    from stella.adapt import _Cost
+
+    cost = _Cost(5)
+    for cand, size in ((0, 1e6), (1, 5e5)):
+        for _ in range(5):
+            cost.add(cand, size, 0.1)
+    assert cost.parts()[0] == 0.0  # one surprise: not yet
+    assert cost.predict(2.5e5) == pytest.approx(0.05)  # proportional to the latest rounds
+    for _ in range(5):
+        cost.add(2, 2.5e5, 0.1)
+    assert cost.parts()[0] == pytest.approx(0.1)
+    assert cost.predict(1e5) == pytest.approx(0.1)
+    assert cost.predict(1e6) == pytest.approx(0.1)
+    assert cost.predict(1e6, cautious=True) == pytest.approx(0.4)
+    assert cost.predict(1e5, cautious=True) == pytest.approx(0.1)
 
 
 def test_a_round_trip_and_a_slow_link_settle_on_what_hides_and_no_lower():

@@ -30,10 +30,12 @@ save: a round trip, the work of handling a message, the broadcast's pass over th
 residual (issue 21). No single size tells it apart, so it starts at 0 (a cost
 proportional to the size) and is learnt from the changes of candidate: when the first
 ``window`` rounds after a change cost, at their fastest, more than 1.25 times what the
-model predicted, or less than that much below, ``fixed`` becomes the intercept of the
-line through the fastest round on either side of the change (the same link, measured
-at two sizes, a few rounds apart). Within that band the prediction stands and ``fixed``
-stays, so the noise of single rounds does not teach it. Waiting for other workers is in
+model predicted, or less than that much below, that change draws a line through the
+fastest round on either side of it (the same link, measured at two sizes, a few rounds
+apart), and ``fixed`` becomes the lesser intercept of the latest two such lines. Within
+that band the prediction stands and ``fixed`` stays, so the noise of single rounds does
+not teach it; and a link that changed its rate during a change fakes one line, rarely
+two in a row. Waiting for other workers is in
 none of these terms.
 
 The choice. Candidates are ordered best first: densities from ``ceiling`` down to
@@ -49,9 +51,13 @@ that fits, at once. When none fits, it moves to the best candidate within ``slac
 (a tenth) of the compute of the least any candidate predicts: on a link where a round
 trip takes longer than the computation, a cheaper push would buy little time at a cost
 in convergence, and the proportional model (``fixed`` 0) that took the cheapest there
-learns after a try that it saves little. It rises back, after ``window`` rounds, to a
-better candidate within half that slack. A pinned knob (a number for the density, a
-coding for the values) leaves one candidate on its axis.
+learns after a try or two that it saves little. It rises back, after ``window``
+rounds, to a better candidate within half that slack. While some candidate fits, a
+push larger than the current one is predicted to cost at least in proportion to its
+size (as if ``fixed`` were 0), so a ``fixed`` learnt wrongly on a link whose rate
+moved during a change cannot make a large push look cheap (without this, one of three
+runs on the test bed's fluctuating links rose to 5% and stalled a round 4 s). A pinned knob (a number for
+the density, a coding for the values) leaves one candidate on its axis.
 
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
@@ -102,15 +108,16 @@ SURPRISE = 1.25  # a change of candidate whose cost differs more than this from 
 class _Cost:
     """One term of a round's cost, ``fixed + per_unit * size`` (the size: bytes, or the
     density), learnt from the rounds as the module doc describes. ``per_unit``: from the
-    fastest of the latest ``window`` rounds. ``fixed``: 0 until a change of candidate
-    turns out to cost, over its first ``window`` rounds, more than :data:`SURPRISE` times
-    what the model predicted, or less than that much below; then the line through the
-    fastest round on either side of the change (the same link, two sizes). It is never
-    taken above a recent round."""
+    fastest of the latest ``window`` rounds. ``fixed``: 0 until two changes of candidate
+    turned out to cost, over their first ``window`` rounds, more than :data:`SURPRISE`
+    times what the model predicted, or less than that much below; then the lesser
+    intercept of the two lines through the fastest round on either side of each change
+    (the same link, two sizes). It is never taken above a recent round."""
 
     def __init__(self, window: int):
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=window)  # (candidate, size, seconds)
         self._fixed = 0.0
+        self._lines: deque[float] = deque(maxlen=2)  # the intercepts of the latest two surprises
         self._before: tuple[float, float] | None = None  # the fastest round before the latest change
         self._after: list[tuple[float, float]] = []  # the rounds since, until a window is full
 
@@ -141,7 +148,10 @@ class _Cost:
         fixed = min(self._fixed, t1)
         predicted = fixed + (t1 - fixed) * x2 / x1
         if predicted > 0.0 and not predicted / SURPRISE <= t2 <= predicted * SURPRISE:
-            self._fixed = max(0.0, (t2 * x1 - t1 * x2) / (x1 - x2))
+            # the lesser of this line's intercept and the previous surprise's: a link that changed
+            # its rate during the change fakes one, rarely two in a row
+            self._lines.append(max(0.0, (t2 * x1 - t1 * x2) / (x1 - x2)))
+            self._fixed = min(self._lines) if len(self._lines) == 2 else 0.0
 
     def parts(self) -> tuple[float, float]:
         """``(fixed seconds, seconds per unit of size)``."""
@@ -150,9 +160,14 @@ class _Cost:
         fixed = min(self._fixed, min(t for _, _, t in self.recent))
         return fixed, min(((t - fixed) / x for _, x, t in self.recent if x > 0.0), default=0.0)
 
-    def predict(self, size: float) -> float:
+    def predict(self, size: float, cautious: bool = False) -> float:
+        """``cautious``: at least the fastest recent round's time per unit of size (the
+        proportional model), which only ever raises a larger size's prediction."""
         fixed, per_unit = self.parts()
-        return fixed + per_unit * size
+        secs = fixed + per_unit * size
+        if cautious:
+            secs = max(secs, size * min((t / x for _, x, t in self.recent if x > 0.0), default=0.0))
+        return secs
 
 
 @dataclass(frozen=True)
@@ -234,14 +249,15 @@ class Controller:
     def down_bps(self) -> float:
         return self._down.rate
 
-    def predict(self, i: int) -> float:
-        """The exchange time the model predicts for candidate ``i`` (0 with no measurement)."""
+    def predict(self, i: int, cautious: bool = False) -> float:
+        """The exchange time the model predicts for candidate ``i`` (0 with no measurement);
+        ``cautious``: a larger push than the current one costs at least proportionally more."""
         if not self._up.measured:
             return 0.0
         d, c = self.candidates[i]
-        push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c))
-        pull = self._down.predict(self._pull_per_bit * d * coordinate_bits(d, PULL_CODING))
-        return statistics.median(self._compress) + push + self._server.predict(d) + pull
+        push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c), cautious)
+        pull = self._down.predict(self._pull_per_bit * d * coordinate_bits(d, PULL_CODING), cautious)
+        return statistics.median(self._compress) + push + self._server.predict(d, cautious) + pull
 
     def observe(self, m: RoundMeasure) -> Decision:
         """Learn from one round, measured at the current candidate; returns the next push's."""
@@ -260,13 +276,18 @@ class Controller:
             return Decision(self.density, self.value_dtype, self.predict(self.current), "pinned" if self.pinned
                             else "no measurement yet")
         budget = statistics.median(self._compute)
-        predicted = [self.predict(j) for j in range(len(self.candidates))]
+        # while some push hides, a larger one is predicted cautiously (``fixed`` learnt on a link
+        # whose rate moved could make it look cheap); when none does, ``fixed`` is most of every
+        # round, and the larger push costs what the model says
+        predicted = [self.predict(j, cautious=True) for j in range(len(self.candidates))]
+        fits = any(p <= self.fill * budget for p in predicted)
+        if not fits:
+            predicted = [self.predict(j) for j in range(len(self.candidates))]
         now = predicted[i]
         best = i
         # what a round can reach: within the margin of the compute if any candidate fits; else the
         # least any candidate predicts, give or take ``slack`` of the compute (the pipeline absorbs
         # the rest: a cheaper push would cost convergence to save little time)
-        fits = any(p <= self.fill * budget for p in predicted)
         reach = self.fill * budget if fits else min(predicted) + self.slack * budget
         if now > reach:  # too slow: the best candidate that reaches, at once
             best = next(j for j, p in enumerate(predicted) if p <= reach)
