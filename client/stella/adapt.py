@@ -237,7 +237,7 @@ class Controller:
     @property
     def fixed_s(self) -> float:
         """The part of a round's exchange that no cheaper push saves (the model's; 0 until
-        two candidates were measured)."""
+        two changes of candidate taught it, module doc)."""
         return sum(cost.parts()[0] for cost in (self._up, self._down, self._server))
 
     @property
