@@ -353,17 +353,18 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
 
 
 def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> None:
-    """Set every worker site's link to the run's rate once the model's first copy has reached the workers:
-    every worker but the one whose registration starts the model pulls a snapshot (that one pulls none
-    since 2026-11-26 23:20), so once W - 1 sites have had the model come down them, all W are shaped.
-    Bounded by ``stop`` and 300 s. (A site's own upload cannot tell: workers that register while the
-    model is not yet there all send their values; shaping on it put 39 MB snapshots on 30 Mbit/s links,
-    11 s inside round 11's first time to target. Until 19:55 an upload counted too, and the registering
-    worker's snapshot crossed its shaped link.)"""
+    """Set every worker site's link to the run's rate once the model's first copy is in: the registering
+    worker's upload has reached the server, or W - 1 worker sites have had a snapshot come down them. Since
+    protocol 7 (2026-11-28) a worker whose values are those the job was created with (the same seed) pulls
+    no snapshot, so the upload is the one copy; workers starting together send the values once (probes are
+    held while one uploads, protocol 6). Bounded by ``stop`` and 300 s. (Until 2026-11-28 every worker but
+    the registering one pulled a snapshot, and the watcher waited for W - 1 of them: 39 MB on 30 Mbit/s
+    links, 11 s inside round 11's first time to target, when it shaped earlier.)"""
     sites = [f"w{i}" for i in range(r.world)]
     deadline = time.monotonic() + 300
     while not stop.is_set() and time.monotonic() < deadline:
-        if sum(bed.counters(site)["rx_bytes"] >= 0.98 * model_bytes for site in sites) >= r.world - 1:
+        uploaded = bed.counters("ps")["rx_bytes"] >= 0.98 * model_bytes
+        if uploaded or sum(bed.counters(site)["rx_bytes"] >= 0.98 * model_bytes for site in sites) >= r.world - 1:
             for site in sites:
                 bed.set_rate(site, up=r.up, down=r.down)
             return

@@ -231,23 +231,32 @@ def test_compression_and_the_old_keywords_together_are_refused():
         StellaOptimizer(Toy(), "tcp://127.0.0.1:9", densty=0.5)
 
 
-def test_the_worker_whose_values_start_the_model_pulls_no_snapshot(make_server):
+def test_workers_holding_the_models_first_values_pull_no_snapshot(make_server):
     """The first worker's registration sends the model's values, so it starts from them without
-    pulling them back (over a slow link that copy cost as much as the upload). A worker that
-    joins later pulls the model and starts from it, whatever its own values were."""
-    srv = make_server(2)
+    pulling them back (over a slow link that copy cost as much as the upload). A worker whose
+    values are the same (the same seed) learns it from its registration's digest and pulls
+    nothing either; one with other values pulls the model and starts from it."""
+    srv = make_server(3)
     n = 200_000
-    first, second = Toy(n), Toy(n)
+    first, other, same = Toy(n), Toy(n), Toy(n)
     with torch.no_grad():
-        second.w.zero_()
+        other.w.zero_()
     kw = dict(optimizer={"name": "sgd", "lr": 1.0}, sync_every=1, max_sync_every=1, timeout=10)
     a = StellaOptimizer(first, srv.endpoint, **kw)
-    b = StellaOptimizer(second, srv.endpoint, **kw)
+    b = StellaOptimizer(other, srv.endpoint, **kw)
+    c = StellaOptimizer(same, srv.endpoint, **kw)
     try:
-        assert a.version == 0 and b.version == 0
+        assert a.version == 0 and b.version == 0 and c.version == 0
         assert a.bytes_pulled < n  # a reply or two, no float32 copy of the model
         assert b.bytes_pulled >= 4 * n  # the snapshot
-        assert torch.equal(second.w.detach(), torch.arange(n, dtype=torch.float32))
+        assert c.bytes_pulled < n
+        assert torch.equal(other.w.detach(), torch.arange(n, dtype=torch.float32))
+        for opt, m in ((a, first), (b, other), (c, same)):  # one step together: every replica the same
+            m.w.grad = torch.ones(n)
+            opt.step()
+        for opt in (a, b, c):
+            opt.synchronize()
+        assert torch.equal(first.w, other.w) and torch.equal(first.w, same.w)
     finally:
-        a.close(flush=False)
-        b.close(flush=False)
+        for opt in (a, b, c):
+            opt.close(flush=False)

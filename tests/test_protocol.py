@@ -11,7 +11,7 @@ import pytest
 
 from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError, _session
 from stella.client import Client
-from stella.protocol import PROTOCOL_VERSION
+from stella.protocol import PROTOCOL_VERSION, model_digest
 from stella_ps.process import free_port
 
 SGD1 = {"name": "sgd", "lr": 1.0}
@@ -352,6 +352,40 @@ def test_hparams_on_a_push_apply_from_the_step_it_joins(make_server, make_client
     with pytest.raises(BadRequest, match=r"\[optimizer\] lr=-1 is outside"):  # refused when pushed
         a.push({"b": np.ones(10, np.float32)}, 2, hparams={"lr": -1.0})
     assert a.status().pending_pushes == 0
+
+
+def test_a_worker_holding_the_models_first_values_pulls_only_the_steps_since(server, make_client, raw_dealer):
+    """The registration's digest: a worker whose values are those the model was created
+    with (the same seed) is told their version (``base``) and needs only the steps since;
+    other values, or a digest of the wrong size, get no base or a clear refusal."""
+    a = make_client(server.endpoint)
+    assert a.register(model(), SGD1).base == 0  # it created the model
+    b, c = make_client(server.endpoint), make_client(server.endpoint)
+    assert b.register(model(), SGD1).base == 0
+    assert c.register(model(1), SGD1).base is None  # other values: a snapshot
+    for cl in (a, b, c):
+        cl.push({"w": sparse([3, 7], [1.0, -2.0])}, 0, wait=False)
+    assert a.pull(0, wait_for=1).version == 1
+    late = make_client(server.endpoint)
+    reg = late.register(model(), SGD1)
+    assert reg.base == 0 and reg.version == 1 and not reg.created
+    mine = model()
+    delta = late.pull(reg.base)
+    assert not delta.full  # the step's change, not the model
+    delta.apply_to(mine)
+    snap = late.pull(None)
+    for name, (_, vals) in snap.tensors.items():
+        assert np.array_equal(mine[name].reshape(-1), vals), name
+    assert not np.array_equal(mine["w"], model()["w"])
+
+    raw = RawWorker(raw_dealer(server.endpoint))
+    layout = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in model().items()]
+    bad = raw.call({"type": "register", "worker": raw.worker, "tensors": layout, "optimizer": SGD1, "values": False,
+                    "digest": b"short"})
+    assert bad["type"] == "error" and "digest" in bad["message"], bad
+    ok = raw.call({"type": "register", "worker": raw.worker, "tensors": layout, "optimizer": SGD1, "values": False,
+                   "digest": model_digest(list(model().values()))})
+    assert ok["type"] == "registered" and ok["base"] == 0 and a.status().version == 1  # the refusal changed nothing
 
 
 def test_first_registration_with_an_empty_tensor_is_answered(server, make_client):

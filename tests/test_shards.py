@@ -123,6 +123,39 @@ def test_a_shard_ahead_gives_its_extra_steps_only_with_the_others(make_server):
         assert set(d.steps[0]) == {"w", "v"}
 
 
+def test_a_worker_holding_the_first_values_starts_from_its_registration(make_server):
+    """Every shard tells a worker whose pieces are the values the job was created with their
+    version: its rounds start there, and a pull since brings the steps every shard made
+    since, not a snapshot; the replica equals the shards' broadcast models bit for bit."""
+    addrs = _shards(make_server, 2, 1)
+    init = {k: np.random.default_rng(0).standard_normal(n).astype(np.float32) for k, n in LAYOUT.items()}
+    with ShardedClient(addrs, timeout=30) as a:
+        reg = a.register(init, {"name": "adamw", "lr": 0.01})
+        assert reg.base == 0 and reg.version == 0  # it created both shards' models
+        v, rng = 0, np.random.default_rng(1)
+        for _ in range(3):
+            a.push(_update(rng, init), v, value_dtype="f16")
+            v = a.pull(v, wait_for=v + 1).version
+        assert v == 3
+        with ShardedClient(addrs, timeout=30) as late, ShardedClient(addrs, timeout=30) as other:
+            reg = late.register(init)
+            assert reg.base == 0 and reg.version == 3
+            before = late.bytes_pulled
+            d = late.pull(reg.base)
+            assert not d.full and d.version == 3 and len(d.steps) == 3
+            assert late.bytes_pulled - before < sum(LAYOUT.values())  # three messages, not 4 B a coordinate
+            rep = {k: x.copy() for k, x in init.items()}
+            d.apply_to(rep)
+            assert other.register({k: x + 1 for k, x in init.items()}).base is None  # other values: a snapshot
+            snap = other.pull(None)
+            model = {k: x.copy() for k, x in init.items()}
+            snap.apply_to(model)
+            assert snap.full and snap.version >= 3
+            for k in model:
+                assert np.array_equal(rep[k], model[k]), k
+            assert any(not np.array_equal(model[k], init[k]) for k in model)
+
+
 # --------------------------------------------------------------------------- refusals
 def test_shards_listed_out_of_order_are_refused(make_server):
     addrs = _shards(make_server, 2, 1)

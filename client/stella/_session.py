@@ -70,6 +70,7 @@ from .protocol import (
     decode_reply,
     encode,
     key_fingerprint,
+    model_digest,
 )
 
 __all__ = ["Session", "rebase", "curve_keys", "default_timeout", "default_reconnect", "ENV_TIMEOUT",
@@ -426,23 +427,29 @@ class Session:
     def register(self, layout: list[TensorSpec], optimizer: dict[str, Any], mode: TrainingMode | None,
                  values: Callable[[], list[np.ndarray]], timeout: float | None) -> Registered:
         """Register (sending ``values()`` if the server asks for them); remembered, so
-        that a reconnect registers again."""
+        that a reconnect registers again. The probe carries the values' digest: a worker
+        whose values are those the model was created with learns so (``Registered.base``)."""
         reg = _Registration(layout, optimizer, mode, values)
-        reply = self._register(reg, timeout)
+        arrays = values()  # read once: hashed now, and sent if the server asks for them
+        reply = self._register(reg, timeout, arrays)
         self._registration = reg
         self.server_version = reply.version
         return reply
 
-    def _register(self, reg: _Registration, timeout: float | None) -> Registered:
+    def _register(self, reg: _Registration, timeout: float | None,
+                  arrays: list[np.ndarray] | None = None) -> Registered:
+        """Register ``reg``; ``arrays``: its values as they are now, whose digest the probe
+        carries (a reconnect's registration has none: it reads the values only if asked)."""
         t = self.timeout if timeout is None else timeout
         # the probe may be held while another worker uploads the model (workers starting together send it once)
         msg = Register(worker=self.worker(), tensors=reg.layout, optimizer=reg.optimizer, values=False, mode=reg.mode,
-                       wait_ms=int(t * 1000 * 0.9))
+                       wait_ms=int(t * 1000 * 0.9), digest=None if arrays is None else model_digest(arrays))
         # joining a model sends no values; Register is not re-sent by a reconnect, which redoes it
         reply = expect(self.wait(self.send(msg, (), timeout), timeout), Registered)
         if reply.needs_values:  # this registration initialises the model
             msg = msgspec.structs.replace(msg, values=True, wait_ms=0)
-            reply = expect(self.wait(self.send(msg, reg.values(), timeout), timeout), Registered)
+            frames = reg.values() if arrays is None else arrays
+            reply = expect(self.wait(self.send(msg, frames, timeout), timeout), Registered)
         return reply
 
     def worker(self) -> int:

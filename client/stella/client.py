@@ -288,8 +288,11 @@ class Client:
 
         ``optimizer`` is the server-side optimizer (``{"name": "adamw", "lr": ...}``);
         None takes the server's default (``stella-ps --optimizer``). Later workers with
-        the same layout join the existing model (pull a full snapshot afterwards); a
-        different layout raises :class:`LayoutConflict`.
+        the same layout join the existing model; a different layout raises
+        :class:`LayoutConflict`. The reply's ``base`` says where to start: the version
+        whose model equals these values (this registration created the model, or the
+        model was created with the same values: the registration carries their digest,
+        :func:`stella.protocol.model_digest`), to pull since; None: pull a full snapshot.
         """
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]

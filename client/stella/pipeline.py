@@ -71,7 +71,7 @@ import torch
 
 from ._exchange import Grads, build_inner, exchange_for
 from .adapt import CODINGS, Controller, RoundMeasure
-from .client import Client, PullResult
+from .client import PullResult
 from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
@@ -331,12 +331,12 @@ class StellaOptimizer(torch.optim.Optimizer):
             self.client = client or connect(address, timeout=timeout, name=name, worker_id=worker_id,
                                             server_key=server_key, client_key=client_key)
             reply = self.client.register(self.params, self._exchange.server_config, mode=self.mode)
-            if reply.created and isinstance(self.client, Client):
-                # this registration's values are the model at reply.version: no snapshot to pull (over a slow
-                # link the first worker paid the model twice). A sharded job pulls it: its client learns each
-                # shard's version from that first pull
-                return reply, None
-            return reply, self.client.pull(None)
+            if reply.base is None:  # the job's model is not this worker's values: its snapshot
+                return reply, self.client.pull(None)
+            # this worker's values are the model at reply.base (it created the model, or the job was created
+            # with the same values, e.g. from the same seed): only the steps since then, if any, to pull. Over a
+            # slow link a snapshot would cost every worker the model's size once more before its first step
+            return reply, None if reply.base == reply.version else self.client.pull(reply.base)
 
         start: tuple[dict[str, Any], int] | None = None
         if leader:

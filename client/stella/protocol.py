@@ -83,9 +83,10 @@ __all__ = [
     "encode_tensors",
     "decode_tensors",
     "decode_register_values",
+    "model_digest",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -239,6 +240,10 @@ class Register(_Message, tag="register", frozen=True):
     # a probe (no values) that finds another worker uploading the model may be held this
     # long for that upload to end, and then joins it; 0: answered at once
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 0
+    # :func:`model_digest` of the values this worker holds (sent or not): one that equals the
+    # digest of the values the model was created with learns it (``Registered.base``), and
+    # need not pull a snapshot of what it has
+    digest: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)] | None = None
 
 
 class Push(_Message, tag="push", frozen=True):
@@ -314,6 +319,10 @@ class Registered(_Message, tag="registered", frozen=True):
     numel: int
     mode: TrainingMode | None = None  # the job's training mode, once a registration said one
     pull: PullMode | None = None  # what the server's pulls answer: "broadcast" (per step) or "exact"
+    # the version whose model equals the registered values (this registration created the
+    # model, or its digest equals that of the values it was created with): a pull since
+    # ``base`` brings the worker up to date (nothing to pull if it is ``version``); None: pull a snapshot
+    base: Version | None = None
 
 
 class PushOk(_Message, tag="push_ok", frozen=True):
@@ -670,6 +679,18 @@ def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTen
             raise type(err)(f"{kind}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
         out.append(SparseTensor(e.tensor, idx, vals))
     return out
+
+
+def model_digest(values: Sequence[np.ndarray]) -> bytes:
+    """SHA-256 of a model's values as its registration sends them (per tensor, in the
+    layout's order: its element count, then its float32 bytes): what ``Register.digest``
+    carries and what the server compares with the values the model was created with."""
+    h = hashlib.sha256()
+    for v in values:
+        a = np.ascontiguousarray(v, dtype="<f4").reshape(-1)
+        h.update(a.size.to_bytes(8, "little"))
+        h.update(a.data)  # large updates run without the GIL
+    return h.digest()
 
 
 def decode_register_values(rx: Received) -> list[np.ndarray]:

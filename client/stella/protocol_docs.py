@@ -71,6 +71,10 @@ def _type_name(t: msgspec.inspect.Type) -> str:
         return f"int ({b})" if b else "int"
     if isinstance(t, mi.StrType):
         return f"str (<= {t.max_length} chars)" if t.max_length else "str"
+    if isinstance(t, mi.BytesType):
+        if t.min_length is not None and t.min_length == t.max_length:
+            return f"bin ({t.max_length} bytes)"
+        return f"bin (<= {t.max_length} bytes)" if t.max_length else "bin"
     if isinstance(t, mi.LiteralType):
         return " \\| ".join(f"`{v}`" for v in t.values)
     if isinstance(t, mi.UnionType):

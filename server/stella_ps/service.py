@@ -53,6 +53,7 @@ from stella.protocol import (
     WorkerStatus,
     decode_register_values,
     decode_tensors,
+    model_digest,
 )
 
 from . import __version__
@@ -121,6 +122,9 @@ class Service:
         self._sweeper: Timer | None = None
         self._init_lock = asyncio.Lock()  # two first registrations must not both initialise
         self._initialised = asyncio.Event()  # set once the model exists: held probes join it
+        # the digest of the values the model was created with, and its version then: a worker
+        # registering values with that digest holds that version's model (None: resumed from a checkpoint)
+        self._origin: tuple[bytes, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -324,6 +328,7 @@ class Service:
                 except BaseException:
                     info.registering = False
                     raise
+                self._origin = (await self.store_thread.run(model_digest, values), self.store.version)
                 self.steps.optimizer = cfg
                 self._initialised.set()
                 created = True
@@ -337,9 +342,17 @@ class Service:
             self.steps.membership_changed()
             self.mode = self.mode or msg.mode
             assert self.steps.optimizer is not None
+            base = self.store.version if created else self._base(msg.digest)
             self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
                                          needs_values=False, optimizer=self.steps.optimizer.to_wire(),
-                                         numel=self.store.numel, mode=self.mode, pull=self.store.pull), ())
+                                         numel=self.store.numel, mode=self.mode, pull=self.store.pull, base=base), ())
+
+    def _base(self, digest: bytes | None) -> int | None:
+        """The version whose model a registration's values (``digest``) are: the model's
+        creation version if they are the values it was created with, else None."""
+        if digest is None or self._origin is None or digest != self._origin[0]:
+            return None
+        return self._origin[1]
 
     def _push(self, ident: bytes, msg: Push, rx: Received) -> None:
         info = self._member(ident, msg.worker)
