@@ -23,6 +23,11 @@ schedule from its start; 2 workers in sites ``a``/``b``, ``ps`` at 1000 Mbit/s):
   python -m bench.adaptive --quick --scenario slow           # digits, ~20 s of training per system
   python -m bench.adaptive --scenario fluctuating --system adaptive --system ddp --json out.json
 
+Time to target is rank 0's training clock (from its first step, evaluations left out); ``start
+lag`` is how long after the first worker began training the last one did (a worker that pulls
+the model as a snapshot over its link starts that much later, and the others' first steps wait
+for it), and ``from the first start`` is the time to target from the first worker's start.
+
 Output: a table per scenario on stdout, ``--json PATH`` (every per-iteration record of
 every worker, the link schedules and ``bed.rate_log``, machine and load average) and
 ``--plot PATH`` (default bench/adaptive.png: over training wall time, per worker, the
@@ -282,6 +287,14 @@ def stats_of(res: dict) -> dict:
     reach = res.get("reached")
     out["time_to_target"] = reach["wall"] if reach else None
     out["iters_to_target"] = reach["step"] if reach else None
+    starts = [r["train_start_epoch"] for r in ranks if r.get("train_start_epoch")]
+    # job start: how long after the first worker began training the last one did (a joiner pulling the
+    # model as a snapshot over its link starts that much later); rank 0's clock, time to target, starts at its own
+    out["start_lag_s"] = max(starts) - min(starts) if len(starts) > 1 else None
+    # the job's time to target: from the first worker's start
+    out["job_time_to_target"] = None
+    if reach and len(starts) > 1 and ranks[0].get("train_start_epoch"):
+        out["job_time_to_target"] = reach["wall"] + ranks[0]["train_start_epoch"] - min(starts)
     bpr = [d["bytes_per_round"] for d in per if "bytes_per_round" in d]
     if bpr:
         out["bytes_per_round"], out["bytes_source"] = statistics.mean(bpr), "veth"
@@ -336,12 +349,13 @@ def _fmt(v, spec=".2f", none="-"):
 def table(scenario: str, results: list[dict]) -> str:
     lines = [f"## {scenario}",
              "| system | time to target (s) | it to target | s/it w0 / w1 | wait w0 / w1 | kB/round | "
-             "density final w0,w1; median | codings | H range (acc) | final metric |",
-             "|" + "---|" * 10]
+             "density final w0,w1; median | codings | H range (acc) | final metric | start lag (s) | "
+             "from the first start (s) |",
+             "|" + "---|" * 12]
     for r in results:
         if not r.get("ok"):
             err = str(r.get("error") or "").strip().splitlines()
-            lines.append(f"| {r['system']} | FAILED: {err[-1][:90] if err else ''} |" + " |" * 8)
+            lines.append(f"| {r['system']} | FAILED: {err[-1][:90] if err else ''} |" + " |" * 10)
             continue
         s = r["stats"]
         pw = s["per_worker"] + [{}] * (2 - len(s["per_worker"]))
@@ -361,7 +375,8 @@ def table(scenario: str, results: list[dict]) -> str:
         fm = r.get("final_metric")
         lines.append(f"| {r['system']} | {_fmt(s['time_to_target'], '.1f', 'not reached')} | "
                      f"{_fmt(s['iters_to_target'], 'd')} | {spi} | {wait} | {bpr} | {dens} | {cod} | {hs} | "
-                     f"{_fmt(fm, '.4f')} |")
+                     f"{_fmt(fm, '.4f')} | {_fmt(s.get('start_lag_s'), '.2f')} | "
+                     f"{_fmt(s.get('job_time_to_target'), '.1f')} |")
     g = goals(scenario, results)
     if scenario == "slow":
         def pct(v):
