@@ -25,6 +25,8 @@
 
 /* Coordinates are interleaved records ({p, buf} for SGD, {p, m, v, step} for
  * Adam/AdamW): a random update costs one cache line, not one per field. */
+#define STELLA_MAX_RANGES 64 /* threads (coordinate ranges) of one apply */
+
 struct stella_optim {
     int32_t kind;
     int32_t nfields; /* floats per record: 2 (SGD) or 4 (Adam/AdamW) */
@@ -52,6 +54,13 @@ struct stella_optim {
      * same order, written as it went (stella_optim_last_changes copies it out). */
     float *delta;
     int64_t delta_cap;
+    /* Each of the last apply's coordinate ranges (one per thread, in order) left its
+     * undo records and changes where it wrote them, not compacted: range r's are the
+     * seg_len[r] entries from seg_off[r] (undo: x nfields floats), following out_idx's
+     * order range after range; undo_len is their sum. */
+    int32_t nseg;
+    int64_t seg_off[STELLA_MAX_RANGES];
+    int64_t seg_len[STELLA_MAX_RANGES];
 };
 
 #include "optim_tuning.h"

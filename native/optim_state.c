@@ -89,11 +89,16 @@ int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int
 int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n) {
     if (!st || n < 0 || n != st->undo_len || (n > 0 && !idx)) return STELLA_E_ARG;
     const int64_t s = st->nfields;
-    for (int64_t j = 0; j < n; j++) {
-        if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= st->numel)) return STELLA_E_RANGE;
-        memcpy(st->mem + (int64_t)idx[j] * s, st->undo + j * s, (size_t)s * sizeof(float));
+    int64_t j = 0;
+    for (int32_t r = 0; r < st->nseg; r++) { /* each range's records where it wrote them */
+        const float *u = st->undo + st->seg_off[r] * s;
+        for (int64_t i = 0; i < st->seg_len[r]; i++, j++) {
+            if (STELLA_UNLIKELY(idx[j] < 0 || idx[j] >= st->numel)) return STELLA_E_RANGE;
+            memcpy(st->mem + (int64_t)idx[j] * s, u + i * s, (size_t)s * sizeof(float));
+        }
     }
     st->undo_len = 0;
+    st->nseg = 0;
     return STELLA_OK;
 }
 
@@ -102,7 +107,10 @@ int stella_optim_rollback(stella_optim *st, const int32_t *idx, int64_t n) {
  * broadcast adds it to its residual). */
 int stella_optim_last_changes(const stella_optim *st, int64_t n, float *out) {
     if (!st || n < 0 || n != st->undo_len || (n > 0 && !out)) return STELLA_E_ARG;
-    if (n > 0) memcpy(out, st->delta, (size_t)n * sizeof(float));
+    for (int32_t r = 0; r < st->nseg; r++) { /* range after range, in out_idx's order */
+        memcpy(out, st->delta + st->seg_off[r], (size_t)st->seg_len[r] * sizeof(float));
+        out += st->seg_len[r];
+    }
     return STELLA_OK;
 }
 

@@ -285,10 +285,11 @@ def test_threads_give_identical_results(name, dense):
 def test_last_changes_are_what_the_apply_did_bit_for_bit(name, threads):
     """The change the apply wrote as it went (the broadcast's input) equals the
     parameters after minus before, float32, at its touched indices; a rolled-back or
-    mismatched apply has none to give."""
+    mismatched apply has none to give. Large enough that two threads split the range
+    (each range's changes stay where it wrote them, the reader follows the ranges)."""
     rng = np.random.default_rng(11)
     cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
-    numel = 200_000
+    numel = 2_000_000
     k = KernelTensorState(rng.standard_normal(numel).astype(F32), cfg)
     old = kernel.get_num_threads()
     kernel.set_num_threads(threads)
@@ -303,6 +304,31 @@ def test_last_changes_are_what_the_apply_did_bit_for_bit(name, threads):
             assert np.count_nonzero(want) > 0.9 * touched.size
         with pytest.raises(kernel.KernelError, match="not the last apply"):
             k.last_changes(touched[:-1])
+    finally:
+        kernel.set_num_threads(old)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_rollback_puts_back_every_record_the_apply_changed(name, threads):
+    """The undo log, range by range as the threads wrote it: a rollback after a threaded
+    apply gives back the state before it, every field bit for bit."""
+    rng = np.random.default_rng(12)
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
+    numel = 2_000_000
+    k = KernelTensorState(rng.standard_normal(numel).astype(F32), cfg)
+    old = kernel.get_num_threads()
+    kernel.set_num_threads(threads)
+    try:
+        k.apply([make_push(rng, numel, 0.05, False, "f16") for _ in range(3)], 1 / 3, cfg)  # moments not zero
+        before = {f: a.copy() for f, a in k.state_arrays().items()}
+        touched = k.apply([make_push(rng, numel, 0.05, False, "f16") for _ in range(3)], 1 / 3, cfg)
+        assert not np.array_equal(k.state_arrays()["param"], before["param"])
+        k.rollback(touched)
+        for f, a in k.state_arrays().items():
+            assert a.tobytes() == before[f].tobytes(), f
+        with pytest.raises(kernel.KernelError):
+            k.last_changes(touched)  # rolled back: nothing to give
     finally:
         kernel.set_num_threads(old)
 
