@@ -280,32 +280,38 @@ def test_threads_give_identical_results(name, dense):
     assert_same_state(states[2], ref)
 
 
+def _state_on_threads(name: str, threads: int, seed: int) -> tuple[np.random.Generator, OptimizerConfig,
+                                                                    KernelTensorState]:
+    """A 2M-coordinate state whose applies of three 5% pushes two or more threads split
+    (the autouse fixture resets the threads)."""
+    rng = np.random.default_rng(seed)
+    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
+    k = KernelTensorState(rng.standard_normal(2_000_000).astype(F32), cfg)
+    kernel.set_num_threads(threads)
+    return rng, cfg, k
+
+
+def _three_pushes(rng: np.random.Generator) -> list:
+    return [make_push(rng, 2_000_000, 0.05, False, "f16") for _ in range(3)]
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_last_changes_are_what_the_apply_did_bit_for_bit(name, threads):
     """The change the apply wrote as it went (the broadcast's input) equals the
     parameters after minus before, float32, at its touched indices; a rolled-back or
-    mismatched apply has none to give. Large enough that two threads split the range
-    (each range's changes stay where it wrote them, the reader follows the ranges)."""
-    rng = np.random.default_rng(11)
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
-    numel = 2_000_000
-    k = KernelTensorState(rng.standard_normal(numel).astype(F32), cfg)
-    old = kernel.get_num_threads()
-    kernel.set_num_threads(threads)
-    try:
-        for _step in range(3):
-            before = k.state_arrays()["param"].copy()
-            pushes = [make_push(rng, numel, 0.05, False, "f16") for _ in range(3)]
-            touched = k.apply(pushes, 1 / 3, cfg)
-            after = k.state_arrays()["param"]
-            want = after[touched] - before[touched]
-            assert k.last_changes(touched).tobytes() == want.tobytes()
-            assert np.count_nonzero(want) > 0.9 * touched.size
-        with pytest.raises(kernel.KernelError, match="not the last apply"):
-            k.last_changes(touched[:-1])
-    finally:
-        kernel.set_num_threads(old)
+    mismatched apply has none to give. Each thread's range keeps its changes where it
+    wrote them, and the reader follows the ranges."""
+    rng, cfg, k = _state_on_threads(name, threads, 11)
+    for _step in range(3):
+        before = k.state_arrays()["param"].copy()
+        touched = k.apply(_three_pushes(rng), 1 / 3, cfg)
+        after = k.state_arrays()["param"]
+        want = after[touched] - before[touched]
+        assert k.last_changes(touched).tobytes() == want.tobytes()
+        assert np.count_nonzero(want) > 0.9 * touched.size
+    with pytest.raises(kernel.KernelError, match="not the last apply"):
+        k.last_changes(touched[:-1])
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
@@ -313,24 +319,16 @@ def test_last_changes_are_what_the_apply_did_bit_for_bit(name, threads):
 def test_a_rollback_puts_back_every_record_the_apply_changed(name, threads):
     """The undo log, range by range as the threads wrote it: a rollback after a threaded
     apply gives back the state before it, every field bit for bit."""
-    rng = np.random.default_rng(12)
-    cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
-    numel = 2_000_000
-    k = KernelTensorState(rng.standard_normal(numel).astype(F32), cfg)
-    old = kernel.get_num_threads()
-    kernel.set_num_threads(threads)
-    try:
-        k.apply([make_push(rng, numel, 0.05, False, "f16") for _ in range(3)], 1 / 3, cfg)  # moments not zero
-        before = {f: a.copy() for f, a in k.state_arrays().items()}
-        touched = k.apply([make_push(rng, numel, 0.05, False, "f16") for _ in range(3)], 1 / 3, cfg)
-        assert not np.array_equal(k.state_arrays()["param"], before["param"])
-        k.rollback(touched)
-        for f, a in k.state_arrays().items():
-            assert a.tobytes() == before[f].tobytes(), f
-        with pytest.raises(kernel.KernelError):
-            k.last_changes(touched)  # rolled back: nothing to give
-    finally:
-        kernel.set_num_threads(old)
+    rng, cfg, k = _state_on_threads(name, threads, 12)
+    k.apply(_three_pushes(rng), 1 / 3, cfg)  # moments not zero
+    before = {f: a.copy() for f, a in k.state_arrays().items()}
+    touched = k.apply(_three_pushes(rng), 1 / 3, cfg)
+    assert not np.array_equal(k.state_arrays()["param"], before["param"])
+    k.rollback(touched)
+    for f, a in k.state_arrays().items():
+        assert a.tobytes() == before[f].tobytes(), f
+    with pytest.raises(kernel.KernelError):
+        k.last_changes(touched)  # rolled back: nothing to give
 
 
 def test_env_and_setter_for_threads():
