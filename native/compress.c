@@ -528,9 +528,12 @@ static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t 
             stella_prefetch_tile(res, 0, n);
             for (int64_t lo = 0; lo < n; lo += STELLA_ADD_TILE) {
                 const int64_t hi = n - lo < STELLA_ADD_TILE ? n : lo + STELLA_ADD_TILE;
-                stella_prefetch_tile(res, hi, n);
                 stella_add_lists_below(res, ad->list, ad->nlists, j, hi);
-                pass1_impl(res, NULL, 0, lo, hi, thr, tz, idx, val, cap, truncate, flat, &p);
+                for (int64_t s = lo; s < hi; s += STELLA_ADD_STEP) { /* the next tile's lines asked for as it goes */
+                    stella_prefetch_step(res, s, n);
+                    pass1_impl(res, NULL, 0, s, hi - s < STELLA_ADD_STEP ? hi : s + STELLA_ADD_STEP, thr, tz, idx,
+                               val, cap, truncate, flat, &p);
+                }
             }
         } else if (grad) {
             pass1_impl(res, grad, 1, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
