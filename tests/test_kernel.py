@@ -280,19 +280,22 @@ def test_threads_give_identical_results(name, dense):
     assert_same_state(states[2], ref)
 
 
+SPLIT_NUMEL = 2_000_000  # three 5% pushes on this many coordinates: enough work for two or more threads
+
+
 def _state_on_threads(name: str, threads: int, seed: int) -> tuple[np.random.Generator, OptimizerConfig,
                                                                     KernelTensorState]:
-    """A 2M-coordinate state whose applies of three 5% pushes two or more threads split
-    (the autouse fixture resets the threads)."""
+    """A state whose applies of :func:`_three_pushes` two or more threads split (the
+    autouse fixture resets the threads)."""
     rng = np.random.default_rng(seed)
     cfg = OptimizerConfig.from_wire({"name": name, "lr": 0.05, "weight_decay": 0.01})
-    k = KernelTensorState(rng.standard_normal(2_000_000).astype(F32), cfg)
+    k = KernelTensorState(rng.standard_normal(SPLIT_NUMEL).astype(F32), cfg)
     kernel.set_num_threads(threads)
     return rng, cfg, k
 
 
 def _three_pushes(rng: np.random.Generator) -> list:
-    return [make_push(rng, 2_000_000, 0.05, False, "f16") for _ in range(3)]
+    return [make_push(rng, SPLIT_NUMEL, 0.05, False, "f16") for _ in range(3)]
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])

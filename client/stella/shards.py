@@ -210,15 +210,15 @@ class ShardedClient:
             if r.pull not in (None, "broadcast"):
                 raise StellaError(f"{a} serves {r.pull} pulls: a sharded job needs each step's message, the "
                                   f"compressed broadcast (stella-ps --pull broadcast, the default)")
-        bases = [r.base for r in replies]
-        if any(b is None for b in bases):  # some shard's piece is not this worker's: a snapshot of every shard
+        bases = [r.base for r in replies if r.base is not None]
+        if len(bases) < len(replies):  # some shard's piece is not this worker's: a snapshot of every shard
             return msgspec.structs.replace(replies[0], base=None)
         # every shard holds this worker's piece at a known version: the rounds start there (a round
         # ahead for each step the busiest shard made since, which a pull since the base brings)
-        start = max(b for b in bases if b is not None)
+        start = max(bases)
         self._ahead = [[] for _ in self.shards]
-        self._record(start, [b for b in bases if b is not None])
-        moved = max(r.version - b for r, b in zip(replies, bases) if b is not None)
+        self._record(start, bases)
+        moved = max(r.version - b for r, b in zip(replies, bases))
         return msgspec.structs.replace(replies[0], version=start + moved, base=start)
 
     def _piece_name(self, p: Piece) -> str:
