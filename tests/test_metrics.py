@@ -140,8 +140,9 @@ def test_status_table_watch_and_json():
     seq = iter([st, msgspec.structs.replace(st, steps=14, bytes_in=6000)])
     assert watch(lambda: next(seq), interval=0.01, count=2, out=out) == 0
     first, second = out.getvalue().split("stella-ps ")[1:]
-    assert "2.00 steps/s" in first and "checkpoint 30s ago" in first and "w0" in first
-    assert "steps/s" in second and "2.00 steps/s" not in second  # the second is over the refresh
+    assert "| 2.00 steps/s" in first and "checkpoint 30s ago" in first and "w0" in first
+    # the second is over the refresh ("| 2.00", not "2.00": a rate of 392.00 ends in it)
+    assert "steps/s" in second and "| 2.00 steps/s" not in second
     out = io.StringIO()
     watch(lambda: st, as_json=True, out=out)
     assert json.loads(out.getvalue())["rates"]["steps"] == 2.0
