@@ -9,9 +9,10 @@ warm-up steps, then timed steps (median reported; the residual carries over,
 as in training). ``torch.topk`` on ``|acc|`` of the same accumulated tensor is
 timed in the same run. Quality, on the last step: selected count / k, and the
 fraction of the exact top-k's squared magnitude (of the same ``acc``) that the
-selection captured (counting at most the k largest sent values). Wire: bytes per (index, value) pair of the
-selected set for
-every index coding x value dtype, with encode and decode times.
+selection captured (counting at most the k largest sent values); per timed call, the
+threshold estimates from a sample and the passes over the tensor (native backend).
+Wire: bytes per (index, value) pair of the selected set for every index coding x
+value dtype, with encode and decode times.
 
 One CPU thread by default (``torch.set_num_threads(1)``; the C kernels are
 single-threaded). Figures are noisy on a shared machine: the table header
@@ -75,6 +76,7 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
         # the exact method is slow: fewer steps (its quality is the reference)
         w, s = (1, 1) if method == "exact" else (warmup, steps)
         sg = acc = None
+        counts: dict[str, int] = {}  # selection counters over the timed steps (native backend)
         for step in range(w + s):
             g = _gen_grad(n, mean, gen_m, device)
             last = step == w + s - 1
@@ -88,6 +90,10 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             _sync(device)
             if step >= w:
                 times.append(time.perf_counter() - t)
+                calls = comp.select_stats("w")  # None off the native backend
+                if calls is not None:
+                    for name in ("estimates", "passes"):
+                        counts[name] = counts.get(name, 0) + calls[name]
             del g
         assert acc is not None and sg is not None  # the last step set them
         if topk_s is None:
@@ -105,6 +111,8 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             ms=med * 1e3, ms_min=min(times) * 1e3, steps=len(times), topk_ms=topk_s * 1e3,
             speedup_vs_topk=topk_s / med, count_over_k=sg.count / k,
             captured=got_sq / exact_sq if exact_sq > 0 else 1.0,
+            estimates_per_call=counts["estimates"] / len(times) if counts else None,
+            passes_per_call=counts["passes"] / len(times) if counts else None,
         )
         if device.type == "cpu" and method != "exact":
             row["last_call"] = comp.select_stats("w")
@@ -149,11 +157,13 @@ def wire_rows(sg, n, density, method, device):
 def print_tables(rows, out=sys.stdout):
     sel = [r for r in rows if r["kind"] == "select"]
     print(f"{'device':6} {'n':>11} {'dens':>6} {'method':9} {'ms':>8} {'min ms':>8} "
-          f"{'topk ms':>9} {'x topk':>7} {'cnt/k':>6} {'captured':>8}", file=out)
+          f"{'topk ms':>9} {'x topk':>7} {'cnt/k':>6} {'captured':>8} {'estimates':>9} {'passes':>6}", file=out)
     for r in sel:
+        calls = "" if r.get("estimates_per_call") is None else \
+            f" {r['estimates_per_call']:9.2f} {r['passes_per_call']:6.2f}"
         print(f"{r['device']:6} {r['n']:>11,} {r['density']:>6.3%} {r['method']:9} {r['ms']:8.2f} "
               f"{r['ms_min']:8.2f} {r['topk_ms']:9.1f} {r['speedup_vs_topk']:7.1f} "
-              f"{r['count_over_k']:6.3f} {r['captured']:8.4f}", file=out)
+              f"{r['count_over_k']:6.3f} {r['captured']:8.4f}{calls}", file=out)
     wire = [r for r in rows if r["kind"] == "wire"]
     if not wire:
         return

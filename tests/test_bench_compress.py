@@ -22,6 +22,10 @@ def test_bench_compress_runs_and_reports_sound_rows(tmp_path):
     # the threshold selector keeps about k entries and nearly all of the top k's mass
     assert 0.9 <= select["threshold"]["count_over_k"] <= 1.1
     assert select["threshold"]["captured"] > 0.95
+    # one pass a call, and the carried thresholds hold once the residual has settled
+    for method in ("threshold", "block"):
+        assert 1.0 <= select[method]["passes_per_call"] <= 1.2 and select[method]["estimates_per_call"] <= 0.5
+    assert select["exact"]["estimates_per_call"] is None
     coding = [x for x in rows if x["kind"] == "wire"]
     assert coding, "no coding rows"
     by = {(x["method"], x["coding"], x["dtype"]): x["bytes_per_pair"] for x in coding}
