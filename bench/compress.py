@@ -1,6 +1,7 @@
 """Top-k selection with error feedback, and wire coding: speed, count, quality, bytes.
 
     python -m bench.compress [--quick] [--json PATH] [--threads N] [--cuda/--no-cuda]
+    python -m bench.compress --workload bytelm [--steps 30] [--densities 0.01,0.001]
 
 For each tensor size and density, on gradient-like data (a persistent normal
 component plus heavy-tailed noise, seeded, fresh noise every step), each
@@ -13,6 +14,11 @@ selection captured (counting at most the k largest sent values); per timed call,
 threshold estimates from a sample and the passes over the tensor (native backend).
 Wire: bytes per (index, value) pair of the selected set for every index coding x
 value dtype, with encode and decode times.
+
+``--workload NAME`` runs only the compressors on the gradients of a bench.workloads
+model (e.g. ``bytelm``, the 10.8M-parameter byte-level Transformer with AdamW) trained
+locally, every method and density on the same gradients each step: ms a step for the
+whole model, and estimates and passes per call.
 
 One CPU thread by default (``torch.set_num_threads(1)``; the C kernels are
 single-threaded). Figures are noisy on a shared machine: the table header
@@ -154,8 +160,62 @@ def wire_rows(sg, n, density, method, device):
     return rows
 
 
+def run_workload(name: str, densities, warmup: int, steps: int, seed: int = 0) -> list[dict]:
+    """The compressors on a training run's own gradients: ``bench.workloads``' model
+    ``name`` trained locally with its optimizer, and every step each (method, density)
+    compressor (``ErrorFeedbackCompressor``, native backend) compresses every parameter's
+    gradient, as a worker's gradient exchange does. Per (method, density): ms a step for
+    the whole model after ``warmup`` steps, and threshold estimates and passes per call
+    of the tensors selected from (the small ones go whole)."""
+    from bench import workloads
+
+    wl = workloads.get(name)
+    model = wl.build_model(seed)
+    opt = wl.make_optimizer(model.parameters())
+    batches = wl.batches(0, 1, wl.batch_size, seed)
+    comps = {(m, d): ErrorFeedbackCompressor(density=d, method=m, backend="native")
+             for m in ("threshold", "block") for d in densities}
+    totals = {key: {"s": 0.0, "calls": 0, "estimates": 0, "passes": 0} for key in comps}
+    params = list(model.named_parameters())
+    for step in range(warmup + steps):
+        wl.set_lr(opt, step)
+        opt.zero_grad()
+        wl.loss(model, next(batches)).backward()
+        for key, comp in comps.items():
+            t = time.perf_counter()
+            for pname, prm in params:
+                comp.compress(pname, prm.grad)
+            if step < warmup:
+                continue
+            tot = totals[key]
+            tot["s"] += time.perf_counter() - t
+            for pname, _ in params:
+                calls = comp.select_stats(pname)
+                if calls is not None:
+                    tot["calls"] += 1
+                    tot["estimates"] += calls["estimates"]
+                    tot["passes"] += calls["passes"]
+        opt.step()
+    numel = sum(p.numel() for _, p in params)
+    return [dict(kind="workload", workload=name, params=numel, tensors=len(params), method=m, density=d,
+                 steps=steps, ms_per_step=1e3 * t["s"] / steps,
+                 estimates_per_call=t["estimates"] / max(1, t["calls"]),
+                 passes_per_call=t["passes"] / max(1, t["calls"]))
+            for (m, d), t in totals.items()]
+
+
 def print_tables(rows, out=sys.stdout):
+    work = [r for r in rows if r["kind"] == "workload"]
+    if work:
+        print(f"{'workload':9} {'params':>11} {'tensors':>7} {'dens':>6} {'method':9} {'ms/step':>8} "
+              f"{'estimates':>9} {'passes':>6}", file=out)
+        for r in work:
+            print(f"{r['workload']:9} {r['params']:>11,} {r['tensors']:>7} {r['density']:>6.3%} {r['method']:9} "
+                  f"{r['ms_per_step']:8.2f} {r['estimates_per_call']:9.2f} {r['passes_per_call']:6.2f}", file=out)
+        print(file=out)
     sel = [r for r in rows if r["kind"] == "select"]
+    if not sel:
+        return
     print(f"{'device':6} {'n':>11} {'dens':>6} {'method':9} {'ms':>8} {'min ms':>8} "
           f"{'topk ms':>9} {'x topk':>7} {'cnt/k':>6} {'captured':>8} {'estimates':>9} {'passes':>6}", file=out)
     for r in sel:
@@ -194,6 +254,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--sizes", type=str, default=None, help="comma-separated sizes, e.g. 1e6,25e6")
     ap.add_argument("--densities", type=str, default=None, help="comma-separated, e.g. 0.01,0.001")
+    ap.add_argument("--workload", metavar="NAME",
+                    help="only the compressors on the gradients of a bench.workloads model (e.g. bytelm) "
+                         "trained locally: ms a step for the whole model")
+    ap.add_argument("--steps", type=int, default=30, help="--workload's timed steps (after 10 warm-up)")
     ap.add_argument("--cuda", dest="cuda", action="store_true", default=None)
     ap.add_argument("--no-cuda", dest="cuda", action="store_false")
     args = ap.parse_args(argv)
@@ -217,6 +281,9 @@ def main(argv=None):
           + (f"  cuda={torch.cuda.get_device_name()}" if use_cuda else ""))
     rows = []
     t0 = time.perf_counter()
+    if args.workload:
+        rows.extend(run_workload(args.workload, dens, 10, args.steps))
+        devices = []
     for dev in devices:
         for n in sizes:
             for d in dens:

@@ -33,3 +33,19 @@ def test_bench_compress_runs_and_reports_sound_rows(tmp_path):
     # Rice-coded indices cost fewer bytes than raw ones at 1% (gaps of about 100: ~8 bits)
     assert by[("threshold", "rice", "f16")] < by[("threshold", "varint", "f16")] < by[("threshold", "raw32", "f16")]
     assert by[("threshold", "rice", "f16")] < 3.5
+
+
+def test_bench_compress_on_a_workloads_gradients(tmp_path):
+    """--workload: every method and density on the same training run's gradients."""
+    out = tmp_path / "workload.json"
+    r = subprocess.run([sys.executable, "-m", "bench.compress", "--workload", "digits", "--steps", "3",
+                        "--densities", "0.01,0.001", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {(x["method"], x["density"]) for x in rows} == {(m, d) for m in ("threshold", "block")
+                                                           for d in (0.01, 0.001)}
+    for x in rows:
+        assert x["kind"] == "workload" and x["params"] == 548_746 and x["ms_per_step"] > 0
+        assert x["passes_per_call"] >= 1.0
+    assert "workload" in r.stdout and "digits" in r.stdout
