@@ -56,10 +56,12 @@ DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of 
 # floor, is cut back to that when it grows past POOL_MAX x k, and is used while the step's touched
 # coordinates and the pool together are under numel / POOL_SHARE. R is out of cache by the time of the
 # selection, so a candidate costs a random access to memory (~10-20 ns with prefetching, native/pool.c)
-# where the streaming pass costs ~0.5 ns a coordinate: bench.broadcast on 1.25M-coordinate tensors had
-# the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, about even at 3.6%, and
-# slower (0.64x) at 6%.
-POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 32
+# where the streaming pass costs ~0.5 ns a coordinate. bench.broadcast on 1.25M-coordinate tensors (the
+# Xeon VM) had the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, about even at
+# 3.6%, and slower (0.64x) at 6%. The pass got cheaper once its carried thresholds held (it had sampled the
+# residual again nearly every step: native/compress.c, CARRY_AIM); on the AMD EPYC VM the pool is then
+# 2.7-3.2x faster at 0.4-0.5% candidates, 1.3-1.4x at 1.2% and slower (0.66x) at 1.8%: hence 1/64.
+POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 64
 PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a random access does
 # B's sparse messages wait (see Broadcast._owe_model) and go in together in one sweep over B's lines: a message
 # of 1% touches 15% of B's lines, each a random access to memory, where the sweep streams them. On 8 tensors of
