@@ -799,10 +799,10 @@ static int64_t ef_topk(float *res, const float *grad, const adds_t *ad, int64_t 
     int64_t before = p.units;
     float tk = finalize(res, unit, idx, val, score, k, lo, hi, thr, tz, &p, hist);
     if (p.units != before) st.trims++;
-    /* Next step's thresholds: the ones that would have given AIM * k (emit)
+    /* Next step's thresholds: the ones that would have given CARRY_AIM * k (emit)
      * and k (zero) units this step (from the local slope of the count of scores
      * against the threshold), times the step-to-step drift of the selection
-     * threshold (the residual grows over the first steps). Emitting ~20% more
+     * threshold (the residual grows over the first steps). Emitting more
      * candidates than kept is deliberate: cutting candidates costs a pass over
      * them, too few costs a pass over the whole tensor. */
     float next = 0.f, next_z = 0.f;
@@ -811,13 +811,13 @@ static int64_t ef_topk(float *res, const float *grad, const adds_t *ad, int64_t 
         /* The slope where the next thresholds aim, just below tk: p.total scores reached
          * thr and p.units were kept at tk or above. Each step cuts the residual near tk,
          * so its scores pile up just under it, and the tail above tk (the count at tk
-         * against the count at 1.25 tk, used when the pass and the cut are too close to
-         * tell) is far flatter: at 1% pushes and W = 2 it gave a slope of about 1.4
+         * against the count at 1.25 tk, used when the pass drew fewer than 4 more than
+         * the cut kept) is far flatter: at 1% pushes and W = 2 it gave a slope of about 1.4
          * where the count below rose as the 5th power. The threshold carried from it
          * came out 10% low, drew 3x the candidates expected, and was estimated again
          * from a sample every step. */
         double slope;
-        if (!exact && p.total >= p.units + 8 && (double)tk > 1.0001 * (double)thr) {
+        if (!exact && p.total >= p.units + 4 && (double)tk > 1.0001 * (double)thr) {
             slope = log((double)p.total / (double)p.units) / log((double)tk / (double)thr);
         } else {
             float t125 = tk * 1.25f;
