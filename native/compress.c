@@ -56,8 +56,8 @@ _Static_assert(STELLA_BLOCK == 16, "compress.c's block kernels assume 16-float b
  * that draws more costs only their compaction until the check (1.7x what it aims at)
  * sends it to a fresh estimate; the caller's buffer holds 3k + 1024 units. Measured
  * (bench.compress --workload bytelm and its 1M tensors, bench.broadcast; AMD EPYC Zen 4):
- * 1.2 drew too few in 10-30% of the calls of a training run's first steps, 1.4 in 5-15%,
- * 1.6 in 1-6%; 1.8 and 2.0 cost more in compaction than they saved. */
+ * over a training run's first steps, 1.2 took a second pass in 6-33% of the calls, 1.4
+ * in 2-16%, 1.6 in 1-6%; 1.8 and 2.0 cost more in compaction and overflows than they saved. */
 #define CARRY_AIM 1.6
 
 
