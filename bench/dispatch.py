@@ -55,7 +55,7 @@ def _cases(quick: bool) -> dict[str, Callable[[int], float]]:
         res = np.zeros(n, F32)
         grad = rng.standard_normal(n).astype(F32)
         k_units = max(1, n // 1000 // unit)  # 0.1% of the elements
-        cap = 2 * k_units + 1024
+        cap = lib.stella_topk_cap_units(k_units, -(-n // unit))
         idx, val, score = np.empty(cap * unit, np.int32), np.empty(cap * unit, F32), np.empty(cap, F32)
         state = ffi.new("stella_topk_state *")
         args = ffi.new("stella_topk_args *", {"k_units": k_units, "unit": unit, "nsample": 16384, "seed": 1})

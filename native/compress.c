@@ -54,7 +54,8 @@ _Static_assert(STELLA_BLOCK == 16, "compress.c's block kernels assume 16-float b
 /* A carried threshold (last step's) at this many: the residual has moved since, and a
  * pass that draws too few units (< 0.9 k) costs another pass over the tensor, while one
  * that draws more costs only their compaction until the check (1.7x what it aims at)
- * sends it to a fresh estimate; the caller's buffer holds 3k + 1024 units. Measured
+ * sends it to a fresh estimate; the caller's buffer holds 3k + 1024 units
+ * (stella_topk_cap_units). Measured
  * (bench.compress --workload bytelm and its 1M tensors, bench.broadcast; AMD EPYC Zen 4):
  * over a training run's first steps, 1.2 took a second pass in 6-33% of the calls, 1.4
  * in 2-16%, 1.6 in 1-6%; 1.8 and 2.0 cost more in compaction and overflows than they saved. */
@@ -534,12 +535,12 @@ static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t 
                    * pass over it while its lines are in L1, instead of a scatter over the whole tensor and a
                    * pass that reads its lines again from memory */
             int64_t j[STELLA_TOPK_MAX_ADDS] = {0};
-            stella_prefetch_tile(res, 0, n);
+            stella_prefetch_lines(res, 0, STELLA_ADD_TILE, n);
             for (int64_t lo = 0; lo < n; lo += STELLA_ADD_TILE) {
                 const int64_t hi = n - lo < STELLA_ADD_TILE ? n : lo + STELLA_ADD_TILE;
                 stella_add_lists_below(res, ad->list, ad->nlists, j, hi);
                 for (int64_t s = lo; s < hi; s += STELLA_ADD_STEP) { /* the next tile's lines asked for as it goes */
-                    stella_prefetch_step(res, s, n);
+                    stella_prefetch_lines(res, s + STELLA_ADD_TILE, STELLA_ADD_STEP, n);
                     pass1_impl(res, NULL, 0, s, hi - s < STELLA_ADD_STEP ? hi : s + STELLA_ADD_STEP, thr, tz, idx,
                                val, cap, truncate, flat, &p);
                 }
@@ -807,7 +808,6 @@ static int64_t ef_topk(float *res, const float *grad, const adds_t *ad, int64_t 
      * them, too few costs a pass over the whole tensor. */
     float next = 0.f, next_z = 0.f;
     if (tk > tiny() && p.units > 0 && k < nu) {
-        const float *sv = unit == 1 ? val : score;
         /* The slope where the next thresholds aim, just below tk: p.total scores reached
          * thr and p.units were kept at tk or above. Each step cuts the residual near tk,
          * so its scores pile up just under it, and the tail above tk (the count at tk
@@ -820,6 +820,7 @@ static int64_t ef_topk(float *res, const float *grad, const adds_t *ad, int64_t 
         if (!exact && p.total >= p.units + 4 && (double)tk > 1.0001 * (double)thr) {
             slope = log((double)p.total / (double)p.units) / log((double)tk / (double)thr);
         } else {
+            const float *sv = unit == 1 ? val : score;
             float t125 = tk * 1.25f;
             int64_t c2 = 0;
             for (int64_t u = 0; u < p.units; u++) c2 += fabsf(sv[u]) >= t125;
@@ -891,6 +892,11 @@ int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const stella_sp
 }
 
 #if STELLA_ISA_BASE
+int64_t stella_topk_cap_units(int64_t k_units, int64_t units) {
+    const int64_t room = 3 * k_units + 1024; /* CARRY_AIM * k drawn, with room for the residual's drift */
+    return room < units ? room : units;
+}
+
 STELLA_ISA_VARIANTS(stella_ef_topk);
 STELLA_ISA_VARIANTS(stella_ef_topk_add);
 

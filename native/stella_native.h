@@ -13,7 +13,7 @@
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
  * wrappers (stella.native_errors.require_abi) assert it at import so a stale build
  * fails loudly. */
-#define STELLA_ABI_VERSION 10
+#define STELLA_ABI_VERSION 11
 
 /* Return codes shared by all kernels (0 = ok, negative = error); stella_strerror()
  * has their text. */
@@ -112,18 +112,11 @@ static inline int stella_check_lists(const stella_sparse_list *list, int32_t nli
 #define STELLA_ADD_TILE 4096
 #define STELLA_ADD_STEP 64
 
-/* Ask for the lines of a[lo .. min(lo + STELLA_ADD_TILE, n)), for writing: the first
- * tile of a pass, or each next tile of a sweep of adds alone (union.c). */
-static inline void stella_prefetch_tile(const float *a, int64_t lo, int64_t n) {
-    const int64_t hi = n - lo < STELLA_ADD_TILE ? n : lo + STELLA_ADD_TILE;
-    for (int64_t c = lo; c < hi; c += 16) __builtin_prefetch(a + c, 1, 3);
-}
-
-/* A sweep at a[at]: ask for the step's lines a tile ahead, a[at + STELLA_ADD_TILE ..
- * + STELLA_ADD_STEP) (those inside the array), for writing. */
-static inline void stella_prefetch_step(const float *a, int64_t at, int64_t n) {
-    const int64_t lo = at + STELLA_ADD_TILE;
-    const int64_t hi = n - lo < STELLA_ADD_STEP ? n : lo + STELLA_ADD_STEP;
+/* Ask for the lines of a[lo .. min(lo + len, n)), for writing (none when lo >= n): a
+ * tile (STELLA_ADD_TILE) at once, as a pass starts and as a sweep of adds alone goes
+ * (union.c), or a step (STELLA_ADD_STEP) a tile ahead of the broadcast's pass. */
+static inline void stella_prefetch_lines(const float *a, int64_t lo, int64_t len, int64_t n) {
+    const int64_t hi = n - lo < len ? n : lo + len;
     for (int64_t c = lo; c < hi; c += 16) __builtin_prefetch(a + c, 1, 3);
 }
 

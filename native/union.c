@@ -113,10 +113,10 @@ int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list
         if (lists[l].n > 0 && !dst) return STELLA_E_ARG;
     int64_t *cursor = calloc((size_t)nlists, sizeof *cursor);
     if (!cursor) return STELLA_E_NOMEM;
-    stella_prefetch_tile(dst, 0, numel);
+    stella_prefetch_lines(dst, 0, STELLA_ADD_TILE, numel);
     for (int64_t lo = 0; lo < numel; lo += STELLA_ADD_TILE) {
         const int64_t hi = numel - lo < STELLA_ADD_TILE ? numel : lo + STELLA_ADD_TILE;
-        stella_prefetch_tile(dst, hi, numel);
+        stella_prefetch_lines(dst, hi, STELLA_ADD_TILE, numel);
         stella_add_lists_below(dst, lists, nlists, cursor, hi);
     }
     free(cursor);

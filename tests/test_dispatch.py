@@ -92,7 +92,7 @@ def run_kernels(out: str) -> None:
         state = ffi.new("stella_topk_state *")
         for step, g in enumerate(grads):
             k_units = K_TOPK if unit == 1 else K_TOPK // unit
-            cap = 2 * k_units + 1024
+            cap = lib.stella_topk_cap_units(k_units, -(-res.size // unit))
             idx, val, score = np.empty(cap * unit, np.int32), np.empty(cap * unit, F32), np.empty(cap, F32)
             args = ffi.new("stella_topk_args *", {"k_units": k_units, "unit": unit, "nsample": 4096, "seed": step})
             outp = ffi.new("stella_topk_out *", {"idx": ffi.from_buffer("int32_t[]", idx),

@@ -101,7 +101,7 @@ def ef_select(res, grad, k_units: int, unit: int, state: TopkState, nsample: int
     n = r.shape[0]
     nu = n if unit == 1 else (n + BLOCK - 1) // BLOCK
     k_units = max(1, min(int(k_units), nu))
-    cap = min(nu, 3 * k_units + 1024)  # room for what a carried threshold draws (CARRY_AIM, native/compress.c)
+    cap = lib.stella_topk_cap_units(k_units, nu)
     idx = np.empty(cap * unit, dtype=np.int32)
     val = np.empty(cap * unit, dtype=np.float32)
     score = np.empty(cap if unit != 1 else 1, dtype=np.float32)

@@ -17,7 +17,8 @@ typedef struct {
 } stella_topk_args;
 
 /* Where the selection goes: room for cap_units * unit indices and values (sorted
- * indices); score holds cap_units block scores (unit STELLA_BLOCK, else unused). */
+ * indices); score holds cap_units block scores (unit STELLA_BLOCK, else unused).
+ * stella_topk_cap_units gives the room a call should have. */
 typedef struct {
     int32_t *idx;
     float *val;
@@ -50,3 +51,7 @@ int64_t stella_ef_topk_add(float *res, int64_t n, const stella_sparse_list *adds
                            const stella_topk_args *args, stella_topk_state *state, const stella_topk_out *out,
                            stella_topk_stats *stats);
 float stella_kth_largest_abs(const float *v, int64_t n, int64_t k);
+/* The cap_units for a selection of k_units out of `units` (floats, or blocks for unit
+ * STELLA_BLOCK): what a pass at a carried threshold may draw, with some to spare; a pass
+ * that draws more gives them back and runs again. */
+int64_t stella_topk_cap_units(int64_t k_units, int64_t units);
