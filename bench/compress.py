@@ -67,6 +67,21 @@ def _time_topk(acc: torch.Tensor, k: int, reps: int) -> float:
     return min(ts)
 
 
+def _count_call(tot: dict[str, int], stats: dict[str, int] | None) -> None:
+    """Adds one selection's counters (``select_stats``: None off the native backend, or
+    for a tensor that went whole) to ``tot``."""
+    if stats is not None:
+        tot["calls"] = tot.get("calls", 0) + 1
+        for name in ("estimates", "passes"):
+            tot[name] = tot.get(name, 0) + stats[name]
+
+
+def _per_call(tot: dict[str, int]) -> dict[str, float | None]:
+    """The row fields of :func:`_count_call`'s totals: estimates and passes a call."""
+    calls = tot.get("calls", 0)
+    return {f"{name}_per_call": tot[name] / calls if calls else None for name in ("estimates", "passes")}
+
+
 def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=METHODS):
     rows = []
     gen = torch.Generator().manual_seed(seed)
@@ -96,10 +111,7 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             _sync(device)
             if step >= w:
                 times.append(time.perf_counter() - t)
-                calls = comp.select_stats("w")  # None off the native backend
-                if calls is not None:
-                    for name in ("estimates", "passes"):
-                        counts[name] = counts.get(name, 0) + calls[name]
+                _count_call(counts, comp.select_stats("w"))
             del g
         assert acc is not None and sg is not None  # the last step set them
         if topk_s is None:
@@ -117,8 +129,7 @@ def run_config(n, density, device, warmup, steps, topk_reps, seed=0, methods=MET
             ms=med * 1e3, ms_min=min(times) * 1e3, steps=len(times), topk_ms=topk_s * 1e3,
             speedup_vs_topk=topk_s / med, count_over_k=sg.count / k,
             captured=got_sq / exact_sq if exact_sq > 0 else 1.0,
-            estimates_per_call=counts["estimates"] / len(times) if counts else None,
-            passes_per_call=counts["passes"] / len(times) if counts else None,
+            **_per_call(counts),
         )
         if device.type == "cpu" and method != "exact":
             row["last_call"] = comp.select_stats("w")
@@ -175,7 +186,8 @@ def run_workload(name: str, densities, warmup: int, steps: int, seed: int = 0) -
     batches = wl.batches(0, 1, wl.batch_size, seed)
     comps = {(m, d): ErrorFeedbackCompressor(density=d, method=m, backend="native")
              for m in ("threshold", "block") for d in densities}
-    totals = {key: {"s": 0.0, "calls": 0, "estimates": 0, "passes": 0} for key in comps}
+    seconds = dict.fromkeys(comps, 0.0)
+    totals: dict[tuple[str, float], dict[str, int]] = {key: {} for key in comps}
     params = list(model.named_parameters())
     for step in range(warmup + steps):
         wl.set_lr(opt, step)
@@ -187,21 +199,21 @@ def run_workload(name: str, densities, warmup: int, steps: int, seed: int = 0) -
                 comp.compress(pname, prm.grad)
             if step < warmup:
                 continue
-            tot = totals[key]
-            tot["s"] += time.perf_counter() - t
+            seconds[key] += time.perf_counter() - t
             for pname, _ in params:
-                calls = comp.select_stats(pname)
-                if calls is not None:
-                    tot["calls"] += 1
-                    tot["estimates"] += calls["estimates"]
-                    tot["passes"] += calls["passes"]
+                _count_call(totals[key], comp.select_stats(pname))
         opt.step()
     numel = sum(p.numel() for _, p in params)
     return [dict(kind="workload", workload=name, params=numel, tensors=len(params), method=m, density=d,
-                 steps=steps, ms_per_step=1e3 * t["s"] / steps,
-                 estimates_per_call=t["estimates"] / max(1, t["calls"]),
-                 passes_per_call=t["passes"] / max(1, t["calls"]))
+                 steps=steps, ms_per_step=1e3 * seconds[m, d] / steps, **_per_call(t))
             for (m, d), t in totals.items()]
+
+
+def _calls_columns(r: dict) -> str:
+    """A row's estimates and passes a call, or nothing when it has none."""
+    if r.get("estimates_per_call") is None:
+        return ""
+    return f" {r['estimates_per_call']:9.2f} {r['passes_per_call']:6.2f}"
 
 
 def print_tables(rows, out=sys.stdout):
@@ -211,7 +223,7 @@ def print_tables(rows, out=sys.stdout):
               f"{'estimates':>9} {'passes':>6}", file=out)
         for r in work:
             print(f"{r['workload']:9} {r['params']:>11,} {r['tensors']:>7} {r['density']:>6.3%} {r['method']:9} "
-                  f"{r['ms_per_step']:8.2f} {r['estimates_per_call']:9.2f} {r['passes_per_call']:6.2f}", file=out)
+                  f"{r['ms_per_step']:8.2f}{_calls_columns(r)}", file=out)
         print(file=out)
     sel = [r for r in rows if r["kind"] == "select"]
     if not sel:
@@ -219,11 +231,9 @@ def print_tables(rows, out=sys.stdout):
     print(f"{'device':6} {'n':>11} {'dens':>6} {'method':9} {'ms':>8} {'min ms':>8} "
           f"{'topk ms':>9} {'x topk':>7} {'cnt/k':>6} {'captured':>8} {'estimates':>9} {'passes':>6}", file=out)
     for r in sel:
-        calls = "" if r.get("estimates_per_call") is None else \
-            f" {r['estimates_per_call']:9.2f} {r['passes_per_call']:6.2f}"
         print(f"{r['device']:6} {r['n']:>11,} {r['density']:>6.3%} {r['method']:9} {r['ms']:8.2f} "
               f"{r['ms_min']:8.2f} {r['topk_ms']:9.1f} {r['speedup_vs_topk']:7.1f} "
-              f"{r['count_over_k']:6.3f} {r['captured']:8.4f}{calls}", file=out)
+              f"{r['count_over_k']:6.3f} {r['captured']:8.4f}{_calls_columns(r)}", file=out)
     wire = [r for r in rows if r["kind"] == "wire"]
     if not wire:
         return

@@ -151,14 +151,15 @@ def test_a_steady_gradient_stream_keeps_the_carried_threshold(method):
     carried from the slope of the tail above came out low, drew several times the
     candidates, and was estimated again nearly every call (up to a second pass over the
     tensor for blocks)."""
+    from bench.compress import _gen_grad
+
     n, density = 300_000, 0.003
     gen = torch.Generator().manual_seed(3)
     mean = torch.randn(n, generator=gen) * 0.1
     comp = ErrorFeedbackCompressor(density=density, method=method, backend="native", dense_below=0)
     estimates = passes = 0
     for step in range(2 * STEADY_CALLS):
-        g = torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(3) + mean  # bench.compress's data
-        comp.compress("w", g)
+        comp.compress("w", _gen_grad(n, mean, gen, torch.device("cpu")))
         if step >= STEADY_CALLS:
             stats = comp.select_stats("w")
             estimates, passes = estimates + stats["estimates"], passes + stats["passes"]
@@ -195,6 +196,7 @@ def test_a_selection_that_adds_sparse_changes_matches_the_scatters_then_the_pass
     to all, with changes that meet at some coordinates, one that cancels a value exactly
     (to 0 and -0), k from 1 to n."""
     from stella.topk import Selector
+
     rng = np.random.default_rng(5)
     for density in (0.0, 0.001, 0.03, 0.3, 1.0):
         for k in (1, n // 100, n):
