@@ -13,7 +13,9 @@ Reported per (shards, optimizer): steps/s, pushes/s (one per worker per step, to
 shards), pushed updates/s (coordinates), MB/s into and out of the servers (their own
 byte counters), the step latency seen by a worker (push sent to the step's answer from
 every shard; p50 and p99), the servers' CPU per step and peak RSS (all shards together,
-from /proc), and the cost of decoding and validating one push header in this process.
+from /proc), and, in this process, the cost of decoding and validating one push header
+and of the work the server's event loop does on each push of the run (header, indices
+and value checks, the push-norm bound's sum of squares).
 
 With ``--pin`` each shard runs on a core of its own with one thread (``--threads 1``:
 "one shard, one core") and the worker processes on the cores left over (all of them
@@ -43,6 +45,7 @@ import numpy as np
 from bench.harness import await_ready, loadavg, start_shards
 from stella import Client, protocol
 from stella.shards import ShardedClient, connect
+from stella_ps.aggregation import push_norm
 from stella_ps.process import process_cpu_seconds
 
 TENSORS = 8
@@ -231,6 +234,37 @@ def header_decode_cost(tensors: int, reps: int) -> dict:
     return {"tensors": tensors, "header_bytes": len(parts[0]), "decode_us": round(1e6 * per, 2)}
 
 
+def push_decode_cost(numel: int, density: float, reps: int) -> dict:
+    """The event loop's work on one push of the throughput run (``numel`` parameters in
+    TENSORS tensors, ``density`` of each, Rice + f16), in this process: microseconds per
+    push to decode the header, to decode the indices and check the values of every
+    tensor, and to take the push's norm (the push-norm bound, on by default)."""
+    rng = np.random.default_rng(0)
+    per = numel // TENSORS
+    layout = [protocol.TensorSpec(f"t{i}", (per,), "float32") for i in range(TENSORS)]
+    k = max(1, int(per * density))
+    sparse = [protocol.SparseTensor(t, np.sort(rng.choice(per, k, replace=False)).astype(np.int32),
+                                    (rng.standard_normal(k) * 1e-3).astype(np.float32)) for t in range(TENSORS)]
+    entries, frames = protocol.encode_tensors(sparse, layout, "rice", "f16")
+    parts = [memoryview(bytes(p)) for p in protocol.encode(protocol.Push(req=1, worker=0, version=0,
+                                                                         tensors=entries), frames)]
+    rx = protocol.decode_request(parts)
+    tensors = protocol.decode_tensors(rx, layout)
+    stages = {"header": lambda: protocol.decode_request(parts), "tensors": lambda: protocol.decode_tensors(rx, layout),
+              "norm": lambda: push_norm(tensors)}
+    us = {}
+    for name, fn in stages.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        us[name] = 1e6 * (time.perf_counter() - t0) / reps
+    total = sum(us.values())
+    return {"entries": k * TENSORS, "header_us": round(us["header"], 2), "tensors_us": round(us["tensors"], 2),
+            "norm_us": round(us["norm"], 2), "total_us": round(total, 2),
+            "ns_per_entry": round(1e3 * total / (k * TENSORS), 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.server", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1M parameters, 40 steps")
@@ -254,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin)
             for w in workers for n in a.shards.split(",") for opt in a.optimizers.split(",")]
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
+    push = push_decode_cost(numel, a.density, 100 if a.quick else 1000)
     print(f"stella-ps throughput: {'/'.join(map(str, workers))} workers, {numel:,} parameters in {TENSORS} tensors, "
           f"density {a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step"
           f"{', shards pinned to a core each' if a.pin else ''} (load at start: {load})")
@@ -274,10 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:
         print(f"{d['tensors']:>8} {d['header_bytes']:>9} {d['decode_us']:>8.2f}")
+    print(f"\none push of the run on the server's event loop (this process): {push['entries']:,} entries "
+          f"in {TENSORS} tensors, Rice + f16")
+    print(f"{'header us':>10} {'tensors us':>11} {'norm us':>8} {'total us':>9} {'ns/entry':>9}")
+    print(f"{push['header_us']:>10.2f} {push['tensors_us']:>11.2f} {push['norm_us']:>8.2f} {push['total_us']:>9.2f} "
+          f"{push['ns_per_entry']:>9.3f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"load_at_start": load, "load_at_end": loadavg(), "throughput": rows, "header_decode": dec},
-                      f, indent=2)
+            json.dump({"load_at_start": load, "load_at_end": loadavg(), "throughput": rows, "header_decode": dec,
+                       "push_decode": push}, f, indent=2)
     if a.plot:
         _plot(rows, a.pin, a.plot)
     return 0

@@ -483,38 +483,6 @@ int stella_values_check(const void *val, int64_t n, int32_t dtype) {
     return ok ? STELLA_OK : STELLA_E_NONFINITE;
 }
 
-/* The sum of the squares of n values (STELLA_VAL_F32/F16/BF16), accumulated in
- * float64 (a float32 square of 3e38 overflows): a push's L2 norm for the server's
- * push-norm bounds, in one pass with no conversion of the array. Values are finite
- * (the wire decoder checked them). Four partial sums keep the loop vectorisable. */
-int stella_values_sumsq(const void *val, int64_t n, int32_t dtype, double *out) {
-    if (n < 0 || (n > 0 && !val) || !out) return STELLA_E_ARG;
-    double s[4] = {0, 0, 0, 0};
-    int64_t i = 0;
-    switch (dtype) {
-    case STELLA_VAL_F32: {
-        const float *v = val;
-        for (; i + 4 <= n; i += 4)
-            for (int j = 0; j < 4; j++) s[j] += (double)v[i + j] * (double)v[i + j];
-        for (; i < n; i++) s[0] += (double)v[i] * (double)v[i];
-        break;
-    }
-    case STELLA_VAL_F16:
-    case STELLA_VAL_BF16: {
-        const uint16_t *v = val;
-        const int f16 = dtype == STELLA_VAL_F16;
-        for (; i < n; i++) {
-            const double x = f16 ? stella_half_to_float(v[i]) : stella_bf16_to_float(v[i]);
-            s[i & 3] += x * x;
-        }
-        break;
-    }
-    default: return STELLA_E_ARG;
-    }
-    *out = (s[0] + s[1]) + (s[2] + s[3]);
-    return STELLA_OK;
-}
-
 /* ---- q4 / q2 --------------------------------------------------------------
  *
  * A frame of n values coded with b = 4 (q4) or b = 2 (q2) bits, L = 2^b levels:

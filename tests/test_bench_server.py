@@ -27,3 +27,11 @@ def test_pinned_shards_run_on_a_core_each(shards):
 def test_unpinned_servers_may_use_every_core():
     r = S.run_throughput(200_000, 0.01, workers=2, steps=10, optimizer="sgd")
     assert not r["pinned"] and r["server_cpus"] == [CPUS]
+
+
+def test_push_decode_cost_times_the_loops_work_on_one_push_of_the_run():
+    r = S.push_decode_cost(80_000, 0.01, reps=5)
+    assert r["entries"] == S.TENSORS * 100  # 1% of each of the 8 tensors of 10,000
+    assert min(r["header_us"], r["tensors_us"], r["norm_us"]) > 0
+    assert r["total_us"] == pytest.approx(r["header_us"] + r["tensors_us"] + r["norm_us"], abs=0.02)
+    assert r["ns_per_entry"] == pytest.approx(1e3 * r["total_us"] / r["entries"], rel=0.01)

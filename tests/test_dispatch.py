@@ -3,10 +3,11 @@
 Every level this CPU runs is forced in a subprocess (``STELLA_NATIVE_ISA``, read once
 per process) that runs the dispatched kernels on fixed inputs: top-k selection with
 error feedback (threshold and block methods, carried thresholds, ties), the f16/bf16
-converters of the codec, and the optimizer's apply (merge of f32/f16/bf16 and dense
-pushes, SGD and Adam). The outputs must be the same bits at every level, and match the
-references (mass conservation and top-ness of the selection, numpy/torch conversion,
-``stella_ps.optim_ref``). A level the CPU lacks must fall back, visibly, not crash.
+converters of the codec and its sum of squares of wire values, and the optimizer's
+apply (merge of f32/f16/bf16 and dense pushes, SGD and Adam). The outputs must be the
+same bits at every level, and match the references (mass conservation and top-ness of
+the selection, numpy/torch conversion, float64 numpy, ``stella_ps.optim_ref``). A level
+the CPU lacks must fall back, visibly, not crash.
 """
 from __future__ import annotations
 
@@ -41,6 +42,18 @@ def _conversion_input() -> np.ndarray:
                         -np.inf, np.nan, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.00390625, 1.01171875], F32)
     return np.concatenate([special, (rng.standard_normal(4001) * 10.0 ** rng.integers(-9, 6, 4001)).astype(F32),
                            rng.integers(0, 2**32, 2001, dtype=np.uint32).view(F32)])
+
+
+SUMSQ_LENGTHS = (0, 1, 15, 16, 17, 511, 512, 513, 1000, 4001)
+
+
+def _sumsq_wire(dtype: str) -> np.ndarray:
+    """Finite values as a push carries them in ``dtype`` (float32, float16 or bf16 bits)."""
+    v = (np.random.default_rng(5).standard_normal(4001) * 10.0 ** np.random.default_rng(6).integers(-4, 4, 4001))
+    v = v.astype(F32)
+    if dtype == "f16":
+        return v.astype(np.float16)
+    return v if dtype == "f32" else (v.view(np.uint32) >> 16).astype(np.uint16)
 
 
 def _topk_inputs():
@@ -128,6 +141,9 @@ def run_kernels(out: str) -> None:
     res_["f16_back"] = codec_native.f16_to_f32(res_["f16"])
     res_["bf16_back"] = codec_native.bf16_to_f32(res_["bf16"])
     res_["f16_all"] = codec_native.f16_to_f32(np.arange(2**16, dtype=np.uint16))  # every half, sNaNs too
+    for dt in ("f32", "f16", "bf16"):  # lengths around the lanes and the chunk of the C loop
+        wire = _sumsq_wire(dt)
+        res_[f"sumsq_{dt}"] = np.array([codec_native.sum_of_squares(wire[:n]) for n in SUMSQ_LENGTHS])
     for name, wire in CONFIGS.items():
         cfg = OptimizerConfig.from_wire(wire)
         st = kernel.KernelTensorState(np.linspace(-1, 1, N_OPT, dtype=F32), cfg)
@@ -220,6 +236,12 @@ def test_results_match_the_references(runs):
     nan = np.isnan(every)
     assert got["f16_all"][~nan].tobytes() == every[~nan].tobytes()
     assert np.all(got["f16_all"].view(np.uint32)[nan] & 0x7FC00000 == 0x7FC00000)  # quiet NaNs
+    # the push norm's sum of squares: float64 numpy's (the order of the additions differs)
+    for dt in ("f32", "f16", "bf16"):
+        wire = _sumsq_wire(dt)
+        x = (wire.astype(np.uint32) << 16).view(F32) if dt == "bf16" else wire.astype(F32)
+        want = [float(np.sum(np.square(x[:n].astype(np.float64)))) for n in SUMSQ_LENGTHS]
+        np.testing.assert_allclose(got[f"sumsq_{dt}"], want, rtol=1e-13, atol=0)
     # the optimizer's apply: bit-identical to optim_ref, union as numpy's
     for name, wire in CONFIGS.items():
         cfg = OptimizerConfig.from_wire(wire)

@@ -163,10 +163,13 @@ def values_check(values: np.ndarray, dtype: str) -> None:
     check(lib, rc, f"{dtype}: {values.shape[0]} values", BadValue)
 
 
+_WIRE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}
+
+
 def sum_of_squares(values: np.ndarray) -> float:
     """The sum of the squares of a contiguous 1-D array of float32, float16 or uint16
     (bf16 bits) values, accumulated in float64: one C pass, no conversion."""
-    dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}[values.dtype]
+    dtype = _WIRE_DTYPES[values.dtype]
     out = ffi.new("double *")
     rc = lib.stella_values_sumsq(ffi.from_buffer(values), values.shape[0], VALUE_DTYPE_IDS[dtype], out)
     check(lib, rc, f"{dtype}: {values.shape[0]} values", ValueError)
