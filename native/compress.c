@@ -891,12 +891,14 @@ int64_t STELLA_ISA_FN(stella_ef_topk_add)(float *res, int64_t n, const stella_sp
     return ef_topk(res, NULL, nk > 0 ? &ad : NULL, n, args, state, out, stats);
 }
 
-#if STELLA_ISA_BASE
+#if !STELLA_ISA_VARIANT /* not dispatched: defined once, whether dispatch is on or off */
 int64_t stella_topk_cap_units(int64_t k_units, int64_t units) {
     const int64_t room = 3 * k_units + 1024; /* CARRY_AIM * k drawn, with room for the residual's drift */
     return room < units ? room : units;
 }
+#endif
 
+#if STELLA_ISA_BASE
 STELLA_ISA_VARIANTS(stella_ef_topk);
 STELLA_ISA_VARIANTS(stella_ef_topk_add);
 

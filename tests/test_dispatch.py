@@ -27,6 +27,7 @@ from stella_ps.optim import OptimizerConfig
 from stella_ps.optim_ref import RefTensorState
 
 F32 = np.float32
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 N_TOPK, K_TOPK, TOPK_STEPS = 50_003, 500, 4
 N_OPT, OPT_STEPS = 20_011, 3
 CONFIGS = {
@@ -272,6 +273,55 @@ def test_stella_ps_logs_its_level(make_server, make_client):
     lines = [json.loads(line) for line in ps.logs().splitlines() if line.startswith("{")]
     (listening,) = [r for r in lines if r["msg"] == "listening"]
     assert listening["native_isa"] == "portable"
+
+
+def _build_without_dispatch(tmp_path: pathlib.Path):
+    """Both extensions as aarch64, clang and ``-DSTELLA_NO_DISPATCH`` builds get them: one
+    copy of each kernel under its plain name; (client lib, server lib), under names of
+    their own (the production modules stay loaded)."""
+    import importlib.util
+
+    def load(name: str, path: pathlib.Path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # an undefined symbol fails here, as the import of a real build would
+        return mod
+
+    build = load("_stella_build_cffi_nodispatch", ROOT / "native" / "build_cffi.py")
+    libs = []
+    for name, areas in (("_stella_client_nodispatch", ["codec", "compress"]), ("_stella_server_nodispatch", ["optim"])):
+        ffi = build.builder(name, areas, defines=("STELLA_NO_DISPATCH",), absolute=True)
+        libs.append(load(name, pathlib.Path(ffi.compile(tmpdir=str(tmp_path), verbose=False))))
+    return libs
+
+
+def test_a_build_without_dispatch_links_and_gives_the_same_bits(tmp_path):
+    """Every entry point is defined once dispatch is off (a definition left inside the
+    dispatching copy's section once went missing there: the client module did not
+    import), and the one copy computes what the dispatched build does."""
+    from stella import codec
+    from stella._native import lib as prod
+
+    client, server = _build_without_dispatch(tmp_path)
+    for mod in (client, server):
+        assert mod.ffi.string(mod.lib.stella_native_isa()) == b"portable"
+    lib, ffi = client.lib, client.ffi
+    assert lib.stella_topk_cap_units(1000, 10**6) == prod.stella_topk_cap_units(1000, 10**6) == 4024
+    v = _conversion_input()
+    v = v[np.isfinite(v)]
+    for dt in ("q4", "q2"):  # the low-bit codings: the frame and the values it decodes to
+        code = getattr(lib, f"STELLA_VAL_{dt.upper()}")
+        size = lib.stella_q_size(v.size, code)
+        frame, deq = np.empty(size, np.uint8), np.empty(v.size, F32)
+        assert lib.stella_q_encode(ffi.from_buffer("float[]", v), v.size, code, ffi.from_buffer("uint8_t[]", frame),
+                                   size, ffi.from_buffer("float[]", deq)) == size
+        assert frame.tobytes() == codec.encode_values(v, dt).tobytes()
+        assert deq.tobytes() == codec.quantise(v, dt).tobytes()
+    wire = _sumsq_wire("f16")
+    out = ffi.new("double *")
+    assert lib.stella_values_sumsq(ffi.from_buffer(wire), wire.size, lib.STELLA_VAL_F16, out) == 0
+    assert out[0] == codec.sum_of_squares(wire)
 
 
 if __name__ == "__main__":  # one level's kernels in a process of their own (_run)
