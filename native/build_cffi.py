@@ -1,6 +1,6 @@
 """cffi builds of Stella's native code (out-of-line API mode): one module per owner.
 
-``stella._native`` (client)       codec.c, half.c (wire coding), compress.c (top-k selection)
+``stella._native`` (client)       codec.c, half.c, quant.c (wire coding), compress.c (top-k selection)
 ``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer),
                                   pool.c (the broadcast's candidate pool)
 
@@ -18,7 +18,7 @@ where it runs; set a portable level such as ``x86-64-v2``, what wheels and image
 use, to build for other machines). ``STELLA_NATIVE_DEBUG=1`` builds with ``-O0 -g``.
 
 Run-time dispatch (``stella_isa.h``): the sources with SIMD paths (compress.c,
-half.c, merge.c, update.c) are also compiled through ``isa/<source>_v3.c`` and
+half.c, quant.c, merge.c, update.c) are also compiled through ``isa/<source>_v3.c`` and
 ``_v4.c``, which set ``#pragma GCC target("arch=x86-64-v3")`` (v4) and include the
 source, so one module holds a portable copy (at ``-march``), an AVX2/F16C copy and an
 AVX-512 copy of their entry points, and picks one at run time from the CPU (override:
@@ -48,7 +48,7 @@ def _with_variants(*sources: str) -> list[str]:
 # area -> (C header the generated module includes, sources); the cdef is cdefs/<area>.h
 AREAS = {
     "core": ("stella_native.h", ["core.c"]),
-    "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c")]),
+    "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c", "quant.c")]),
     "compress": ("cdefs/compress.h", _with_variants("compress.c")),
     "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", "pool.c", *_with_variants("merge.c", "update.c")]),
     "bench": ("optim_tuning.h", ["bench/tuning.c", "bench/probe.c"]),

@@ -57,6 +57,20 @@ static inline float stella_bits_f32(uint32_t u) {
     return f;
 }
 
+/* Little-endian 32-bit words in byte buffers (the codecs' frames). */
+static inline void stella_store32le(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+static inline uint32_t stella_load32le(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* The most elements a coded tensor may have (indices are int32, counts fit 31 bits). */
+#define STELLA_MAX_CODED_NUMEL (INT64_C(1) << 31)
+
 /* The first position j of the sorted a[0..n) with a[j] >= x (n when none). */
 static inline int64_t stella_lower_bound(const int32_t *a, int64_t n, int64_t x) {
     int64_t lo = 0, hi = n;

@@ -2,12 +2,13 @@
 
 Every level this CPU runs is forced in a subprocess (``STELLA_NATIVE_ISA``, read once
 per process) that runs the dispatched kernels on fixed inputs: top-k selection with
-error feedback (threshold and block methods, carried thresholds, ties), the f16/bf16
-converters of the codec and its sum of squares of wire values, and the optimizer's
-apply (merge of f32/f16/bf16 and dense pushes, SGD and Adam). The outputs must be the
-same bits at every level, and match the references (mass conservation and top-ness of
-the selection, numpy/torch conversion, float64 numpy, ``stella_ps.optim_ref``). A level
-the CPU lacks must fall back, visibly, not crash.
+error feedback (threshold and block methods, carried thresholds, ties), the codec's
+f16/bf16 converters, sum of squares of wire values and q4/q2 codings, and the
+optimizer's apply (merge of f32/f16/bf16 and dense pushes, SGD and Adam). The outputs
+must be the same bits at every level, and match the references (mass conservation and
+top-ness of the selection, numpy/torch conversion, float64 numpy, ``stella_ps.optim_ref``;
+the q4/q2 frames match tests/test_codec.py's NumPy reference at the build's level). A
+level the CPU lacks must fall back, visibly, not crash.
 """
 from __future__ import annotations
 
@@ -142,6 +143,11 @@ def run_kernels(out: str) -> None:
     res_["f16_back"] = codec_native.f16_to_f32(res_["f16"])
     res_["bf16_back"] = codec_native.bf16_to_f32(res_["bf16"])
     res_["f16_all"] = codec_native.f16_to_f32(np.arange(2**16, dtype=np.uint16))  # every half, sNaNs too
+    for dt in ("q4", "q2"):  # the low-bit codings: frames, the values they decode to, decoded frames
+        qv = v[np.isfinite(v)]
+        res_[dt] = codec_native.q_encode(qv, dt)
+        res_[dt + "_round"] = codec_native.q_round(qv, dt)
+        res_[dt + "_back"] = codec_native.q_decode(res_[dt], qv.size, dt)
     for dt in ("f32", "f16", "bf16"):  # lengths around the lanes and the chunk of the C loop
         wire = _sumsq_wire(dt)
         res_[f"sumsq_{dt}"] = np.array([codec_native.sum_of_squares(wire[:n]) for n in SUMSQ_LENGTHS])
@@ -203,6 +209,8 @@ def test_every_level_gives_the_same_bits(runs):
 def test_results_match_the_references(runs):
     import torch
 
+    from stella import codec
+
     got, _ = runs[stella.native_isa().runnable[-1]]
     # top-k: mass conserved exactly (res + grad == residual + sent), and a top set
     for case, (method, res, grads) in enumerate(_topk_inputs()):
@@ -237,6 +245,11 @@ def test_results_match_the_references(runs):
     nan = np.isnan(every)
     assert got["f16_all"][~nan].tobytes() == every[~nan].tobytes()
     assert np.all(got["f16_all"].view(np.uint32)[nan] & 0x7FC00000 == 0x7FC00000)  # quiet NaNs
+    # q4/q2: the frames of the codec's tested reference (tests/test_codec.py), checked there at this
+    # build's -march; here the values they decode to are the rounded ones, and rounding is idempotent
+    for dt in ("q4", "q2"):
+        assert got[dt + "_back"].tobytes() == got[dt + "_round"].tobytes()
+        assert got[dt + "_round"].tobytes() == codec.quantise(got[dt + "_round"], dt).tobytes()
     # the push norm's sum of squares: float64 numpy's (the order of the additions differs)
     for dt in ("f32", "f16", "bf16"):
         wire = _sumsq_wire(dt)
