@@ -71,36 +71,35 @@ static inline int get_varint(const uint8_t *p, const uint8_t *end, uint32_t *v) 
 
 /* ---- Rice parameter -------------------------------------------------------- */
 
-/* The b in 0..31 minimising count * (1 + b) + sum(g >> b), exactly: with P[j]
- * the number of gaps with bit j set, sum(g >> b) = sum_{j >= b} P[j] 2^(j-b). */
+/* The b in 0..31 minimising C(b) = count * (1 + b) + S(b), S(b) = sum(g >> b), exactly
+ * (the smallest such b). C is convex: C(b + 1) - C(b) = count - D(b) with D(b) =
+ * S(b) - S(b + 1) = sum(ceil((g >> b) / 2)), and g >> b, hence D(b), falls as b
+ * grows. So the answer is the smallest b with D(b) <= count (31 when there is none),
+ * found by a walk from the b that a geometric distribution of the mean gap would
+ * take: each step is one pass of shifts and adds over the gaps (vectorised), and
+ * the walk takes one to three of them. */
+static uint64_t rice_halves(const int32_t *idx, int64_t count, int b) {
+    uint64_t d = ((uint64_t)((uint32_t)idx[0] >> b) + 1) >> 1; /* the first gap: idx[0] - (-1) - 1 */
+    for (int64_t i = 1; i < count; i++) {
+        const uint32_t g = (uint32_t)(idx[i] - idx[i - 1] - 1);
+        d += ((g >> b) + 1) >> 1;
+    }
+    return d;
+}
+
 int32_t stella_rice_param(const int32_t *idx, int64_t count) {
     if (count <= 0) return 0;
-    uint64_t P[32] = {0};
-    uint32_t cnt[32];
-    int64_t prev = -1;
-    int64_t i = 0;
-    while (i < count) {
-        int64_t e = i + 65536 < count ? i + 65536 : count; /* cnt cannot overflow */
-        for (int j = 0; j < 32; j++) cnt[j] = 0;
-        for (; i < e; i++) {
-            uint32_t g = (uint32_t)((int64_t)idx[i] - prev - 1);
-            prev = idx[i];
-            for (int j = 0; j < 32; j++) cnt[j] += (g >> j) & 1u;
-        }
-        for (int j = 0; j < 32; j++) P[j] += cnt[j];
+    /* mean gap (idx[count-1] + 1 - count) / count; b ~ log2(mean ln 2) */
+    const double mean = ((double)idx[count - 1] + 1.0 - (double)count) / (double)count;
+    int b = 0;
+    while (b < 31 && (double)(UINT64_C(1) << (b + 1)) <= mean * 0.6931471805599453) b++;
+    if (rice_halves(idx, count, b) <= (uint64_t)count) { /* the answer is b or below */
+        while (b > 0 && rice_halves(idx, count, b - 1) <= (uint64_t)count) b--;
+    } else { /* above b */
+        do b++;
+        while (b < 31 && rice_halves(idx, count, b) > (uint64_t)count);
     }
-    int best = 31;
-    uint64_t best_cost = UINT64_MAX;
-    for (int b = 0; b < 32; b++) {
-        uint64_t s = 0;
-        for (int j = b; j < 32; j++) s += P[j] << (j - b);
-        uint64_t cost = (uint64_t)count * (uint64_t)(1 + b) + s;
-        if (cost < best_cost) {
-            best_cost = cost;
-            best = b;
-        }
-    }
-    return best;
+    return b;
 }
 
 /* ---- bounds ---------------------------------------------------------------- */

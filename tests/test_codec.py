@@ -109,6 +109,32 @@ def test_rice_size_near_entropy():
     assert codec.rice_parameter(idx) in (5, 6, 7)
 
 
+def test_rice_parameter_is_the_smallest_of_least_cost():
+    """The encoder's b against a brute force over all 32: count (1 + b) + sum(g >> b)
+    least, the smallest b on a tie (C walks from an estimate: the cost is convex in b).
+    Sets of every shape: random at many densities, runs, a few huge gaps, a full range,
+    single indices, gaps near 2^31."""
+    rng = np.random.default_rng(17)
+
+    def brute(idx: np.ndarray) -> int:
+        g = np.diff(np.concatenate([[-1], idx.astype(np.int64)])) - 1
+        return int(np.argmin([idx.size * (1 + b) + int((g >> b).sum()) for b in range(32)]))
+
+    sets = [np.array([0]), np.array([2**31 - 2]), np.array([0, 2**31 - 2]), np.arange(1000)]
+    for _ in range(60):
+        numel = int(rng.choice([100, 10_000, 10**6, 2**31 - 1]))
+        count = int(rng.integers(1, min(numel, 3000) + 1))
+        sets.append(np.unique(rng.integers(0, numel, count)))  # random, of any density
+        starts = np.unique(rng.integers(0, max(1, numel - 16), max(1, count // 16)))
+        sets.append(np.unique((starts[:, None] + np.arange(16)).ravel()))  # runs
+        sets.append(np.unique(np.concatenate([rng.integers(0, 200, count), rng.integers(0, numel, 2)])))  # outliers
+    for idx in sets:
+        idx = idx.astype(np.int32)
+        b = codec.rice_parameter(idx)
+        assert b == brute(idx), (idx.size, int(idx[-1]))
+        assert bytes(codec.encode_indices(idx, 2**31 - 1, "rice")) == _rice_bytes(idx, b)
+
+
 @pytest.mark.parametrize("coding", CODINGS)
 def test_truncated_extended_wrong_count(coding):
     numel = 200_003
