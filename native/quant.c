@@ -81,7 +81,7 @@ int64_t STELLA_ISA_FN(stella_q_encode)(const float *in, int64_t n, int32_t dtype
     if (n > 0 && (!in || (out && cap < size))) return STELLA_E_ARG;
     const int b = q_bits(dtype), top = (1 << b) - 1;
     const float h = 0.5f * (float)top, hh = h + 0.5f;
-    float lv[16];
+    float lv[16] = {0}; /* q2 fills 4: the vector lookups load all 16 */
     q_levels(b, lv);
     const int64_t nchunks = q_chunks(n);
     uint8_t *codes = out ? out + 4 * nchunks : NULL;
@@ -142,7 +142,7 @@ int64_t STELLA_ISA_FN(stella_q_decode)(const uint8_t *buf, int64_t len, int64_t 
     if ((nbits & 7) && (codes[nbits >> 3] >> (nbits & 7))) return STELLA_E_CORRUPT;
     for (int64_t c = 0; c < nchunks; c++) /* sign bit, NaN or Inf: all >= 0x7f800000 */
         if (stella_load32le(buf + 4 * c) >= 0x7f800000u) return STELLA_E_SCALE;
-    float lv[16];
+    float lv[16] = {0}; /* q2 fills 4: the vector lookups load all 16 */
     q_levels(b, lv);
     for (int64_t c = 0; c < nchunks; c++) {
         const float m = stella_bits_f32(stella_load32le(buf + 4 * c));
