@@ -38,7 +38,6 @@ _Static_assert(STELLA_BLOCK == 16, "block16 codes 16-element blocks");
 #define C_RICE STELLA_IDX_RICE
 #define C_BLOCK16 STELLA_IDX_BLOCK16
 
-
 static inline int varint_len(uint32_t v) {
     return v < (1u << 7) ? 1 : v < (1u << 14) ? 2 : v < (1u << 21) ? 3 : v < (1u << 28) ? 4 : 5;
 }

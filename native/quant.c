@@ -75,7 +75,7 @@ int64_t stella_q_size(int64_t n, int32_t dtype) {
 #endif
 
 int64_t STELLA_ISA_FN(stella_q_encode)(const float *in, int64_t n, int32_t dtype, uint8_t *out, int64_t cap,
-                        float *deq) {
+                                       float *deq) {
     const int64_t size = stella_q_size(n, dtype);
     if (size < 0) return size;
     if (n > 0 && (!in || (out && cap < size))) return STELLA_E_ARG;
@@ -147,10 +147,9 @@ int64_t STELLA_ISA_FN(stella_q_decode)(const uint8_t *buf, int64_t len, int64_t 
     for (int64_t c = 0; c < nchunks; c++) {
         const float m = stella_bits_f32(stella_load32le(buf + 4 * c));
         const int64_t i0 = c * STELLA_QCHUNK;
-        const int64_t i1 = n - i0 < STELLA_QCHUNK ? n : i0 + STELLA_QCHUNK;
+        const int len = (int)(n - i0 < STELLA_QCHUNK ? n - i0 : STELLA_QCHUNK);
         const uint8_t *o = codes + (i0 * b >> 3);
         uint8_t k[STELLA_QCHUNK];
-        const int len = (int)(i1 - i0);
         const int nbytes = (len * b + 7) >> 3; /* the chunk's codes; any past len in the last byte go unused */
         if (b == 4)
             for (int j = 0; j < nbytes; j++) {

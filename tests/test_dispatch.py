@@ -28,7 +28,6 @@ from stella_ps.optim import OptimizerConfig
 from stella_ps.optim_ref import RefTensorState
 
 F32 = np.float32
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 N_TOPK, K_TOPK, TOPK_STEPS = 50_003, 500, 4
 N_OPT, OPT_STEPS = 20_011, 3
 CONFIGS = {
@@ -143,8 +142,8 @@ def run_kernels(out: str) -> None:
     res_["f16_back"] = codec_native.f16_to_f32(res_["f16"])
     res_["bf16_back"] = codec_native.bf16_to_f32(res_["bf16"])
     res_["f16_all"] = codec_native.f16_to_f32(np.arange(2**16, dtype=np.uint16))  # every half, sNaNs too
+    qv = v[np.isfinite(v)]
     for dt in ("q4", "q2"):  # the low-bit codings: frames, the values they decode to, decoded frames
-        qv = v[np.isfinite(v)]
         res_[dt] = codec_native.q_encode(qv, dt)
         res_[dt + "_round"] = codec_native.q_round(qv, dt)
         res_[dt + "_back"] = codec_native.q_decode(res_[dt], qv.size, dt)
@@ -290,23 +289,18 @@ def test_stella_ps_logs_its_level(make_server, make_client):
 
 def _build_without_dispatch(tmp_path: pathlib.Path):
     """Both extensions as aarch64, clang and ``-DSTELLA_NO_DISPATCH`` builds get them: one
-    copy of each kernel under its plain name; (client lib, server lib), under names of
-    their own (the production modules stay loaded)."""
-    import importlib.util
+    copy of each kernel under its plain name; (client module, server module), under names
+    of their own (the production modules stay loaded). Built and loaded as the bench-only
+    module is (bench/_native_bench.py); an undefined symbol fails the load, as it fails the
+    import of a real build."""
+    from bench._native_bench import _build_script, _module_from
 
-    def load(name: str, path: pathlib.Path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)  # an undefined symbol fails here, as the import of a real build would
-        return mod
-
-    build = load("_stella_build_cffi_nodispatch", ROOT / "native" / "build_cffi.py")
-    libs = []
+    build = _build_script()
+    mods = []
     for name, areas in (("_stella_client_nodispatch", ["codec", "compress"]), ("_stella_server_nodispatch", ["optim"])):
         ffi = build.builder(name, areas, defines=("STELLA_NO_DISPATCH",), absolute=True)
-        libs.append(load(name, pathlib.Path(ffi.compile(tmpdir=str(tmp_path), verbose=False))))
-    return libs
+        mods.append(_module_from(name, pathlib.Path(ffi.compile(tmpdir=str(tmp_path), verbose=False))))
+    return mods
 
 
 def test_a_build_without_dispatch_links_and_gives_the_same_bits(tmp_path):
