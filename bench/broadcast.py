@@ -20,6 +20,7 @@ import numpy as np
 from bench.harness import loadavg
 from stella.protocol import TensorSpec
 from stella_ps.broadcast import Broadcast
+from stella_ps.config import Pulls
 
 TENSORS = 8
 
@@ -38,8 +39,10 @@ def _steps(numel: int, workers: int, density: float, steps: int, seed: int = 0):
 
 def run(numel: int, workers: int, density: float, steps: int, coding: str, factor: float) -> dict:
     layout = [TensorSpec(f"t{i}", (numel,), "float32") for i in range(TENSORS)]
-    both = {name: Broadcast(layout, [np.zeros(numel, np.float32) for _ in layout], coding=coding,  # type: ignore[arg-type]
-                            factor=factor, pool=name == "pool") for name in ("pool", "pass")}
+    info = Pulls(values=coding, factor=factor).broadcast_info()  # type: ignore[arg-type]
+    assert info is not None
+    both = {name: Broadcast(layout, [np.zeros(numel, np.float32) for _ in layout], info, 64, pool=name == "pool")
+            for name in ("pool", "pass")}
     times: dict[str, list[float]] = {name: [] for name in both}
     for s, (touched, changes, counts) in enumerate(_steps(numel, workers, density, steps), 1):
         for name, b in both.items():  # the same steps, in turn

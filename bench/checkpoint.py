@@ -35,6 +35,7 @@ from stella import checkpoint_file as ckfmt
 from stella.protocol import SparseTensor, TensorSpec
 from stella_ps.aggregation import Step
 from stella_ps.checkpoints import CHECKPOINT_SLICE, copy_in_slices
+from stella_ps.config import Pulls
 from stella_ps.optim import OptimizerConfig
 from stella_ps.store import ModelStore, roll_forward
 
@@ -53,7 +54,7 @@ def run(numel: int, density: float, tensors: int, directory: str) -> dict:
     per = numel // tensors
     layout = [TensorSpec(f"t{i}", (per,), "float32") for i in range(tensors)]
     rng = np.random.default_rng(0)
-    store = ModelStore()
+    store = ModelStore(Pulls(mode="exact"), history=64, threads=1)
     store.initialise(layout, [rng.standard_normal(per).astype(np.float32) for _ in layout], cfg)
     steps = [_step(rng, layout, density) for _ in range(4)]
     for st in steps[:2]:

@@ -50,7 +50,7 @@ from typing import Any
 from bench.harness import REPO, loadavg
 from bench.wan import TBF_QUEUE_MS, tbf_burst_bytes
 from stella import plan as P
-from stella.adapt import coordinate_bits
+from stella.codec import coordinate_bits
 from stella.profile import BENCH_SERVER
 
 OUT_DIR = os.path.join(REPO, "bench", "out", "plan")
@@ -120,7 +120,7 @@ def analytic_profile(name: str, numel: int, compute_s: float, batch_size: int, *
                      global_batch: int, critical_batch: float, target_source: str, factors: list[dict[str, Any]],
                      server: dict[str, Any] | None = None) -> dict[str, Any]:
     """A profile from the model's size alone (for scenarios beyond this machine): bytes
-    from the coded bits per coordinate (:func:`stella.adapt.coordinate_bits`, the
+    from the coded bits per coordinate (:func:`stella.codec.coordinate_bits`, the
     broadcast at 2x the push's coordinates in q4), the server's cost per coordinate
     from bench.server, the compressor at 1 ns per coordinate (a GPU's threshold pass)."""
     push = [{"density": d, "coding": c, "bytes": numel * d * coordinate_bits(d, c) / 8}

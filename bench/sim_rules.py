@@ -15,7 +15,7 @@ from typing import cast
 import torch
 
 from bench import workloads as W
-from stella.compress import DENSE_BELOW  # the library's dense cut-off, also the hybrid rule's
+from stella.codec import DENSE_BELOW  # the library's dense cut-off, also the hybrid rule's
 
 
 def topk_ef(acc: torch.Tensor, density: float, dense_below: int = DENSE_BELOW):

@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from stella import StellaOptimizer
-from stella.adapt import CODINGS, Controller, RoundMeasure, coordinate_bits, densities
+from stella.adapt import Controller, RoundMeasure, densities, pull_bits
+from stella.codec import CODINGS, DENSE_BELOW, coordinate_bits
+from stella.protocol import BroadcastInfo
 
 N = 10_000_000  # coordinates a push could carry at density 1
 COMPUTE = 0.2  # seconds of computation per round
+BCAST = BroadcastInfo(values="q4", factor=2.0, dense_below=DENSE_BELOW)  # the server's, as its registration says
 
 
 def link_round(c: Controller, up_mbps: float, down_mbps: float | None = None, latency_s: float = 0.0) -> RoundMeasure:
@@ -26,7 +29,7 @@ def link_round(c: Controller, up_mbps: float, down_mbps: float | None = None, la
     trip, the work of sending a message)."""
     d, coding = c.density, c.value_dtype
     push = int(N * d * coordinate_bits(d, coding) / 8) + 2000
-    pull = int(2 * N * d * coordinate_bits(d, "q4") / 8)
+    pull = int(N * pull_bits(d, BCAST) / 8)
     down = down_mbps or up_mbps
     return RoundMeasure(compute_s=COMPUTE, compress_s=0.01, push_bytes=push,
                         push_s=latency_s + push * 8 / (up_mbps * 1e6), pull_bytes=pull,
@@ -41,12 +44,15 @@ def exchange_s(c: Controller, up_mbps: float, at: tuple[float, str] | int | None
         at = c.candidates[at]
     if at is not None:
         c = Controller(density=at[0], floor=at[0], ceiling=at[0], codings=(at[1],))  # type: ignore[arg-type]
+        c.broadcast = BCAST
     m = link_round(c, up_mbps, latency_s=latency_s)
     return m.compress_s + m.push_s + m.pull_s
 
 
 def adaptive() -> Controller:
-    return Controller(density=None, floor=0.001, ceiling=0.1)
+    c = Controller(density=None, floor=0.001, ceiling=0.1)
+    c.broadcast = BCAST
+    return c
 
 
 def run(c: Controller, rates: list[float]) -> list[tuple[float, str]]:

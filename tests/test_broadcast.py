@@ -9,11 +9,18 @@ import pytest
 
 from stella import Client
 from stella import checkpoint_file as ckfmt
-from stella.protocol import TensorSpec
+from stella.protocol import BroadcastInfo, TensorSpec
 from stella_ps import broadcast as bmod
 from stella_ps.broadcast import Broadcast
+from stella_ps.config import Pulls
 
 BIG, SMALL = 8192, 100  # a tensor that is selected from, and one that goes whole
+
+
+def _info(values: str, factor: float) -> BroadcastInfo:
+    info = Pulls(values=values, factor=factor).broadcast_info()  # type: ignore[arg-type]
+    assert info is not None
+    return info
 
 
 def _dyadic(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -26,7 +33,7 @@ def test_what_was_sent_plus_what_is_held_is_the_global_change_exactly(coding):
     rng = np.random.default_rng(0)
     layout = [TensorSpec("big", (BIG,), "float32"), TensorSpec("small", (SMALL,), "float32")]
     x0 = [_dyadic(rng, BIG), _dyadic(rng, SMALL)]
-    b = Broadcast(layout, x0, coding=coding, factor=1.0)
+    b = Broadcast(layout, x0, _info(coding, 1.0), 64)
     total = [np.zeros(BIG), np.zeros(SMALL)]  # the global change, float64
     sent = [np.zeros(BIG), np.zeros(SMALL)]
     for step in range(1, 13):
@@ -51,7 +58,7 @@ def test_what_was_sent_plus_what_is_held_is_the_global_change_exactly(coding):
 def test_a_coarse_coding_keeps_its_error_owed_and_old_messages_give_way_to_a_snapshot():
     rng = np.random.default_rng(1)
     layout = [TensorSpec("big", (BIG,), "float32")]
-    b = Broadcast(layout, [np.zeros(BIG, np.float32)], coding="q4", factor=2.0, history=3)
+    b = Broadcast(layout, [np.zeros(BIG, np.float32)], _info("q4", 2.0), 3)
     x = np.zeros(BIG, np.float64)
     for step in range(1, 7):
         idx = np.unique(rng.integers(0, BIG, 400)).astype(np.int32)
@@ -157,7 +164,7 @@ def test_the_pool_selects_the_exact_top_k_without_a_pass_over_the_residual(codin
     n, k = 100_000, 150
     rng = np.random.default_rng(2)
     layout = [TensorSpec("big", (n,), "float32")]
-    b = Broadcast(layout, [np.zeros(n, np.float32)], coding=coding, factor=1.0)
+    b = Broadcast(layout, [np.zeros(n, np.float32)], _info(coding, 1.0), 64)
     total, sent = np.zeros(n), np.zeros(n)
     ref = np.zeros(n, np.float32)  # R as the steps define it, kept here: reading b.residual would settle what it owes
     steps = 40
@@ -192,7 +199,7 @@ def test_b_takes_its_messages_in_later_sweeps_with_the_same_floats(every):
     sizes = [BIG, 3 * BIG, SMALL]
     layout = [TensorSpec(f"t{i}", (n,), "float32") for i, n in enumerate(sizes)]
     x0 = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-    b = Broadcast(layout, x0, coding="q4", factor=2.0)
+    b = Broadcast(layout, x0, _info("q4", 2.0), 64)
     want = [x.copy() for x in x0]
     for step in range(1, 90):
         dens = 0.001 if step < 60 else 0.05  # small messages (the list bound), then large (the entry bound)
@@ -214,7 +221,7 @@ def test_b_takes_its_messages_in_later_sweeps_with_the_same_floats(every):
 
 def test_dense_steps_select_with_one_pass_and_keep_no_pool():
     n = 20_000
-    b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], coding="f32", factor=1.0)
+    b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], _info("f32", 1.0), 64)
     rng = np.random.default_rng(3)
     for step in range(1, 4):
         idx = np.arange(n, dtype=np.int32)

@@ -17,7 +17,7 @@ import pytest
 import tomllib
 
 from stella import plan as P
-from stella.adapt import coordinate_bits
+from stella.codec import coordinate_bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "docs", "catalog.example.toml")

@@ -10,6 +10,7 @@ import pytest
 from stella.protocol import SparseTensor, TensorSpec
 from stella_ps import runtime
 from stella_ps.aggregation import Step
+from stella_ps.config import Pulls
 from stella_ps.errors import NonFiniteStep
 from stella_ps.optim import OptimizerConfig
 from stella_ps.runtime import TensorPool
@@ -21,7 +22,7 @@ OPTIMIZERS = [OptimizerConfig.from_wire({"name": "sgd", "lr": 0.1, "momentum": 0
 
 
 def _store(threads: int, cfg: OptimizerConfig, pull: str = "broadcast") -> ModelStore:
-    s = ModelStore(pull=pull, broadcast_values="q4", broadcast_factor=2.0, threads=threads)  # type: ignore[arg-type]
+    s = ModelStore(Pulls(mode=pull, values="q4", factor=2.0), history=64, threads=threads)  # type: ignore[arg-type]
     rng = np.random.default_rng(0)
     s.initialise([TensorSpec(f"t{i}", (n,), "float32") for i, n in enumerate(SIZES)],
                  [rng.standard_normal(n).astype(np.float32) for n in SIZES], cfg)

@@ -21,7 +21,8 @@ second fastest about six times, the median more (tests/test_adapt.py). A candida
 last three is ``fixed + per_unit * size``: the push's size is its bytes, scaled from
 those measured at the current candidate by the coded size of a coordinate (value bits
 plus Rice index bits, ``log2(1/density) + 2``); the pull's follow the density likewise,
-in the broadcast's q4 (it sends a multiple of a push's coordinates); the server's is
+in the broadcast's coding and at its factor's multiple of a push's coordinates, both as
+the server's answer to the registration said (:func:`pull_bits`); the server's is
 the density (``server'`` is its time applying the round's step, the ``delta``'s
 ``step_ms``: decoding, applying and encoding grow with the coordinates every worker
 pushes, and the workers of a job adapt alike). ``per_unit`` is the fastest of the
@@ -68,28 +69,30 @@ is also what makes workers of different speeds take rounds of the same wall time
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .protocol import ValueDtype
+from .codec import CODINGS, VALUE_BITS, coordinate_bits
+from .protocol import BroadcastInfo, ValueDtype
 
-__all__ = ["Controller", "RoundMeasure", "Decision", "CODINGS", "VALUE_BITS", "coordinate_bits", "densities"]
+__all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits"]
 
 log = logging.getLogger("stella.adapt")
 
-CODINGS: tuple[ValueDtype, ...] = ("f16", "q4", "q2")  # the controller's codings, best first
-VALUE_BITS: dict[str, float] = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q4": 4.5, "q2": 2.5}
 STEP = 1.25  # between two densities of the ladder
-PULL_CODING = "q4"  # the broadcast's default coding (stella-ps --broadcast-values): the pull's bits per coordinate
 
 
-def coordinate_bits(density: float, coding: str) -> float:
-    """Bits a pushed coordinate costs: its value, and its Rice-coded index (gaps of
-    mean ``1/density``: about ``log2(1/density) + 2`` bits)."""
-    return VALUE_BITS[coding] + math.log2(1.0 / density) + 2.0
+def pull_bits(density: float, broadcast: BroadcastInfo | None) -> float:
+    """Bits per model coordinate of a pull answering pushes of ``density``: the server's
+    broadcast (its factor times the pushes' coordinates, in its coding), or with exact
+    pulls (None) the pushed coordinates in float32 (their union over the workers grows
+    with their number; the controller's measured bytes per bit carries that)."""
+    if broadcast is None:
+        return density * coordinate_bits(density, "f32")
+    k = min(1.0, broadcast.factor * density)
+    return k * coordinate_bits(k, broadcast.values)
 
 
 def densities(floor: float, ceiling: float) -> list[float]:
@@ -199,8 +202,8 @@ class Controller:
     """
 
     def __init__(self, *, density: float | None, floor: float, ceiling: float,
-                 codings: Sequence[ValueDtype] = CODINGS, fill: float = 0.8, raise_fill: float = 0.6,
-                 slack: float = 0.1, window: int = 5):
+                 codings: Sequence[ValueDtype] = CODINGS, fill: float = 0.8,
+                 raise_fill: float = 0.6, slack: float = 0.1, window: int = 5):
         if not codings or any(c not in VALUE_BITS for c in codings):
             raise ValueError(f"codings must be a non-empty subset of {tuple(VALUE_BITS)}, got {codings!r}")
         if not 0.0 < raise_fill < fill <= 1.0 or not 0.0 < slack <= 1.0 or window < 1:
@@ -217,7 +220,9 @@ class Controller:
         self._compute: deque[float] = deque(maxlen=window)
         self._compress: deque[float] = deque(maxlen=window)
         self._bytes_per_bit = 0.0  # push bytes per coded bit, at the latest candidate measured
-        self._pull_per_bit = 0.0  # the latest pull's bytes per coded bit of a pushed coordinate
+        self._pull_per_bit = 0.0  # the latest pull's bytes per coded bit (pull_bits)
+        # the server's broadcast, from its answer to the registration (None: exact pulls)
+        self.broadcast: BroadcastInfo | None = None
         self.decisions = 0  # changes made
         self.window = window
         self._since_change = 0  # rounds observed since the latest change
@@ -256,7 +261,7 @@ class Controller:
             return 0.0
         d, c = self.candidates[i]
         push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c), cautious)
-        pull = self._down.predict(self._pull_per_bit * d * coordinate_bits(d, PULL_CODING), cautious)
+        pull = self._down.predict(self._pull_per_bit * pull_bits(d, self.broadcast), cautious)
         return statistics.median(self._compress) + push + self._server.predict(d, cautious) + pull
 
     def observe(self, m: RoundMeasure) -> Decision:
@@ -271,7 +276,7 @@ class Controller:
         self._server.add(i, d, m.server_s)
         if m.pull_s > 0.0 and m.pull_bytes > 0:
             self._down.add(i, m.pull_bytes, m.pull_s)
-            self._pull_per_bit = m.pull_bytes / (d * coordinate_bits(d, PULL_CODING))
+            self._pull_per_bit = m.pull_bytes / pull_bits(d, self.broadcast)
         if self.pinned or not self._up.measured:
             return Decision(self.density, self.value_dtype, self.predict(self.current), "pinned" if self.pinned
                             else "no measurement yet")

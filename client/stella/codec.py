@@ -35,13 +35,21 @@ keep the quantisation error (error feedback).
 
 Every coding of zero indices or values is the empty byte string.
 
+The wire's facts that the rest of the package reasons with live here too: the bits a
+value costs in each coding (:data:`VALUE_BITS`) and a coordinate with its Rice-coded
+index (:func:`coordinate_bits`), the codings an adaptive push or a plan chooses among
+(:data:`CODINGS`), and the dense cut (:data:`DENSE_BELOW`): tensors smaller than it
+travel whole, in a push and in the server's broadcast alike.
+
 The C code is ``native/codec.c`` behind the checked wrapper ``stella._codec_native``
 (index coding ids, f16/bf16 conversion, q4/q2 quantisation, the finiteness scan of
 :func:`wire_values`).
 """
 from __future__ import annotations
 
+import math
 import sys
+from typing import Literal
 
 import numpy as np
 
@@ -54,6 +62,10 @@ __all__ = [
     "QUANT_DTYPES",
     "QUANT_BITS",
     "QCHUNK",
+    "VALUE_BITS",
+    "CODINGS",
+    "DENSE_BELOW",
+    "coordinate_bits",
     "DEFAULT_INDEX_CODING",
     "DEFAULT_VALUE_DTYPE",
     "encode_indices",
@@ -78,6 +90,22 @@ QUANT_BITS: dict[str, int] = dict(_native.QUANT_BITS)
 QCHUNK: int = _native.QCHUNK
 
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+
+# Bits a value costs on the wire: its item, or for q4/q2 its code and a share of its chunk's float32 scale.
+VALUE_BITS: dict[str, float] = {**{d: 8.0 * n for d, n in _ITEMSIZE.items()},
+                                 **{d: b + 32.0 / QCHUNK for d, b in QUANT_BITS.items()}}
+ValueDtype = Literal["f32", "f16", "bf16", "q4", "q2"]  # the value codings (VALUE_DTYPES), typed
+# The codings an adaptive push (stella.adapt) or a plan chooses among, best first.
+CODINGS: tuple[ValueDtype, ...] = ("f16", "q4", "q2")
+# Tensors with fewer elements (biases, norms) travel whole: a push sends them dense, and the server's
+# broadcast sends them whole (shards never cut them).
+DENSE_BELOW = 4096
+
+
+def coordinate_bits(density: float, coding: str) -> float:
+    """Bits a pushed coordinate costs: its value, and its Rice-coded index (gaps of
+    mean ``1/density``: about ``log2(1/density) + 2`` bits)."""
+    return VALUE_BITS[coding] + math.log2(1.0 / density) + 2.0
 _LITTLE = sys.byteorder == "little"
 
 

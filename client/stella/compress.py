@@ -61,10 +61,9 @@ from . import codec
 from ._select_native import BLOCK  # floats per block of the "block" method (native/cdefs/compress.h)
 from .errors import BadValue
 
-__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "Selector", "METHODS", "BLOCK", "DENSE_BELOW", "quantise_torch"]
+__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "Selector", "METHODS", "BLOCK", "quantise_torch"]
 
 METHODS = ("exact", "threshold", "block", "dense")
-DENSE_BELOW = 4096  # default cut-off: tensors with fewer elements (biases, norms) are sent dense
 
 # The selected count must land in [LOW * k, HIGH * k] (unless fewer than
 # LOW * k coordinates are nonzero).
@@ -310,7 +309,7 @@ class ErrorFeedbackCompressor:
         self,
         density: float = 0.01,
         method: str = "threshold",
-        dense_below: int = DENSE_BELOW,
+        dense_below: int = codec.DENSE_BELOW,
         *,
         backend: str = "auto",
         value_dtype: str = "f32",

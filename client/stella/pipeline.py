@@ -70,9 +70,10 @@ from typing import Any, Literal, get_args
 import torch
 
 from ._exchange import Grads, build_inner, exchange_for
-from .adapt import CODINGS, Controller, RoundMeasure
+from .adapt import Controller, RoundMeasure
 from .client import PullResult
-from .compress import DENSE_BELOW, METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
+from .codec import CODINGS, DENSE_BELOW
+from .compress import METHODS, VALUE_DTYPES, ErrorFeedbackCompressor, SparseGrad
 from .errors import StellaError
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .progress import Progress
@@ -331,6 +332,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             self.client = client or connect(address, timeout=timeout, name=name, worker_id=worker_id,
                                             server_key=server_key, client_key=client_key)
             reply = self.client.register(self.params, self._exchange.server_config, mode=self.mode)
+            self.controller.broadcast = reply.broadcast  # the pull's coding and size, as the server has them
             if reply.base is None:  # the job's model is not this worker's values: its snapshot
                 return reply, self.client.pull(None)
             # this worker's values are the model at reply.base (it created the model, or the job was created

@@ -55,7 +55,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .adapt import VALUE_BITS, coordinate_bits
+from .codec import CODINGS, VALUE_BITS, coordinate_bits
 from .errors import StellaError
 
 if sys.version_info >= (3, 11):
@@ -72,7 +72,6 @@ __all__ = ["PlanError", "CatalogError", "ProfileError", "MachineKind", "ServerHo
            "DENSITIES", "CODINGS", "SYNC_EVERY", "SHARDS"]
 
 DENSITIES: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.1)
-CODINGS: tuple[str, ...] = ("f16", "q4", "q2")
 SYNC_EVERY: tuple[int, ...] = (1, 2, 4, 8)
 SHARDS: tuple[int, ...] = (1, 2, 4, 8)
 # bench.server, 2026-11-26: 2 shards on 2 cores made 1.78-1.80x one shard's steps/s (W = 2)

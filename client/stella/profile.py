@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from .adapt import CODINGS
+from .codec import CODINGS
 from .plan import STALL_S, STALL_SOURCE, ProfileError
 from .protocol import ValueDtype
 
@@ -200,7 +200,7 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     """Measure a model (module doc) and return the profile as a JSON-ready dict."""
     import torch
 
-    from .compress import DENSE_BELOW
+    from .codec import DENSE_BELOW
 
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -54,6 +54,7 @@ __all__ = [
     "MODEL_DTYPES",
     "TensorSpec",
     "TensorEntry",
+    "BroadcastInfo",
     "WorkerReport",
     "WorkerStatus",
     "Join",
@@ -86,7 +87,7 @@ __all__ = [
     "model_digest",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -116,7 +117,7 @@ TrainingMode = Literal["gradient", "update"]
 PullMode = Literal["broadcast", "exact"]  # what pulls answer: the compressed broadcast or exact values
 PullCoding = Literal["raw32", "varint", "u16chunk", "rice"]  # block16 codes only whole blocks
 EntryCoding = Literal["raw32", "varint", "u16chunk", "rice", "block16", "dense"]
-ValueDtype = Literal["f32", "f16", "bf16", "q4", "q2"]  # q4/q2: pushes only (codec.QUANT_DTYPES)
+ValueDtype = codec.ValueDtype  # q4/q2: quantised (codec.QUANT_DTYPES)
 # Optimizer hyper-parameters travel as a map of scalars (and ``betas`` pairs); their
 # names and ranges are the server's to check (stella_ps.optim).
 HParam = bool | int | float | str | list[float]
@@ -162,6 +163,19 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
 
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
+class BroadcastInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The server's broadcast, as a worker or a planner must know it (``stella-ps
+    --broadcast-values``, ``--broadcast-factor``): the coding of its values, the
+    coordinates a tensor's message carries as a multiple of the mean count of the step's
+    pushes, and the dense cut (tensors smaller than ``dense_below`` go whole). Sent in
+    :class:`Registered` and :class:`StatusReply`, so that no client copies the server's
+    settings."""
+
+    values: ValueDtype
+    factor: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+    dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
 
 
 class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -319,6 +333,7 @@ class Registered(_Message, tag="registered", frozen=True):
     numel: int
     mode: TrainingMode | None = None  # the job's training mode, once a registration said one
     pull: PullMode | None = None  # what the server's pulls answer: "broadcast" (per step) or "exact"
+    broadcast: BroadcastInfo | None = None  # the broadcast's settings (None: exact pulls)
     # the version whose model equals the registered values (this registration created the
     # model, or its digest equals that of the values it was created with): a pull since
     # ``base`` brings the worker up to date (nothing to pull if it is ``version``); None: pull a snapshot
@@ -387,6 +402,8 @@ class StatusReply(_Message, tag="status", frozen=True):
     behind_workers: list[int] = []  # silent, and a deadline closed a step without them: not waited for until they push
     mode: TrainingMode | None = None  # the job's training mode, once a registration said one
     shard: str = ""  # "I/N" of a sharded job's shard; "": not sharded
+    pull: PullMode | None = None  # what the server's pulls answer
+    broadcast: BroadcastInfo | None = None  # the broadcast's settings (None: exact pulls)
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):

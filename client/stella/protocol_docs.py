@@ -11,7 +11,7 @@ import sys
 import msgspec
 
 from .errors import ErrorCode
-from .protocol import REPLY_TYPES, REQUEST_TYPES, TensorEntry
+from .protocol import REPLY_TYPES, REQUEST_TYPES, BroadcastInfo, TensorEntry
 
 __all__ = ["tables", "docs_with_tables", "DOCS_BEGIN", "DOCS_END"]
 
@@ -51,6 +51,13 @@ def tables() -> str:
     lines.append("| --- | --- | --- |")
     for i, f in enumerate(info.fields):  # type: ignore[attr-defined]
         lines.append(f"| {i} | `{f.name}` | {_type_name(f.type)} |")
+    lines.append("")
+    lines.append("### The broadcast's settings\n")
+    lines.append(" ".join((BroadcastInfo.__doc__ or "").split()) + "\n")
+    lines.append("| field | type |")
+    lines.append("| --- | --- |")
+    for f in msgspec.inspect.type_info(BroadcastInfo).fields:  # type: ignore[attr-defined]
+        lines.append(f"| `{f.name}` | {_type_name(f.type)} |")
     lines.append("")
     lines.append("### Error codes\n")
     lines.append("| code |")

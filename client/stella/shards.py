@@ -40,12 +40,13 @@ import msgspec
 import numpy as np
 
 from .client import Client, Pending, PullResult, _dtype_name, update_parts
+from .codec import DENSE_BELOW
 from .errors import ProtocolError, StellaError
 from .protocol import PullCoding, PushOk, Registered, StatusReply, TensorSpec, TrainingMode
 
 __all__ = ["ShardedClient", "AnyClient", "Piece", "plan", "connect", "split_address", "MIN_SLICE"]
 
-MIN_SLICE = 4096  # a tensor smaller than this is never cut (the broadcast sends such tensors whole)
+MIN_SLICE = DENSE_BELOW  # a tensor smaller than this is never cut (the broadcast sends such tensors whole)
 T = TypeVar("T")
 _MAPPINGS = 64  # rounds whose per-shard versions are kept (a pull since an older round gets snapshots)
 
@@ -210,6 +211,9 @@ class ShardedClient:
             if r.pull not in (None, "broadcast"):
                 raise StellaError(f"{a} serves {r.pull} pulls: a sharded job needs each step's message, the "
                                   f"compressed broadcast (stella-ps --pull broadcast, the default)")
+        if any(r.broadcast != replies[0].broadcast for r in replies):
+            raise StellaError("the shards run different broadcasts (stella-ps --broadcast-values, "
+                              f"--broadcast-factor): {[r.broadcast for r in replies]}; start them alike")
         bases = [r.base for r in replies if r.base is not None]
         if len(bases) < len(replies):  # some shard's piece is not this worker's: a snapshot of every shard
             return msgspec.structs.replace(replies[0], base=None)

@@ -43,15 +43,14 @@ import msgspec
 import numpy as np
 
 from stella import codec
-from stella.protocol import SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
+from stella.protocol import BroadcastInfo, SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
 from stella.topk import Selector
 
 from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_add_lists, union_indices
 from .runtime import TensorPool
 
-__all__ = ["Broadcast", "Message", "StepLog", "DENSE_BELOW", "OWED_BYTES"]
+__all__ = ["Broadcast", "Message", "StepLog", "OWED_BYTES"]
 
-DENSE_BELOW = 4096  # tensors with fewer elements go whole, as small tensors of a push do
 # The candidate pool (see Broadcast._select): it holds about POOL_FACTOR x k coordinates at or above its
 # floor, is cut back to that when it grows past POOL_MAX x k, and is used while the step's touched
 # coordinates and the pool together are under numel / POOL_SHARE. R is out of cache by the time of the
@@ -124,15 +123,13 @@ def replay(model: np.ndarray, residual: np.ndarray, log: StepLog, t: int, lo: in
 class Broadcast:
     """``B``, ``R`` and the recent messages of one model."""
 
-    def __init__(self, layout: Sequence[TensorSpec], values: Sequence[np.ndarray], *, coding: ValueDtype = "f16",
-                 factor: float = 1.0, history: int = 64, dense_below: int = DENSE_BELOW,
-                 residual: Sequence[np.ndarray] | None = None, pool: bool = True):
-        if coding not in codec.VALUE_DTYPES:
-            raise ValueError(f"broadcast coding must be one of {codec.VALUE_DTYPES}, got {coding!r}")
+    def __init__(self, layout: Sequence[TensorSpec], values: Sequence[np.ndarray], info: BroadcastInfo,
+                 history: int, *, residual: Sequence[np.ndarray] | None = None, pool: bool = True):
         self.layout = list(layout)
-        self.coding: ValueDtype = coding
-        self.factor = factor
-        self.dense_below = dense_below
+        self.info = info  # what workers are told of it (the coding, the factor, the dense cut)
+        self.coding: ValueDtype = info.values
+        self.factor = info.factor
+        self.dense_below = info.dense_below
         self._model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
         # what B is still owed of each tensor's sparse messages, oldest first; every reader of B (the model
         # property) adds them first

@@ -24,10 +24,13 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .optim import OptimizerConfig, OptimizerLimits
+
+if TYPE_CHECKING:  # the wire schema's types, for the checker only: this module loads no C extension
+    from stella.protocol import BroadcastInfo, PullMode, ValueDtype
 
 __all__ = ["ServerConfig", "Limits", "Liveness", "Deadline", "Checkpoints", "Pulls", "ENV", "ENV_PREFIX", "parse_args",
            "parse_bind", "setting"]
@@ -274,11 +277,11 @@ class Checkpoints:
 class Pulls:
     """What a pull carries (store.py, broadcast.py, docs/optimizer.md "The broadcast")."""
 
-    mode: str = setting("broadcast", flag="pull", choices=("broadcast", "exact"),
+    mode: PullMode = setting("broadcast", flag="pull", choices=("broadcast", "exact"),
                         help="broadcast: one compressed message per step for all workers, what the server did not "
                              "send kept in its residual (pull bytes do not grow with the workers); exact: the union "
                              "of every worker's pushed coordinates with their float32 values")
-    values: str = setting("q4", flag="broadcast-values", choices=("f32", "f16", "bf16", "q4", "q2"),
+    values: ValueDtype = setting("q4", flag="broadcast-values", choices=("f32", "f16", "bf16", "q4", "q2"),
                           help="the broadcast's value coding (the coding's error stays in the server's residual)")
     factor: float = setting(2.0, flag="broadcast-factor", check=(lambda v: math.isfinite(v) and v > 0, "> 0"),
                             help="coordinates a broadcast carries per tensor, as a multiple of the mean count of "
@@ -286,6 +289,15 @@ class Pulls:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    def broadcast_info(self) -> BroadcastInfo | None:
+        """What workers and planners are told of the broadcast (None: exact pulls)."""
+        from stella.codec import DENSE_BELOW
+        from stella.protocol import BroadcastInfo
+
+        if self.mode != "broadcast":
+            return None
+        return BroadcastInfo(values=self.values, factor=self.factor, dense_below=DENSE_BELOW)
 
 
 # a struct's flags are its fields' names under a prefix (unless a field names its own flag)

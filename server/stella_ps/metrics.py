@@ -67,7 +67,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from stella.adapt import VALUE_BITS
+from stella.codec import VALUE_BITS
 from stella.protocol import PROTOCOL_VERSION
 
 from . import __version__

@@ -102,10 +102,7 @@ class Service:
         self.members = Membership(expected=config.workers, max_workers=limits.max_workers,
                                   max_workers_per_key=limits.max_workers_per_key, clock=self.clock.now)
         self.waiters = PullWaiters(max_per_worker=limits.max_waiting_pulls, clock=self.clock)
-        self.store = ModelStore(history=config.history, pull=config.pulls.mode,  # type: ignore[arg-type]
-                                broadcast_values=config.pulls.values,  # type: ignore[arg-type]
-                                broadcast_factor=config.pulls.factor,
-                                threads=config.threads or default_threads())
+        self.store = ModelStore(config.pulls, history=config.history, threads=config.threads or default_threads())
         self.store_thread = StoreThread()
         self.tasks = Tasks()
         self.steps = StepScheduler(self.store, self.members, self.store_thread, self.tasks, self.clock, self.stats,
@@ -207,7 +204,7 @@ class Service:
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.agg.current_deadline(),
             checkpoint_version=self.checkpointer.version,
             behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode, shard=self.config.shard,
-            clipped_pushes=self.push_bound.clipped)
+            pull=self.store.pull, broadcast=self.store.broadcast_info, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:
@@ -345,7 +342,8 @@ class Service:
             base = self.store.version if created else self._base(msg.digest)
             self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
                                          needs_values=False, optimizer=self.steps.optimizer.to_wire(),
-                                         numel=self.store.numel, mode=self.mode, pull=self.store.pull, base=base), ())
+                                         numel=self.store.numel, mode=self.mode, pull=self.store.pull,
+                                         broadcast=self.store.broadcast_info, base=base), ())
 
     def _base(self, digest: bytes | None) -> int | None:
         """The version whose model a registration's values (``digest``) are: the model's

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stella.protocol import StatusReply, TrainingMode, WorkerStatus
+from stella.protocol import BroadcastInfo, PullMode, StatusReply, TrainingMode, WorkerStatus
 
 __all__ = ["Stats", "JobSnapshot", "STATUS_FIELDS"]
 
@@ -118,6 +118,8 @@ class JobSnapshot:
     behind_workers: list[int]
     mode: TrainingMode | None
     shard: str
+    pull: PullMode | None
+    broadcast: BroadcastInfo | None
     # --- the metrics' only
     errors_by_code: dict[str, int]
     duplicate_pushes: int

@@ -14,16 +14,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from stella.errors import ErrorCode, ServerError
-from stella.protocol import PullCoding, SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
+from stella.protocol import PullCoding, PullMode, SparseTensor, TensorEntry, TensorSpec, encode_tensors
 
 from .aggregation import Step
 from .broadcast import OWED_BYTES, Broadcast, StepLog, replay
+from .config import Pulls
 from .errors import CopyAbandoned, NonFiniteStep, StepFailed
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
@@ -114,14 +115,14 @@ def check_model_bytes(layout: Sequence[TensorSpec], cfg: OptimizerConfig, limit:
 class ModelStore:
     """Holds the registered model. Not thread-safe: use from one thread."""
 
-    def __init__(self, history: int = 64, pull: Literal["broadcast", "exact"] = "exact",
-                 broadcast_values: ValueDtype = "f16", broadcast_factor: float = 1.0, threads: int = 1):
+    def __init__(self, pulls: Pulls, *, history: int, threads: int):
         self.layout: list[TensorSpec] = []
         self._pool = TensorPool(threads)  # a step's per-tensor work (apply, broadcast) on this many threads
         self.tensors: list[KernelTensorState] = []
         self.version = 0
-        self.pull = pull
-        self._bcast_opts = {"coding": broadcast_values, "factor": broadcast_factor, "history": history}
+        self.pull: PullMode = pulls.mode
+        self.broadcast_info = pulls.broadcast_info()  # None: exact pulls
+        self._history_len = history
         self.broadcast: Broadcast | None = None
         # (version after the step, touched indices per tensor)
         self._history: deque[tuple[int, list[np.ndarray]]] = deque(maxlen=history)
@@ -144,8 +145,8 @@ class ModelStore:
         """Create the model with initial float32 ``values`` and state for ``cfg``'s optimizer."""
         self.tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout = layout
-        if self.pull == "broadcast":
-            self.broadcast = Broadcast(layout, values, **self._bcast_opts)  # type: ignore[arg-type]
+        if self.broadcast_info is not None:
+            self.broadcast = Broadcast(layout, values, self.broadcast_info, self._history_len)
 
     def state_copy(self) -> tuple[int, list[dict[str, np.ndarray]]]:
         """The version and a copy of every tensor's state arrays (parameters and
@@ -194,11 +195,11 @@ class ModelStore:
         self._history.clear()
         self._encoded.clear()
         self.broadcast = None
-        if self.pull == "broadcast":  # a checkpoint of an exact-pull job: B is the model, nothing owed
+        if self.broadcast_info is not None:  # a checkpoint of an exact-pull job: B is the model, nothing owed
             saved = all(set(BCAST_ARRAYS) <= set(a) for a in arrays)
             self.broadcast = Broadcast(layout, [a["bcast_model" if saved else "param"] for a in arrays],
-                                       residual=[a["bcast_residual"] for a in arrays] if saved else None,
-                                       **self._bcast_opts)  # type: ignore[arg-type]
+                                       self.broadcast_info, self._history_len,
+                                       residual=[a["bcast_residual"] for a in arrays] if saved else None)
 
     def close(self) -> None:
         """Stop the pool's threads (the store is not used again)."""
