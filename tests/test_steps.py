@@ -88,7 +88,7 @@ class Job:
     def push(self, worker: int, version: int | None = None, value: float = 1.0) -> int:
         v = self.store.version if version is None else version
         t = SparseTensor(0, np.array([worker], np.int32), np.array([value], np.float32))
-        return self.steps.offer(worker, v, [t], None, 8)
+        return self.steps.offer(self.steps.room(worker, 8), v, [t], None)
 
     async def settle(self) -> None:
         """Let the spawned apply task run to its end (store thread included)."""
@@ -235,9 +235,9 @@ def test_optimizer_changes_ride_on_pushes_and_apply_from_the_step_they_join():
         job = Job(1)
         t = SparseTensor(0, np.array([0], np.int32), np.array([1.0], np.float32))
         with pytest.raises(ServerError, match="lr"):
-            job.steps.offer(0, 0, [t], {"lr": -1.0}, 8)  # refused on arrival: nothing queued
+            job.steps.offer(job.steps.room(0, 8), 0, [t], {"lr": -1.0})  # refused on arrival: nothing queued
         assert not job.steps.agg.has_pending()
-        job.steps.offer(0, 0, [t], {"lr": 0.25}, 8)
+        job.steps.offer(job.steps.room(0, 8), 0, [t], {"lr": 0.25})
         await job.settle()
         assert job.steps.optimizer is not None and job.steps.optimizer.hparams["lr"] == 0.25
         assert job.store.tensors[0].snapshot()[0] == pytest.approx(-0.25)

@@ -20,8 +20,10 @@ membership also says which live workers a step waits for (``waited``).
 
 Each worker's queue is bounded (``stella-ps --max-queued-pushes`` and
 ``--max-queued-push-bytes``): a push beyond either bound is refused and nothing is
-queued. A push to an empty queue is always taken (the message size limit bounds it),
-so the byte bound limits the backlog, never a worker's only push.
+queued. The bounds are checked once a push, before its values are decoded
+(:meth:`Aggregator.check_room`, through :meth:`stella_ps.steps.StepScheduler.room`).
+A push to an empty queue is always taken (the message size limit bounds it), so the
+byte bound limits the backlog, never a worker's only push.
 """
 from __future__ import annotations
 
@@ -195,9 +197,9 @@ class Aggregator:
                               f"(--max-queued-push-bytes {self.max_queued_push_bytes})", ErrorCode.LIMIT)
 
     def add(self, push: PendingPush) -> int:
-        """Queue a push (refused as :meth:`check_room` says); returns how many of this
-        worker's pushes were already waiting."""
-        self.check_room(push.worker, push.nbytes)
+        """Queue a push whose room :meth:`check_room` found (the step scheduler's
+        :meth:`~stella_ps.steps.StepScheduler.room`, before the push was decoded);
+        returns how many of this worker's pushes were already waiting."""
         q = self._pending.setdefault(push.worker, deque())
         q.append(push)
         self._behind.discard(push.worker)

@@ -192,7 +192,7 @@ class Service:
         return JobSnapshot(
             **s.counters(), version=self.store.version, initialised=self.store.initialised, workers=self.members.ids(),
             worker_keys={w: i.fingerprint for w, i in live.items()}, insecure=self.config.insecure,
-            expected_workers=self.config.workers, pending_pushes=self.steps.agg.pending_count(),
+            expected_workers=self.config.workers, pending_pushes=self.steps.pending_count(),
             numel=self.store.numel, tensors=len(self.store.layout),
             optimizer=self.steps.optimizer.to_wire() if self.steps.optimizer else None, server_version=__version__,
             live=[WorkerStatus(worker=w, name=i.name, key_fingerprint=i.fingerprint,
@@ -201,9 +201,9 @@ class Service:
                   for w, i in sorted(live.items())],
             checkpoint_age_s=age, last_seen_s={w: round(now - i.last_seen, 3) for w, i in live.items()},
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
-            liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.agg.current_deadline(),
+            liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.deadline_now(),
             checkpoint_version=self.checkpointer.version,
-            behind_workers=[w for w in self.steps.agg.behind() if w in live], mode=self.mode, shard=self.config.shard,
+            behind_workers=self.steps.behind(), mode=self.mode, shard=self.config.shard,
             pull=self.store.pull, broadcast=self.store.broadcast_info, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
@@ -240,7 +240,7 @@ class Service:
         return self.members.check(ident, worker, registered=registered)
 
     def _join(self, ident: bytes, msg: Join, peer: Peer) -> None:
-        info = self.members.join(ident, msg.worker, msg.name, reserved=self.steps.agg.pending_workers(),
+        info = self.members.join(ident, msg.worker, msg.name, reserved=self.steps.pending_workers(),
                                  key=peer.key, fingerprint=peer.fingerprint, session=msg.session)
         log.info("worker joined", extra={"worker": info.worker, "worker_name": info.name,
                                          "key_fingerprint": info.fingerprint, "live": len(self.members.live)})
@@ -361,11 +361,9 @@ class Service:
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")
-        nbytes = sum(f.nbytes for f in rx.frames)
-        self.steps.agg.check_room(info.worker, nbytes)  # before the work of decoding
-        tensors = decode_tensors(rx, self.store.layout)
-        tensors = self.push_bound.apply(info.worker, tensors)
-        queued = self.steps.offer(info.worker, msg.version, tensors, msg.hparams, nbytes, msg.samples)
+        room = self.steps.room(info.worker, sum(f.nbytes for f in rx.frames))  # before the work of decoding
+        tensors = self.push_bound.apply(info.worker, decode_tensors(rx, self.store.layout))
+        queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
         info.last_push_req = msg.req
         info.pushes += 1
         if msg.report is not None:

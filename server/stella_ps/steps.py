@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stella.errors import ErrorCode, ServerError
@@ -44,12 +45,23 @@ from .runtime import Clock, StoreThread, Tasks, Timer
 from .stats import Stats
 from .store import ModelStore
 
-__all__ = ["StepScheduler", "SILENT_BEATS"]
+__all__ = ["StepScheduler", "Room", "SILENT_BEATS"]
 
 log = logging.getLogger("stella_ps.steps")
 SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals is silent
 
 StepListener = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Room:
+    """A push's place in its worker's queue, found by :meth:`StepScheduler.room` before
+    the push's values are decoded; :meth:`StepScheduler.offer` takes it and checks the
+    queue's bounds no second time (the two run on the event loop with no await between
+    them, so nothing else is queued meanwhile)."""
+
+    worker: int
+    nbytes: int
 
 
 class StepScheduler:
@@ -123,18 +135,24 @@ class StepScheduler:
         return self.optimizer
 
     # ------------------------------------------------------------------ events
-    def offer(self, worker: int, version: int, tensors: list[SparseTensor], hparams: dict[str, Any] | None,
-              nbytes: int, samples: int | None = None) -> int:
-        """Queue a validated push (refused, changing nothing, beyond the queue bounds or with
-        ``hparams`` out of bounds); returns how many of its worker's pushes wait before it."""
+    def room(self, worker: int, nbytes: int) -> Room:
+        """Room for a push of ``nbytes`` from ``worker`` (the one check of its queue's
+        bounds); a ``limit`` refusal, changing nothing, beyond them."""
         self.agg.check_room(worker, nbytes)
+        return Room(worker, nbytes)
+
+    def offer(self, room: Room, version: int, tensors: list[SparseTensor], hparams: dict[str, Any] | None,
+              samples: int | None = None) -> int:
+        """Queue a validated push in the ``room`` found for it (refused, changing nothing,
+        with ``hparams`` out of bounds); returns how many of its worker's pushes wait before it."""
         if hparams:
             self.change(hparams)  # refused now, not when the step applies
         now = self._clock.now()
         if not self.agg.has_pending():
             self._opened = now
-        queued = self.agg.add(PendingPush(worker, version, tensors, hparams, nbytes, arrived=now, samples=samples))
-        self.members.pushed(worker)
+        queued = self.agg.add(PendingPush(room.worker, version, tensors, hparams, room.nbytes, arrived=now,
+                                          samples=samples))
+        self.members.pushed(room.worker)
         self._maybe_close(first_push=True)
         return queued
 
@@ -156,6 +174,23 @@ class StepScheduler:
     async def idle(self) -> None:
         """Wait until no step is being applied."""
         await self._idle.wait()
+
+    # ------------------------------------------------------------------ what status shows
+    def pending_count(self) -> int:
+        """Pushes waiting for their step."""
+        return self.agg.pending_count()
+
+    def pending_workers(self) -> set[int]:
+        """Workers with pushes waiting (their ids stay reserved: those of a worker that left included)."""
+        return self.agg.pending_workers()
+
+    def deadline_now(self) -> float | None:
+        """The deadline a step waits for missing workers now (None: it waits for all)."""
+        return self.agg.current_deadline()
+
+    def behind(self) -> list[int]:
+        """Live workers a deadline closed a step without, silent: not waited for until they push."""
+        return [w for w in self.agg.behind() if w in self.members.live]
 
     # ------------------------------------------------------------------ the finite-step guard
     def _apply_guarded(self, step: Step, cfg: OptimizerConfig) -> int:
