@@ -17,8 +17,10 @@ The lab then follows the walk-through: keys made with ``stella keygen`` (server,
 sites and an operator on the allowlist; an outsider not), the secrets given to uid
 10001; the server site runs compose.server.yml and each worker site
 compose.worker.yml (with compose.lab.yml: its link shaped by tc to STELLA_LAB_RATE), each
-its own compose project with an env file copied from the ``*.env.example`` files, and the
-workers run the example docker/train/train.py. Checked, in order:
+its own compose project with an env file copied from the ``*.env.example`` files (the
+server's with the STELLA_PS_ settings of lab.env: its compose file passes that file to
+the server, which takes its own defaults for the rest), and the workers run the example
+docker/train/train.py. Checked, in order:
 
 1. the server is healthy; a site whose key is not on the allowlist: its worker exits
    with ``Unauthorised`` within 10 s of starting, and the server counts the refused
@@ -94,7 +96,7 @@ def _lab_settings() -> dict[str, str]:
 
 LAB = _lab_settings()
 TRAIN_TIMEOUT_S = float(LAB["STELLA_LAB_TIMEOUT"])
-LIVENESS_S = float(LAB["STELLA_LAB_LIVENESS_TIMEOUT"])
+LIVENESS_S = float(LAB["STELLA_PS_LIVENESS_TIMEOUT"])
 
 
 class NotRun(Exception):
@@ -238,11 +240,12 @@ def make_keys(directory: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------- sites
 def env_file(path: str, example: str, settings: dict[str, str]) -> None:
-    """``path``: the documented copy of ``example`` with ``settings`` changed (or added)."""
+    """``path``: the documented copy of ``example`` with ``settings`` changed, uncommented
+    (``#NAME=``) or added."""
     with open(os.path.join(HERE, example)) as f:
         text = f.read()
     for k, v in settings.items():
-        text, n = re.subn(rf"^{k}=.*$", lambda m, k=k, v=v: f"{k}={v}", text, flags=re.M)
+        text, n = re.subn(rf"^#?{k}=.*$", lambda m, k=k, v=v: f"{k}={v}", text, count=1, flags=re.M)
         if not n:
             text += f"{k}={v}\n"
     with open(path, "w") as f:
@@ -397,12 +400,14 @@ def lab_test(compose: list[str], sizes: dict[str, int]) -> dict[str, Any]:
         os.makedirs(keys_dir)
         keys = make_keys(keys_dir)
         gateway, port, metrics_port = host_gateway(), free_port(), free_port()
-        env_file(os.path.join(tmp, "server.env"), "server.env.example", {
-            "STELLA_SERVER_IMAGE": SERVER_IMAGE, "STELLA_WORKERS": str(WORLD), "STELLA_KEYS_DIR": keys_dir,
-            "STELLA_LIVENESS_TIMEOUT": LAB["STELLA_LAB_LIVENESS_TIMEOUT"],
-            "STELLA_CHECKPOINT_EVERY_STEPS": LAB["STELLA_LAB_CHECKPOINT_EVERY_STEPS"],
+        server_env = os.path.join(tmp, "server.env")
+        env_file(server_env, "server.env.example", {
+            "STELLA_ENV_FILE": server_env,  # the server's environment too: not docker/server.env
+            "STELLA_SERVER_IMAGE": SERVER_IMAGE, "STELLA_KEYS_DIR": keys_dir,
             # the workers' port on the bridge's gateway only (host.docker.internal), metrics on loopback
-            "STELLA_PS_PUBLISH": f"{gateway}:{port}", "STELLA_METRICS_PUBLISH": f"127.0.0.1:{metrics_port}"})
+            "STELLA_PUBLISH": f"{gateway}:{port}", "STELLA_METRICS_PUBLISH": f"127.0.0.1:{metrics_port}",
+            # the server's own settings: the lab's (lab.env), and its job's size
+            **{k: v for k, v in LAB.items() if k.startswith("STELLA_PS_")}, "STELLA_PS_WORKERS": str(WORLD)})
         for site, ranks in (*SITES.items(), ("outsider", (0, 1))):
             env_file(os.path.join(tmp, f"{site}.env"), "worker.env.example", {
                 "STELLA_WORKER_IMAGE": WORKER_IMAGE, "STELLA_SERVER": f"tcp://host.docker.internal:{port}",
@@ -410,7 +415,7 @@ def lab_test(compose: list[str], sizes: dict[str, int]) -> dict[str, Any]:
                 "STELLA_RANK_1": str(ranks[1]), "STELLA_WORLD": str(WORLD),
                 "STELLA_COMMAND": f"python /work/train.py --steps 0 --eval-every {LAB['STELLA_LAB_EVAL_EVERY']}",
                 "STELLA_SHAPE_RATE": LAB["STELLA_LAB_RATE"], "STELLA_SHAPE_DELAY": LAB["STELLA_LAB_DELAY"]})
-        server = Site(compose, f"{prefix}-server", os.path.join(tmp, "server.env"), "compose.server.yml")
+        server = Site(compose, f"{prefix}-server", server_env, "compose.server.yml")
         sites = {s: Site(compose, f"{prefix}-{s}", os.path.join(tmp, f"{s}.env"), "compose.worker.yml",
                          "compose.lab.yml") for s in (*SITES, "outsider")}
         say("compose files, as compose reads them (config -q)")
@@ -419,7 +424,9 @@ def lab_test(compose: list[str], sizes: dict[str, int]) -> dict[str, Any]:
         gpu = Site(compose, f"{prefix}-gpu", os.path.join(tmp, "site-a.env"), "compose.worker.yml",
                    "compose.worker.gpu.yml")
         gpu.compose("config", "-q")
-        say("  compose.server.yml, compose.worker.yml (+ compose.lab.yml, + compose.worker.gpu.yml): ok")
+        Site(compose, f"{prefix}-shards", server_env, "compose.shards.yml").compose("config", "-q")
+        say("  compose.server.yml, compose.shards.yml, compose.worker.yml (+ compose.lab.yml, "
+            "+ compose.worker.gpu.yml): ok")
         job = Job(f"tcp://{gateway}:{port}", f"http://127.0.0.1:{metrics_port}/metrics", keys)
         t0 = time.monotonic()
         try:

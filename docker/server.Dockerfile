@@ -35,12 +35,11 @@ RUN groupadd --system --gid ${STELLA_UID} stella \
 COPY --from=build /opt/stella /opt/stella
 # keys from a directory mounted at /etc/stella/keys (the allowlist is re-read when it
 # changes there); checkpoints on the volume, resumed from on start (STELLA_PS_CHECKPOINT_DIR=
-# empty turns them off)
+# empty turns them off). Only what the image sets differently from the server's defaults:
+# it keeps the others (the workers' port 5555 and JSON logs among them).
 ENV PATH=/opt/stella/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    STELLA_PS_BIND=tcp://0.0.0.0:5555 \
     STELLA_PS_METRICS=0.0.0.0:9100 \
-    STELLA_PS_LOG_FORMAT=json \
     STELLA_PS_KEYS=/etc/stella/keys/server.key_secret \
     STELLA_PS_ALLOW=/etc/stella/keys/allowlist \
     STELLA_PS_CHECKPOINT_DIR=/var/lib/stella/checkpoints

@@ -7,6 +7,7 @@ stops cleanly on SIGTERM against a real server. ``make docker-test`` runs the re
 thing where an engine answers."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from stella.cli import main as stella_main
-from stella_ps.config import parse_args
+from stella_ps.config import ENV, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(ROOT, "docker")
@@ -27,6 +28,11 @@ COMPOSE_FILES = ("compose.server.yml", "compose.worker.yml", "compose.shards.yml
 OVERRIDES = ("compose.worker.gpu.yml", "compose.lab.yml")  # added to compose.worker.yml
 KEY_SETTINGS = ("STELLA_PS_KEYS", "STELLA_PS_ALLOW", "STELLA_SERVER_KEY", "STELLA_CLIENT_KEY")
 SERVER_KEYS_DIR = "/etc/stella/keys"
+SETTINGS = frozenset(ENV.values())  # every STELLA_PS_ variable stella-ps reads
+# the only server settings a compose file may set: what its own mounts, ports and services fix
+COMPOSE_OWNS = {"STELLA_PS_KEYS": "the keys' mount", "STELLA_PS_ALLOW": "the keys' mount",
+                "STELLA_PS_METRICS": "the metrics port published",
+                "STELLA_PS_SHARD": "each shard service's place"}
 
 
 def load(name: str) -> dict:
@@ -37,6 +43,65 @@ def load(name: str) -> dict:
 def defaults(value: str) -> str:
     """A compose value with every ``${VAR:-default}``/``${VAR-default}`` at its default."""
     return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", str(value))
+
+
+def environment(svc: dict) -> dict[str, str | None]:
+    """A service's ``environment:``, as a map or a list (``K=V``, or ``K`` alone: None)."""
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        return {k: (v if sep else None) for k, sep, v in (str(e).partition("=") for e in env)}
+    return dict(env)
+
+
+def server_default() -> object:
+    return parse_args(["--insecure"], {})
+
+
+def image_env() -> dict[str, str]:
+    """The STELLA_PS_ settings server.Dockerfile's ``ENV`` gives the server."""
+    with open(os.path.join(DOCKER, "server.Dockerfile")) as f:
+        return dict(re.findall(r"^(?:ENV)?\s*(STELLA_PS_\w+)=(\S*?)\s*\\?$", f.read(), re.M))
+
+
+def env_settings(name: str) -> dict[str, str]:
+    """The settings an env file sets (its uncommented ``K=V`` lines)."""
+    with open(os.path.join(DOCKER, name)) as f:
+        return dict(re.findall(r"^(\w+)=(.*)$", f.read(), re.M))
+
+
+def server_environment(svc: dict, env_file: str = "server.env.example") -> dict[str, str]:
+    """What the server of ``svc`` reads: the image's ENV, under the env file compose passes
+    (``env_file``), under the service's ``environment:``."""
+    assert svc["env_file"] == "${STELLA_ENV_FILE:-server.env}"
+    return {**image_env(), **env_settings(env_file), **{k: str(v) for k, v in environment(svc).items()}}
+
+
+def redeclared(text: str) -> list[str]:
+    """What a compose file's ``text`` declares of the server's settings that is not its
+    own (:data:`COMPOSE_OWNS`): a setting with a value of its own, a default (``${...:-x}``,
+    or the server's default written out), a variable that is a second name for a
+    setting (``STELLA_X`` beside ``STELLA_PS_X``) or a ``STELLA_PS_`` variable of its
+    own; and a server service that does not take the env file."""
+    found = []
+    for name, svc in (yaml.safe_load(text).get("services") or {}).items():
+        env = environment(svc)
+        if "stella-ps" in str(svc.get("image")) and "env_file" not in svc:
+            found.append(f"{name}: no env_file (the server's settings come from the user's env file)")
+        for k, v in env.items():
+            if not k.startswith("STELLA_PS_"):
+                continue
+            if k not in COMPOSE_OWNS:
+                found.append(f"{name}: {k}={v!r}: a server setting declared in compose (the env file's)")
+            elif v is None or "$" in str(v):
+                found.append(f"{name}: {k}={v!r}: interpolated (a second default or name)")
+            elif parse_args(["--insecure"], {k: str(v)}) == server_default():
+                found.append(f"{name}: {k}={v!r}: the server's own default, written again")
+    for var in re.findall(r"\$\{?(STELLA_\w+)", text):
+        if var.startswith("STELLA_PS_"):
+            found.append(f"${{{var}}}: a compose variable in the server's namespace")
+        elif "STELLA_PS_" + var[len("STELLA_"):] in SETTINGS:
+            found.append(f"${{{var}}}: a second name for STELLA_PS_{var[len('STELLA_'):]}")
+    return found
 
 
 def mounts(svc: dict) -> dict[str, str]:
@@ -68,21 +133,19 @@ def test_compose_file_parses_for_1_29_and_v2(name):
 
 
 def test_server_site_writes_checkpoints_to_its_volume():
-    """Issue 24, 1: the image and the compose file turn checkpoints on, on the volume."""
+    """Issue 24, 1: the image turns checkpoints on, on the volume the compose file mounts;
+    their intervals are the server's own defaults unless the env file sets them."""
     with open(os.path.join(DOCKER, "server.Dockerfile")) as f:
         text = f.read()
     volume = re.search(r'^VOLUME \["([^"]+)"\]', text, re.M).group(1)
-    assert re.search(rf"STELLA_PS_CHECKPOINT_DIR={re.escape(volume)}\b", text), "the image's default"
+    assert image_env()["STELLA_PS_CHECKPOINT_DIR"] == volume, "the image's default"
     ps = load("compose.server.yml")["services"]["ps"]
-    env = {k: defaults(v) for k, v in ps["environment"].items()}
-    assert env["STELLA_PS_CHECKPOINT_DIR"] == volume and mounts(ps)[volume] == "checkpoints"
-    for k in ("EVERY_S", "EVERY_STEPS", "KEEP"):  # the intervals pass through from the env file
-        assert ps["environment"][f"STELLA_PS_CHECKPOINT_{k}"].startswith(f"${{STELLA_CHECKPOINT_{k}:-")
-    with open(os.path.join(DOCKER, "server.env.example")) as f:
-        example = f.read()
-    assert all(f"STELLA_CHECKPOINT_{k}=" in example for k in ("EVERY_S", "EVERY_STEPS", "KEEP"))
-    cfg = parse_args([], {k: v for k, v in env.items() if k.startswith("STELLA_PS_")})
-    assert cfg.checkpoints.dir == volume and cfg.checkpoints.every_s == 300
+    assert mounts(ps)[volume] == "checkpoints"
+    cfg = parse_args([], server_environment(ps))
+    assert cfg.checkpoints.dir == volume
+    assert dataclasses.replace(cfg.checkpoints, dir=None) == server_default().checkpoints  # the server's intervals
+    # an empty STELLA_PS_CHECKPOINT_DIR in the env file turns them off (env_file wins over the image)
+    assert parse_args([], {**server_environment(ps), "STELLA_PS_CHECKPOINT_DIR": ""}).checkpoints.dir is None
     # the volume belongs to the image's user (a named volume starts as a copy of it)
     assert "chown -R stella:stella /var/lib/stella" in text and volume.startswith("/var/lib/stella/")
 
@@ -90,14 +153,12 @@ def test_server_site_writes_checkpoints_to_its_volume():
 def test_the_sharded_server_site_runs_each_shard_on_its_own_port_and_volume():
     """Issue 21: a service per shard, labelled I/N in order, each with its own workers'
     port, metrics port and checkpoint volume, the keys' directory shared; the rest of a
-    shard's configuration is the single server's, but for its threads (the shards split
-    their host's cores)."""
+    shard's configuration is the single server's, from the same env file."""
     single = load("compose.server.yml")["services"]["ps"]
     shards = load("compose.shards.yml")["services"]
     ports, volumes = set(), set()
     for i, (name, svc) in enumerate(sorted(shards.items())):
-        env = {k: defaults(v) for k, v in svc["environment"].items()}
-        cfg = parse_args([], {k: v for k, v in env.items() if k.startswith("STELLA_PS_")})
+        cfg = parse_args([], server_environment(svc))
         assert cfg.shard == f"{i}/{len(shards)}", name
         assert cfg.checkpoints.dir and mounts(svc)[cfg.checkpoints.dir] not in volumes
         volumes.add(mounts(svc)[cfg.checkpoints.dir])
@@ -105,10 +166,80 @@ def test_the_sharded_server_site_runs_each_shard_on_its_own_port_and_volume():
         published = [defaults(p).rsplit(":", 1)[0] for p in svc["ports"]]
         assert not ports & set(published), published
         ports |= set(published)
-        assert cfg.threads == 1
-        assert {k: v for k, v in svc["environment"].items() if k not in ("STELLA_PS_SHARD", "STELLA_PS_THREADS")} \
-            == single["environment"]
+        assert svc["env_file"] == single["env_file"]
+        assert {k: v for k, v in svc["environment"].items() if k != "STELLA_PS_SHARD"} == single["environment"]
     assert volumes == set(load("compose.shards.yml")["volumes"])
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES + OVERRIDES)
+def test_compose_files_leave_the_servers_settings_to_the_server(name):
+    """Architecture review 2.3: every server setting is declared once, in stella_ps.config.
+    A compose file passes the user's env file to the server (`env_file`) and sets only
+    what its own mounts, ports and services fix: no default of its own, no second name
+    (``${STELLA_CHECKPOINT_EVERY_S:-300}`` beside STELLA_PS_CHECKPOINT_EVERY_S)."""
+    with open(os.path.join(DOCKER, name)) as f:
+        text = f.read()
+    assert redeclared(text) == []
+    assert not re.findall(r"STELLA_PS_[A-Z_]+: \$\{", text)  # the review's grep
+
+
+@pytest.mark.parametrize("snippet,why", [
+    ("STELLA_PS_WORKERS: ${STELLA_WORKERS:-2}", "a server setting declared in compose"),
+    ("STELLA_PS_LOG_LEVEL: ${STELLA_PS_LOG_LEVEL:-INFO}", "a server setting declared in compose"),
+    ("STELLA_PS_CHECKPOINT_KEEP: 3", "a server setting declared in compose"),
+    ("STELLA_PS_METRICS: ${STELLA_METRICS:-0.0.0.0:9100}", "interpolated"),
+    ("STELLA_PS_SHARD: ''", "the server's own default"),
+    ("X_RETRIES: ${STELLA_CHECKPOINT_KEEP:-3}", "a second name for STELLA_PS_CHECKPOINT_KEEP"),
+    ("X_PORT: ${STELLA_PS_PUBLISH:-5555}", "a compose variable in the server's namespace")])
+def test_a_redeclared_setting_is_found(snippet, why):
+    """The check above finds each way a compose file could declare a setting again."""
+    text = ("services:\n  ps:\n    image: stella-ps:0.1.0\n    env_file: server.env\n    environment:\n"
+            f"      STELLA_PS_KEYS: /etc/stella/keys/server.key_secret\n      {snippet}\n")
+    found = redeclared(text)
+    assert found and why in " ".join(found), found
+    assert "no env_file" in " ".join(redeclared(text.replace("    env_file: server.env\n", "")))
+    assert redeclared(text.replace(snippet, "")) == []
+
+
+def test_every_stella_ps_name_in_docker_is_a_setting():
+    """A STELLA_PS_ name anywhere under docker/ (compose, env files, Dockerfiles, scripts,
+    docs) is one stella-ps reads (stella_ps.config.ENV): a misspelt or invented one would
+    be passed to the server and silently ignored."""
+    found: dict[str, set[str]] = {}
+    for dirpath, dirs, files in os.walk(DOCKER):
+        dirs[:] = [d for d in dirs if d not in ("wheelhouse", "keys")]
+        for name in files:
+            if name.endswith(".env") and name != "lab.env":  # a user's own env files (ignored by git)
+                continue
+            try:
+                with open(os.path.join(dirpath, name)) as f:
+                    text = f.read()
+            except UnicodeDecodeError:
+                continue
+            for var in re.findall(r"\bSTELLA_PS_[A-Z0-9_]*[A-Z0-9]\b", text):
+                found.setdefault(var, set()).add(os.path.relpath(os.path.join(dirpath, name), DOCKER))
+    assert found and not {v: f for v, f in found.items() if v not in SETTINGS}
+
+
+@pytest.mark.parametrize("name", ["server.env.example", "lab.env"])
+def test_env_files_set_only_what_they_mean_to(name):
+    """An env file lists the server's settings commented out, without values (`stella-ps
+    --help` has them); one it sets differs from the server's default; no second names."""
+    with open(os.path.join(DOCKER, name)) as f:
+        text = f.read()
+    for var in re.findall(r"^#?\s*(STELLA_\w+)=", text, re.M):
+        assert var.startswith("STELLA_PS_") or "STELLA_PS_" + var[len("STELLA_"):] not in SETTINGS, var
+    assert re.findall(r"^#(STELLA_PS_\w+)=(.+)$", text, re.M) == []  # no copies of defaults
+    for k, v in env_settings(name).items():
+        if k.startswith("STELLA_PS_"):
+            assert parse_args(["--insecure"], {k: v}) != server_default(), f"{k}={v} is the server's default"
+
+
+def test_the_server_image_sets_only_what_differs_from_the_defaults():
+    env = image_env()
+    assert {"STELLA_PS_KEYS", "STELLA_PS_ALLOW", "STELLA_PS_METRICS", "STELLA_PS_CHECKPOINT_DIR"} <= set(env)
+    for k, v in env.items():
+        assert parse_args(["--insecure"], {k: v}) != server_default(), f"{k}={v} is the server's default"
 
 
 def test_the_allowlist_is_mounted_as_a_directory():
@@ -179,9 +310,15 @@ def test_docker_compose_reads_it(files, example):
     cmd = ["docker-compose", "--env-file", os.path.join(DOCKER, example)]
     for f in files:
         cmd += ["-f", os.path.join(DOCKER, f)]
-    p = subprocess.run([*cmd, "config"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    env = {**os.environ, "STELLA_ENV_FILE": os.path.join(DOCKER, example)}  # the server's env file
+    p = subprocess.run([*cmd, "config"], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
-    assert yaml.safe_load(p.stdout)["services"]
+    services = yaml.safe_load(p.stdout)["services"]
+    assert services
+    for name, svc in services.items():  # the env file's server settings reach the server
+        if "stella-ps" in svc["image"]:
+            given = {k: v for k, v in env_settings(example).items() if k.startswith("STELLA_PS_")}
+            assert given and given.items() <= svc["environment"].items(), name
     if "compose.worker.gpu.yml" not in files and "compose.worker.yml" in files:
         assert "nvidia" not in p.stdout  # a CPU site as it is
 
@@ -346,11 +483,22 @@ def _readme() -> str:
         return f.read()
 
 
-def test_every_compose_command_of_the_walk_through_names_its_project():
-    """Issue 24, 8: without -p every site on one host is the project `docker`."""
-    cmds = [line.strip() for line in _readme().splitlines() if re.match(r"\s*(docker-compose|docker compose) ", line)]
+def test_every_compose_command_of_the_walk_through_names_its_project_and_env_file():
+    """Issue 24, 8: without -p every site on one host is the project `docker`; without
+    --env-file every site reads docker/.env, and a server site's `up` would run with none
+    of its settings. So every command, in a code block or inline, in docker/README.md or in
+    a compose file's header, names both."""
+    text = _readme()
+    cmds = [line.strip() for line in text.splitlines() if re.match(r"\s*(docker-compose|docker compose) ", line)]
     assert len(cmds) >= 8
     assert all(" -p " in c for c in cmds), [c for c in cmds if " -p " not in c]
+    inline = [" ".join(c.split()) for c in re.findall(r"`((?:docker-compose|docker compose) [^`]*)`", text)]
+    inline = [c for c in inline if " -p " in c]  # not the generic `docker-compose -f ...`
+    assert len(inline) >= 3
+    for name in COMPOSE_FILES + OVERRIDES:
+        with open(os.path.join(DOCKER, name)) as f:
+            cmds += [line[1:].strip() for line in f if re.match(r"#\s\s+(docker-compose|docker compose) ", line)]
+    assert all(" --env-file " in c for c in cmds + inline), [c for c in cmds + inline if "--env-file" not in c]
 
 
 def test_the_walk_through_has_an_operator_key_and_a_fresh_start():
