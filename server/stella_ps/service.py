@@ -11,24 +11,21 @@ same way (:meth:`Service.refuse`) and the request changes nothing.
 
 The parts, each in its own module: who takes part (:mod:`.membership`), when a step
 closes and with which optimizer configuration (:mod:`.steps`), pulls waiting for a
-version (:mod:`.waiters`), the model (:mod:`.store`), checkpoints
-(:mod:`.checkpoints`), the job's snapshot for ``status`` and the metrics
+version (:mod:`.waiters`), the model (:mod:`.store`) and its creation by the first
+upload (:mod:`.registration`), checkpoints (:mod:`.checkpoints`), the job's snapshot for ``status`` and the metrics
 (:mod:`.stats`), over the small runtime of :mod:`.runtime`. :meth:`Service.running`
 pairs the start and the stop of each.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from stella.errors import ErrorCode, LayoutConflict, ProtocolError, StellaError, VersionError
+from stella.errors import ErrorCode, ProtocolError, StellaError, VersionError
 from stella.protocol import (
     MAX_NAME_BYTES,
     Delta,
@@ -45,15 +42,10 @@ from stella.protocol import (
     PushOk,
     Received,
     Register,
-    Registered,
     SetOptimizer,
     Status,
-    TensorSpec,
-    TrainingMode,
     WorkerStatus,
-    decode_register_values,
     decode_tensors,
-    model_digest,
 )
 
 from . import __version__
@@ -61,12 +53,12 @@ from .aggregation import PushNormBound
 from .checkpoints import Checkpointer
 from .config import ServerConfig
 from .membership import Membership, WorkerInfo
-from .optim import OptimizerConfig
+from .registration import Registration
 from .runtime import Clock, LoopClock, StoreThread, Tasks, Timer, default_threads
 from .security import fingerprint
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
-from .store import ModelStore, check_model_bytes, layout_diff
+from .store import ModelStore
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Peer", "MAX_WAIT_AHEAD"]
@@ -113,15 +105,11 @@ class Service:
         self.steps.on_step(self.waiters.release)
         self.steps.on_step(self.checkpointer.maybe)
         self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor)
-        self.mode: TrainingMode | None = None  # the job's, from the first registration that names one
+        self.registration = Registration(self.store, self.store_thread, self.members, self.steps, self.clock,
+                                         max_model_bytes=limits.max_model_bytes)
         # the allowlist's name of a key, for status (the transport sets it when it runs with keys)
         self.key_name: Callable[[str], str] = lambda key: ""
         self._sweeper: Timer | None = None
-        self._init_lock = asyncio.Lock()  # two first registrations must not both initialise
-        self._initialised = asyncio.Event()  # set once the model exists: held probes join it
-        # the digest of the values the model was created with, and its version then: a worker
-        # registering values with that digest holds that version's model (None: resumed from a checkpoint)
-        self._origin: tuple[bytes, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -203,7 +191,7 @@ class Service:
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.deadline_now(),
             checkpoint_version=self.checkpointer.version,
-            behind_workers=self.steps.behind(), mode=self.mode, shard=self.config.shard,
+            behind_workers=self.steps.behind(), mode=self.registration.mode, shard=self.config.shard,
             pull=self.store.pull, broadcast=self.store.broadcast_info, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
@@ -217,7 +205,8 @@ class Service:
             case Join() as msg:
                 self._join(ident, msg, peer)
             case Register() as msg:
-                self._register(ident, msg, rx)
+                work = self.registration.accept(msg, rx, self._member(ident, msg.worker, registered=False))
+                self._spawn(self._reply(ident, work), ident, msg.req)
             case SetOptimizer() as msg:
                 self._member(ident, msg.worker)
                 cfg = self.steps.set_optimizer(msg.hparams)
@@ -267,90 +256,8 @@ class Service:
         self._send(ident, Left(req=msg.req, worker=info.worker, version=self.store.version), ())
         self.steps.membership_changed()
 
-    def _register(self, ident: bytes, msg: Register, rx: Received) -> None:
-        info = self._member(ident, msg.worker, registered=False)
-        layout = list(msg.tensors)
-        if len({s.name for s in layout}) != len(layout):
-            raise ProtocolError("register: tensor names must be unique")
-        empty = [s.name for s in layout if s.numel == 0]
-        if empty:
-            raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
-        cfg = self.steps.initial(msg.optimizer)
-        if not self.store.initialised:
-            check_model_bytes(layout, cfg, self.config.limits.max_model_bytes, self.store.pull == "broadcast")
-        try:
-            values = decode_register_values(rx) if msg.values else None
-        except StellaError:
-            info.registering = False  # a refused upload: probes held for it stop waiting
-            raise
-        self._spawn(self._register_async(ident, msg, info, layout, values, cfg), ident, msg.req)
-
-    def _uploading(self, info: WorkerInfo) -> bool:
-        """Whether another live worker was asked for the model's values and has not registered yet."""
-        return any(m.registering and not m.registered for m in self.members.live.values() if m is not info)
-
-    async def _hold_probe(self, info: WorkerInfo, wait_s: float) -> None:
-        """Hold a probe while another worker uploads the model, so that a job's workers
-        starting together send it once: until the model exists, no upload is under way
-        (the uploader left, or its values were refused), or ``wait_s`` passes."""
-        deadline = self.clock.now() + wait_s
-        while not self.store.initialised and self._uploading(info):
-            left = deadline - self.clock.now()
-            if left <= 0:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._initialised.wait(), min(left, 0.25))
-
-    async def _register_async(self, ident: bytes, msg: Register, info: WorkerInfo, layout: list[TensorSpec],
-                              values: list[np.ndarray] | None, cfg: OptimizerConfig) -> None:
-        if values is None and msg.wait_ms and not self.store.initialised and not info.held:
-            info.held = True  # one held probe per worker: more are answered at once
-            try:
-                await self._hold_probe(info, msg.wait_ms / 1000)
-            finally:
-                info.held = False
-        async with self._init_lock:
-            created = False
-            if msg.mode is not None and self.mode is not None and msg.mode != self.mode:
-                raise LayoutConflict(f"this job trains in {self.mode} mode: a {msg.mode}-mode worker cannot join it "
-                                     f"(StellaOptimizer(mode={self.mode!r}))")
-            if not self.store.initialised:
-                if values is None:  # the client's cheap probe: send the values next
-                    info.registering = True  # their upload is a sign of life only once it ends: heartbeats count
-                    self._send(ident, Registered(req=msg.req, version=self.store.version, created=False,
-                                                 needs_values=True, optimizer=None, numel=0), ())
-                    return
-                try:
-                    await self.store_thread.run(self.store.initialise, layout, values, cfg)
-                except BaseException:
-                    info.registering = False
-                    raise
-                self._origin = (await self.store_thread.run(model_digest, values), self.store.version)
-                self.steps.optimizer = cfg
-                self._initialised.set()
-                created = True
-                log.info("model initialised", extra={"tensors": len(layout), "numel": self.store.numel,
-                                                     "optimizer": cfg.to_wire()})
-            else:
-                diff = layout_diff(self.store.layout, layout)
-                if diff:
-                    raise LayoutConflict(f"layout differs from the server's model: {diff}")
-            self.members.register(info)
-            self.steps.membership_changed()
-            self.mode = self.mode or msg.mode
-            assert self.steps.optimizer is not None
-            base = self.store.version if created else self._base(msg.digest)
-            self._send(ident, Registered(req=msg.req, version=self.store.version, created=created,
-                                         needs_values=False, optimizer=self.steps.optimizer.to_wire(),
-                                         numel=self.store.numel, mode=self.mode, pull=self.store.pull,
-                                         broadcast=self.store.broadcast_info, base=base), ())
-
-    def _base(self, digest: bytes | None) -> int | None:
-        """The version whose model a registration's values (``digest``) are: the model's
-        creation version if they are the values it was created with, else None."""
-        if digest is None or self._origin is None or digest != self._origin[0]:
-            return None
-        return self._origin[1]
+    async def _reply(self, ident: bytes, work: Awaitable[Any]) -> None:
+        self._send(ident, await work, ())
 
     def _push(self, ident: bytes, msg: Push, rx: Received) -> None:
         info = self._member(ident, msg.worker)

@@ -1,0 +1,150 @@
+"""Model creation: the registration that brings the model's values creates it, every
+later one joins it (:class:`Registration`).
+
+A worker registers in two messages when the model may not exist yet: a cheap probe
+(the layout, no values) and, when the answer says ``needs_values``, the upload. While
+one worker uploads, the probes of the others are held (up to their ``wait_ms``), so
+that a job's workers starting together send the model once. The model's size is
+checked against ``--max-model-bytes`` before its values are decoded; a registration
+after the model exists must bring its layout (:func:`~stella_ps.store.layout_diff`)
+and the job's training mode. The digest of the values the model was created with is
+kept: a worker that registers those same values learns the version whose model they
+are (``Registered.base``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+
+from stella.errors import LayoutConflict, ProtocolError, StellaError
+from stella.protocol import (
+    Received,
+    Register,
+    Registered,
+    TensorSpec,
+    TrainingMode,
+    decode_register_values,
+    model_digest,
+)
+
+from .membership import Membership, WorkerInfo
+from .optim import OptimizerConfig
+from .runtime import Clock, StoreThread
+from .steps import StepScheduler
+from .store import ModelStore, check_model_bytes, layout_diff
+
+__all__ = ["Registration"]
+
+log = logging.getLogger("stella_ps.registration")
+HOLD_POLL_S = 0.25  # a held probe looks again this often whether the upload is still under way
+
+
+class Registration:
+    """Creates the job's model from the first upload and admits the registrations after it."""
+
+    def __init__(self, store: ModelStore, store_thread: StoreThread, members: Membership, steps: StepScheduler,
+                 clock: Clock, *, max_model_bytes: int):
+        self.store, self._store_thread, self.members, self.steps = store, store_thread, members, steps
+        self._clock = clock
+        self._max_model_bytes = max_model_bytes
+        self.mode: TrainingMode | None = None  # the job's, from the first registration that names one
+        self._lock = asyncio.Lock()  # two first registrations must not both create the model
+        self._created = asyncio.Event()  # set once the model exists: held probes join it
+        # the digest of the values the model was created with, and its version then: a worker
+        # registering values with that digest holds that version's model (None: resumed from a checkpoint)
+        self._origin: tuple[bytes, int] | None = None
+
+    def accept(self, msg: Register, rx: Received, info: WorkerInfo) -> Coroutine[Any, Any, Registered]:
+        """Check a registration of ``info``'s worker now (a refusal raises here, having
+        changed nothing) and decode its values; returns the rest of its work, to run as
+        a task, whose result is the reply."""
+        layout = list(msg.tensors)
+        if len({s.name for s in layout}) != len(layout):
+            raise ProtocolError("register: tensor names must be unique")
+        empty = [s.name for s in layout if s.numel == 0]
+        if empty:
+            raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
+        cfg = self.steps.initial(msg.optimizer)
+        if not self.store.initialised:
+            check_model_bytes(layout, cfg, self._max_model_bytes, self.store.pull == "broadcast")
+        try:
+            values = decode_register_values(rx) if msg.values else None
+        except StellaError:
+            info.registering = False  # a refused upload: probes held for it stop waiting
+            raise
+        return self._register(msg, info, layout, values, cfg)
+
+    def _uploading(self, info: WorkerInfo) -> bool:
+        """Whether another live worker was asked for the model's values and has not registered yet."""
+        return any(m.registering and not m.registered for m in self.members.live.values() if m is not info)
+
+    async def _hold_probe(self, info: WorkerInfo, wait_s: float) -> None:
+        """Hold a probe while another worker uploads the model, so that a job's workers
+        starting together send it once: until the model exists, no upload is under way
+        (the uploader left, or its values were refused), or ``wait_s`` passes."""
+        deadline = self._clock.now() + wait_s
+        while not self.store.initialised and self._uploading(info):
+            left = deadline - self._clock.now()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._created.wait(), min(left, HOLD_POLL_S))
+
+    async def _register(self, msg: Register, info: WorkerInfo, layout: list[TensorSpec],
+                        values: list[np.ndarray] | None, cfg: OptimizerConfig) -> Registered:
+        if values is None and msg.wait_ms and not self.store.initialised and not info.held:
+            info.held = True  # one held probe per worker: more are answered at once
+            try:
+                await self._hold_probe(info, msg.wait_ms / 1000)
+            finally:
+                info.held = False
+        async with self._lock:
+            created = False
+            if msg.mode is not None and self.mode is not None and msg.mode != self.mode:
+                raise LayoutConflict(f"this job trains in {self.mode} mode: a {msg.mode}-mode worker cannot join it "
+                                     f"(StellaOptimizer(mode={self.mode!r}))")
+            if not self.store.initialised:
+                if values is None:  # the client's cheap probe: send the values next
+                    info.registering = True  # their upload is a sign of life only once it ends: heartbeats count
+                    return Registered(req=msg.req, version=self.store.version, created=False, needs_values=True,
+                                      optimizer=None, numel=0)
+                await self._create(info, layout, values, cfg)
+                created = True
+            else:
+                diff = layout_diff(self.store.layout, layout)
+                if diff:
+                    raise LayoutConflict(f"layout differs from the server's model: {diff}")
+            self.members.register(info)
+            self.steps.membership_changed()
+            self.mode = self.mode or msg.mode
+            assert self.steps.optimizer is not None
+            base = self.store.version if created else self._base(msg.digest)
+            return Registered(req=msg.req, version=self.store.version, created=created, needs_values=False,
+                              optimizer=self.steps.optimizer.to_wire(), numel=self.store.numel, mode=self.mode,
+                              pull=self.store.pull, broadcast=self.store.broadcast_info, base=base)
+
+    async def _create(self, info: WorkerInfo, layout: list[TensorSpec], values: list[np.ndarray],
+                      cfg: OptimizerConfig) -> None:
+        """The model, from ``info``'s upload (on the store thread), with ``cfg`` in force."""
+        try:
+            await self._store_thread.run(self.store.initialise, layout, values, cfg)
+        except BaseException:
+            info.registering = False
+            raise
+        self._origin = (await self._store_thread.run(model_digest, values), self.store.version)
+        self.steps.optimizer = cfg
+        self._created.set()
+        log.info("model initialised", extra={"tensors": len(layout), "numel": self.store.numel,
+                                             "optimizer": cfg.to_wire()})
+
+    def _base(self, digest: bytes | None) -> int | None:
+        """The version whose model a registration's values (``digest``) are: the model's
+        creation version if they are the values it was created with, else None."""
+        if digest is None or self._origin is None or digest != self._origin[0]:
+            return None
+        return self._origin[1]
