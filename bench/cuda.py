@@ -13,7 +13,7 @@
    of the model's shapes and on one tensor of 100M coordinates, per density, in its steady state
    (threshold carried over): ms per round and ns per coordinate. `stella plan`'s scenarios assume
    1 ns per coordinate for a GPU's threshold pass.
-3. **A profile** (`stella profile`'s :func:`stella.profile.profile_model`) of the LM on the GPU,
+3. **A profile** (`stella profile`'s :func:`stella.planning.measure.profile_model`) of the LM on the GPU,
    written to ``--profile``: the compute per step a catalog's speed is relative to.
 
 CI has no GPU: this module says so and exits 0 where CUDA is not available.
@@ -64,8 +64,9 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     dev = torch.device(device)
     model = wl.build_model(seed).to(dev)
     inner = wl.make_optimizer(model.parameters())
-    opt = stella.StellaOptimizer(model, address, optimizer=inner, sync_every=1,
-                                 compression=stella.Compression(density=0.01, value_dtype="f16"), **keys)
+    opt = stella.StellaOptimizer(model, address, optimizer=inner, sync=stella.Sync(every=1),
+                                 compression=stella.Compression(density=0.01, value_dtype="f16"),
+                                 connection=stella.Connection(**keys))
     batches = wl.batches(rank, world, wl.batch_size, seed)
     wall = _train(wl, model, opt, batches, steps, dev)
     moved = {"bytes_pushed": opt.bytes_pushed, "bytes_pulled": opt.bytes_pulled}
@@ -182,8 +183,8 @@ def main(argv=None) -> int:
         print(f"| {r['tensors']} | {r['numel']:,} | {r['density']:.1%} | {r['ms_per_round']:.2f} | "
               f"{r['ns_per_coordinate']:.3f} |", flush=True)
     if a.profile:
-        from stella import plan as P
-        from stella.profile import profile_model
+        from stella.planning.measure import profile_model
+        from stella.planning.profile_file import write_profile
 
         wl = W.get("bytelm")
         dev = torch.device(a.device)
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
         doc = profile_model(m, wl.loss, lambda: tuple(t.to(dev) for t in next(batches)),
                             optimizer=wl.make_optimizer(m.parameters()), batch_size=wl.batch_size, name="bytelm",
                             log=print)
-        P.write_json(a.profile, doc)
+        write_profile(a.profile, doc)
         out["profile"] = {k: doc.get(k) for k in ("device", "compute_s", "compress_s_per_numel", "server")}
         print(f"profile: {a.profile}: compute {1e3 * doc['compute_s']:.2f} ms/step on {doc.get('device')}")
     if a.json:

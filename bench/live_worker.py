@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from stella import Compression, StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer
     from stella.demo import accuracy, demo_model, load_digits_split, shuffled_batches
 
     torch.set_num_threads(1)
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     log = open(a.log, "a", buffering=1)  # noqa: SIM115 - written until the process ends
     opt = StellaOptimizer(model, a.address, optimizer={"name": "adamw", "lr": a.lr, "weight_decay": 0.0},
                           compression=Compression(density=a.density, method="threshold", dense_below=1024),
-                          timeout=a.timeout,
-                          name=f"live-worker-{a.rank}", worker_id=a.worker_id)
+                          connection=Connection(timeout=a.timeout, name=f"live-worker-{a.rank}", worker_id=a.worker_id))
     log.write(json.dumps({"t": time.time(), "joined": True, "worker": opt.client.worker_id,
                           "version": opt.version, "pid": os.getpid()}) + "\n")
     gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank + 7919 * (a.worker_id or 0))

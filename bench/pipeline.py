@@ -34,7 +34,7 @@ def build(width: int, depth: int, seed: int = 0):
 def _worker(mode: str, address: str | None, rank: int, args, out, keys: dict) -> None:
     import torch
 
-    from stella import Compression, StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer, Sync
 
     torch.set_num_threads(1)
     model = build(args.width, args.depth)
@@ -46,8 +46,9 @@ def _worker(mode: str, address: str | None, rank: int, args, out, keys: dict) ->
         opt = StellaOptimizer(model, address, mode="gradient", optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
                               compression=Compression(density=args.density, value_dtype=args.value_dtype,
                                                       index_coding=args.index_coding),
-                              staleness=0 if mode == "sync" else 1, compress_in_backward=mode == "pipeline_bwd",
-                              timeout=120, **keys)
+                              sync=Sync(staleness=0 if mode == "sync" else 1,
+                                        compress_in_backward=mode == "pipeline_bwd"),
+                              connection=Connection(timeout=120, **keys))
     times = []
     b0 = (0, 0)
     for it in range(args.warmup + args.iters):

@@ -60,10 +60,11 @@ STOP_AHEAD = 3  # rounds: a worker is at most one round ahead of another in sync
 STAT_FIELDS = ("value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps", "exchange_s", "compress_s")
 
 
-def adaptation_kwargs(a) -> dict:
-    """``max_sync_every=``/``max_accumulate=`` for StellaOptimizer: the nonzero ones (0:
-    the library's default)."""
-    return {name: getattr(a, name) for name in ("max_sync_every", "max_accumulate") if getattr(a, name)}
+def sync_kwargs(a) -> dict:
+    """``stella.Sync``'s ``every``, ``max_every`` and ``max_accumulate``: the nonzero ones
+    (0: the library's default), and the staleness."""
+    named = {"every": a.sync_every, "max_every": a.max_sync_every, "max_accumulate": a.max_accumulate}
+    return {"staleness": a.staleness, **{k: v for k, v in named.items() if v}}
 
 
 def server_options(wl) -> dict:
@@ -76,7 +77,7 @@ def worker(a) -> int:
     import torch
 
     from bench import workloads as W
-    from stella import Compression, StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer, Sync
 
     torch.set_num_threads(a.threads)
     if a.site_size > 1:  # the ranks of a site: gloo among them, one leader speaks to the server
@@ -94,14 +95,12 @@ def worker(a) -> int:
     if a.mode == "update":  # the workload's own optimizer steps on the worker; the server's is the outer step
         mode_kw = {"mode": "update", "optimizer": wl.make_optimizer(model.parameters()),
                    "outer": json.loads(a.outer) if a.outer.startswith("{") else a.outer}
-        if a.sync_every:  # 0: the library's default
-            mode_kw["sync_every"] = a.sync_every
     else:
         mode_kw = {"mode": "gradient", "optimizer": server_options(wl)}
-    opt = StellaOptimizer(model, a.address, compression=Compression(**comp_kw),
-                          timeout=600, name=f"e2e-{a.rank}", staleness=a.staleness, server_key=a.server_key,
-                          client_key=a.client_key, process_group="default" if a.site_size > 1 else None,
-                          **mode_kw, **adaptation_kwargs(a))
+    opt = StellaOptimizer(model, a.address, compression=Compression(**comp_kw), sync=Sync(**sync_kwargs(a)),
+                          connection=Connection(timeout=600, name=f"e2e-{a.rank}", server_key=a.server_key,
+                                                client_key=a.client_key),
+                          process_group="default" if a.site_size > 1 else None, **mode_kw)
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_round")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines

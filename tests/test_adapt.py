@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from stella import StellaOptimizer
+from stella import Compression, Connection, StellaOptimizer, Sync
 from stella.adapt import Controller, RoundMeasure, densities, pull_bits
 from stella.codec import CODINGS, DENSE_BELOW, coordinate_bits
 from stella.protocol import BroadcastInfo
@@ -282,8 +282,8 @@ def test_update_mode_runs_on_with_local_steps_while_the_exchange_is_in_flight(ma
 
     def worker(name: str, step_s: float) -> None:
         m = Toy()
-        opt = StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, sync_every=2,
-                              max_sync_every=8, timeout=30, name=name)
+        opt = StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, sync=Sync(every=2, max_every=8),
+                              connection=Connection(timeout=30, name=name))
         hs, waits = [], 0.0
         for _ in range(200):
             if opt.stats.rounds >= 6:
@@ -317,7 +317,8 @@ def test_gradient_mode_accumulates_micro_batches_into_one_mean_push(exact_server
     model = Toy(8)
     w0 = model.w.detach().clone()
     opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
-                          max_accumulate=2, method="dense", value_dtype="f32", timeout=10)
+                          compression=Compression(method="dense", value_dtype="f32"),
+                          sync=Sync(max_accumulate=2), connection=Connection(timeout=10))
     grads = [torch.arange(8, dtype=torch.float32) * (t + 1) / 4 for t in range(3)]
     for g in grads:
         model.w.grad = g.clone()
@@ -328,4 +329,5 @@ def test_gradient_mode_accumulates_micro_batches_into_one_mean_push(exact_server
     assert torch.equal(model.w.detach(), expect)
     opt.close()
     with pytest.raises(ValueError, match="max_accumulate"):
-        StellaOptimizer(Toy(8), exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, max_accumulate=2)
+        StellaOptimizer(Toy(8), exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                        sync=Sync(max_accumulate=2))

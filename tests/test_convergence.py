@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from stella import StellaOptimizer
+from stella import Compression, Connection, StellaOptimizer
 from stella.demo import accuracy, build_mlp, load_digits_split
 
 TARGET = 0.95
@@ -28,8 +28,8 @@ def train(endpoint: str, density: float, method: str, lr: float = LR) -> list[tu
             model = models[rank]
             opt = StellaOptimizer(model, endpoint, mode="gradient",
                                   optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
-                                  density=density, method=method, dense_below=1024, timeout=60,
-                                  worker_id=rank)
+                                  compression=Compression(density=density, method=method, dense_below=1024),
+                                  connection=Connection(timeout=60, worker_id=rank))
             gen = torch.Generator().manual_seed(rank)
             shard = torch.arange(rank, xtr.shape[0], 2)
             for step in range(1, MAX_STEPS + 1):

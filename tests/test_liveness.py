@@ -274,7 +274,7 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
     bounds at 2 (which used to end it with a PipelineError)."""
     import threading
 
-    from stella import StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer, Sync
 
     srv = make_server(2, ["--max-queued-pushes", "2", "--liveness-timeout", "30"])
     errors: list[BaseException] = []
@@ -284,8 +284,9 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
         try:
             torch.manual_seed(seed)
             model = torch.nn.Linear(8, 2)
-            opt = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=0.5,
-                                  method="dense", max_sync_every=1)
+            opt = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1},
+                                  compression=Compression(method="dense"), sync=Sync(max_every=1),
+                                  connection=Connection(timeout=0.5))
             opts.append(opt)
             x = torch.randn(16, 8)
             for _ in range(steps):
@@ -321,7 +322,7 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     gone, and the worker must not wait for a step that waits for its push."""
     import threading
 
-    from stella import StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer
 
     port = free_port()
     args = ["--liveness-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every-steps", "1"]
@@ -331,7 +332,8 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     x = torch.randn(8, 4)
     # a's requests time out after 30 s: it must learn of the restart by its heartbeats, and its
     # re-sent pull must not wait (for 27 s) for the step that waits for its lost push
-    a = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1}, timeout=30, method="dense")
+    a = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1},
+                        compression=Compression(method="dense"), connection=Connection(timeout=30))
     b = Client(srv.endpoint, timeout=2)
     b.register({n: p.detach().numpy() for n, p in model.named_parameters()})
 

@@ -177,21 +177,22 @@ def test_optimizer_reports_its_timings_and_logs_progress(inproc, caplog):
 
     import torch
 
-    from stella import StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer
     from stella.progress import LOGGER
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     caplog.set_level(logging.INFO, logger=LOGGER)
     opt = StellaOptimizer(model, inproc.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 0.1},
-                          density=0.5, timeout=10, name="reporter", progress_every=2)
+                          progress_every=2, compression=Compression(density=0.5),
+                          connection=Connection(timeout=10, name="reporter"))
     try:
         for _ in range(5):
             opt.zero_grad()
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
         opt.synchronize()
-        report = opt.progress.report()
+        report = opt.rounds.progress.report()
         with Client(inproc.endpoint, timeout=10, join=False) as c:
             (live,) = c.status().live
     finally:
@@ -208,14 +209,15 @@ def test_no_progress_lines_by_default(inproc, caplog):
 
     import torch
 
-    from stella import StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer
     from stella.progress import LOGGER, Progress
 
     with pytest.raises(ValueError):
         Progress(-1)
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = torch.nn.Linear(4, 1)
-    opt = StellaOptimizer(model, inproc.endpoint, mode="gradient", density=1.0, timeout=10)
+    opt = StellaOptimizer(model, inproc.endpoint, mode="gradient", compression=Compression(density=1.0),
+                          connection=Connection(timeout=10))
     try:
         for _ in range(3):
             opt.zero_grad()

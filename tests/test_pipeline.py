@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from stella import PipelineError, StellaOptimizer
+from stella import Compression, Connection, PipelineError, StellaOptimizer, Sync
 from stella.client import Client
 
 
@@ -25,9 +27,9 @@ def grad_at(t: int, n: int = 8) -> torch.Tensor:
 def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, method="dense", value_dtype="f16",
-                          timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(method="dense", value_dtype="f16"),
+                          sync=Sync(max_accumulate=1), connection=Connection(timeout=10))
     used = []
     for t in range(8):
         used.append(model.w.detach().clone())
@@ -42,9 +44,9 @@ def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(exa
 def test_staleness_zero_is_the_synchronous_baseline(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, method="dense", value_dtype="f16",
-                          staleness=0, timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(method="dense", value_dtype="f16"),
+                          sync=Sync(max_accumulate=1, staleness=0), connection=Connection(timeout=10))
     for t in range(4):
         assert torch.equal(model.w.detach(), w0 - sum((grad_at(u) for u in range(t)), torch.zeros(8)))
         (model.w * grad_at(t)).sum().backward()
@@ -61,9 +63,9 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(exact_server, value_
     with torch.no_grad():
         model.w.zero_()  # large weights would hide the sums in float32 rounding
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, density=0.01,
-                          method="exact", value_dtype=value_dtype, timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(density=0.01, method="exact", value_dtype=value_dtype),
+                          sync=Sync(max_accumulate=1), connection=Connection(timeout=10))
     total = torch.zeros(n)
     rng = torch.Generator().manual_seed(0)
     for _t in range(5):
@@ -90,9 +92,9 @@ def test_close_flushes_residual_so_no_gradient_mass_is_lost(exact_server, value_
 
 def test_lr_scheduler_reaches_the_server(server):
     model = Toy()
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, method="dense",
-                          timeout=10)
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(method="dense"), sync=Sync(max_accumulate=1),
+                          connection=Connection(timeout=10))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for t in range(3):
         (model.w * grad_at(t)).sum().backward()
@@ -108,9 +110,9 @@ def test_background_errors_surface_in_the_training_loop(make_server, monkeypatch
     monkeypatch.setenv("STELLA_RECONNECT_S", "2")  # the client tries to reconnect for 2 s, then gives up
     srv = make_server(1)
     model = Toy()
-    opt = StellaOptimizer(model, srv.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, method="dense",
-                          timeout=1.0)
+    opt = StellaOptimizer(model, srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(method="dense"), sync=Sync(max_accumulate=1),
+                          connection=Connection(timeout=1.0))
     (model.w * grad_at(0)).sum().backward()
     opt.step()
     opt.synchronize()
@@ -125,9 +127,10 @@ def test_background_errors_surface_in_the_training_loop(make_server, monkeypatch
 def test_compression_started_in_backward_keeps_exact_staleness(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, method="dense", value_dtype="f16",
-                          compress_in_backward=True, timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(method="dense", value_dtype="f16"),
+                          sync=Sync(max_accumulate=1, compress_in_backward=True),
+                          connection=Connection(timeout=10))
     used = []
     for t in range(6):
         used.append(model.w.detach().clone())
@@ -144,8 +147,9 @@ def test_auto_compression_keeps_the_ceiling_while_compute_hides_the_exchange(ser
     loopback link that the computation hides; it measures the link meanwhile."""
     n = 50_000
     model = Toy(n)
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 0.01}, min_density=0.01, max_density=0.05, timeout=10)
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 0.01},
+                          compression=Compression(min_density=0.01, max_density=0.05),
+                          sync=Sync(max_accumulate=1), connection=Connection(timeout=10))
     assert (opt.stats.density, opt.stats.value_dtype) == (0.05, "f16")
     pushed = []
     for t in range(12):
@@ -159,16 +163,16 @@ def test_auto_compression_keeps_the_ceiling_while_compute_hides_the_exchange(ser
     assert opt.stats.up_mbps > 0 and opt.stats.down_mbps > 0
     assert pushed[-1] == pytest.approx(0.05 * n, rel=0.2)  # values counted one step late
     with pytest.raises(ValueError, match="auto"):
-        StellaOptimizer(Toy(), server.endpoint, density="fast")
+        StellaOptimizer(Toy(), server.endpoint, compression=Compression(density="fast"))
 
 
 def test_the_wrapper_mirrors_the_hyper_parameters_the_server_names(server):
     """The group's names come from the server's answer, not from a copied list: every one
     of them is there, and a change to any (not only lr) rides on the next push."""
     model = Toy()
-    opt = StellaOptimizer(model, server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "adamw", "lr": 0.5},
-                          method="dense", timeout=10)
+    opt = StellaOptimizer(model, server.endpoint, mode="gradient", optimizer={"name": "adamw", "lr": 0.5},
+                          compression=Compression(method="dense"), sync=Sync(max_accumulate=1),
+                          connection=Connection(timeout=10))
     try:
         group = opt.param_groups[0]
         assert set(opt.server_optimizer) - {"name"} == {"lr", "betas", "eps", "weight_decay"} <= set(group)
@@ -197,38 +201,45 @@ def test_compression_settings_are_checked():
         Compression().density = 0.5  # type: ignore[misc]
 
 
-def test_the_old_compression_keywords_warn_and_give_the_same_settings(server):
-    from stella import Compression
-
-    old_form = {"density": 0.5, "method": "exact", "dense_below": 0, "value_dtype": "f32", "index_coding": "varint"}
-    with pytest.warns(DeprecationWarning) as warned:
-        old = StellaOptimizer(Toy(), server.endpoint, mode="gradient", max_accumulate=1,
-                              optimizer={"name": "sgd", "lr": 1.0}, timeout=10, **old_form)
-    new = StellaOptimizer(Toy(), server.endpoint, mode="gradient", max_accumulate=1,
-                          optimizer={"name": "sgd", "lr": 1.0},
-                          timeout=10, compression=Compression(**old_form))
+def test_the_compression_given_sets_the_compressor_and_the_controller(server):
+    given = Compression(density=0.5, method="exact", dense_below=0, value_dtype="f32", index_coding="varint")
+    opt = StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                          compression=given, connection=Connection(timeout=10))
     try:
-        messages = [str(w.message) for w in warned]
-        assert len(messages) == 5 and all(f"compression=stella.Compression({k}=...)" in " ".join(messages)
-                                          for k in old_form)
-        assert all(w.filename == __file__ for w in warned)  # the warning names the caller's line
-        assert old.compression == new.compression == Compression(**old_form)
-        for o in (old, new):
-            c = o.compressor
-            assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 0, "f32")
-            assert o.controller.pinned and o.pull_coding == "varint"
+        assert opt.compression == given
+        c = opt.rounds.compressor
+        assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 0, "f32")
+        assert opt.rounds.controller.pinned and opt.rounds.pull_coding == "varint"
     finally:
-        old.close()
-        new.close()
+        opt.close()
 
 
-def test_compression_and_the_old_keywords_together_are_refused():
-    from stella import Compression
+@pytest.mark.parametrize(("old", "spelled"), [
+    ("density", "compression=stella.Compression(density=...)"),
+    ("value_dtype", "compression=stella.Compression(value_dtype=...)"),
+    ("sync_every", "sync=stella.Sync(every=...)"),
+    ("max_sync_every", "sync=stella.Sync(max_every=...)"),
+    ("staleness", "sync=stella.Sync(staleness=...)"),
+    ("compress_in_backward", "sync=stella.Sync(compress_in_backward=...)"),
+    ("timeout", "connection=stella.Connection(timeout=...)"),
+    ("server_key", "connection=stella.Connection(server_key=...)"),
+])
+def test_the_keywords_of_the_old_form_are_refused_naming_the_new_spelling(old, spelled):
+    """StellaOptimizer's own keywords moved into the option groups and the deprecated form
+    ended: an old keyword is refused before anything connects, the error saying where it went."""
+    with pytest.raises(TypeError, match=re.escape(spelled)):
+        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", **{old: 1})
 
-    with pytest.raises(TypeError, match="not both"):
-        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", compression=Compression(), density=0.5)
+
+def test_unknown_keywords_and_the_signature():
     with pytest.raises(TypeError, match="unexpected keyword argument 'densty'"):
         StellaOptimizer(Toy(), "tcp://127.0.0.1:9", densty=0.5)
+    with pytest.raises(TypeError, match="connected client as its address"):
+        StellaOptimizer(Toy(), "tcp://127.0.0.1:9", client=object())
+    # what a user's tools show is __init__'s signature: the groups, and no catch-all
+    params = inspect.signature(StellaOptimizer).parameters
+    assert list(params)[:2] == ["model", "address"] and {"sync", "compression", "connection"} <= set(params)
+    assert len(params) <= 12 and not any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def test_workers_holding_the_models_first_values_pull_no_snapshot(make_server):
@@ -241,7 +252,7 @@ def test_workers_holding_the_models_first_values_pull_no_snapshot(make_server):
     first, other, same = Toy(n), Toy(n), Toy(n)
     with torch.no_grad():
         other.w.zero_()
-    kw = dict(optimizer={"name": "sgd", "lr": 1.0}, sync_every=1, max_sync_every=1, timeout=10)
+    kw = dict(optimizer={"name": "sgd", "lr": 1.0}, sync=Sync(every=1, max_every=1), connection=Connection(timeout=10))
     a = StellaOptimizer(first, srv.endpoint, **kw)
     b = StellaOptimizer(other, srv.endpoint, **kw)
     c = StellaOptimizer(same, srv.endpoint, **kw)

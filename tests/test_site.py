@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from stella import Compression, StellaOptimizer
+from stella import Compression, Connection, StellaOptimizer, Sync
 from stella.demo import build_mlp, load_digits_split
 from stella_ps.process import free_port
 
@@ -29,11 +29,10 @@ def _train(endpoint: str, rank: int, world: int, mode: str, site: bool) -> dict:
     torch.manual_seed(0)
     xtr, ytr, _, _ = load_digits_split(0)
     model = build_mlp((64, 96, 10), 0)
-    opt = StellaOptimizer(model, endpoint, mode=mode, optimizer={"name": "sgd", "lr": LR}, timeout=60,
+    opt = StellaOptimizer(model, endpoint, mode=mode, optimizer={"name": "sgd", "lr": LR},
                           compression=Compression(density=0.05, method="exact", dense_below=0, value_dtype="f16"),
-                          process_group="default" if site else None,
-                          # a site keeps its rounds fixed: so must the flat run it is compared with
-                          **({"max_accumulate": 1} if mode == "gradient" else {"max_sync_every": 1}))
+                          process_group="default" if site else None, connection=Connection(timeout=60),
+                          sync=Sync() if mode == "gradient" else Sync(max_every=1))
     batches = _batches(rank, world) if site else [torch.cat(b) for b in zip(*(_batches(r, 2) for r in range(2)))]
     for b in batches:
         opt.zero_grad()

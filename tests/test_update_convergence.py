@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import workloads as W
-from stella import Compression, StellaOptimizer
+from stella import Compression, Connection, StellaOptimizer, Sync
 
 pytestmark = pytest.mark.slow
 
@@ -75,8 +75,8 @@ def stella_curve(endpoint: str, **kw) -> list[tuple[int, float]]:
     def worker(rank: int) -> None:
         try:
             model = models[rank]
-            opt = StellaOptimizer(model, endpoint, optimizer=adamw(model.parameters()), timeout=60,
-                                  worker_id=rank, **kw)
+            opt = StellaOptimizer(model, endpoint, optimizer=adamw(model.parameters()),
+                                  connection=Connection(timeout=60, worker_id=rank), **kw)
             feed = W._lm_batches(rank, 2, BATCH, 0)
             for step in range(1, MAX_STEPS + 1):
                 opt.zero_grad()
@@ -112,7 +112,7 @@ def dense_steps() -> int:
 
 
 @pytest.mark.parametrize("config, bound", [
-    ({"compression": Compression(density=0.01, value_dtype="q4"), "max_sync_every": 1}, 1.2),
+    ({"compression": Compression(density=0.01, value_dtype="q4"), "sync": Sync(max_every=1)}, 1.2),
     ({}, 1.5),
 ], ids=["fixed-1pct-q4", "defaults"])
 def test_adamw_transformer_in_update_mode_reaches_the_dense_loss(make_server, dense_steps, config, bound):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stella import StellaOptimizer
+from stella import Compression, Connection, StellaOptimizer, Sync
 from stella.client import Client
 from stella.pipeline import OUTER_PRESETS, build_inner
 
@@ -75,9 +75,10 @@ def test_merge_rule_is_exact_on_a_deterministic_toy(make_server, h, pull):
     srv = make_server(2, pull)
     w0 = torch.arange(N, dtype=torch.float32)
     models = [Toy(), Toy()]
-    opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync_every=h, max_sync_every=h,
-                            method="dense",
-                            value_dtype="f32", timeout=10, worker_id=i) for i, m in enumerate(models)]
+    opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                            compression=Compression(method="dense", value_dtype="f32"),
+                            sync=Sync(every=h, max_every=h), connection=Connection(timeout=10, worker_id=i))
+            for i, m in enumerate(models)]
     assert all(o.mode == "update" for o in opts)
     used: list[list[torch.Tensor]] = [[], []]
     for t in range(steps):  # one thread drives both: each step() returns once its round is started
@@ -96,9 +97,9 @@ def test_one_worker_never_waits_for_its_own_update(exact_server):
     update: the merge rule keeps the local trajectory exact, no step is stale."""
     model = Toy()
     w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, exact_server.endpoint, max_sync_every=1, optimizer={"name": "sgd", "lr": 1.0},
-                          method="dense",
-                          value_dtype="f32", timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(method="dense", value_dtype="f32"), sync=Sync(max_every=1),
+                          connection=Connection(timeout=10))
     total = torch.zeros(N)
     for t in range(6):
         used = local_step(model, opt, 0, t)
@@ -134,9 +135,10 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
     srv = make_server(2, pull="exact")
     init = torch.zeros(n)
     models = [Toy(n, init), Toy(n, init)]
-    opts = [StellaOptimizer(m, srv.endpoint, max_sync_every=1, optimizer={"name": "sgd", "lr": 1.0}, density=0.125,
-                            method="exact",
-                            dense_below=0, value_dtype=value_dtype, timeout=10, worker_id=i)
+    opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                            compression=Compression(density=0.125, method="exact", dense_below=0,
+                                                    value_dtype=value_dtype),
+                            sync=Sync(max_every=1), connection=Connection(timeout=10, worker_id=i))
             for i, m in enumerate(models)]
     total = [torch.zeros(n), torch.zeros(n)]
     for t in range(steps):
@@ -165,9 +167,9 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
 def test_close_flushes_what_was_not_sent(exact_server):
     n = 256
     model = Toy(n, torch.zeros(n))
-    opt = StellaOptimizer(model, exact_server.endpoint, max_sync_every=1,
-                          optimizer={"name": "sgd", "lr": 1.0}, density=0.05, method="exact",
-                          dense_below=0, value_dtype="f32", timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(density=0.05, method="exact", dense_below=0, value_dtype="f32"),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10))
     total = torch.zeros(n)
     for t in range(5):
         local_step(model, opt, 0, t)
@@ -182,9 +184,9 @@ def test_nesterov_outer_step_matches_torch_sgd(exact_server):
     (dense here, so lazy == dense)."""
     n = 16
     model = Toy(n, torch.zeros(n))
-    opt = StellaOptimizer(model, exact_server.endpoint, max_sync_every=1, optimizer={"name": "sgd", "lr": 1.0},
-                          outer="nesterov",
-                          method="dense", value_dtype="f32", staleness=0, timeout=10)
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, outer="nesterov",
+                          compression=Compression(method="dense", value_dtype="f32"),
+                          sync=Sync(max_every=1, staleness=0), connection=Connection(timeout=10))
     ref_p = torch.nn.Parameter(torch.zeros(n))
     outer = OUTER_PRESETS["nesterov"]
     ref = torch.optim.SGD([ref_p], lr=outer["lr"], momentum=outer["momentum"], nesterov=True)
@@ -205,8 +207,12 @@ def test_update_mode_refuses_what_it_cannot_do(server):
         StellaOptimizer(model, server.endpoint)
     with pytest.raises(ValueError, match="gradient mode runs the optimizer on the server"):
         StellaOptimizer(model, server.endpoint, mode="gradient", optimizer=torch.optim.SGD(model.parameters(), lr=1))
-    with pytest.raises(ValueError, match="sync_every"):
-        StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync_every=0)
+    with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync=Sync(every=0))
+    with pytest.raises(ValueError, match="are for update mode"):
+        StellaOptimizer(model, server.endpoint, mode="gradient", sync=Sync(every=2))
+    with pytest.raises(ValueError, match="max_accumulate is for gradient mode"):
+        StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync=Sync(max_accumulate=2))
     with pytest.raises(ValueError, match="outer"):
         StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, outer="adam")
     with pytest.raises(ValueError, match="unknown optimizer"):
@@ -216,8 +222,9 @@ def test_update_mode_refuses_what_it_cannot_do(server):
 def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     model = Toy()
     inner = torch.optim.SGD(model.parameters(), lr=1.0)
-    opt = StellaOptimizer(model, server.endpoint, max_sync_every=1, optimizer=inner, method="dense",
-                          value_dtype="f32", timeout=10)
+    opt = StellaOptimizer(model, server.endpoint, optimizer=inner,
+                          compression=Compression(method="dense", value_dtype="f32"), sync=Sync(max_every=1),
+                          connection=Connection(timeout=10))
     sched_in = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)  # on the wrapper: the inner groups
     assert opt.outer is not None
     sched_out = torch.optim.lr_scheduler.LambdaLR(opt.outer, lambda s: 0.25 if s else 1.0)
@@ -241,9 +248,9 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     srv = make_server(1)
     model = Toy(n, torch.zeros(n))
     inner = torch.optim.AdamW(model.parameters(), lr=0.125)
-    opt = StellaOptimizer(model, srv.endpoint, max_sync_every=1, optimizer=inner, density=0.125, method="exact",
-                          dense_below=0,
-                          value_dtype="f32", timeout=10)
+    opt = StellaOptimizer(model, srv.endpoint, optimizer=inner,
+                          compression=Compression(density=0.125, method="exact", dense_below=0, value_dtype="f32"),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10))
     for t in range(4):
         local_step(model, opt, 0, t)
     saved = opt.state_dict()
@@ -253,15 +260,16 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     opt.close(flush=False)  # the worker dies: its unsent progress is only in the checkpoint
 
     other = Toy(n, torch.zeros(n))  # meanwhile another worker moves the server's model
-    o2 = StellaOptimizer(other, srv.endpoint, max_sync_every=1, optimizer={"name": "sgd", "lr": 1.0}, method="dense",
-                         value_dtype="f32", staleness=0, timeout=10)
+    o2 = StellaOptimizer(other, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                         compression=Compression(method="dense", value_dtype="f32"),
+                         sync=Sync(max_every=1, staleness=0), connection=Connection(timeout=10))
     local_step(other, o2, 1, 7)
     o2.close(flush=False)
 
     model2 = Toy(n, torch.ones(n))
-    opt2 = StellaOptimizer(model2, srv.endpoint, max_sync_every=1,
-                           optimizer=torch.optim.AdamW(model2.parameters(), lr=0.125), density=0.125,
-                           method="exact", dense_below=0, value_dtype="f32", timeout=10)
+    opt2 = StellaOptimizer(model2, srv.endpoint, optimizer=torch.optim.AdamW(model2.parameters(), lr=0.125),
+                           compression=Compression(density=0.125, method="exact", dense_below=0, value_dtype="f32"),
+                           sync=Sync(max_every=1), connection=Connection(timeout=10))
     opt2.load_state_dict(saved)
     x = opt2._exchange.anchor["w"]
     assert opt2.version == 5 and not torch.equal(x, before)  # the server moved on
@@ -273,7 +281,7 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     opt2.close()
     with pytest.raises(ValueError, match="gradient"):  # (another job: this one refuses gradient-mode workers)
         g = StellaOptimizer(Toy(n), make_server(1).endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
-                            timeout=10)
+                            connection=Connection(timeout=10))
         try:
             g.load_state_dict(saved)
         finally:
@@ -286,9 +294,11 @@ def test_a_job_refuses_workers_of_the_other_mode(server):
     from stella.errors import LayoutConflict
 
     model = Toy()
-    opt = StellaOptimizer(model, server.endpoint, max_sync_every=1, optimizer={"name": "sgd", "lr": 1.0}, timeout=10)
+    opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync=Sync(max_every=1),
+                          connection=Connection(timeout=10))
     with pytest.raises(LayoutConflict, match="update mode"):
-        StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0}, timeout=10)
+        StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+                        connection=Connection(timeout=10))
     with Client(server.endpoint, timeout=10) as c:  # a client that names no mode is not refused
         assert c.register({"w": np.zeros(N, np.float32)}).mode == "update"
         c.leave()

@@ -22,6 +22,7 @@ from .errors import (
     LayoutConflict,
     NotRegistered,
     OversizedMessage,
+    PipelineError,
     ProtocolError,
     ServerError,
     ServerUnavailable,
@@ -36,8 +37,9 @@ __all__ = [
     "Pending",
     "StellaOptimizer",
     "Compression",
+    "Sync",
+    "Connection",
     "PipelineError",
-    "DensityBudget",
     "ErrorFeedbackCompressor",
     "SparseGrad",
     "StellaError",
@@ -61,9 +63,9 @@ __version__ = "0.1.0"
 # stella-ps does) never imports torch.
 _LAZY = {
     "StellaOptimizer": "pipeline",
-    "Compression": "pipeline",
-    "PipelineError": "pipeline",
-    "DensityBudget": "pipeline",
+    "Compression": "options",
+    "Sync": "options",
+    "Connection": "options",
     "ErrorFeedbackCompressor": "compress",
     "SparseGrad": "compress",
 }

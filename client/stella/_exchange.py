@@ -1,11 +1,13 @@
 """The two training modes' halves of :class:`~stella.StellaOptimizer`, one class each.
 
-An exchange owns its mode's state and answers the mode's questions: what ``step()``
-does, what a round pushes, how the server's answer is installed, what ``close()``
-flushes, what a worker checkpoint holds, and which parameter groups the wrapper shows
-(``groups``) and which mirror the server's optimizer (``server``).
-:class:`~stella.StellaOptimizer` composes one and keeps the rest: the background
-thread, the density budget, the statistics.
+An exchange owns its mode's state and answers the mode's questions: which settings it
+takes (its constructor checks them), what ``step()`` does, what a round pushes, what a
+site's ranks average and when, how the server's answer is installed, what ``close()``
+flushes, what a worker checkpoint holds, which codings its pushes may take, and which
+parameter groups the wrapper shows (``groups``) and which mirror the server's optimizer
+(``server``). It owns the error-feedback compressor (its residuals are the mode's
+state). :class:`~stella.StellaOptimizer` composes one with the rounds
+(:mod:`stella._rounds`) and the site (:mod:`stella.site`).
 
 :class:`_UpdateExchange`: the worker steps its own (inner) optimizer; a round pushes
 the weights' change since the server's model (the residual ``anchor - weights``); the
@@ -26,8 +28,11 @@ import numpy as np
 import torch
 
 from .client import PullResult
+from .codec import CODINGS
 from .compress import ErrorFeedbackCompressor, SparseGrad
-from .modes import OUTER_PRESETS
+from .modes import MODES, OUTER_PRESETS
+from .options import Compression, Sync
+from .protocol import ValueDtype
 
 __all__ = ["build_inner", "exchange_for", "Grads"]
 
@@ -81,9 +86,18 @@ class _Exchange:
     server_config: Mapping[str, Any] | None  # what to register with
 
     sync_every = 1  # the least local steps a round makes (update mode's H)
+    codings: tuple[ValueDtype, ...]  # the codings the controller may give its pushes, best first
+    # how much of a step the exchange in flight must still take for a round to run on (Rounds.runs_on)
+    run_on_margin: float
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor):
-        self.params, self.compressor = params, compressor
+    def __init__(self, params: dict[str, torch.nn.Parameter], compression: Compression):
+        self.params = params
+        c = compression
+        # the controller's first candidate (stella.adapt): the density pinned or its ceiling, the best coding;
+        # values are rounded to the wire coding inside the compressor, the rounding error kept in the residual
+        self.compressor = ErrorFeedbackCompressor(
+            c.max_density if c.density == "auto" else float(c.density), method=c.method, dense_below=c.dense_below,
+            value_dtype=self.codings[0] if c.value_dtype == "auto" else c.value_dtype)
         self.local_steps = 0  # update mode: inner steps since the last exchange started
         # the round step() just ended: its local steps (update mode) and the micro-batches its
         # gradient averages (gradient mode); the samples it represents are their product
@@ -111,6 +125,12 @@ class _Exchange:
         """The server's hyper-parameters as the mirror holds them now (a scheduler may have moved them)."""
         g = self.server.param_groups[0]
         return {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in self._hparam_names if k in g}
+
+    def average_step(self, site: Any) -> None:
+        """Every ``step()``, before :meth:`step`: what a site's ranks average then (nothing)."""
+
+    def average_round(self, site: Any) -> None:
+        """At the start of a round, before :meth:`outgoing`: what a site's ranks average then (nothing)."""
 
     def step(self, run_on: bool = False) -> Grads | None:
         """The training loop's ``step()``: what the round to start now pushes, or None (no
@@ -146,17 +166,21 @@ class _UpdateExchange(_Exchange):
     mode = "update"
     inner: torch.optim.Optimizer
     outer: torch.optim.Optimizer
+    codings = CODINGS
+    run_on_margin = 0.1  # a local step more costs little
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
-                 optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any], *,
-                 sync_every: int, max_sync_every: int, compress_in_backward: bool):
-        super().__init__(params, compressor)
+    def __init__(self, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer | Mapping[str, Any] |
+                 None, outer: str | Mapping[str, Any], compression: Compression, sync: Sync, site: Any):
         if optimizer is None:
             raise ValueError("update mode runs the optimizer on the worker: pass optimizer= a torch "
                              "optimizer over the model's parameters or a config such as "
                              "{'name': 'adamw', 'lr': 1e-3}")
-        if compress_in_backward:
+        if sync.compress_in_backward:
             raise ValueError("compress_in_backward is for gradient mode (update mode compresses weight changes)")
+        if sync.max_accumulate > 1:
+            raise ValueError("max_accumulate is for gradient mode without compress_in_backward (update mode runs on "
+                             "with local steps instead: Sync(max_every=...))")
+        super().__init__(params, compression)
         self.inner = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
                       else build_inner(optimizer, list(params.values())))
         if any(not p.is_contiguous() for p in params.values()):
@@ -164,9 +188,15 @@ class _UpdateExchange(_Exchange):
         if isinstance(outer, str) and outer not in OUTER_PRESETS:
             raise ValueError(f"outer must be one of {sorted(OUTER_PRESETS)} or a config mapping, got {outer!r}")
         self.server_config = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
-        self.sync_every, self.max_sync_every = sync_every, max_sync_every
-        self.round_steps = sync_every
+        self.sync_every = sync.every
+        self.max_sync_every = 4 * sync.every if sync.max_every is None else sync.max_every
+        self.round_steps = sync.every
         self.anchor: dict[str, torch.Tensor] = {}
+
+    def average_round(self, site: Any) -> None:
+        """The site's weights: the mean of its ranks'."""
+        with torch.no_grad():
+            site.average(p.detach() for p in self.params.values())
 
     def attach(self, server_optimizer: Mapping[str, Any]) -> None:
         # the wrapper's groups are the inner optimizer's (schedulers built on either drive the
@@ -254,19 +284,26 @@ class _UpdateExchange(_Exchange):
 
 class _GradientExchange(_Exchange):
     mode = "gradient"
+    run_on_margin = 0.5  # a micro-batch more changes the server's step
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
-                 optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, *, sync_every: int,
-                 max_accumulate: int, compress_in_backward: bool):
-        super().__init__(params, compressor)
+    def __init__(self, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer | Mapping[str, Any] |
+                 None, compression: Compression, sync: Sync, site: Any):
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError("gradient mode runs the optimizer on the server: pass its config as a mapping, "
                              "or use mode='update' to step this torch optimizer on the worker")
-        if sync_every != 1:
-            raise ValueError("sync_every is for update mode (gradient mode exchanges every step)")
+        if sync.every != 1 or sync.max_every not in (None, 1):
+            raise ValueError("Sync(every=, max_every=) are for update mode (gradient mode exchanges every step)")
+        if sync.compress_in_backward and (sync.max_accumulate > 1 or site.size > 1):
+            raise ValueError("compress_in_backward compresses each rank's own gradient as backward makes it: a "
+                             "site's ranks average theirs first, and max_accumulate sums micro-batches first")
+        # its pushes feed the server's optimizer (momentum, Adam) directly: 2-bit values made its steps erratic
+        # on digits (tests/test_convergence.py), so it stops at q4; compressions started in backward run on their
+        # own thread, so their coding cannot change
+        self.codings = CODINGS[:1] if sync.compress_in_backward else CODINGS[:2]
+        super().__init__(params, compression)
         self.server_config = optimizer
-        self._compress_in_backward = compress_in_backward
-        self.max_accumulate = max_accumulate
+        self._compress_in_backward = sync.compress_in_backward
+        self.max_accumulate = sync.max_accumulate
         self._acc: dict[str, torch.Tensor] = {}  # the micro-batches' gradients summed so far
         self._acc_batches = 0
         self._early: dict[str, Future[SparseGrad]] = {}
@@ -288,6 +325,10 @@ class _GradientExchange(_Exchange):
             self._early[name] = self._compress_exec.submit(self.compressor.compress, name, g)
 
         return hook
+
+    def average_step(self, site: Any) -> None:
+        """The site's gradient: the mean of its ranks'."""
+        site.average(p.grad for p in self.params.values() if p.grad is not None)
 
     def step(self, run_on: bool = False) -> Grads | None:
         grads: Grads = dict(self._early)  # compressions started in backward
@@ -344,12 +385,12 @@ class _GradientExchange(_Exchange):
             self._compress_exec.shutdown(wait=True)
 
 
-def exchange_for(mode: str, params: dict[str, torch.nn.Parameter], compressor: ErrorFeedbackCompressor,
-                 optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any], *,
-                 sync_every: int, max_sync_every: int, max_accumulate: int, compress_in_backward: bool) -> _Exchange:
-    """The exchange of ``mode`` ("update" or "gradient"), its arguments checked."""
+def exchange_for(mode: str, params: dict[str, torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, outer: str | Mapping[str, Any],
+                 compression: Compression, sync: Sync, site: Any) -> _Exchange:
+    """The exchange of ``mode`` ("update" or "gradient"), its settings checked."""
     if mode == "update":
-        return _UpdateExchange(params, compressor, optimizer, outer, sync_every=sync_every,
-                               max_sync_every=max_sync_every, compress_in_backward=compress_in_backward)
-    return _GradientExchange(params, compressor, optimizer, sync_every=sync_every, max_accumulate=max_accumulate,
-                             compress_in_backward=compress_in_backward)
+        return _UpdateExchange(params, optimizer, outer, compression, sync, site)
+    if mode == "gradient":
+        return _GradientExchange(params, optimizer, compression, sync, site)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

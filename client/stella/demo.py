@@ -142,7 +142,8 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, str]) -> None:
     import torch
 
-    from .pipeline import Compression, StellaOptimizer
+    from .options import Compression, Connection
+    from .pipeline import StellaOptimizer
 
     torch.set_num_threads(1)
     if cfg.progress_every:
@@ -155,9 +156,9 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
     model = demo_model(cfg.hidden, cfg.seed)
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
                           compression=Compression(density=cfg.density, method=cfg.method, dense_below=1024),
-                          timeout=cfg.timeout,
-                          name=f"demo-worker-{rank}", server_key=keys.get("server_key"),
-                          client_key=keys.get("client_key"), progress_every=cfg.progress_every)
+                          connection=Connection(timeout=cfg.timeout, name=f"demo-worker-{rank}",
+                                                server_key=keys.get("server_key"), client_key=keys.get("client_key")),
+                          progress_every=cfg.progress_every)
     # the learning rate falls linearly to a tenth over the run, so that the last step's model, the one
     # evaluated, is not caught mid-oscillation (a constant rate left it 2-4 points off its best at random)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * min(s, cfg.steps) / cfg.steps)

@@ -25,6 +25,7 @@ __all__ = [
     "VersionError",
     "Unauthorised",
     "BadRequest",
+    "PipelineError",
     "from_reply",
     "unreadable",
     "IMAGE_UID",
@@ -131,6 +132,12 @@ class Unauthorised(ServerError):
     what to fix (a refused key is named by its fingerprint)."""
 
     code = ErrorCode.UNAUTHORISED
+
+
+class PipelineError(StellaError):
+    """:class:`~stella.StellaOptimizer`'s background exchange failed (the cause is
+    chained), or on a site's other ranks, the leader's did (its words are in the
+    message). Raised from the next ``step()``, ``synchronize()`` or ``close()``."""
 
 
 class BadRequest(ServerError, ProtocolError):

@@ -10,19 +10,25 @@ step) and the group's rank 0, the *leader*, alone compresses, pushes and pulls; 
 then shares what the server answered (and what it sent) with the other ranks, which
 install the same, so the ranks stay identical. The server sees one worker per site
 and the WAN carries one worker's bytes per site, however many GPUs it has.
+
+A process that is a worker of its own is a :class:`Solo` site: it leads, and its
+collectives do nothing, so the optimizer treats both alike (:func:`site_for`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["Site", "resolve_group"]
+from .errors import PipelineError
+
+__all__ = ["Site", "Solo", "site_for", "resolve_group"]
 
 DEFAULT = "default"
+T = TypeVar("T")
 
 
 def resolve_group(process_group: Any) -> Any:
@@ -35,8 +41,42 @@ def resolve_group(process_group: Any) -> Any:
     return process_group
 
 
+def site_for(process_group: Any) -> Site | Solo:
+    """The site a process belongs to: its group's (:func:`resolve_group`), or its own."""
+    group = resolve_group(process_group)
+    return Solo() if group is None else Site(group)
+
+
+class Solo:
+    """A worker of its own: it leads, and there is no one to average with or tell."""
+
+    size = 1
+    leads = True
+    may_run_on = True  # a round may run on with more local steps (no other rank has to agree)
+
+    def average(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def from_leader(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+
+class _Failed:
+    """What the other ranks get when the leader's call raised: its words (an exception
+    need not pickle)."""
+
+    def __init__(self, exc: BaseException):
+        self.words = f"{type(exc).__name__}: {exc}"
+
+
 class Site:
     """The ranks of one process group; rank 0 of the group leads."""
+
+    # every rank would have to agree on running on, each step: a site's rounds keep their length
+    may_run_on = False
 
     def __init__(self, group: Any):
         self.group = group
@@ -45,7 +85,8 @@ class Site:
         self._leader = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
 
     @property
-    def is_leader(self) -> bool:
+    def leads(self) -> bool:
+        """This rank speaks to the server."""
         return self.rank == 0
 
     def average(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -68,6 +109,22 @@ class Site:
 
     def share(self, obj: Any) -> Any:
         """The leader's ``obj`` (any picklable value), returned on every rank."""
-        box = [obj if self.is_leader else None]
+        box = [obj if self.leads else None]
         dist.broadcast_object_list(box, src=self._leader, group=self.group)
         return box[0]
+
+    def from_leader(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the leader, its result returned on every rank. When it raises, the
+        leader raises it and every other rank a :class:`~stella.errors.PipelineError`
+        naming it, so that no rank waits for a result that will not come."""
+        if not self.leads:
+            out = self.share(None)
+            if isinstance(out, _Failed):
+                raise PipelineError(f"the site's leader failed: {out.words}")
+            return out
+        try:
+            out = fn()
+        except BaseException as e:
+            self.share(_Failed(e))
+            raise
+        return self.share(out)

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     model = demo_model(hidden=256, seed=0)  # every worker starts from the same weights
     try:  # before loading data: a site whose key is refused learns it at once
         opt = stella.StellaOptimizer(model, address, optimizer=torch.optim.AdamW(model.parameters(), lr=a.lr),
-                                     name=f"train-{rank}", progress_every=a.progress_every)
+                                     connection=stella.Connection(name=f"train-{rank}"),
+                                     progress_every=a.progress_every)
     except stella.StellaError as e:
         print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,259 @@
+"""The rounds of :class:`~stella.StellaOptimizer`: the one background thread that uses the
+connection, what one round does on it (compress, push, wait for the step, pull), and
+what a round measures for the worker's controller (:class:`~stella.adapt.Controller`),
+whose only feeder this is.
+
+A round starts when the exchange (:mod:`stella._exchange`) hands over what to push and
+ends when the optimizer takes its answer (:meth:`Rounds.finish`) at the start of the
+next round (one round stale) or at once (``Sync(staleness=0)``). Every use of the client
+happens on the thread (ZeroMQ sockets are not thread-safe). On a site's other ranks the
+rounds hold no client and do nothing: their leader's answers reach them through the
+site (:mod:`stella.site`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .adapt import Controller, RoundMeasure
+from .client import Client, PullResult
+from .compress import SparseGrad
+from .errors import PipelineError
+from .options import Compression, Connection
+from .progress import Progress
+from .protocol import PullCoding, Registered
+from .shards import AnyClient, ShardedClient, connect
+
+__all__ = ["Rounds", "PipelineStats", "wait_for_step"]
+
+log = logging.getLogger("stella.pipeline")
+T = TypeVar("T")
+
+# What one round answers: the server's delta, and what this worker sent (as the server decoded it).
+Answer = tuple[PullResult, dict[str, SparseGrad]]
+
+
+@dataclass
+class PipelineStats:
+    iterations: int = 0  # step() calls
+    rounds: int = 0  # exchanges started: one per step in gradient mode, one per H steps in update mode
+    wait_s: float = 0.0  # time step() spent blocked on the previous exchange
+    compress_s: float = 0.0
+    exchange_s: float = 0.0  # push + waiting for the step + pull, in the background
+    values_pushed: int = 0
+    values_pulled: int = 0
+    density: float = 0.0  # the compressor's density for the latest push
+    value_dtype: str = "f16"  # the coding of the latest push's values
+    sync_every: int = 1  # the local steps the latest round made (update mode; 1 in gradient mode)
+    accumulate: int = 1  # the micro-batches the latest round's gradient summed (gradient mode; 1 in update mode)
+    up_mbps: float = 0.0  # the controller's estimates of the link, Mbit/s (0: not measured yet)
+    down_mbps: float = 0.0
+    decisions: int = 0  # the controller's changes of density or coding so far
+
+
+def wait_for_step(client: AnyClient, delta: PullResult, since: int, coding: PullCoding) -> PullResult:
+    """The delta of the step after ``since``, given the answer ``delta`` to a pull that
+    waited for it. The server answers a waiting pull when its wait expires even if no
+    step closed (it waits for workers: before the job starts, or for a missing one within
+    the step deadline); then pull again rather than go on, since every further push would
+    only queue up on the server (and after ``--max-queued-pushes`` be refused). A snapshot
+    (the server restarted from an older checkpoint) is the answer whatever its version.
+    So is a rebased answer (``PullResult.rebased``: the client reconnected while the pull
+    waited): a server that restarted may have lost the push it had acknowledged, and the
+    step would then wait for this worker while it waits for the step."""
+    t0 = time.monotonic()
+    warned = t0
+    while not delta.full and delta.version <= since and not delta.rebased:
+        now = time.monotonic()
+        if now - warned >= 60.0:
+            warned = now
+            log.warning("waiting %.0f s for the server's step after version %d (the server waits for "
+                        "workers; `stella status` shows which)", now - t0, since)
+        delta = client.pull(since, wait_for=since + 1, index_coding=coding)
+    return delta
+
+
+class Rounds:
+    """The background thread, the round in flight, the controller and what it measures.
+
+    ``exchange``: the mode's half (:mod:`stella._exchange`): its compressor is the one
+    this compresses with and the controller tunes, ``codings`` the controller's choice
+    and ``run_on_margin`` when a round may run on. ``leads``: this process speaks to the
+    server; ``may_run_on``: its rounds may run on (a site's ranks may not)."""
+
+    def __init__(self, exchange: Any, compression: Compression, *, leads: bool, may_run_on: bool,
+                 progress_every: int):
+        c = compression
+        self.exchange, self.compressor, self.compression = exchange, exchange.compressor, c
+        self.controller = Controller(density=None if c.density == "auto" else float(c.density),
+                                     floor=c.min_density, ceiling=c.max_density,
+                                     codings=exchange.codings if c.value_dtype == "auto" else (c.value_dtype,))
+        # block16 codes only whole blocks, which the broadcast or the union a pull returns need not be
+        self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
+        self.leads, self.may_run_on = leads, may_run_on
+        self.stats = PipelineStats(density=self.controller.density, value_dtype=self.controller.value_dtype)
+        self.progress = Progress(progress_every)
+        self.client: AnyClient | None = None  # the leader's (a site's other ranks never connect)
+        self._step_compute: deque[float] = deque(maxlen=8)  # per step(), the computation before it
+        self._exchange_times: deque[float] = deque(maxlen=8)  # whole rounds, start to answer
+        self._measure: RoundMeasure | None = None  # the latest finished round's, for the controller
+        self._inflight: Future[Answer] | None = None
+        self._inflight_since = 0.0
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
+        # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
+        weakref.finalize(self, self._exec.shutdown, wait=False)
+
+    # ------------------------------------------------------------------ on the thread
+    def call(self, fn: Callable[[AnyClient], T]) -> T:
+        """``fn(client)`` on the background thread (the leader's; the thread is idle)."""
+        assert self.client is not None, "only a site's leader speaks to the server"
+        client = self.client
+        return self._exec.submit(fn, client).result()
+
+    def open(self, address: str | Sequence[str] | AnyClient, connection: Connection, params: Mapping[str, Any],
+             optimizer: Mapping[str, Any] | None, mode: str) -> tuple[Registered, PullResult | None]:
+        """Connect (unless ``address`` is a connected client), register the model and
+        pull what the worker's values lack: the job's snapshot when the job's model is
+        not these values, the steps since its ``base`` when it is (or nothing)."""
+
+        def register() -> tuple[Registered, PullResult | None]:
+            client = self.client = (address if isinstance(address, Client | ShardedClient)  # connected by the caller
+                                    else connect(address, **connection.client_kwargs()))
+            reply = client.register(params, optimizer, mode=mode)  # type: ignore[arg-type]
+            self.controller.broadcast = reply.broadcast  # the pull's coding and size, as the server has them
+            if reply.base is None:
+                return reply, client.pull(None)
+            # these values are the model at reply.base (this worker created it, or the job was created with the
+            # same values): only the steps since then, if any. Over a slow link a snapshot would cost every worker
+            # the model's size once more before its first step
+            return reply, None if reply.base == reply.version else client.pull(reply.base)
+
+        try:
+            return self._exec.submit(register).result()
+        except BaseException:
+            self._exec.shutdown(wait=False)
+            raise
+
+    def _round(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict | None,
+               samples: int) -> Answer:
+        """Compress (a gradient, an early compression's future, or, for None, the
+        residual as the update mode left it), push, wait for the step, pull the delta;
+        measure the transfers for the controller."""
+        t0 = time.perf_counter()
+        sparse = {n: g.result() if isinstance(g, Future) else self.compressor.compress(n, g)
+                  for n, g in grads.items()}
+        t1 = time.perf_counter()
+        # a changed learning rate (or other hyper-parameter) rides on the push: it applies
+        # from the step this push joins, with no round trip of its own
+        client = self.client
+        assert client is not None
+        up0, down0 = client.bytes_pushed, client.bytes_pulled
+        push = client.push(sparse, version, value_dtype=self.controller.value_dtype,
+                           index_coding=self.compression.index_coding, hparams=hparams or None,
+                           report=self.progress.report(), samples=samples, wait=False)
+        pull = client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
+        t_pull = time.perf_counter()  # queued behind the push: the server sees it once the push is in
+        push.result()
+        t_ack = time.perf_counter()
+        first = pull.result()
+        t2 = time.perf_counter()
+        up1, down1 = client.bytes_pushed, client.bytes_pulled
+        delta = wait_for_step(client, first, since, self.pull_coding)
+        # the pull's link time: its answer's time less what the server held it (waiting for the
+        # step, for other workers); the push's: send to acknowledgement
+        pull_s = (t2 - max(t_pull, t_ack) - first.held_s) if delta is first else 0.0
+        self._measure = RoundMeasure(compute_s=0.0, compress_s=t1 - t0, push_bytes=up1 - up0, push_s=t_ack - t1,
+                                     pull_bytes=down1 - down0, pull_s=max(0.0, pull_s), server_s=first.step_s)
+        self.stats.compress_s += t1 - t0
+        t3 = time.perf_counter()
+        self.stats.exchange_s += t3 - t1
+        self._exchange_times.append(t3 - t0)
+        self.stats.values_pushed += sum(s.values.size for s in sparse.values())
+        self.stats.values_pulled += delta.count
+        return delta, sparse
+
+    # ------------------------------------------------------------------ from the training loop
+    def on_step(self) -> None:
+        """Once per ``step()``: count it and take its computation's time (progress report)."""
+        self.stats.iterations += 1
+        report = self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
+        if report is not None:
+            self._step_compute.append(report.compute_s)
+
+    def runs_on(self) -> bool:
+        """Should the round run on (another local step, or micro-batch) instead of waiting?
+        While the exchange in flight is not done and is expected (by the median of recent
+        rounds) to take more than the exchange's ``run_on_margin`` of a step more: waiting
+        that long costs less than the overshoot would."""
+        fut = self._inflight
+        if not self.may_run_on or fut is None or fut.done() or not self._exchange_times:
+            return False
+        step = statistics.median(self._step_compute) if self._step_compute else 0.0
+        left = statistics.median(self._exchange_times) - (time.perf_counter() - self._inflight_since)
+        return left > self.exchange.run_on_margin * step
+
+    def start(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict, samples: int) -> None:
+        """Start the round that pushes ``grads`` (computed on ``version``) and pulls the
+        step after ``since`` (the leader's; nothing on a site's other ranks)."""
+        self.stats.rounds += 1
+        if self.leads:
+            self._inflight_since = time.perf_counter()
+            self._inflight = self._exec.submit(self._round, grads, version, since, hparams, samples)
+
+    def finish(self) -> Answer | None:
+        """The answer of the round in flight, once it is done (None: none in flight);
+        its failure as a :class:`~stella.errors.PipelineError`."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        except Exception as e:
+            raise PipelineError(f"background exchange failed: {type(e).__name__}: {e}") from e
+
+    def adapt(self) -> None:
+        """Feed the controller the round just finished and set the next push's density
+        and coding (the thread is idle now), then note the round about to start."""
+        m, self._measure = self._measure, None
+        if m is not None and self._step_compute:
+            # the computation a round offers at the least H (a round that ran on offered more)
+            compute = statistics.median(self._step_compute) * self.exchange.sync_every
+            d = self.controller.observe(dataclasses.replace(m, compute_s=compute))
+            if d.density != self.compressor.density:
+                self.compressor.set_density(d.density)
+            self.compressor.value_dtype = d.value_dtype
+            s = self.stats
+            s.up_mbps, s.down_mbps = 8e-6 * self.controller.up_bps, 8e-6 * self.controller.down_bps
+            s.decisions = self.controller.decisions
+        s = self.stats
+        s.density, s.value_dtype = self.compressor.density, self.compressor.value_dtype
+        s.sync_every, s.accumulate = self.exchange.round_steps, self.exchange.round_batches
+
+    # ------------------------------------------------------------------ the end
+    def flush(self, version: int) -> None:
+        """Push what was not sent (the residuals, whole, in float32), so nothing is lost."""
+        if not self.leads:
+            return
+
+        def flush(client: AnyClient) -> None:
+            rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}  # noqa: SIM118 - not a dict
+            if rest:
+                client.push(rest, version, value_dtype="f32")
+
+        self.call(flush)
+
+    def close(self) -> None:
+        """Leave the job, close the connection and stop the thread."""
+        try:
+            if self.client is not None:
+                self._exec.submit(self.client.close).result()
+        finally:
+            self._exec.shutdown(wait=True)

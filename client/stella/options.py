@@ -1,0 +1,143 @@
+"""What a :class:`~stella.StellaOptimizer` is told, in three groups, each checked when
+it is made: how pushes are compressed (:class:`Compression`), when a worker exchanges
+(:class:`Sync`), and how it reaches the server (:class:`Connection`). A mode's own
+rules (which fields it takes) are checked by its exchange (:mod:`stella._exchange`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, get_args
+
+from .codec import DENSE_BELOW, VALUE_DTYPES
+from .compress import METHODS
+from .protocol import IndexCoding, ValueDtype
+
+__all__ = ["Compression", "Sync", "Connection", "removed_keyword"]
+
+def _count(name: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How pushes are compressed (``docs/compression.md``).
+
+    ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
+    (default): chosen each round by the worker's :class:`~stella.adapt.Controller`
+    between ``min_density`` and ``max_density``, so that the exchange hides behind the
+    computation. ``method`` ("threshold", "block", "exact" or "dense") and
+    ``dense_below`` (smaller tensors go dense): the compressor, :mod:`stella.compress`.
+    ``value_dtype``: the wire coding of pushed values, or ``"auto"`` (default): the
+    controller picks among f16, q4 and q2 (4.5 or 2.5 bits a value, the quantisation
+    error kept in the residual); a coding pins it. ``index_coding``: the indices'.
+    """
+
+    density: float | Literal["auto"] = "auto"
+    min_density: float = 0.001
+    max_density: float = 0.1
+    method: str = "threshold"
+    dense_below: int = DENSE_BELOW
+    value_dtype: ValueDtype | Literal["auto"] = "auto"
+    index_coding: IndexCoding = "rice"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.density, str):
+            if self.density != "auto":
+                raise ValueError(f"density must be a number or 'auto', got {self.density!r}")
+        elif not 0.0 < self.density <= 1.0:  # NaN too
+            raise ValueError(f"density must be in (0, 1] or 'auto', got {self.density!r}")
+        if not 0.0 < self.min_density <= self.max_density <= 1.0:
+            raise ValueError(f"need 0 < min_density <= max_density <= 1, got {self.min_density}, {self.max_density}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not self.dense_below >= 0:
+            raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
+        if self.value_dtype != "auto" and self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be 'auto' or one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if self.index_coding not in get_args(IndexCoding):
+            raise ValueError(f"index_coding must be one of {get_args(IndexCoding)}, got {self.index_coding!r}")
+
+
+@dataclass(frozen=True)
+class Sync:
+    """When a worker exchanges (``docs/optimizer.md``).
+
+    ``every``: update mode's local steps per exchange (H; 1 = every step): the least a
+    round makes. ``max_every`` (update mode; None: ``4 * every``): while the exchange in
+    flight is not done, a round runs on with more local steps, up to this many, instead
+    of waiting; ``= every`` pins H. ``max_accumulate`` (gradient mode; 1, off by
+    default): the same with micro-batches, whose gradients are averaged into one push (a
+    larger batch). Off by default because the server's optimizer then takes fewer steps
+    per sample: on digits (dense SGD, momentum 0.9) up to 4 micro-batches per step
+    needed about twice the samples to reach an accuracy; turn it on where a slow link or
+    a slower peer would otherwise idle the workers. Either way each push carries the
+    samples it represents (``batch_size`` per step, or one per step when None) and the
+    server weights the step's pushes by them, so workers of different speeds each
+    compute what fits in a round and none idles.
+
+    ``staleness``: 1 (overlapped: the exchange of round r runs while round r+1
+    computes) or 0 (each exchange finishes inside the ``step()`` that starts it; the
+    non-overlapped baseline). ``compress_in_backward`` (gradient mode): compress each
+    gradient from its autograd hook, as soon as backward has made it.
+    """
+
+    every: int = 1
+    max_every: int | None = None
+    max_accumulate: int = 1
+    batch_size: int | None = None
+    staleness: int = 1
+    compress_in_backward: bool = False
+
+    def __post_init__(self) -> None:
+        _count("every", self.every, 1)
+        if self.max_every is not None:
+            _count("max_every", self.max_every, self.every)
+        _count("max_accumulate", self.max_accumulate, 1)
+        if self.batch_size is not None:
+            _count("batch_size", self.batch_size, 1)
+        if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
+            raise ValueError(f"staleness must be 0 or 1, got {self.staleness!r}")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How a worker reaches ``stella-ps`` (the keyword arguments of
+    :class:`~stella.Client`): ``timeout`` of each call (None: ``STELLA_TIMEOUT`` or its
+    default), the worker's ``name`` in ``stella status``, a ``worker_id`` to ask for, and
+    the CurveZMQ keys (None: ``STELLA_SERVER_KEY`` / ``STELLA_CLIENT_KEY``)."""
+
+    timeout: float | None = None
+    name: str = ""
+    worker_id: int | None = None
+    server_key: str | None = None
+    client_key: str | None = None
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# The keyword arguments StellaOptimizer took before these groups, and where each went.
+_MOVED = {**{f.name: ("compression", "Compression", f.name) for f in fields(Compression)},
+          **{f.name: ("connection", "Connection", f.name) for f in fields(Connection)},
+          "sync_every": ("sync", "Sync", "every"), "max_sync_every": ("sync", "Sync", "max_every"),
+          **{k: ("sync", "Sync", k) for k in ("max_accumulate", "batch_size", "staleness", "compress_in_backward")}}
+
+
+def removed_keyword(owner: str, kwargs: dict[str, Any]) -> TypeError | None:
+    """The error for keyword arguments ``owner`` no longer takes, naming the new
+    spelling of each that moved into a group (None when ``kwargs`` is empty)."""
+    if not kwargs:
+        return None
+    moved = [k for k in kwargs if k in _MOVED]
+    if len(moved) < len(kwargs):
+        unknown = next(k for k in kwargs if k not in _MOVED)
+        if unknown == "client":
+            return TypeError(f"{owner}() takes a connected client as its address: {owner}(model, client, ...)")
+        return TypeError(f"{owner}() got an unexpected keyword argument {unknown!r}")
+    groups: dict[str, list[str]] = {}
+    for k in moved:
+        arg, cls, name = _MOVED[k]
+        groups.setdefault(f"{arg}=stella.{cls}", []).append(f"{name}=...")
+    spelled = ", ".join(f"{g}({', '.join(v)})" for g, v in groups.items())
+    return TypeError(f"{owner}() no longer takes {', '.join(f'{k}=' for k in moved)} of its own: pass {spelled}")
