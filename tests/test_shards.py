@@ -15,7 +15,7 @@ from live import TARGET_ACCURACY, live_worker, log_lines, reap, wait_until
 
 from stella import StellaError
 from stella.errors import ProtocolError
-from stella.shards import MIN_SLICE, ShardedClient, plan
+from stella.shards import MIN_SLICE, ShardedClient, split
 from stella_ps.process import free_port
 
 LAYOUT = {"a": 10, "w": 100_000, "b": 50, "v": 300_000}
@@ -25,7 +25,7 @@ LAYOUT = {"a": 10, "w": 100_000, "b": 50, "v": 300_000}
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])
 def test_the_plan_cuts_the_model_into_pieces_of_about_equal_size(shards):
     numels = [10, 100_000, 50, 300_000, 7, 64_000]
-    pieces = plan(numels, shards)
+    pieces = split(numels, shards)
     assert len(pieces) == shards
     covered = [np.zeros(n, np.int32) for n in numels]
     for own in pieces:

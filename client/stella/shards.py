@@ -7,11 +7,11 @@ ordinary ``stella-ps`` serving part of the model, with its own membership, liven
 checkpoints and keys (``stella-ps --shard I/N`` only labels it, and lets a client check
 the order of its address list).
 
-**The split** (:func:`plan`): the model's tensors, flattened and laid end to end, are cut
+**The split** (:func:`split`): the model's tensors, flattened and laid end to end, are cut
 into N pieces of about equal bytes; a cut inside a large tensor slices it (the shard
 registers the slice as a flat tensor ``name#start:stop``), one inside a small tensor
 (under :data:`MIN_SLICE` elements) moves to its end. Every client computes the same
-plan from the same layout, and the shards refuse a registration whose pieces differ
+split from the same layout, and the shards refuse a registration whose pieces differ
 from their model's (a wrong order of addresses: a :class:`~stella.errors.LayoutConflict`,
 or the shard label's mismatch).
 
@@ -44,7 +44,7 @@ from .codec import DENSE_BELOW
 from .errors import ProtocolError, StellaError
 from .protocol import PullCoding, PushOk, Registered, StatusReply, TensorSpec, TrainingMode
 
-__all__ = ["ShardedClient", "AnyClient", "Piece", "plan", "connect", "split_address", "MIN_SLICE"]
+__all__ = ["ShardedClient", "AnyClient", "Piece", "split", "connect", "split_address", "MIN_SLICE"]
 
 MIN_SLICE = DENSE_BELOW  # a tensor smaller than this is never cut (the broadcast sends such tensors whole)
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class Piece:
         return self.stop - self.start
 
 
-def plan(numels: Sequence[int], shards: int, min_slice: int = MIN_SLICE) -> list[list[Piece]]:
+def split(numels: Sequence[int], shards: int, min_slice: int = MIN_SLICE) -> list[list[Piece]]:
     """Each shard's pieces: the flat concatenation of the tensors cut into ``shards``
     runs of about equal size, in order (shard i's pieces come before shard i+1's)."""
     if shards < 1:
@@ -195,7 +195,7 @@ class ShardedClient:
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         self.layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
         self._index = {s.name: i for i, s in enumerate(self.layout)}
-        self._pieces = plan([s.numel for s in self.layout], len(self.shards))
+        self._pieces = split([s.numel for s in self.layout], len(self.shards))
         if not all(self._pieces):
             raise ValueError(f"a model of {sum(s.numel for s in self.layout):,} elements leaves a shard of "
                              f"{len(self.shards)} without any (tensors under {MIN_SLICE:,} elements are never "
