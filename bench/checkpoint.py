@@ -34,10 +34,10 @@ import numpy as np
 from stella import checkpoint_file as ckfmt
 from stella.protocol import SparseTensor, TensorSpec
 from stella_ps.aggregation import Step
-from stella_ps.checkpoints import CHECKPOINT_SLICE, copy_in_slices
+from stella_ps.checkpoints import CHECKPOINT_SLICE, copy_in_slices, roll_forward, state_copy
 from stella_ps.config import Pulls
 from stella_ps.optim import OptimizerConfig
-from stella_ps.store import ModelStore, roll_forward
+from stella_ps.store import ModelStore
 
 
 def _step(rng: np.random.Generator, layout: list[TensorSpec], density: float) -> Step:
@@ -67,7 +67,7 @@ def run(numel: int, density: float, tensors: int, directory: str) -> dict:
     step_ms = 1e3 * statistics.median(times)
     # the old way, for contrast: the whole state copied in one store-thread task
     t0 = time.perf_counter()
-    store.state_copy()
+    state_copy(store)
     whole_copy_ms = 1e3 * (time.perf_counter() - t0)
     # the server's way (Checkpointer.write): copy_in_slices, one task per slice of
     # CHECKPOINT_SLICE coordinates, with steps in between (here one after every 4 slices); the

@@ -78,6 +78,7 @@ def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
     from a checkpoint and copied out again, equals what was written."""
     from stella.protocol import SparseTensor, TensorSpec
     from stella_ps.aggregation import Step
+    from stella_ps.checkpoints import state_copy
     from stella_ps.config import Pulls
     from stella_ps.optim import OptimizerConfig
     from stella_ps.store import ModelStore
@@ -93,13 +94,13 @@ def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
         s.apply_step(Step([[SparseTensor(0, idx, rng.standard_normal(idx.size).astype(np.float32))],
                            [SparseTensor(1, None, rng.standard_normal(7).astype(np.float32))]], 1.0, [0], 0, []),
                      cfg)
-    version, arrays = s.state_copy()
+    version, arrays = state_copy(s)
     path = str(tmp_path / ckfmt.file_name(version, 1))
     ckfmt.write(path, ckfmt.Checkpoint(version, ckfmt.layout_of(layout), cfg.to_wire(), arrays))
     back = ckfmt.read(path)
     s2 = ModelStore(Pulls(mode="exact"), history=64, threads=1)
     s2.restore(layout, back.tensors, OptimizerConfig.from_wire(back.optimizer), back.version)
-    v2, arrays2 = s2.state_copy()
+    v2, arrays2 = state_copy(s2)
     assert v2 == version == 5
     for a1, a2 in zip(arrays, arrays2):
         assert set(a1) == set(a2) == {"param", "exp_avg", "exp_avg_sq", "step"}
@@ -198,10 +199,10 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt, pull)
     (with the broadcast, its model and residual too: a step's selection is replayed)."""
     from stella.protocol import SparseTensor, TensorSpec
     from stella_ps.aggregation import Step
-    from stella_ps.checkpoints import copy_in_slices
+    from stella_ps.checkpoints import copy_in_slices, roll_forward, state_copy
     from stella_ps.config import Pulls
     from stella_ps.optim import OptimizerConfig
-    from stella_ps.store import ModelStore, roll_forward
+    from stella_ps.store import ModelStore
 
     cfg = OptimizerConfig.from_wire(opt)
     big = 5000  # above the broadcast's whole-tensor size: its messages are selected
@@ -232,7 +233,7 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt, pull)
     assert slices == copy.slices == 40 + 1 and len(copy.redo) == slices and copy.version == 3 + slices
     kind = OptimizerConfig.from_wire({"name": cfg.name})
     rolled = roll_forward(kind, [big, 37], copy.copies, copy.redo)
-    _, truth = s.state_copy()
+    _, truth = state_copy(s)
     assert ("bcast_residual" in truth[0]) == (pull == "broadcast")
     for got, want in zip(rolled, truth):
         assert set(got) == set(want)

@@ -93,7 +93,7 @@ class Message:
 @dataclass
 class StepLog:
     """What one step did to ``R`` and ``B``, per tensor, to replay it exactly on a
-    checkpoint's slices (:func:`stella_ps.store.roll_forward`): ``R[touched] += changes``,
+    checkpoint's slices (:func:`stella_ps.checkpoints.roll_forward`): ``R[touched] += changes``,
     then ``R[sent] -= values`` and ``B[sent] += values``."""
 
     touched: list[np.ndarray] = field(default_factory=list)

@@ -6,7 +6,7 @@ Writing one costs the steps only a copy of the state, made on the store thread a
 slice at a time (:func:`copy_in_slices`, a memcpy of :data:`CHECKPOINT_SLICE`
 coordinates per store-thread task), so a step waits for one slice at most; the steps
 applied while the copy goes on are logged by the store and rolled forward onto the
-slices copied before them (:func:`stella_ps.store.roll_forward`) on the writer's own
+slices copied before them (:func:`roll_forward`) on the writer's own
 thread, which also writes and fsyncs the file while steps go on. The result is the
 exact state of one version. At most one write is in progress: a checkpoint that
 falls due meanwhile is written when it finishes (of the version then current). On
@@ -23,44 +23,57 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from stella import checkpoint_file as ckpt_format
 from stella.checkpoint_file import Checkpoint, CheckpointError
-from stella.protocol import TensorSpec
+from stella.protocol import SparseTensor, TensorSpec
 
+from .broadcast import replay
 from .config import Checkpoints
+from .kernel import KernelTensorState
 from .optim import OptimizerConfig
 from .runtime import StoreThread, Tasks
 from .stats import Stats
-from .store import ModelStore, RecordCopy, RedoEntry, roll_forward
+from .store import ModelStore, RecordCopy, RedoEntry
 
-__all__ = ["Checkpointer", "CheckpointPolicy", "SlicedCopy", "copy_in_slices", "newest_valid", "write_and_prune",
-           "Checkpoint", "CheckpointError", "CHECKPOINT_SLICE"]
+__all__ = ["Checkpointer", "CheckpointPolicy", "SlicedCopy", "copy_in_slices", "roll_forward", "state_copy", "restore",
+           "newest_valid", "write_and_prune", "Checkpoint", "CheckpointError", "CHECKPOINT_SLICE", "BCAST_ARRAYS"]
 
 log = logging.getLogger("stella_ps.checkpoints")
 CHECKPOINT_SLICE = 1 << 18  # coordinates a checkpoint copies per store-thread task (4 MiB of Adam records)
+BCAST_ARRAYS = ("bcast_model", "bcast_residual")  # a tensor's broadcast model and residual in a checkpoint
 
 Run = Callable[..., Awaitable[Any]]
 
 
 @dataclass
 class CheckpointPolicy:
-    """When a checkpoint is due: every ``every_steps`` versions and/or every
-    ``every_s`` seconds (0 turns either off), counted from the last one written."""
+    """Where checkpoints go, how many are kept, and when one is due: the daemon's
+    :class:`~stella_ps.config.Checkpoints` (``every_steps`` versions and/or ``every_s``
+    seconds, 0 turns either off, counted from the last one written), with a directory."""
 
-    directory: str
-    every_steps: int = 0
-    every_s: float = 300.0
-    keep: int = 3
+    settings: Checkpoints
     last_version: int = -1  # version of the last checkpoint written or resumed from
     last_time: float = 0.0  # monotonic time it was written (or the server started)
     seq: int = 0  # a counter in file names: two checkpoints of one version never share a name
+
+    def __post_init__(self) -> None:
+        if not self.settings.dir:
+            raise ValueError("a checkpoint policy needs a directory (--checkpoint-dir)")
+
+    @property
+    def directory(self) -> str:
+        assert self.settings.dir is not None
+        return self.settings.dir
 
     def due(self, version: int, now: float | None = None) -> bool:
         if version <= self.last_version:
             return False
         now = time.monotonic() if now is None else now
-        by_steps = self.every_steps > 0 and version - max(self.last_version, 0) >= self.every_steps
-        by_time = self.every_s > 0 and now - self.last_time >= self.every_s
+        every_steps, every_s = self.settings.every_steps, self.settings.every_s
+        by_steps = every_steps > 0 and version - max(self.last_version, 0) >= every_steps
+        by_time = every_s > 0 and now - self.last_time >= every_s
         return by_steps or by_time
 
 
@@ -79,7 +92,7 @@ class SlicedCopy:
 async def copy_in_slices(store: ModelStore, run: Run, slice_size: int = CHECKPOINT_SLICE) -> SlicedCopy:
     """Copy ``store``'s state a slice of ``slice_size`` coordinates at a time, each slice
     one ``await run(fn, *args)`` (the store thread's :meth:`~StoreThread.run` on the
-    server), so that steps go on between slices; :func:`~stella_ps.store.roll_forward`
+    server), so that steps go on between slices; :func:`roll_forward`
     turns the result into the state of one version."""
     await run(store.begin_copy)
     copies: list[list[RecordCopy]] = []
@@ -94,6 +107,97 @@ async def copy_in_slices(store: ModelStore, run: Run, slice_size: int = CHECKPOI
         copies.append(per_tensor)
     version, redo = await run(store.end_copy)
     return SlicedCopy(version, copies, redo, stall, slices)
+
+
+def state_copy(store: ModelStore) -> tuple[int, list[dict[str, np.ndarray]]]:
+    """The version and a copy of every tensor's arrays as a checkpoint holds them
+    (parameters, the kernel's optimizer state, and with a broadcast :data:`BCAST_ARRAYS`),
+    in one go. The server never does this (it copies a slice at a time:
+    :func:`copy_in_slices`); tests compare against it, and ``bench.checkpoint`` times it
+    for contrast."""
+    out = [s.state_arrays() for s in store.tensors]
+    b = store.broadcast
+    if b is not None:
+        for t, a in enumerate(out):
+            a.update(zip(BCAST_ARRAYS, (b.model[t].copy(), b.residual[t].copy())))
+    return store.version, out
+
+
+def restore(store: ModelStore, ck: Checkpoint) -> OptimizerConfig:
+    """Make ``store`` the model of checkpoint ``ck``; returns the optimizer configuration
+    it was written with. A checkpoint without the broadcast's arrays (written by an
+    exact-pull job) gives a broadcast whose model is the checkpoint's, nothing owed."""
+    layout = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.layout]
+    cfg = OptimizerConfig.from_wire(ck.optimizer)
+    kernel = [{k: v for k, v in a.items() if k not in BCAST_ARRAYS} for a in ck.tensors]
+    saved = all(set(BCAST_ARRAYS) <= set(a) for a in ck.tensors)
+    bcast = ([a[BCAST_ARRAYS[0]] for a in ck.tensors], [a[BCAST_ARRAYS[1]] for a in ck.tensors]) if saved else None
+    store.restore(layout, kernel, cfg, ck.version, bcast)
+    return cfg
+
+
+def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[RecordCopy]],
+                 redo: list[RedoEntry]) -> list[dict[str, np.ndarray]]:
+    """The state arrays of every tensor at the version of the last ``redo`` step (or
+    of the copies, if none): each slice, copied at its own version, gets the logged
+    steps after that version applied to its coordinates only. The lazy optimizers
+    are per coordinate (each coordinate's parameter, moments and step count change
+    only with the contributions to that coordinate, merged in the same order), so
+    this gives bit for bit the state the store itself reached. Runs on the
+    checkpoint writer's thread, on a scratch state; ``kind`` names the optimizer."""
+    out = []
+    for t, (numel, slices) in enumerate(zip(numels, copies, strict=True)):
+        bcast = _rolled_broadcast(t, numel, slices, redo)
+        st = KernelTensorState(np.zeros(numel, np.float32), kind)
+        for c in slices:
+            assert c.records is not None
+            st.load_records(c.records, c.start)
+            c.records = None  # the memory goes as soon as it is in the scratch state
+        starts = np.array([c.start for c in slices], np.int64)
+        versions = np.array([c.version for c in slices], np.int64)
+        for after, step, cfg, _ in redo:
+            contributions = step.per_tensor[t]
+            if not contributions:
+                continue
+            stale = versions < after  # slices copied before this step
+            if not stale.any():
+                continue
+            keep = []
+            for part in contributions:
+                if stale.all():
+                    keep.append(part)
+                    continue
+                idx, vals = part.indices, part.values
+                if idx is None:
+                    idx_all = np.concatenate([np.arange(c.start, c.start + c.n, dtype=np.int32)
+                                              for c, s in zip(slices, stale) if s])
+                    keep.append(SparseTensor(t, idx_all, np.ascontiguousarray(vals[idx_all])))
+                    continue
+                m = stale[np.searchsorted(starts, idx, side="right") - 1]
+                if m.any():
+                    keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
+            if keep:
+                st.apply(keep, step.scale, cfg, checked=False)
+        out.append({**st.state_arrays(), **bcast})
+        del st
+    return out
+
+
+def _rolled_broadcast(t: int, numel: int, slices: list[RecordCopy], redo: list[RedoEntry]) -> dict[str, np.ndarray]:
+    """Tensor ``t``'s broadcast model and residual at the last logged step: each slice's
+    copy with the steps logged after it replayed on its coordinates ({} without a broadcast)."""
+    if not slices or slices[0].bcast is None:
+        return {}
+    model, residual = np.empty(numel, np.float32), np.empty(numel, np.float32)
+    for c in slices:
+        assert c.bcast is not None
+        lo, hi = c.start, c.start + c.n
+        model[lo:hi], residual[lo:hi] = c.bcast
+        c.bcast = None
+        for after, _step, _cfg, log in redo:
+            if after > c.version and log is not None:
+                replay(model[lo:hi], residual[lo:hi], log, t, lo, hi)
+    return dict(zip(BCAST_ARRAYS, (model, residual)))
 
 
 DAMAGED = "damaged"  # the subfolder damaged checkpoints are moved into
@@ -135,7 +239,7 @@ def write_and_prune(policy: CheckpointPolicy, ckpt: Checkpoint) -> tuple[str, in
     path = os.path.join(policy.directory, ckpt_format.file_name(ckpt.version, policy.seq))
     size = ckpt_format.write(path, ckpt)
     older = [n for n in ckpt_format.names(policy.directory) if n != os.path.basename(path)]
-    for old in older[policy.keep - 1:]:
+    for old in older[policy.settings.keep - 1:]:
         try:
             os.unlink(os.path.join(policy.directory, old))
         except FileNotFoundError:
@@ -153,8 +257,7 @@ class Checkpointer:
         self._optimizer = optimizer
         self.policy: CheckpointPolicy | None = None
         if cfg.dir:
-            self.policy = CheckpointPolicy(cfg.dir, cfg.every_steps, cfg.every_s, cfg.keep,
-                                           last_time=time.monotonic())
+            self.policy = CheckpointPolicy(cfg, last_time=time.monotonic())
         self._writer = StoreThread("stella-checkpoint")
         self._writing: asyncio.Future[None] | None = None
         self._closing = False
@@ -171,9 +274,7 @@ class Checkpointer:
             log.info("no checkpoint to resume from", extra={"checkpoint_dir": self.policy.directory})
             return None
         path, ck = found
-        layout = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.layout]
-        cfg = OptimizerConfig.from_wire(ck.optimizer)
-        self.store.restore(layout, ck.tensors, cfg, ck.version)
+        cfg = restore(self.store, ck)
         self.policy.last_version = self.version = ck.version
         log.info("resumed from checkpoint", extra={"path": path, "version": ck.version, "numel": self.store.numel,
                                                    "optimizer": cfg.to_wire()})

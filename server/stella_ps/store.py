@@ -23,7 +23,7 @@ from stella.errors import ErrorCode, ServerError
 from stella.protocol import PullCoding, PullMode, SparseTensor, TensorEntry, TensorSpec, encode_tensors
 
 from .aggregation import Step
-from .broadcast import OWED_BYTES, Broadcast, StepLog, replay
+from .broadcast import OWED_BYTES, Broadcast, StepLog
 from .config import Pulls
 from .errors import CopyAbandoned, NonFiniteStep, StepFailed
 from .kernel import KernelTensorState, state_bytes, union_indices
@@ -31,11 +31,11 @@ from .optim import OptimizerConfig
 from .runtime import TensorPool
 
 __all__ = ["ModelStore", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes", "RecordCopy",
-           "roll_forward", "RedoEntry", "BCAST_ARRAYS"]
+           "RedoEntry"]
 
-# (version after the step, the step, its optimizer configuration, what it did to the broadcast)
+# a step applied while a checkpoint's copy went on (the copy's log, read by checkpoints.roll_forward): the
+# version after the step, the step, its optimizer configuration, what it did to the broadcast
 RedoEntry = tuple[int, Step, OptimizerConfig, StepLog | None]
-BCAST_ARRAYS = ("bcast_model", "bcast_residual")  # a tensor's broadcast state in a checkpoint
 
 
 @dataclass
@@ -148,20 +148,10 @@ class ModelStore:
         if self.broadcast_info is not None:
             self.broadcast = Broadcast(layout, values, self.broadcast_info, self._history_len)
 
-    def state_copy(self) -> tuple[int, list[dict[str, np.ndarray]]]:
-        """The version and a copy of every tensor's state arrays (parameters and
-        whatever optimizer state the kernel keeps), in one go. The server never does
-        this (a checkpoint copies a slice at a time: :func:`stella_ps.checkpoints.copy_in_slices`);
-        tests compare against it, and ``bench.checkpoint`` times it for contrast."""
-        out = [s.state_arrays() for s in self.tensors]
-        if self.broadcast is not None:
-            for t, a in enumerate(out):
-                a.update(zip(BCAST_ARRAYS, (self.broadcast.model[t].copy(), self.broadcast.residual[t].copy())))
-        return self.version, out
-
     def begin_copy(self) -> int:
         """Start a checkpoint's copy: from now on the steps applied are logged, so that
-        slices copied at different versions can be rolled forward to one (:func:`roll_forward`)."""
+        slices copied at different versions can be rolled forward to one
+        (:func:`stella_ps.checkpoints.roll_forward`)."""
         self._redo = []
         self._copy_abandoned = False
         return self.version
@@ -183,23 +173,24 @@ class ModelStore:
         return self.version, redo
 
     def restore(self, layout: list[TensorSpec], arrays: list[dict[str, np.ndarray]], cfg: OptimizerConfig,
-                version: int) -> None:
-        """Become the model of a checkpoint: ``layout``, state ``arrays`` for ``cfg``'s
-        optimizer, at ``version``; no history (every pull's first answer is a snapshot)."""
+                version: int, broadcast: tuple[list[np.ndarray], list[np.ndarray]] | None = None) -> None:
+        """Become the model of a checkpoint: ``layout``, each tensor's state ``arrays`` for
+        ``cfg``'s optimizer (``param`` and the kernel's state), at ``version``; with a
+        broadcast, its model and residual per tensor (None: a checkpoint of an exact-pull
+        job, whose ``B`` is the model, nothing owed). No history: every pull's first
+        answer is a snapshot."""
         tensors = []
         for _spec, a in zip(layout, arrays, strict=True):
             st = KernelTensorState(a["param"], cfg)
-            st.load_state_arrays({k: v for k, v in a.items() if k not in BCAST_ARRAYS})
+            st.load_state_arrays(a)
             tensors.append(st)
         self.tensors, self.layout, self.version = tensors, layout, version
         self._history.clear()
         self._encoded.clear()
         self.broadcast = None
-        if self.broadcast_info is not None:  # a checkpoint of an exact-pull job: B is the model, nothing owed
-            saved = all(set(BCAST_ARRAYS) <= set(a) for a in arrays)
-            self.broadcast = Broadcast(layout, [a["bcast_model" if saved else "param"] for a in arrays],
-                                       self.broadcast_info, self._history_len,
-                                       residual=[a["bcast_residual"] for a in arrays] if saved else None)
+        if self.broadcast_info is not None:
+            model, residual = broadcast if broadcast is not None else ([a["param"] for a in arrays], None)
+            self.broadcast = Broadcast(layout, model, self.broadcast_info, self._history_len, residual=residual)
 
     def close(self) -> None:
         """Stop the pool's threads (the store is not used again)."""
@@ -319,66 +310,3 @@ class ModelStore:
             parts.append(len(m.entries))
         return EncodedChanges(self.version, False, entries, frames, add=True, parts=parts)
 
-
-def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[RecordCopy]],
-                 redo: list[RedoEntry]) -> list[dict[str, np.ndarray]]:
-    """The state arrays of every tensor at the version of the last ``redo`` step (or
-    of the copies, if none): each slice, copied at its own version, gets the logged
-    steps after that version applied to its coordinates only. The lazy optimizers
-    are per coordinate (each coordinate's parameter, moments and step count change
-    only with the contributions to that coordinate, merged in the same order), so
-    this gives bit for bit the state the store itself reached. Runs on the
-    checkpoint writer's thread, on a scratch state; ``kind`` names the optimizer."""
-    out = []
-    for t, (numel, slices) in enumerate(zip(numels, copies, strict=True)):
-        bcast = _rolled_broadcast(t, numel, slices, redo)
-        st = KernelTensorState(np.zeros(numel, np.float32), kind)
-        for c in slices:
-            assert c.records is not None
-            st.load_records(c.records, c.start)
-            c.records = None  # the memory goes as soon as it is in the scratch state
-        starts = np.array([c.start for c in slices], np.int64)
-        versions = np.array([c.version for c in slices], np.int64)
-        for after, step, cfg, _ in redo:
-            contributions = step.per_tensor[t]
-            if not contributions:
-                continue
-            stale = versions < after  # slices copied before this step
-            if not stale.any():
-                continue
-            keep = []
-            for part in contributions:
-                if stale.all():
-                    keep.append(part)
-                    continue
-                idx, vals = part.indices, part.values
-                if idx is None:
-                    idx_all = np.concatenate([np.arange(c.start, c.start + c.n, dtype=np.int32)
-                                              for c, s in zip(slices, stale) if s])
-                    keep.append(SparseTensor(t, idx_all, np.ascontiguousarray(vals[idx_all])))
-                    continue
-                m = stale[np.searchsorted(starts, idx, side="right") - 1]
-                if m.any():
-                    keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
-            if keep:
-                st.apply(keep, step.scale, cfg, checked=False)
-        out.append({**st.state_arrays(), **bcast})
-        del st
-    return out
-
-
-def _rolled_broadcast(t: int, numel: int, slices: list[RecordCopy], redo: list[RedoEntry]) -> dict[str, np.ndarray]:
-    """Tensor ``t``'s broadcast model and residual at the last logged step: each slice's
-    copy with the steps logged after it replayed on its coordinates ({} without a broadcast)."""
-    if not slices or slices[0].bcast is None:
-        return {}
-    model, residual = np.empty(numel, np.float32), np.empty(numel, np.float32)
-    for c in slices:
-        assert c.bcast is not None
-        lo, hi = c.start, c.start + c.n
-        model[lo:hi], residual[lo:hi] = c.bcast
-        c.bcast = None
-        for after, _step, _cfg, log in redo:
-            if after > c.version and log is not None:
-                replay(model[lo:hi], residual[lo:hi], log, t, lo, hi)
-    return dict(zip(BCAST_ARRAYS, (model, residual)))
