@@ -1,12 +1,12 @@
 """Validation of ``stella plan``'s model on the slow-link test bed, and two scenarios.
 
-1. **Profiles** of ``digits`` and ``widemlp`` (``stella.profile.profile_model`` on the bench
+1. **Profiles** of ``digits`` and ``widemlp`` (``stella.planning.measure.profile_model`` on the bench
    workloads: compute s/step at batch 32 on one torch thread, bytes per round through the
    real compressor and encoder, the server's CPU per step from a real ``stella-ps`` on
    loopback). Their target iterations and factors come from bench/RESULTS.md (labelled).
 2. **Fit**: a few real jobs over the test bed (``bench.stella_e2e.run_stella``, update mode,
    density/coding/H pinned, no adaptation) at fixed step counts; the model's four
-   coefficients are fitted on them by least squares (:func:`stella.plan.fit`).
+   coefficients are fitted on them by least squares (:func:`bench.calibrate.fit_many`).
 3. **Held out**: at least 6 other configurations (other W, link rates, asymmetric links,
    densities, codings, H, and an unequal mix of worker speeds with run-on), predicted
    first, then measured: s/it (round seconds / H) and, for the runs that stop at the
@@ -47,11 +47,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.calibrate import Observation, fit_many
 from bench.harness import REPO, loadavg
 from bench.wan import TBF_QUEUE_MS, tbf_burst_bytes
-from stella import plan as P
 from stella.codec import coordinate_bits
-from stella.profile import BENCH_SERVER
+from stella.planning.catalog import Catalog, catalog_from_dict, load_catalog
+from stella.planning.measure import BENCH_SERVER, describe_machine
+from stella.planning.model import Config, Group, Prediction, predict
+from stella.planning.profile_file import (
+    STALL_S,
+    STALL_SOURCE,
+    Calibration,
+    Profile,
+    broadcast_bytes,
+    profile_from_dict,
+    pull_section,
+    write_profile,
+)
+from stella.planning.report import pareto_plot, recommend, table
+from stella.planning.search import plan
+from stella_ps.config import Pulls
 
 OUT_DIR = os.path.join(REPO, "bench", "out", "plan")
 PS_RATE = 1000.0
@@ -100,11 +115,11 @@ FACTORS: dict[str, list[dict[str, Any]]] = {
 
 
 def profile_workload(name: str, steps: int = 20, log=print) -> dict[str, Any]:
-    """``stella.profile.profile_model`` on a bench workload (one torch thread, as the test bed's workers)."""
+    """``stella.planning.measure.profile_model`` on a bench workload (one torch thread, as the test bed's workers)."""
     import torch
 
     from bench import workloads as W
-    from stella.profile import profile_model
+    from stella.planning.measure import profile_model
 
     torch.set_num_threads(1)
     wl = W.get(name)
@@ -120,20 +135,24 @@ def analytic_profile(name: str, numel: int, compute_s: float, batch_size: int, *
                      global_batch: int, critical_batch: float, target_source: str, factors: list[dict[str, Any]],
                      server: dict[str, Any] | None = None) -> dict[str, Any]:
     """A profile from the model's size alone (for scenarios beyond this machine): bytes
-    from the coded bits per coordinate (:func:`stella.codec.coordinate_bits`, the
-    broadcast at 2x the push's coordinates in q4), the server's cost per coordinate
-    from bench.server, the compressor at 1 ns per coordinate (a GPU's threshold pass)."""
+    from the coded bits per coordinate (:func:`stella.codec.coordinate_bits`; the
+    broadcast as ``stella-ps`` runs it by default, :class:`stella_ps.config.Pulls`), the
+    server's cost per coordinate from bench.server, the compressor at 1 ns per coordinate
+    (a GPU's threshold pass)."""
     push = [{"density": d, "coding": c, "bytes": numel * d * coordinate_bits(d, c) / 8}
             for d in (0.001, 0.01, 0.1) for c in ("f16", "q4", "q2")]
-    pull = [{"density": d, "bytes": numel * min(1, 2 * d) * coordinate_bits(min(1, 2 * d), "q4") / 8}
-            for d in (0.001, 0.01, 0.1)]
+    broadcast = Pulls().broadcast_info()
+    assert broadcast is not None  # the daemon's default pulls are the broadcast
+    pull = pull_section(broadcast, [{"density": d, "bytes": broadcast_bytes(numel, d, broadcast.factor,
+                                                                            broadcast.values)}
+                                    for d in (0.001, 0.01, 0.1)])
     return {"stella_profile": 1, "model": name, "numel": numel, "sparse_numel": numel, "batch_size": batch_size,
             "device": "analytic (not measured)", "compute_s": compute_s, "compress_s_per_numel": 1e-9,
-            "push": push, "pull": {"factor": 2.0, "values": "q4", "bytes": pull},
+            "push": push, "pull": pull,
             "server": dict(server or BENCH_SERVER),
             "target": {"dense_iterations": dense_iterations, "global_batch": global_batch,
                        "critical_batch": critical_batch, "source": target_source},
-            "factors": factors, "revocation": {"stall_s": P.STALL_S, "source": P.STALL_SOURCE}}
+            "factors": factors, "revocation": {"stall_s": STALL_S, "source": STALL_SOURCE}}
 
 
 # ============================================================ test-bed runs
@@ -329,7 +348,7 @@ def runs(quick: bool) -> list[Run]:
     return fit + held
 
 
-def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
+def testbed_catalog(r: Run) -> tuple[Catalog, Config]:
     """The run as the planner sees it: one machine kind per distinct worker speed, the
     sites' links, the server's site at 1000 Mbit/s, all on one shared host (this machine's
     cores)."""
@@ -337,7 +356,7 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
     kinds: dict[float, int] = {}
     for f in slow:
         kinds[f] = kinds.get(f, 0) + 1
-    cat = P.catalog_from_dict({
+    cat = catalog_from_dict({
         "hosts": {"bed": {"cores": os.cpu_count() or 1}},  # every worker and stella-ps share this machine
         "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE, "host": "bed"},
         "kinds": {f"site-x{f:g}": {"gpu": "cpu", "speed": 1 / f, "count": n, "onprem": True, "up_mbps": r.up,
@@ -348,8 +367,8 @@ def testbed_catalog(r: Run) -> tuple[P.Catalog, P.Config]:
                                    "down_queue_ms": TBF_QUEUE_MS}
                   for f, n in kinds.items()}},
         f"test bed ({r.name})")
-    groups = tuple(P.Group(cat.kind(f"site-x{f:g}"), "onprem", n) for f, n in kinds.items())
-    return cat, P.Config(groups, r.density, r.coding, r.h, 1)
+    groups = tuple(Group(cat.kind(f"site-x{f:g}"), "onprem", n) for f, n in kinds.items())
+    return cat, Config(groups, r.density, r.coding, r.h, 1)
 
 
 def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> None:
@@ -527,15 +546,15 @@ def _job(r: Run, model_bytes: int, log=print) -> dict[str, Any]:
 
 
 def lm_profile(numel: float, compute_s: float, batch: int, name: str, dense_iterations: float,
-               server: dict[str, Any] | None = None) -> P.Profile:
+               server: dict[str, Any] | None = None) -> Profile:
     doc = analytic_profile(name, int(numel), compute_s, batch, dense_iterations=dense_iterations,
                            global_batch=batch * 8, critical_batch=batch * 64,
                            target_source="assumed: a pre-training budget (scenario, not measured)",
                            factors=FACTORS["lm"], server=server)
-    return P.profile_from_dict(doc, f"<{name}>")
+    return profile_from_dict(doc, f"<{name}>")
 
 
-def restricted(cat: P.Catalog, keep) -> P.Catalog:
+def restricted(cat: Catalog, keep) -> Catalog:
     return dataclasses.replace(cat, kinds=tuple(k for k in cat.kinds if keep(k)))
 
 
@@ -543,9 +562,9 @@ EXAMPLE_PROFILE = os.path.join(REPO, "docs", "profile.example.json")
 DENSE_350M, DEADLINE_H = 100_000, 8  # the lab alone needs ~15 h: it cannot meet the deadline
 
 
-def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
+def hybrid_scenario(cal: Calibration | None, log=print) -> dict[str, Any]:
     """The lab's GPUs, rented GPUs, and both, for a 350M-parameter LM on the example catalog."""
-    cat = P.load_catalog(os.path.join(REPO, "docs", "catalog.example.toml"))
+    cat = load_catalog(os.path.join(REPO, "docs", "catalog.example.toml"))
     # 350M parameters, 8 x 1024 tokens per GPU step, ~60 TFLOP/s sustained on an RTX 4090 (6 N tokens FLOPs)
     numel, tokens = 350e6, 8 * 1024
     compute_s = 6 * numel * tokens / 60e12
@@ -558,7 +577,7 @@ def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
     doc["calibration"] = dataclasses.asdict(prof.calibration)
     doc["device"] = ("analytic scenario profile written by python -m bench.plan (not measured): 350M parameters, "
                      "6 N tokens FLOPs at 60 TFLOP/s on an RTX 4090")
-    P.write_json(EXAMPLE_PROFILE, doc)
+    write_profile(EXAMPLE_PROFILE, doc)
     deadline = DEADLINE_H * 3600.0
     out: dict[str, Any] = {"model": prof.model, "compute_s": compute_s, "deadline_h": deadline / 3600,
                            "prices": cat.prices_note}
@@ -566,8 +585,8 @@ def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
     for label, c in (("on-premises only", restricted(cat, lambda k: k.onprem)),
                      ("cloud only", restricted(cat, lambda k: not k.onprem)),
                      ("hybrid", cat)):
-        cheapest = P.plan(c, prof, deadline_s=deadline)
-        fastest = P.plan(c, prof)
+        cheapest = plan(c, prof, deadline_s=deadline)
+        fastest = plan(c, prof)
         pick = cheapest.rows[0] if cheapest.rows else fastest.rows[0]
         rows[label] = {"row": pick, "meets_deadline": bool(cheapest.rows), "fastest": fastest.rows[0],
                        "result": cheapest}
@@ -575,23 +594,23 @@ def hybrid_scenario(cal: P.Calibration | None, log=print) -> dict[str, Any]:
     h, cl, lab = rows["hybrid"]["row"], rows["cloud only"]["row"], rows["on-premises only"]["row"]
     out["rows"] = {k: summary(v["row"]) | {"meets_deadline": v["meets_deadline"],
                                            "fastest": summary(v["fastest"])} for k, v in rows.items()}
-    def cloud_cost(p: P.Prediction) -> float:
+    def cloud_cost(p: Prediction) -> float:
         return sum(g.count * g.kind.price_of(g.market) for g in p.config.groups) * p.time_s / 3600
 
     out["cloud_cost_saving"] = 1 - cloud_cost(h) / cloud_cost(cl) if cloud_cost(cl) > 0 else None
     out["cost_saving"] = 1 - h.cost / cl.cost
     out["time_saving_vs_lab"] = 1 - h.time_s / lab.time_s
     out["time_saving_vs_cloud"] = 1 - h.time_s / cl.time_s
-    P.pareto_plot(rows["hybrid"]["result"], os.path.join(REPO, "bench", "plan_pareto.png"),
+    pareto_plot(rows["hybrid"]["result"], os.path.join(REPO, "bench", "plan_pareto.png"),
                   title=f"{prof.model}: hybrid catalog, deadline {DEADLINE_H} h (illustrative prices)")
     log(f"\nHybrid scenario: {prof.model}, {compute_s:.2f} s/step per RTX 4090, {DENSE_350M:,} dense iterations at "
         f"batch 64, deadline {DEADLINE_H} h, prices: {cat.prices_note}")
-    log(P.table([rows[k]["row"] for k in ("on-premises only", "cloud only", "hybrid")], cat.currency))
+    log(table([rows[k]["row"] for k in ("on-premises only", "cloud only", "hybrid")], cat.currency))
     log(f"  hybrid against cloud only: {100 * out['cost_saving']:.0f}% less cost "
         f"({100 * (out['cloud_cost_saving'] or 0):.0f}% "
         f"less cloud spend), {_less(out['time_saving_vs_cloud'])} time; against the lab alone: "
         f"{_less(out['time_saving_vs_lab'])} time")
-    log(P.recommend(h))
+    log(recommend(h))
     return out
 
 
@@ -609,22 +628,22 @@ def chaos_check(log=print) -> dict[str, Any]:
     doc = analytic_profile("demo MLP (chaos)", numel, s_it, 32, dense_iterations=chaos["target_version"],
                            global_batch=96, critical_batch=0, target_source="bench/CHAOS.json target version",
                            factors=[{"density": 0.05, "coding": "f16", "H": 1, "factor": 1.0, "source": "chaos"}])
-    prof = P.profile_from_dict(doc, "<chaos>")
+    prof = profile_from_dict(doc, "<chaos>")
     kinds = {"w": {"gpu": "cpu", "speed": 1.0, "count": 3, "price": 1.0, "spot_price": 1.0, "mttr_h": 45 / 3600,
                    "replace_s": 5.0, "up_mbps": 20, "down_mbps": 20}}
     server = {"price": 0, "up_mbps": 100, "down_mbps": 100}
-    calm = P.catalog_from_dict({"server": server, "kinds": kinds}, "<chaos>")
-    rough = P.catalog_from_dict({"server": {**server, "mttr_h": 60 / 3600}, "kinds": kinds}, "<chaos>")
-    cfg = lambda cat, m: P.Config((P.Group(cat.kinds[0], m, 3),), 0.05, "f16", 1, 1)
-    t0 = P.predict(prof, calm, cfg(calm, "ondemand"), checkpoint_every=20).time_s
-    t1 = P.predict(prof, rough, cfg(rough, "spot"), checkpoint_every=20).time_s
+    calm = catalog_from_dict({"server": server, "kinds": kinds}, "<chaos>")
+    rough = catalog_from_dict({"server": {**server, "mttr_h": 60 / 3600}, "kinds": kinds}, "<chaos>")
+    cfg = lambda cat, m: Config((Group(cat.kinds[0], m, 3),), 0.05, "f16", 1, 1)
+    t0 = predict(prof, calm, cfg(calm, "ondemand"), checkpoint_every=20).time_s
+    t1 = predict(prof, rough, cfg(rough, "spot"), checkpoint_every=20).time_s
     out = {"predicted_ratio": t1 / t0, "measured_ratios": chaos["ratios"]}
     log(f"\nRevocation model against bench.chaos (bench/CHAOS.json): predicted time-to-target ratio "
         f"{t1 / t0:.3f}, measured " + ", ".join(f"{r:.3f}" for r in chaos["ratios"]))
     return out
 
 
-def summary(p: P.Prediction) -> dict[str, Any]:
+def summary(p: Prediction) -> dict[str, Any]:
     return {"machines": p.config.machines, "W": p.config.workers, "density": p.config.density,
             "coding": p.config.coding, "H": p.config.sync_every, "shards": p.config.shards, "s_per_it": p.s_per_it,
             "bound": p.bound, "compute_s": p.compute_s, "link_s": p.link_s, "server_s": p.server_s,
@@ -632,7 +651,7 @@ def summary(p: P.Prediction) -> dict[str, Any]:
             "revocation_share": p.revocation_cost / p.cost if p.cost > 0 else 0.0}
 
 
-def billion_scenario(cal: P.Calibration | None, server: dict[str, Any] | None, log=print) -> dict[str, Any]:
+def billion_scenario(cal: Calibration | None, server: dict[str, Any] | None, log=print) -> dict[str, Any]:
     """1B parameters on 32 consumer GPUs (RTX 4090 class), each its own site at 100 Mbit/s."""
     numel, tokens, w = 1e9, 8 * 1024, 32
     compute_s = 6 * numel * tokens / 60e12  # ~0.82 s per step at 60 TFLOP/s sustained
@@ -640,19 +659,19 @@ def billion_scenario(cal: P.Calibration | None, server: dict[str, Any] | None, l
     if cal is not None:
         prof = dataclasses.replace(prof, calibration=dataclasses.replace(
             cal, compute=1.0, source=f"test bed fit ({cal.runs} runs), compute as profiled"))
-    cat = P.catalog_from_dict({
+    cat = catalog_from_dict({
         "prices_note": "scenario: prices do not matter here",
         "server": {"name": "cloud CPU host, 10 Gbit/s", "price": 0, "cores": 16, "up_mbps": 10000,
                    "down_mbps": 10000},
         "kinds": {"4090-site": {"gpu": "RTX 4090", "speed": 1.0, "count": w, "onprem": True, "up_mbps": 100,
                                 "down_mbps": 100, "rtt_ms": 40}}}, "<1B scenario>")
-    group = (P.Group(cat.kinds[0], "onprem", w),)
+    group = (Group(cat.kinds[0], "onprem", w),)
     rows = []
     for d in (0.01, 0.003, 0.001):
         for c in ("f16", "q4", "q2"):
             for h in (1, 2, 4, 8):  # the factors table goes to H = 8
                 for s in (1, 4, 16):
-                    rows.append(P.predict(prof, cat, P.Config(group, d, c, h, s)))
+                    rows.append(predict(prof, cat, Config(group, d, c, h, s)))
     ddp_bytes = 2 * (w - 1) / w * 4 * numel  # ring all-reduce, fp32, each way per step
     ddp_s = max(compute_s, ddp_bytes / (100e6 / 8))  # overlapped with backward at best
     # Stella's throughput against compute-bound, and against the iterations it costs
@@ -715,7 +734,7 @@ def validate(a, log=print) -> dict[str, Any]:
     out: dict[str, Any] = {"started": started, "load_start": loadavg(), "machine": machine(),
                            "command": "python -m bench.plan " + " ".join(sys.argv[1:])}
     log(f"bench.plan: started {started}, load average {out['load_start']}, {out['machine']}")
-    profiles: dict[str, P.Profile] = {}
+    profiles: dict[str, Profile] = {}
     out["profiles"] = {}
     for wl in ("digits", "widemlp"):
         path = os.path.join(OUT_DIR, f"{wl}.profile.json")
@@ -724,13 +743,13 @@ def validate(a, log=print) -> dict[str, Any]:
                 doc = json.load(f)
             rows = doc["server"].get("measured", [])
             several = [r for r in rows if r["workers"] > 1]
-            if several:  # the pull of a job of several workers (stella.profile takes these since 2026-11-26)
+            if several:  # the pull of a job of several workers (stella profile takes these since 2026-11-26)
                 doc["pull"]["bytes"] = [{"density": r["density"], "bytes": r["pull_bytes"]} for r in several]
         else:
             log(f"profile {wl}:")
             doc = profile_workload(wl, log=log)
-            P.write_json(path, doc)
-        profiles[wl] = P.profile_from_dict(doc, path)
+            write_profile(path, doc)
+        profiles[wl] = profile_from_dict(doc, path)
         out["profiles"][wl] = {k: doc[k] for k in ("numel", "compute_s", "compress_s_per_numel", "push", "pull",
                                                      "server", "load_average", "measured_at")}
     plan_runs = runs(a.quick)
@@ -779,21 +798,21 @@ def validate(a, log=print) -> dict[str, Any]:
         if r.role == "fit" and r.name in measured:
             cat, cfg = testbed_catalog(r)
             m = measured[r.name]
-            obs.append((profiles[r.workload], cat, P.Observation(cfg, round_step(r, m), round_exchange(m),
+            obs.append((profiles[r.workload], cat, Observation(cfg, round_step(r, m), round_exchange(m),
                                                                  m["s_per_it"])))
     # the profiles were measured on this machine just before the runs: the compute scale is 1 by construction
     # (fitted, it trades off against host_load: on a loaded host both scale every step)
-    cals = P.fit_many(obs, compute=1.0, source=f"bench.plan {started}: {len(obs)} test-bed runs") \
+    cals = fit_many(obs, compute=1.0, source=f"bench.plan {started}: {len(obs)} test-bed runs") \
         if len(obs) >= 2 else {}
     out["calibrations"] = {k: dataclasses.asdict(c) for k, c in cals.items()}
-    cal = cals.get("widemlp", P.Calibration())
+    cal = cals.get("widemlp", Calibration())
     out["calibration"] = dataclasses.asdict(cal)
     for k, c in cals.items():  # the fitted coefficients go into the profile (stella plan reads them there)
         path = os.path.join(OUT_DIR, f"{k}.profile.json")
         with open(path) as f:
             doc = json.load(f)
         doc["calibration"] = dataclasses.asdict(c)
-        P.write_json(path, doc)
+        write_profile(path, doc)
         log(f"fitted ({k}): compute x{c.compute:.3f}, host load x{c.host_load:.3f}, exchange stretch "
             f"x{c.exchange_stretch:.2f}, "
             f"link x{c.link:.3f}, tail loss x{c.tail_loss:.2f} queue delays, {1e3 * c.round_s:.1f} ms per round, "
@@ -803,8 +822,8 @@ def validate(a, log=print) -> dict[str, Any]:
     rows = []
     for r in plan_runs:
         cat, cfg = testbed_catalog(r)
-        prof = dataclasses.replace(profiles[r.workload], calibration=cals.get(r.workload, P.Calibration()))
-        pred = P.predict(prof, cat, cfg)
+        prof = dataclasses.replace(profiles[r.workload], calibration=cals.get(r.workload, Calibration()))
+        pred = predict(prof, cat, cfg)
         if r.role != "fit" and r.name not in measured and not a.from_json:
             try:
                 measured[r.name] = measure(r, 4 * profiles[r.workload].numel, log)
@@ -908,9 +927,7 @@ def planning_speed(log=print) -> dict[str, Any]:
 
 
 def machine() -> str:
-    from stella.profile import _machine
-
-    return f"{platform.node()}: {_machine()}, Linux {platform.release()}, Python {platform.python_version()}"
+    return f"{platform.node()}: {describe_machine()}, Linux {platform.release()}, Python {platform.python_version()}"
 
 
 
@@ -941,8 +958,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "profile":
         doc = profile_workload(a.workload, a.steps, log=lambda s: print(s, file=sys.stderr))
-        P.profile_from_dict(doc, a.out)
-        P.write_json(a.out, doc)
+        write_profile(a.out, doc)
         print(f"wrote {a.out}")
         return 0
     out: dict[str, Any] = {}
@@ -950,12 +966,12 @@ def main(argv=None) -> int:
     server = None
     if not a.scenarios_only:
         out = validate(a)
-        cal = P.Calibration(**out["calibration"])
+        cal = Calibration(**out["calibration"])
     elif os.path.exists(a.json):
         with open(a.json) as f:
             old = json.load(f)
         if "calibration" in old:
-            cal = P.Calibration(**old["calibration"])
+            cal = Calibration(**old["calibration"])
             out = old
     wp = os.path.join(OUT_DIR, "widemlp.profile.json")
     if os.path.exists(wp):  # the server's cost as measured here at 9.7M parameters

@@ -13,17 +13,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"stella": os.path.join(ROOT, "client", "stella"), "stella_ps": os.path.join(ROOT, "server", "stella_ps")}
 # the demo, and stella profile's measurement of the server's time, start their own stella-ps (README Layout)
-CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process"), ("stella.profile", "stella_ps.process")}
+CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process"), ("stella.planning.measure", "stella_ps.process")}
 
 
 def _imports(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of either package it imports (anywhere in the file)."""
+    """Module -> the modules of either package it imports (anywhere in the file), its
+    sub-packages' modules included."""
     graph: dict[str, set[str]] = {}
-    for name in sorted(os.listdir(PACKAGES[package])):
-        if not name.endswith(".py"):
-            continue
-        mod = f"{package}.{name[:-3]}" if name != "__init__.py" else package
-        with open(os.path.join(PACKAGES[package], name)) as f:
+    files = sorted((os.path.relpath(d, PACKAGES[package]), n) for d, _, names in os.walk(PACKAGES[package])
+                   for n in names if n.endswith(".py"))
+    for sub, name in files:
+        pkg = package if sub == "." else f"{package}.{sub.replace(os.sep, '.')}"
+        mod = f"{pkg}.{name[:-3]}" if name != "__init__.py" else pkg
+        with open(os.path.join(PACKAGES[package], sub, name)) as f:
             tree = ast.parse(f.read())
         deps: set[str] = set()
         for node in ast.walk(tree):
@@ -31,8 +33,9 @@ def _imports(package: str) -> dict[str, set[str]]:
                 deps.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level:
-                    base = package + ("." + base if base else "")
+                if node.level:  # relative to the module's package, up level - 1 packages
+                    up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up) + ("." + base if base else "")
                 deps.add(base)
                 deps.update(f"{base}.{a.name}" for a in node.names)
         graph[mod] = {d for d in deps if d.split(".")[0] in PACKAGES}

@@ -12,6 +12,7 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stella", description="Stella: training across sites joined by slow links")
     sub = p.add_subparsers(dest="cmd", required=True)
+    from .codec import VALUE_DTYPES
     from .demo import DemoConfig
 
     d = DemoConfig()
@@ -59,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--out", required=True, metavar="PATH", help="the profile JSON to write")
     pr.add_argument("--steps", type=int, default=20, help="timed training steps")
     pr.add_argument("--no-server", action="store_true", help="skip the real stella-ps on loopback (the server's "
-                    "time then comes from bench.server's figures)")
+                    "time then comes from bench.server's figures; give --broadcast-values and --broadcast-factor)")
+    pr.add_argument("--broadcast-values", choices=VALUE_DTYPES, help="the job's stella-ps --broadcast-values: "
+                    "passed to the loopback stella-ps, whose answer the profile records (default: its own)")
+    pr.add_argument("--broadcast-factor", type=float, metavar="F", help="the job's stella-ps --broadcast-factor "
+                    "(as --broadcast-values)")
     pr.add_argument("--target-iterations", type=float, help="dense training's iterations to the target")
     pr.add_argument("--global-batch", type=int, help="... at this global batch (default: the profile's batch)")
     pr.add_argument("--critical-batch", type=float, default=0.0,
@@ -79,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--json", metavar="PATH", help="write the ranked rows and the front as JSON")
     a = p.parse_args(argv)
     if a.cmd == "plan":
-        from .plan import main_plan
-
-        return main_plan(a)
+        return plan(a)
     if a.cmd == "profile":
+        if a.from_address and (a.broadcast_values or a.broadcast_factor):
+            p.error("profile: --from reads the job's broadcast settings from its status; "
+                    "--broadcast-values/--broadcast-factor are for --model")
         return profile(a)
     if a.cmd == "export":
         return export(a.checkpoint, a.out)
@@ -115,10 +121,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def plan(a: argparse.Namespace) -> int:
+    """``stella plan``: read the catalog and the profile, search, print (and plot, write JSON)."""
+    import json
+
+    from .planning.catalog import PlanError, load_catalog
+    from .planning.profile_file import load_profile
+    from .planning.report import pareto_plot, parse_duration, render, to_json
+    from .planning.search import plan as search
+
+    try:
+        catalog = load_catalog(a.catalog)
+        prof = load_profile(a.profile)
+        deadline = parse_duration(a.deadline) if a.deadline else None
+        res = search(catalog, prof, deadline_s=deadline, budget=a.budget, top=a.top)
+    except PlanError as e:
+        print(f"stella plan: {e}", file=sys.stderr)
+        return 2
+    print(render(res))
+    if a.plot:
+        pareto_plot(res, a.plot)
+        print(f"wrote {a.plot}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(to_json(res), f, indent=1, default=str)
+        print(f"wrote {a.json}")
+    return 0 if res.rows else 1
+
+
 def profile(a: argparse.Namespace) -> int:
     """``stella profile``: measure (``--model``) or read (``--from``), then write the JSON."""
-    from . import plan as P
     from .errors import StellaError
+    from .planning.profile_file import read_factors, write_profile
 
     try:
         target = None
@@ -128,57 +162,31 @@ def profile(a: argparse.Namespace) -> int:
                       "source": a.target_source or "user-given (stella profile --target-iterations)"}
         factors = read_factors(a.factors) if a.factors else []
         if a.from_address:
-            from .profile import profile_from_status
+            from .planning.measure import profile_from_status
 
             doc = profile_from_status(a.from_address, samples=a.samples, batch_size=a.batch_size or 1)
         else:
-            from .profile import load_model_spec, profile_model
+            from .planning.measure import load_model_spec, profile_model
 
             spec = load_model_spec(a.model)
             batch = spec["batch"]
             bs = int(spec.get("batch_size") or len(batch[0] if isinstance(batch, (tuple, list)) else batch))
             doc = profile_model(spec["model"], spec["loss"], lambda: batch, optimizer=spec.get("optimizer"),
                                 batch_size=bs, name=a.model, steps=a.steps, server=not a.no_server,
+                                broadcast_values=a.broadcast_values, broadcast_factor=a.broadcast_factor,
                                 log=lambda s: print(s, file=sys.stderr))
         if target:
             target["global_batch"] = target["global_batch"] or doc["batch_size"]
             doc["target"] = target
         if factors:
             doc["factors"] = factors
-        P.profile_from_dict(doc, a.out)  # what is written must read back
-        P.write_json(a.out, doc)
+        write_profile(a.out, doc)  # what is written must read back
     except (StellaError, OSError) as e:
         print(f"stella profile: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out}: {doc['numel']:,} parameters, {doc['compute_s']:.4g} s/step at batch {doc['batch_size']}",
           file=sys.stderr)
     return 0
-
-
-def read_factors(path: str) -> list[dict]:
-    """A user's table of iterations factors (TOML ``[[factors]]`` or a JSON list), labelled
-    with its file as the source."""
-    import json
-
-    from .plan import PlanError, ProfileError, read_toml
-
-    try:
-        if path.endswith(".toml"):
-            rows = read_toml(path).get("factors", [])
-        else:
-            with open(path) as f:
-                rows = json.load(f)
-    except (OSError, ValueError) as e:
-        if isinstance(e, PlanError):
-            raise
-        raise ProfileError(f"{path}: cannot read the factors table: {e}") from None
-    out = []
-    for i, r in enumerate(rows):
-        missing = [k for k in ("density", "coding", "H", "factor") if k not in r]
-        if missing:
-            raise ProfileError(f"{path}: factors entry {i}: missing {', '.join(missing)}")
-        out.append({**r, "source": r.get("source", f"user table {path}")})
-    return out
 
 
 def export(checkpoint: str, out: str) -> int:

@@ -1,4 +1,5 @@
-"""``stella profile``: what :mod:`stella.plan` needs to know of a model, measured.
+"""``stella profile``: what the planner needs to know of a model, measured; it writes the
+profile file (:mod:`stella.planning.profile_file`).
 
 On one machine (:func:`profile_model`):
 
@@ -10,14 +11,16 @@ On one machine (:func:`profile_model`):
   (Rice indices, the coding's values): the bytes of the frames and entries;
 - **the compressor's time** per model coordinate;
 - **the server's time per step** at the job's size: a real ``stella-ps`` on loopback, ``W``
-  clients replaying pre-encoded pushes (as ``bench.server`` does) at 1 and 3 workers; the
-  server process's CPU per step, split by least squares into a cost per pushed
-  coordinate and one per model coordinate (the broadcast's pass over its residual), and
-  the broadcast pull's bytes per round.
+  clients replaying pre-encoded pushes (:func:`replay`, the loop ``bench.server`` times
+  with too) at 1 and 3 workers; the server process's CPU per step, split by least squares
+  into a cost per pushed coordinate and one per model coordinate (the broadcast's pass
+  over its residual), and the broadcast pull's bytes per round, with the broadcast's
+  settings as that server answered the registration.
 
 From a running job (:func:`profile_from_status`): the workers' reports (compute s/it,
-exchange, density, coding, bytes per push) through ``status``; the server's time is not
-in the reports (the profile says so and takes bench.server's figures).
+exchange, density, coding, bytes per push) and the job's broadcast settings through
+``status``; the server's time is not in the reports (the profile says so and takes
+bench.server's figures).
 
 The iterations-to-target factor of each configuration is not measured here: it comes from
 a table (the benchmarks' or the user's), and the profile labels its source.
@@ -31,23 +34,28 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from .codec import CODINGS
-from .plan import STALL_S, STALL_SOURCE, ProfileError
-from .protocol import ValueDtype
+from ..codec import CODINGS, DEFAULT_VALUE_DTYPE, DENSE_BELOW
+from ..protocol import BroadcastInfo, ValueDtype
+from .profile_file import STALL_S, STALL_SOURCE, ProfileError, broadcast_bytes, pull_section
+
+if TYPE_CHECKING:
+    from ..client import Client, EncodedPush
 
 __all__ = ["profile_model", "profile_from_status", "load_model_spec", "measure_compute", "measure_bytes",
-           "measure_server", "DEFAULT_DENSITIES", "BENCH_SERVER"]
+           "measure_server", "replay", "describe_machine", "DEFAULT_DENSITIES", "BENCH_SERVER"]
 
 DEFAULT_DENSITIES = (0.003, 0.01, 0.03, 0.1)
-# bench.server (2026-11-26, 10M parameters, 1% pushes, broadcast q4 x2): 58 ms of server CPU per step at W = 2,
-# 92 ms at W = 8: ~57 ns per pushed coordinate and ~4.7 ns per model coordinate and step
+# bench.server (bench/RESULTS.md 2026-11-26, 10M parameters, 1% pushes, broadcast q4 x2): 58 ms of server CPU per
+# step at W = 2, 92 ms at W = 8: ~57 ns per pushed coordinate and ~4.7 ns per model coordinate and step. A profile
+# takes them where it measured no server (--no-server, --from), and says so in its source
 BENCH_SERVER = {"per_update_s": 57e-9, "per_numel_s": 4.7e-9,
                 "source": "bench/RESULTS.md 2026-11-26 (bench.server, 1 shard, SGD, W = 2 and 8)"}
 
 
-def _machine() -> str:
+def describe_machine() -> str:
+    """This machine's CPU and its logical CPUs, for a profile's labels."""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
@@ -101,8 +109,8 @@ def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAUL
     seconds per coordinate at 1% (for a coding or density with no row)."""
     import msgspec
 
-    from .compress import ErrorFeedbackCompressor
-    from .protocol import SparseTensor, TensorSpec, encode_tensors
+    from ..compress import ErrorFeedbackCompressor
+    from ..protocol import SparseTensor, TensorSpec, encode_tensors
 
     layout = [TensorSpec(n, tuple(int(s) for s in t.shape), "float32") for n, t in update.items()]
     numel = sum(t.numel() for t in update.values())
@@ -130,22 +138,46 @@ def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAUL
     return out, per_numel
 
 
+def replay(clients: Sequence[Client], pushes: Sequence[Sequence[EncodedPush]], versions: Sequence[int],
+           steps: int) -> tuple[list[int], list[float]]:
+    """``steps`` steps of pre-encoded pushes, as fast as the server answers: each step every
+    client pushes its push of ``pushes[step % len(pushes)]`` and pulls the step's answer
+    without decoding it, all sent at once; the step ends when every answer is in. Returns
+    the clients' versions after the last step and each step's seconds (sent to answered).
+    :func:`measure_server` and ``bench.server`` time the server with it."""
+    versions = list(versions)
+    seconds = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        sent = [c.push(e, v, wait=False) for c, e, v in zip(clients, pushes[s % len(pushes)], versions)]
+        pulls = [c.pull(v, wait_for=v + 1, decode=False, wait=False) for c, v in zip(clients, versions)]
+        for p in sent:
+            p.result()
+        versions = [p.result().version for p in pulls]
+        seconds.append(time.perf_counter() - t0)
+    return versions, seconds
+
+
 def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tuple[int, float]] = ((1, 0.01),
                    (3, 0.01), (3, 0.03)), steps: int = 12, warmup: int = 3, timeout: float = 120.0,
+                   server_args: Sequence[str] = (),
                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The server's CPU per step for each ``(workers, density)`` point, on loopback, a
-    fresh ``stella-ps`` per point; fitted into per pushed coordinate + per model coordinate."""
+    fresh ``stella-ps`` per point (with ``server_args``, e.g. the job's broadcast flags);
+    fitted into per pushed coordinate + per model coordinate. ``broadcast``: the
+    broadcast's settings as the server answered the registration (None: exact pulls)."""
     import numpy as np
 
     from stella_ps.process import ServerProcess, process_cpu_seconds
 
-    from .client import Client
+    from ..client import Client
 
     numel = sum(int(np.prod(s)) for s in shapes.values())
     rng = np.random.default_rng(0)
     rows = []
+    answered: list[BroadcastInfo | None] = []
     for workers, density in points:
-        with ServerProcess(workers, ["--max-workers-per-key", str(workers + 1)], log_level="WARNING",
+        with ServerProcess(workers, ["--max-workers-per-key", str(workers + 1), *server_args], log_level="WARNING",
                            timeout=60) as ps:
             keys = ps.client_kwargs()
             clients = [Client(ps.endpoint, timeout=timeout, name=f"profile-{i}", server_key=keys.get("server_key"),
@@ -153,7 +185,7 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
             try:
                 init = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
                 for c in clients:
-                    c.register(init, {"name": "sgd", "lr": 1.0}, mode="update")
+                    answered.append(c.register(init, {"name": "sgd", "lr": 1.0}, mode="update").broadcast)
                 encoded = []
                 for c in clients:
                     upd = {}
@@ -163,15 +195,9 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
                         upd[n] = (idx, (rng.standard_normal(k) * 1e-3).astype(np.float32))
                     encoded.append(c.encode_push(upd, value_dtype="f16", index_coding="rice"))
                 versions = [c.pull(None, decode=False).version for c in clients]
-                cpu0 = t0 = pulled0 = 0.0
-                for s in range(warmup + steps):
-                    if s == warmup:
-                        cpu0, t0, pulled0 = process_cpu_seconds(ps.pid), time.perf_counter(), clients[0].bytes_pulled
-                    pushes = [c.push(e, v, wait=False) for c, e, v in zip(clients, encoded, versions)]
-                    pulls = [c.pull(v, wait_for=v + 1, decode=False, wait=False) for c, v in zip(clients, versions)]
-                    for p in pushes:
-                        p.result()
-                    versions = [p.result().version for p in pulls]
+                versions, _ = replay(clients, [encoded], versions, warmup)
+                cpu0, t0, pulled0 = process_cpu_seconds(ps.pid), time.perf_counter(), clients[0].bytes_pulled
+                replay(clients, [encoded], versions, steps)
                 cpu = (process_cpu_seconds(ps.pid) - cpu0) / steps
                 wall = (time.perf_counter() - t0) / steps
                 pulled = (clients[0].bytes_pulled - pulled0) / steps
@@ -182,6 +208,8 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
                      "pull_bytes": pulled, "updates": workers * sum(max(1, int(np.prod(s) * density))
                                                                     for s in shapes.values())})
         log(f"  server: W={workers} density {density:g}: {1e3 * cpu:.1f} ms CPU/step, pull {pulled:,.0f} B/round")
+    if any(b != answered[0] for b in answered):
+        raise ProfileError(f"the loopback stella-ps answered different broadcast settings: {answered}")
     # cpu = per_update * updates + fixed, fixed = per_numel * numel
     a = np.array([[r["updates"], 1.0] for r in rows])
     y = np.array([r["cpu_s_per_step"] for r in rows])
@@ -189,19 +217,33 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
     if per_update < 0 or fixed < 0:
         per_update, fixed = max(per_update, 0.0), max(float(np.mean(y - max(per_update, 0.0) * a[:, 0])), 0.0)
     return {"per_update_s": float(per_update), "per_numel_s": float(fixed) / numel, "measured": rows,
-            "source": f"measured: stella-ps on loopback, {_machine()}"}
+            "source": f"measured: stella-ps on loopback, {describe_machine()}", "broadcast": answered[0]}
+
+
+def _broadcast_flags(values: str | None, factor: float | None) -> list[str]:
+    """``stella-ps`` flags for the job's broadcast settings, those given."""
+    return ([] if values is None else ["--broadcast-values", values]) + \
+        ([] if factor is None else ["--broadcast-factor", repr(float(factor))])
 
 
 def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Callable[[], Any], *,
                   optimizer: Any = None, batch_size: int, name: str = "model", steps: int = 20,
                   densities: Sequence[float] = DEFAULT_DENSITIES, server: bool = True,
+                  broadcast_values: str | None = None, broadcast_factor: float | None = None,
                   target: Mapping[str, Any] | None = None, factors: Sequence[Mapping[str, Any]] = (),
                   log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Measure a model (module doc) and return the profile as a JSON-ready dict."""
+    """Measure a model (module doc) and return the profile as a JSON-ready dict.
+
+    ``broadcast_values``, ``broadcast_factor``: the job's broadcast settings (``stella-ps
+    --broadcast-values``, ``--broadcast-factor``). With ``server``, the loopback ``stella-ps``
+    runs those given (its own defaults for the others) and the profile records what it
+    answered at registration; without, no server is asked, so both must be given, and the
+    pull's bytes are estimated from their coded bits."""
     import torch
 
-    from .codec import DENSE_BELOW
-
+    if not server and (broadcast_values is None or broadcast_factor is None):
+        raise ProfileError("no server is measured (--no-server), so the job's broadcast settings must be given: "
+                           "--broadcast-values and --broadcast-factor, as its stella-ps runs them")
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = dict(model.named_parameters())
@@ -215,19 +257,24 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     sparse_numel = sum(p.numel() for p in params.values() if p.numel() >= DENSE_BELOW)
     shapes = {n: tuple(int(s) for s in p.shape) for n, p in params.items()}
     if server:
-        srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)), log=log)
+        srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)),
+                             server_args=_broadcast_flags(broadcast_values, broadcast_factor), log=log)
+        answered = srv.pop("broadcast")
         # the broadcast of a job of one worker is smaller (its residual is one push's): the rows with W > 1
         several = [r for r in srv["measured"] if r["workers"] > 1] or srv["measured"]
-        pull = {"factor": 2.0, "values": "q4",
-                "bytes": [{"density": r["density"], "bytes": r["pull_bytes"]} for r in several]}
+        pull = pull_section(answered, [{"density": r["density"], "bytes": r["pull_bytes"]} for r in several])
     else:
+        assert broadcast_values is not None and broadcast_factor is not None
+        given = BroadcastInfo(values=cast(ValueDtype, broadcast_values), factor=float(broadcast_factor),
+                              dense_below=DENSE_BELOW)
         srv = dict(BENCH_SERVER)
-        pull = {"factor": 2.0, "values": "q4", "bytes": [{"density": e["density"], "bytes": 1.03 * e["bytes"]}
-                                                         for e in push if e["coding"] == "q4"],
-                "source": "estimated: the broadcast carries 2x a push's coordinates at q4"}
+        pull = pull_section(given, [{"density": d, "bytes": broadcast_bytes(sparse_numel, d, given.factor,
+                                                                            given.values)} for d in densities],
+                            source="estimated from the coded bits: the broadcast's factor x the pushes' "
+                                   "coordinates, in its coding (no server measured)")
     return {
         "stella_profile": 1, "model": name, "numel": numel, "sparse_numel": sparse_numel, "batch_size": batch_size,
-        "device": str(next(iter(params.values())).device) + f" ({_machine()}, torch threads "
+        "device": str(next(iter(params.values())).device) + f" ({describe_machine()}, torch threads "
                                                               f"{torch.get_num_threads()})",
         "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -245,28 +292,33 @@ def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0
                         batch_size: int = 1) -> dict[str, Any]:
     """A profile from a running job's ``status`` replies (its workers' reports): compute
     s/it (the median over workers and samples), bytes per push and pull at the density
-    and coding the workers use. The server's time comes from bench.server's figures."""
-    from .shards import connect
+    and coding the workers use, and the job's broadcast settings as its status says them.
+    The server's time comes from bench.server's figures."""
+    from ..shards import connect
 
     reps: list[Any] = []
     pushes: list[tuple[float, str, float, float]] = []
     numel = 0
+    broadcast: list[BroadcastInfo | None] = []
     with connect(address, timeout=timeout, join=False, server_key=server_key, client_key=client_key) as c:
         for i in range(max(1, samples)):
             got = c.status()
             st = got[0] if isinstance(got, list) else got
             numel = sum(s.numel for s in got) if isinstance(got, list) else st.numel
+            broadcast = [s.broadcast for s in got] if isinstance(got, list) else [st.broadcast]
             for w in st.live or []:
                 r = w.report
                 if r is None or w.pushes == 0:
                     continue
                 reps.append(r)
-                pushes.append((r.density, r.value_dtype or "f16", r.bytes_pushed / w.pushes,
+                pushes.append((r.density, r.value_dtype or DEFAULT_VALUE_DTYPE, r.bytes_pushed / w.pushes,
                                r.bytes_pulled / max(1, w.pulls)))
             if i + 1 < samples:
                 time.sleep(interval)
     if not reps:
         raise ProfileError(f"{address}: no worker has reported yet (a report rides on each push)")
+    if any(b != broadcast[0] for b in broadcast):
+        raise ProfileError(f"{address}: the shards answer different broadcast settings: {broadcast}")
     d = statistics.median(p[0] for p in pushes)
     coding = statistics.mode(p[1] for p in pushes)
     return {
@@ -276,8 +328,7 @@ def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0
         "compute_s": statistics.median(r.compute_s for r in reps),
         "compress_s_per_numel": 0.0,
         "push": [{"density": d, "coding": coding, "bytes": statistics.median(p[2] for p in pushes)}],
-        "pull": {"factor": 2.0, "values": "q4", "bytes": [{"density": d, "bytes": statistics.median(p[3]
-                                                                                                    for p in pushes)}]},
+        "pull": pull_section(broadcast[0], [{"density": d, "bytes": statistics.median(p[3] for p in pushes)}]),
         "server": dict(BENCH_SERVER),
         "target": {"dense_iterations": 1000, "global_batch": batch_size, "critical_batch": 0,
                    "source": "placeholder: give --target-iterations"},

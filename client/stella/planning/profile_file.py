@@ -1,0 +1,305 @@
+"""The profile (JSON): what the planner knows of a model, and how it reads and writes it.
+
+A profile (written by ``stella profile``, :mod:`stella.planning.measure`) holds: compute
+seconds per step at a batch size; bytes per round at a few densities and codings, and the
+compressor's seconds; the broadcast pull's bytes, with the broadcast's settings as the
+server answered them; the server's time per pushed and per model coordinate; the
+iterations dense training needs to reach the target and the factor each configuration
+costs against them (each with its source); and the coefficients a regression on measured
+runs fitted (:class:`Calibration`; ``bench/calibrate.py`` fits them). :func:`load_profile`
+checks it and returns a :class:`Profile`, which answers the bytes, the compressor's time
+and the iterations factor of any configuration from what was measured. Format:
+docs/plan.md section 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..codec import VALUE_BITS, coordinate_bits
+from ..protocol import BroadcastInfo
+from .catalog import PlanError, read_toml
+
+__all__ = ["ProfileError", "Calibration", "Profile", "profile_from_dict", "load_profile", "write_profile",
+           "pull_section", "broadcast_bytes", "read_factors", "STALL_S", "STALL_SOURCE"]
+
+# bench.chaos (bench/CHAOS.json, 2026-11-23, 3 workers at 20 Mbit/s): the longest stall a killed worker caused
+# the others (one step deadline); a profile's revocation.stall_s unless it says
+STALL_S, STALL_SOURCE = 0.83, "bench/CHAOS.json 2026-11-23 (longest stall, 3 workers at 20 Mbit/s)"
+
+
+class ProfileError(PlanError):
+    """The profile file is not valid, or lacks what the model needs."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's fitted coefficients (``bench/calibrate.py`` fits them on measured runs);
+    the defaults are the bare structure."""
+
+    compute: float = 1.0  # measured step time / the profile's, on a host of its own
+    host_load: float = 1.0  # processor sharing on a shared host: steps stretch by max(1, host_load x n / cores)
+    exchange_stretch: float = 0.0  # the share of that stretch the exchange's CPU work (compressor, server) takes
+    link: float = 1.0  # measured link time / bytes over the nominal rate
+    round_s: float = 0.0  # fixed seconds per round (messages, scheduling)
+    tail_loss: float = 0.0  # a message that loses its tail waits this many of its queue's delays (TCP's timer)
+    jitter: float = 0.0  # coefficient of variation of a step's and an exchange's time (the round's expected max)
+    worker_round_s: float = 0.0  # a worker's CPU per round beside its compressor (decoding, applying, messages)
+    source: str = "not fitted (the bare structure)"
+    runs: int = 0
+    exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's profile (``stella profile`` writes it; docs/plan.md has the format)."""
+
+    model: str
+    numel: int
+    sparse_numel: int  # coordinates in tensors that go top-k (the rest go dense every round)
+    batch_size: int
+    compute_s: float  # one step (forward, backward, local optimizer) at batch_size, profiled machine
+    compress_s_per_numel: float  # the compressor's seconds per coordinate, where ``compress`` has no row
+    push: tuple[tuple[float, str, float], ...]  # (density, coding, bytes per round) measured
+    pull: tuple[tuple[float, float], ...]  # (density of the pushes, bytes per round of the broadcast)
+    pull_factor: float  # the broadcast's, as the server answered (exact pulls: 1, f32)
+    pull_values: str
+    server_per_update_s: float  # server CPU per pushed coordinate
+    server_per_numel_s: float  # ... and per model coordinate, per step (the broadcast's pass)
+    dense_iterations: float  # dense training's iterations to the target at target_batch
+    target_batch: int  # the global batch those iterations were measured at
+    critical_batch: float  # iterations scale as (1 + critical_batch / B)
+    target_source: str
+    factors: tuple[tuple[float, str, int, float, str], ...]  # (density, coding, H, factor, source)
+    calibration: Calibration = field(default_factory=Calibration)
+    stall_s: float = STALL_S
+    device: str = ""
+    path: str = ""
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    compress: tuple[tuple[float, str, float], ...] = ()  # (density, coding, seconds per round) measured
+
+    # ---- the compressor's time: linear in the density, per coding, on what was measured
+    def compress_s(self, density: float, coding: str) -> float:
+        pts = [(d, y) for d, c, y in self.compress if c == coding] or [(d, y) for d, _, y in self.compress]
+        if len(pts) < 2:
+            return self.compress_s_per_numel * self.numel
+        a, b = _line(pts)
+        return a + b * density
+
+    # ---- bytes: linear in the coded bits, fitted on what was measured
+    def push_bytes(self, density: float, coding: str) -> float:
+        a, b = _line([(self.sparse_numel * d * coordinate_bits(d, c) / 8, y) for d, c, y in self.push])
+        return a + b * self.sparse_numel * density * coordinate_bits(density, coding) / 8
+
+    def pull_bytes(self, density: float) -> float:
+        def coded(d: float) -> float:
+            return broadcast_bytes(self.sparse_numel, d, self.pull_factor, self.pull_values)
+
+        a, b = _line([(coded(d), y) for d, y in self.pull])
+        return a + b * coded(density)
+
+    def factor(self, density: float, coding: str, h: int) -> tuple[float, str]:
+        """Iterations to target against dense training for a configuration, with its source.
+
+        The table's entry when there is one; otherwise bounds from monotonicity: a
+        configuration *harsher* on every axis (lower density, a coarser coding, more local
+        steps) needs at least as many iterations. The estimate is the midpoint of the
+        largest factor of the milder entries and the smallest of the harsher ones; the
+        harsher one's alone for a configuration milder than the table's; infinite (not
+        considered) for one harsher than every entry, since nothing bounds it; else the
+        nearest entry."""
+        if not self.factors:
+            return 1.0, "no table: assumed equal to dense training's iterations (unverified)"
+        q = (density, _CODING_RANK.get(coding, 2), h)
+        for e in self.factors:
+            if abs(e[0] - density) <= 1e-9 * density and e[1] == coding and e[2] == h:
+                return e[3], e[4]
+        milder = [e for e in self.factors if _harsher(q, _axes(e))]
+        harsher = [e for e in self.factors if _harsher(_axes(e), q)]
+        lo = max(milder, key=lambda e: e[3]) if milder else None
+        hi = min(harsher, key=lambda e: e[3]) if harsher else None
+        if lo and hi:
+            f = (lo[3] + max(lo[3], hi[3])) / 2
+            return f, f"between {_entry(lo)} and {_entry(hi)} (interpolated)"
+        if lo:  # harsher than anything measured: no estimate; such configurations are not considered
+            return math.inf, f"harsher than every entry of the table (at least {_entry(lo)}): not considered"
+        if hi:
+            return hi[3], f"at most {_entry(hi)} (milder than every entry)"
+
+        def dist(e: tuple[float, str, int, float, str]) -> float:
+            return (abs(math.log(e[0] / density)) + 0.7 * abs(_CODING_RANK.get(e[1], 2) - q[1])
+                    + abs(math.log2(e[2] / h)))
+
+        best = min(self.factors, key=dist)
+        return best[3], f"nearest {_entry(best)}"
+
+
+# a coding's harshness: its place among the codings by bits a value, the coarsest last (equal bits: one rank)
+_BY_BITS = sorted(VALUE_BITS, key=lambda c: -VALUE_BITS[c])
+_CODING_RANK = {c: min(i for i, d in enumerate(_BY_BITS) if VALUE_BITS[d] == VALUE_BITS[c]) for c in _BY_BITS}
+
+
+def _axes(e: tuple[float, str, int, float, str]) -> tuple[float, int, int]:
+    return e[0], _CODING_RANK.get(e[1], 2), e[2]
+
+
+def _harsher(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
+    """Configuration ``a`` (density, coding rank, H) is at least as harsh as ``b`` on every axis."""
+    return a[0] <= b[0] * (1 + 1e-9) and a[1] >= b[1] and a[2] >= b[2]
+
+
+def _entry(e: tuple[float, str, int, float, str]) -> str:
+    return f"{e[0]:.2%}/{e[1]}/H={e[2]} x{e[3]:.2f} ({e[4]})"
+
+
+def _line(pts: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` (``a`` >= 0); through the origin with one point."""
+    if not pts:
+        return 0.0, 1.0
+    if len(pts) == 1 or len({x for x, _ in pts}) == 1:
+        x, y = pts[0]
+        return 0.0, y / x if x > 0 else 0.0
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    a = my - b * mx
+    if a < 0:  # a negative fixed part is noise: refit through the origin
+        a, b = 0.0, sum(x * y for x, y in pts) / sum(x * x for x, _ in pts)
+    return a, b
+
+
+def _req(doc: Mapping[str, Any], key: str, where: str, typ: type | tuple[type, ...] = (int, float)) -> Any:
+    if key not in doc:
+        raise ProfileError(f"{where}: missing field {key!r}")
+    v = doc[key]
+    if not isinstance(v, typ) or isinstance(v, bool):
+        raise ProfileError(f"{where}: field {key!r} has the wrong type: {v!r}")
+    return v
+
+
+def broadcast_bytes(sparse_numel: int, density: float, factor: float, values: str) -> float:
+    """The coded bytes of a broadcast answering pushes of ``density``: ``factor`` times
+    their coordinates (at most all), each its value in ``values`` and its Rice-coded index.
+    Exact pulls are factor 1 in f32 (the pushed coordinates with their float32 values)."""
+    k = min(1.0, factor * density)
+    return sparse_numel * k * coordinate_bits(k, values) / 8
+
+
+def pull_section(broadcast: BroadcastInfo | None, rows: Sequence[Mapping[str, Any]],
+                 **extra: Any) -> dict[str, Any]:
+    """A profile's ``pull``: the bytes per round measured (``rows``: ``density``, ``bytes``)
+    and the broadcast they were measured under, as the server said it (``Registered`` or
+    ``StatusReply``: None for exact pulls)."""
+    head: dict[str, Any] = ({"mode": "exact"} if broadcast is None else
+                            {"factor": broadcast.factor, "values": broadcast.values})
+    return {**head, "bytes": [dict(r) for r in rows], **extra}
+
+
+def _broadcast(pull: Mapping[str, Any], where: str) -> tuple[float, str]:
+    """``(factor, values)`` of the pull's broadcast. The server's settings are facts of the
+    job, not the planner's to assume: a profile that does not say them is refused."""
+    mode = pull.get("mode", "broadcast")
+    if mode == "exact":  # the pushed coordinates with their float32 values (stella-ps --pull exact)
+        return 1.0, "f32"
+    if mode != "broadcast":
+        raise ProfileError(f"{where}: field 'mode' must be 'broadcast' or 'exact', got {mode!r}")
+    missing = [k for k in ("factor", "values") if k not in pull]
+    if missing:
+        raise ProfileError(f"{where}: missing field {missing[0]!r}: the broadcast's settings are the server's "
+                           "(stella-ps --broadcast-factor, --broadcast-values); write the profile again with "
+                           "stella profile, which records what the server answers, or add \"factor\" and "
+                           "\"values\" as the job's stella-ps runs them")
+    factor, values = _req(pull, "factor", where), _req(pull, "values", where, str)
+    if values not in VALUE_BITS or not (math.isfinite(factor) and factor > 0):
+        raise ProfileError(f"{where}: broadcast factor {factor!r} and coding {values!r} are not valid")
+    return float(factor), values
+
+
+def profile_from_dict(doc: Mapping[str, Any], path: str = "<profile>") -> Profile:
+    if doc.get("stella_profile") != 1:
+        raise ProfileError(f"{path}: not a Stella profile (no \"stella_profile\": 1; write one with stella profile)")
+    where = path
+    push = tuple((float(_req(e, "density", f"{where}: push")), str(_req(e, "coding", f"{where}: push", str)),
+                  float(_req(e, "bytes", f"{where}: push"))) for e in _req(doc, "push", where, list))
+    for d, c, _ in push:
+        if c not in VALUE_BITS or not 0 < d <= 1:
+            raise ProfileError(f"{where}: push entry with density {d} and coding {c!r} is not valid")
+    if not push:
+        raise ProfileError(f"{where}: field 'push' is empty (bytes per round at a few densities are needed)")
+    pull_t = _req(doc, "pull", where, dict)
+    pull_factor, pull_values = _broadcast(pull_t, f"{where}: pull")
+    pull = tuple((float(_req(e, "density", f"{where}: pull")), float(_req(e, "bytes", f"{where}: pull")))
+                 for e in _req(pull_t, "bytes", f"{where}: pull", list))
+    server = _req(doc, "server", where, dict)
+    target = _req(doc, "target", where, dict)
+    factors = tuple((float(_req(e, "density", f"{where}: factors")), str(_req(e, "coding", f"{where}: factors", str)),
+                     int(_req(e, "H", f"{where}: factors", int)), float(_req(e, "factor", f"{where}: factors")),
+                     str(e.get("source", target.get("source", "")))) for e in doc.get("factors", []))
+    cal_t = doc.get("calibration") or {}
+    cal = Calibration(**{k: cal_t[k] for k in (f.name for f in dataclasses.fields(Calibration)) if k in cal_t})
+    rev = doc.get("revocation") or {}
+    numel = int(_req(doc, "numel", where))
+    return Profile(
+        model=str(doc.get("model", "?")), numel=numel, sparse_numel=int(doc.get("sparse_numel", numel)),
+        batch_size=int(_req(doc, "batch_size", where)), compute_s=float(_req(doc, "compute_s", where)),
+        compress_s_per_numel=float(doc.get("compress_s_per_numel", 0.0)), push=push, pull=pull,
+        compress=tuple((d, c, float(e["compress_s"])) for (d, c, _), e in zip(push, doc["push"]) if "compress_s" in e),
+        pull_factor=pull_factor, pull_values=pull_values,
+        server_per_update_s=float(_req(server, "per_update_s", f"{where}: server")),
+        server_per_numel_s=float(_req(server, "per_numel_s", f"{where}: server")),
+        dense_iterations=float(_req(target, "dense_iterations", f"{where}: target")),
+        target_batch=int(_req(target, "global_batch", f"{where}: target")),
+        critical_batch=float(target.get("critical_batch", 0.0)), target_source=str(target.get("source", "")),
+        factors=factors, calibration=cal, stall_s=float(rev.get("stall_s", STALL_S)),
+        device=str(doc.get("device", "")), path=path, raw=doc)
+
+
+def load_profile(path: str) -> Profile:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the profile: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ProfileError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ProfileError(f"{path}: a profile is a JSON object")
+    return profile_from_dict(doc, path)
+
+
+def write_profile(path: str, doc: Mapping[str, Any]) -> None:
+    """Write a profile, atomically, once it reads back (:func:`profile_from_dict`)."""
+    profile_from_dict(doc, path)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_factors(path: str) -> list[dict[str, Any]]:
+    """A user's table of iterations factors (TOML ``[[factors]]`` or a JSON list), labelled
+    with its file as the source."""
+    try:
+        if path.endswith(".toml"):
+            rows = read_toml(path).get("factors", [])
+        else:
+            with open(path) as f:
+                rows = json.load(f)
+    except (OSError, ValueError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise ProfileError(f"{path}: cannot read the factors table: {e}") from None
+    out = []
+    for i, r in enumerate(rows):
+        missing = [k for k in ("density", "coding", "H", "factor") if k not in r]
+        if missing:
+            raise ProfileError(f"{path}: factors entry {i}: missing {', '.join(missing)}")
+        out.append({**r, "source": r.get("source", f"user table {path}")})
+    return out
