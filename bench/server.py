@@ -4,7 +4,8 @@
 updates (top-``density`` indices, Rice-coded, f16 values; encoded once before timing,
 :meth:`stella.Client.encode_push`) and pull each step without decoding it
 (``decode=False``), as fast as the server answers: push and pull go out together, to
-every shard at once, so the clients cost little and every step carries the whole server
+every shard at once (:func:`stella.planning.measure.replay`, the loop ``stella profile``
+times the server with), so the clients cost little and every step carries the whole server
 path: receive, decode and validate, aggregate, apply with the lazy optimizer, build the
 step's broadcast message and send it to every worker. With ``--shards N`` the model is
 split as :mod:`stella.shards` splits it, each worker pushing each shard its part.
@@ -44,6 +45,7 @@ import numpy as np
 
 from bench.harness import await_ready, loadavg, start_shards
 from stella import Client, protocol
+from stella.planning.measure import replay
 from stella.shards import ShardedClient, connect
 from stella_ps.aggregation import push_norm
 from stella_ps.process import process_cpu_seconds
@@ -79,18 +81,10 @@ def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: 
     versions = [cl.pull(None, decode=False).version for cl in clients]
     out.put(("ready", rank))
     pushed0, pulled0 = c.bytes_pushed, c.bytes_pulled  # the timed loop's bytes only
-    latencies = np.zeros(steps)
     t0, c0 = time.perf_counter(), time.process_time()
-    for s in range(steps):
-        ts = time.perf_counter()
-        pushes = [cl.push(enc, v, wait=False) for cl, enc, v in zip(clients, encoded[s % VARIANTS], versions)]
-        pulls = [cl.pull(v, wait_for=v + 1, decode=False, wait=False) for cl, v in zip(clients, versions)]
-        for p in pushes:
-            p.result()
-        versions = [p.result().version for p in pulls]
-        latencies[s] = time.perf_counter() - ts
+    _, latencies = replay(clients, encoded, versions, steps)  # stella profile's loop: one implementation
     out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0,
-             latencies.tolist(), time.process_time() - c0))
+             latencies, time.process_time() - c0))
     c.close()
 
 
