@@ -10,7 +10,9 @@ connection (socket, reply matching, heartbeats, reconnect and its rebase rules);
 ``_exchange.py`` each training mode's half of the optimizer, ``modes.py`` the modes and
 outer presets (no torch); ``compress.py`` top-k with error feedback, one selector per
 method and backend; ``protocol.py`` every message; ``codec.py`` the codings;
-``status.py`` ``stella status``; ``errors.py`` the exceptions.
+``status.py`` ``stella status``; ``errors.py`` the exceptions; ``planning/`` ``stella plan``
+and ``stella profile`` (``catalog``, ``profile_file``, ``model``, ``search``, ``report``,
+``measure``: a tool beside the library, which never imports it).
 """
 from ._codec_native import native_isa
 from .client import Client, Pending, PullResult
