@@ -2,7 +2,9 @@
 
 ``stella._native`` (client)       codec.c, half.c, quant.c (wire coding), compress.c (top-k selection)
 ``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer),
-                                  pool.c (the broadcast's candidate pool)
+                                  pool.c (the broadcast's candidate pool), compress.c (the
+                                  broadcast's selection: the workers' top-k, compiled here too
+                                  so that a step's selection stays in the server's module)
 
 Both also compile core.c (ABI version, ``stella_strerror``, the sortedness check)
 and share ``stella_native.h`` (return codes, value dtypes, bit casts) and
@@ -89,4 +91,4 @@ def builder(module: str, areas: list[str], *, defines: tuple[str, ...] = (), abs
 
 
 client_ffi = builder("stella._native", ["codec", "compress"])
-server_ffi = builder("stella_ps._kernel", ["optim"])
+server_ffi = builder("stella_ps._kernel", ["optim", "compress"])

@@ -122,11 +122,11 @@ def run_kernels(out: str) -> None:
             res_[key + "_passes"] = np.array([stats.passes, stats.exact_fallback])
     # the broadcast's pass that adds the step's sparse change as it goes: every level, and
     # the same bits as the scatter-add and then the pass (checked in the subprocess)
-    from stella import _select_native as select
+    from stella._select_native import SELECT as select
     rng = np.random.default_rng(12)
     for d, density in enumerate((0.003, 0.08, 0.6)):
         fused = rng.standard_normal(N_TOPK).astype(F32)
-        plain, sf, sp = fused.copy(), select.TopkState(), select.TopkState()
+        plain, sf, sp = fused.copy(), select.state(), select.state()
         for step in range(TOPK_STEPS):
             t = np.sort(rng.choice(N_TOPK, int(N_TOPK * density), replace=False)).astype(np.int32)
             ch = (rng.standard_normal(t.size) * (1 + step)).astype(F32)

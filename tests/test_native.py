@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from stella import _select_native as _select
 from stella import native_errors
 from stella._native import lib as client_lib
 from stella.compress import BLOCK, ErrorFeedbackCompressor
@@ -51,13 +50,13 @@ def test_stale_build_fails_the_import():
 
 
 def test_each_package_owns_its_c():
-    """The client module has no optimizer, the server module no codec, and neither
-    ships the benchmark knobs."""
+    """The client module has no optimizer, the server module no codec (it has the
+    selection, for its broadcast), and neither ships the benchmark knobs."""
     client, server = set(dir(client_lib)), set(dir(server_lib))
     assert "stella_idx_decode" in client and "stella_ef_topk" in client
-    assert not any(n.startswith(("stella_optim", "stella_union")) for n in client)
-    assert "stella_optim_apply" in server and "stella_union_indices" in server
-    assert not any(n.startswith(("stella_idx", "stella_ef_", "stella_f16")) for n in server)
+    assert not any(n.startswith(("stella_optim", "stella_union", "stella_pool")) for n in client)
+    assert "stella_optim_apply" in server and "stella_union_indices" in server and "stella_ef_topk_add" in server
+    assert not any(n.startswith(("stella_idx", "stella_f16", "stella_q_")) for n in server)
     for name in ("stella_optim_set_tuning", "stella_probe_random_rmw"):
         assert name not in client | server
     assert not hasattr(kernel, "set_tuning") and not hasattr(kernel, "probe_random_rmw")
@@ -167,17 +166,20 @@ def test_a_steady_gradient_stream_keeps_the_carried_threshold(method):
 
 
 def test_the_broadcasts_selection_keeps_its_carried_threshold():
-    """The server's broadcast (stella.topk.Selector): each step adds a random change at
-    the touched 2% of the residual (two pushes of 1%) in the pass, and takes 1%."""
+    """The server's broadcast (stella_ps.topk.Selector, over the server's own module): each
+    step adds a random change at the touched 2% of the residual (two pushes of 1%) in the
+    pass, and takes 1%."""
+    from stella_ps.topk import SELECT
+
     n, k = 400_000, 4_000
     rng = np.random.default_rng(5)
-    r, state = np.zeros(n, np.float32), _select.TopkState()
+    r, state = np.zeros(n, np.float32), SELECT.state()
     estimates = 0
     for step in range(2 * STEADY_CALLS):
         idx = np.unique(rng.choice(n, n // 50, replace=False)).astype(np.int32)
         change = (rng.standard_normal(idx.size) * 1e-3).astype(np.float32)
-        stats = _select.SelectStats()
-        _select.ef_select(r, None, k, 1, state, 40_000, step, adds=[(idx, change)], stats=stats)
+        stats = SELECT.stats()
+        SELECT.ef_select(r, None, k, 1, state, 40_000, step, adds=[(idx, change)], stats=stats)
         if step >= STEADY_CALLS:
             estimates += stats.as_dict()["estimates"]
             assert stats.as_dict()["passes"] == 1
@@ -195,7 +197,7 @@ def test_a_selection_that_adds_sparse_changes_matches_the_scatters_then_the_pass
     as adding the changes one after the other and then selecting; at densities from none
     to all, with changes that meet at some coordinates, one that cancels a value exactly
     (to 0 and -0), k from 1 to n."""
-    from stella.topk import Selector
+    from stella_ps.topk import Selector
 
     rng = np.random.default_rng(5)
     for density in (0.0, 0.001, 0.03, 0.3, 1.0):
@@ -223,7 +225,7 @@ def test_a_selection_that_adds_sparse_changes_matches_the_scatters_then_the_pass
 
 
 def test_a_bad_sparse_change_is_refused_before_anything_is_written():
-    from stella import _select_native as select
+    from stella._select_native import SELECT as select
 
     rng = np.random.default_rng(6)
     res = rng.standard_normal(10_000).astype(np.float32)
@@ -241,11 +243,11 @@ def test_a_bad_sparse_change_is_refused_before_anything_is_written():
     for what, add in bad.items():
         for adds in ([add], [(good_idx, good_val), add]):  # a good list before a bad one is not added either
             with pytest.raises(ValueError):
-                select.ef_select(res, None, 100, 1, select.TopkState(), 4096, 1, adds=adds)  # type: ignore[arg-type]
+                select.ef_select(res, None, 100, 1, select.state(), 4096, 1, adds=adds)  # type: ignore[arg-type]
             assert _same_bits(res, before), what
     with pytest.raises(ValueError, match="at most"):
-        select.ef_select(res, None, 100, 1, select.TopkState(), 4096, 1, adds=[(good_idx, good_val)] * 5)
+        select.ef_select(res, None, 100, 1, select.state(), 4096, 1, adds=[(good_idx, good_val)] * 5)
     for unit, grad in ((BLOCK, None), (1, np.zeros_like(res))):  # blocks, or a gradient as well: not offered
         with pytest.raises(ValueError, match="unit 1 and no grad"):
-            select.ef_select(res, grad, 100, unit, select.TopkState(), 4096, 1, adds=[(good_idx, good_val)])
+            select.ef_select(res, grad, 100, unit, select.state(), 4096, 1, adds=[(good_idx, good_val)])
         assert _same_bits(res, before)

@@ -56,9 +56,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import _select_native as _select
 from . import codec
-from ._select_native import BLOCK  # floats per block of the "block" method (native/cdefs/compress.h)
+from ._select_native import BLOCK, SelectStats, TopkState
+from ._select_native import SELECT as _select
 from .errors import BadValue
 
 __all__ = ["SparseGrad", "ErrorFeedbackCompressor", "Selector", "METHODS", "BLOCK", "quantise_torch"]
@@ -105,8 +105,8 @@ class _State:
     residual: torch.Tensor  # flat float32, on the gradient's device
     shape: torch.Size
     thr: float = 0.0  # torch selectors: threshold carried across steps (0: none yet)
-    cstate: _select.TopkState | None = None  # native selectors: thresholds carried across steps
-    cstats: _select.SelectStats | None = None  # native selectors: counters of the last selection
+    cstate: TopkState | None = None  # native selectors: thresholds carried across steps
+    cstats: SelectStats | None = None  # native selectors: counters of the last selection
 
 
 # value_dtype -> (largest finite value, torch dtype of the rounding)
@@ -203,7 +203,7 @@ class NativeThreshold:
         res = st.residual
         nu, ku = _units(res.numel(), k, self.unit)
         if st.cstate is None:
-            st.cstate, st.cstats = _select.TopkState(), _select.SelectStats()
+            st.cstate, st.cstats = _select.state(), _select.stats()
         g = None if grad is None else grad.contiguous()
         idx, val = _select.ef_select(res, g, ku, self.unit, st.cstate, self.sampling.size(nu, ku),
                                      self.sampling.next_seed(), st.cstats)

@@ -2,7 +2,9 @@
 
 Two cffi modules hold the C: ``stella._native`` (client: wire coding, top-k
 selection; wrapped by ``stella._codec_native`` and ``stella._select_native``) and
-``stella_ps._kernel`` (server: the lazy optimizer; wrapped by ``stella_ps.kernel``).
+``stella_ps._kernel`` (server: the lazy optimizer, wrapped by ``stella_ps.kernel``, and
+the broadcast's selection, by ``stella_ps.topk``); :mod:`stella.native_select` wraps the
+selection for either.
 Each wrapper calls :func:`require_abi` once at import and :func:`check` after every
 call that returns a code, as PyNaCl's ``ensure`` and pyzmq's ``_check_rc`` do. The
 return codes (``lib.STELLA_E_*``) and their text (``stella_strerror``) come from

@@ -23,7 +23,7 @@ The selection does not read the whole residual every step. Each large tensor kee
 *pool*: coordinates whose ``|R|`` reached a floor, such that every coordinate outside
 it is at most the floor. A step's candidates are its touched coordinates and the pool;
 while at least k of them reach the floor, their top k is the exact top k of ``R``. A
-pass over the whole residual (the streaming top-k of :mod:`stella.topk`) rebuilds the
+pass over the whole residual (the streaming top-k of :mod:`.topk`) rebuilds the
 pool when it runs dry, and does the step itself when the candidates are too many for
 random access to pay (dense pushes, many workers).
 
@@ -44,10 +44,10 @@ import numpy as np
 
 from stella import codec
 from stella.protocol import BroadcastInfo, SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
-from stella.topk import Selector
 
 from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_add_lists, union_indices
 from .runtime import TensorPool
+from .topk import Selector
 
 __all__ = ["Broadcast", "Message", "StepLog", "OWED_BYTES"]
 

@@ -1,7 +1,8 @@
-"""Top-k selection with error feedback over NumPy arrays, without torch: the C kernel
-of :mod:`stella.compress` (sampled threshold, one streaming pass, indices emitted
-sorted) for callers that hold their residual as a NumPy array. The server's
-compressed broadcast (:mod:`stella_ps.broadcast`) selects from its residual with it.
+"""Top-k selection with error feedback over NumPy arrays, without torch, for the
+server's compressed broadcast (:mod:`.broadcast`): the C selection of the workers'
+compressor (``native/compress.c``: sampled threshold, one streaming pass, indices
+emitted sorted), compiled into the server's own module, ``stella_ps._kernel``, beside
+the broadcast's pool and scatter, so that a step's selection stays in one module.
 """
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _select_native as _select
+from stella.native_select import Selection
 
-__all__ = ["Selector"]
+from ._kernel import ffi, lib
+
+SELECT = Selection(ffi, lib, "stella_ps._kernel")  # the selection functions of this module
+
+__all__ = ["Selector", "SELECT"]
 
 
 class Selector:
@@ -19,7 +24,7 @@ class Selector:
     step, carrying the threshold across steps (like one key of the compressor)."""
 
     def __init__(self, seed: int = 0x5EED) -> None:
-        self._state = _select.TopkState()
+        self._state = SELECT.state()
         self._seed = seed & 0xFFFFFFFFFFFFFFFF
         self._calls = 0
 
@@ -27,7 +32,7 @@ class Selector:
     def threshold(self) -> float:
         """The last :meth:`take`'s threshold: what it left in the residual is at most this
         in magnitude (0.0 when it took every nonzero)."""
-        return float(self._state._c.last_threshold)
+        return self._state.last_threshold
 
     def take(self, residual: np.ndarray, k: int,
              adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> tuple[np.ndarray, np.ndarray]:
@@ -42,4 +47,4 @@ class Selector:
         self._calls += 1
         seed = (self._seed * 0x9E3779B97F4A7C15 + self._calls) & 0xFFFFFFFFFFFFFFFF
         sample = min(n, max(4096, min(65536, 400 * n // k)))
-        return _select.ef_select(residual, None, k, 1, self._state, sample, seed, adds=adds)
+        return SELECT.ef_select(residual, None, k, 1, self._state, sample, seed, adds=adds)
