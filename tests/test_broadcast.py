@@ -55,6 +55,28 @@ def test_what_was_sent_plus_what_is_held_is_the_global_change_exactly(coding):
     assert np.count_nonzero(b.residual[0]) > 0 and not b.residual[1].any()  # owed, and a small one sent whole
 
 
+@pytest.mark.parametrize("coding", ["f32", "f16", "bf16", "q4", "q2"])
+def test_a_message_is_coded_once_and_b_gains_what_its_frames_decode_to(coding):
+    """Each tensor's values are coded once: what B gained is what the frame that went out
+    decodes to, and coding those values again gives that frame bit for bit (what the
+    broadcast sent when it coded twice). Huge changes (clamped in f16) and tiny ones too."""
+    from stella import codec
+
+    rng = np.random.default_rng(5)
+    layout = [TensorSpec("big", (BIG,), "float32"), TensorSpec("small", (SMALL,), "float32")]
+    b = Broadcast(layout, [np.zeros(BIG, np.float32), np.zeros(SMALL, np.float32)], _info(coding, 2.0), 8)
+    for step, scale in enumerate((1.0, 1e6, 1e-40, 1e-3), start=1):
+        touched = [np.unique(rng.integers(0, BIG, 200)).astype(np.int32), np.arange(SMALL, dtype=np.int32)]
+        log = b.step(step, touched, [(rng.standard_normal(t.size) * scale).astype(np.float32) for t in touched],
+                     [100.0, SMALL])
+        msg = b.since(step - 1, step)[0]
+        for e in msg.entries:
+            q, frame = log.values[e.tensor], msg.frames[e.value_frame]
+            np.testing.assert_array_equal(codec.decode_values(frame, e.count, e.value_dtype).view(np.uint32),
+                                          q.view(np.uint32))
+            assert bytes(codec.encode_values(q, e.value_dtype)) == bytes(frame)
+
+
 def test_a_coarse_coding_keeps_its_error_owed_and_old_messages_give_way_to_a_snapshot():
     rng = np.random.default_rng(1)
     layout = [TensorSpec("big", (BIG,), "float32")]

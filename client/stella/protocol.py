@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
@@ -82,6 +82,7 @@ __all__ = [
     "decode_request",
     "decode_reply",
     "encode_tensors",
+    "concat_entries",
     "decode_tensors",
     "decode_register_values",
     "model_digest",
@@ -743,4 +744,18 @@ def encode_tensors(
             entries.append(TensorEntry(t, int(idx.size), coding, value_dtype, len(frames), len(frames) + 1))
             frames.append(codec.encode_indices(idx, layout[t].numel, coding))
         frames.append(codec.encode_values(vals, value_dtype))
+    return entries, frames
+
+
+def concat_entries(parts: Iterable[tuple[Sequence[TensorEntry], Sequence[Any]]]) -> tuple[list[TensorEntry], list[Any]]:
+    """Several (entries, frames) pairs, as :func:`encode_tensors` returns them, joined
+    into one: each pair's frames follow the previous pairs', and its entries' frame
+    numbers move with them."""
+    entries: list[TensorEntry] = []
+    frames: list[Any] = []
+    for part_entries, part_frames in parts:
+        off = len(frames)
+        entries += [msgspec.structs.replace(e, index_frame=None if e.index_frame is None else e.index_frame + off,
+                                            value_frame=e.value_frame + off) for e in part_entries]
+        frames += part_frames
     return entries, frames

@@ -39,11 +39,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from stella import codec
-from stella.protocol import BroadcastInfo, SparseTensor, TensorEntry, TensorSpec, ValueDtype, encode_tensors
+from stella.protocol import (
+    BroadcastInfo,
+    SparseTensor,
+    TensorEntry,
+    TensorSpec,
+    ValueDtype,
+    concat_entries,
+    encode_tensors,
+)
 
 from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_add_lists, union_indices
 from .runtime import TensorPool
@@ -74,6 +81,7 @@ MODEL_OWED_SHARE, MODEL_OWED_LISTS, MODEL_SLOTS = 4, 64, 8
 OWED_BYTES = 8 // MODEL_OWED_SHARE  # what the waiting messages may hold, a coordinate (int32 index, float32 value)
 # a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
 _Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
+_Coded = tuple[list[TensorEntry], list[Any]]  # one tensor's part of a message: its entry and frames
 _SERIAL = TensorPool(1)
 _NONE_I, _NONE_F = np.zeros(0, np.int32), np.zeros(0, np.float32)
 _FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
@@ -202,58 +210,43 @@ class Broadcast:
         ``R``; returns what it did (for a checkpoint's replay). The tensors are
         independent: ``pool`` runs them on its threads."""
 
-        def one(t: int) -> tuple[np.ndarray | None, np.ndarray, tuple[list[TensorEntry], list[Any]] | None,
-                                 np.ndarray]:
+        def one(t: int) -> tuple[np.ndarray | None, np.ndarray, _Coded | None, np.ndarray]:
             r, idx = self._residual[t], touched[t]
             ch = changes(t) if callable(changes) else changes[t]
             if idx.size:
                 self._owed[t] = True
             if push_counts[t] > 0:
                 self._counts[t] = push_counts[t]
-            sent, q = self._select(t, version, r, self.layout[t].numel, idx, ch)
-            if not q.size:
-                return sent, q, None, ch
-            if sent is None:
+            sent, q, coded = self._select(t, version, r, self.layout[t].numel, idx, ch)
+            if sent is None and coded is not None:
                 self._settle_model(t)
                 self._model[t] += q
-            coding = self._whole_coding if sent is None else self.coding
-            return sent, q, encode_tensors([SparseTensor(t, sent, q)], self.layout, "rice", coding), ch
+            return sent, q, coded, ch
 
         done = (pool or _SERIAL).map(one, [self._cost(t, touched[t].size, push_counts[t])
                                            for t in range(len(self.layout))])
         failed = [d for d in done if isinstance(d, Exception)]
         if failed:
             raise failed[0]
-        log = StepLog(list(touched), [d[3] for d in done])  # type: ignore[index]
-        entries: list[TensorEntry] = []
-        frames: list[Any] = []
-        count = 0
+        parts = [d for d in done if not isinstance(d, Exception)]
         # the sparse tensors' entries first, then the whole ones', each in tensor order
-        for whole in (False, True):
-            for sent, q, enc, _ in done:  # type: ignore[misc]
-                if enc is None or (sent is None) != whole:
-                    continue
-                base = len(frames)
-                entries += [msgspec.structs.replace(
-                    e, index_frame=None if e.index_frame is None else e.index_frame + base,
-                    value_frame=e.value_frame + base) for e in enc[0]]
-                frames += enc[1]
-                count += q.size
-        for sent, q, _, _ in done:  # type: ignore[misc]
-            log.sent.append(sent)
-            log.values.append(q)
+        entries, frames = concat_entries(coded for whole in (False, True) for sent, _, coded, _ in parts
+                                         if coded is not None and (sent is None) == whole)
+        count = sum(q.size for _, q, coded, _ in parts if coded is not None)
         self._messages.append(Message(version, entries, frames, count))
-        return log
+        return StepLog(list(touched), [ch for *_, ch in parts], [sent for sent, *_ in parts],
+                       [q for _, q, *_ in parts])
 
     @property
     def _whole_coding(self) -> ValueDtype:
         return "f16" if self.coding in codec.QUANT_BITS else self.coding
 
     def _select(self, t: int, version: int, r: np.ndarray, numel: int, touched: np.ndarray,
-                changes: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+                changes: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, _Coded | None]:
         """``r[touched] += changes``, then tensor ``t``'s message: (indices, or None for
-        the whole tensor; the coded values a receiver decodes); ``r`` keeps the rest and
-        the coding's error, and ``B`` gains a sparse message here (a whole one: the caller)."""
+        the whole tensor; the coded values a receiver decodes; its entry and frames, None
+        when it is empty); ``r`` keeps the rest and the coding's error, and ``B`` gains
+        a sparse message here (a whole one: the caller)."""
         k = self._budget(self._counts[t])
         pool = self._pools[t]
         picked: _Picked | None = None
@@ -277,13 +270,13 @@ class Broadcast:
             adds = []
         if numel < self.dense_below:
             if not r.any():
-                return None, np.zeros(0, np.float32)
+                return None, np.zeros(0, np.float32), None
             v = r.copy()
-            q = self._coded(v, self._whole_coding)
+            q, coded = self._code(t, None, v, self._whole_coding)
             r[:] = v - q
-            return None, q
+            return None, q, coded
         if k <= 0 or not self._owed[t]:
-            return np.zeros(0, np.int32), np.zeros(0, np.float32)
+            return np.zeros(0, np.int32), np.zeros(0, np.float32), None
         if picked is None and not use_pool:  # one pass, no pool
             self._pools[t] = None
             self.full_passes[t] += 1
@@ -292,7 +285,7 @@ class Broadcast:
         if picked is None:  # no pool yet, or it ran dry
             picked = self._full_pass(t, r, k, numel, adds)
         idx, v, rest, floor = picked
-        q = self._coded(v, self.coding)
+        q, coded = self._code(t, idx, v, self.coding)
         # B gains what the replicas decode (in a later sweep, with other messages); the coding's error stays
         # owed (exact for f16/bf16): r is 0 at the sent coordinates (the selection zeroed them), so the error
         # is what the next step adds there
@@ -303,7 +296,7 @@ class Broadcast:
         if rest is not None:
             big = idx[np.abs(err) > floor]  # an error above the floor joins the pool
             self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
-        return idx, q
+        return idx, q, coded
 
     def _budget(self, count: float) -> int:
         """Entries a tensor's message carries when its pushes held ``count`` on average."""
@@ -346,16 +339,18 @@ class Broadcast:
             self._scratch[t] = np.empty(need + need // 2, np.uint32)
         return self._scratch[t]
 
-    @staticmethod
-    def _coded(v: np.ndarray, coding: ValueDtype) -> np.ndarray:
-        """The float32 values a receiver decodes from ``v`` sent in ``coding`` (f16 and
-        bf16 clamped to their finite range first: the excess stays owed)."""
-        if coding in codec.QUANT_BITS:
-            return codec.quantise(v, coding)
-        if coding == "f32":
-            return v
-        v = np.clip(v, -_FINITE[coding], _FINITE[coding])
-        return codec.to_float32(codec.wire_values(codec.encode_values(v, coding), v.size, coding))
+    def _code(self, t: int, idx: np.ndarray | None, v: np.ndarray,
+              coding: ValueDtype) -> tuple[np.ndarray, _Coded | None]:
+        """Tensor ``t``'s message values ``v`` (at ``idx``; None: the whole tensor) coded
+        for the wire once (f16 and bf16 clamped to their finite range first: the excess
+        stays owed): the float32 values a receiver decodes, read back from the very
+        frame that goes out, and the message's entry and frames (None when empty)."""
+        if not v.size:
+            return v, None
+        if coding in _FINITE:
+            v = np.clip(v, -_FINITE[coding], _FINITE[coding])
+        coded = encode_tensors([SparseTensor(t, idx, v)], self.layout, "rice", coding)
+        return (v if coding == "f32" else codec.decode_values(coded[1][-1], v.size, coding)), coded
 
     def since(self, version: int, now: int) -> list[Message] | None:
         """The messages that bring a replica at ``version`` to ``now``, in order, or None

@@ -16,11 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from stella.errors import ErrorCode, ServerError
-from stella.protocol import PullCoding, PullMode, SparseTensor, TensorEntry, TensorSpec, encode_tensors
+from stella.protocol import PullCoding, PullMode, SparseTensor, TensorEntry, TensorSpec, concat_entries, encode_tensors
 
 from .aggregation import Step
 from .broadcast import OWED_BYTES, Broadcast, StepLog
@@ -301,12 +300,6 @@ class ModelStore:
             snap = [SparseTensor(t, None, m.copy()) for t, m in enumerate(b.model)]
             entries, frames = encode_tensors(snap, self.layout, coding, "f32")
             return EncodedChanges(self.version, True, entries, frames)
-        entries, frames, parts = [], [], []
-        for m in messages:  # one after another, their frames renumbered
-            off = len(frames)
-            entries += [msgspec.structs.replace(e, index_frame=None if e.index_frame is None else e.index_frame + off,
-                                                value_frame=e.value_frame + off) for e in m.entries]
-            frames += m.frames
-            parts.append(len(m.entries))
-        return EncodedChanges(self.version, False, entries, frames, add=True, parts=parts)
+        entries, frames = concat_entries((m.entries, m.frames) for m in messages)  # one after another
+        return EncodedChanges(self.version, False, entries, frames, add=True, parts=[len(m.entries) for m in messages])
 
