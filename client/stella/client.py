@@ -26,7 +26,6 @@ from typing import Any, Generic, Literal, TypeVar, cast, overload
 import numpy as np
 import zmq
 
-from . import codec
 from ._session import (
     ENV_CLIENT_KEY,
     ENV_RECONNECT,
@@ -421,14 +420,13 @@ class Client:
         held, step = delta.held_ms / 1e3, delta.step_ms / 1e3
         if not decode:  # the version only
             return PullResult(delta.version, delta.full, {}, rebased=rebased, held_s=held, step_s=step)
-        decoded = decode_tensors(rx, self.layout)  # installed values are f32 (the decoder checked)
+        decoded = decode_tensors(rx, self.layout, float32=True)  # what the replica adds or installs
         if not delta.add:
             out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
             return PullResult(delta.version, delta.full, out, rebased=rebased, held_s=held, step_s=step)
         steps, at = [], 0
         for n in delta.parts:  # one part per step made after ``since`` (none: no step)
-            steps.append({self.layout[s.tensor].name: (s.indices, codec.to_float32(s.values))
-                          for s in decoded[at:at + n]})
+            steps.append({self.layout[s.tensor].name: (s.indices, s.values) for s in decoded[at:at + n]})
             at += n
         return PullResult(delta.version, False, {}, rebased=rebased, steps=steps, held_s=held, step_s=step)
 

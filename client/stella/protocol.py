@@ -665,8 +665,10 @@ class SparseTensor:
     values: np.ndarray
 
 
-def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTensor]:
-    """Check a push's or delta's entries against ``layout`` and decode them.
+def decode_tensors(rx: Received, layout: Sequence[TensorSpec], *, float32: bool = False) -> list[SparseTensor]:
+    """Check a push's or delta's entries against ``layout`` and decode them: values as
+    they travelled (the server's kernel reads f16 and bf16 as they are), or with
+    ``float32`` as float32 (what a worker adds to its replica), in the same pass.
 
     Raises :class:`ServerError` with code ``unknown_tensor`` for a tensor not in the
     layout, :class:`OversizedMessage` for more values than the tensor has,
@@ -693,6 +695,8 @@ def decode_tensors(rx: Received, layout: Sequence[TensorSpec]) -> list[SparseTen
                 raise CodecError(f"{kind}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
         try:
             vals = codec.wire_values(value_frame, e.count, e.value_dtype)
+            if float32:
+                vals = codec.to_float32(vals)
         except ProtocolError as err:
             raise type(err)(f"{kind}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
         out.append(SparseTensor(e.tensor, idx, vals))
