@@ -81,8 +81,8 @@ def recommend(p: Prediction, checkpoint_every: int = 100) -> str:
         f"recommended: {c.machines}  (W = {c.workers} workers, one per machine; several GPUs in a machine combine "
         "inside it through torch.distributed)",
         f"  server:  {shard_line}",
-        f"  workers: stella.StellaOptimizer(model, ADDRESS, optimizer=..., sync_every={c.sync_every}, "
-        f"max_sync_every={max_h},",
+        f"  workers: stella.StellaOptimizer(model, ADDRESS, optimizer=..., sync=stella.Sync(every={c.sync_every}, "
+        f"max_every={max_h}),",
         f"               compression=stella.Compression(density={c.density:g}, value_dtype=\"{c.coding}\"))",
         f"  expected: {p.s_per_it:.3g} s/it ({p.bound}-bound), {p.iterations:.0f} iterations "
         f"(x{p.factor:.2f} dense: {p.factor_source}), {_dur(p.time_s)}",
