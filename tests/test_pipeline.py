@@ -12,6 +12,8 @@ import torch
 
 from stella import Compression, Connection, PipelineError, StellaOptimizer, Sync
 from stella.client import Client
+from stella.codec import DENSE_BELOW
+from stella.protocol import BroadcastInfo
 
 
 class Toy(torch.nn.Module):
@@ -271,3 +273,23 @@ def test_workers_holding_the_models_first_values_pull_no_snapshot(make_server):
     finally:
         for opt in (a, b, c):
             opt.close(flush=False)
+
+
+@pytest.mark.parametrize(("flags", "expect"), [
+    (["--broadcast-values", "f16", "--broadcast-factor", "1"], BroadcastInfo(values="f16", factor=1.0,
+                                                                              dense_below=DENSE_BELOW)),
+    ([], BroadcastInfo(values="q4", factor=2.0, dense_below=DENSE_BELOW)),  # the daemon's defaults
+    (["--pull", "exact"], None),
+])
+def test_the_workers_controller_and_status_take_the_broadcast_from_the_server(make_server, flags, expect):
+    """The broadcast's coding, factor and dense cut are the server's facts: a worker's controller
+    models its pull with what the registration answered, and ``status`` says the same; nothing
+    in the client assumes them (the README advises f16 and factor 1 for the byte LM)."""
+    srv = make_server(1, flags)
+    opt = StellaOptimizer(Toy(), srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, connection=Connection(timeout=10))
+    try:
+        assert opt.rounds.controller.broadcast == expect
+        status = opt.rounds.call(lambda c: c.status())
+        assert status.broadcast == expect and status.pull == ("exact" if expect is None else "broadcast")
+    finally:
+        opt.close()
