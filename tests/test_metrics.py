@@ -67,7 +67,7 @@ def test_parse_bind():
 
 def test_metrics_in_process_show_the_whole_job(inproc):
     srv = inproc
-    metrics = MetricsServer(srv.server.service, "127.0.0.1:0")
+    metrics = MetricsServer(srv.server.service.snapshot, "127.0.0.1:0")
     addr = asyncio.run_coroutine_threadsafe(metrics.start(), srv.loop).result(10)
     base = f"http://{addr}"
     try:

@@ -3,11 +3,12 @@ daemon's own event loop.
 
 Nothing is counted twice: at each scrape the collector renders one
 :class:`~stella_ps.stats.JobSnapshot`, the same the ``status`` reply is built from
-(:meth:`stella_ps.service.Service.snapshot`), so metrics cost nothing between scrapes
-and ``status`` and ``/metrics`` always agree. The HTTP side is a few lines of
-``asyncio.start_server`` rather than prometheus-client's threaded server: the
-collector then reads the service's state on the loop that writes it, and a health
-check that gets an answer knows that loop is turning.
+(:meth:`stella_ps.service.Service.snapshot`), and so does ``/healthz``; so metrics
+cost nothing between scrapes, and ``status``, ``/metrics`` and ``/healthz`` always
+agree. The HTTP side is a few lines of ``asyncio.start_server`` rather than
+prometheus-client's threaded server: the snapshot is then taken on the loop that
+writes the service's state, and a health check that gets an answer knows that loop
+is turning.
 
 Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name``):
 
@@ -60,8 +61,8 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
@@ -70,48 +71,45 @@ from prometheus_client.registry import Collector
 from stella.codec import VALUE_BITS
 from stella.protocol import PROTOCOL_VERSION
 
-from . import __version__
-from .config import ENV, parse_bind
+from .config import parse_bind
 from .kernel import native_isa
 from .security import REFUSED
+from .stats import JobSnapshot
 
-if TYPE_CHECKING:
-    from .service import Service
-
-__all__ = ["JobCollector", "MetricsServer", "ENV_METRICS", "CONTENT_TYPE"]
+__all__ = ["JobCollector", "MetricsServer", "CONTENT_TYPE"]
 
 log = logging.getLogger("stella_ps.metrics")
-ENV_METRICS = ENV["metrics"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 8192
 
 
 class JobCollector(Collector):
-    """Reads the service's state at scrape time (see the module's table)."""
+    """Renders the job's snapshot at scrape time (see the module's table)."""
 
-    def __init__(self, service: Service):
-        self.service = service
+    def __init__(self, snapshot: Callable[[], JobSnapshot]):
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.service.snapshot()
+        snap = self._snapshot()
+        st = snap.status
         info = GaugeMetricFamily("stella_info", "stella-ps release, protocol version, C kernel's x86-64 level, "
                                  "shard I/N of a sharded job", labels=["version", "protocol", "native_isa", "shard"])
-        info.add_metric([__version__, str(PROTOCOL_VERSION), native_isa().level, snap.shard], 1)
+        info.add_metric([st.server_version, str(PROTOCOL_VERSION), native_isa().level, st.shard], 1)
         yield info
-        yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version", value=snap.version)
-        yield GaugeMetricFamily("stella_live_workers", "workers joined and not left", value=len(snap.workers))
+        yield GaugeMetricFamily("stella_model_version", "applied steps: the model's version", value=st.version)
+        yield GaugeMetricFamily("stella_live_workers", "workers joined and not left", value=len(st.workers))
         yield GaugeMetricFamily("stella_expected_workers", "workers the first step waits for (--workers)",
-                                value=snap.expected_workers)
-        yield CounterMetricFamily("stella_steps", "steps applied", value=snap.steps)
+                                value=st.expected_workers)
+        yield CounterMetricFamily("stella_steps", "steps applied", value=st.steps)
         yield SummaryMetricFamily("stella_step_seconds", "wall time between two steps closing",
                                   count_value=snap.step_intervals, sum_value=snap.step_interval_s)
         yield SummaryMetricFamily("stella_step_apply_seconds", "the store's apply of a step",
-                                  count_value=snap.steps, sum_value=snap.apply_s)
+                                  count_value=st.steps, sum_value=snap.apply_s)
         yield SummaryMetricFamily("stella_straggler_wait_seconds",
                                   "from a step's first push until it closed (waiting for stragglers)",
-                                  count_value=snap.steps, sum_value=snap.straggler_wait_s)
-        yield CounterMetricFamily("stella_late_pushes", "pushes folded into a later step", value=snap.late_pushes)
+                                  count_value=st.steps, sum_value=snap.straggler_wait_s)
+        yield CounterMetricFamily("stella_late_pushes", "pushes folded into a later step", value=st.late_pushes)
         yield CounterMetricFamily("stella_duplicate_pushes", "pushes re-sent after a reconnect and not queued twice",
                                   value=snap.duplicate_pushes)
         yield CounterMetricFamily("stella_workers_gone", "workers declared gone (liveness timeout)",
@@ -121,13 +119,13 @@ class JobCollector(Collector):
         for reason in REFUSED:
             refused.add_metric([reason], snap.refused_connections.get(reason, 0))
         yield refused
-        yield CounterMetricFamily("stella_bytes_received", "bytes received, all messages", value=snap.bytes_in)
-        yield CounterMetricFamily("stella_bytes_sent", "bytes sent, all messages", value=snap.bytes_out)
+        yield CounterMetricFamily("stella_bytes_received", "bytes received, all messages", value=st.bytes_in)
+        yield CounterMetricFamily("stella_bytes_sent", "bytes sent, all messages", value=st.bytes_out)
         errors = CounterMetricFamily("stella_errors", "refused requests by error code", labels=["code"])
         for code, n in sorted(snap.errors_by_code.items()):
             errors.add_metric([code], n)
         yield errors
-        age = snap.checkpoint_age_s
+        age = st.checkpoint_age_s
         yield GaugeMetricFamily("stella_checkpoint_age_seconds", "seconds since the latest checkpoint (NaN: none)",
                                 value=math.nan if age is None else age)
         yield CounterMetricFamily("stella_checkpoints", "checkpoints written since start", value=snap.checkpoints)
@@ -164,7 +162,7 @@ class JobCollector(Collector):
             "down": GaugeMetricFamily("stella_worker_downlink_bytes_per_second", "its measured downlink rate",
                                       labels=labels),
         }
-        for ws in snap.live:
+        for ws in st.live or []:
             lv = [str(ws.worker), ws.name]
             fams["pushes"].add_metric(lv, ws.pushes)
             fams["pulls"].add_metric(lv, ws.pulls)
@@ -193,11 +191,11 @@ class MetricsServer:
     """``GET /metrics`` (Prometheus text format) and ``GET /healthz`` (a small JSON
     object; 200 while the server runs) on ``host:port``, on the running loop."""
 
-    def __init__(self, service: Service, bind: str):
+    def __init__(self, snapshot: Callable[[], JobSnapshot], bind: str):
         self.host, self.port = parse_bind(bind)
-        self.service = service
+        self._snapshot = snapshot  # the service's: the job now
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(JobCollector(service))
+        self.registry.register(JobCollector(snapshot))
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> str:
@@ -221,10 +219,11 @@ class MetricsServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def health(self) -> dict:
-        svc = self.service
-        return {"status": "ok", "version": svc.store.version, "live_workers": len(svc.members.live),
-                "steps": svc.stats.steps, "release": __version__}
+    def health(self) -> dict[str, Any]:
+        """``/healthz``'s answer, from the job's snapshot (answered at all: the loop turns)."""
+        st = self._snapshot().status
+        return {"status": "ok", "version": st.version, "live_workers": len(st.workers), "steps": st.steps,
+                "release": st.server_version}
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -83,7 +83,8 @@ class ParameterServer:
                 stack.callback(gate.stop)
             await stack.enter_async_context(self.service.running())
             if self.config.metrics:
-                self.metrics = await stack.enter_async_context(MetricsServer(self.service, self.config.metrics))
+                metrics = MetricsServer(self.service.snapshot, self.config.metrics)
+                self.metrics = await stack.enter_async_context(metrics)
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._resources = stack.pop_all()
         log.info("listening", extra={"endpoint": self.endpoint, "workers": self.config.workers,

@@ -44,6 +44,7 @@ from stella.protocol import (
     Register,
     SetOptimizer,
     Status,
+    StatusReply,
     WorkerStatus,
     decode_tensors,
 )
@@ -174,11 +175,12 @@ class Service:
 
     # ------------------------------------------------------------------ observation
     def snapshot(self) -> JobSnapshot:
-        """The job now, as ``status`` and the metrics show it."""
+        """The job now, as ``status``, the metrics and ``/healthz`` show it."""
         s, now, live = self.stats, self.clock.now(), self.members.live
+        shown, metrics_only = s.counters()
         age = None if s.last_checkpoint is None else max(0.0, time.time() - s.last_checkpoint)
-        return JobSnapshot(
-            **s.counters(), version=self.store.version, initialised=self.store.initialised, workers=self.members.ids(),
+        status = StatusReply(
+            req=0, **shown, version=self.store.version, initialised=self.store.initialised, workers=self.members.ids(),
             worker_keys={w: i.fingerprint for w, i in live.items()}, insecure=self.config.insecure,
             expected_workers=self.config.workers, pending_pushes=self.steps.pending_count(),
             numel=self.store.numel, tensors=len(self.store.layout),
@@ -190,9 +192,10 @@ class Service:
             checkpoint_age_s=age, last_seen_s={w: round(now - i.last_seen, 3) for w, i in live.items()},
             gone_workers={w: round(now - i.last_seen, 3) for w, i in self.members.gone.items()},
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.deadline_now(),
-            checkpoint_version=self.checkpointer.version,
-            behind_workers=self.steps.behind(), mode=self.registration.mode, shard=self.config.shard,
-            pull=self.store.pull, broadcast=self.store.broadcast_info, clipped_pushes=self.push_bound.clipped)
+            checkpoint_version=self.checkpointer.version, behind_workers=self.steps.behind(),
+            mode=self.registration.mode, shard=self.config.shard, pull=self.store.pull,
+            broadcast=self.store.broadcast_info)
+        return JobSnapshot(status, **metrics_only, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:

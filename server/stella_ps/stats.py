@@ -1,8 +1,9 @@
 """What the job looks like from outside: the server's counters (:class:`Stats`) and
 one :class:`JobSnapshot` of the whole state, built in one place
-(:meth:`stella_ps.service.Service.snapshot`) and rendered by both the ``status``
-reply (:meth:`JobSnapshot.status_reply`) and the Prometheus collector
-(:mod:`stella_ps.metrics`), so the two can never disagree.
+(:meth:`stella_ps.service.Service.snapshot`) and rendered by the ``status`` reply
+(:meth:`JobSnapshot.status_reply`), the Prometheus collector and ``/healthz``
+(:mod:`stella_ps.metrics`), so they can never disagree. The snapshot holds the status
+reply itself, not a copy of its fields.
 """
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stella.protocol import BroadcastInfo, PullMode, StatusReply, TrainingMode, WorkerStatus
+import msgspec
+
+from stella.protocol import StatusReply
 
 __all__ = ["Stats", "JobSnapshot", "STATUS_FIELDS"]
 
@@ -55,10 +58,13 @@ class Stats:
                  "late_pushes", "workers_gone", "step_interval_s", "step_intervals", "apply_s", "straggler_wait_s",
                  "rejected_steps", "rejected_pushes", "checkpoints", "checkpoint_stall_s")
 
-    def counters(self) -> dict[str, Any]:
-        """The counters a :class:`JobSnapshot` shows as they are (copies of the maps)."""
-        return {**{k: getattr(self, k) for k in self._COUNTERS}, "errors_by_code": dict(self.errors_by_code),
-                "refused_connections": dict(self.refused_connections), "uptime_s": time.time() - self.started}
+    def counters(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The counters as a :class:`JobSnapshot` shows them: those the ``status`` reply
+        carries (named as its fields), and those only the metrics show (copies of the maps)."""
+        every = {**{k: getattr(self, k) for k in self._COUNTERS}, "errors_by_code": dict(self.errors_by_code),
+                 "refused_connections": dict(self.refused_connections), "uptime_s": time.time() - self.started}
+        return ({k: v for k, v in every.items() if k in STATUS_FIELDS},
+                {k: v for k, v in every.items() if k not in STATUS_FIELDS})
 
     def count_step(self, late: int, now: float, applied_s: float, opened: float | None) -> None:
         """One step closed at ``now`` (monotonic) after ``applied_s`` of apply; ``opened``:
@@ -83,43 +89,10 @@ class Stats:
 
 @dataclass(frozen=True)
 class JobSnapshot:
-    """The job at one instant. Its first fields are named exactly as
-    :class:`~stella.protocol.StatusReply`'s (the reply is built from them by name);
-    the rest only the metrics show."""
+    """The job at one instant: the ``status`` reply (``req`` 0) and the counters only
+    the metrics show."""
 
-    # --- the status reply's
-    version: int
-    initialised: bool
-    workers: list[int]
-    worker_keys: dict[int, str]
-    insecure: bool
-    expected_workers: int
-    pending_pushes: int
-    steps: int
-    pushes: int
-    pulls: int
-    late_pushes: int
-    bytes_in: int
-    bytes_out: int
-    messages: int
-    errors: int
-    uptime_s: float
-    numel: int
-    tensors: int
-    optimizer: dict[str, Any] | None
-    server_version: str
-    live: list[WorkerStatus]
-    checkpoint_age_s: float | None
-    last_seen_s: dict[int, float]
-    gone_workers: dict[int, float]
-    liveness_timeout_s: float
-    step_deadline_s: float | None
-    checkpoint_version: int | None
-    behind_workers: list[int]
-    mode: TrainingMode | None
-    shard: str
-    pull: PullMode | None
-    broadcast: BroadcastInfo | None
+    status: StatusReply
     # --- the metrics' only
     errors_by_code: dict[str, int]
     duplicate_pushes: int
@@ -136,4 +109,5 @@ class JobSnapshot:
     clipped_pushes: int
 
     def status_reply(self, req: int) -> StatusReply:
-        return StatusReply(req=req, **{f: getattr(self, f) for f in STATUS_FIELDS})
+        """The reply to the ``status`` request ``req``."""
+        return msgspec.structs.replace(self.status, req=req)
