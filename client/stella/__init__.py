@@ -1,18 +1,33 @@
 """Stella: train one model across sites joined by slow links.
 
-Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer,
-its compression settings a :class:`Compression`) or :class:`Client` (push / pull
-against a ``stella-ps``) directly.
+Training scripts use :class:`StellaOptimizer` (a drop-in, one-step-stale optimizer; its
+settings in :class:`Sync`, :class:`Compression` and :class:`Connection`) or
+:class:`Client` (push / pull against a ``stella-ps``) directly.
 
-Where each concern lives: ``client.py`` the :class:`Client` API and ``_session.py`` its
-connection (socket, reply matching, heartbeats, reconnect and its rebase rules);
-``pipeline.py`` :class:`StellaOptimizer`, :class:`Compression` and the density budget,
-``_exchange.py`` each training mode's half of the optimizer, ``modes.py`` the modes and
-outer presets (no torch); ``compress.py`` top-k with error feedback, one selector per
-method and backend; ``protocol.py`` every message; ``codec.py`` the codings;
-``status.py`` ``stella status``; ``errors.py`` the exceptions; ``planning/`` ``stella plan``
-and ``stella profile`` (``catalog``, ``profile_file``, ``model``, ``search``, ``report``,
-``measure``: a tool beside the library, which never imports it).
+Where each concern lives:
+
+- the optimizer: ``pipeline.py`` :class:`StellaOptimizer`, the composition of three
+  parts: ``_exchange.py`` each training mode's half (what a step does, what a round
+  pushes and installs, its settings' checks), ``_rounds.py`` the background thread, one
+  round's push and pull and what it measures, and ``site.py`` a site's ranks and their
+  leader; ``options.py`` its settings (:class:`Sync`, :class:`Compression`,
+  :class:`Connection`); ``adapt.py`` the per-worker controller (density, coding);
+  ``progress.py`` the timings pushes carry and the progress line; ``modes.py`` the modes
+  and outer presets (no torch);
+- compression: ``compress.py`` top-k with error feedback, one selector per method and
+  backend; ``native_select.py`` the checked wrapper of the C selection (the client's
+  through ``_select_native.py``, the server's broadcast through ``stella_ps.topk``);
+- the wire: ``protocol.py`` every message (the server imports it); ``codec.py`` the
+  codings and the wire's facts (bits per value, the dense cut); ``_codec_native.py`` its
+  C; ``native_errors.py`` the checked-call boundary to C; ``protocol_docs.py`` the
+  generated tables of docs/protocol.md;
+- the connection: ``client.py`` the :class:`Client` API, ``_session.py`` its socket,
+  reply matching, heartbeats and reconnect; ``shards.py`` the same API over a sharded
+  job; ``errors.py`` the exceptions;
+- tools: ``cli.py`` the ``stella`` command; ``status.py`` ``stella status``'s table;
+  ``checkpoint_file.py`` the checkpoint format (the server writes it); ``demo.py`` the
+  demo and the benchmarks' data; ``planning/`` ``stella plan`` and ``stella profile``
+  (a tool beside the library, which never imports it).
 """
 from ._codec_native import native_isa
 from .client import Client, Pending, PullResult
