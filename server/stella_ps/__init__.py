@@ -2,7 +2,8 @@
 
 Where each concern lives:
 
-- ``daemon``: the ``stella-ps`` entry point: logging, signals, the uvloop event loop.
+- ``daemon``: the ``stella-ps`` entry point: logging, signals, the uvloop event loop
+  (``__main__``: ``python -m stella_ps`` runs it).
 - ``config``: every setting declared once (flag, environment variable, help, check),
   parsed into a frozen ``ServerConfig`` of ``Limits``, ``Liveness``, ``Deadline`` and
   ``Checkpoints``; ``parse_bind``.
@@ -10,18 +11,27 @@ Where each concern lives:
   with :mod:`stella.protocol`, sending replies, taking and releasing every resource.
 - ``security``: CurveZMQ keys, the allowlist and the ZAP handler that enforces it.
 - ``service``: one handler per request type, and the composition of the parts below.
+- ``registration``: model creation: the probe held while another worker uploads, the
+  upload, the layout and mode checks, the digest base.
 - ``steps``: when a step closes and with which optimizer configuration (its only
   writer): the deadline, silent and behind workers, lost workers, the apply loop.
 - ``aggregation``: pending pushes, what a closed step takes, the mean's scale, late
   pushes, the adaptive deadline, the push-norm bound.
 - ``membership``: worker ids, the connections they belong to, liveness.
 - ``waiters``: pulls waiting for a future version.
-- ``store``: the model, its version, the history of touched coordinates, encoded deltas.
-- ``checkpoints``: resume, periodic and final checkpoints, the sliced copy.
+- ``store``: the model, its version, the history of touched coordinates, encoded deltas,
+  and the primitives a checkpoint copies it with.
+- ``broadcast``: the compressed broadcast pulls answer: its model ``B`` and residual
+  ``R``, each step's selection and message, the candidate pool, the step log a
+  checkpoint replays; ``topk``: its streaming top-k pass (``Selector``, the workers'
+  C selection compiled into the server's module).
+- ``checkpoints``: resume, periodic and final checkpoints, the sliced copy rolled forward
+  to one version, the checkpoint's arrays.
 - ``stats``: the counters and the one ``JobSnapshot`` that ``status`` and the metrics render.
 - ``runtime``: the store thread, background tasks, the clock (faked in tests).
 - ``optim`` (configuration and validation), ``optim_ref`` (the executable specification
-  of the lazy optimizers) and ``kernel`` (the C kernel behind a checked wrapper).
+  of the lazy optimizers) and ``kernel`` (the C kernel behind a checked wrapper, with the
+  broadcast's scatter, pool and union primitives).
 - ``process``: ``ServerProcess``, the one way to start a ``stella-ps`` from Python
   (demo, benchmarks, tests).
 - ``metrics``: the Prometheus endpoint (``--metrics``) and ``/healthz``.

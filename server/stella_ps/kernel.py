@@ -1,10 +1,20 @@
-"""The C lazy-optimizer kernel behind a typed, checked Python interface.
+"""The server's C code behind a typed, checked Python interface: the lazy-optimizer
+kernel, and the sparse primitives of the broadcast and of exact pulls.
 
-This module is the only caller of ``stella_ps._kernel`` (built from
-``native/optim_state.c``, ``merge.c``, ``update.c`` and ``union.c``; declarations in
-``native/cdefs/optim.h``). :class:`KernelTensorState` has the duck type of
-:class:`stella_ps.optim_ref.RefTensorState` and gives bit-identical results;
-semantics and layout measurements are in ``docs/optimizer.md``.
+This module is the only caller of ``stella_ps._kernel``'s functions built from
+``native/optim_state.c``, ``merge.c``, ``update.c``, ``union.c`` and ``pool.c``
+(declarations in ``native/cdefs/optim.h``; the module's selection, from
+``native/compress.c``, is :mod:`.topk`'s). It holds:
+
+- :class:`KernelTensorState`, one tensor's parameters and optimizer state, which has
+  the duck type of :class:`stella_ps.optim_ref.RefTensorState` and gives bit-identical
+  results (semantics and layout measurements in ``docs/optimizer.md``);
+  :func:`state_bytes`, the threads (:func:`set_num_threads`), :func:`native_isa`;
+- the broadcast's wrappers (:mod:`stella_ps.broadcast`): :func:`scatter_add` and
+  :func:`scatter_add_lists` (``R`` gains a coding's error, ``B`` its messages),
+  :func:`pool_pick` and :func:`pool_scratch_len` (the selection from the candidate
+  pool, ``native/pool.c``), and :func:`union_indices` (the sorted union of index
+  lists, also what an exact pull since a version gathers).
 
 Every array is checked here (dtype, shape, contiguity, sortedness, range) before C
 sees it, and bad input raises :class:`~stella_ps.errors.KernelInputError` (a
