@@ -98,9 +98,10 @@ def test_one_probe_per_worker_is_held(server, raw_dealer):
     probe = {"type": "register", "worker": b.worker, "tensors": layout, "optimizer": SGD1, "values": False,
              "wait_ms": 20_000}
     b.sock.send_multipart([msgspec.msgpack.encode({"proto": PROTOCOL_VERSION, "req": 101, **probe})])
-    t0 = time.monotonic()
-    second = b.call({**probe})  # held probes cost the server a task each: the second is answered at once
-    assert second["req"] == b.req and second["needs_values"] and time.monotonic() - t0 < 5.0, second
+    # held probes cost the server a task each: the second is answered at once (held, it would wait its
+    # 20 s, and the socket's 10 s receive timeout would raise first)
+    second = b.call({**probe})
+    assert second["req"] == b.req and second["needs_values"], second
     assert a.register(model(), values=True)["created"]
     first = msgspec.msgpack.decode(b.sock.recv_multipart()[0])  # the held one, once the model exists
     assert first["req"] == 101 and first["type"] == "registered" and not first["needs_values"], first
@@ -137,7 +138,7 @@ def test_a_held_probe_uploads_itself_when_the_upload_does_not_come(server, make_
     a = RawWorker(raw_dealer(server.endpoint))
     assert a.register(model(), values=False)["needs_values"]
     # goes_quiet: b holds on for 90% of its timeout (its wait_ms), then is asked for the values itself
-    b = make_client(server.endpoint, timeout=1.5 if how == "goes_quiet" else 10.0)
+    b = make_client(server.endpoint, timeout=1.5 if how == "goes_quiet" else 60.0)
     th, out = register_in_thread(b, model(1))
     th.join(0.5)
     assert th.is_alive()
@@ -146,12 +147,12 @@ def test_a_held_probe_uploads_itself_when_the_upload_does_not_come(server, make_
     if how == "is_refused":
         bad = {**model(), "b": np.full(10, np.nan, np.float32)}
         assert a.register(bad, values=True)["code"] == "bad_value"
-    th.join(10)
+    th.join(60)
     assert not th.is_alive() and out["reply"].created is True  # b's values made the model
     if how == "goes_quiet":
-        assert 1.2 <= out["s"] < 3.0, out["s"]
-    else:  # answered as soon as no upload was under way
-        assert out["s"] < 3.0, out["s"]
+        assert out["s"] >= 1.2, out["s"]  # held its 1.35 s
+    else:  # answered as soon as no upload was under way, not after the 54 s hold
+        assert out["s"] < 30, out["s"]
     np.testing.assert_array_equal(b.pull(None).tensors["w"][1].reshape(20, 10), model(1)["w"])
 
 
