@@ -260,6 +260,7 @@ class Service:
         self.steps.membership_changed()
 
     async def _reply(self, ident: bytes, work: Awaitable[Any]) -> None:
+        """Send the reply ``work`` comes to (run by :meth:`_spawn`, which refuses on failure)."""
         self._send(ident, await work, ())
 
     def _push(self, ident: bytes, msg: Push, rx: Received) -> None:
