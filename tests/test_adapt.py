@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stella import Compression, Connection, StellaOptimizer, Sync
+from stella._rounds import Rounds
 from stella.adapt import Controller, RoundMeasure, densities, pull_bits
 from stella.codec import CODINGS, DENSE_BELOW, coordinate_bits
 from stella.protocol import BroadcastInfo
@@ -313,7 +314,7 @@ def test_gradient_mode_accumulates_micro_batches_into_one_mean_push(exact_server
     """With ``max_accumulate=2`` and an exchange always in flight, step t=0 pushes g0, and
     steps 1 and 2 push their mean as one round of two samples: the server's model is
     ``w0 - g0 - (g1 + g2) / 2`` exactly (dyadic gradients)."""
-    monkeypatch.setattr(StellaOptimizer, "_runs_on", lambda self: self._inflight is not None)
+    monkeypatch.setattr(Rounds, "runs_on", lambda self: self._inflight is not None)
     model = Toy(8)
     w0 = model.w.detach().clone()
     opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},

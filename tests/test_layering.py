@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -89,3 +90,56 @@ def test_the_health_check_loads_no_c_extension():
             "m.endswith(('._native', '._kernel'))]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# the client's modules the server may import: the wire (protocol, codec, errors), the checked boundary to C and
+# the selection over it (native_errors, native_select), and the checkpoint file's format
+SERVER_TO_CLIENT = {"stella.protocol", "stella.codec", "stella.errors", "stella.native_errors", "stella.native_select",
+                    "stella.checkpoint_file"}
+
+
+def test_the_server_imports_only_the_clients_wire_modules():
+    downs = {(m, d) for m, deps in _imports("stella_ps").items() for d in deps
+             if d.startswith("stella.") and not any(d == a or d.startswith(a + ".") for a in SERVER_TO_CLIENT)}
+    assert not downs, sorted(downs)
+
+
+def _readme_layout_row(where: str) -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    layout = text[text.index("\n## Layout"):]
+    return next(line for line in layout.splitlines() if line.startswith(f"| `{where}` |"))
+
+
+def _named(stem: str, text: str) -> bool:
+    """``stem`` named in ``text`` as code: `x`, `x.py`, ``x``, ``x.py``, `x/` or :mod:`pkg.x`."""
+    return re.search(rf"[`.]{re.escape(stem)}(\.py|/)?`", text) is not None
+
+
+def _modules(root: str) -> list[str]:
+    """A package's modules and sub-packages, by name (generated modules left out)."""
+    return sorted(n[:-3] if n.endswith(".py") else n for n in os.listdir(root)
+                  if (n.endswith(".py") and n not in ("__init__.py", "__main__.py"))
+                  or os.path.isfile(os.path.join(root, n, "__init__.py")))
+
+
+@pytest.mark.parametrize("where", ["client/stella", "client/stella/planning", "server/stella_ps"])
+def test_every_module_is_named_in_its_concern_map_and_the_readme_layout(where):
+    root = os.path.join(ROOT, where)
+    with open(os.path.join(root, "__init__.py")) as f:
+        concern_map = ast.get_docstring(ast.parse(f.read())) or ""
+    row = _readme_layout_row(where.split("/planning")[0] + "/")
+    modules = _modules(root)
+    assert len(modules) >= 6
+    assert [m for m in modules if not _named(m, concern_map)] == [], f"{where}/__init__.py's concern map"
+    assert [m for m in modules if not _named(m, row)] == [], "README.md's Layout"
+
+
+def test_every_c_source_is_named_in_the_build_and_the_readme_layout():
+    sources = sorted(n for n in os.listdir(os.path.join(ROOT, "native")) if n.endswith(".c"))
+    with open(os.path.join(ROOT, "native", "build_cffi.py")) as f:
+        build_doc = ast.get_docstring(ast.parse(f.read())) or ""
+    row = _readme_layout_row("native/")
+    assert len(sources) >= 8
+    assert [s for s in sources if s not in build_doc] == [], "native/build_cffi.py's docstring"
+    assert [s for s in sources if f"`{s}`" not in row] == [], "README.md's Layout"

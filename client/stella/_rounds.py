@@ -142,7 +142,7 @@ class Rounds:
             self._exec.shutdown(wait=False)
             raise
 
-    def _round(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict | None,
+    def _round(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict[str, Any] | None,
                samples: int) -> Answer:
         """Compress (a gradient, an early compression's future, or, for None, the
         residual as the update mode left it), push, wait for the step, pull the delta;
@@ -198,9 +198,9 @@ class Rounds:
             return False
         step = statistics.median(self._step_compute) if self._step_compute else 0.0
         left = statistics.median(self._exchange_times) - (time.perf_counter() - self._inflight_since)
-        return left > self.exchange.run_on_margin * step
+        return bool(left > self.exchange.run_on_margin * step)
 
-    def start(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict, samples: int) -> None:
+    def start(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict[str, Any], samples: int) -> None:
         """Start the round that pushes ``grads`` (computed on ``version``) and pulls the
         step after ``since`` (the leader's; nothing on a site's other ranks)."""
         self.stats.rounds += 1
