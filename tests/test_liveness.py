@@ -37,12 +37,11 @@ def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejo
         victim = next(x for x in log_lines(logs[2]) if x.get("joined"))["worker"]
         procs[2].kill()  # SIGKILL: no leave, no flush, heartbeats stop
         procs[2].wait()
-        v_kill, t_kill = version_of(mon), time.monotonic()
-        # the next steps close without it, within the liveness timeout (the adaptive deadline may be sooner)
-        wait_until(lambda: version_of(mon) >= v_kill + 3, LIVENESS_S + 2.0, "steps after the kill")
-        stalled = time.monotonic() - t_kill
-        wait_until(lambda: victim in {int(k) for k in mon.status().gone_workers}, LIVENESS_S + 2.0,
-                    "the killed worker shown gone")
+        v_kill = version_of(mon)
+        # the next steps close without it (once the liveness timeout declares it gone, or sooner by the
+        # adaptive deadline); the 30 s only bound a hang
+        wait_until(lambda: version_of(mon) >= v_kill + 3, 30, "steps after the kill")
+        wait_until(lambda: victim in {int(k) for k in mon.status().gone_workers}, 30, "the killed worker shown gone")
         st = mon.status()
         assert victim not in st.workers and len(st.workers) == 2
         # a replacement asks for the dead worker's id: it is free once the old connection is gone
@@ -81,7 +80,6 @@ def test_a_killed_worker_is_declared_gone_the_job_goes_on_and_a_replacement_rejo
     assert all(d["version"] >= target for d in done)
     assert min(d["accuracy"] for d in done) >= TARGET_ACCURACY, done
     assert done[2]["worker"] == victim
-    assert stalled < LIVENESS_S + 2.0
 
 
 # --------------------------------------------------------------------------- a stray join
@@ -97,16 +95,14 @@ def test_a_join_without_registration_stops_nobody_beyond_the_timeout(make_server
         stray_id = make_client(srv.endpoint, name="idle").worker_id  # heartbeats, but never registers
     a = make_client(srv.endpoint)
     a.register({"w": np.zeros(16, np.float32)}, {"name": "sgd", "lr": 1.0})
-    t0 = time.monotonic()
     v = 0
     for _ in range(10):
         a.push({"w": np.ones(16, np.float32)}, v)
         v = a.pull(v, wait_for=v + 1).version
-    took = time.monotonic() - t0
     assert v == 10
-    assert took < 1.0 + 2.0, f"10 steps took {took:.2f}s"
-    assert "step deadline passed" not in srv.logs()  # no step waited for the stray
-    wait_until(lambda: stray_id in a.status().gone_workers, 5, "the stray declared gone")
+    # no step waited for the stray: one that did would have been closed by its deadline, which logs
+    assert "step deadline passed" not in srv.logs()
+    wait_until(lambda: stray_id in a.status().gone_workers, 30, "the stray declared gone")
     st = a.status()
     assert stray_id in {int(k) for k in st.gone_workers} and st.workers == [a.worker_id]
 
@@ -146,27 +142,29 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
         assert b.stdout.readline().startswith("ready")
         b.send_signal(signal.SIGSTOP)
         before = a.status()
-        assert before.step_deadline_s is not None and before.step_deadline_s < 1.0  # learnt, not the 30 s
+        assert before.step_deadline_s is not None and before.step_deadline_s < 30  # learnt, not the 30 s
         deadline = before.step_deadline_s
+        (stopped,) = [w for w in before.workers if w != a.worker_id]
         t0 = time.monotonic()
         waited = []
         while not a.status().behind_workers:  # the other worker goes on
-            assert time.monotonic() - t0 < 15, "the stopped worker was never counted behind"
+            assert time.monotonic() - t0 < 60, "the stopped worker was never counted behind"
             ts = time.monotonic()
             a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
-            v = a.pull(v, wait_for=v + 1, timeout=5).version
+            v = a.pull(v, wait_for=v + 1, timeout=30).version
             waited.append(time.monotonic() - ts)
         # each step waited the deadline while the stopped worker was not yet silent (its last heartbeat
-        # less than 1.5 intervals of 1.5 s ago), and it was silent soon after
+        # less than 1.5 intervals of 1.5 s ago), and a deadline that found it silent marked it behind
         assert waited and min(waited) >= 0.8 * deadline, (waited, deadline)
-        assert time.monotonic() - t0 < 2.25 + deadline + 1.5, waited
-        t1 = time.monotonic()
-        for _ in range(5):  # behind: the steps do not wait for it any more
+        marked = [line for line in srv.logs().splitlines() if '"step deadline passed"' in line]
+        assert f'"silent_workers": [{stopped}]' in marked[-1], marked[-1]
+        for _ in range(5):  # behind: the steps do not wait for it any more (a step that did would end
+            # by its deadline, and log it)
             a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
-            v = a.pull(v, wait_for=v + 1, timeout=5).version
-        assert time.monotonic() - t1 < min(1.0, 4 * deadline), (time.monotonic() - t1, deadline)
+            v = a.pull(v, wait_for=v + 1, timeout=30).version
+        assert srv.logs().count('"step deadline passed"') == len(marked)
         mid = a.status()
-        assert mid.behind_workers == [w for w in mid.workers if w != a.worker_id], mid
+        assert mid.behind_workers == [stopped], mid
         from stella.status import rates, render
 
         assert "(behind)" in render(mid, rates(mid, None, None))
@@ -202,7 +200,7 @@ def test_a_slow_worker_still_heard_from_is_waited_for_every_step(make_server, ma
         v = a.pull(v, wait_for=v + 1).version
         b.pull(v - 1, wait_for=v)
     deadline = a.status().step_deadline_s
-    assert deadline is not None and deadline < 1.0
+    assert deadline is not None and deadline < 30  # learnt, not the --deadline-max
     t0 = time.monotonic()
     for _ in range(4):  # b "computes" for ~4 heartbeat intervals: every step waits the deadline for it
         a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
@@ -251,7 +249,7 @@ def test_the_server_heartbeat_drops_the_connection_of_a_peer_that_stopped_answer
         assert p.stdout.readline().startswith("ready")
         assert _established_from(port) >= 2  # its request socket and its heartbeat socket
         p.send_signal(signal.SIGSTOP)
-        took = wait_until(lambda: _established_from(port) == 0, 10, "the server drops the stopped peer",
+        took = wait_until(lambda: _established_from(port) == 0, 30, "the server drops the stopped peer",
                            every=0.1)
         assert took >= 1.0  # not before the worker could be declared gone
         p.send_signal(signal.SIGCONT)
@@ -299,10 +297,12 @@ def test_a_long_stall_holds_the_optimizer_back_and_never_overflows_the_push_queu
 
     a = threading.Thread(target=train, args=(0, 6))
     a.start()
-    time.sleep(4.0)  # ~9 expired waits: without the fix the third push is refused (limit)
-    assert a.is_alive() and not errors, errors
-    with Client(srv.endpoint, join=False, timeout=5) as mon:
+    with Client(srv.endpoint, join=False, timeout=30) as mon:
+        # its first pull and four expired waits (counted, not slept for: a busy machine makes fewer in a
+        # given time): without the fix the third push is refused (limit)
+        wait_until(lambda: mon.status().pulls >= 5, 60, "five pulls of the stalled worker")
         st = mon.status()
+    assert a.is_alive() and not errors, errors
     assert st.version == 0 and st.pending_pushes <= 1, st  # held back, not queueing
     b = threading.Thread(target=train, args=(1, 6))
     b.start()
@@ -330,11 +330,11 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     x = torch.randn(8, 4)
-    # a's requests time out after 30 s: it must learn of the restart by its heartbeats, and its
-    # re-sent pull must not wait (for 27 s) for the step that waits for its lost push
+    # a's requests time out after 120 s: it must learn of the restart by its heartbeats, and its
+    # re-sent pull must not wait (for 108 s) for the step that waits for its lost push
     a = StellaOptimizer(model, srv.endpoint, optimizer={"name": "sgd", "lr": 0.1},
-                        compression=Compression(method="dense"), connection=Connection(timeout=30))
-    b = Client(srv.endpoint, timeout=2)
+                        compression=Compression(method="dense"), connection=Connection(timeout=120))
+    b = Client(srv.endpoint, timeout=30)
     b.register({n: p.detach().numpy() for n, p in model.named_parameters()})
 
     def a_step() -> None:
@@ -344,7 +344,7 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
 
     def b_step(v: int) -> int:
         b.push({n: np.full(p.numel(), 0.01, np.float32) for n, p in model.named_parameters()}, v)
-        return b.pull(v, wait_for=v + 1, timeout=20).version
+        return b.pull(v, wait_for=v + 1, timeout=90).version
 
     a_step()  # exchange 0 in the background: push on version 0, wait for 1
     assert b_step(0) == 1
@@ -368,11 +368,11 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     t = threading.Thread(target=a_more)
     t.start()
     t0 = time.monotonic()
-    v = b_step(1)  # the step after the restart needs a's push: a must not wait for it (60 s) in turn
+    v = b_step(1)  # the step after the restart needs a's push: a must not wait for it (108 s) in turn
     took = time.monotonic() - t0
     t.join(30)
     assert not errors, errors
-    assert v == 2 and took < 15.0, (v, took)
+    assert v == 2 and took < 60, (v, took)  # ~1 s
     assert "resumed from checkpoint" in srv2.logs()
     b.close()  # first: a's flush on close then closes a step of its own
     a.close()
@@ -385,6 +385,7 @@ from stella import Client
 c = Client(sys.argv[1], timeout=60, name=sys.argv[2])
 c.register({"w": np.zeros(int(sys.argv[3]), np.float32)}, {"name": "sgd", "lr": 0.1})
 if sys.argv[2] == "first":
+    print("registered", flush=True)
     time.sleep(float(sys.argv[4]))  # stays joined: the job is not over
 else:
     t = time.monotonic()
@@ -395,7 +396,7 @@ c.close()
 
 
 def test_a_snapshot_that_outlasts_four_heartbeats_on_a_slow_link_is_not_taken_for_a_lost_server(tmp_path):
-    """A worker joining over a slow link pulls the model's snapshot (4 MB over 4 Mbit/s: ~8 s)
+    """A worker joining over a slow link pulls the model's snapshot (3 MB over 4 Mbit/s: ~6 s)
     while its heartbeats share that link (1 s heartbeats: "lost" after 4 s without a reply).
     The heartbeats get through beside the snapshot (tbf keeps at most 50 ms queued), and the
     pull completes without a reconnect."""
@@ -405,14 +406,15 @@ def test_a_snapshot_that_outlasts_four_heartbeats_on_a_slow_link_is_not_taken_fo
     ok, why = netns_available()
     if not ok:
         pytest.skip(f"slow-link test bed unavailable: {why}")
-    numel = 1_000_000
+    numel = 750_000
     with WanTestbed({"ps": Link(1000, 1000), "a": Link(1000, 1000), "b": Link(4, 4)}, max_lifetime=120) as bed:
         ps = ServerProcess(2, ["--liveness-timeout", "4"], bind=f"tcp://{bed.address('ps')}:{free_port()}",
                            log_level="INFO", cwd=ROOT, timeout=60, popen=functools.partial(bed.popen, "ps"))
         try:
             first = bed.popen("a", [sys.executable, "-c", _SNAPSHOT_CLIENT, ps.endpoint, "first", str(numel), "40"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            time.sleep(3)  # the model is in the server (1000 Mbit/s: 4 MB in well under a second)
+            assert first.stdout is not None
+            assert first.stdout.readline().startswith("registered")  # the model is in the server
             second = bed.run("b", [sys.executable, "-c", _SNAPSHOT_CLIENT, ps.endpoint, "second", str(numel)],
                              timeout=60)
             out = second.stdout
@@ -422,7 +424,7 @@ def test_a_snapshot_that_outlasts_four_heartbeats_on_a_slow_link_is_not_taken_fo
             ps.close()
     assert second.returncode == 0, second.stderr[-2000:]
     seconds, reconnects = float(out.split()[2]), int(out.split()[5])
-    assert seconds > 6.0  # the link's rate: the heartbeats really did wait behind the snapshot
+    assert seconds > 5.0  # the link's rate (6 s): the heartbeats really did wait behind the snapshot
     assert reconnects == 0, out
 
 
@@ -437,7 +439,8 @@ def test_a_worker_declared_gone_while_it_registers_reconnects_once_not_for_ever(
     c = make_client(srv.endpoint, reconnect=30)
     # joined, not registered: gone after 1 s, and its heartbeats (every 0.25 s) refused from then on
     wait_until(lambda: "workers declared gone" in srv.logs(), 30, "the joined worker declared gone")
-    time.sleep(1.0)
+    # three heartbeats refused (counted, not slept for): the client has had the refusal
+    wait_until(lambda: srv.logs().count('"code": "not_registered"') >= 3, 30, "its heartbeats refused")
     v = c.register({"w": np.zeros(16, np.float32)}, {"name": "sgd", "lr": 0.1}).version
     for _ in range(2):  # nobody pushes: the server holds each until its timeout
         t = time.monotonic()
