@@ -798,9 +798,9 @@ def run_fuzz(h: Harness, messages: int, time_limit_s: float) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(LONG, reason="STELLA_FUZZ_LONG=1 runs the long setting instead")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_fuzz_short(harness):
-    run_fuzz(harness, FUZZ_SHORT, time_limit_s=60)
+    run_fuzz(harness, FUZZ_SHORT, time_limit_s=150)  # ~15 s; the limit only bounds a hang
 
 
 @pytest.mark.slow

@@ -248,9 +248,10 @@ def test_a_stream_of_stray_joins_holds_no_step(make_server, make_client):
 
     t = threading.Thread(target=strays)
     t.start()
-    v = 0
+    v, deadline = 0, time.monotonic() + 60
     try:
-        for _ in range(60):
+        while v < 60 or (len(joined) < 10 and t.is_alive()):  # the steps go on while ten strays join,
+            assert time.monotonic() < deadline, (v, len(joined))  # however slowly a busy machine lets them
             a.push({"w": np.ones(16, np.float32)}, v)
             v = a.pull(v, wait_for=v + 1).version
             time.sleep(0.02)
@@ -258,7 +259,7 @@ def test_a_stream_of_stray_joins_holds_no_step(make_server, make_client):
         stop.set()
         t.join(30)
     # each got a worker id, or, once its key held --max-workers-per-key strays, a refusal
-    assert v == 60 and len(joined) >= 10 and sum(r["type"] == "joined" for r in joined) >= 7
+    assert v >= 60 and len(joined) >= 10 and sum(r["type"] == "joined" for r in joined) >= 7
     assert all(r["type"] == "joined" or r.get("code") == "limit" for r in joined), joined
     assert "step deadline passed" not in s.logs()  # no step ever waited for a stray
 
@@ -321,8 +322,8 @@ def test_a_many_frame_message_is_refused_its_host_cut_its_key_banned_and_the_mem
     r = call(raw, enc({"type": "status"}), tuple([frame] * 128))  # 64 MiB in all
     assert r["type"] == "error" and r["code"] == "oversized", r
     # the key is refused: its workers are dropped, and a new connection cannot join
-    with pytest.raises(Unauthorised):
-        Client(s.endpoint, timeout=2.0, reconnect=0)
-    wait_until(lambda: rss(s.pid) < before + (24 << 20), 10, "the heap given back")
+    with pytest.raises(Unauthorised):  # at the handshake: the timeout only bounds a hang
+        Client(s.endpoint, timeout=30, reconnect=0)
+    wait_until(lambda: rss(s.pid) < before + (24 << 20), 30, "the heap given back")
     assert "oversized message: cutting the connections of its host" in s.logs()
     assert s.alive()
