@@ -3,11 +3,10 @@ server) against a real stella-ps: the merge rule, exactly, on deterministic toys
 conservation of the weights' change; the replica never drifting from the server."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
+from live import wait_until
 
 from stella import Compression, Connection, StellaOptimizer, Sync
 from stella.client import Client
@@ -112,10 +111,8 @@ def _server_model(srv, numel: int, version: int) -> torch.Tensor:
     """The server's model once it reaches ``version`` (read by an observer that registers
     after the workers have left: a registered worker takes part in every step)."""
     with Client(srv.endpoint, timeout=10, join=False) as c:
-        for _ in range(250):  # a step closed by the last push is applied right after it is acknowledged
-            if c.status().version >= version:
-                break
-            time.sleep(0.02)
+        # a step closed by the last push is applied right after it is acknowledged (30 s: a hang)
+        wait_until(lambda: c.status().version >= version, 30, f"version {version}")
     with Client(srv.endpoint, timeout=10) as c:
         c.register({"w": np.zeros(numel, np.float32)})
         snap = c.pull(None)
