@@ -287,30 +287,52 @@ def test_stella_ps_logs_its_level(make_server, make_client):
     assert listening["native_isa"] == "portable"
 
 
-def _build_without_dispatch(tmp_path: pathlib.Path):
+NODISPATCH = (("_stella_client_nodispatch", ["codec", "compress"]), ("_stella_server_nodispatch", ["optim"]))
+
+
+def _build_without_dispatch():
     """Both extensions as aarch64, clang and ``-DSTELLA_NO_DISPATCH`` builds get them: one
     copy of each kernel under its plain name; (client module, server module), under names
     of their own (the production modules stay loaded). Built and loaded as the bench-only
     module is (bench/_native_bench.py); an undefined symbol fails the load, as it fails the
-    import of a real build."""
-    from bench._native_bench import _build_script, _module_from
+    import of a real build. The two builds (~10 s of compiling) are kept, as the bench-only
+    one is, in ``build/`` under a hash of everything that goes into them (the native
+    sources, the build's environment, the interpreter): a change of any gives a new build."""
+    import hashlib
+    import shutil
+    import tempfile
 
-    build = _build_script()
-    mods = []
-    for name, areas in (("_stella_client_nodispatch", ["codec", "compress"]), ("_stella_server_nodispatch", ["optim"])):
-        ffi = build.builder(name, areas, defines=("STELLA_NO_DISPATCH",), absolute=True)
-        mods.append(_module_from(name, pathlib.Path(ffi.compile(tmpdir=str(tmp_path), verbose=False))))
-    return mods
+    from bench._native_bench import NATIVE, ROOT, _build_script, _module_from
+
+    h = hashlib.sha256(repr((sys.version, sorted((k, v) for k, v in os.environ.items()
+                                                  if k.startswith(("STELLA_NATIVE_", "CC", "CFLAGS", "LDFLAGS"))),
+                             NODISPATCH)).encode())
+    for p in sorted(NATIVE.rglob("*")):
+        if p.is_file() and p.suffix in (".c", ".h", ".py"):
+            h.update(p.relative_to(NATIVE).as_posix().encode() + b"\0" + p.read_bytes())
+    out = ROOT / "build" / "test_nodispatch" / h.hexdigest()[:16]
+    if not out.exists():  # built aside, then moved in whole: an interrupted build leaves nothing half done
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent))
+        build = _build_script()
+        for name, areas in NODISPATCH:
+            build.builder(name, areas, defines=("STELLA_NO_DISPATCH",), absolute=True).compile(
+                tmpdir=str(tmp), verbose=False)
+        try:
+            tmp.rename(out)
+        except OSError:  # another run built it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    return [_module_from(name, next(out.glob(f"{name}*.so"))) for name, _ in NODISPATCH]
 
 
-def test_a_build_without_dispatch_links_and_gives_the_same_bits(tmp_path):
+def test_a_build_without_dispatch_links_and_gives_the_same_bits():
     """Every entry point is defined once dispatch is off (a definition left inside the
     dispatching copy's section once went missing there: the client module did not
     import), and the one copy computes what the dispatched build does."""
     from stella import codec
     from stella._native import lib as prod
 
-    client, server = _build_without_dispatch(tmp_path)
+    client, server = _build_without_dispatch()
     for mod in (client, server):
         assert mod.ffi.string(mod.lib.stella_native_isa()) == b"portable"
     lib, ffi = client.lib, client.ffi
