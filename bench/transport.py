@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 
-from bench.e2e import machine
 from bench.harness import loadavg
 
 GAP_S = 0.3
@@ -105,6 +104,8 @@ def main(argv=None) -> int:
         return 0
     if a.quick:
         a.rates, a.sizes, a.reps = "20,50", "224,288,352", 6
+    from bench.e2e import machine  # here: bench.e2e imports torch, which the peers (and tests) need not wait for
+
     rows: list[dict] = []
     out = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": loadavg(),
            "machine": machine(), "rows": rows}

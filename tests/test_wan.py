@@ -1,7 +1,7 @@
 """Slow-link test bed: real namespaces, real veths, real tbf, real TCP bytes.
 
 Skipped (with the reason) when not root or when `ip netns` is unavailable.
-The whole module takes ~30 s; the three longest tests are marked slow.
+The whole module takes ~60 s; the four longest tests are marked slow.
 """
 
 import os
@@ -182,6 +182,18 @@ def _proc_state(pid: int) -> str:
         return f.read().split()[2]
 
 
+@needs_netns
+def test_a_message_that_overflows_the_downlink_queue_in_one_flight_is_cut():
+    """bench.transport on the real test bed, four messages each way (the slow test below sends
+    twenty and times them): 288 KiB down a 20 Mbit/s link overflows its queue (186 KiB) in one
+    flight, and the queue drops; at 50 Mbit/s (queue 369 KiB) nothing is dropped."""
+    from bench.transport import measure
+
+    assert measure(20, 288 * 1024, reps=4)["drops_down"] > 0
+    assert measure(50, 288 * 1024, reps=4)["drops_down"] == 0
+
+
+@pytest.mark.slow
 @needs_netns
 def test_a_message_that_overflows_the_downlink_queue_in_one_flight_loses_its_tail():
     """bench.transport on the real test bed: 288 KiB down a 20 Mbit/s link (queue 186 KiB)
