@@ -30,7 +30,7 @@ def test_expected_model_is_exact():
 
 @pytest.mark.timeout(120)
 def test_load_conserved_sum_4_workers():
-    check(run_load(workers=4, seconds=2.0, secure=True), 4)
+    check(run_load(workers=4, seconds=1.0, secure=True), 4)
 
 
 @pytest.mark.slow
