@@ -17,7 +17,8 @@ Where each concern lives:
 - compression: ``compress.py`` top-k with error feedback, one selector per method and
   backend; ``native_select.py`` the checked wrapper of the C selection (the client's
   through ``_select_native.py``, the server's broadcast through ``stella_ps.topk``);
-- the wire: ``protocol.py`` every message (the server imports it); ``codec.py`` the
+- the wire: ``layout.py`` the flat model's coordinate space (workers and server
+  alike); ``protocol.py`` every message (the server imports it); ``codec.py`` the
   codings and the wire's facts (bits per value, the dense cut); ``_codec_native.py`` its
   C; ``native_errors.py`` the checked-call boundary to C; ``protocol_docs.py`` the
   generated tables of docs/protocol.md;
