@@ -41,7 +41,8 @@ def run(numel: int, workers: int, density: float, steps: int, coding: str, facto
     layout = [TensorSpec(f"t{i}", (numel,), "float32") for i in range(TENSORS)]
     info = Pulls(values=coding, factor=factor).broadcast_info()  # type: ignore[arg-type]
     assert info is not None
-    both = {name: Broadcast(layout, [np.zeros(numel, np.float32) for _ in layout], info, 64, pool=name == "pool")
+    both = {name: Broadcast(layout, [np.zeros(numel, np.float32) for _ in layout], info, 64, whole=[False] * TENSORS,
+                            pool=name == "pool")
             for name in ("pool", "pass")}
     times: dict[str, list[float]] = {name: [] for name in both}
     for s, (touched, changes, counts) in enumerate(_steps(numel, workers, density, steps), 1):

@@ -54,7 +54,7 @@ def run(numel: int, density: float, tensors: int, directory: str) -> dict:
     per = numel // tensors
     layout = [TensorSpec(f"t{i}", (per,), "float32") for i in range(tensors)]
     rng = np.random.default_rng(0)
-    store = ModelStore(Pulls(mode="exact"), history=64, threads=1)
+    store = ModelStore(Pulls(mode="exact"), history=64, threads=1, dense_below=4096)
     store.initialise(layout, [rng.standard_normal(per).astype(np.float32) for _ in layout], cfg)
     steps = [_step(rng, layout, density) for _ in range(4)]
     for st in steps[:2]:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     model = demo_model(a.hidden, a.seed)
     log = open(a.log, "a", buffering=1)  # noqa: SIM115 - written until the process ends
     opt = StellaOptimizer(model, a.address, optimizer={"name": "adamw", "lr": a.lr, "weight_decay": 0.0},
-                          compression=Compression(density=a.density, method="threshold", dense_below=1024),
+                          compression=Compression(density=a.density, method="threshold"),
                           connection=Connection(timeout=a.timeout, name=f"live-worker-{a.rank}", worker_id=a.worker_id))
     log.write(json.dumps({"t": time.time(), "joined": True, "worker": opt.client.worker_id,
                           "version": opt.version, "pid": os.getpid()}) + "\n")

@@ -38,6 +38,7 @@ import numpy as np
 
 from bench.harness import loadavg, start_shards
 from stella import Client
+from stella.layout import FlatLayout
 from stella.protocol import Register, Registered, TensorSpec
 
 OPTIMIZER: dict[str, Any] = {"name": "sgd", "lr": 0.1}
@@ -49,8 +50,11 @@ def _start_all(clients: list[Client], model: dict[str, np.ndarray], how: str) ->
         if how == "each_sends":  # the values with the registration, at once
             assert c.worker_id is not None  # joined
             layout = [TensorSpec(n, tuple(t.shape), "float32") for n, t in model.items()]
-            msg = Register(worker=c.worker_id, tensors=layout, optimizer=OPTIMIZER, values=True)
-            reply = c._session.request(msg, Registered, list(model.values()))
+            cut = c._session.dense_below  # the model laid out flat, a frame per part (stella.layout)
+            flat = FlatLayout.of(layout, cut)
+            values = flat.gather(list(model.values()))
+            msg = Register(worker=c.worker_id, tensors=layout, optimizer=OPTIMIZER, values=True, dense_below=cut)
+            reply = c._session.request(msg, Registered, [values[p.start:p.stop] for p in flat.parts()])
             base = reply.version if reply.created else None
         else:
             reply = c.register(model, OPTIMIZER)

@@ -75,9 +75,8 @@ def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: 
             k = max(1, int(t.size * density))
             idx = np.sort(rng.choice(t.size, k, replace=False)).astype(np.int32)
             upd[name] = (idx, (rng.standard_normal(k) * 1e-3).astype(np.float32))
-        parts = c.split(upd) if isinstance(c, ShardedClient) else [upd]
-        encoded.append([cl.encode_push(part, value_dtype="f16", index_coding="rice")
-                        for cl, part in zip(clients, parts)])
+        flat = c.shards[0].flatten(upd) if isinstance(c, ShardedClient) else c.flatten(upd)  # each shard its range
+        encoded.append([cl.encode_push(flat, value_dtype="f16", index_coding="rice") for cl in clients])
     versions = [cl.pull(None, decode=False).version for cl in clients]
     out.put(("ready", rank))
     pushed0, pulled0 = c.bytes_pushed, c.bytes_pulled  # the timed loop's bytes only

@@ -15,7 +15,9 @@ from typing import cast
 import torch
 
 from bench import workloads as W
-from stella.codec import DENSE_BELOW  # the library's dense cut-off, also the hybrid rule's
+from stella_ps.config import ServerConfig
+
+DENSE_BELOW = ServerConfig().dense_below  # the server's dense cut (stella-ps --dense-below), also the hybrid rule's
 
 
 def topk_ef(acc: torch.Tensor, density: float, dense_below: int = DENSE_BELOW):

@@ -15,12 +15,12 @@ import torch
 from stella import Compression, Connection, StellaOptimizer, Sync
 from stella._rounds import Rounds
 from stella.adapt import Controller, RoundMeasure, densities, pull_bits
-from stella.codec import CODINGS, DENSE_BELOW, coordinate_bits
+from stella.codec import CODINGS, coordinate_bits
 from stella.protocol import BroadcastInfo
 
 N = 10_000_000  # coordinates a push could carry at density 1
 COMPUTE = 0.2  # seconds of computation per round
-BCAST = BroadcastInfo(values="q4", factor=2.0, dense_below=DENSE_BELOW)  # the server's, as its registration says
+BCAST = BroadcastInfo(values="q4", factor=2.0)  # the server's, as its registration says
 
 
 def link_round(c: Controller, up_mbps: float, down_mbps: float | None = None, latency_s: float = 0.0) -> RoundMeasure:

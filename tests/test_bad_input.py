@@ -14,13 +14,16 @@ from stella.client import Client, curve_keys
 from stella.protocol import PROTOCOL_VERSION
 
 MAX_MSG = 2 << 20
+DENSE_BELOW = 50
 
 
 @pytest.fixture(scope="module")
 def env(module_server_factory):
     # --oversized-ban-s 0: this module's one key goes on after its oversized messages
     # (hanging up on it is tests/test_hostile.py's)
-    srv = module_server_factory(1, ["--max-message-bytes", str(MAX_MSG), "--oversized-ban-s", "0"], pull="exact")
+    # --dense-below 50: the server's two tensors are the flat model's parts, w's 100 coordinates and b's 4
+    srv = module_server_factory(1, ["--max-message-bytes", str(MAX_MSG), "--oversized-ban-s", "0", "--dense-below",
+                                    str(DENSE_BELOW)], pull="exact")
     good = Client(srv.endpoint, timeout=10)
     init = {"w": np.arange(100, dtype=np.float32).reshape(10, 10), "b": np.zeros(4, np.float32)}
     good.register(init, {"name": "sgd", "lr": 0.1})
@@ -33,6 +36,7 @@ def env(module_server_factory):
     hdr = call(raw, {"type": "join", "name": "raw"})
     state["wid"] = hdr["worker"]
     reg = call(raw, {"type": "register", "worker": state["wid"], "values": False, "optimizer": {},
+                     "dense_below": DENSE_BELOW,
                      "tensors": [{"name": "w", "shape": [10, 10], "dtype": "float32"},
                                  {"name": "b", "shape": [4], "dtype": "float32"}]})
     assert reg["type"] == "registered" and not reg["needs_values"]
@@ -86,7 +90,7 @@ def e(t, n, coding="raw32", vd="f32", fi=0, fv=None):
 
 def reg_hdr(env, tensors=None, values=False, optimizer=None):
     return {"type": "register", "worker": env["wid"], "values": values, "optimizer": optimizer or {},
-            "tensors": tensors or [{"name": "b", "shape": [4], "dtype": "float32"}]}
+            "tensors": tensors or [{"name": "b", "shape": [4], "dtype": "float32"}], "dense_below": DENSE_BELOW}
 
 
 def set_opt(env, **hp):

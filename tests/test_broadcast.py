@@ -17,6 +17,11 @@ from stella_ps.config import Pulls
 BIG, SMALL = 8192, 100  # a tensor that is selected from, and one that goes whole
 
 
+def _whole(layout: list[TensorSpec]) -> list[bool]:
+    """The small tensors go whole, as a server's dense part does."""
+    return [s.numel < 4096 for s in layout]
+
+
 def _info(values: str, factor: float) -> BroadcastInfo:
     info = Pulls(values=values, factor=factor).broadcast_info()  # type: ignore[arg-type]
     assert info is not None
@@ -33,7 +38,7 @@ def test_what_was_sent_plus_what_is_held_is_the_global_change_exactly(coding):
     rng = np.random.default_rng(0)
     layout = [TensorSpec("big", (BIG,), "float32"), TensorSpec("small", (SMALL,), "float32")]
     x0 = [_dyadic(rng, BIG), _dyadic(rng, SMALL)]
-    b = Broadcast(layout, x0, _info(coding, 1.0), 64)
+    b = Broadcast(layout, x0, _info(coding, 1.0), 64, whole=_whole(layout))
     total = [np.zeros(BIG), np.zeros(SMALL)]  # the global change, float64
     sent = [np.zeros(BIG), np.zeros(SMALL)]
     for step in range(1, 13):
@@ -64,7 +69,8 @@ def test_a_message_is_coded_once_and_b_gains_what_its_frames_decode_to(coding):
 
     rng = np.random.default_rng(5)
     layout = [TensorSpec("big", (BIG,), "float32"), TensorSpec("small", (SMALL,), "float32")]
-    b = Broadcast(layout, [np.zeros(BIG, np.float32), np.zeros(SMALL, np.float32)], _info(coding, 2.0), 8)
+    b = Broadcast(layout, [np.zeros(BIG, np.float32), np.zeros(SMALL, np.float32)], _info(coding, 2.0), 8,
+                  whole=_whole(layout))
     for step, scale in enumerate((1.0, 1e6, 1e-40, 1e-3), start=1):
         touched = [np.unique(rng.integers(0, BIG, 200)).astype(np.int32), np.arange(SMALL, dtype=np.int32)]
         log = b.step(step, touched, [(rng.standard_normal(t.size) * scale).astype(np.float32) for t in touched],
@@ -80,7 +86,7 @@ def test_a_message_is_coded_once_and_b_gains_what_its_frames_decode_to(coding):
 def test_a_coarse_coding_keeps_its_error_owed_and_old_messages_give_way_to_a_snapshot():
     rng = np.random.default_rng(1)
     layout = [TensorSpec("big", (BIG,), "float32")]
-    b = Broadcast(layout, [np.zeros(BIG, np.float32)], _info("q4", 2.0), 3)
+    b = Broadcast(layout, [np.zeros(BIG, np.float32)], _info("q4", 2.0), 3, whole=_whole(layout))
     x = np.zeros(BIG, np.float64)
     for step in range(1, 7):
         idx = np.unique(rng.integers(0, BIG, 400)).astype(np.int32)
@@ -186,7 +192,7 @@ def test_the_pool_selects_the_exact_top_k_without_a_pass_over_the_residual(codin
     n, k = 100_000, 150
     rng = np.random.default_rng(2)
     layout = [TensorSpec("big", (n,), "float32")]
-    b = Broadcast(layout, [np.zeros(n, np.float32)], _info(coding, 1.0), 64)
+    b = Broadcast(layout, [np.zeros(n, np.float32)], _info(coding, 1.0), 64, whole=_whole(layout))
     total, sent = np.zeros(n), np.zeros(n)
     ref = np.zeros(n, np.float32)  # R as the steps define it, kept here: reading b.residual would settle what it owes
     steps = 40
@@ -221,7 +227,7 @@ def test_b_takes_its_messages_in_later_sweeps_with_the_same_floats(every):
     sizes = [BIG, 3 * BIG, SMALL]
     layout = [TensorSpec(f"t{i}", (n,), "float32") for i, n in enumerate(sizes)]
     x0 = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-    b = Broadcast(layout, x0, _info("q4", 2.0), 64)
+    b = Broadcast(layout, x0, _info("q4", 2.0), 64, whole=_whole(layout))
     want = [x.copy() for x in x0]
     for step in range(1, 90):
         dens = 0.001 if step < 60 else 0.05  # small messages (the list bound), then large (the entry bound)
@@ -243,7 +249,8 @@ def test_b_takes_its_messages_in_later_sweeps_with_the_same_floats(every):
 
 def test_dense_steps_select_with_one_pass_and_keep_no_pool():
     n = 20_000
-    b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], _info("f32", 1.0), 64)
+    b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], _info("f32", 1.0), 64,
+                  whole=[False])
     rng = np.random.default_rng(3)
     for step in range(1, 4):
         idx = np.arange(n, dtype=np.int32)

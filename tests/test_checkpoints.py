@@ -85,7 +85,7 @@ def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
     cfg = OptimizerConfig.from_wire({"name": "adamw", "lr": 0.01, "weight_decay": 0.1})
     layout = [TensorSpec("a", (50, 3), "float32"), TensorSpec("b", (7,), "float32")]
     rng = np.random.default_rng(0)
-    s = ModelStore(Pulls(mode="exact"), history=64, threads=1)
+    s = ModelStore(Pulls(mode="exact"), history=64, threads=1, dense_below=4096)
     s.initialise(layout, [rng.standard_normal(150).astype(np.float32), rng.standard_normal(7).astype(np.float32)],
                  cfg)
     for _ in range(5):
@@ -97,7 +97,7 @@ def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
     path = str(tmp_path / ckfmt.file_name(version, 1))
     ckfmt.write(path, ckfmt.Checkpoint(version, ckfmt.layout_of(layout), cfg.to_wire(), arrays))
     back = ckfmt.read(path)
-    s2 = ModelStore(Pulls(mode="exact"), history=64, threads=1)
+    s2 = ModelStore(Pulls(mode="exact"), history=64, threads=1, dense_below=4096)
     s2.restore(layout, back.tensors, OptimizerConfig.from_wire(back.optimizer), back.version)
     v2, arrays2 = state_copy(s2)
     assert v2 == version == 5
@@ -208,7 +208,7 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt, pull)
     big = 5000  # above the broadcast's whole-tensor size: its messages are selected
     layout = [TensorSpec("a", (big,), "float32"), TensorSpec("b", (37,), "float32")]
     rng = np.random.default_rng(3)
-    s = ModelStore(Pulls(mode=pull), history=64, threads=1)
+    s = ModelStore(Pulls(mode=pull), history=64, threads=1, dense_below=4096)
     s.initialise(layout, [rng.standard_normal(n).astype(np.float32) for n in (big, 37)], cfg)
 
     def step() -> None:

@@ -28,7 +28,7 @@ def train(endpoint: str, density: float, method: str, lr: float = LR) -> list[tu
             model = models[rank]
             opt = StellaOptimizer(model, endpoint, mode="gradient",
                                   optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
-                                  compression=Compression(density=density, method=method, dense_below=1024),
+                                  compression=Compression(density=density, method=method),
                                   connection=Connection(timeout=60, worker_id=rank))
             gen = torch.Generator().manual_seed(rank)
             shard = torch.arange(rank, xtr.shape[0], 2)

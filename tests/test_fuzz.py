@@ -2,8 +2,10 @@
 
 Design (docs/security.md has the prose):
 
-- One server (``--workers 1 --step-deadline 0.05 --max-message-bytes 1 MiB``) with a
-  three-tensor model (2000, 256 and 7 float32 values, plain SGD).
+- One server (``--workers 1 --step-deadline 0.05 --max-message-bytes 1 MiB
+  --dense-below 300``) with a three-tensor model (2000, 256 and 7 float32 values, plain
+  SGD): laid out flat, the server's two tensors are w's 2000 coordinates and the dense
+  part of e's and b's 263, what a push's entries name.
 - Identities: ``observer`` (a :class:`stella.Client` that joined and registered and
   never pushes: it reads ``status`` and full snapshots for the checks), ``trainer``
   (a :class:`stella.Client` in a background thread: push a small sparse update, pull
@@ -66,6 +68,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from stella import Client, codec, protocol
 from stella.client import curve_keys
 from stella.errors import ErrorCode, StellaError
+from stella.layout import FlatLayout
 from stella_ps.process import ServerProcess
 from stella_ps.service import MAX_WAIT_AHEAD
 
@@ -80,7 +83,9 @@ LONG = os.environ.get("STELLA_FUZZ_LONG") == "1"
 
 LAYOUT = {"w": (40, 50), "e": (256,), "b": (7,)}
 NAMES = list(LAYOUT)
-NUMEL = [int(np.prod(s)) for s in LAYOUT.values()]
+DENSE_BELOW = 300  # stella-ps --dense-below: the server's tensors are w's 2000 coordinates and e's and b's 263
+# the server's tensors, the parts of the flat model (stella.layout), what a push's entries name
+NUMEL = [p.numel for p in FlatLayout.of([np.empty(s) for s in LAYOUT.values()], DENSE_BELOW).parts()]
 SPECS = [{"name": n, "shape": list(s), "dtype": "float32"} for n, s in LAYOUT.items()]
 OPTIMIZER = {"name": "sgd", "lr": 0.5}
 CODINGS = ["raw32", "varint", "u16chunk", "rice", "block16"]
@@ -172,7 +177,7 @@ class Harness:
 
     def _register_reg(self) -> None:
         reply = self._call("reg", {"type": "register", "worker": self.wid, "values": False, "optimizer": {},
-                                   "tensors": SPECS})
+                                   "tensors": SPECS, "dense_below": DENSE_BELOW})
         assert reply["type"] == "registered" and not reply["needs_values"], reply
 
     def _call(self, sock: str, hdr: dict) -> dict:
@@ -399,7 +404,7 @@ def _values(rng: np.random.Generator, n: int, vd: str) -> bytes:
 
 def build_push(rng: np.random.Generator, wid: int, version: int, coding: str | None = None) -> tuple[dict, list]:
     """A valid push: 1-3 tensors in random order, each its own coding and value dtype."""
-    order = rng.permutation(len(NAMES))[: int(rng.integers(1, len(NAMES) + 1))] if coding is None else [0]
+    order = rng.permutation(len(NUMEL))[: int(rng.integers(1, len(NUMEL) + 1))] if coding is None else [0]
     entries: list[list] = []
     frames: list[bytes] = []
     for t in order:
@@ -440,7 +445,8 @@ def build_other(rng: np.random.Generator, wid: int, version: int) -> tuple[dict,
         values = rng.random() < 0.3
         frames = [np.zeros(n, "<f4").tobytes() for n in NUMEL] if values else []
         specs = [{**t, "shape": list(t["shape"])} for t in SPECS]  # mutate() edits in place
-        return {"type": "register", "worker": wid, "values": values, "optimizer": {}, "tensors": specs}, frames
+        return {"type": "register", "worker": wid, "values": values, "optimizer": {}, "tensors": specs,
+                "dense_below": DENSE_BELOW}, frames
     if kind == "join":
         return {"type": "join", "worker": wid, "name": "fuzz"}, []
     return {"type": "leave", "worker": wid}, []
@@ -754,7 +760,8 @@ class _Forced:
 def harness(module_server_factory):
     srv = start_server(module_server_factory,
                        ["--max-message-bytes", str(MAX_MSG), "--step-deadline", str(STEP_DEADLINE_S),
-                        "--oversized-ban-s", "0"],  # the fuzzer's key goes on after oversized messages
+                        "--oversized-ban-s", "0", "--dense-below", str(DENSE_BELOW)],  # the fuzzer's key goes on
+                       # after oversized messages
                        log_level="WARNING")
     h = Harness(srv)
     yield h

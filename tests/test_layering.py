@@ -14,7 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"stella": os.path.join(ROOT, "client", "stella"), "stella_ps": os.path.join(ROOT, "server", "stella_ps")}
 # the demo, and stella profile's measurement of the server's time, start their own stella-ps (README Layout)
-CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process"), ("stella.planning.measure", "stella_ps.process")}
+CLIENT_TO_SERVER = {("stella.demo", "stella_ps.process"), ("stella.planning.measure", "stella_ps.process"),
+                    ("stella.planning.measure", "stella_ps.config")}  # the dense cut's default, with no server at hand
 
 
 def _imports(package: str) -> dict[str, set[str]]:
@@ -92,10 +93,10 @@ def test_the_health_check_loads_no_c_extension():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-# the client's modules the server may import: the wire (protocol, codec, errors), the checked boundary to C and
-# the selection over it (native_errors, native_select), and the checkpoint file's format
+# the client's modules the server may import: the wire (protocol, codec, errors, the flat layout), the checked
+# boundary to C and the selection over it (native_errors, native_select), and the checkpoint file's format
 SERVER_TO_CLIENT = {"stella.protocol", "stella.codec", "stella.errors", "stella.native_errors", "stella.native_select",
-                    "stella.checkpoint_file"}
+                    "stella.checkpoint_file", "stella.layout"}
 
 
 def test_the_server_imports_only_the_clients_wire_modules():

@@ -13,7 +13,6 @@ from live import wait_until
 
 from stella import Compression, Connection, PipelineError, StellaOptimizer, Sync
 from stella.client import Client
-from stella.codec import DENSE_BELOW
 from stella.protocol import BroadcastInfo
 
 
@@ -194,9 +193,9 @@ def test_compression_settings_are_checked():
     from stella import Compression
 
     assert Compression() == Compression(density="auto", min_density=0.001, max_density=0.1, method="threshold",
-                                        dense_below=4096, value_dtype="auto", index_coding="rice")
+                                        value_dtype="auto", index_coding="rice")
     for bad in ({"density": "fast"}, {"density": 0.0}, {"density": 1.5}, {"density": float("nan")},
-                {"min_density": 0.2}, {"max_density": 0.0}, {"method": "nope"}, {"dense_below": -1},
+                {"min_density": 0.2}, {"max_density": 0.0}, {"method": "nope"},
                 {"value_dtype": "q3"}, {"index_coding": "zip"}):
         with pytest.raises(ValueError):
             Compression(**bad)
@@ -204,14 +203,15 @@ def test_compression_settings_are_checked():
         Compression().density = 0.5  # type: ignore[misc]
 
 
-def test_the_compression_given_sets_the_compressor_and_the_controller(server):
-    given = Compression(density=0.5, method="exact", dense_below=0, value_dtype="f32", index_coding="varint")
-    opt = StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
+def test_the_compression_given_sets_the_compressor_and_the_controller(make_server):
+    given = Compression(density=0.5, method="exact", value_dtype="f32", index_coding="varint")
+    srv = make_server(1, ["--dense-below", "100"])  # which tensors go whole is the server's
+    opt = StellaOptimizer(Toy(), srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
                           compression=given, connection=Connection(timeout=10))
     try:
         assert opt.compression == given
         c = opt.rounds.compressor
-        assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 0, "f32")
+        assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 100, "f32")
         assert opt.rounds.controller.pinned and opt.rounds.pull_coding == "varint"
     finally:
         opt.close()
@@ -277,9 +277,8 @@ def test_workers_holding_the_models_first_values_pull_no_snapshot(make_server):
 
 
 @pytest.mark.parametrize(("flags", "expect"), [
-    (["--broadcast-values", "f16", "--broadcast-factor", "1"], BroadcastInfo(values="f16", factor=1.0,
-                                                                              dense_below=DENSE_BELOW)),
-    ([], BroadcastInfo(values="q4", factor=2.0, dense_below=DENSE_BELOW)),  # the daemon's defaults
+    (["--broadcast-values", "f16", "--broadcast-factor", "1"], BroadcastInfo(values="f16", factor=1.0)),
+    ([], BroadcastInfo(values="q4", factor=2.0)),  # the daemon's defaults
     (["--pull", "exact"], None),
 ])
 def test_the_workers_controller_and_status_take_the_broadcast_from_the_server(make_server, flags, expect):

@@ -11,10 +11,12 @@ import pytest
 
 from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError, _session
 from stella.client import Client
+from stella.layout import FlatLayout
 from stella.protocol import PROTOCOL_VERSION, model_digest
 from stella_ps.process import free_port
 
 SGD1 = {"name": "sgd", "lr": 1.0}
+DENSE_BELOW = 4096  # stella-ps --dense-below's default
 
 
 def model(seed: int = 0) -> dict[str, np.ndarray]:
@@ -58,8 +60,11 @@ class RawWorker:
 
     def register(self, m, values):
         layout = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in m.items()]
+        flat = FlatLayout.of(list(m.values()), DENSE_BELOW)  # the server's default cut
+        v = flat.gather(list(m.values()))
+        frames = [v[p.start:p.stop].tobytes() for p in flat.parts()] if values else ()
         return self.call({"type": "register", "worker": self.worker, "tensors": layout, "optimizer": SGD1,
-                          "values": values}, [t.tobytes() for t in m.values()] if values else ())
+                          "values": values, "dense_below": DENSE_BELOW}, frames)
 
 
 def register_in_thread(client, m):
@@ -96,7 +101,7 @@ def test_one_probe_per_worker_is_held(server, raw_dealer):
     assert a.register(model(), values=False)["needs_values"]
     layout = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in model(1).items()]
     probe = {"type": "register", "worker": b.worker, "tensors": layout, "optimizer": SGD1, "values": False,
-             "wait_ms": 20_000}
+             "wait_ms": 20_000, "dense_below": DENSE_BELOW}
     b.sock.send_multipart([msgspec.msgpack.encode({"proto": PROTOCOL_VERSION, "req": 101, **probe})])
     # held probes cost the server a task each: the second is answered at once (held, it would wait its
     # 20 s, and the socket's 10 s receive timeout would raise first)
@@ -168,7 +173,8 @@ def test_layout_conflict_names_the_difference_not_the_model(server, make_client)
         b.register({**model(), "extra": np.zeros(3, np.float32)})
     with pytest.raises(KeyError, match="not in the registered model"):  # refused locally
         b.push({"b": np.ones(10, np.float32)}, 0)
-    b.layout, b._index = a.layout, a._index  # bypass the local check: the server refuses too
+    b.layout, b._index, b.flat, b.parts, b._part_specs = a.layout, a._index, a.flat, a.parts, a._part_specs
+    # (the local check bypassed: the server refuses too)
     with pytest.raises(NotRegistered, match="has not registered"):
         b.push({"b": np.ones(10, np.float32)}, 0)
 
@@ -196,8 +202,10 @@ def test_mean_of_two_workers_applied_once_per_step(make_server, make_client):
 
 @pytest.mark.parametrize("value_dtype", ["q4", "q2"])
 def test_quantised_push_applies_exactly_the_decoded_values(exact_server, make_client, value_dtype):
-    """A q4/q2 push (sparse and dense entries) costs its frame size on the wire, and
-    the server applies exactly what the codec decodes (SGD lr 1, one worker)."""
+    """A q4/q2 push costs its frame size on the wire, and the server applies exactly what
+    the codec decodes (SGD lr 1, one worker). The model's two tensors are both small: the
+    flat model's dense suffix; "w" is pushed sparse, so the whole push is one sparse
+    vector over it ("b"'s coordinates after "w"'s), quantised as one."""
     from stella import codec
 
     c = make_client(exact_server.endpoint)
@@ -211,14 +219,15 @@ def test_quantised_push_applies_exactly_the_decoded_values(exact_server, make_cl
     c.push({"w": (idx, vals), "b": dense_b}, 0, value_dtype=value_dtype, index_coding="raw32")
     d = c.pull(0, wait_for=1)
     sent = c.status().bytes_in - bytes_in
-    need = 4 * 130 + codec.value_frame_size(value_dtype, 130) + codec.value_frame_size(value_dtype, 10)
+    need = 4 * 140 + codec.value_frame_size(value_dtype, 140)
     assert need <= sent < need + 512  # the frames plus a small header (and the status request)
+    q = codec.quantise(np.concatenate([vals, dense_b]), value_dtype)
     w = m["w"].reshape(-1).copy()
-    w[idx] -= codec.quantise(vals, value_dtype)
+    w[idx] -= q[:130]
     got_idx, got = d.tensors["w"]
     np.testing.assert_array_equal(got_idx, idx)
     np.testing.assert_array_equal(got, w[idx])
-    np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - codec.quantise(dense_b, value_dtype))
+    np.testing.assert_array_equal(d.tensors["b"][1], m["b"] - q[130:])
 
 
 def test_replicas_equal_server_bit_for_bit(make_server, make_client):
@@ -384,8 +393,10 @@ def test_a_worker_holding_the_models_first_values_pulls_only_the_steps_since(ser
     bad = raw.call({"type": "register", "worker": raw.worker, "tensors": layout, "optimizer": SGD1, "values": False,
                     "digest": b"short"})
     assert bad["type"] == "error" and "digest" in bad["message"], bad
+    flat = FlatLayout.of(list(model().values()), DENSE_BELOW)
+    parts = [flat.gather(list(model().values()))[p.start:p.stop] for p in flat.parts()]  # what a client hashes
     ok = raw.call({"type": "register", "worker": raw.worker, "tensors": layout, "optimizer": SGD1, "values": False,
-                   "digest": model_digest(list(model().values()))})
+                   "digest": model_digest(parts), "dense_below": DENSE_BELOW})
     assert ok["type"] == "registered" and ok["base"] == 0 and a.status().version == 1  # the refusal changed nothing
 
 

@@ -64,6 +64,7 @@ def test_an_unknown_key_gets_nothing_while_an_allowed_one_trains(make_server, cu
                 with pytest.raises(Unauthorised):
                     call()
             c.worker_id, c.layout, c._index = 0, good.layout, good._index  # pose as worker 0
+            c.flat, c.parts, c._part_specs = good.flat, good.parts, good._part_specs
             for call in (lambda: c.register({SECRET_NAME: np.zeros(8, np.float32)}, SGD1),
                          lambda: c.push({SECRET_NAME: np.ones(8, np.float32)}, version), lambda: c.pull(None)):
                 with pytest.raises(Unauthorised):

@@ -5,6 +5,7 @@ own checkpoint while the others go on, and the refusals (shards listed out of or
 shard serving exact pulls)."""
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import threading
@@ -15,7 +16,8 @@ from live import TARGET_ACCURACY, live_worker, log_lines, reap, wait_until
 
 from stella import StellaError
 from stella.errors import ProtocolError
-from stella.shards import MIN_SLICE, ShardedClient, split
+from stella.layout import ALIGN, FlatLayout
+from stella.shards import ShardedClient
 from stella_ps.process import free_port
 
 LAYOUT = {"a": 10, "w": 100_000, "b": 50, "v": 300_000}
@@ -23,21 +25,17 @@ LAYOUT = {"a": 10, "w": 100_000, "b": 50, "v": 300_000}
 
 # --------------------------------------------------------------------------- the split
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])
-def test_the_plan_cuts_the_model_into_pieces_of_about_equal_size(shards):
-    numels = [10, 100_000, 50, 300_000, 7, 64_000]
-    pieces = split(numels, shards)
-    assert len(pieces) == shards
-    covered = [np.zeros(n, np.int32) for n in numels]
-    for own in pieces:
-        for p in own:
-            covered[p.tensor][p.start:p.stop] += 1
-            assert p.whole == (p.size == numels[p.tensor])
-            assert p.whole or numels[p.tensor] >= MIN_SLICE  # small tensors are never cut
-    assert all((c == 1).all() for c in covered)  # every element held by exactly one shard
-    sizes = [sum(p.size for p in own) for own in pieces]
-    assert max(sizes) - min(sizes) <= 2 * MIN_SLICE  # equal but for the small tensors kept whole
-    order = [(p.tensor, p.start) for own in pieces for p in own]
-    assert order == sorted(order)  # shard i's pieces come before shard i+1's
+def test_the_split_cuts_the_flat_model_into_ranges_of_about_equal_size(shards):
+    flat = FlatLayout((10, 100_000, 50, 300_000, 7, 64_000), 4096)
+    ranges = flat.shard_ranges(shards)
+    assert len(ranges) == shards and ranges[0][0] == 0 and ranges[-1][1] == flat.numel
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(ranges))  # contiguous: every coordinate once
+    assert all(a % ALIGN == 0 for a, _ in ranges)  # whole lines, whole blocks
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 2 * ALIGN
+    for a, b in ranges:  # a shard's parts: its large tensors' coordinates, then its share of the dense suffix
+        parts = flat.parts(a, b)
+        assert sum(p.numel for p in parts) == b - a and [p.whole for p in parts] == sorted(p.whole for p in parts)
 
 
 # --------------------------------------------------------------------------- rounds
@@ -95,7 +93,7 @@ def test_replicas_equal_the_shards_broadcast_models_bit_for_bit(make_server):
         statuses = probe.status()
     assert [s.shard for s in statuses] == ["0/2", "1/2"]
     assert [s.version for s in statuses] == [15, 15]
-    assert [s.numel for s in statuses] == [LAYOUT["a"] + LAYOUT["w"] + LAYOUT["b"] + 99_970, 300_000 - 99_970]
+    assert [s.numel for s in statuses] == [b - a for a, b in FlatLayout(tuple(LAYOUT.values()), 4096).shard_ranges(2)]
     for v, rep in results:
         assert v == 15
         for k in model:
@@ -112,15 +110,14 @@ def test_a_shard_ahead_gives_its_extra_steps_only_with_the_others(make_server):
         c.register(init, {"name": "sgd", "lr": 1.0})
         v = c.pull(None).version
         rng = np.random.default_rng(0)
-        upd = _update(rng, init)
-        c.shards[1].push({"v#99970:300000": (upd["v"][0][upd["v"][0] >= 99_970] - 99_970,
-                                             upd["v"][1][upd["v"][0] >= 99_970])}, 0)
+        upd = c.shards[0].flatten(_update(rng, init))  # each shard pushes the part in its range
+        c.shards[1].push(upd, 0)
         d = c.pull(v, wait_for=v + 1, timeout=1.0)
         assert d.version == v and d.steps == []  # shard 1's step is kept, not added
-        c.shards[0].push({"w": upd["w"]}, 0)
+        c.shards[0].push(upd, 0)
         d = c.pull(v, wait_for=v + 1)
         assert d.version == v + 1 and len(d.steps) == 1
-        assert set(d.steps[0]) == {"w", "v"}
+        assert set(d.per_name(d.steps[0])) == set(LAYOUT)  # (the small ones: the dense part, sent whole)
 
 
 def test_a_worker_holding_the_first_values_starts_from_its_registration(make_server):
@@ -227,7 +224,7 @@ def test_stella_status_shows_the_job_across_its_shards(make_server, capsys):
 def test_a_model_too_small_for_its_shards_is_refused_by_the_client(make_server):
     addrs = _shards(make_server, 2, 1)
     with ShardedClient(addrs, timeout=10) as c, pytest.raises(ValueError, match="use fewer shards"):
-        c.register({"w": np.zeros(MIN_SLICE - 1, np.float32)})  # never cut: shard 1 would hold nothing
+        c.register({"w": np.zeros(15, np.float32)})  # ranges on 16-coordinate boundaries: shard 0 gets nothing
 
 
 def test_a_pre_encoded_push_replays_and_a_pull_without_decoding_gives_the_version(make_server):

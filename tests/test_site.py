@@ -30,7 +30,7 @@ def _train(endpoint: str, rank: int, world: int, mode: str, site: bool) -> dict:
     xtr, ytr, _, _ = load_digits_split(0)
     model = build_mlp((64, 96, 10), 0)
     opt = StellaOptimizer(model, endpoint, mode=mode, optimizer={"name": "sgd", "lr": LR},
-                          compression=Compression(density=0.05, method="exact", dense_below=0, value_dtype="f16"),
+                          compression=Compression(density=0.05, method="exact", value_dtype="f16"),
                           process_group="default" if site else None, connection=Connection(timeout=60),
                           sync=Sync() if mode == "gradient" else Sync(max_every=1))
     batches = _batches(rank, world) if site else [torch.cat(b) for b in zip(*(_batches(r, 2) for r in range(2)))]
@@ -58,7 +58,7 @@ def _rank(endpoint: str, port: int, rank: int, mode: str, q) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["update", "gradient"])
 def test_a_site_of_two_gloo_ranks_is_one_worker_and_matches_the_flat_run(make_server, mode):
-    site_srv, flat_srv = make_server(1), make_server(1)
+    site_srv, flat_srv = make_server(1, ["--dense-below", "0"]), make_server(1, ["--dense-below", "0"])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

@@ -72,7 +72,7 @@ class Job:
     def __init__(self, n: int = 2, *, deadline: Deadline | None = None, started: bool = True):
         self.clock = FakeClock()
         self.members = Membership(expected=n, clock=self.clock.now)
-        self.store = ModelStore(Pulls(mode="exact"), history=64, threads=1)
+        self.store = ModelStore(Pulls(mode="exact"), history=64, threads=1, dense_below=4096)
         self.store.initialise([TensorSpec("w", (8,), "float32")], [np.zeros(8, np.float32)], SGD)
         self.thread, self.tasks, self.stats = StoreThread(), Tasks(), Stats()
         self.steps = StepScheduler(self.store, self.members, self.thread, self.tasks, self.clock, self.stats,
@@ -288,7 +288,7 @@ def test_a_waiting_pull_expires_at_its_timeout_and_a_worker_waits_for_at_most_it
 
 # ------------------------------------------------------------------ the encoded-delta cache
 def _store(history: int = 3) -> ModelStore:
-    s = ModelStore(Pulls(mode="exact"), history=history, threads=1)
+    s = ModelStore(Pulls(mode="exact"), history=history, threads=1, dense_below=4096)
     s.initialise([TensorSpec("a", (100,), "float32"), TensorSpec("b", (4,), "float32")],
                  [np.zeros(100, np.float32), np.zeros(4, np.float32)], SGD)
     return s
@@ -443,7 +443,7 @@ def test_a_step_that_fails_in_the_broadcast_is_undone_and_the_version_still_move
     step closes empty so that waiting pulls are answered, and the next step applies."""
     async def main() -> None:
         job = Job(2)
-        store = ModelStore(Pulls(), history=64, threads=1)
+        store = ModelStore(Pulls(), history=64, threads=1, dense_below=4096)
         store.initialise([TensorSpec("w", (8,), "float32")], [np.zeros(8, np.float32)], SGD)
         job.store = job.steps.store = store
         job.push(0)
@@ -482,7 +482,7 @@ def test_a_checkpoint_copy_that_overlaps_a_failed_step_is_abandoned():
     from stella_ps.aggregation import Step
     from stella_ps.errors import CopyAbandoned, StepFailed
 
-    store = ModelStore(Pulls(), history=64, threads=1)
+    store = ModelStore(Pulls(), history=64, threads=1, dense_below=4096)
     store.initialise([TensorSpec("w", (8,), "float32")], [np.zeros(8, np.float32)], SGD)
     store.begin_copy()
     store.copy_records(0, 0, 8)

@@ -22,7 +22,7 @@ OPTIMIZERS = [OptimizerConfig.from_wire({"name": "sgd", "lr": 0.1, "momentum": 0
 
 
 def _store(threads: int, cfg: OptimizerConfig, pull: str = "broadcast") -> ModelStore:
-    s = ModelStore(Pulls(mode=pull, values="q4", factor=2.0), history=64, threads=threads)  # type: ignore[arg-type]
+    s = ModelStore(Pulls(mode=pull, values="q4", factor=2.0), history=64, threads=threads, dense_below=4096)  # type: ignore[arg-type]
     rng = np.random.default_rng(0)
     s.initialise([TensorSpec(f"t{i}", (n,), "float32") for i, n in enumerate(SIZES)],
                  [rng.standard_normal(n).astype(np.float32) for n in SIZES], cfg)

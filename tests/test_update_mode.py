@@ -129,11 +129,11 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
     float32 rounding, their decoded values are not dyadic); the anchor equals the
     server's model bit for bit."""
     n, steps = 64, 10
-    srv = make_server(2, pull="exact")
+    srv = make_server(2, ["--dense-below", "0"], pull="exact")  # the small tensor selected from, not sent whole
     init = torch.zeros(n)
     models = [Toy(n, init), Toy(n, init)]
     opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0},
-                            compression=Compression(density=0.125, method="exact", dense_below=0,
+                            compression=Compression(density=0.125, method="exact",
                                                     value_dtype=value_dtype),
                             sync=Sync(max_every=1), connection=Connection(timeout=10, worker_id=i))
             for i, m in enumerate(models)]
@@ -161,11 +161,12 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
         assert torch.equal(lhs, rhs)
 
 
-def test_close_flushes_what_was_not_sent(exact_server):
+def test_close_flushes_what_was_not_sent(make_server):
+    exact_server = make_server(1, ["--dense-below", "0"], pull="exact")  # the small tensor selected from
     n = 256
     model = Toy(n, torch.zeros(n))
     opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
-                          compression=Compression(density=0.05, method="exact", dense_below=0, value_dtype="f32"),
+                          compression=Compression(density=0.05, method="exact", value_dtype="f32"),
                           sync=Sync(max_every=1), connection=Connection(timeout=10))
     total = torch.zeros(n)
     for t in range(5):
@@ -242,11 +243,11 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     restarted worker keeps that progress on top of the server's current model (which
     another worker moved meanwhile)."""
     n = 64
-    srv = make_server(1)
+    srv = make_server(1, ["--dense-below", "0"])  # the small tensor selected from, not sent whole
     model = Toy(n, torch.zeros(n))
     inner = torch.optim.AdamW(model.parameters(), lr=0.125)
     opt = StellaOptimizer(model, srv.endpoint, optimizer=inner,
-                          compression=Compression(density=0.125, method="exact", dense_below=0, value_dtype="f32"),
+                          compression=Compression(density=0.125, method="exact", value_dtype="f32"),
                           sync=Sync(max_every=1), connection=Connection(timeout=10))
     for t in range(4):
         local_step(model, opt, 0, t)
@@ -265,7 +266,7 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
 
     model2 = Toy(n, torch.ones(n))
     opt2 = StellaOptimizer(model2, srv.endpoint, optimizer=torch.optim.AdamW(model2.parameters(), lr=0.125),
-                           compression=Compression(density=0.125, method="exact", dense_below=0, value_dtype="f32"),
+                           compression=Compression(density=0.125, method="exact", value_dtype="f32"),
                            sync=Sync(max_every=1), connection=Connection(timeout=10))
     opt2.load_state_dict(saved)
     x = opt2._exchange.anchor["w"]

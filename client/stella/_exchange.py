@@ -96,7 +96,7 @@ class _Exchange:
         # the controller's first candidate (stella.adapt): the density pinned or its ceiling, the best coding;
         # values are rounded to the wire coding inside the compressor, the rounding error kept in the residual
         self.compressor = ErrorFeedbackCompressor(
-            c.max_density if c.density == "auto" else float(c.density), method=c.method, dense_below=c.dense_below,
+            c.max_density if c.density == "auto" else float(c.density), method=c.method, dense_below=0,
             value_dtype=self.codings[0] if c.value_dtype == "auto" else c.value_dtype)
         self.local_steps = 0  # update mode: inner steps since the last exchange started
         # the round step() just ended: its local steps (update mode) and the micro-batches its
@@ -243,7 +243,7 @@ class _UpdateExchange(_Exchange):
                 w.index_add_(0, at, (new - a.index_select(0, at)).to(w.dtype))
                 a.index_copy_(0, at, new)
         for step in delta.steps:
-            for n, (idx, vals) in step.items():
+            for n, (idx, vals) in delta.per_name(step).items():
                 a, w = self.anchor[n], self.params[n].detach().view(-1)
                 inc = _host_tensor(vals, a)
                 if idx is None:

@@ -129,6 +129,8 @@ class Rounds:
                                     else connect(address, **connection.client_kwargs()))
             reply = client.register(params, optimizer, mode=mode)  # type: ignore[arg-type]
             self.controller.broadcast = reply.broadcast  # the pull's coding and size, as the server has them
+            assert client.flat is not None
+            self.compressor.dense_below = client.flat.dense_below  # the server's: small tensors travel whole
             if reply.base is None:
                 return reply, client.pull(None)
             # these values are the model at reply.base (this worker created it, or the job was created with the

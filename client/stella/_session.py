@@ -355,10 +355,14 @@ def expect(rx: Received, cls: type[T]) -> T:
 
 @dataclass
 class _Registration:
-    """What a reconnect registers again: the layout, the optimizer and mode asked for,
-    and how to read the tensors' current values (for a server that lost the model)."""
+    """What a reconnect registers again: the layout, the range of the flat model and the
+    dense cut it was laid out with, the optimizer and mode asked for, and how to read the
+    range's current values, a frame per part (for a server that lost the model)."""
 
     layout: list[TensorSpec]
+    start: int
+    stop: int
+    dense_below: int
     optimizer: dict[str, Any]
     mode: TrainingMode | None
     values: Callable[[], list[np.ndarray]]
@@ -376,6 +380,7 @@ class Session:
         self.reconnects = 0
         self.server_version = 0  # the server's version in its last join/register reply
         self.shard = ""  # "I/N" when the server is a shard of a sharded job (its join reply says)
+        self.dense_below = 0  # the server's dense cut (its join reply says): how the model is laid out flat
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         self._seen_version = 0  # the newest version any reply showed
@@ -420,16 +425,18 @@ class Session:
         self.worker_id = reply.worker
         self.server_version = self._seen_version = reply.version
         self.shard = reply.shard
+        self.dense_below = reply.dense_below
         self._joined = True
         self._start_heartbeats(reply)
         return reply
 
-    def register(self, layout: list[TensorSpec], optimizer: dict[str, Any], mode: TrainingMode | None,
-                 values: Callable[[], list[np.ndarray]], timeout: float | None) -> Registered:
+    def register(self, layout: list[TensorSpec], start: int, stop: int, dense_below: int, optimizer: dict[str, Any],
+                 mode: TrainingMode | None, values: Callable[[], list[np.ndarray]],
+                 timeout: float | None) -> Registered:
         """Register (sending ``values()`` if the server asks for them); remembered, so
         that a reconnect registers again. The probe carries the values' digest: a worker
         whose values are those the model was created with learns so (``Registered.base``)."""
-        reg = _Registration(layout, optimizer, mode, values)
+        reg = _Registration(layout, start, stop, dense_below, optimizer, mode, values)
         arrays = values()  # read once: hashed now, and sent if the server asks for them
         reply = self._register(reg, timeout, arrays)
         self._registration = reg
@@ -443,7 +450,8 @@ class Session:
         t = self.timeout if timeout is None else timeout
         # the probe may be held while another worker uploads the model (workers starting together send it once)
         msg = Register(worker=self.worker(), tensors=reg.layout, optimizer=reg.optimizer, values=False, mode=reg.mode,
-                       wait_ms=int(t * 1000 * 0.9), digest=None if arrays is None else model_digest(arrays))
+                       wait_ms=int(t * 1000 * 0.9), digest=None if arrays is None else model_digest(arrays),
+                       dense_below=reg.dense_below, start=reg.start, stop=reg.stop)
         # joining a model sends no values; Register is not re-sent by a reconnect, which redoes it
         reply = expect(self.wait(self.send(msg, (), timeout), timeout), Registered)
         if reply.needs_values:  # this registration initialises the model

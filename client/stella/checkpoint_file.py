@@ -1,12 +1,16 @@
 """The checkpoint file: the server's model and optimizer state at one version.
 
-One file holds everything ``stella-ps`` needs to resume: the version, the layout
-(names, shapes, dtypes), the optimizer configuration, and for every tensor every
+One file holds everything ``stella-ps`` needs to resume: the version, the model (its
+tensors' names, shapes and dtypes, the dense cut that lays it out flat, and the range
+of the flat model the server held: :mod:`stella.layout`), the server's tensors (the
+parts of that range), the optimizer configuration, and for every server tensor every
 state array the store keeps for that optimizer (``param`` and e.g. ``exp_avg``,
 ``exp_avg_sq``, ``step``; or ``momentum_buf``: whatever the kernel's
 ``state_arrays()`` names, so the outer step of update mode is covered the same
-way). NumPy and the standard library only: the server writes and reads it, and
-``stella export`` (which alone imports torch) reads it too.
+way). NumPy, the standard library and :mod:`stella.layout` only: the server writes and
+reads it, and ``stella export`` (which alone imports torch) reads it too. A file
+without a model (written before the flat layout) lists the model's tensors as the
+server's tensors.
 
 Layout, little-endian::
 
@@ -35,6 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .errors import StellaError
+from .layout import FlatLayout
 
 __all__ = ["Checkpoint", "CheckpointError", "write", "read", "read_header", "names", "file_name", "iter_valid",
            "layout_of", "FORMAT", "SUFFIX"]
@@ -55,18 +60,37 @@ class CheckpointError(StellaError, ValueError):
 @dataclass
 class Checkpoint:
     """What a checkpoint holds. ``tensors[i]`` maps state-array names to flat arrays
-    for ``layout[i]`` (a dict with ``name``, ``shape``, ``dtype``)."""
+    for the server's tensor ``layout[i]`` (a dict with ``name``, ``shape``, ``dtype``).
+    ``model``: the model they are a range of (``tensors``: its layout as such dicts,
+    ``dense_below``, ``start``, ``stop``); None in a file written before the flat
+    layout, whose ``layout`` is the model's own."""
 
     version: int
     layout: list[dict[str, Any]]
     optimizer: dict[str, Any]
     tensors: list[dict[str, np.ndarray]]
     created: float = 0.0
+    model: dict[str, Any] | None = None
 
-    def params(self) -> dict[str, np.ndarray]:
-        """The parameters by tensor name, shaped as registered (float32)."""
-        return {spec["name"]: arrays["param"].reshape(spec["shape"])
-                for spec, arrays in zip(self.layout, self.tensors)}
+    def params(self) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The model's parameters this checkpoint holds whole, by tensor name, shaped as
+        registered (float32), and the names of those it holds only part of (a shard's
+        range cuts them)."""
+        if self.model is None:
+            return {spec["name"]: arrays["param"].reshape(spec["shape"])
+                    for spec, arrays in zip(self.layout, self.tensors)}, []
+        specs = self.model["tensors"]
+        flat = FlatLayout.of(specs, self.model["dense_below"])
+        start, stop = int(self.model["start"]), int(self.model["stop"])
+        values = np.concatenate([a["param"] for a in self.tensors])
+        whole, cut = {}, []
+        for t, spec in enumerate(specs):
+            a, b = flat.span(t)
+            if start <= a and b <= stop:
+                whole[spec["name"]] = values[a - start:b - start].reshape(spec["shape"])
+            elif a < stop and start < b:
+                cut.append(spec["name"])
+        return whole, cut
 
 
 def _pad(n: int) -> int:
@@ -95,7 +119,7 @@ def write(path: str, ckpt: Checkpoint) -> int:
             flat.append(a)
             offset = _pad(offset + a.nbytes)
     header = {"format": FORMAT, "version": ckpt.version, "layout": ckpt.layout, "optimizer": ckpt.optimizer,
-              "created": ckpt.created, "arrays": entries}
+              "created": ckpt.created, "arrays": entries, "model": ckpt.model}
     hb = json.dumps(header, separators=(",", ":")).encode()
     # the header's trailer: its checksum and the file's total size (a file cut anywhere is detected)
     base = _pad(len(MAGIC) + 12 + len(hb) + 12)
@@ -192,8 +216,12 @@ def read(path: str) -> Checkpoint:
                 if "param" not in arrays or any(a.size != numel for a in arrays.values()):
                     raise CheckpointError(f"{path}: tensor {spec['name']!r} lacks its parameters or has arrays "
                                           f"of the wrong size")
+            model = header.get("model")
+            if model is not None:
+                model = {"tensors": list(model["tensors"]), "dense_below": int(model["dense_below"]),
+                         "start": int(model["start"]), "stop": int(model["stop"])}
             return Checkpoint(int(header["version"]), layout, dict(header["optimizer"]), tensors,
-                              float(header.get("created", 0.0)))
+                              float(header.get("created", 0.0)), model)
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: malformed header: {e!r}") from None
 

@@ -204,10 +204,14 @@ def export(checkpoint: str, out: str) -> int:
         print(f"stella export: {e}", file=sys.stderr)
         return 1
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    state = {spec["name"]: torch.from_numpy(arrays["param"].copy()).reshape(spec["shape"]).to(dtypes[spec["dtype"]])
-             for spec, arrays in zip(ck.layout, ck.tensors)}
+    params, cut = ck.params()
+    registered = {spec["name"]: spec["dtype"] for spec in (ck.model["tensors"] if ck.model else ck.layout)}
+    state = {name: torch.from_numpy(p.copy()).to(dtypes[registered[name]]) for name, p in params.items()}
     torch.save(state, out)
     print(f"wrote {out}: {len(state)} tensors at version {ck.version}", file=sys.stderr)
+    if cut:
+        print(f"stella export: this shard's checkpoint holds only part of {len(cut)} tensors (e.g. {cut[0]!r}), "
+              "left out: their other parts are in the other shards' checkpoints", file=sys.stderr)
     return 0
 
 

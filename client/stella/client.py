@@ -26,6 +26,7 @@ from typing import Any, Generic, Literal, TypeVar, cast, overload
 import numpy as np
 import zmq
 
+from . import codec
 from ._session import (
     ENV_CLIENT_KEY,
     ENV_RECONNECT,
@@ -37,6 +38,8 @@ from ._session import (
     default_timeout,
     expect,
 )
+from .errors import ProtocolError
+from .layout import FlatLayout, FlatUpdate, FlatValues, Part
 from .protocol import (
     Delta,
     IndexCoding,
@@ -58,8 +61,10 @@ from .protocol import (
     TrainingMode,
     ValueDtype,
     WorkerReport,
+    concat_entries,
     decode_tensors,
     encode_tensors,
+    part_specs,
 )
 
 __all__ = ["Client", "Pending", "PullResult", "EncodedPush", "ENV_TIMEOUT", "ENV_SERVER_KEY", "ENV_CLIENT_KEY",
@@ -103,42 +108,59 @@ class EncodedPush:
 
 @dataclass
 class PullResult:
-    """What changed on the server, in one of two forms (docs/protocol.md, ``delta``):
+    """What changed on the server, in the flat model's coordinates (:mod:`stella.layout`),
+    in one of two forms (docs/protocol.md, ``delta``):
 
-    - ``tensors``: per tensor name ``(indices or None if dense, float32 values)``, the
-      values to *install* (exact pulls, and every snapshot: ``full``);
-    - ``steps`` (the server's compressed broadcast): one such mapping per step after
+    - ``values``: pieces whose float32 values are to be *installed* (exact pulls, and
+      every snapshot: ``full``);
+    - ``steps`` (the server's compressed broadcast): one list of pieces per step after
       the pull's ``since``, in order, whose float32 values are to be *added*, one step
       after another: a replica that adds them equals the server's broadcast model bit
-      for bit. ``tensors`` is then empty.
+      for bit. ``values`` is then empty.
 
-    ``rebased``: the pull was made before a reconnect and rebased after it (its
-    ``wait_for`` dropped, or turned into a snapshot; :func:`stella._session.rebase`), so
-    this answer need not contain the step it waited for. ``held_s``: how long the
-    server held the pull before it sent the answer (waiting for the step, encoding): the
-    rest of the time the pull took is the link's (:mod:`stella.adapt` measures with it).
+    ``tensors`` and :meth:`apply_to` give the installed values per tensor name (the API
+    for scripts; the optimizer works on the flat pieces). ``rebased``: the pull was made
+    before a reconnect and rebased after it (its ``wait_for`` dropped, or turned into a
+    snapshot; :func:`stella._session.rebase`), so this answer need not contain the step
+    it waited for. ``held_s``: how long the server held the pull before it sent the
+    answer (waiting for the step, encoding): the rest of the time the pull took is the
+    link's (:mod:`stella.adapt` measures with it).
     """
 
     version: int
     full: bool
-    tensors: dict[str, tuple[np.ndarray | None, np.ndarray]]
+    values: list[FlatValues] = field(default_factory=list)
     rebased: bool = False
-    steps: list[dict[str, tuple[np.ndarray | None, np.ndarray]]] = field(default_factory=list)
+    steps: list[list[FlatValues]] = field(default_factory=list)
     held_s: float = 0.0
     step_s: float = 0.0  # the server's time applying its latest step
+    layout: FlatLayout | None = None  # the model's (for the per-tensor views)
+    names: tuple[str, ...] = ()  # its tensors' names, by tensor number
 
     @property
     def count(self) -> int:
         """Values carried (all steps)."""
-        return sum(v.size for t in (self.tensors, *self.steps) for _, v in t.values())
+        return sum(p.values.size for pieces in (self.values, *self.steps) for p in pieces)
+
+    def per_name(self, pieces: list[FlatValues]) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
+        if not pieces:
+            return {}
+        assert self.layout is not None, "a decoded pull holds its layout"
+        return {self.names[t]: v for t, v in sorted(self.layout.per_tensor(pieces).items())}
+
+    @property
+    def tensors(self) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
+        """The values to install, per tensor name: ``(indices in the tensor or None if
+        all of it, float32 values)``."""
+        return self.per_name(self.values)
 
     def apply_to(self, params: Mapping[str, Any]) -> None:
         """Install the values (or add the steps) into local tensors (NumPy arrays or torch
-        tensors, any device)."""
+        tensors, any device), by name."""
         for name, (idx, vals) in self.tensors.items():
             _put(params[name], idx, vals, add=False)
         for step in self.steps:
-            for name, (idx, vals) in step.items():
+            for name, (idx, vals) in self.per_name(step).items():
                 _put(params[name], idx, vals, add=True)
 
 
@@ -257,7 +279,11 @@ class Client:
         self._session = Session(address, timeout=default_timeout() if timeout is None else float(timeout),
                                 reconnect_s=reconnect_s, name=name or f"pid{os.getpid()}", worker_id=worker_id,
                                 server_key=server_key, client_key=client_key, ctx=ctx, heartbeat=heartbeat)
-        self.layout: list[TensorSpec] = []
+        self.layout: list[TensorSpec] = []  # the model's tensors, as registered
+        self.flat: FlatLayout | None = None  # the model laid out flat
+        self.range = (0, 0)  # the flat coordinates this server holds
+        self.parts: list[Part] = []  # the range as the server's tensors, what the wire's entries name
+        self._part_specs: list[TensorSpec] = []
         self._index: dict[str, int] = {}
         if join:
             self.join(worker_id)
@@ -279,8 +305,12 @@ class Client:
         *,
         mode: TrainingMode | None = None,
         timeout: float | None = None,
+        range: tuple[int, int] | None = None,
     ) -> Registered:
         """Declare the model layout; the first registration also sends the initial values.
+        The model is laid out flat with the server's dense cut (:mod:`stella.layout`);
+        ``range``: the flat coordinates ``[start, stop)`` this server holds (a sharded
+        job's shard; None: all of them).
 
         ``mode`` ("gradient" or "update", as :class:`~stella.StellaOptimizer` sends it)
         makes the server refuse workers of the other mode in the same job.
@@ -295,31 +325,40 @@ class Client:
         """
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
+        flat = FlatLayout.of(layout, self._session.dense_below)
+        start, stop = (0, flat.numel) if range is None else range
+        parts = flat.parts(start, stop)
+
+        def values() -> list[np.ndarray]:  # the range's values, a frame per part
+            v = flat.gather(_values(items), start, stop)
+            return [v[p.start - start:p.stop - start] for p in parts]
+
         # a reconnect registers again, reading the values then (a server that lost the model needs them)
-        reply = self._session.register(layout, dict(optimizer or {}), mode, functools.partial(_values, items),
+        reply = self._session.register(layout, start, stop, flat.dense_below, dict(optimizer or {}), mode, values,
                                        timeout)
-        self.layout = layout
+        self.layout, self.flat, self.range, self.parts = layout, flat, (start, stop), parts
+        self._part_specs = part_specs(parts)
         self._index = {s.name: i for i, s in enumerate(layout)}
         return reply
 
     @overload
-    def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
+    def push(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
              report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
              wait: Literal[True] = ...) -> PushOk: ...
     @overload
-    def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
+    def push(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
              report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
              wait: Literal[False]) -> Pending[PushOk]: ...
     @overload
-    def push(self, grads: Mapping[str, Any] | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
+    def push(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
              report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
              wait: bool) -> PushOk | Pending[PushOk]: ...
     def push(
         self,
-        grads: Mapping[str, Any] | EncodedPush,
+        grads: Mapping[str, Any] | FlatUpdate | EncodedPush,
         version: int,
         *,
         value_dtype: ValueDtype = "f32",
@@ -335,11 +374,14 @@ class Client:
         ``grads`` maps tensor names to a sparse update (an object with ``indices``
         and ``values``, e.g. :class:`stella.compress.SparseGrad`, or a pair
         ``(indices, values)`` with sorted unique indices; ``indices`` None means dense)
-        or to a dense array; or ``grads`` is an :class:`EncodedPush`, whose codings were
-        fixed when it was encoded. Values travel as ``value_dtype``: "f32" by default, exact;
-        "f16"/"bf16" round them and "q4"/"q2" quantise them to 4 or 2 bits with a
-        scale per 64 values, dense entries included (the compressor keeps that error
-        in its residual when it is told the dtype; docs/compression.md). ``hparams`` change optimizer
+        or to a dense array; or ``grads`` is the update in the flat model's coordinates
+        (a :class:`~stella.layout.FlatUpdate`: one vector, what the optimizer pushes), or
+        an :class:`EncodedPush`, whose codings were fixed when it was encoded. Values
+        travel as ``value_dtype``: "f32" by default, exact; "f16"/"bf16" round them and
+        "q4"/"q2" quantise them to 4 or 2 bits with a scale per 64 values; the dense suffix
+        of small tensors, when it goes whole, in :func:`stella.codec.dense_coding` of it
+        (the compressor keeps those errors in its residual when it is told the dtype;
+        docs/compression.md). ``hparams`` change optimizer
         hyper-parameters from the step this push joins on (no extra round trip).
         ``report``: this worker's timings, shown by ``stella status`` and the metrics.
         ``samples``: what the update represents (samples, or micro-batches): the server
@@ -394,16 +436,37 @@ class Client:
         pending = Pending(s, s.send(msg, (), timeout), parse, timeout)
         return pending if not wait else pending.result()
 
-    def encode_push(self, grads: Mapping[str, Any], *, value_dtype: ValueDtype = "f32",
-                    index_coding: IndexCoding = "rice") -> EncodedPush:
-        """``grads`` (as :meth:`push` takes them) encoded once, to be pushed any number of
-        times (``push(encoded, version)``: replay, as ``bench.server`` does)."""
-        items = []
+    def flatten(self, grads: Mapping[str, Any]) -> FlatUpdate:
+        """Per-tensor updates (as :meth:`push` takes them) as one update of the flat model."""
+        per_tensor = {}
         for name, g in grads.items():
             idx, vals = update_parts(g)
-            items.append(SparseTensor(self._tensor(name), None if idx is None else np.asarray(idx),
-                                      _to_numpy_f32(vals)))
-        entries, frames = encode_tensors(items, self.layout, index_coding, value_dtype)
+            per_tensor[self._tensor(name)] = (None if idx is None else np.asarray(idx), _to_numpy_f32(vals))
+        if self.flat is None:
+            raise ProtocolError("register the model first")
+        return self.flat.flatten(per_tensor)
+
+    def encode_push(self, grads: Mapping[str, Any] | FlatUpdate, *, value_dtype: ValueDtype = "f32",
+                    index_coding: IndexCoding = "rice") -> EncodedPush:
+        """``grads`` (as :meth:`push` takes them) encoded once, to be pushed any number of
+        times (``push(encoded, version)``: replay, as ``bench.server`` does): the parts of
+        the update in this server's range, each part one entry."""
+        update = grads if isinstance(grads, FlatUpdate) else self.flatten(grads)
+        assert self.flat is not None
+        sparse, whole = [], []
+        for k, p in enumerate(self.parts):
+            a, b = np.searchsorted(update.indices, [p.start, p.stop])
+            if p.whole and update.dense is not None:
+                if a < b:
+                    raise ValueError("an update gives the dense suffix whole and some of its coordinates besides")
+                cut = self.flat.sparse_numel
+                whole.append(SparseTensor(k, None, update.dense[p.start - cut:p.stop - cut]))
+            elif a < b:
+                sparse.append(SparseTensor(k, (update.indices[a:b] - p.start).astype(np.int32),
+                                           np.ascontiguousarray(update.values[a:b], np.float32)))
+        entries, frames = concat_entries([encode_tensors(sparse, self._part_specs, index_coding, value_dtype),
+                                          encode_tensors(whole, self._part_specs, index_coding,
+                                                         codec.dense_coding(value_dtype))])
         return EncodedPush(entries, frames)
 
     def _push_ok(self, rx: Received) -> PushOk:
@@ -419,16 +482,24 @@ class Client:
         rebased = self._session.was_rebased(delta.req)
         held, step = delta.held_ms / 1e3, delta.step_ms / 1e3
         if not decode:  # the version only
-            return PullResult(delta.version, delta.full, {}, rebased=rebased, held_s=held, step_s=step)
-        decoded = decode_tensors(rx, self.layout, float32=True)  # what the replica adds or installs
+            return PullResult(delta.version, delta.full, rebased=rebased, held_s=held, step_s=step)
+        decoded = [self._flat_values(s) for s in decode_tensors(rx, self._part_specs, float32=True)]
+        kw = dict(rebased=rebased, held_s=held, step_s=step, layout=self.flat,
+                  names=tuple(s.name for s in self.layout))
         if not delta.add:
-            out = {self.layout[s.tensor].name: (s.indices, s.values) for s in decoded}
-            return PullResult(delta.version, delta.full, out, rebased=rebased, held_s=held, step_s=step)
+            return PullResult(delta.version, delta.full, decoded, **kw)  # type: ignore[arg-type]
         steps, at = [], 0
         for n in delta.parts:  # one part per step made after ``since`` (none: no step)
-            steps.append({self.layout[s.tensor].name: (s.indices, s.values) for s in decoded[at:at + n]})
+            steps.append(decoded[at:at + n])
             at += n
-        return PullResult(delta.version, False, {}, rebased=rebased, steps=steps, held_s=held, step_s=step)
+        return PullResult(delta.version, False, steps=steps, **kw)  # type: ignore[arg-type]
+
+    def _flat_values(self, s: SparseTensor) -> FlatValues:
+        """A decoded entry (a part of this server's range) in the flat model's coordinates."""
+        p = self.parts[s.tensor]
+        if s.indices is None:
+            return FlatValues(s.values, None, p.start)
+        return FlatValues(s.values, s.indices.astype(np.int64) + p.start)
 
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """The server's counters (see docs/protocol.md, ``status``); needs no join."""

@@ -38,8 +38,8 @@ Every coding of zero indices or values is the empty byte string.
 The wire's facts that the rest of the package reasons with live here too: the bits a
 value costs in each coding (:data:`VALUE_BITS`) and a coordinate with its Rice-coded
 index (:func:`coordinate_bits`), the codings an adaptive push or a plan chooses among
-(:data:`CODINGS`), and the dense cut (:data:`DENSE_BELOW`): tensors smaller than it
-travel whole, in a push and in the server's broadcast alike.
+(:data:`CODINGS`). The dense cut, which tensors travel whole, is the server's
+(``stella-ps --dense-below``, in its ``joined`` reply).
 
 The C code is ``native/codec.c`` behind the checked wrapper ``stella._codec_native``
 (index coding ids, f16/bf16 conversion, q4/q2 quantisation, the finiteness scan of
@@ -64,8 +64,8 @@ __all__ = [
     "QCHUNK",
     "VALUE_BITS",
     "CODINGS",
-    "DENSE_BELOW",
     "coordinate_bits",
+    "dense_coding",
     "DEFAULT_INDEX_CODING",
     "DEFAULT_VALUE_DTYPE",
     "encode_indices",
@@ -97,9 +97,14 @@ VALUE_BITS: dict[str, float] = {**{d: 8.0 * n for d, n in _ITEMSIZE.items()},
 ValueDtype = Literal["f32", "f16", "bf16", "q4", "q2"]  # the value codings (VALUE_DTYPES), typed
 # The codings an adaptive push (stella.adapt) or a plan chooses among, best first.
 CODINGS: tuple[ValueDtype, ...] = ("f16", "q4", "q2")
-# Tensors with fewer elements (biases, norms) travel whole: a push sends them dense, and the server's
-# broadcast sends them whole (shards never cut them).
-DENSE_BELOW = 4096
+
+
+def dense_coding(coding: str) -> ValueDtype:
+    """The coding of values that travel whole (the dense suffix of small tensors, in a push
+    or the server's broadcast) when the rest go as ``coding``: f16 for q4/q2 (a 4- or
+    2-bit code has no zero and one scale per 64 values, so a whole tensor's small changes
+    beside its large ones would each move by a step of the largest), else ``coding``."""
+    return "f16" if coding in QUANT_BITS else coding  # type: ignore[return-value]
 
 
 def coordinate_bits(density: float, coding: str) -> float:

@@ -309,7 +309,7 @@ class ErrorFeedbackCompressor:
         self,
         density: float = 0.01,
         method: str = "threshold",
-        dense_below: int = codec.DENSE_BELOW,
+        dense_below: int = 4096,
         *,
         backend: str = "auto",
         value_dtype: str = "f32",

@@ -155,7 +155,7 @@ def _worker(address: str, rank: int, cfg: DemoConfig, progress, keys: dict[str, 
     xtr, ytr = xtr[shard], ytr[shard]
     model = demo_model(cfg.hidden, cfg.seed)
     opt = StellaOptimizer(model, address, optimizer={"name": "adamw", "lr": cfg.lr, "weight_decay": 0.0},
-                          compression=Compression(density=cfg.density, method=cfg.method, dense_below=1024),
+                          compression=Compression(density=cfg.density, method=cfg.method),
                           connection=Connection(timeout=cfg.timeout, name=f"demo-worker-{rank}",
                                                 server_key=keys.get("server_key"), client_key=keys.get("client_key")),
                           progress_every=cfg.progress_every)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, get_args
 
-from .codec import DENSE_BELOW, VALUE_DTYPES
+from .codec import VALUE_DTYPES
 from .compress import METHODS
 from .protocol import IndexCoding, ValueDtype
 
@@ -26,8 +26,9 @@ class Compression:
     ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
     (default): chosen each round by the worker's :class:`~stella.adapt.Controller`
     between ``min_density`` and ``max_density``, so that the exchange hides behind the
-    computation. ``method`` ("threshold", "block", "exact" or "dense") and
-    ``dense_below`` (smaller tensors go dense): the compressor, :mod:`stella.compress`.
+    computation. ``method`` ("threshold", "block", "exact" or "dense"): the compressor,
+    :mod:`stella.compress`. Which small tensors go whole is the server's
+    (``stella-ps --dense-below``: the model's flat layout, :mod:`stella.layout`).
     ``value_dtype``: the wire coding of pushed values, or ``"auto"`` (default): the
     controller picks among f16, q4 and q2 (4.5 or 2.5 bits a value, the quantisation
     error kept in the residual); a coding pins it. ``index_coding``: the indices'.
@@ -37,7 +38,6 @@ class Compression:
     min_density: float = 0.001
     max_density: float = 0.1
     method: str = "threshold"
-    dense_below: int = DENSE_BELOW
     value_dtype: ValueDtype | Literal["auto"] = "auto"
     index_coding: IndexCoding = "rice"
 
@@ -51,8 +51,6 @@ class Compression:
             raise ValueError(f"need 0 < min_density <= max_density <= 1, got {self.min_density}, {self.max_density}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if not self.dense_below >= 0:
-            raise ValueError(f"dense_below must be >= 0, got {self.dense_below!r}")
         if self.value_dtype != "auto" and self.value_dtype not in VALUE_DTYPES:
             raise ValueError(f"value_dtype must be 'auto' or one of {VALUE_DTYPES}, got {self.value_dtype!r}")
         if self.index_coding not in get_args(IndexCoding):

@@ -37,11 +37,13 @@ import numpy as np
 
 from . import codec
 from .errors import BadValue, CodecError, ErrorCode, OversizedMessage, ProtocolError, ServerError
+from .layout import MAX_NUMEL, Part  # int32 indices
 
 __all__ = [
     # constants and types
     "PROTOCOL_VERSION", "key_fingerprint", "IndexCoding", "PullCoding", "TrainingMode", "PullMode", "ValueDtype",
-    "ModelDtype", "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NAME_BYTES", "MAX_FRAMES", "MODEL_DTYPES",
+    "ModelDtype", "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NAME_BYTES", "MAX_FRAMES", "MAX_PARTS", "MAX_NUMEL",
+    "MODEL_DTYPES",
     # the parts of messages
     "TensorSpec", "TensorEntry", "BroadcastInfo", "WorkerReport", "WorkerStatus",
     # requests
@@ -50,15 +52,15 @@ __all__ = [
     "Joined", "Left", "Registered", "PushOk", "Delta", "StatusReply", "OptimizerSet", "HeartbeatOk", "Error",
     # framing and the payloads' coding
     "Request", "Reply", "Received", "SparseTensor", "encode", "decode_request", "decode_reply", "encode_tensors",
-    "concat_entries", "decode_tensors", "decode_register_values", "model_digest",
+    "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
-MAX_FRAMES = 2 * MAX_TENSORS + 1  # header + an index and a value frame per tensor
-MAX_NUMEL = 2**31 - 1  # int32 indices
+MAX_FRAMES = 2 * MAX_TENSORS + 1  # header + an index and a value frame per entry
+MAX_PARTS = 2  # the server's tensors: the parts of its range of the flat model (TensorEntry)
 MAX_SHAPE_DIMS = 8
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -110,8 +112,12 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """One tensor of a ``push`` or ``delta``: on the wire the array
-    ``[tensor, count, coding, value_dtype, index_frame, value_frame]``.
+    """One of the server's tensors in a ``push`` or ``delta``: on the wire the array
+    ``[tensor, count, coding, value_dtype, index_frame, value_frame]``. The server holds
+    its range of the flat model (:mod:`stella.layout`) as at most two tensors, its
+    *parts*: 0, the coordinates of the large tensors (a push selects among them), and 1,
+    the dense suffix of small ones (a push sends it whole); so a push is at most one
+    index frame and two value frames, whatever the model's number of tensors.
 
     ``coding`` "dense" means no index frame (``index_frame`` is nil) and ``count``
     equal to the tensor's size; frame numbers count the payload frames from 0.
@@ -119,7 +125,7 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     a ``delta``.
     """
 
-    tensor: Int32  # position in the registered layout
+    tensor: Int32  # the part of the server's range (its tensor): 0 or 1
     count: Int32  # values (and indices) this entry carries
     coding: EntryCoding
     value_dtype: ValueDtype
@@ -133,15 +139,13 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
 class BroadcastInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The server's broadcast, as a worker or a planner must know it (``stella-ps
-    --broadcast-values``, ``--broadcast-factor``): the coding of its values, the
-    coordinates a tensor's message carries as a multiple of the mean count of the step's
-    pushes, and the dense cut (tensors smaller than ``dense_below`` go whole). Sent in
-    :class:`Registered` and :class:`StatusReply`, so that no client copies the server's
-    settings."""
+    --broadcast-values``, ``--broadcast-factor``): the coding of its values and the
+    coordinates a message carries as a multiple of the mean count of the step's pushes
+    (the dense suffix goes whole). Sent in :class:`Registered` and :class:`StatusReply`,
+    so that no client copies the server's settings."""
 
     values: ValueDtype
     factor: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
-    dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)]
 
 
 class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -207,8 +211,12 @@ class Leave(_Message, tag="leave", frozen=True):
 
 
 class Register(_Message, tag="register", frozen=True):
-    """Declare the model layout; with ``values``, one float32 frame per tensor follows
-    with its initial values (needed only to initialise the store)."""
+    """Declare the model layout: its tensors in registration order, the dense cut that
+    lays them out flat (:class:`stella.layout.FlatLayout`, the server's ``dense_below``
+    from ``joined``) and the range ``[start, stop)`` of the flat model this server holds
+    (the whole model unless the job is sharded). With ``values``, one float32 frame per
+    part of the range follows (its large tensors' coordinates, then its dense suffix:
+    see :class:`TensorEntry`), needed only to initialise the store."""
 
     worker: WorkerId
     tensors: Annotated[list[TensorSpec], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
@@ -224,6 +232,9 @@ class Register(_Message, tag="register", frozen=True):
     # digest of the values the model was created with learns it (``Registered.base``), and
     # need not pull a snapshot of what it has
     digest: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)] | None = None
+    dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0
+    start: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
+    stop: Annotated[int, msgspec.Meta(ge=1, le=2**62)] | None = None  # None: the end of the model
 
 
 class Push(_Message, tag="push", frozen=True):
@@ -281,6 +292,8 @@ class Joined(_Message, tag="joined", frozen=True):
     session: Session = 0  # token for heartbeats and for taking the id back on reconnect
     heartbeat_s: float = 0.0  # send a heartbeat this often; 0: the server checks no liveness
     shard: str = ""  # "I/N": the server is shard I of N of a sharded job (stella.shards); "": not sharded
+    # the server's dense cut (stella-ps --dense-below): how a registration lays the model out flat
+    dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0
 
 
 class Left(_Message, tag="left", frozen=True):
@@ -370,6 +383,7 @@ class StatusReply(_Message, tag="status", frozen=True):
     shard: str = ""  # "I/N" of a sharded job's shard; "": not sharded
     pull: PullMode | None = None  # what the server's pulls answer
     broadcast: BroadcastInfo | None = None  # the broadcast's settings (None: exact pulls)
+    dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0  # the server's dense cut (stella.layout)
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):
@@ -541,13 +555,10 @@ def _tag(msg: Any) -> str:
 def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
     if isinstance(msg, (Push, Delta)):
         _check_entries(msg, payload)
-    elif isinstance(msg, Register) and msg.values:
-        if len(payload) != len(msg.tensors):
-            raise ProtocolError(f"register: expected {len(msg.tensors)} value frames, got {len(payload)}")
-        for spec, f in zip(msg.tensors, payload):
-            if f.nbytes != 4 * spec.numel:
-                raise CodecError(f"register: tensor {spec.name!r} value frame: {f.nbytes} bytes for "
-                                 f"{spec.numel} float32 values (need {4 * spec.numel})")
+    elif isinstance(msg, Register) and msg.values:  # their sizes are the parts', which the server knows
+        if not 1 <= len(payload) <= MAX_PARTS:
+            raise ProtocolError(f"register: expected 1 or {MAX_PARTS} value frames (the parts of the range), "
+                                f"got {len(payload)}")
     elif payload:
         raise ProtocolError(f"{_tag(msg)}: expected no payload frames, got {len(payload)}")
 
@@ -680,18 +691,31 @@ def model_digest(values: Sequence[np.ndarray]) -> bytes:
     return h.digest()
 
 
-def decode_register_values(rx: Received) -> list[np.ndarray]:
+def part_specs(parts: Sequence[Part]) -> list[TensorSpec]:
+    """A server's parts of the flat model (:mod:`stella.layout`) as its tensors, what the
+    wire's entries name."""
+    return [TensorSpec(p.name, (p.numel,), "float32") for p in parts]
+
+
+def decode_register_values(rx: Received, parts: Sequence[TensorSpec]) -> list[np.ndarray]:
     """The initial float32 values a ``register`` with ``values`` carries, one flat array
-    per tensor of its layout (frame sizes were checked by the decoder); raises
-    :class:`~stella.errors.BadValue` naming the first tensor with a NaN or Inf."""
+    per part of the server's range (``parts``); raises :class:`CodecError` for a frame
+    of the wrong size and :class:`~stella.errors.BadValue` naming the first part with a
+    NaN or Inf."""
     msg = rx.msg
     assert isinstance(msg, Register) and msg.values
+    if len(rx.frames) != len(parts):
+        raise ProtocolError(f"register: expected {len(parts)} value frames (the parts of the range), "
+                            f"got {len(rx.frames)}")
     out = []
-    for spec, frame in zip(msg.tensors, rx.frames):
+    for spec, frame in zip(parts, rx.frames):
+        if frame.nbytes != 4 * spec.numel:
+            raise CodecError(f"register: part {spec.name!r} value frame: {frame.nbytes} bytes for "
+                             f"{spec.numel} float32 values (need {4 * spec.numel})")
         try:
             out.append(codec.wire_values(frame, spec.numel, "f32"))
         except BadValue:
-            raise BadValue(f"register: tensor {spec.name!r} has NaN/Inf initial values") from None
+            raise BadValue(f"register: part {spec.name!r} has NaN/Inf initial values") from None
     return out
 
 

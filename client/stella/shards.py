@@ -7,16 +7,15 @@ ordinary ``stella-ps`` serving part of the model, with its own membership, liven
 checkpoints and keys (``stella-ps --shard I/N`` only labels it, and lets a client check
 the order of its address list).
 
-**The split** (:func:`split`): the model's tensors, flattened and laid end to end, are cut
-into N pieces of about equal bytes; a cut inside a large tensor slices it (the shard
-registers the slice as a flat tensor ``name#start:stop``), one inside a small tensor
-(under :data:`MIN_SLICE` elements) moves to its end. Every client computes the same
-split from the same layout, and the shards refuse a registration whose pieces differ
-from their model's (a wrong order of addresses: a :class:`~stella.errors.LayoutConflict`,
-or the shard label's mismatch).
+**The split**: the model laid out flat (:mod:`stella.layout`, with the shards' dense
+cut) is cut into N contiguous ranges of about equal size
+(:meth:`~stella.layout.FlatLayout.shard_ranges`), one a shard; each registers the whole
+layout and its range. Every client computes the same split from the same layout, and
+the shards refuse a registration whose range differs from their model's (a wrong order
+of addresses: a :class:`~stella.errors.LayoutConflict`, or the shard label's mismatch).
 
 **Pushes and pulls go to every shard concurrently**, a push to each shard every round,
-empty where the update has nothing in its pieces, so that every shard closes one step
+empty where the update has nothing in its range, so that every shard closes one step
 per round. **A step is consistent across shards**: the client's version is a *round*
 counter, each round a version per shard; a pull asks every shard for the steps after
 its own version, and the client adds the same number of steps from each (the fewest any
@@ -30,68 +29,21 @@ and the rounds go on from there.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
-import numpy as np
 
-from .client import Client, Pending, PullResult, _dtype_name, update_parts
-from .codec import DENSE_BELOW
+from .client import Client, Pending, PullResult, _dtype_name
 from .errors import ProtocolError, StellaError
+from .layout import FlatLayout, FlatUpdate, FlatValues
 from .protocol import PullCoding, PushOk, Registered, StatusReply, TensorSpec, TrainingMode
 
-__all__ = ["ShardedClient", "AnyClient", "Piece", "split", "connect", "split_address", "MIN_SLICE"]
+__all__ = ["ShardedClient", "AnyClient", "connect", "split_address"]
 
-MIN_SLICE = DENSE_BELOW  # a tensor smaller than this is never cut (the broadcast sends such tensors whole)
 T = TypeVar("T")
 _MAPPINGS = 64  # rounds whose per-shard versions are kept (a pull since an older round gets snapshots)
-
-Sparse = dict[str, tuple[np.ndarray | None, np.ndarray]]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Elements ``start..stop-1`` of tensor ``tensor`` (flat), held by one shard."""
-
-    tensor: int
-    start: int
-    stop: int
-    whole: bool  # the tensor uncut (registered under its own name and shape)
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-
-def split(numels: Sequence[int], shards: int, min_slice: int = MIN_SLICE) -> list[list[Piece]]:
-    """Each shard's pieces: the flat concatenation of the tensors cut into ``shards``
-    runs of about equal size, in order (shard i's pieces come before shard i+1's)."""
-    if shards < 1:
-        raise ValueError("a job needs at least one shard")
-    total = sum(numels)
-    starts = np.cumsum([0, *numels])
-    cuts = []
-    for i in range(1, shards):
-        c = round(total * i / shards)
-        t = int(np.searchsorted(starts, c, side="right") - 1)  # the tensor the cut falls in
-        if t < len(numels) and numels[t] < min_slice:
-            c = int(starts[t + 1])  # never inside a small tensor: at its end
-        cuts.append(c)
-    bounds = [0, *cuts, total]
-    out: list[list[Piece]] = []
-    for lo, hi in itertools.pairwise(bounds):
-        hi = max(hi, lo)
-        pieces = []
-        for t, n in enumerate(numels):
-            a, b = max(lo, int(starts[t])), min(hi, int(starts[t]) + n)
-            if a < b:
-                pieces.append(Piece(t, a - int(starts[t]), b - int(starts[t]), whole=(b - a == n)))
-        out.append(pieces)
-    return out
 
 
 def split_address(address: str | Sequence[str]) -> list[str]:
@@ -135,11 +87,9 @@ class ShardedClient:
             raise
         self._check_labels()
         self.layout: list[TensorSpec] = []
-        self._pieces: list[list[Piece]] = []
-        self._by_name: list[dict[str, Piece]] = []  # per shard, its pieces by the names it registered
-        self._index: dict[str, int] = {}
+        self.flat: FlatLayout | None = None
         self._rounds: OrderedDict[int, list[int]] = OrderedDict()  # round -> each shard's version
-        self._ahead: list[list[Sparse]] = [[] for _ in self.shards]  # steps pulled beyond the last round
+        self._ahead: list[list[list[FlatValues]]] = [[] for _ in self.shards]  # steps pulled beyond the last round
         self._version = 0
 
     # ------------------------------------------------------------------ what a Client shows
@@ -191,22 +141,17 @@ class ShardedClient:
     def register(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                  optimizer: Mapping[str, Any] | None = None, *, mode: TrainingMode | None = None,
                  timeout: float | None = None) -> Registered:
-        """Register each shard's pieces of the model (see :meth:`stella.Client.register`)."""
+        """Register the model with each shard, for its range (see :meth:`stella.Client.register`)."""
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        cuts = {c._session.dense_below for c in self.shards}
+        if len(cuts) > 1:
+            raise StellaError(f"the shards lay the model out with different dense cuts {sorted(cuts)} "
+                              "(stella-ps --dense-below): start them alike")
         self.layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
-        self._index = {s.name: i for i, s in enumerate(self.layout)}
-        self._pieces = split([s.numel for s in self.layout], len(self.shards))
-        if not all(self._pieces):
-            raise ValueError(f"a model of {sum(s.numel for s in self.layout):,} elements leaves a shard of "
-                             f"{len(self.shards)} without any (tensors under {MIN_SLICE:,} elements are never "
-                             f"cut): use fewer shards")
-        self._by_name = []
-        replies = []
-        for c, pieces in zip(self.shards, self._pieces):
-            named = {self._piece_name(p): p for p in pieces}
-            self._by_name.append(named)
-            own = [(name, _piece_of(items[p.tensor][1], p)) for name, p in named.items()]
-            replies.append(c.register(own, optimizer, mode=mode, timeout=timeout))
+        self.flat = FlatLayout.of(self.layout, cuts.pop())
+        ranges = self.flat.shard_ranges(len(self.shards))
+        replies = [c.register(items, optimizer, mode=mode, timeout=timeout, range=r)
+                   for c, r in zip(self.shards, ranges)]
         for r, a in zip(replies, self.addresses):
             if r.pull not in (None, "broadcast"):
                 raise StellaError(f"{a} serves {r.pull} pulls: a sharded job needs each step's message, the "
@@ -225,10 +170,6 @@ class ShardedClient:
         moved = max(r.version - b for r, b in zip(replies, bases))
         return msgspec.structs.replace(replies[0], version=start + moved, base=start)
 
-    def _piece_name(self, p: Piece) -> str:
-        name = self.layout[p.tensor].name
-        return name if p.whole else f"{name}#{p.start}:{p.stop}"
-
     # ------------------------------------------------------------------ rounds
     def _record(self, version: int, per_shard: list[int]) -> None:
         self._rounds[version] = per_shard
@@ -237,18 +178,21 @@ class ShardedClient:
             self._rounds.popitem(last=False)
 
     @overload
-    def push(self, grads: Mapping[str, Any], version: int, *, wait: Literal[True] = ..., **kw: Any) -> PushOk: ...
+    def push(self, grads: Mapping[str, Any] | FlatUpdate, version: int, *, wait: Literal[True] = ...,
+             **kw: Any) -> PushOk: ...
     @overload
-    def push(self, grads: Mapping[str, Any], version: int, *, wait: Literal[False], **kw: Any) -> _AllOf[PushOk]: ...
-    def push(self, grads: Mapping[str, Any], version: int, *, wait: bool = True, **kw: Any
+    def push(self, grads: Mapping[str, Any] | FlatUpdate, version: int, *, wait: Literal[False],
+             **kw: Any) -> _AllOf[PushOk]: ...
+    def push(self, grads: Mapping[str, Any] | FlatUpdate, version: int, *, wait: bool = True, **kw: Any
              ) -> PushOk | _AllOf[PushOk]:
         """Push one round's update, computed on round ``version``: each shard gets the
-        part of every tensor in its pieces (possibly nothing), on its own version."""
+        part in its range (possibly nothing), on its own version."""
         at = self._rounds.get(int(version))
         if at is None:
             raise StellaError(f"round {version} is not one this client pulled (it knows "
                               f"{min(self._rounds, default=None)}..{self._version})")
-        pendings = [c.push(part, v, wait=False, **kw) for c, part, v in zip(self.shards, self.split(grads), at)]
+        update = grads if isinstance(grads, FlatUpdate) else self.shards[0].flatten(grads)
+        pendings = [c.push(update, v, wait=False, **kw) for c, v in zip(self.shards, at)]
         first = at[0]
 
         def combine(oks: list[PushOk]) -> PushOk:
@@ -256,21 +200,6 @@ class ShardedClient:
 
         out = _AllOf(pendings, combine)
         return out.result() if wait else out
-
-    def split(self, grads: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Each shard's part of an update (as :meth:`push` takes it), under its pieces'
-        names, indices relative to the piece: what each shard's :class:`Client` pushes."""
-        parts: list[dict[str, Any]] = [{} for _ in self.shards]
-        for name, g in grads.items():
-            idx, vals = update_parts(g)
-            for s, p in self._pieces_of(self._index[name]):
-                part = _cut(idx, vals, p)
-                if part is not None:
-                    parts[s][self._piece_name(p)] = part
-        return parts
-
-    def _pieces_of(self, t: int) -> list[tuple[int, Piece]]:
-        return [(s, p) for s, pieces in enumerate(self._pieces) for p in pieces if p.tensor == t]
 
     @overload
     def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
@@ -308,9 +237,10 @@ class ShardedClient:
         version = max(self._version + (since is not None), max(r.version for r in results))
         self._ahead = [[] for _ in self.shards]
         self._record(version, [r.version for r in results])
-        tensors = self._merge([r.tensors for r in results])
-        return PullResult(version, True, tensors, rebased=any(r.rebased for r in results),
-                          held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results))
+        return PullResult(version, True, [v for r in results for v in r.values],
+                          rebased=any(r.rebased for r in results),
+                          held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results),
+                          layout=self.flat, names=results[0].names)
 
     def _rounds_after(self, since: int, at: list[int], results: list[PullResult]) -> PullResult:
         """The rounds every shard has the steps of, after ``since``; a snapshot from any
@@ -318,43 +248,21 @@ class ShardedClient:
         if any(r.full for r in results):
             return self._snapshot(None, "rice", None, True)  # type: ignore[return-value]
         for r, a in zip(results, self.addresses):
-            if r.tensors:
+            if r.values:
                 raise StellaError(f"{a} answered with exact values: a sharded job needs the compressed broadcast "
                                   f"(stella-ps --pull broadcast)")
         for s, r in enumerate(results):
             self._ahead[s].extend(r.steps)
         n = min(len(a) for a in self._ahead)
         steps = []
-        for i in range(n):
-            steps.append(self._merge([a[i] for a in self._ahead]))
+        for i in range(n):  # the shards' pieces of a step, in range order
+            steps.append([piece for a in self._ahead for piece in a[i]])
         self._ahead = [a[n:] for a in self._ahead]
         if n:
             self._record(since + n, [v + n for v in at])
-        return PullResult(since + n, False, {}, rebased=any(r.rebased for r in results), steps=steps,
-                          held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results))
-
-    def _merge(self, per_shard: list[Sparse]) -> Sparse:
-        """Each shard's piece entries as entries of the model's tensors (the pieces of a
-        tensor, in shard order, are in index order)."""
-        parts: dict[int, list[tuple[Piece, np.ndarray | None, np.ndarray]]] = {}
-        for s, entries in enumerate(per_shard):
-            for name, (idx, vals) in entries.items():
-                p = self._by_name[s][name]
-                parts.setdefault(p.tensor, []).append((p, idx, vals))
-        out: Sparse = {}
-        for t in sorted(parts):
-            ps = parts[t]
-            if len(ps) == 1 and ps[0][0].whole:
-                out[self.layout[t].name] = (ps[0][1], ps[0][2])
-                continue
-            numel = self.layout[t].numel
-            if all(i is None for _, i, _ in ps) and sum(p.size for p, _, _ in ps) == numel:
-                out[self.layout[t].name] = (None, np.concatenate([v.reshape(-1) for _, _, v in ps]))
-                continue
-            idx = np.concatenate([(np.arange(p.size, dtype=np.int64) if i is None else i.astype(np.int64)) + p.start
-                                  for p, i, _ in ps])
-            out[self.layout[t].name] = (idx, np.concatenate([v.reshape(-1) for _, _, v in ps]))
-        return out
+        return PullResult(since + n, False, rebased=any(r.rebased for r in results), steps=steps,
+                          held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results),
+                          layout=self.flat, names=results[0].names)
 
     # ------------------------------------------------------------------ the rest of the API
     def status(self, *, timeout: float | None = None) -> list[StatusReply]:
@@ -378,31 +286,6 @@ class ShardedClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _piece_of(x: Any, p: Piece) -> Any:
-    """Piece ``p`` of tensor ``x`` (a torch tensor or an array), flat unless whole."""
-    if p.whole:
-        return x
-    flat = x.detach().reshape(-1) if hasattr(x, "detach") else np.asarray(x).reshape(-1)
-    return flat[p.start:p.stop]
-
-
-def _cut(idx: Any, vals: Any, p: Piece) -> tuple[np.ndarray | None, Any] | None:
-    """The part of a tensor's update in piece ``p``, with indices relative to it (None
-    when a sparse update has nothing there: the shard's push leaves the tensor out)."""
-    if idx is None:
-        if p.whole:
-            return None, vals
-        flat = vals.detach().reshape(-1) if hasattr(vals, "detach") else np.asarray(vals).reshape(-1)
-        return None, flat[p.start:p.stop]
-    idx = np.asarray(idx)
-    if p.whole:
-        return idx, vals
-    a, b = np.searchsorted(idx, [p.start, p.stop])
-    if a == b:
-        return None
-    return (idx[a:b] - p.start).astype(idx.dtype, copy=False), vals[a:b]
 
 
 AnyClient = Client | ShardedClient  # what StellaOptimizer speaks through

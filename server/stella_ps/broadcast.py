@@ -14,7 +14,8 @@ what is held is the global change: nothing is lost, only delayed.
 The message's size follows the pushes, not the workers: per tensor, ``factor`` times
 the mean count of the step's pushes (the last one seen, for a tensor the step did not
 touch), so a pull costs about what a push costs whatever the number of workers.
-Tensors smaller than ``dense_below`` go whole (their residual, when not zero), in f16
+A tensor marked ``whole`` (the server's share of the model's dense suffix of small
+tensors, :mod:`stella.layout`) goes whole (its residual, when not zero), in f16
 when the coding is q4 or q2: a 4- or 2-bit code has no zero and one scale per 64
 values, and a whole tensor's small changes beside its large ones would each move by
 a step of the largest (top-k values, alike in size, code well).
@@ -132,12 +133,13 @@ class Broadcast:
     """``B``, ``R`` and the recent messages of one model."""
 
     def __init__(self, layout: Sequence[TensorSpec], values: Sequence[np.ndarray], info: BroadcastInfo,
-                 history: int, *, residual: Sequence[np.ndarray] | None = None, pool: bool = True):
+                 history: int, *, whole: Sequence[bool], residual: Sequence[np.ndarray] | None = None,
+                 pool: bool = True):
         self.layout = list(layout)
-        self.info = info  # what workers are told of it (the coding, the factor, the dense cut)
+        self.info = info  # what workers are told of it (the coding, the factor)
         self.coding: ValueDtype = info.values
         self.factor = info.factor
-        self.dense_below = info.dense_below
+        self.whole = list(whole)  # each tensor: sent whole (the dense suffix), or selected from
         self._model = [np.array(v, np.float32, copy=True).reshape(-1) for v in values]  # B
         # what B is still owed of each tensor's sparse messages, oldest first; every reader of B (the model
         # property) adds them first
@@ -237,10 +239,6 @@ class Broadcast:
         return StepLog(list(touched), [ch for *_, ch in parts], [sent for sent, *_ in parts],
                        [q for _, q, *_ in parts])
 
-    @property
-    def _whole_coding(self) -> ValueDtype:
-        return "f16" if self.coding in codec.QUANT_BITS else self.coding
-
     def _select(self, t: int, version: int, r: np.ndarray, numel: int, touched: np.ndarray,
                 changes: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, _Coded | None]:
         """``r[touched] += changes``, then tensor ``t``'s message: (indices, or None for
@@ -250,7 +248,7 @@ class Broadcast:
         k = self._budget(self._counts[t])
         pool = self._pools[t]
         picked: _Picked | None = None
-        use_pool = self._pool_fits(touched.size, k, numel)
+        use_pool = self._pool_fits(t, touched.size, k, numel)
         # what r is owed and not yet added: the last message's coding error, then this step's change; a streaming
         # pass adds them as it goes (Selector.take's adds), anything else adds them first
         adds: list[tuple[np.ndarray, np.ndarray]] = []
@@ -264,15 +262,15 @@ class Broadcast:
                 adds.append(pending)
             if touched.size:
                 adds.append((touched, changes))
-        if adds and (numel < self.dense_below or k <= 0 or not self._owed[t]):
+        if adds and (self.whole[t] or k <= 0 or not self._owed[t]):
             for a in adds:
                 scatter_add(r, *a)
             adds = []
-        if numel < self.dense_below:
+        if self.whole[t]:
             if not r.any():
                 return None, np.zeros(0, np.float32), None
             v = r.copy()
-            q, coded = self._code(t, None, v, self._whole_coding)
+            q, coded = self._code(t, None, v, codec.dense_coding(self.coding))
             r[:] = v - q
             return None, q, coded
         if k <= 0 or not self._owed[t]:
@@ -302,9 +300,9 @@ class Broadcast:
         """Entries a tensor's message carries when its pushes held ``count`` on average."""
         return round(self.factor * count)
 
-    def _pool_fits(self, touched: int, k: int, numel: int) -> bool:
-        """Whether a step of ``touched`` coordinates and budget ``k`` selects from the pool."""
-        return numel >= self.dense_below and self._use_pool and touched + POOL_FACTOR * k < numel // POOL_SHARE
+    def _pool_fits(self, t: int, touched: int, k: int, numel: int) -> bool:
+        """Whether a step of tensor ``t`` of ``touched`` coordinates and budget ``k`` selects from the pool."""
+        return not self.whole[t] and self._use_pool and touched + POOL_FACTOR * k < numel // POOL_SHARE
 
     def _cost(self, t: int, touched: int, count: float) -> int:
         """Tensor ``t``'s part of a step in random accesses to memory, about (TensorPool
@@ -312,7 +310,7 @@ class Broadcast:
         numel = self.layout[t].numel
         k = self._budget(count if count > 0 else self._counts[t])
         pool = self._pools[t]
-        if pool is not None and self._pool_fits(touched, k, numel):
+        if pool is not None and self._pool_fits(t, touched, k, numel):
             return touched + pool[0].size
         return touched + numel // PASS_PER_ACCESS
 

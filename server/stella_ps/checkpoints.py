@@ -27,6 +27,7 @@ import numpy as np
 
 from stella import checkpoint_file as ckpt_format
 from stella.checkpoint_file import Checkpoint, CheckpointError
+from stella.layout import FlatLayout
 from stella.protocol import SparseTensor, TensorSpec
 
 from .broadcast import replay
@@ -35,7 +36,7 @@ from .kernel import KernelTensorState
 from .optim import OptimizerConfig
 from .runtime import StoreThread, Tasks
 from .stats import Stats
-from .store import ModelStore, RecordCopy, RedoEntry
+from .store import ModelRange, ModelStore, RecordCopy, RedoEntry
 
 __all__ = ["Checkpointer", "CheckpointPolicy", "SlicedCopy", "copy_in_slices", "roll_forward", "state_copy", "restore",
            "newest_valid", "write_and_prune", "Checkpoint", "CheckpointError", "CHECKPOINT_SLICE", "BCAST_ARRAYS"]
@@ -123,16 +124,36 @@ def state_copy(store: ModelStore) -> tuple[int, list[dict[str, np.ndarray]]]:
     return store.version, out
 
 
+def model_of(store: ModelStore) -> dict[str, Any] | None:
+    """What a checkpoint says of the model ``store`` holds a range of (None: tensors given directly)."""
+    m = store.model
+    if m is None:
+        return None
+    return {"tensors": ckpt_format.layout_of(m.specs), "dense_below": m.flat.dense_below, "start": m.start,
+            "stop": m.stop}
+
+
 def restore(store: ModelStore, ck: Checkpoint) -> OptimizerConfig:
     """Make ``store`` the model of checkpoint ``ck``; returns the optimizer configuration
     it was written with. A checkpoint without the broadcast's arrays (written by an
-    exact-pull job) gives a broadcast whose model is the checkpoint's, nothing owed."""
-    layout = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.layout]
+    exact-pull job) gives a broadcast whose model is the checkpoint's, nothing owed. A
+    checkpoint written before the flat layout (its tensors the model's own) is laid out
+    flat with the server's cut (``store.dense_below``), its arrays joined into the parts."""
     cfg = OptimizerConfig.from_wire(ck.optimizer)
-    kernel = [{k: v for k, v in a.items() if k not in BCAST_ARRAYS} for a in ck.tensors]
-    saved = all(set(BCAST_ARRAYS) <= set(a) for a in ck.tensors)
-    bcast = ([a[BCAST_ARRAYS[0]] for a in ck.tensors], [a[BCAST_ARRAYS[1]] for a in ck.tensors]) if saved else None
-    store.restore(layout, kernel, cfg, ck.version, bcast)
+    if ck.model is not None:
+        specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.model["tensors"]]
+        model = ModelRange(specs, FlatLayout.of(specs, ck.model["dense_below"]), ck.model["start"], ck.model["stop"])
+        arrays = ck.tensors
+    else:  # written before the flat layout: the model's own tensors, joined into the parts
+        specs = [TensorSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in ck.layout]
+        flat = FlatLayout.of(specs, store.dense_below)
+        model = ModelRange(specs, flat, 0, flat.numel)
+        arrays = [{name: np.concatenate([ck.tensors[t][name] for t in flat.order if p.start <= flat.starts[t] < p.stop])
+                   for name in ck.tensors[0]} for p in model.parts]
+    kernel = [{k: v for k, v in a.items() if k not in BCAST_ARRAYS} for a in arrays]
+    saved = all(set(BCAST_ARRAYS) <= set(a) for a in arrays)
+    bcast = ([a[BCAST_ARRAYS[0]] for a in arrays], [a[BCAST_ARRAYS[1]] for a in arrays]) if saved else None
+    store.restore(None, kernel, cfg, ck.version, bcast, model=model)
     return cfg
 
 
@@ -312,11 +333,11 @@ class Checkpointer:
             kind = OptimizerConfig.from_wire({"name": self.store.tensors[0].name if self.store.tensors
                                               else optimizer.name})
             numels = [s.numel for s in self.store.layout]
-            layout, opt = ckpt_format.layout_of(self.store.layout), optimizer.to_wire()
+            layout, opt, model = ckpt_format.layout_of(self.store.layout), optimizer.to_wire(), model_of(self.store)
 
             def build_and_write() -> tuple[str, int, float]:
                 arrays = roll_forward(kind, numels, copy.copies, copy.redo)
-                return write_and_prune(cp, Checkpoint(copy.version, layout, opt, arrays, time.time()))
+                return write_and_prune(cp, Checkpoint(copy.version, layout, opt, arrays, time.time(), model))
 
             cp.last_version, cp.last_time = copy.version, time.monotonic()
             path, size, write_s = await self._writer.run(build_and_write)

@@ -292,12 +292,11 @@ class Pulls:
 
     def broadcast_info(self) -> BroadcastInfo | None:
         """What workers and planners are told of the broadcast (None: exact pulls)."""
-        from stella.codec import DENSE_BELOW
         from stella.protocol import BroadcastInfo
 
         if self.mode != "broadcast":
             return None
-        return BroadcastInfo(values=self.values, factor=self.factor, dense_below=DENSE_BELOW)
+        return BroadcastInfo(values=self.values, factor=self.factor)
 
 
 # a struct's flags are its fields' names under a prefix (unless a field names its own flag)
@@ -320,6 +319,10 @@ class ServerConfig:
     threads: int = setting(0, check=at_least(0),
                            help="threads for a step's per-tensor work (apply, the broadcast's selection and coding): "
                                 "0 takes the cores this process may use, up to 8; 1 does it all on the store thread")
+    dense_below: int = setting(4096, check=at_least(0),
+                               help="tensors with fewer elements (biases, norms) travel whole, in pushes and in the "
+                                    "broadcast: the model is laid out flat with them last (stella.layout); workers "
+                                    "take it from the server")
     history: int = setting(64, check=at_least(1),
                            help="applied steps remembered for delta pulls; an older `since` gets a snapshot")
     log_level: str = setting("INFO", parse=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")

@@ -4,17 +4,20 @@ later one joins it (:class:`Registration`).
 A worker registers in two messages when the model may not exist yet: a cheap probe
 (the layout, no values) and, when the answer says ``needs_values``, the upload. While
 one worker uploads, the probes of the others are held (up to their ``wait_ms``), so
-that a job's workers starting together send the model once. The model's size is
-checked against ``--max-model-bytes`` before its values are decoded; a registration
-after the model exists must bring its layout (:func:`~stella_ps.store.layout_diff`)
-and the job's training mode. The digest of the values the model was created with is
-kept: a worker that registers those same values learns the version whose model they
-are (``Registered.base``).
+that a job's workers starting together send the model once. A registration
+names the model's tensors and the range of the flat model this server holds
+(:mod:`stella.layout`, laid out with the server's dense cut, which the registration
+must have used); the range's size is checked against ``--max-model-bytes`` before its
+values are decoded; a registration after the model exists must bring its layout
+(:func:`~stella_ps.store.layout_diff`), its range and the job's training mode. The
+digest of the values the model was created with is kept: a worker that registers those
+same values learns the version whose model they are (``Registered.base``).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -22,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from stella.errors import LayoutConflict, ProtocolError, StellaError
+from stella.layout import FlatLayout
 from stella.protocol import (
+    MAX_NUMEL,
     Received,
     Register,
     Registered,
@@ -30,13 +35,14 @@ from stella.protocol import (
     TrainingMode,
     decode_register_values,
     model_digest,
+    part_specs,
 )
 
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
 from .runtime import Clock, StoreThread
 from .steps import StepScheduler
-from .store import ModelStore, check_model_bytes, layout_diff
+from .store import ModelRange, ModelStore, check_model_bytes, layout_diff
 
 __all__ = ["Registration"]
 
@@ -69,15 +75,32 @@ class Registration:
         empty = [s.name for s in layout if s.numel == 0]
         if empty:
             raise ProtocolError(f"register: tensors with no elements cannot be trained: {empty[:5]}")
+        flat, start, stop = self._range(msg)
+        parts = part_specs(flat.parts(start, stop))
         cfg = self.steps.initial(msg.optimizer)
         if not self.store.initialised:
-            check_model_bytes(layout, cfg, self._max_model_bytes, self.store.pull == "broadcast")
+            check_model_bytes(parts, cfg, self._max_model_bytes, self.store.pull == "broadcast")
         try:
-            values = decode_register_values(rx) if msg.values else None
+            values = decode_register_values(rx, parts) if msg.values else None
         except StellaError:
             info.registering = False  # a refused upload: probes held for it stop waiting
             raise
-        return self._register(msg, info, layout, values, cfg)
+        return self._register(msg, info, layout, (flat, start, stop), values, cfg)
+
+    def _range(self, msg: Register) -> tuple[FlatLayout, int, int]:
+        """The model laid out flat, and the range of it this registration gives this server."""
+        if msg.dense_below != self.store.dense_below:
+            raise ProtocolError(f"register: laid out with dense_below {msg.dense_below}, but this server's dense cut "
+                                f"is {self.store.dense_below} (stella-ps --dense-below; its joined reply says it)")
+        flat = FlatLayout.of(msg.tensors, msg.dense_below)
+        stop = flat.numel if msg.stop is None else msg.stop
+        if not msg.start < stop <= flat.numel:
+            raise ProtocolError(f"register: range [{msg.start}, {stop}) is not inside the model's {flat.numel} "
+                                "coordinates")
+        if stop - msg.start > MAX_NUMEL:
+            raise ProtocolError(f"register: a range of {stop - msg.start} coordinates: a server holds fewer than "
+                                "2**31 (shard the job)")
+        return flat, msg.start, stop
 
     def _uploading(self, info: WorkerInfo) -> bool:
         """Whether another live worker was asked for the model's values and has not registered yet."""
@@ -96,7 +119,8 @@ class Registration:
                 await asyncio.wait_for(self._created.wait(), min(left, HOLD_POLL_S))
 
     async def _register(self, msg: Register, info: WorkerInfo, layout: list[TensorSpec],
-                        values: list[np.ndarray] | None, cfg: OptimizerConfig) -> Registered:
+                        where: tuple[FlatLayout, int, int], values: list[np.ndarray] | None,
+                        cfg: OptimizerConfig) -> Registered:
         if values is None and msg.wait_ms and not self.store.initialised and not info.held:
             info.held = True  # one held probe per worker: more are answered at once
             try:
@@ -113,12 +137,18 @@ class Registration:
                     info.registering = True  # their upload is a sign of life only once it ends: heartbeats count
                     return Registered(req=msg.req, version=self.store.version, created=False, needs_values=True,
                                       optimizer=None, numel=0)
-                await self._create(info, layout, values, cfg)
+                await self._create(info, layout, where, values, cfg)
                 created = True
             else:
-                diff = layout_diff(self.store.layout, layout)
+                held = self.store.model
+                assert held is not None
+                diff = layout_diff(held.specs, layout)
                 if diff:
                     raise LayoutConflict(f"layout differs from the server's model: {diff}")
+                if where[1:] != (held.start, held.stop):
+                    raise LayoutConflict(f"this server holds the model's coordinates [{held.start}, {held.stop}), "
+                                         f"the registration names [{where[1]}, {where[2]}) (list a sharded job's "
+                                         "addresses in its shard order)")
             self.members.register(info)
             self.steps.membership_changed()
             self.mode = self.mode or msg.mode
@@ -128,11 +158,12 @@ class Registration:
                               optimizer=self.steps.optimizer.to_wire(), numel=self.store.numel, mode=self.mode,
                               pull=self.store.pull, broadcast=self.store.broadcast_info, base=base)
 
-    async def _create(self, info: WorkerInfo, layout: list[TensorSpec], values: list[np.ndarray],
-                      cfg: OptimizerConfig) -> None:
+    async def _create(self, info: WorkerInfo, layout: list[TensorSpec], where: tuple[FlatLayout, int, int],
+                      values: list[np.ndarray], cfg: OptimizerConfig) -> None:
         """The model, from ``info``'s upload (on the store thread), with ``cfg`` in force."""
         try:
-            await self._store_thread.run(self.store.initialise, layout, values, cfg)
+            await self._store_thread.run(functools.partial(self.store.initialise, None, values, cfg,
+                                                           model=ModelRange(layout, *where)))
         except BaseException:
             info.registering = False
             raise

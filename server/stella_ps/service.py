@@ -95,7 +95,8 @@ class Service:
         self.members = Membership(expected=config.workers, max_workers=limits.max_workers,
                                   max_workers_per_key=limits.max_workers_per_key, clock=self.clock.now)
         self.waiters = PullWaiters(max_per_worker=limits.max_waiting_pulls, clock=self.clock)
-        self.store = ModelStore(config.pulls, history=config.history, threads=config.threads or default_threads())
+        self.store = ModelStore(config.pulls, history=config.history, threads=config.threads or default_threads(),
+                                dense_below=config.dense_below)
         self.store_thread = StoreThread()
         self.tasks = Tasks()
         self.steps = StepScheduler(self.store, self.members, self.store_thread, self.tasks, self.clock, self.stats,
@@ -183,7 +184,7 @@ class Service:
             req=0, **shown, version=self.store.version, initialised=self.store.initialised, workers=self.members.ids(),
             worker_keys={w: i.fingerprint for w, i in live.items()}, insecure=self.config.insecure,
             expected_workers=self.config.workers, pending_pushes=self.steps.pending_count(),
-            numel=self.store.numel, tensors=len(self.store.layout),
+            numel=self.store.numel, tensors=len(self.store.model.specs) if self.store.model else len(self.store.layout),
             optimizer=self.steps.optimizer.to_wire() if self.steps.optimizer else None, server_version=__version__,
             live=[WorkerStatus(worker=w, name=i.name, key_fingerprint=i.fingerprint,
                                last_seen_s=max(0.0, now - i.last_seen), pushes=i.pushes, pulls=i.pulls,
@@ -194,7 +195,7 @@ class Service:
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.deadline_now(),
             checkpoint_version=self.checkpointer.version, behind_workers=self.steps.behind(),
             mode=self.registration.mode, shard=self.config.shard, pull=self.store.pull,
-            broadcast=self.store.broadcast_info)
+            broadcast=self.store.broadcast_info, dense_below=self.config.dense_below)
         return JobSnapshot(status, **metrics_only, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
@@ -243,7 +244,7 @@ class Service:
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised,
                                  session=info.session, heartbeat_s=self.config.liveness.heartbeat_s,
-                                 shard=self.config.shard), ())
+                                 shard=self.config.shard, dense_below=self.config.dense_below), ())
         self.steps.membership_changed()
 
     def _heartbeat(self, ident: bytes, msg: Heartbeat, peer: Peer) -> None:

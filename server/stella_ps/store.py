@@ -1,4 +1,7 @@
-"""The model store: float32 tensors with their optimizer state, the version, and the
+"""The model store: its tensors (a server holds its range of the flat model as at most
+two, its *parts*: the large tensors' coordinates and the dense suffix, :mod:`stella.layout`;
+the store itself takes any tensors), float32 with their optimizer state, the version,
+and the
 encoded answers to pulls: with ``pull="broadcast"`` (the default) the server's
 compressed broadcast (:mod:`.broadcast`: its model ``B`` and residual ``R``, and the
 recent steps' messages), with ``pull="exact"`` the history of which coordinates each
@@ -19,7 +22,17 @@ from typing import Any
 import numpy as np
 
 from stella.errors import ErrorCode, ServerError
-from stella.protocol import PullCoding, PullMode, SparseTensor, TensorEntry, TensorSpec, concat_entries, encode_tensors
+from stella.layout import FlatLayout, Part
+from stella.protocol import (
+    PullCoding,
+    PullMode,
+    SparseTensor,
+    TensorEntry,
+    TensorSpec,
+    concat_entries,
+    encode_tensors,
+    part_specs,
+)
 
 from .aggregation import Step
 from .broadcast import OWED_BYTES, Broadcast, StepLog
@@ -29,12 +42,27 @@ from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 from .runtime import TensorPool
 
-__all__ = ["ModelStore", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes", "RecordCopy",
-           "RedoEntry"]
+__all__ = ["ModelStore", "ModelRange", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes",
+           "RecordCopy", "RedoEntry"]
 
 # a step applied while a checkpoint's copy went on (the copy's log, read by checkpoints.roll_forward): the
 # version after the step, the step, its optimizer configuration, what it did to the broadcast
 RedoEntry = tuple[int, Step, OptimizerConfig, StepLog | None]
+
+
+@dataclass(frozen=True)
+class ModelRange:
+    """The registered model the store's tensors are: its tensors, laid out flat, and the
+    range ``[start, stop)`` of it this server holds (its parts are the store's tensors)."""
+
+    specs: list[TensorSpec]
+    flat: FlatLayout
+    start: int
+    stop: int
+
+    @property
+    def parts(self) -> list[Part]:
+        return self.flat.parts(self.start, self.stop)
 
 
 @dataclass
@@ -114,8 +142,10 @@ def check_model_bytes(layout: Sequence[TensorSpec], cfg: OptimizerConfig, limit:
 class ModelStore:
     """Holds the registered model. Not thread-safe: use from one thread."""
 
-    def __init__(self, pulls: Pulls, *, history: int, threads: int):
-        self.layout: list[TensorSpec] = []
+    def __init__(self, pulls: Pulls, *, history: int, threads: int, dense_below: int):
+        self.dense_below = dense_below  # the server's dense cut: how a registration lays its model out flat
+        self.model: ModelRange | None = None  # the registered model (None: tensors given directly)
+        self.layout: list[TensorSpec] = []  # the store's tensors (a model's parts), what the wire's entries name
         self._pool = TensorPool(threads)  # a step's per-tensor work (apply, broadcast) on this many threads
         self.tensors: list[KernelTensorState] = []
         self.version = 0
@@ -140,12 +170,26 @@ class ModelStore:
     def numel(self) -> int:
         return sum(s.numel for s in self.layout)
 
-    def initialise(self, layout: list[TensorSpec], values: list[np.ndarray], cfg: OptimizerConfig) -> None:
-        """Create the model with initial float32 ``values`` and state for ``cfg``'s optimizer."""
-        self.tensors = [KernelTensorState(v, cfg) for v in values]
-        self.layout = layout
+    @staticmethod
+    def _layout(model: ModelRange | None, layout: list[TensorSpec] | None) -> list[TensorSpec]:
+        if model is not None:
+            return part_specs(model.parts)
+        assert layout is not None, "tensors or a model"
+        return layout
+
+    def _whole(self) -> list[bool]:
+        """Which tensors the broadcast sends whole: a model's dense part."""
+        return [p.whole for p in self.model.parts] if self.model is not None else [False] * len(self.layout)
+
+    def initialise(self, layout: list[TensorSpec] | None, values: list[np.ndarray], cfg: OptimizerConfig, *,
+                   model: ModelRange | None = None) -> None:
+        """Create the tensors (``layout``, or ``model``'s parts) with initial float32
+        ``values`` and state for ``cfg``'s optimizer."""
+        tensors = [KernelTensorState(v, cfg) for v in values]
+        self.layout, self.model, self.tensors = self._layout(model, layout), model, tensors
         if self.broadcast_info is not None:
-            self.broadcast = Broadcast(layout, values, self.broadcast_info, self._history_len)
+            self.broadcast = Broadcast(self.layout, values, self.broadcast_info, self._history_len,
+                                       whole=self._whole())
 
     def begin_copy(self) -> int:
         """Start a checkpoint's copy: from now on the steps applied are logged, so that
@@ -171,25 +215,32 @@ class ModelStore:
                                 "the copy was abandoned; the next checkpoint starts afresh")
         return self.version, redo
 
-    def restore(self, layout: list[TensorSpec], arrays: list[dict[str, np.ndarray]], cfg: OptimizerConfig,
-                version: int, broadcast: tuple[list[np.ndarray], list[np.ndarray]] | None = None) -> None:
-        """Become the model of a checkpoint: ``layout``, each tensor's state ``arrays`` for
-        ``cfg``'s optimizer (``param`` and the kernel's state), at ``version``; with a
-        broadcast, its model and residual per tensor (None: a checkpoint of an exact-pull
-        job, whose ``B`` is the model, nothing owed). No history: every pull's first
-        answer is a snapshot."""
+    def restore(self, layout: list[TensorSpec] | None, arrays: list[dict[str, np.ndarray]], cfg: OptimizerConfig,
+                version: int, broadcast: tuple[list[np.ndarray], list[np.ndarray]] | None = None, *,
+                model: ModelRange | None = None) -> None:
+        """Become the model of a checkpoint: its tensors (``layout``, or ``model``'s parts),
+        each one's state ``arrays`` for ``cfg``'s optimizer (``param`` and the kernel's
+        state), at ``version``; with a broadcast, its model and residual per tensor (None:
+        a checkpoint of an exact-pull job, whose ``B`` is the model, nothing owed). No
+        history: every pull's first answer is a snapshot."""
+        layout = self._layout(model, layout)
         tensors = []
-        for _spec, a in zip(layout, arrays, strict=True):
+        for spec, a in zip(layout, arrays, strict=True):
+            if a["param"].size != spec.numel:
+                raise ValueError(f"checkpoint: tensor {spec.name!r} holds {a['param'].size} values, not its "
+                                 f"{spec.numel}")
             st = KernelTensorState(a["param"], cfg)
             st.load_state_arrays(a)
             tensors.append(st)
-        self.tensors, self.layout, self.version = tensors, layout, version
+        self.layout, self.model = layout, model
+        self.tensors, self.version = tensors, version
         self._history.clear()
         self._encoded.clear()
         self.broadcast = None
         if self.broadcast_info is not None:
-            model, residual = broadcast if broadcast is not None else ([a["param"] for a in arrays], None)
-            self.broadcast = Broadcast(layout, model, self.broadcast_info, self._history_len, residual=residual)
+            bmodel, residual = broadcast if broadcast is not None else ([a["param"] for a in arrays], None)
+            self.broadcast = Broadcast(self.layout, bmodel, self.broadcast_info, self._history_len,
+                                       whole=self._whole(), residual=residual)
 
     def close(self) -> None:
         """Stop the pool's threads (the store is not used again)."""

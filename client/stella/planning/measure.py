@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ..codec import CODINGS, DEFAULT_VALUE_DTYPE, DENSE_BELOW
+from ..codec import CODINGS, DEFAULT_VALUE_DTYPE
 from ..protocol import BroadcastInfo, ValueDtype
 from .profile_file import STALL_S, STALL_SOURCE, ProfileError, broadcast_bytes, pull_section
 
@@ -230,7 +230,8 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
                   optimizer: Any = None, batch_size: int, name: str = "model", steps: int = 20,
                   densities: Sequence[float] = DEFAULT_DENSITIES, server: bool = True,
                   broadcast_values: str | None = None, broadcast_factor: float | None = None,
-                  target: Mapping[str, Any] | None = None, factors: Sequence[Mapping[str, Any]] = (),
+                  dense_below: int | None = None, target: Mapping[str, Any] | None = None,
+                  factors: Sequence[Mapping[str, Any]] = (),
                   log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Measure a model (module doc) and return the profile as a JSON-ready dict.
 
@@ -238,7 +239,8 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     --broadcast-values``, ``--broadcast-factor``). With ``server``, the loopback ``stella-ps``
     runs those given (its own defaults for the others) and the profile records what it
     answered at registration; without, no server is asked, so both must be given, and the
-    pull's bytes are estimated from their coded bits."""
+    pull's bytes are estimated from their coded bits. ``dense_below``: the job's dense cut
+    (``stella-ps --dense-below``; None: the server's default), which tensors go whole."""
     import torch
 
     if not server and (broadcast_values is None or broadcast_factor is None):
@@ -254,7 +256,11 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     push, per_numel = measure_bytes(update, densities)
     log("  push bytes: " + ", ".join(f"{e['density']:g}/{e['coding']} {e['bytes']:,}" for e in push))
     numel = sum(p.numel() for p in params.values())
-    sparse_numel = sum(p.numel() for p in params.values() if p.numel() >= DENSE_BELOW)
+    if dense_below is None:
+        from stella_ps.config import ServerConfig
+
+        dense_below = ServerConfig().dense_below
+    sparse_numel = sum(p.numel() for p in params.values() if p.numel() >= dense_below)
     shapes = {n: tuple(int(s) for s in p.shape) for n, p in params.items()}
     if server:
         srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)),
@@ -265,8 +271,7 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
         pull = pull_section(answered, [{"density": r["density"], "bytes": r["pull_bytes"]} for r in several])
     else:
         assert broadcast_values is not None and broadcast_factor is not None
-        given = BroadcastInfo(values=cast(ValueDtype, broadcast_values), factor=float(broadcast_factor),
-                              dense_below=DENSE_BELOW)
+        given = BroadcastInfo(values=cast(ValueDtype, broadcast_values), factor=float(broadcast_factor))
         srv = dict(BENCH_SERVER)
         pull = pull_section(given, [{"density": d, "bytes": broadcast_bytes(sparse_numel, d, given.factor,
                                                                             given.values)} for d in densities],
