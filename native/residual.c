@@ -3,55 +3,64 @@
  *
  * A step adds its change at the coordinates it touched (R[idx] += val), then takes the k
  * coordinates of largest |R| out of R. A streaming top-k reads all of R each step, so its
- * cost grows with the model; here a step costs O(touched + k + the boundary bucket) and
+ * cost grows with the model; here a step costs O(touched + k + the boundary bucket), and
  * nothing grows with numel at a fixed touched count and k.
  *
  * Buckets. A coordinate's bucket is its |R|'s bit pattern shifted right by 19: the float's
  * exponent and top 4 mantissa bits, 16 buckets an octave (bucket 0 is R == 0, every
- * nonzero value is in 1..4081; the order of buckets is the order of magnitudes). Each
+ * nonzero value is in 1..4081, and the order of buckets is the order of magnitudes). Each
  * group (a contiguous range of [0, sparse_numel) with its own quota) keeps, for every
  * bucket at or above its *floor*, a list of the coordinates in it and their count.
  * Coordinates below the floor are not tracked: each is smaller than every tracked one,
  * so while at least k are tracked, the top k of the tracked ones is the top k of R.
  *
  * Lists are append-only with lazy deletion. An add reads R[c] before and after; when the
- * bucket changes, c is appended to its new bucket's list (if tracked) and the old list's
- * count drops, its entry left stale. An entry c of list b is valid iff bucket(R[c]) == b,
- * read from R itself: the index holds no per-coordinate state at all. A coordinate that
- * leaves a bucket and comes back is listed twice; every scan that gathers a list's valid
- * entries sets R[c] to 0 as it takes one (so a second entry of c reads as stale) and
- * puts the values back after. A list whose stale entries outnumber its valid ones by 64
- * is compacted on the spot: O(1) amortised per move, since each compaction follows as
- * many moves out of the list as it has stale entries.
+ * bucket changes, c is appended to its new bucket's list (when tracked) and the old
+ * list's count drops, its entry left stale. An entry c of list b is valid iff
+ * bucket(R[c]) == b, read from R itself: the index holds nothing per coordinate. A
+ * coordinate that leaves a bucket and comes back is listed there twice; a scan that finds
+ * more valid entries than the count removes the second ones (R set to 0 at each kept
+ * entry, so that its next one reads as stale, and put back after). A list with more than
+ * twice as many entries as its count, plus 64, is compacted on the spot: O(1) amortised
+ * per move, each compaction following as many moves out of the list as it drops. An add
+ * runs in batches of 1024 entries: first R's reads and writes, noting without a branch
+ * the coordinates whose bucket changed at or above the floor, then their lists.
  *
  * Selection. The counts tell, walking down from the highest bucket, which buckets go
  * whole (count <= what is still wanted) and which one is the boundary. Whole buckets are
- * scanned and emptied; the boundary's valid entries get 64-bit keys (|R|'s bits, then
- * the complement of the index: ties go to the lower index) and a radix select finds the
- * rank wanted; the rest are the bucket's new (compacted) list. The k selected pairs are
- * radix-sorted by index (ceil(log2(group size) / 11) passes) and R is +0 there. At 16
- * buckets an octave the boundary bucket holds a small share of k for smooth
- * distributions (a Gaussian's at its 2% tail: ~0.2 k).
+ * scanned and emptied (R read once, at random, per entry: the cost of a selection); the
+ * boundary's valid entries get 64-bit keys (|R|'s bits, then the complement of the index:
+ * ties go to the lower index) and a radix select finds the rank wanted; the rest are the
+ * bucket's new list. The selected (index, value) pairs are radix-sorted by index
+ * (ceil(log2(group size) / 11) passes) and R is +0 there. At 16 buckets an octave the
+ * boundary holds a small share of k for smooth distributions (~0.6 k in bench.residual's
+ * steady state).
  *
- * The floor. It starts at bucket 1 (all nonzeros tracked) and rises, never falls, except
- * through a full pass: after each selection the candidate floor is the lower of 2 octaves
- * (MARGIN) below the lowest bucket selected and the highest bucket that keeps RESERVE x k
- * coordinates tracked; the floor rises to the lowest candidate of the last RAISE_AFTER
- * selections (one step of large changes does not lift it). Lists dropped below the floor
- * free their memory and mark the group as holding untracked nonzeros. A selection that
- * finds fewer than k tracked while untracked nonzeros exist refills the group by a full
- * pass over its R (a histogram of buckets, the floor set from it, the lists rebuilt; the
- * full_passes counter); one that finds fewer than k and none untracked takes them all
- * (then the group is all zero and its floor goes back to 1). In a steady run the k-th
- * largest stays above the floor and no full pass happens; a residual that decays by
- * more than the margin (a falling learning rate) costs one pass per 2 octaves or so.
+ * The floor. It starts at bucket 1 (every nonzero tracked) and rises, never falls except
+ * through a full pass: after each selection its candidate is the lower of the lowest
+ * bucket selected less MARGIN (1/8 octave) and the highest bucket that keeps RESERVE (8)
+ * x k tracked; the floor rises to the lowest candidate of the last RAISE_AFTER (4)
+ * selections (a step of large changes, or one small k, does not lift it). Lists dropped
+ * below the floor free their memory and mark the group as holding untracked nonzeros. A
+ * selection that finds fewer than k tracked while untracked nonzeros exist refills the
+ * group by a full pass over its R (a histogram of buckets, the floor set from it as
+ * above, the lists rebuilt; counted in full_passes); one that finds fewer than k and none
+ * untracked takes them all (the group is then all zero, and its floor goes back to 1).
+ * In a steady run the k-th largest stays above the floor and no full pass happens; a
+ * residual whose magnitudes fall by more than the reserve's share (e.g. from 8k down to k
+ * coordinates above the floor: about half an octave in bench.residual's runs) costs one.
+ * Why a reserve of 8k and not a margin of octaves: the tracked coordinates cost list
+ * work on every add that moves them, and a floor one octave down tracked 20-35% of the
+ * coordinates in bench.residual's runs, where 8k tracks 6-18%: the add cost 2-2.3x more
+ * per touched coordinate. A full pass costs about what one step of the streaming top-k
+ * does.
  *
  * Memory, per coordinate of the sparse range: R's 4 bytes (the caller's array) and
- * nothing else per coordinate; per *tracked* coordinate one 4-byte list entry (up to
- * about twice that with stale entries and list capacity); 16 bytes of work space per
+ * nothing else per coordinate; per *tracked* coordinate one 4-byte list entry, up to
+ * about 12 bytes with stale entries and list capacity; 16 bytes of work space per
  * selected coordinate and per boundary entry, kept between calls; 2 KiB per 4 octaves of
- * buckets in use and ~600 bytes per group. Tracked: between RESERVE x k and the nonzeros
- * within 2 octaves of the k-th largest (bench.residual prints bytes per coordinate).
+ * buckets in use and ~600 bytes per group. bench.residual prints the total per
+ * coordinate (R included): 4.6-6.9 bytes in its runs.
  *
  * Adds to the dense suffix [sparse_numel, numel) only change R. Every result depends
  * only on the sequence of calls (no randomness, no threads): the same calls give the
@@ -69,11 +78,13 @@
 #define RB_BUCKETS 4096                          /* bucket(+inf) = 4081 */
 #define RB_CHUNK 64                              /* buckets per table chunk (4 octaves) */
 #define RB_CHUNKS (RB_BUCKETS / RB_CHUNK)
-#define MARGIN RB_PER_OCTAVE                     /* the floor's distance below the k-th largest */
-#define RESERVE 4                                /* ... and at least this many times k tracked */
+#define MARGIN 2                                 /* the floor's distance below the k-th largest */
+#define RESERVE 8                                /* ... and at least this many times k tracked */
 #define RAISE_AFTER 4                            /* the floor rises to the lowest of this many candidates */
-#define COMPACT_SLACK 64                         /* stale entries a list may hold beyond its valid ones */
+#define COMPACT_RATIO 2                          /* a list is compacted when its entries pass this many */
+#define COMPACT_SLACK 64                         /* times its valid ones, and this many more */
 #define PF_AHEAD 32                              /* coordinates ahead to prefetch R at */
+#define MOVE_BATCH 1024                          /* entries an add takes at a time */
 #define SMALL_SORT 64                            /* fewer pairs than this: insertion sort */
 #define DIGIT_MAX 11                             /* radix digits: up to 2048 bins */
 
@@ -99,6 +110,11 @@ typedef struct {
     int32_t c;
     float v;
 } rpair;
+
+typedef struct { /* a coordinate whose bucket an add changed */
+    int32_t c;
+    int16_t bo, bn;
+} rmove;
 
 typedef struct {
     int64_t lo, hi;  /* the group's coordinates [lo, hi) */
@@ -232,7 +248,7 @@ static int list_compact(stella_residual *st, rlist *l, int32_t b) {
         for (int64_t j = 0; j < m; j++) l->idx[j] = cand[j].c;
     }
     l->len = m;
-    if (l->cap > 2 * m + 64) list_resize(st, l, m + m / 2 + 16); /* a failed shrink keeps the list as it is */
+    if (l->cap > 8 * m + 4096) list_resize(st, l, 4 * m + 1024); /* a failed shrink keeps the list as it is */
     return STELLA_OK;
 }
 
@@ -322,37 +338,54 @@ int stella_residual_add(stella_residual *st, const int32_t *idx, const float *va
         }
     float *r = st->r;
     const int64_t ns = stella_lower_bound(idx, n, st->sparse); /* the entries in the indexed range */
+    rmove mv[MOVE_BATCH];
+    int64_t i = 0;
     int32_t gi = ns > 0 ? group_of(st, idx[0]) : 0;
-    for (int64_t i = 0; i < ns; i++) {
-        if (i + PF_AHEAD < n) __builtin_prefetch(r + idx[i + PF_AHEAD], 1, 0);
-        const int32_t c = idx[i];
-        while (c >= st->g[gi].hi) gi++;
+    while (i < ns) {
+        /* A batch of one group's entries: first the adds (R is read and written; the
+         * coordinates whose bucket changes at or above the floor are noted, without a
+         * branch), then the lists. */
+        while (idx[i] >= st->g[gi].hi) gi++;
         rgroup *g = &st->g[gi];
-        const float old = r[c], x = old + val[i];
-        r[c] = x;
-        if (g->stale) continue;
-        const int32_t bo = bucket_of(old), bn = bucket_of(x);
-        if (bo == bn) continue;
-        if (bo >= g->floor) {
-            rlist *l = list_at(g, bo);
-            l->count--;
-            g->tracked--;
-            if (l->len > l->count + l->count / 2 + COMPACT_SLACK && list_compact(st, l, bo) != STELLA_OK) {
-                g->stale = 1; /* out of memory: the next selection rebuilds the group */
-                continue;
-            }
+        const int64_t end = i + MOVE_BATCH < ns ? i + MOVE_BATCH : ns;
+        const int32_t floor = g->stale ? INT32_MAX : g->floor, hi = (int32_t)(g->hi < INT32_MAX ? g->hi : INT32_MAX);
+        int64_t m = 0;
+        int32_t below = 0;
+        for (; i < end && idx[i] < hi; i++) {
+            if (i + PF_AHEAD < n) __builtin_prefetch(r + idx[i + PF_AHEAD], 1, 0);
+            const int32_t c = idx[i];
+            const float old = r[c], x = old + val[i];
+            r[c] = x;
+            const int32_t bo = bucket_of(old), bn = bucket_of(x);
+            mv[m].c = c;
+            mv[m].bo = (int16_t)bo;
+            mv[m].bn = (int16_t)bn;
+            m += (bo != bn) & ((bo > bn ? bo : bn) >= floor);
+            below |= (bn > 0) & (bn < floor);
         }
-        if (bn >= g->floor) {
-            rlist *l = list_make(st, g, bn);
-            if (!l || list_push(st, l, c) != STELLA_OK) {
-                g->stale = 1;
-                continue;
+        if (g->stale) continue;
+        g->untracked |= below;
+        for (int64_t j = 0; j < m; j++) {
+            const int32_t c = mv[j].c, bo = mv[j].bo, bn = mv[j].bn;
+            if (bo >= floor) {
+                rlist *l = list_at(g, bo);
+                l->count--;
+                g->tracked--;
+                if (l->len > COMPACT_RATIO * l->count + COMPACT_SLACK && list_compact(st, l, bo) != STELLA_OK) {
+                    g->stale = 1; /* out of memory: the next selection rebuilds the group */
+                    break;
+                }
             }
-            l->count++;
-            g->tracked++;
-            if (bn > g->top) g->top = bn;
-        } else if (bn > 0) {
-            g->untracked = 1;
+            if (bn >= floor) {
+                rlist *l = list_make(st, g, bn);
+                if (!l || list_push(st, l, c) != STELLA_OK) {
+                    g->stale = 1;
+                    break;
+                }
+                l->count++;
+                g->tracked++;
+                if (bn > g->top) g->top = bn;
+            }
         }
     }
     for (int64_t i = ns; i < n; i++) r[idx[i]] += val[i];

@@ -10,26 +10,26 @@ coordinate space (:class:`stella.layout.FlatLayout`: the large tensors in
 :meth:`~FlatResidual.add` keeps current in O(entries added), so that
 :meth:`~FlatResidual.select` costs O(k) and no pass over ``R`` runs in a steady state.
 
-The index (``native/residual.c``, whose header comment has the details): coordinates
-bucketed by ``|R|`` at 16 buckets an octave (the float's exponent and top 4 mantissa
-bits); per bucket an append-only list of its coordinates, whose stale entries are told by
-reading ``R`` itself (an entry is valid when the coordinate's bucket is still the list's)
-and dropped when they outnumber the valid ones; only buckets at or above a *floor*, about 2
-octaves below the k-th largest, are tracked, the coordinates under it being smaller than
-anything tracked. A selection takes whole buckets from the top, the exact top of the
-boundary bucket by a radix select, and sorts the k indices by a radix sort. It needs a
-full pass over a group's ``R`` only when its tracked coordinates cannot supply k while
-smaller nonzeros exist (``full_passes`` counts them): the residual fell more than the
-margin below the floor, or a :meth:`~FlatResidual.load` replaced it. Why this design: it
-holds nothing per coordinate beyond ``R`` itself (a per-coordinate bucket byte would cost
-a byte of every coordinate to save a read of ``R`` that the validation does anyway),
-appends are sequential writes to a few hot list tails, and both the selection and the
-sort are linear in k.
+The index (``native/residual.c``, whose header comment has the details and the
+measurements behind its constants): coordinates bucketed by ``|R|`` at 16 buckets an
+octave (the float's exponent and top 4 mantissa bits); per bucket an append-only list of
+its coordinates, whose stale entries are told by reading ``R`` itself (an entry is valid
+when the coordinate's bucket is still the list's) and dropped when they outnumber the
+valid ones; only buckets at or above a *floor* are tracked (about 8 x k coordinates, the
+ones under it being smaller than anything tracked). A selection takes whole buckets from
+the top and the exact top of the boundary bucket by a radix select, and sorts the k
+indices by a radix sort. It needs a full pass over a group's ``R`` only when its tracked
+coordinates cannot supply k while smaller nonzeros exist (``full_passes`` counts them):
+the residual's magnitudes fell below the floor, or a :meth:`~FlatResidual.load` replaced
+it. Why this design: it holds nothing per coordinate beyond ``R`` itself (a bucket byte
+per coordinate would cost a byte of every coordinate to save a read of ``R`` that the
+validation does anyway), appends are sequential writes to a few hot list tails, and both
+the selection and the sort are linear in k.
 
-Memory: ``R``'s 4 bytes a coordinate; 4 bytes per *tracked* coordinate (up to twice that
-with stale entries and list capacity), and 16 bytes of work space per selected
+Memory: ``R``'s 4 bytes a coordinate; up to about 12 bytes per *tracked* coordinate (a
+list entry, stale entries, list capacity); 16 bytes of work space per selected
 coordinate, kept between calls. :attr:`FlatResidual.bytes` says what a residual holds
-(``python -m bench.residual`` prints it per coordinate).
+(``python -m bench.residual`` prints it per coordinate: 4.6-6.9 bytes, ``R`` included).
 
 Semantics: :meth:`~FlatResidual.add` is ``R[idx] += vals`` in float32, in index order;
 :meth:`~FlatResidual.select` returns the exact top k of ``|R|`` in each group, ties going
