@@ -46,9 +46,11 @@
  * group by a full pass over its R (a histogram of buckets, the floor set from it as
  * above, the lists rebuilt; counted in full_passes); one that finds fewer than k and none
  * untracked takes them all (the group is then all zero, and its floor goes back to 1).
- * In a steady run the k-th largest stays above the floor and no full pass happens; a
- * residual whose magnitudes fall by more than the reserve's share (e.g. from 8k down to k
- * coordinates above the floor: about half an octave in bench.residual's runs) costs one.
+ * In a steady run the k-th largest stays above the floor and no full pass happens, nor
+ * when k or the changes' scale are noisy (x0.5-1.5 and x0.7-1.3 from step to step, on
+ * 1M coordinates at bench.residual's densities: none in 300 steps); a residual whose
+ * magnitudes fall steadily costs one every third to three quarters of an octave
+ * (changes halving every 100 steps: 4-9 in 300 steps).
  * Why a reserve of 8k and not a margin of octaves: the tracked coordinates cost list
  * work on every add that moves them, and a floor one octave down tracked 20-35% of the
  * coordinates in bench.residual's runs, where 8k tracks 6-18%: the add cost 2-2.3x more
@@ -86,7 +88,8 @@
 #define PF_AHEAD 32                              /* coordinates ahead to prefetch R at */
 #define MOVE_BATCH 1024                          /* entries an add takes at a time */
 #define SMALL_SORT 64                            /* fewer pairs than this: insertion sort */
-#define DIGIT_MAX 11                             /* radix digits: up to 2048 bins */
+#define DIGIT_MAX 11                             /* the radix select's digits: 2048 bins */
+#define SORT_DIGIT 12                            /* the radix sort's digits: up to 4096 bins */
 
 _Static_assert((0x7f800000u >> RB_SHIFT) + 1 < RB_BUCKETS, "every finite and infinite |R| has a bucket");
 
@@ -474,7 +477,9 @@ static uint64_t kth_largest(uint64_t *keys, int64_t m, int64_t rank) {
     }
 }
 
-/* Pairs sorted by index (their indices in [lo, lo + span)); the result is in a or tmp. */
+/* Pairs sorted by index (their indices in [lo, lo + span)); the result is in a or tmp.
+ * LSD radix, digits of at most SORT_DIGIT bits, every digit's histogram taken in one
+ * read first; a digit that all pairs share costs no pass. */
 static rpair *sort_pairs(rpair *a, rpair *tmp, int64_t n, int64_t lo, int64_t span) {
     if (n < SMALL_SORT) {
         for (int64_t i = 1; i < n; i++) {
@@ -487,19 +492,25 @@ static rpair *sort_pairs(rpair *a, rpair *tmp, int64_t n, int64_t lo, int64_t sp
     }
     int bits = 1;
     while ((INT64_C(1) << bits) < span) bits++;
-    const int passes = (bits + DIGIT_MAX - 1) / DIGIT_MAX, digit = (bits + passes - 1) / passes;
+    const int passes = (bits + SORT_DIGIT - 1) / SORT_DIGIT, digit = (bits + passes - 1) / passes;
     const uint32_t mask = (1u << digit) - 1;
-    int64_t pos[1 << DIGIT_MAX];
-    for (int shift = 0; shift < bits; shift += digit) {
-        memset(pos, 0, sizeof pos);
-        for (int64_t i = 0; i < n; i++) pos[((uint32_t)(a[i].c - lo) >> shift) & mask]++;
-        int64_t at = 0;
+    static _Thread_local int64_t pos[(32 + SORT_DIGIT - 1) / SORT_DIGIT][1 << SORT_DIGIT];
+    memset(pos, 0, sizeof(pos[0]) * (size_t)passes);
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t key = (uint32_t)(a[i].c - lo);
+        for (int p = 0; p < passes; p++) pos[p][(key >> (p * digit)) & mask]++;
+    }
+    for (int p = 0; p < passes; p++) {
+        int64_t *at = pos[p];
+        if (at[((uint32_t)(a[0].c - lo) >> (p * digit)) & mask] == n) continue; /* one bin: already in order */
+        int64_t sum = 0;
         for (uint32_t d = 0; d <= mask; d++) {
-            const int64_t cnt = pos[d];
-            pos[d] = at;
-            at += cnt;
+            const int64_t cnt = at[d];
+            at[d] = sum;
+            sum += cnt;
         }
-        for (int64_t i = 0; i < n; i++) tmp[pos[((uint32_t)(a[i].c - lo) >> shift) & mask]++] = a[i];
+        const int shift = p * digit;
+        for (int64_t i = 0; i < n; i++) tmp[at[((uint32_t)(a[i].c - lo) >> shift) & mask]++] = a[i];
         rpair *t = a;
         a = tmp;
         tmp = t;
