@@ -539,8 +539,8 @@ static int64_t boundary_len(const rgroup *g, int64_t want) {
 
 /* After a selection of k from g whose lowest bucket was `last`: the floor's next candidate. */
 static void floor_policy(stella_residual *st, rgroup *g, int64_t k, int32_t last) {
-    if (g->tracked == 0 && !g->untracked) { /* all zero: any floor holds everything */
-        group_drop_below(st, g, RB_BUCKETS);
+    if (g->tracked == 0 && !g->untracked) { /* all zero: any floor holds everything (the lists,
+                                                * empty of valid entries, are kept for reuse) */
         g->floor = 1;
         g->top = 0;
         g->ncand = 0;
