@@ -6,15 +6,16 @@ every step once the touched coordinates pass 1/64 of a tensor), on the same step
 Each step touches a random set of ``touched`` x numel coordinates (each coordinate with
 that probability, sorted) with standard normal changes, and selects ``k`` x numel. Both
 systems get the same steps, one after the other, for 10 warm-up steps then ``--steps``
-timed ones. Reported per system: median ms a step (the index: add and select apart), ns
-per touched coordinate and per selected one; for the index also its full passes after
-warm-up, its bytes per coordinate (``R`` included) and the tracked share. Then the
-100M/10M ratios (1M/10M... with --quick: the larger over the smaller): with the same
-touched count and k (the larger model touched at a tenth of the density: the claim that
-a step's cost depends on what was pushed, not on the model's size; goal <= 1.2x), and
-per touched coordinate at the same densities.
+timed ones. Reported per system: the median ms a step (the index: add and select apart;
+the thread's CPU time, which other work on a shared machine does not inflate, or wall
+time with ``--clock wall``), ns per touched coordinate and per selected one; for the
+index also its full passes after warm-up, its bytes per coordinate (``R`` included) and
+the share of coordinates it tracks. Then the larger model's over the smaller's (100M over
+10M; 10M over 1M with --quick): a step at the same touched count and k (the larger model
+touched at a tenth of the densities: the claim that a step costs what was pushed, not
+the model's size; goal <= 1.2x), and per touched coordinate at the same densities.
 
-    python -m bench.residual [--quick] [--steps 30] [--json PATH]
+    python -m bench.residual [--quick] [--steps 30] [--clock cpu|wall] [--json PATH]
 """
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ def _steps(numel: int, touched: float, steps: int, seed: int) -> Iterator[tuple[
         yield idx, rng.standard_normal(idx.size, dtype=np.float32)
 
 
-def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int = 0) -> list[dict]:
-    """One row per k: both systems on the same steps (all the ks share the steps)."""
+def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int = 0, clock: str = "cpu") -> list[dict]:
+    """One row per k: both systems on the same steps (all the ks share the steps).
+    ``clock``: ``cpu`` (the thread's CPU time: what a step costs, whatever else runs on the
+    machine) or ``wall``."""
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     sizes = [max(1, round(k * numel)) for k in ks]
     index = [FlatResidual(numel, numel) for _ in ks]
     passes = [(np.zeros(numel, np.float32), Selector(seed=0x5EED)) for _ in ks]
@@ -62,14 +66,14 @@ def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int
             warm = [fr.full_passes for fr in index]
         for j, k in enumerate(sizes):
             fr = index[j]
-            t0 = time.perf_counter()
+            t0 = now()
             fr.add(idx, ch)
-            t1 = time.perf_counter()
+            t1 = now()
             fr.select(k)
-            t2 = time.perf_counter()
+            t2 = now()
             r, selector = passes[j]
             selector.take(r, k, adds=[(idx, ch)])
-            t3 = time.perf_counter()
+            t3 = now()
             if s >= WARMUP:
                 t_add[j].append(t1 - t0)
                 t_sel[j].append(t2 - t1)
@@ -84,7 +88,7 @@ def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int
         fr = index[j]
         rows.append({
             "numel": numel, "touched": touched, "k_share": kf, "touched_count": round(n_touched), "k": k,
-            "steps": steps, "index_add_ms": round(1e3 * add, 3), "index_select_ms": round(1e3 * sel, 3),
+            "steps": steps, "clock": clock, "index_add_ms": round(1e3 * add, 3), "index_select_ms": round(1e3 * sel, 3),
             "index_step_ms": round(1e3 * step, 3), "index_ns_per_touched": round(1e9 * add / n_touched, 2),
             "index_ns_per_selected": round(1e9 * sel / k, 2),
             "index_ns_per_touched_step": round(1e9 * step / n_touched, 2),
@@ -112,21 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.residual", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1M and 10M coordinates (else 10M and 100M)")
     p.add_argument("--steps", type=int, default=30, help="timed steps after the 10 warm-up steps")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="cpu: the thread's CPU time (default: robust to other work on a shared machine); wall")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     small, large = (1_000_000, 10_000_000) if a.quick else (10_000_000, 100_000_000)
     scale = large // small
     load_start = loadavg()
     print(f"bench.residual: index (FlatResidual add + select) against the streaming pass (Selector.take with "
-          f"adds), {WARMUP} warm-up + {a.steps} timed steps, medians (load at start: {load_start})", flush=True)
+          f"adds), {WARMUP} warm-up + {a.steps} timed steps, medians of {a.clock} time (load at start: {load_start})",
+          flush=True)
     rows = []
     for numel in (small, large):
         for touched in TOUCHED:
-            rows += run(numel, touched, KS, a.steps)
+            rows += run(numel, touched, KS, a.steps, clock=a.clock)
     # the larger model with the smaller one's touched counts and k: a tenth (or 1/scale) of the densities
     same = []
     for touched in TOUCHED:
-        same += run(large, touched / scale, tuple(k / scale for k in KS), a.steps)
+        same += run(large, touched / scale, tuple(k / scale for k in KS), a.steps, clock=a.clock)
     load_end = loadavg()
     print("\nsame densities:")
     _table(rows)
@@ -158,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload at start: {load_start}; at end: {load_end}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"load_at_start": load_start, "load_at_end": load_end, "warmup": WARMUP, "rows": rows,
-                       "same_counts": same, "ratios": ratios}, f, indent=2)
+            json.dump({"load_at_start": load_start, "load_at_end": load_end, "warmup": WARMUP, "clock": a.clock,
+                       "rows": rows, "same_counts": same, "ratios": ratios}, f, indent=2)
     return 0
 
 
