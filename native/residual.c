@@ -38,7 +38,7 @@
  *
  * The floor. It starts at bucket 1 (every nonzero tracked) and rises, never falls except
  * through a full pass: after each selection its candidate is the lower of the lowest
- * bucket selected less MARGIN (1/8 octave) and the highest bucket that keeps RESERVE (8)
+ * bucket selected less MARGIN (1/8 octave) and the highest bucket that keeps RESERVE (4)
  * x k tracked; the floor rises to the lowest candidate of the last RAISE_AFTER (4)
  * selections (a step of large changes, or one small k, does not lift it). Lists dropped
  * below the floor free their memory and mark the group as holding untracked nonzeros. A
@@ -46,16 +46,18 @@
  * group by a full pass over its R (a histogram of buckets, the floor set from it as
  * above, the lists rebuilt; counted in full_passes); one that finds fewer than k and none
  * untracked takes them all (the group is then all zero, and its floor goes back to 1).
- * In a steady run the k-th largest stays above the floor and no full pass happens, nor
- * when k or the changes' scale are noisy (x0.5-1.5 and x0.7-1.3 from step to step, on
- * 1M coordinates at bench.residual's densities: none in 300 steps); a residual whose
- * magnitudes fall steadily costs one every third to three quarters of an octave
- * (changes halving every 100 steps: 4-9 in 300 steps).
- * Why a reserve of 8k and not a margin of octaves: the tracked coordinates cost list
- * work on every add that moves them, and a floor one octave down tracked 20-35% of the
- * coordinates in bench.residual's runs, where 8k tracks 6-18%: the add cost 2-2.3x more
- * per touched coordinate. A full pass costs about what one step of the streaming top-k
- * does.
+ * In a steady run the k-th largest stays above the floor and no full pass happens; with
+ * k and the changes' scale noisy (x0.5-1.5 and x0.7-1.3 from step to step, on 1M
+ * coordinates at bench.residual's densities) at most one in 300 steps; a residual whose
+ * magnitudes fall steadily costs one every third of an octave or so (changes halving
+ * every 100 steps: 9-10 passes in 300 steps at 8-32% touched, none at 2%).
+ * Why a reserve of 4k and not a margin of octaves: the tracked coordinates cost list
+ * work on every add that moves them. A floor one octave down tracked 20-35% of the
+ * coordinates in bench.residual's runs and cost 2-2.3x more per touched coordinate than
+ * a reserve of 8k (6-18% tracked); with the coding error added back after each selection
+ * (R never empties), a reserve of 4k made a step 10-25% cheaper than 8k for one more
+ * full pass in a decay that halves the changes every 20 steps. A full pass costs about
+ * two steps of the streaming top-k.
  *
  * Memory, per coordinate of the sparse range: R's 4 bytes (the caller's array) and
  * nothing else per coordinate; per *tracked* coordinate one 4-byte list entry, up to
@@ -81,11 +83,11 @@
 #define RB_CHUNK 64                              /* buckets per table chunk (4 octaves) */
 #define RB_CHUNKS (RB_BUCKETS / RB_CHUNK)
 #define MARGIN 2                                 /* the floor's distance below the k-th largest */
-#define RESERVE 8                                /* ... and at least this many times k tracked */
+#define RESERVE 4                                /* ... and at least this many times k tracked */
 #define RAISE_AFTER 4                            /* the floor rises to the lowest of this many candidates */
 #define COMPACT_RATIO 2                          /* a list is compacted when its entries pass this many */
 #define COMPACT_SLACK 64                         /* times its valid ones, and this many more */
-#define PF_AHEAD 32                              /* coordinates ahead to prefetch R at */
+#define PF_AHEAD 32                              /* coordinates ahead to prefetch R at (64, 96, 192: no faster) */
 #define MOVE_BATCH 1024                          /* entries an add takes at a time */
 #define SMALL_SORT 64                            /* fewer pairs than this: insertion sort */
 #define DIGIT_MAX 11                             /* the radix select's digits: 2048 bins */
@@ -330,69 +332,132 @@ static int32_t group_of(const stella_residual *st, int64_t c) {
     return lo;
 }
 
-int stella_residual_add(stella_residual *st, const int32_t *idx, const float *val, int64_t n, int64_t *where) {
-    if (!st || n < 0 || (n > 0 && (!idx || !val))) return STELLA_E_ARG;
-    int rc = stella_check_sorted(idx, n, st->numel, where);
-    if (rc != STELLA_OK) return rc;
-    for (int64_t i = 0; i < n; i++)
-        if (STELLA_UNLIKELY((stella_f32_bits(val[i]) & 0x7f800000u) == 0x7f800000u)) {
-            if (where) *where = i;
-            return STELLA_E_NONFINITE;
+/* The lists' side of a batch of moves (coordinates whose bucket changed at or above the
+ * floor): counts, appends, compactions. */
+static void apply_moves(stella_residual *st, rgroup *g, int32_t floor, const rmove *mv, int64_t m) {
+    for (int64_t j = 0; j < m; j++) {
+        const int32_t c = mv[j].c, bo = mv[j].bo, bn = mv[j].bn;
+        if (bo >= floor) {
+            rlist *l = list_at(g, bo);
+            l->count--;
+            g->tracked--;
+            if (l->len > COMPACT_RATIO * l->count + COMPACT_SLACK && list_compact(st, l, bo) != STELLA_OK) {
+                g->stale = 1; /* out of memory: the next selection rebuilds the group */
+                return;
+            }
         }
+        if (bn >= floor) {
+            rlist *l = list_make(st, g, bn);
+            if (!l || list_push(st, l, c) != STELLA_OK) {
+                g->stale = 1;
+                return;
+            }
+            l->count++;
+            g->tracked++;
+            if (bn > g->top) g->top = bn;
+        }
+    }
+}
+
+/* One coordinate's change, noted as a move (kept: m += 1) when its bucket changed at or
+ * above the floor, without a branch. */
+#define NOTE_MOVE(c, old, x)                                                    \
+    do {                                                                        \
+        const int32_t bo_ = bucket_of(old), bn_ = bucket_of(x);                 \
+        mv[m].c = (c);                                                          \
+        mv[m].bo = (int16_t)bo_;                                                \
+        mv[m].bn = (int16_t)bn_;                                                \
+        m += (bo_ != bn_) & ((bo_ > bn_ ? bo_ : bn_) >= floor);                 \
+        below |= (bn_ > 0) & (bn_ < floor);                                     \
+    } while (0)
+
+int stella_residual_add_lists(stella_residual *st, const stella_sparse_list *lists, int32_t nlists, int32_t *bad,
+                              int64_t *where) {
+    if (!st || nlists < 0 || nlists > STELLA_RESIDUAL_MAX_LISTS || (nlists > 0 && !lists)) return STELLA_E_ARG;
+    for (int32_t l = 0; l < nlists; l++) {
+        if (bad) *bad = l;
+        const int32_t *idx = lists[l].idx;
+        const float *val = lists[l].val;
+        const int64_t n = lists[l].n;
+        if (n < 0 || (n > 0 && (!idx || !val))) return STELLA_E_ARG;
+        const int rc = stella_check_sorted(idx, n, st->numel, where);
+        if (rc != STELLA_OK) return rc;
+        for (int64_t i = 0; i < n; i++)
+            if (STELLA_UNLIKELY((stella_f32_bits(val[i]) & 0x7f800000u) == 0x7f800000u)) {
+                if (where) *where = i;
+                return STELLA_E_NONFINITE;
+            }
+    }
+    /* Batches of one group's coordinates: first the adds (R read and written once per
+     * coordinate, the lists' values added in list order; the moves noted), then the
+     * lists. */
     float *r = st->r;
-    const int64_t ns = stella_lower_bound(idx, n, st->sparse); /* the entries in the indexed range */
     rmove mv[MOVE_BATCH];
-    int64_t i = 0;
-    int32_t gi = ns > 0 ? group_of(st, idx[0]) : 0;
-    while (i < ns) {
-        /* A batch of one group's entries: first the adds (R is read and written; the
-         * coordinates whose bucket changes at or above the floor are noted, without a
-         * branch), then the lists. */
-        while (idx[i] >= st->g[gi].hi) gi++;
+    int64_t cur[STELLA_RESIDUAL_MAX_LISTS], ns[STELLA_RESIDUAL_MAX_LISTS];
+    int32_t gi = 0, first = INT32_MAX;
+    for (int32_t l = 0; l < nlists; l++) {
+        cur[l] = 0;
+        ns[l] = stella_lower_bound(lists[l].idx, lists[l].n, st->sparse); /* the entries in the indexed range */
+        if (ns[l] > 0 && lists[l].idx[0] < first) first = lists[l].idx[0];
+    }
+    if (first != INT32_MAX) gi = group_of(st, first);
+    for (;;) {
+        int32_t c0 = INT32_MAX; /* the batch's first coordinate */
+        for (int32_t l = 0; l < nlists; l++)
+            if (cur[l] < ns[l] && lists[l].idx[cur[l]] < c0) c0 = lists[l].idx[cur[l]];
+        if (c0 == INT32_MAX) break;
+        while (c0 >= st->g[gi].hi) gi++;
         rgroup *g = &st->g[gi];
-        const int64_t end = i + MOVE_BATCH < ns ? i + MOVE_BATCH : ns;
         const int32_t floor = g->stale ? INT32_MAX : g->floor, hi = (int32_t)(g->hi < INT32_MAX ? g->hi : INT32_MAX);
         int64_t m = 0;
         int32_t below = 0;
-        for (; i < end && idx[i] < hi; i++) {
-            if (i + PF_AHEAD < n) __builtin_prefetch(r + idx[i + PF_AHEAD], 1, 0);
-            const int32_t c = idx[i];
-            const float old = r[c], x = old + val[i];
-            r[c] = x;
-            const int32_t bo = bucket_of(old), bn = bucket_of(x);
-            mv[m].c = c;
-            mv[m].bo = (int16_t)bo;
-            mv[m].bn = (int16_t)bn;
-            m += (bo != bn) & ((bo > bn ? bo : bn) >= floor);
-            below |= (bn > 0) & (bn < floor);
+        if (nlists == 1) { /* one list: no merge */
+            const int32_t *idx = lists[0].idx;
+            const float *val = lists[0].val;
+            const int64_t n = lists[0].n, end = cur[0] + MOVE_BATCH < ns[0] ? cur[0] + MOVE_BATCH : ns[0];
+            int64_t i = cur[0];
+            for (; i < end && idx[i] < hi; i++) {
+                if (i + PF_AHEAD < n) __builtin_prefetch(r + idx[i + PF_AHEAD], 1, 0);
+                const int32_t c = idx[i];
+                const float old = r[c], x = old + val[i];
+                r[c] = x;
+                NOTE_MOVE(c, old, x);
+            }
+            cur[0] = i;
+        } else {
+            for (int64_t b = 0; b < MOVE_BATCH; b++) {
+                int32_t c = INT32_MAX;
+                for (int32_t l = 0; l < nlists; l++)
+                    if (cur[l] < ns[l] && lists[l].idx[cur[l]] < c) c = lists[l].idx[cur[l]];
+                if (c >= hi) break; /* (INT32_MAX: every list is done) */
+                const float old = r[c];
+                float x = old;
+                for (int32_t l = 0; l < nlists; l++) {
+                    const int64_t i = cur[l];
+                    if (i < ns[l] && lists[l].idx[i] == c) {
+                        if (i + PF_AHEAD < lists[l].n) __builtin_prefetch(r + lists[l].idx[i + PF_AHEAD], 1, 0);
+                        x += lists[l].val[i];
+                        cur[l] = i + 1;
+                    }
+                }
+                r[c] = x;
+                NOTE_MOVE(c, old, x);
+            }
         }
         if (g->stale) continue;
         g->untracked |= below;
-        for (int64_t j = 0; j < m; j++) {
-            const int32_t c = mv[j].c, bo = mv[j].bo, bn = mv[j].bn;
-            if (bo >= floor) {
-                rlist *l = list_at(g, bo);
-                l->count--;
-                g->tracked--;
-                if (l->len > COMPACT_RATIO * l->count + COMPACT_SLACK && list_compact(st, l, bo) != STELLA_OK) {
-                    g->stale = 1; /* out of memory: the next selection rebuilds the group */
-                    break;
-                }
-            }
-            if (bn >= floor) {
-                rlist *l = list_make(st, g, bn);
-                if (!l || list_push(st, l, c) != STELLA_OK) {
-                    g->stale = 1;
-                    break;
-                }
-                l->count++;
-                g->tracked++;
-                if (bn > g->top) g->top = bn;
-            }
-        }
+        apply_moves(st, g, floor, mv, m);
     }
-    for (int64_t i = ns; i < n; i++) r[idx[i]] += val[i];
+    /* The dense suffix: list after list (a coordinate gets its values in list order). */
+    for (int32_t l = 0; l < nlists; l++)
+        for (int64_t i = ns[l]; i < lists[l].n; i++) r[lists[l].idx[i]] += lists[l].val[i];
     return STELLA_OK;
+}
+
+int stella_residual_add(stella_residual *st, const int32_t *idx, const float *val, int64_t n, int64_t *where) {
+    if (!st) return STELLA_E_ARG;
+    const stella_sparse_list one = {idx, val, n};
+    return stella_residual_add_lists(st, &one, 1, NULL, where);
 }
 
 /* ---- full pass ---------------------------------------------------------------- */
@@ -612,7 +677,7 @@ static int64_t select_group(stella_residual *st, rgroup *g, int64_t k, void *w, 
         }
         if (m > l->count) m = dedup(r, cand, m);
         for (int64_t j = 0; j < m; j++) keys[j] = rank_key(cand[j].c, cand[j].v);
-        const uint64_t cut = kth_largest(keys, m, rem);
+        const uint64_t cut = rem < m ? kth_largest(keys, m, rem) : 0; /* (m > rem: the count says so) */
         int64_t kept = 0;
         for (int64_t j = 0; j < m; j++) {
             if (rank_key(cand[j].c, cand[j].v) >= cut) {
@@ -622,8 +687,8 @@ static int64_t select_group(stella_residual *st, rgroup *g, int64_t k, void *w, 
                 l->idx[kept++] = cand[j].c;
             }
         }
+        g->tracked -= l->count - kept;
         l->len = l->count = kept;
-        g->tracked -= rem;
         rem = 0;
     }
     g->top = last;

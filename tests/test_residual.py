@@ -349,3 +349,37 @@ def test_the_benchmark_runs_both_systems_on_the_same_steps():
     for r in rows:
         assert r["index_step_ms"] > 0 and r["pass_step_ms"] > 0 and r["index_full_passes"] == 0
         assert r["index_bytes_per_coord"] >= 4
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), lists=st.integers(0, 4), numel=st.integers(1, 2000))
+def test_adding_lists_in_one_sweep_equals_one_add_each(seed, lists, numel):
+    rng = np.random.default_rng(seed)
+    sparse_numel = int(rng.integers(0, numel + 1))
+    one, each = FlatResidual(numel, sparse_numel), FlatResidual(numel, sparse_numel)
+    for _ in range(5):
+        adds = [draw_add(rng, numel, str(rng.choice(["normal", "dyadic", "wide"])), 1.0) for _ in range(lists)]
+        one.add_lists(adds)
+        for idx, vals in adds:
+            each.add(idx, vals)
+        assert same_bits(one.residual, each.residual)
+        if sparse_numel:
+            k = int(rng.integers(0, sparse_numel + 1))
+            a, b = one.select(k), each.select(k)
+            assert np.array_equal(a[0], b[0]) and same_bits(a[1], b[1])
+        one.verify()
+
+
+def test_bad_lists_are_refused_before_anything_changes():
+    res = FlatResidual(100, 80)
+    good = (np.array([1, 50, 90], np.int32), np.ones(3, F32))
+    for bad in [(np.array([5, 4], np.int32), np.ones(2, F32)), (np.array([100], np.int32), np.ones(1, F32)),
+                (np.array([3], np.int32), np.array([np.inf], F32)), (np.array([3], np.int64), np.ones(1, F32)),
+                "not a pair"]:
+        with pytest.raises(KernelInputError, match="list 1"):
+            res.add_lists([good, bad])  # type: ignore[list-item]
+        assert not res.residual.any()
+    with pytest.raises(KernelInputError):
+        res.add_lists([good] * 5)
+    res.add_lists([])
+    assert not res.residual.any()

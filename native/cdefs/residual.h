@@ -26,6 +26,14 @@ void stella_residual_free(stella_residual *st);
  * first: STELLA_E_RANGE / STELLA_E_ORDER / STELLA_E_NONFINITE with the first bad position
  * in *where, and nothing changed). */
 int stella_residual_add(stella_residual *st, const int32_t *idx, const float *val, int64_t n, int64_t *where);
+/* The most lists one stella_residual_add_lists call takes. */
+#define STELLA_RESIDUAL_MAX_LISTS 4
+/* r[lists[l].idx[j]] += lists[l].val[j] for each list l < nlists in turn, in one sweep (R
+ * read and written once per coordinate, its values added in list order: the same floats
+ * as one stella_residual_add per list); each list checked as stella_residual_add's, the
+ * first bad one's number in *bad and position in *where. */
+int stella_residual_add_lists(stella_residual *st, const stella_sparse_list *lists, int32_t nlists, int32_t *bad,
+                              int64_t *where);
 /* For each group g: the k[g] coordinates of largest |r| in it (all its nonzeros when
  * fewer; ties: the lower index first), r set to +0 there; out_idx/out_val (room for cap >=
  * the sum of k) get them sorted by index, with the values r held. Returns the count, or

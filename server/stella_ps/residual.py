@@ -15,7 +15,7 @@ measurements behind its constants): coordinates bucketed by ``|R|`` at 16 bucket
 octave (the float's exponent and top 4 mantissa bits); per bucket an append-only list of
 its coordinates, whose stale entries are told by reading ``R`` itself (an entry is valid
 when the coordinate's bucket is still the list's) and dropped when they outnumber the
-valid ones; only buckets at or above a *floor* are tracked (about 8 x k coordinates, the
+valid ones; only buckets at or above a *floor* are tracked (about 4 x k coordinates, the
 ones under it being smaller than anything tracked). A selection takes whole buckets from
 the top and the exact top of the boundary bucket by a radix select, and sorts the k
 indices by a radix sort. It needs a full pass over a group's ``R`` only when its tracked
@@ -48,16 +48,18 @@ from typing import Any
 
 import numpy as np
 
-from stella.native_errors import check, require_abi
+from stella.native_errors import check, require_abi, sparse_lists
 
 from ._kernel import ffi, lib
 from .errors import KernelError, KernelInputError
 
 require_abi(lib, "stella_ps._kernel")
 
-__all__ = ["FlatResidual", "KernelInputError"]
+__all__ = ["FlatResidual", "KernelInputError", "MAX_LISTS"]
 
 F32 = np.float32
+MAX_LISTS = int(lib.STELLA_RESIDUAL_MAX_LISTS)
+"""The most lists one :meth:`FlatResidual.add_lists` takes."""
 _INT32_LIMIT = 2**31 - 1
 _INPUT_ERRORS: dict[Any, type[BaseException]] = {
     lib.STELLA_E_RANGE: KernelInputError, lib.STELLA_E_ORDER: KernelInputError,
@@ -124,23 +126,46 @@ class FlatResidual:
     def add(self, idx: np.ndarray, vals: np.ndarray) -> None:
         """``R[idx] += vals``: ``idx`` sorted unique int32 in ``[0, numel)``, ``vals``
         finite float32 of its length (both 1-D, contiguous). Costs O(len(idx))."""
-        if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 or not idx.flags.c_contiguous:
-            raise KernelInputError("add: indices must be a contiguous 1-D int32 array")
-        if not isinstance(vals, np.ndarray) or vals.dtype != F32 or vals.ndim != 1 or not vals.flags.c_contiguous:
-            raise KernelInputError("add: values must be a contiguous 1-D float32 array")
-        if vals.shape[0] != idx.shape[0]:
-            raise KernelInputError(f"add: {vals.shape[0]} values for {idx.shape[0]} indices")
-        where = ffi.new("int64_t *")
-        rc = lib.stella_residual_add(self._st, ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", vals),
-                                     idx.shape[0], where)
-        if rc == lib.STELLA_E_RANGE:
-            raise KernelInputError(f"add: index {int(idx[where[0]])} at position {where[0]} is outside "
-                                   f"[0, {self.numel})")
-        if rc == lib.STELLA_E_ORDER:
-            raise KernelInputError(f"add: indices not strictly increasing at position {where[0]}")
-        if rc == lib.STELLA_E_NONFINITE:
-            raise KernelInputError(f"add: value {float(vals[where[0]])} at position {where[0]} is not finite")
-        check(lib, rc, "add", _INPUT_ERRORS)
+        self.add_lists([(idx, vals)])
+
+    def add_lists(self, lists: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """:meth:`add` of each ``(idx, vals)`` of ``lists`` in turn (at most
+        :data:`MAX_LISTS`), in one sweep: ``R`` is read and written once per coordinate,
+        which gets its values in list order (the same floats as one :meth:`add` a list).
+        A step's coding error and its change go in one call. All lists are checked before
+        anything changes."""
+        if len(lists) > MAX_LISTS:
+            raise KernelInputError(f"add_lists: at most {MAX_LISTS} lists, got {len(lists)}")
+        what = "add" if len(lists) == 1 else "add_lists"
+        for n, pair in enumerate(lists):
+            at = "" if len(lists) == 1 else f" (list {n})"
+            try:
+                idx, vals = pair
+            except (TypeError, ValueError):
+                raise KernelInputError(f"{what}{at}: expected an (indices, values) pair") from None
+            if (not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1
+                    or not idx.flags.c_contiguous):
+                raise KernelInputError(f"{what}{at}: indices must be a contiguous 1-D int32 array")
+            if (not isinstance(vals, np.ndarray) or vals.dtype != F32 or vals.ndim != 1
+                    or not vals.flags.c_contiguous):
+                raise KernelInputError(f"{what}{at}: values must be a contiguous 1-D float32 array")
+            if vals.shape[0] != idx.shape[0]:
+                raise KernelInputError(f"{what}{at}: {vals.shape[0]} values for {idx.shape[0]} indices")
+        c_lists, _keep = sparse_lists(ffi, lists)
+        bad, where = ffi.new("int32_t *"), ffi.new("int64_t *")
+        rc = lib.stella_residual_add_lists(self._st, c_lists, len(lists), bad, where)
+        if rc < 0 and lists:
+            idx, vals = lists[bad[0]]
+            at = "" if len(lists) == 1 else f" (list {bad[0]})"
+            if rc == lib.STELLA_E_RANGE:
+                raise KernelInputError(f"{what}{at}: index {int(idx[where[0]])} at position {where[0]} is outside "
+                                       f"[0, {self.numel})")
+            if rc == lib.STELLA_E_ORDER:
+                raise KernelInputError(f"{what}{at}: indices not strictly increasing at position {where[0]}")
+            if rc == lib.STELLA_E_NONFINITE:
+                raise KernelInputError(f"{what}{at}: value {float(vals[where[0]])} at position {where[0]} is not "
+                                       "finite")
+        check(lib, rc, what, _INPUT_ERRORS)
 
     def select(self, k: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` coordinates of largest ``|R|`` in ``[0, sparse_numel)`` (an int, with one
