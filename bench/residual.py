@@ -15,7 +15,11 @@ the share of coordinates it tracks. Then the larger model's over the smaller's (
 touched at a tenth of the densities: the claim that a step costs what was pushed, not
 the model's size; goal <= 1.2x), and per touched coordinate at the same densities.
 
-    python -m bench.residual [--quick] [--steps 30] [--clock cpu|wall] [--json PATH]
+With ``--error F`` each step also adds F x the values sent back at the sent coordinates
+(a coding's error, as the broadcast does), so that the residual keeps what was not sent
+(at 2% touched and k = 2% it is otherwise nearly emptied every step).
+
+    python -m bench.residual [--quick] [--steps 30] [--clock cpu|wall] [--error F] [--json PATH]
 """
 from __future__ import annotations
 
@@ -48,10 +52,14 @@ def _steps(numel: int, touched: float, steps: int, seed: int) -> Iterator[tuple[
         yield idx, rng.standard_normal(idx.size, dtype=np.float32)
 
 
-def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int = 0, clock: str = "cpu") -> list[dict]:
+def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int = 0, clock: str = "cpu",
+        error: float = 0.0) -> list[dict]:
     """One row per k: both systems on the same steps (all the ks share the steps).
     ``clock``: ``cpu`` (the thread's CPU time: what a step costs, whatever else runs on the
-    machine) or ``wall``."""
+    machine) or ``wall``. ``error``: after each selection, ``error`` x the values sent go
+    back at the sent coordinates (a coding's error, as the broadcast adds it: the index
+    adds it with the next step's change, ``add_lists``; the pass as one more list of its
+    adds), so the residual keeps what was not sent."""
     now = time.thread_time if clock == "cpu" else time.perf_counter
     sizes = [max(1, round(k * numel)) for k in ks]
     index = [FlatResidual(numel, numel) for _ in ks]
@@ -61,19 +69,26 @@ def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int
     t_pass: list[list[float]] = [[] for _ in ks]
     counts: list[int] = []
     warm = [0] * len(ks)
+    empty = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+    owed = [[empty, empty] for _ in ks]  # the error each system owes its residual: index, pass
     for s, (idx, ch) in enumerate(_steps(numel, touched, WARMUP + steps, seed)):
         if s == WARMUP:
             warm = [fr.full_passes for fr in index]
         for j, k in enumerate(sizes):
             fr = index[j]
             t0 = now()
-            fr.add(idx, ch)
+            if error:
+                fr.add_lists([owed[j][0], (idx, ch)])
+            else:
+                fr.add(idx, ch)
             t1 = now()
-            fr.select(k)
+            sent = fr.select(k)
             t2 = now()
             r, selector = passes[j]
-            selector.take(r, k, adds=[(idx, ch)])
+            sent_pass = selector.take(r, k, adds=[owed[j][1], (idx, ch)] if error else [(idx, ch)])
             t3 = now()
+            if error:
+                owed[j] = [(i, (v * np.float32(error)).astype(np.float32)) for i, v in (sent, sent_pass)]
             if s >= WARMUP:
                 t_add[j].append(t1 - t0)
                 t_sel[j].append(t2 - t1)
@@ -88,7 +103,8 @@ def run(numel: int, touched: float, ks: tuple[float, ...], steps: int, seed: int
         fr = index[j]
         rows.append({
             "numel": numel, "touched": touched, "k_share": kf, "touched_count": round(n_touched), "k": k,
-            "steps": steps, "clock": clock, "index_add_ms": round(1e3 * add, 3), "index_select_ms": round(1e3 * sel, 3),
+            "steps": steps, "clock": clock, "error": error,
+            "index_add_ms": round(1e3 * add, 3), "index_select_ms": round(1e3 * sel, 3),
             "index_step_ms": round(1e3 * step, 3), "index_ns_per_touched": round(1e9 * add / n_touched, 2),
             "index_ns_per_selected": round(1e9 * sel / k, 2),
             "index_ns_per_touched_step": round(1e9 * step / n_touched, 2),
@@ -118,22 +134,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps after the 10 warm-up steps")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="cpu: the thread's CPU time (default: robust to other work on a shared machine); wall")
+    p.add_argument("--error", type=float, default=0.0, metavar="F",
+                   help="add F x the values sent back at the sent coordinates after each step (a coding's error; "
+                        "default 0: what is sent leaves the residual)")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     small, large = (1_000_000, 10_000_000) if a.quick else (10_000_000, 100_000_000)
     scale = large // small
     load_start = loadavg()
     print(f"bench.residual: index (FlatResidual add + select) against the streaming pass (Selector.take with "
-          f"adds), {WARMUP} warm-up + {a.steps} timed steps, medians of {a.clock} time (load at start: {load_start})",
+          f"adds), {WARMUP} warm-up + {a.steps} timed steps, medians of {a.clock} time, coding error {a.error:g} "
+          f"(load at start: {load_start})",
           flush=True)
     rows = []
     for numel in (small, large):
         for touched in TOUCHED:
-            rows += run(numel, touched, KS, a.steps, clock=a.clock)
+            rows += run(numel, touched, KS, a.steps, clock=a.clock, error=a.error)
     # the larger model with the smaller one's touched counts and k: a tenth (or 1/scale) of the densities
     same = []
     for touched in TOUCHED:
-        same += run(large, touched / scale, tuple(k / scale for k in KS), a.steps, clock=a.clock)
+        same += run(large, touched / scale, tuple(k / scale for k in KS), a.steps, clock=a.clock,
+                    error=a.error)
     load_end = loadavg()
     print("\nsame densities:")
     _table(rows)
@@ -166,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"load_at_start": load_start, "load_at_end": load_end, "warmup": WARMUP, "clock": a.clock,
-                       "rows": rows, "same_counts": same, "ratios": ratios}, f, indent=2)
+                       "error": a.error, "rows": rows, "same_counts": same, "ratios": ratios}, f, indent=2)
     return 0
 
 

@@ -344,8 +344,8 @@ def test_a_decaying_residual_refills_by_full_passes_and_stays_exact():
 def test_the_benchmark_runs_both_systems_on_the_same_steps():
     from bench.residual import run
 
-    rows = run(50_000, 0.05, (0.01, 0.002), steps=3)
-    assert [r["k"] for r in rows] == [500, 100]
+    rows = run(50_000, 0.05, (0.01, 0.002), steps=3) + run(50_000, 0.05, (0.01,), steps=3, error=0.1)
+    assert [r["k"] for r in rows] == [500, 100, 500]
     for r in rows:
         assert r["index_step_ms"] > 0 and r["pass_step_ms"] > 0 and r["index_full_passes"] == 0
         assert r["index_bytes_per_coord"] >= 4
