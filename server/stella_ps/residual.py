@@ -29,7 +29,7 @@ the selection and the sort are linear in k.
 Memory: ``R``'s 4 bytes a coordinate; up to about 12 bytes per *tracked* coordinate (a
 list entry, stale entries, list capacity); 16 bytes of work space per selected
 coordinate, kept between calls. :attr:`FlatResidual.bytes` says what a residual holds
-(``python -m bench.residual`` prints it per coordinate: 4.6-6.9 bytes, ``R`` included).
+(``python -m bench.residual`` prints it per coordinate: 4.0-5.6 bytes, ``R`` included).
 
 Semantics: :meth:`~FlatResidual.add` is ``R[idx] += vals`` in float32, in index order;
 :meth:`~FlatResidual.select` returns the exact top k of ``|R|`` in each group, ties going
