@@ -31,6 +31,13 @@ list entry, stale entries, list capacity); 16 bytes of work space per selected
 coordinate, kept between calls. :attr:`FlatResidual.bytes` says what a residual holds
 (``python -m bench.residual`` prints it per coordinate: 4.0-5.6 bytes, ``R`` included).
 
+Against the streaming top-k (:mod:`.topk`, one fused pass over all of ``R``): at the same
+touched count and k a step here costs the same on 10M and 100M coordinates (within 1.2x),
+where the pass costs 4-9x; but the pass streams ``R`` at ~0.33 ns a coordinate, and at 2%
+touched or more it is cheaper than the index's random accesses at the touched and the
+selected coordinates (bench/RESULTS.md, "The flat residual's index"). The index pays
+below about 1%.
+
 Semantics: :meth:`~FlatResidual.add` is ``R[idx] += vals`` in float32, in index order;
 :meth:`~FlatResidual.select` returns the exact top k of ``|R|`` in each group, ties going
 to the lower index, and sets ``R`` to +0 there. Every result depends only on the sequence
