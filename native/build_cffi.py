@@ -4,7 +4,9 @@
 ``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer),
                                   pool.c (the broadcast's candidate pool), compress.c (the
                                   broadcast's selection: the workers' top-k, compiled here too
-                                  so that a step's selection stays in the server's module)
+                                  so that a step's selection stays in the server's module),
+                                  residual.c (the flat residual and the index of its largest
+                                  magnitudes: a step's top-k without a pass over the model)
 
 Both also compile core.c (ABI version, ``stella_strerror``, the sortedness check)
 and share ``stella_native.h`` (return codes, value dtypes, bit casts) and
@@ -53,6 +55,7 @@ AREAS = {
     "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c", "quant.c")]),
     "compress": ("cdefs/compress.h", _with_variants("compress.c")),
     "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", "pool.c", *_with_variants("merge.c", "update.c")]),
+    "residual": ("cdefs/residual.h", ["residual.c"]),
     "bench": ("optim_tuning.h", ["bench/tuning.c", "bench/probe.c"]),
 }
 
@@ -91,4 +94,4 @@ def builder(module: str, areas: list[str], *, defines: tuple[str, ...] = (), abs
 
 
 client_ffi = builder("stella._native", ["codec", "compress"])
-server_ffi = builder("stella_ps._kernel", ["optim", "compress"])
+server_ffi = builder("stella_ps._kernel", ["optim", "compress", "residual"])

@@ -3,7 +3,8 @@
 Two cffi modules hold the C: ``stella._native`` (client: wire coding, top-k
 selection; wrapped by ``stella._codec_native`` and ``stella._select_native``) and
 ``stella_ps._kernel`` (server: the lazy optimizer, wrapped by ``stella_ps.kernel``, and
-the broadcast's selection, by ``stella_ps.topk``); :mod:`stella.native_select` wraps the
+the broadcast's selection, by ``stella_ps.topk``, and the flat residual's index, by
+``stella_ps.residual``); :mod:`stella.native_select` wraps the
 selection for either.
 Each wrapper calls :func:`require_abi` once at import and :func:`check` after every
 call that returns a code, as PyNaCl's ``ensure`` and pyzmq's ``_check_rc`` do. The
@@ -32,7 +33,7 @@ from cffi import FFI
 __all__ = ["ABI_VERSION", "require_abi", "strerror", "check", "ISA_ENV", "NativeIsa", "isa_info",
            "warn_isa_fallback", "sparse_lists"]
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 """The ``STELLA_ABI_VERSION`` these wrappers were written against (native/stella_native.h);
 bumped together with it."""
 

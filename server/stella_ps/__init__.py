@@ -24,7 +24,9 @@ Where each concern lives:
 - ``broadcast``: the compressed broadcast pulls answer: its model ``B`` and residual
   ``R``, each step's selection and message, the candidate pool, the step log a
   checkpoint replays; ``topk``: its streaming top-k pass (``Selector``, the workers'
-  C selection compiled into the server's module).
+  C selection compiled into the server's module); ``residual``: ``FlatResidual``, the
+  residual over the flat model with an index of its largest magnitudes kept current by
+  each add, so that a step's top-k costs what it touched and selected (``native/residual.c``).
 - ``checkpoints``: resume, periodic and final checkpoints, the sliced copy rolled forward
   to one version, the checkpoint's arrays.
 - ``stats``: the counters and the one ``JobSnapshot`` that ``status`` and the metrics render.

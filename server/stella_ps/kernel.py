@@ -4,7 +4,8 @@ kernel, and the sparse primitives of the broadcast and of exact pulls.
 This module is the only caller of ``stella_ps._kernel``'s functions built from
 ``native/optim_state.c``, ``merge.c``, ``update.c``, ``union.c`` and ``pool.c``
 (declarations in ``native/cdefs/optim.h``; the module's selection, from
-``native/compress.c``, is :mod:`.topk`'s). It holds:
+``native/compress.c``, is :mod:`.topk`'s, and its flat residual, from ``native/residual.c``,
+:mod:`.residual`'s). It holds:
 
 - :class:`KernelTensorState`, one tensor's parameters and optimizer state, which has
   the duck type of :class:`stella_ps.optim_ref.RefTensorState` and gives bit-identical
