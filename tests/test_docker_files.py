@@ -158,7 +158,7 @@ def test_the_sharded_server_site_is_one_command_for_a_shard_a_core():
     from the same env file."""
     single = load("compose.server.yml")["services"]["ps"]
     doc = load("compose.shards.yml")
-    ((name, svc),) = doc["services"].items()
+    (svc,) = doc["services"].values()
     cfg = parse_args([], server_environment(svc))
     assert cfg.shards.count == "auto" and cfg.shard == "" and cfg.shards.pin
     assert svc["network_mode"] == "host" and "ports" not in svc
