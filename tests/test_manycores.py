@@ -233,7 +233,7 @@ def test_auto_is_a_shard_a_core_or_the_count_of_the_job_in_the_checkpoint_direct
     single.mkdir()
     (single / "ckpt-000000000000010-000001.stella-ckpt").write_bytes(b"")
     with pytest.raises(ConfigError, match="a single server's checkpoints"):
-        Supervisor(_cfg("--shards", "2", "--checkpoint-dir", str(single)), [])
+        Supervisor(_cfg("--shards", "2", "--checkpoint-dir", str(single)), [], shard_stop_s=10)
 
 
 def test_the_settings_of_shards_are_checked():

@@ -81,6 +81,11 @@ def _setup_logging(cfg: ServerConfig) -> None:
     root.setLevel(cfg.log_level)
 
 
+def shutdown_timeout_s(cfg: ServerConfig) -> float:
+    """How long a stopping server may take (its last checkpoint, with ``--checkpoint-dir``)."""
+    return CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoints.dir else SHUTDOWN_TIMEOUT_S
+
+
 async def run(cfg: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S`` (with
     ``--checkpoint-dir``, ``CHECKPOINT_SHUTDOWN_TIMEOUT_S``: the last checkpoint is written);
@@ -112,7 +117,7 @@ async def run(cfg: ServerConfig) -> int:
         return 1
     log.info("shutting down")
     try:
-        await asyncio.wait_for(task, CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoints.dir else SHUTDOWN_TIMEOUT_S)
+        await asyncio.wait_for(task, shutdown_timeout_s(cfg))
     except asyncio.TimeoutError:
         log.error("shutdown timed out")
     return 0
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.shards.count:  # one command for the shards of a job on this host
         from .supervisor import supervise
 
-        return supervise(cfg, sys.argv[1:] if argv is None else argv)
+        return supervise(cfg, sys.argv[1:] if argv is None else argv, shard_stop_s=shutdown_timeout_s(cfg))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it

@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from .config import ServerConfig, parse_bind
-from .daemon import CHECKPOINT_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 from .errors import ConfigError
 
 __all__ = ["Supervisor", "ShardPlan", "plan", "shard_count", "advertised", "JOB_FILE", "MAX_THREADS_PER_SHARD"]
@@ -226,9 +225,10 @@ class _Shard:
 class Supervisor:
     """Starts the shards of ``cfg`` (its ``shards`` group says how many), keeps them
     running and stops them (module doc). ``argv`` is the supervisor's own command line,
-    passed on to every shard before its own flags."""
+    passed on to every shard before its own flags; ``shard_stop_s`` the bound of a
+    shard's own shutdown (the daemon's), after which (and a margin) it is killed."""
 
-    def __init__(self, cfg: ServerConfig, argv: Sequence[str], *, python: str = sys.executable):
+    def __init__(self, cfg: ServerConfig, argv: Sequence[str], *, shard_stop_s: float, python: str = sys.executable):
         self.cfg, self.argv, self.python = cfg, list(argv), python
         cores = _cores()
         self.count, why = shard_count(cfg, len(cores))
@@ -236,7 +236,7 @@ class Supervisor:
             raise ConfigError(f"{self.count} shards: a job has at most 1024")
         self._check_directory()
         self.plans = plan(cfg, self.count, cores)
-        self.grace_s = (CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoints.dir else SHUTDOWN_TIMEOUT_S) + STOP_MARGIN_S
+        self.grace_s = shard_stop_s + STOP_MARGIN_S
         self._tmp = tempfile.mkdtemp(prefix="stella-ps-shards-")
         self.shard_list = os.path.join(self._tmp, "shards")
         self.shards = [_Shard(p, os.path.join(self._tmp, f"{p.index}.endpoint")) for p in self.plans]
@@ -407,10 +407,10 @@ class Supervisor:
         return status
 
 
-def supervise(cfg: ServerConfig, argv: Sequence[str]) -> int:
+def supervise(cfg: ServerConfig, argv: Sequence[str], *, shard_stop_s: float) -> int:
     """``stella-ps --shards``: run the job's shards until stopped; the exit status."""
     try:
-        supervisor = Supervisor(cfg, argv)
+        supervisor = Supervisor(cfg, argv, shard_stop_s=shard_stop_s)
     except ConfigError as e:
         print(f"stella-ps: error: {e}", file=sys.stderr)
         return 2
