@@ -20,8 +20,8 @@ import pytest
 import torch
 from live import wait_until
 
-from stella import Connection, StellaOptimizer
-from stella.errors import ProtocolError
+from stella import Client, Connection, StellaOptimizer
+from stella.errors import LayoutConflict, ProtocolError
 from stella.layout import FlatLayout
 from stella.shards import ShardedClient, connect, resolve_address
 from stella_ps import health
@@ -193,6 +193,9 @@ def test_one_shard_of_a_job_that_does_not_list_the_others_is_refused(make_server
     srv = make_server(1, ["--shard", "0/2"])
     with pytest.raises(ProtocolError, match=r"shard 0/2 .* does not list the others"):
         connect(srv.endpoint, timeout=10)
+    # a plain Client given the one address would register the whole model with the first shard: refused
+    with Client(srv.endpoint, timeout=10) as c, pytest.raises(LayoutConflict, match=r"shard 0/2 .* stella.shards"):
+        c.register({"w": np.zeros(100_000, np.float32)})
 
 
 # --------------------------------------------------------------------------- the parts

@@ -109,7 +109,7 @@ class Service:
         self.steps.on_step(self.checkpointer.maybe)
         self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor)
         self.registration = Registration(self.store, self.store_thread, self.members, self.steps, self.clock,
-                                         max_model_bytes=limits.max_model_bytes)
+                                         max_model_bytes=limits.max_model_bytes, shard=config.shard)
         # the allowlist's name of a key, for status (the transport sets it when it runs with keys)
         self.key_name: Callable[[str], str] = lambda key: ""
         self.shard_list = ShardList(config.shard_list, config.shard)  # the job's shards, for joined and status
