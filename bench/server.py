@@ -27,10 +27,17 @@ threads: replaying pushes, receiving pulls, CurveZMQ both ways). On a machine wi
 as many cores as shards the workers share the shards' cores, so the two columns
 together show what the shards were left.
 
+With ``--one-host`` the shards are started as an operator of a many-core host starts
+them, by one command, ``stella-ps --shards N`` (the supervisor: each shard pinned to its
+share of the cores, with that many threads; ``--shards 1`` too, so that both sides of
+the comparison run the same way), and the workers are given the first address only
+(they find the others, :func:`stella.shards.connect`). The servers' CPU and RSS are the
+supervisor's and its shards'.
+
 ``--plot PATH`` draws pushed updates/s against shards, a line per (workers, optimizer),
 beside the linear scaling from one shard.
 
-    python -m bench.server [--quick] [--workers 2,8] [--shards 1,2,4] [--pin] [--json PATH] [--plot PATH]
+    python -m bench.server [--quick] [--workers 2,8] [--shards 1,2,4] [--pin | --one-host] [--json PATH] [--plot PATH]
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ import time
 import numpy as np
 
 from bench.harness import await_ready, loadavg, start_shards
-from stella import Client, protocol
+from stella import protocol
 from stella.planning.measure import replay
 from stella.shards import ShardedClient, connect
 from stella_ps.aggregation import push_norm
@@ -117,15 +124,23 @@ def _thread_cpus(pid: int) -> list[int]:
 
 
 def _counters(endpoints: list[str], keys: dict) -> list[protocol.StatusReply]:
-    out = []
-    for e in endpoints:
-        with Client(e, timeout=30, join=False, **keys) as c:
-            out.append(c.status())
+    """Every shard's status (one address of a job that lists its shards: all of them)."""
+    with connect(endpoints, timeout=30, join=False, **keys) as c:
+        got = c.status()
+    return got if isinstance(got, list) else [got]
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (the supervisor's shards)."""
+    out: list[int] = []
+    for tid in _threads(pid):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
     return out
 
 
 def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str, shards: int = 1,
-                   server_args: tuple[str, ...] = (), pin: bool = False) -> dict:
+                   server_args: tuple[str, ...] = (), pin: bool = False, one_host: bool = False) -> dict:
     opt = {"name": optimizer, "lr": 1e-3}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -138,7 +153,16 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
             server_args = (*server_args, "--threads", "1")
         worker_cpus = cpus[shards:] or cpus
     with contextlib.ExitStack() as stack:
-        servers = start_shards(stack, shards, server_args, workers=workers, log_level="WARNING")
+        if one_host:  # one command: the supervisor starts, pins and lists the shards
+            from stella_ps.process import ServerProcess
+
+            sup = stack.enter_context(ServerProcess(workers, [*server_args, "--shards", str(shards)],
+                                                    log_level="WARNING"))
+            servers, pids = [sup], [sup.pid, *_children(sup.pid)]
+            assert len(pids) == shards + 1, pids
+        else:
+            servers = start_shards(stack, shards, server_args, workers=workers, log_level="WARNING")
+            pids = [s.pid for s in servers]
         if pin:
             for i, s in enumerate(servers):
                 _pin(s.pid, {cpus[i % len(cpus)]})
@@ -149,13 +173,13 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
             p.start()
         await_ready(out, workers, procs=procs)
         st0 = _counters(endpoints, keys)
-        server_cpus = [_thread_cpus(s.pid) for s in servers]
-        cpu0, t0 = sum(process_cpu_seconds(s.pid) for s in servers), time.perf_counter()
+        server_cpus = [_thread_cpus(p) for p in pids]
+        cpu0, t0 = sum(process_cpu_seconds(p) for p in pids), time.perf_counter()
         done = [out.get(timeout=600) for _ in range(workers)]
         wall = time.perf_counter() - t0
-        cpu = sum(process_cpu_seconds(s.pid) for s in servers) - cpu0
+        cpu = sum(process_cpu_seconds(p) for p in pids) - cpu0
         st1 = _counters(endpoints, keys)
-        rss = sum(_peak_rss_mb(s.pid) for s in servers)
+        rss = sum(_peak_rss_mb(p) for p in pids)
         for p in procs:
             p.join(30)
     k = sum(max(1, int((numel // TENSORS) * density)) for _ in range(TENSORS))
@@ -164,7 +188,8 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     mb_out = sum(b.bytes_out - a.bytes_out for a, b in zip(st0, st1)) / 1e6
     return {
         "numel": numel, "density": density, "workers": workers, "shards": shards, "steps": steps,
-        "optimizer": optimizer, "pinned": pin, "server_cpus": server_cpus, "wall_s": round(wall, 3),
+        "optimizer": optimizer, "pinned": pin, "one_host": one_host, "server_cpus": server_cpus,
+        "wall_s": round(wall, 3),
         "steps_per_s": round(steps / wall, 2),
         "pushes_per_s": round(steps * workers / wall, 1),
         "updates_per_s": round(steps * workers * k / wall),
@@ -268,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizers", default="sgd,adamw")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--server-args", default="", help="flags for stella-ps, e.g. '--push-norm-factor 0'")
-    p.add_argument("--pin", action="store_true",
-                   help="each shard on a core of its own with one thread, the workers on the other cores")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--pin", action="store_true",
+                     help="each shard on a core of its own with one thread, the workers on the other cores")
+    how.add_argument("--one-host", action="store_true",
+                     help="the shards from one command, stella-ps --shards N (pinned and listed by the supervisor); "
+                          "the workers given the first address")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="updates/s and server CPU against shards (PNG)")
     a = p.parse_args(argv)
@@ -278,13 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     steps = a.steps or (40 if a.quick else 100)
     server_args = tuple(a.server_args.split())
     load = loadavg()
-    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin)
+    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin, a.one_host)
             for w in workers for n in a.shards.split(",") for opt in a.optimizers.split(",")]
+    load_end = loadavg()
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
     push = push_decode_cost(numel, a.density, 100 if a.quick else 1000)
     print(f"stella-ps throughput: {'/'.join(map(str, workers))} workers, {numel:,} parameters in {TENSORS} tensors, "
           f"density {a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step"
-          f"{', shards pinned to a core each' if a.pin else ''} (load at start: {load})")
+          f"{', shards pinned to a core each' if a.pin else ''}"
+          f"{', shards from one command (stella-ps --shards N, pinned by it)' if a.one_host else ''}"
+          f" (load at start: {load}; at end: {load_end})")
     print(f"{'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
           f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'srv cores':>9} "
           f"{'wkr cores':>9} {'RSS MB':>7}")
@@ -309,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{push['ns_per_entry']:>9.3f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"load_at_start": load, "load_at_end": loadavg(), "throughput": rows, "header_decode": dec,
+            json.dump({"load_at_start": load, "load_at_end": load_end, "throughput": rows, "header_decode": dec,
                        "push_decode": push}, f, indent=2)
     if a.plot:
         _plot(rows, a.pin, a.plot)

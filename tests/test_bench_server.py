@@ -38,3 +38,16 @@ def test_push_decode_cost_times_the_loops_work_on_one_push_of_the_run():
     assert min(r["header_us"], r["tensors_us"], r["norm_us"]) > 0
     assert r["total_us"] == pytest.approx(r["header_us"] + r["tensors_us"] + r["norm_us"], abs=0.02)
     assert r["ns_per_entry"] == pytest.approx(1e3 * r["total_us"] / r["entries"], rel=0.01)
+
+
+def test_one_host_runs_the_shards_through_the_supervisor():
+    """``--one-host``: ``stella-ps --shards 2`` starts the shards, each pinned to its share of
+    the cores; the workers are given the first address and find the other shard."""
+    if len(CPUS) < 2:
+        pytest.skip(f"2 shards pinned need 2 usable cores, this process has {len(CPUS)}")
+    r = S.run_throughput(200_000, 0.01, workers=2, steps=10, optimizer="sgd", shards=2, one_host=True)
+    assert r["one_host"] and r["shards"] == 2
+    half = -(-len(CPUS) // 2)  # the first share takes the odd core
+    shares = [CPUS[:half], CPUS[half:]]
+    assert r["server_cpus"] == [CPUS, *shares]  # the supervisor, then each shard on its share
+    assert r["steps_per_s"] > 0 and r["bytes_pushed_per_step"] > 0 and r["bytes_pulled_per_step"] > 0

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from stella.cli import main as stella_main
-from stella_ps.config import ENV, parse_args
+from stella_ps.config import ENV, parse_args, parse_bind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(ROOT, "docker")
@@ -32,7 +32,7 @@ SETTINGS = frozenset(ENV.values())  # every STELLA_PS_ variable stella-ps reads
 # the only server settings a compose file may set: what its own mounts, ports and services fix
 COMPOSE_OWNS = {"STELLA_PS_KEYS": "the keys' mount", "STELLA_PS_ALLOW": "the keys' mount",
                 "STELLA_PS_METRICS": "the metrics port published",
-                "STELLA_PS_SHARD": "each shard service's place"}
+                "STELLA_PS_SHARDS": "the sharded site's one command"}
 
 
 def load(name: str) -> dict:
@@ -150,25 +150,26 @@ def test_server_site_writes_checkpoints_to_its_volume():
     assert "chown -R stella:stella /var/lib/stella" in text and volume.startswith("/var/lib/stella/")
 
 
-def test_the_sharded_server_site_runs_each_shard_on_its_own_port_and_volume():
-    """Issue 21: a service per shard, labelled I/N in order, each with its own workers'
-    port, metrics port and checkpoint volume, the keys' directory shared; the rest of a
-    shard's configuration is the single server's, from the same env file."""
+def test_the_sharded_server_site_is_one_command_for_a_shard_a_core():
+    """Issue 44: one service runs ``stella-ps --shards auto``, a shard per core the container
+    may use, on the host's network (the shards' ports, however many, are the host's: 5555 + I,
+    metrics on the host's loopback, 9100 + I), every shard's checkpoints in the one volume
+    (DIR/I); the keys' directory and the rest of the configuration are the single server's,
+    from the same env file."""
     single = load("compose.server.yml")["services"]["ps"]
-    shards = load("compose.shards.yml")["services"]
-    ports, volumes = set(), set()
-    for i, (name, svc) in enumerate(sorted(shards.items())):
-        cfg = parse_args([], server_environment(svc))
-        assert cfg.shard == f"{i}/{len(shards)}", name
-        assert cfg.checkpoints.dir and mounts(svc)[cfg.checkpoints.dir] not in volumes
-        volumes.add(mounts(svc)[cfg.checkpoints.dir])
-        assert defaults(mounts(svc)[SERVER_KEYS_DIR]) == "./keys"
-        published = [defaults(p).rsplit(":", 1)[0] for p in svc["ports"]]
-        assert not ports & set(published), published
-        ports |= set(published)
-        assert svc["env_file"] == single["env_file"]
-        assert {k: v for k, v in svc["environment"].items() if k != "STELLA_PS_SHARD"} == single["environment"]
-    assert volumes == set(load("compose.shards.yml")["volumes"])
+    doc = load("compose.shards.yml")
+    (svc,) = doc["services"].values()
+    cfg = parse_args([], server_environment(svc))
+    assert cfg.shards.count == "auto" and cfg.shard == "" and cfg.shards.pin
+    assert svc["network_mode"] == "host" and "ports" not in svc
+    assert cfg.bind == "tcp://0.0.0.0:5555" and parse_bind(cfg.metrics) == ("127.0.0.1", 9100)
+    assert cfg.checkpoints.dir and mounts(svc)[cfg.checkpoints.dir] == "checkpoints" and set(doc["volumes"]) == {
+        "checkpoints"}
+    assert defaults(mounts(svc)[SERVER_KEYS_DIR]) == "./keys"
+    assert svc["env_file"] == single["env_file"] and svc["restart"] == single["restart"]
+    own = ("STELLA_PS_SHARDS", "STELLA_PS_METRICS")
+    assert {k: v for k, v in svc["environment"].items() if k not in own} == {
+        k: v for k, v in single["environment"].items() if k not in own}
 
 
 @pytest.mark.parametrize("name", COMPOSE_FILES + OVERRIDES)
@@ -188,7 +189,7 @@ def test_compose_files_leave_the_servers_settings_to_the_server(name):
     ("STELLA_PS_LOG_LEVEL: ${STELLA_PS_LOG_LEVEL:-INFO}", "a server setting declared in compose"),
     ("STELLA_PS_CHECKPOINT_KEEP: 3", "a server setting declared in compose"),
     ("STELLA_PS_METRICS: ${STELLA_METRICS:-0.0.0.0:9100}", "interpolated"),
-    ("STELLA_PS_SHARD: ''", "the server's own default"),
+    ("STELLA_PS_SHARDS: ''", "the server's own default"),
     ("X_RETRIES: ${STELLA_CHECKPOINT_KEEP:-3}", "a second name for STELLA_PS_CHECKPOINT_KEEP"),
     ("X_PORT: ${STELLA_PS_PUBLISH:-5555}", "a compose variable in the server's namespace")])
 def test_a_redeclared_setting_is_found(snippet, why):

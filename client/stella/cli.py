@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rank", type=int, default=0, help="with --server: this worker's shard (0..workers-1); "
                       "rank 0 evaluates and prints the final accuracy")
     st = sub.add_parser("status", help="a running job: one line for the job, a table of its workers")
-    st.add_argument("address", help="e.g. tcp://127.0.0.1:5555; a sharded job: its shards' addresses, "
-                    "comma-separated, in shard order")
+    st.add_argument("address", help="e.g. tcp://127.0.0.1:5555; a sharded job: its first shard's address when the "
+                    "shards list themselves (stella-ps --shards), else every shard's, comma-separated, in shard order")
     st.add_argument("--json", action="store_true", help="the raw reply and the rates as JSON (for scripts)")
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                     help="refresh every SECONDS (default 2) until interrupted")
@@ -109,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         res = run_demo(cfg, json_path=a.json)
         return 0 if res["test_accuracy"] is not None else 1
     from .errors import StellaError
-    from .shards import connect, split_address
+    from .shards import connect
     from .status import watch
 
     try:
         with connect(a.address, timeout=a.timeout, join=False, server_key=a.server_key,
                      client_key=a.client_key) as c:
-            return watch(c.status, address=",".join(split_address(a.address)), as_json=a.json, interval=a.watch)
+            return watch(c.status, address=c.address, as_json=a.json, interval=a.watch)  # a job's shards, found
     except (StellaError, ValueError) as e:
         print(f"stella status: {e}", file=sys.stderr)
         return 1

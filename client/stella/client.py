@@ -285,6 +285,7 @@ class Client:
         self.parts: list[Part] = []  # the range as the server's tensors, what the wire's entries name
         self._part_specs: list[TensorSpec] = []
         self._index: dict[str, int] = {}
+        self.shard_addresses: list[str] = []  # the job's shards as the server's join reply lists them (stella.shards)
         if join:
             self.join(worker_id)
 
@@ -296,7 +297,9 @@ class Client:
 
     def join(self, worker_id: int | None = None, *, timeout: float | None = None) -> int:
         """Join the job (as ``worker_id`` if given: a restarted worker); returns the id."""
-        return self._session.join(worker_id, timeout).worker
+        reply = self._session.join(worker_id, timeout)
+        self.shard_addresses = list(reply.shards)
+        return reply.worker
 
     def register(
         self,

@@ -43,7 +43,7 @@ __all__ = [
     # constants and types
     "PROTOCOL_VERSION", "key_fingerprint", "IndexCoding", "PullCoding", "TrainingMode", "PullMode", "ValueDtype",
     "ModelDtype", "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NAME_BYTES", "MAX_FRAMES", "MAX_PARTS", "MAX_NUMEL",
-    "MODEL_DTYPES",
+    "MODEL_DTYPES", "MAX_SHARDS", "MAX_ADDRESS_BYTES",
     # the parts of messages
     "TensorSpec", "TensorEntry", "BroadcastInfo", "WorkerReport", "WorkerStatus",
     # requests
@@ -55,13 +55,15 @@ __all__ = [
     "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
 MAX_FRAMES = 2 * MAX_TENSORS + 1  # header + an index and a value frame per entry
 MAX_PARTS = 2  # the server's tensors: the parts of its range of the flat model (TensorEntry)
 MAX_SHAPE_DIMS = 8
+MAX_SHARDS = 1024  # shards of one job, in a ``shards`` list
+MAX_ADDRESS_BYTES = 256  # one shard's address
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -90,6 +92,10 @@ ValueDtype = codec.ValueDtype  # q4/q2: quantised (codec.QUANT_DTYPES)
 # names and ranges are the server's to check (stella_ps.optim).
 HParam = bool | int | float | str | list[float]
 HParams = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], HParam], msgspec.Meta(max_length=32)]
+# A sharded job's shard addresses, in shard order (``stella-ps --shards``, ``--shard-list``): ZeroMQ
+# endpoints; the host ``*`` stands for the host the client reached this server at (stella.shards.connect)
+ShardList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADDRESS_BYTES)]],
+                      msgspec.Meta(max_length=MAX_SHARDS)]
 
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -294,6 +300,9 @@ class Joined(_Message, tag="joined", frozen=True):
     shard: str = ""  # "I/N": the server is shard I of N of a sharded job (stella.shards); "": not sharded
     # the server's dense cut (stella-ps --dense-below): how a registration lays the model out flat
     dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0
+    # every shard of the job, in shard order, this one included (empty: not said): a client given
+    # one address reaches them all (stella.shards.connect)
+    shards: ShardList = []
 
 
 class Left(_Message, tag="left", frozen=True):
@@ -384,6 +393,7 @@ class StatusReply(_Message, tag="status", frozen=True):
     pull: PullMode | None = None  # what the server's pulls answer
     broadcast: BroadcastInfo | None = None  # the broadcast's settings (None: exact pulls)
     dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0  # the server's dense cut (stella.layout)
+    shards: ShardList = []  # the job's shards in order, as ``joined`` says them (``stella status`` of one address)
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):

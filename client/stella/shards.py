@@ -7,6 +7,14 @@ ordinary ``stella-ps`` serving part of the model, with its own membership, liven
 checkpoints and keys (``stella-ps --shard I/N`` only labels it, and lets a client check
 the order of its address list).
 
+**One address is enough** when the shards list themselves: ``stella-ps --shards N``
+(the shards of one host, from one command) and ``--shard-list FILE`` make each shard's
+``joined`` and ``status`` replies carry the job's addresses in shard order, so
+:func:`connect` given one shard's address finds the others. An address listed with
+the host ``*`` is on the host the client reached that shard at (``tcp://*:5556``
+after reaching ``tcp://ps.example.org:5555`` is ``tcp://ps.example.org:5556``): no
+host name to configure behind NAT or a container's published ports.
+
 **The split**: the model laid out flat (:mod:`stella.layout`, with the shards' dense
 cut) is cut into N contiguous ranges of about equal size
 (:meth:`~stella.layout.FlatLayout.shard_ranges`), one a shard; each registers the whole
@@ -40,7 +48,7 @@ from .errors import ProtocolError, StellaError
 from .layout import FlatLayout, FlatUpdate, FlatValues
 from .protocol import PullCoding, PushOk, Registered, StatusReply, TensorSpec, TrainingMode
 
-__all__ = ["ShardedClient", "AnyClient", "connect", "split_address"]
+__all__ = ["ShardedClient", "AnyClient", "connect", "split_address", "resolve_address"]
 
 T = TypeVar("T")
 _MAPPINGS = 64  # rounds whose per-shard versions are kept (a pull since an older round gets snapshots)
@@ -53,10 +61,49 @@ def split_address(address: str | Sequence[str]) -> list[str]:
     return list(address)
 
 
+def resolve_address(listed: str, reached: str) -> str:
+    """A shard list's address as this client reaches it: the host ``*`` is the host of
+    ``reached``, the address the client reached the listing shard at."""
+    scheme, sep, rest = listed.partition("://")
+    host, _, port = rest.rpartition(":")
+    if not sep or host != "*":
+        return listed
+    reached_host = reached.partition("://")[2].rpartition(":")[0]
+    return f"{scheme}://{reached_host}:{port}"
+
+
 def connect(address: str | Sequence[str], **kw: Any) -> AnyClient:
-    """A :class:`Client` for one address, a :class:`ShardedClient` for several."""
+    """A :class:`Client` for one address, a :class:`ShardedClient` for several; one
+    address of a job whose shards list themselves (``stella-ps --shards``, see the
+    module doc): a :class:`ShardedClient` over all of them, the connection made to find
+    them kept as its shard's. One shard of a job that does not list the others is
+    refused: the model would be split wrongly. ``kw`` goes to every :class:`Client`."""
     addresses = split_address(address)
-    return Client(addresses[0], **kw) if len(addresses) == 1 else ShardedClient(addresses, **kw)
+    if len(addresses) > 1:
+        return ShardedClient(addresses, **kw)
+    first = Client(addresses[0], **kw)
+    try:
+        if kw.get("join", True):
+            listed, label = first.shard_addresses, first.shard
+        else:  # a status reply says the same without joining
+            st = first.status()
+            listed, label = st.shards, st.shard
+        if len(listed) <= 1:
+            if label and not label.endswith("/1"):
+                raise ProtocolError(f"{addresses[0]} is shard {label} of a sharded job and does not list the others "
+                                    "(stella-ps --shards, or --shard-list): give every shard's address, "
+                                    "comma-separated, in shard order")
+            return first
+        resolved = [resolve_address(a, first.address) for a in listed]
+        at = int(label.partition("/")[0]) if label else None
+        if at is None or at >= len(resolved):
+            first.close()
+            return ShardedClient(resolved, **kw)
+        resolved[at] = first.address
+    except BaseException:
+        first.close(leave=False)
+        raise
+    return ShardedClient(resolved, _clients={at: first}, **kw)
 
 
 class _AllOf(Generic[T]):
@@ -74,15 +121,20 @@ class ShardedClient:
     Keyword arguments go to every shard's :class:`~stella.Client` (keys included: the
     shards of a job share the allowlist and the client's key pair)."""
 
-    def __init__(self, addresses: Sequence[str], **kw: Any):
+    def __init__(self, addresses: Sequence[str], *, _clients: Mapping[int, Client] | None = None, **kw: Any):
         self.addresses = split_address(addresses)
+        given = dict(_clients or {})  # shards already connected (connect()'s first), now this object's
         if len(self.addresses) < 2:
+            for c in given.values():
+                c.close(leave=False)
             raise ValueError("a sharded job has at least two addresses (one: stella.Client)")
         self.shards: list[Client] = []
         try:
-            for a in self.addresses:
-                self.shards.append(Client(a, **kw))
+            for i, a in enumerate(self.addresses):
+                self.shards.append(given.pop(i) if i in given else Client(a, **kw))
         except BaseException:
+            for c in given.values():
+                c.close(leave=False)
             self.close(leave=False)
             raise
         self._check_labels()

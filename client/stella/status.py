@@ -10,7 +10,8 @@ report each push carries (:class:`stella.protocol.WorkerReport`); ``-`` where a 
 has sent none yet. Rates are averages since the server started, or, with ``--watch``,
 over the last refresh.
 
-A sharded job (``stella status ADDR0,ADDR1,...``, :mod:`stella.shards`): one line for the
+A sharded job (``stella status ADDR`` of a job whose shards list themselves, ``stella-ps
+--shards``; else ``stella status ADDR0,ADDR1,...``, :mod:`stella.shards`): one line for the
 job across its shards (the rounds every shard has made, the slowest shard's steps/s,
 bytes summed, the oldest checkpoint, the fewest live workers), a line per shard, and
 the worker table of the first shard (every worker joins every shard).

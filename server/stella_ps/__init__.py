@@ -4,6 +4,10 @@ Where each concern lives:
 
 - ``daemon``: the ``stella-ps`` entry point: logging, signals, the uvloop event loop
   (``__main__``: ``python -m stella_ps`` runs it).
+- ``supervisor``: ``stella-ps --shards N``, the shards of one job on one host from one
+  command: starts them (ports, metrics, checkpoint directories, threads, cores), lists
+  them, restarts one that dies, stops them all.
+- ``shardlist``: ``--shard-list``, the job's shard addresses a shard hands its clients.
 - ``config``: every setting declared once (flag, environment variable, help, check),
   parsed into a frozen ``ServerConfig`` of ``Limits``, ``Liveness``, ``Deadline`` and
   ``Checkpoints``; ``parse_bind``.
@@ -35,7 +39,7 @@ Where each concern lives:
   of the lazy optimizers) and ``kernel`` (the C kernel behind a checked wrapper, with the
   broadcast's scatter, pool and union primitives).
 - ``process``: ``ServerProcess``, the one way to start a ``stella-ps`` from Python
-  (demo, benchmarks, tests).
+  (demo, benchmarks, tests; the supervisor starts its shards itself).
 - ``metrics``: the Prometheus endpoint (``--metrics``) and ``/healthz``.
 - ``health``: ``stella-ps-health``, the container health check asking that endpoint.
 - ``errors``: the package's exception root.

@@ -32,8 +32,8 @@ from .optim import OptimizerConfig, OptimizerLimits
 if TYPE_CHECKING:  # the wire schema's types, for the checker only: this module loads no C extension
     from stella.protocol import BroadcastInfo, PullMode, ValueDtype
 
-__all__ = ["ServerConfig", "Limits", "Liveness", "Deadline", "Checkpoints", "Pulls", "ENV", "ENV_PREFIX", "parse_args",
-           "parse_bind", "setting"]
+__all__ = ["ServerConfig", "Limits", "Liveness", "Deadline", "Checkpoints", "Pulls", "Shards", "ENV", "ENV_PREFIX",
+           "parse_args", "parse_bind", "parse_shards", "setting"]
 
 ENV_PREFIX = "STELLA_PS_"
 PUSH_NORM_ACTIONS = ("refuse", "clip")
@@ -97,6 +97,23 @@ def parse_shard(text: str) -> str:
     if not (sep and i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
         raise ValueError(f"{text!r}: a shard is I/N with 0 <= I < N, e.g. 0/2")
     return f"{int(i)}/{int(n)}"
+
+
+def parse_shards(text: str) -> str:
+    """``N`` (>= 1), ``auto``, or "" (no supervisor: this process is the server)."""
+    text = text.strip().lower()
+    if text in ("", "auto"):
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{text!r}: --shards is a count >= 1, or auto")
+    return str(int(text))
+
+
+def _is_shards(v: Any) -> bool:
+    try:
+        return isinstance(v, str) and parse_shards(v) == v
+    except ValueError:
+        return False
 
 
 def _is_shard(v: Any) -> bool:
@@ -299,8 +316,32 @@ class Pulls:
         return BroadcastInfo(values=self.values, factor=self.factor)
 
 
+@dataclass(frozen=True)
+class Shards:
+    """One command for the shards of one job on this host (supervisor.py, README "Many cores on one host")."""
+
+    count: str = setting("", flag="shards", parse=parse_shards, check=(_is_shards, "a count >= 1, or auto"),
+                         metavar="N|auto",
+                         help="start N shard servers of one job on this host and keep them running (shard I: "
+                              "`--shard I/N` on the --bind port + I, --metrics port + I, --checkpoint-dir DIR/I, "
+                              "its share of --threads and of the cores); workers and `stella status` need only the "
+                              "first address. auto: a shard per core this process may use (the count of the job "
+                              "in --checkpoint-dir when it holds one); '': this process is the server")
+    advertise: str | None = setting(None, parse=_optional(str), metavar="HOST",
+                                    help="with --shards: the host workers reach the shards at, in the list the "
+                                         "first shard hands them; unset: the host each worker reached the first "
+                                         "shard at (needs no configuration behind NAT or published ports)")
+    pin: bool = setting(True, flag="pin-shards",
+                        help="with --shards: each shard on cores of its own (its share of the cores this process "
+                             "may use), when there are at least as many cores as shards")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
 # a struct's flags are its fields' names under a prefix (unless a field names its own flag)
-_PREFIX = {Limits: "", Liveness: "liveness-", Deadline: "deadline-", Checkpoints: "checkpoint-", Pulls: ""}
+_PREFIX = {Limits: "", Liveness: "liveness-", Deadline: "deadline-", Checkpoints: "checkpoint-", Pulls: "",
+           Shards: ""}
 
 
 @dataclass(frozen=True)
@@ -343,16 +384,29 @@ class ServerConfig:
     shard: str = setting("", parse=parse_shard, check=(_is_shard, "I/N with 0 <= I < N"), metavar="I/N",
                          help="this server is shard I of N of a sharded job (clients list the N addresses in shard "
                               "order; a label for status and metrics, and the clients' check of that order)")
+    shard_list: str | None = setting(None, parse=_optional(str), metavar="PATH",
+                                     help="a file of the job's shard addresses in shard order, one a line "
+                                          "(tcp://HOST:PORT; host `*`: the host a client reached this server at), "
+                                          "handed to workers and `stella status` so that one address reaches "
+                                          "the whole job; read again when it changes (--shards writes it)")
     limits: Limits = field(default_factory=Limits)
     liveness: Liveness = field(default_factory=Liveness)
     deadline: Deadline = field(default_factory=Deadline)
     checkpoints: Checkpoints = field(default_factory=Checkpoints)
     pulls: Pulls = field(default_factory=Pulls)
+    shards: Shards = field(default_factory=Shards)
 
     def __post_init__(self) -> None:
         _validate(self)
         if self.metrics is not None:
             parse_bind(self.metrics)
+        if self.shards.count:
+            if self.shard or self.shard_list:
+                raise ConfigError("--shards starts the shards of a job and labels them itself: it takes neither "
+                                  "--shard nor --shard-list (those are for a shard started on its own)")
+            if not (self.bind.startswith("tcp://") and self.bind.rpartition(":")[2].isdigit()):
+                raise ConfigError(f"--shards needs a TCP --bind with a port (shard I on the port + I), "
+                                  f"not {self.bind!r}")
         try:  # the server's own default must obey the operator's bounds
             self.limits.optimizer_limits.check(self.optimizer)
         except ConfigError as e:

@@ -1,4 +1,5 @@
-"""``stella-ps`` entry point: logging set-up, signals, and the uvloop event loop.
+"""``stella-ps`` entry point: logging set-up, signals, and the uvloop event loop; with
+``--shards``, the supervisor of the job's shards instead (:mod:`.supervisor`).
 
 Only this module installs logging handlers or an event loop; the rest of the
 package is library code.
@@ -22,7 +23,6 @@ import time  # noqa: E402
 
 from .config import ServerConfig, parse_args  # noqa: E402
 from .errors import ConfigError  # noqa: E402
-from .server import ParameterServer  # noqa: E402
 
 __all__ = ["main", "run"]
 
@@ -59,12 +59,31 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class _ShardLabel(logging.Filter):
+    """Every line of a shard's log says which shard (the shards of a job share a log)."""
+
+    def __init__(self, shard: str):
+        super().__init__()
+        self.shard = shard
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.shard = self.shard
+        return True
+
+
 def _setup_logging(cfg: ServerConfig) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if cfg.log_format == "json" else TextFormatter())
+    if cfg.shard:
+        handler.addFilter(_ShardLabel(cfg.shard))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(cfg.log_level)
+
+
+def shutdown_timeout_s(cfg: ServerConfig) -> float:
+    """How long a stopping server may take (its last checkpoint, with ``--checkpoint-dir``)."""
+    return CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoints.dir else SHUTDOWN_TIMEOUT_S
 
 
 async def run(cfg: ServerConfig) -> int:
@@ -72,6 +91,8 @@ async def run(cfg: ServerConfig) -> int:
     ``--checkpoint-dir``, ``CHECKPOINT_SHUTDOWN_TIMEOUT_S``: the last checkpoint is written);
     SIGHUP reads the allowlist again. Returns the exit status: 0 after a requested stop,
     1 if serving ended by itself (a bug: docker or systemd should restart the server)."""
+    from .server import ParameterServer  # here: the supervisor of --shards needs none of it
+
     server = ParameterServer(cfg)
     endpoint = await server.start()
     if server.metrics is not None:
@@ -96,7 +117,7 @@ async def run(cfg: ServerConfig) -> int:
         return 1
     log.info("shutting down")
     try:
-        await asyncio.wait_for(task, CHECKPOINT_SHUTDOWN_TIMEOUT_S if cfg.checkpoints.dir else SHUTDOWN_TIMEOUT_S)
+        await asyncio.wait_for(task, shutdown_timeout_s(cfg))
     except asyncio.TimeoutError:
         log.error("shutdown timed out")
     return 0
@@ -105,6 +126,10 @@ async def run(cfg: ServerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     _setup_logging(cfg)
+    if cfg.shards.count:  # one command for the shards of a job on this host
+        from .supervisor import supervise
+
+        return supervise(cfg, sys.argv[1:] if argv is None else argv, shard_stop_s=shutdown_timeout_s(cfg))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it

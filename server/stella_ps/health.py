@@ -3,7 +3,9 @@ through its ``/healthz`` (served on the daemon's event loop, see :mod:`.metrics`
 a wedged loop fails the check as surely as a dead process.
 
 The address is ``--url``, else the port of ``STELLA_PS_METRICS`` on 127.0.0.1 (the
-image sets both that variable and this check). Exit status 0: healthy; 1: not.
+image sets both that variable and this check). The shards of ``stella-ps --shards N``
+serve their metrics on that port + I: when the first answers as shard ``0/N``, the
+others are asked too, and all must answer. Exit status 0: healthy; 1: not.
 Standard library only (it imports :mod:`.config`, itself free of C extensions), so
 that the check stays cheap every few seconds.
 """
@@ -14,7 +16,9 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
+from typing import Any
 
 from .config import ENV, parse_bind
 
@@ -33,6 +37,27 @@ def health_url(metrics: str | None) -> str:
     return f"http://{host}:{port}/healthz"
 
 
+def _get(url: str, timeout: float) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        body: dict[str, Any] = json.loads(r.read())
+    if body.get("status") != "ok":
+        raise ValueError(f"{url}: {body}")
+    return body
+
+
+def _shard_urls(url: str, shard: str) -> list[str]:
+    """The other shards' ``/healthz`` when ``url`` answered as shard ``0/N`` (ports + I)."""
+    index, _, count = shard.partition("/")
+    if index != "0" or not count.isdigit():
+        return []
+    parts = urllib.parse.urlsplit(url)
+    if parts.port is None:
+        return []
+    host = parts.hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return [urllib.parse.urlunsplit(parts._replace(netloc=f"{host}:{parts.port + i}")) for i in range(1, int(count))]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stella-ps-health", description="exit 0 if the local stella-ps answers "
                                 "its health check, 1 otherwise")
@@ -42,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         url = a.url or health_url(os.environ.get(ENV_METRICS))
-        with urllib.request.urlopen(url, timeout=a.timeout) as r:
-            body = json.loads(r.read())
+        bodies = [_get(url, a.timeout)]
+        bodies += [_get(u, a.timeout) for u in _shard_urls(url, str(bodies[0].get("shard", "")))]
     except (ValueError, OSError, urllib.error.URLError) as e:
         print(f"stella-ps-health: unhealthy: {e}", file=sys.stderr)
         return 1
     if not a.quiet:
-        print(json.dumps(body))
-    return 0 if body.get("status") == "ok" else 1
+        print("\n".join(json.dumps(b) for b in bodies))
+    return 0
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ class MetricsServer:
         """``/healthz``'s answer, from the job's snapshot (answered at all: the loop turns)."""
         st = self._snapshot().status
         return {"status": "ok", "version": st.version, "live_workers": len(st.workers), "steps": st.steps,
-                "release": st.server_version}
+                "release": st.server_version, "shard": st.shard}
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -1,6 +1,7 @@
 """Start a ``stella-ps`` in a child process and stop it again: the one launcher.
 
-:class:`ServerProcess` is the only code that starts a ``stella-ps`` process. The
+:class:`ServerProcess` is the only code that starts a ``stella-ps`` process (but for
+``stella-ps --shards N``'s supervisor, which starts its own shards, :mod:`.supervisor`). The
 demo (``stella demo``), the benchmarks (``bench.pipeline``, ``bench.stella_e2e``)
 and the test fixtures (``tests/conftest.py``) all use it, so "start, wait until it
 listens, read its log, stop it for sure" is written once::

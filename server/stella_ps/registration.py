@@ -54,9 +54,10 @@ class Registration:
     """Creates the job's model from the first upload and admits the registrations after it."""
 
     def __init__(self, store: ModelStore, store_thread: StoreThread, members: Membership, steps: StepScheduler,
-                 clock: Clock, *, max_model_bytes: int):
+                 clock: Clock, *, max_model_bytes: int, shard: str = ""):
         self.store, self._store_thread, self.members, self.steps = store, store_thread, members, steps
         self._clock = clock
+        self._shard = shard  # "I/N" (stella-ps --shard): a registration must name this shard's range
         self._max_model_bytes = max_model_bytes
         self.mode: TrainingMode | None = None  # the job's, from the first registration that names one
         self._lock = asyncio.Lock()  # two first registrations must not both create the model
@@ -100,6 +101,17 @@ class Registration:
         if stop - msg.start > MAX_NUMEL:
             raise ProtocolError(f"register: a range of {stop - msg.start} coordinates: a server holds fewer than "
                                 "2**31 (shard the job)")
+        index, _, count = self._shard.partition("/")
+        if count and int(count) > 1:  # the split every client makes (stella.shards), never a lone Client's whole model
+            try:
+                mine = flat.shard_ranges(int(count))[int(index)]
+            except ValueError as e:
+                raise ProtocolError(f"register: this server is shard {self._shard}: {e}") from None
+            if (msg.start, stop) != mine:
+                raise LayoutConflict(f"this server is shard {self._shard} of its job, whose range of this model is "
+                                     f"[{mine[0]}, {mine[1]}); the registration names [{msg.start}, {stop}): reach a "
+                                     "sharded job through stella.shards.connect (its first address), or list every "
+                                     "shard's address in shard order")
         return flat, msg.start, stop
 
     def _uploading(self, info: WorkerInfo) -> bool:

@@ -57,6 +57,7 @@ from .membership import Membership, WorkerInfo
 from .registration import Registration
 from .runtime import Clock, LoopClock, StoreThread, Tasks, Timer, default_threads
 from .security import fingerprint
+from .shardlist import ShardList
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
 from .store import ModelStore
@@ -108,9 +109,10 @@ class Service:
         self.steps.on_step(self.checkpointer.maybe)
         self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor)
         self.registration = Registration(self.store, self.store_thread, self.members, self.steps, self.clock,
-                                         max_model_bytes=limits.max_model_bytes)
+                                         max_model_bytes=limits.max_model_bytes, shard=config.shard)
         # the allowlist's name of a key, for status (the transport sets it when it runs with keys)
         self.key_name: Callable[[str], str] = lambda key: ""
+        self.shard_list = ShardList(config.shard_list, config.shard)  # the job's shards, for joined and status
         self._sweeper: Timer | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -195,7 +197,8 @@ class Service:
             liveness_timeout_s=self.config.liveness.timeout, step_deadline_s=self.steps.deadline_now(),
             checkpoint_version=self.checkpointer.version, behind_workers=self.steps.behind(),
             mode=self.registration.mode, shard=self.config.shard, pull=self.store.pull,
-            broadcast=self.store.broadcast_info, dense_below=self.config.dense_below)
+            broadcast=self.store.broadcast_info, dense_below=self.config.dense_below,
+            shards=self.shard_list.addresses())
         return JobSnapshot(status, **metrics_only, clipped_pushes=self.push_bound.clipped)
 
     # ------------------------------------------------------------------ dispatch
@@ -244,7 +247,8 @@ class Service:
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised,
                                  session=info.session, heartbeat_s=self.config.liveness.heartbeat_s,
-                                 shard=self.config.shard, dense_below=self.config.dense_below), ())
+                                 shard=self.config.shard, dense_below=self.config.dense_below,
+                                 shards=self.shard_list.addresses()), ())
         self.steps.membership_changed()
 
     def _heartbeat(self, ident: bytes, msg: Heartbeat, peer: Peer) -> None:
