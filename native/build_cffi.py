@@ -2,11 +2,11 @@
 
 ``stella._native`` (client)       codec.c, half.c, quant.c (wire coding), compress.c (top-k selection)
 ``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer),
-                                  pool.c (the broadcast's candidate pool), compress.c (the
-                                  broadcast's selection: the workers' top-k, compiled here too
-                                  so that a step's selection stays in the server's module),
-                                  residual.c (the flat residual and the index of its largest
-                                  magnitudes: a step's top-k without a pass over the model)
+                                  compress.c (the broadcast's streaming selection: the workers'
+                                  top-k, compiled here too so that a step's selection stays in the
+                                  server's module), residual.c (the flat residual and the index
+                                  of its largest magnitudes: a light step's top-k without a pass
+                                  over the model)
 
 Both also compile core.c (ABI version, ``stella_strerror``, the sortedness check)
 and share ``stella_native.h`` (return codes, value dtypes, bit casts) and
@@ -54,7 +54,7 @@ AREAS = {
     "core": ("stella_native.h", ["core.c"]),
     "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c", "quant.c")]),
     "compress": ("cdefs/compress.h", _with_variants("compress.c")),
-    "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", "pool.c", *_with_variants("merge.c", "update.c")]),
+    "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", *_with_variants("merge.c", "update.c")]),
     "residual": ("cdefs/residual.h", ["residual.c"]),
     "bench": ("optim_tuning.h", ["bench/tuning.c", "bench/probe.c"]),
 }

@@ -7,7 +7,6 @@
  *                  (merge.c and update.c's apply are compiled once per ISA level,
  *                  stella_isa.h; the wrappers are native/isa/merge_v*.c, update_v*.c)
  *   union.c        k-way union of sorted index lists, scatter-add
- *   pool.c         the broadcast's candidate pool (scatter, gather, top k in one sweep)
  *   optim_tuning.h prefetch distance / tile / prefetch kind (constants; knobs in
  *                  the bench-only build)
  */

@@ -185,10 +185,10 @@ def test_a_checkpoint_keeps_the_residual_and_a_replica_goes_on_after_the_restart
 
 
 @pytest.mark.parametrize("coding", ["f32", "f16", "q4"])
-def test_the_pool_selects_the_exact_top_k_without_a_pass_over_the_residual(coding):
-    """Sparse steps on a large tensor: the selection comes from the touched coordinates and
-    the pool (a pass over the whole residual only when the pool runs dry), and is still the
-    top k of the residual by magnitude, step after step; sent plus held is the global change."""
+def test_the_index_selects_the_exact_top_k_without_a_pass_over_the_residual(coding):
+    """Sparse steps on a large tensor: the selection comes from the residual's index, kept
+    current by the steps' changes (no pass over the whole residual), and is the top k of
+    the residual by magnitude, step after step; sent plus held is the global change."""
     n, k = 100_000, 150
     rng = np.random.default_rng(2)
     layout = [TensorSpec("big", (n,), "float32")]
@@ -210,7 +210,7 @@ def test_the_pool_selects_the_exact_top_k_without_a_pass_over_the_residual(codin
         # the top k of |R| (ties would make it ambiguous: multiples of 1/64 have many, so compare the magnitudes)
         want = np.sort(np.abs(before))[-k:]
         np.testing.assert_array_equal(np.sort(np.abs(before[got])), want)
-    assert b.full_passes[0] <= steps // 4, b.full_passes  # most steps come from the pool
+    assert b.full_passes == [0] and b.index_passes == [0]  # no pass over R: the index gave every step
     assert b.residual[0].tobytes() == ref.tobytes()
     if coding != "q4":
         np.testing.assert_array_equal(sent + b.residual[0], total)  # nothing lost, exactly
@@ -247,7 +247,7 @@ def test_b_takes_its_messages_in_later_sweeps_with_the_same_floats(every):
     assert [m.tobytes() for m in b.model] == [w.tobytes() for w in want]
 
 
-def test_dense_steps_select_with_one_pass_and_keep_no_pool():
+def test_dense_steps_select_with_one_pass_and_then_rebuild_the_index():
     n = 20_000
     b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], _info("f32", 1.0), 64,
                   whole=[False])
@@ -256,7 +256,10 @@ def test_dense_steps_select_with_one_pass_and_keep_no_pool():
         idx = np.arange(n, dtype=np.int32)
         log = b.step(step, [idx], [rng.standard_normal(n).astype(np.float32)], [2000.0])
         assert 0.9 * 2000 <= log.sent[0].size <= 1.1 * 2000
-    assert b.full_passes == [3] and b._pools == [None]
+    assert b.full_passes == [3] and b.index_passes == [0]
+    idx = np.arange(0, n, 500, dtype=np.int32)  # a light step: the index again, rebuilt once after the passes
+    log = b.step(4, [idx], [np.ones(idx.size, np.float32)], [20.0])
+    assert b.full_passes == [3] and b.index_passes == [1] and log.sent[0].size == 20
 
 
 def test_bench_broadcast_runs_both_on_the_same_steps():
@@ -264,5 +267,5 @@ def test_bench_broadcast_runs_both_on_the_same_steps():
 
     r = run(250_000, 2, 0.0003, 8, "q4", 2.0)
     assert r["pass_full_passes"] == 8 * 8  # every tensor, every step
-    assert r["pool_full_passes"] == 8  # every tensor once: its pool lasts the run
-    assert r["pool_ms"] > 0 and r["pass_ms"] > 0
+    assert r["index_full_passes"] == 0  # the index never reads all of R
+    assert r["index_ms"] > 0 and r["pass_ms"] > 0

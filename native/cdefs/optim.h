@@ -74,16 +74,5 @@ int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const floa
  * in list order, as one stella_scatter_add per list would give them; done tile by tile over
  * dst (one sweep of its lines, not one random access per entry). */
 int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list *lists, int32_t nlists);
-/* The broadcast's candidate pool (pool.c): r[touched] += ch; of the touched and pool coordinates
- * (each list sorted, unique, in range) those with |r| >= floor and not 0 are candidates; the top k of
- * them (all, when fewer and full) go to sel/val (sorted; room for k + 1) and are zeroed in r; the others to rest
- * (sorted; capacity nt + np), cut to the cut_to largest when more than cut_above, *floor_out then
- * raised to the largest dropped. scratch: room for 3 (nt + np). STELLA_POOL_DRY: fewer than k
- * candidates and not full (r has the change added, nothing else done). */
-#define STELLA_POOL_DRY 1
-int stella_pool_pick(float *r, int64_t numel, const int32_t *touched, const float *ch, int64_t nt,
-                     const int32_t *pool, int64_t np, float floor, int64_t k, int64_t cut_above, int64_t cut_to,
-                     int32_t full, int32_t *sel, float *val, int64_t *n_sel, int32_t *rest, int64_t *n_rest,
-                     float *floor_out, uint32_t *scratch, int64_t scratch_len);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
                              int32_t *out, int64_t out_cap);

@@ -20,13 +20,14 @@ when the coding is q4 or q2: a 4- or 2-bit code has no zero and one scale per 64
 values, and a whole tensor's small changes beside its large ones would each move by
 a step of the largest (top-k values, alike in size, code well).
 
-The selection does not read the whole residual every step. Each large tensor keeps a
-*pool*: coordinates whose ``|R|`` reached a floor, such that every coordinate outside
-it is at most the floor. A step's candidates are its touched coordinates and the pool;
-while at least k of them reach the floor, their top k is the exact top k of ``R``. A
-pass over the whole residual (the streaming top-k of :mod:`.topk`) rebuilds the
-pool when it runs dry, and does the step itself when the candidates are too many for
-random access to pay (dense pushes, many workers).
+The selection does not read the whole residual every step. Each large tensor's ``R``
+lives in a :class:`~.residual.FlatResidual`, whose index of the largest magnitudes is
+kept current as a step adds its change, so that a step's top k costs what the step
+touched and selected, never the tensor's size (no pass over ``R`` in a steady state). A
+step whose touched coordinates and budget make more than ``1/INDEX_SHARE`` of the
+tensor instead takes the streaming top-k over the whole residual (:mod:`.topk`, the
+change added as it goes), which is cheaper there on this VM's memory; the index is then
+rebuilt by its next selection.
 
 A worker that is behind by up to ``history`` steps gets their messages in order (it
 must add them one after another to stay equal to ``B``); one further behind, or new,
@@ -53,22 +54,19 @@ from stella.protocol import (
     encode_tensors,
 )
 
-from .kernel import pool_pick, pool_scratch_len, scatter_add, scatter_add_lists, union_indices
+from .kernel import scatter_add, scatter_add_lists
+from .residual import FlatResidual
 from .runtime import TensorPool
 from .topk import Selector
 
 __all__ = ["Broadcast", "Message", "StepLog", "OWED_BYTES"]
 
-# The candidate pool (see Broadcast._select): it holds about POOL_FACTOR x k coordinates at or above its
-# floor, is cut back to that when it grows past POOL_MAX x k, and is used while the step's touched
-# coordinates and the pool together are under numel / POOL_SHARE. R is out of cache by the time of the
-# selection, so a candidate costs a random access to memory (~10-20 ns with prefetching, native/pool.c)
-# where the streaming pass costs ~0.5 ns a coordinate. bench.broadcast on 1.25M-coordinate tensors (the
-# Xeon VM) had the pool 2.1-2.3x faster with candidates at 0.4% of the tensor, 1.2x at 1.8%, about even at
-# 3.6%, and slower (0.64x) at 6%. The pass got cheaper once its carried thresholds held (it had sampled the
-# residual again nearly every step: native/compress.c, CARRY_AIM); on the AMD EPYC VM the pool is then
-# 2.7-3.2x faster at 0.4-0.5% candidates, 1.3-1.4x at 1.2% and slower (0.66x) at 1.8%: hence 1/64.
-POOL_FACTOR, POOL_MAX, POOL_SHARE = 2, 4, 64
+# The index (residual.py) against the streaming pass, bench.residual on the AMD EPYC VM (load 8-11, CPU time): at
+# the same touched count and k a step costs the same at 10M and 100M coordinates with the index (1.04x per touched
+# coordinate) where the pass costs 4-9x; but the pass streams R at ~0.33 ns a coordinate and writing R at 2% random
+# coordinates costs ~14 ns each, so the pass wins from about 1% touched (2x at 2%, 5x at 32%) and the index below
+# (1.6-4.5x at 0.2-0.8% of 100M). Hence the index while touched + k < numel / INDEX_SHARE.
+INDEX_SHARE = 64
 PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a random access does
 # B's sparse messages wait (see Broadcast._owe_model) and go in together in one sweep over B's lines: a message
 # of 1% touches 15% of B's lines, each a random access to memory, where the sweep streams them. On 8 tensors of
@@ -80,11 +78,8 @@ PASS_PER_ACCESS = 20  # coordinates of the streaming pass that cost about what a
 # different steps would each hold up every shard). The wait costs at most 2 bytes a coordinate.
 MODEL_OWED_SHARE, MODEL_OWED_LISTS, MODEL_SLOTS = 4, 64, 8
 OWED_BYTES = 8 // MODEL_OWED_SHARE  # what the waiting messages may hold, a coordinate (int32 index, float32 value)
-# a selection: (sorted indices, their values, the pool left for the next step or None for no pool, its floor)
-_Picked = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
 _Coded = tuple[list[TensorEntry], list[Any]]  # one tensor's part of a message: its entry and frames
 _SERIAL = TensorPool(1)
-_NONE_I, _NONE_F = np.zeros(0, np.int32), np.zeros(0, np.float32)
 _FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
 
 
@@ -134,7 +129,7 @@ class Broadcast:
 
     def __init__(self, layout: Sequence[TensorSpec], values: Sequence[np.ndarray], info: BroadcastInfo,
                  history: int, *, whole: Sequence[bool], residual: Sequence[np.ndarray] | None = None,
-                 pool: bool = True):
+                 index: bool = True):
         self.layout = list(layout)
         self.info = info  # what workers are told of it (the coding, the factor)
         self.coding: ValueDtype = info.values
@@ -144,19 +139,23 @@ class Broadcast:
         # what B is still owed of each tensor's sparse messages, oldest first; every reader of B (the model
         # property) adds them first
         self._model_owed: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.layout]
-        self._residual = ([np.array(r, np.float32, copy=True).reshape(-1) for r in residual]
-                          if residual is not None else [np.zeros(s.numel, np.float32) for s in self.layout])  # R
+        # R: a large tensor's in its FlatResidual (whose index follows it), a whole one's plain; index False: the
+        # streaming pass every step (bench.broadcast's baseline)
+        self._index = [FlatResidual(s.numel, s.numel) if index and not w else None
+                       for s, w in zip(self.layout, self.whole)]
+        self._residual = [np.zeros(s.numel, np.float32) if ix is None else ix.values
+                          for s, ix in zip(self.layout, self._index)]
+        if residual is not None:
+            for t, r in enumerate(residual):
+                np.copyto(self._residual[t], np.asarray(r, np.float32).reshape(-1))
+                self._stale(t)
         # what R is still owed of each tensor's last message: (its indices, the coding's error there), added by
         # the next step's streaming pass as it goes (R's lines are read there anyway) rather than by a scattered
         # write now; every other reader of R (the residual property, the pool) adds it first
         self._pending: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.layout)
         self._counts = [0.0] * len(self.layout)  # each tensor's budget: the mean push count last seen
         self._selectors = [Selector(seed=0x5EED + t) for t in range(len(self.layout))]
-        # each tensor's candidate pool: (sorted indices, floor), None until a full pass builds it
-        self._pools: list[tuple[np.ndarray, float] | None] = [None] * len(self.layout)
-        self._use_pool = pool  # False: the streaming pass every step (bench.broadcast's baseline)
-        self._scratch = [np.zeros(0, np.uint32) for _ in self.layout]  # pool_pick's work space, kept: no page faults
-        self.full_passes = [0] * len(self.layout)  # passes over the whole residual (tests, benchmarks)
+        self.full_passes = [0] * len(self.layout)  # streaming passes over the whole residual (tests, benchmarks)
         # whether each residual may hold anything: a residual no step has touched is zero, and a pass over a large
         # one to find that out costs as much as the selection (0.5 ns per coordinate)
         self._owed = [residual is not None for _ in self.layout]
@@ -198,8 +197,25 @@ class Broadcast:
     def _settle(self, t: int) -> None:
         """Add tensor ``t``'s pending coding error to its residual."""
         pending, self._pending[t] = self._pending[t], None
-        if pending is not None:
+        if pending is None:
+            return
+        ix = self._index[t]
+        if ix is not None:
+            ix.add(*pending)
+        else:
             scatter_add(self._residual[t], *pending)
+
+    def _stale(self, t: int) -> None:
+        """Tensor ``t``'s ``R`` changed behind its index (a streaming pass, a scatter, a
+        load): its next selection rebuilds the index."""
+        ix = self._index[t]
+        if ix is not None:
+            ix.invalidate()
+
+    @property
+    def index_passes(self) -> list[int]:
+        """Passes each tensor's index made over its ``R`` to (re)build itself (tests, benchmarks)."""
+        return [0 if ix is None else ix.full_passes for ix in self._index]
 
     def step(self, version: int, touched: Sequence[np.ndarray],
              changes: Sequence[np.ndarray] | Callable[[int], np.ndarray],
@@ -246,26 +262,21 @@ class Broadcast:
         when it is empty); ``r`` keeps the rest and the coding's error, and ``B`` gains
         a sparse message here (a whole one: the caller)."""
         k = self._budget(self._counts[t])
-        pool = self._pools[t]
-        picked: _Picked | None = None
-        use_pool = self._pool_fits(t, touched.size, k, numel)
-        # what r is owed and not yet added: the last message's coding error, then this step's change; a streaming
-        # pass adds them as it goes (Selector.take's adds), anything else adds them first
-        adds: list[tuple[np.ndarray, np.ndarray]] = []
-        if use_pool and pool is not None and k > 0 and self._owed[t]:  # the change added in the same sweep
-            self._settle(t)
-            picked = pool_pick(r, touched, changes, pool[0], pool[1], k, cut_above=POOL_MAX * k,
-                               cut_to=POOL_FACTOR * k, scratch=self._scratch_for(t, touched.size + pool[0].size))
-        else:
-            pending, self._pending[t] = self._pending[t], None
-            if pending is not None:
-                adds.append(pending)
-            if touched.size:
-                adds.append((touched, changes))
-        if adds and (self.whole[t] or k <= 0 or not self._owed[t]):
+        index = self._index[t] if self._index_fits(t, touched.size, k, numel) else None
+        # what r is owed and not yet added: the last message's coding error, then this step's change; the index
+        # takes them in one sweep, the streaming pass adds them as it goes (Selector.take's adds), anything
+        # else adds them first
+        pending, self._pending[t] = self._pending[t], None
+        adds = ([pending] if pending is not None else []) + ([(touched, changes)] if touched.size else [])
+        if index is not None:
+            if adds:
+                index.add_lists(adds)
+            adds = []
+        elif adds and (self.whole[t] or k <= 0 or not self._owed[t]):
             for a in adds:
                 scatter_add(r, *a)
             adds = []
+            self._stale(t)
         if self.whole[t]:
             if not r.any():
                 return None, np.zeros(0, np.float32), None
@@ -275,14 +286,12 @@ class Broadcast:
             return None, q, coded
         if k <= 0 or not self._owed[t]:
             return np.zeros(0, np.int32), np.zeros(0, np.float32), None
-        if picked is None and not use_pool:  # one pass, no pool
-            self._pools[t] = None
+        if index is not None:
+            idx, v = index.select(min(k, numel))
+        else:  # one streaming pass over the whole residual
             self.full_passes[t] += 1
             idx, v = self._selectors[t].take(r, k, adds=adds)
-            picked = (idx, v, None, 0.0)
-        if picked is None:  # no pool yet, or it ran dry
-            picked = self._full_pass(t, r, k, numel, adds)
-        idx, v, rest, floor = picked
+            self._stale(t)
         q, coded = self._code(t, idx, v, self.coding)
         # B gains what the replicas decode (in a later sweep, with other messages); the coding's error stays
         # owed (exact for f16/bf16): r is 0 at the sent coordinates (the selection zeroed them), so the error
@@ -291,51 +300,24 @@ class Broadcast:
         err = v - q  # never -0 (x - x is +0), so a zero here adds nothing to r's +0: no need to drop the zeros
         if self.coding != "f32":  # (f32: q is v)
             self._pending[t] = (idx, err)
-        if rest is not None:
-            big = idx[np.abs(err) > floor]  # an error above the floor joins the pool
-            self._pools[t] = (union_indices([rest, big], checked=False) if big.size else rest, floor)
         return idx, q, coded
 
     def _budget(self, count: float) -> int:
         """Entries a tensor's message carries when its pushes held ``count`` on average."""
         return round(self.factor * count)
 
-    def _pool_fits(self, t: int, touched: int, k: int, numel: int) -> bool:
-        """Whether a step of tensor ``t`` of ``touched`` coordinates and budget ``k`` selects from the pool."""
-        return not self.whole[t] and self._use_pool and touched + POOL_FACTOR * k < numel // POOL_SHARE
+    def _index_fits(self, t: int, touched: int, k: int, numel: int) -> bool:
+        """Whether a step of tensor ``t`` of ``touched`` coordinates and budget ``k`` selects through its index."""
+        return self._index[t] is not None and touched + k < numel // INDEX_SHARE
 
     def _cost(self, t: int, touched: int, count: float) -> int:
         """Tensor ``t``'s part of a step in random accesses to memory, about (TensorPool
         deals the tensors to its threads by it, and runs a light step on one)."""
         numel = self.layout[t].numel
         k = self._budget(count if count > 0 else self._counts[t])
-        pool = self._pools[t]
-        if pool is not None and self._pool_fits(t, touched, k, numel):
-            return touched + pool[0].size
+        if self._index_fits(t, touched, k, numel):
+            return touched + k
         return touched + numel // PASS_PER_ACCESS
-
-    def _full_pass(self, t: int, r: np.ndarray, k: int, numel: int,
-                   adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> _Picked:
-        """The streaming top-k over the whole residual (after adding ``adds``, what it
-        is owed, in the same pass): about POOL_FACTOR x k of the largest, everything else
-        at most their threshold; given back to ``r``, they are the new pool, and its top
-        k the selection."""
-        self.full_passes[t] += 1
-        want = min(numel, POOL_FACTOR * k)
-        sel = self._selectors[t]
-        idx, v = sel.take(r, want, adds=adds)
-        r[idx] = v  # the same floats back: the pool holds them
-        picked = pool_pick(r, _NONE_I, _NONE_F, idx, sel.threshold, k, cut_above=POOL_MAX * k,
-                           cut_to=POOL_FACTOR * k, full=True, scratch=self._scratch_for(t, idx.size))
-        assert picked is not None
-        return picked
-
-    def _scratch_for(self, t: int, candidates: int) -> np.ndarray:
-        """Tensor ``t``'s pool_pick work space, grown (by half again) when too small."""
-        need = pool_scratch_len(candidates)
-        if self._scratch[t].size < need:
-            self._scratch[t] = np.empty(need + need // 2, np.uint32)
-        return self._scratch[t]
 
     def _code(self, t: int, idx: np.ndarray | None, v: np.ndarray,
               coding: ValueDtype) -> tuple[np.ndarray, _Coded | None]:
@@ -368,9 +350,9 @@ class Broadcast:
         pull is a snapshot of ``B``."""
         model = self.model
         for t, x in enumerate(exact):
-            self._residual[t] = np.subtract(np.asarray(x, np.float32).reshape(-1), model[t], dtype=np.float32)
+            np.subtract(np.asarray(x, np.float32).reshape(-1), model[t], out=self._residual[t], dtype=np.float32)
+            self._stale(t)
         self._pending = [None] * len(self.layout)
         self._owed = [True] * len(self.layout)
-        self._pools = [None] * len(self.layout)
         self._messages.clear()
         self._valid_from = version + 1

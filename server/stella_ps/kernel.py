@@ -2,7 +2,7 @@
 kernel, and the sparse primitives of the broadcast and of exact pulls.
 
 This module is the only caller of ``stella_ps._kernel``'s functions built from
-``native/optim_state.c``, ``merge.c``, ``update.c``, ``union.c`` and ``pool.c``
+``native/optim_state.c``, ``merge.c``, ``update.c`` and ``union.c``
 (declarations in ``native/cdefs/optim.h``; the module's selection, from
 ``native/compress.c``, is :mod:`.topk`'s, and its flat residual, from ``native/residual.c``,
 :mod:`.residual`'s). It holds:
@@ -13,8 +13,7 @@ This module is the only caller of ``stella_ps._kernel``'s functions built from
   :func:`state_bytes`, the threads (:func:`set_num_threads`), :func:`native_isa`;
 - the broadcast's wrappers (:mod:`stella_ps.broadcast`): :func:`scatter_add` and
   :func:`scatter_add_lists` (``R`` gains a coding's error, ``B`` its messages),
-  :func:`pool_pick` and :func:`pool_scratch_len` (the selection from the candidate
-  pool, ``native/pool.c``), and :func:`union_indices` (the sorted union of index
+  and :func:`union_indices` (the sorted union of index
   lists, also what an exact pull since a version gathers).
 
 Every array is checked here (dtype, shape, contiguity, sortedness, range) before C
@@ -50,8 +49,6 @@ __all__ = [
     "union_indices",
     "scatter_add",
     "scatter_add_lists",
-    "pool_pick",
-    "pool_scratch_len",
     "state_bytes",
     "hugepages_worthwhile",
     "ENV_THREADS",
@@ -462,48 +459,3 @@ def union_indices(lists: Sequence[np.ndarray], *, checked: bool = True) -> np.nd
     n = check(lib, lib.stella_union_indices(ptrs, lens, k, ffi.from_buffer("int32_t[]", out), total),
               "union", KernelError)
     return out[:n] if 2 * n >= total else out[:n].copy()
-
-
-def pool_scratch_len(candidates: int) -> int:
-    """The uint32 work space :func:`pool_pick` needs for ``candidates`` coordinates."""
-    return 3 * candidates
-
-
-def pool_pick(r: np.ndarray, touched: np.ndarray, changes: np.ndarray, pool: np.ndarray, floor: float, k: int, *,
-              cut_above: int, cut_to: int, full: bool = False,
-              scratch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float] | None:
-    """The broadcast's candidate pool in one C call (``native/pool.c``): ``r[touched] +=
-    changes``; of ``touched`` and ``pool`` (sorted unique int32, in range), the
-    coordinates whose ``|r|`` reaches ``floor`` (and is not 0) are candidates. Returns
-    their top ``k`` (sorted indices, values; zeroed in ``r``), the others (sorted; cut
-    to the ``cut_to`` largest when more than ``cut_above``) and the floor, raised to the
-    largest value the cut dropped. None when fewer than ``k`` reach the floor and not
-    ``full``: the pool ran dry, and ``r`` has only had the change added. ``scratch``: a
-    uint32 work array of at least ``pool_scratch_len(touched.size + pool.size)`` kept
-    by the caller from call to call (fresh memory costs a page fault per 4 KiB)."""
-    r_out = _out_f32(r, "pool_pick: r")
-    touched, pool = np.ascontiguousarray(touched, np.int32), np.ascontiguousarray(pool, np.int32)
-    changes = np.ascontiguousarray(changes, F32)
-    if changes.shape != touched.shape or touched.ndim != 1 or pool.ndim != 1:
-        raise KernelInputError(f"pool_pick: {touched.size} touched coordinates for {changes.size} changes")
-    sel, val = np.empty(k + 1, np.int32), np.empty(k + 1, F32)  # the C writes one past what it keeps
-    rest = np.empty(touched.size + pool.size, np.int32)
-    need = pool_scratch_len(touched.size + pool.size)
-    if scratch is None or scratch.dtype != np.uint32 or scratch.size < need or not scratch.flags.c_contiguous:
-        scratch = np.empty(need, np.uint32)
-    counts, floor_out = ffi.new("int64_t[2]"), ffi.new("float *")
-
-    def out(ctype: str, a: np.ndarray) -> object:
-        return ffi.from_buffer(ctype, a, require_writable=True)
-
-    rc = lib.stella_pool_pick(
-        r_out, r.shape[0],
-        ffi.from_buffer("int32_t[]", touched), ffi.from_buffer("float[]", changes), touched.shape[0],
-        ffi.from_buffer("int32_t[]", pool), pool.shape[0], floor, k, cut_above, cut_to, int(full),
-        out("int32_t[]", sel), out("float[]", val), counts, out("int32_t[]", rest), counts + 1, floor_out,
-        out("uint32_t[]", scratch), scratch.size)
-    if rc == lib.STELLA_POOL_DRY:
-        return None
-    check(lib, rc, "pool_pick: an index out of range or out of order", _INPUT_ERRORS)
-    ns, nr = int(counts[0]), int(counts[1])
-    return sel[:ns], val[:ns], rest[:nr], float(floor_out[0])

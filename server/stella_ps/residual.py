@@ -215,6 +215,18 @@ class FlatResidual:
         self._r[self.sparse_numel:] = 0.0
         return out
 
+    @property
+    def values(self) -> np.ndarray:
+        """``R`` itself, writable, for a caller that changes it in bulk (the broadcast's
+        streaming pass, where a step touches too much for the index to pay): call
+        :meth:`invalidate` after, and the next selection rebuilds the index."""
+        return self._r
+
+    def invalidate(self) -> None:
+        """``R`` was changed through :attr:`values`: each group's index is rebuilt by its
+        next selection (one pass over it, counted in :attr:`full_passes`)."""
+        lib.stella_residual_invalidate(self._st)
+
     def load(self, r: np.ndarray) -> None:
         """Set ``R`` wholesale (a checkpoint's residual: ``numel`` finite float32 values, any
         shape); each group's index is rebuilt by its next selection (one pass over it,
