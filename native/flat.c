@@ -189,32 +189,58 @@ int STELLA_ISA_FN(stella_flat_set_range)(const stella_flat_part *parts, int32_t 
 
 /* ---- sparse: entries [j, e) of idx/val land in one part at w[off + idx[j]] ---------- */
 
-/* The loop over [j, e) with the line of entry j + PREFETCH asked for, then the last
- * PREFETCH entries without (their lines were asked for already). */
+enum sparse_op {
+    S_ADD,       /* w += v */
+    S_SET,       /* w = v */
+    S_MERGE_ADD, /* a += v, w += a_new - a_old */
+    S_MERGE_SET, /* a = v, w += v - a_old */
+};
+
+/* The anchor's part of a merge: anchor entry *a takes v, the change it made (float32). */
+static inline float merge_step(enum sparse_op op, float *a, float v) {
+    const float old = *a;
+    if (op == S_MERGE_ADD) {
+        const float now = old + v;
+        *a = now;
+        return now - old;
+    }
+    *a = v;
+    return v - old;
+}
+
+/* The loop over [j, e) with the lines of entry j + PREFETCH asked for (the weight's, and
+ * the anchor's when there is one), then the last PREFETCH entries without. STMT sees
+ * `at` (the weight), `v` (the value) and `d` (what to add: v, or the anchor's change). */
 #define SPARSE_LOOP(T, W, STMT)                                                                    \
     do {                                                                                           \
         T *const w_ = (T *)(W);                                                                    \
-        int64_t j_ = j;                                                                            \
-        for (; j_ + PREFETCH < e; j_++) {                                                          \
-            __builtin_prefetch(w_ + off + idx[j_ + PREFETCH], 1, 3);                               \
+        for (int64_t j_ = j; j_ < e; j_++) {                                                       \
+            if (j_ + PREFETCH < e) {                                                               \
+                __builtin_prefetch(w_ + off + idx[j_ + PREFETCH], 1, 3);                           \
+                if (anchor) __builtin_prefetch(anchor + idx[j_ + PREFETCH], 1, 3);                 \
+            }                                                                                      \
             T *const at = w_ + off + idx[j_];                                                      \
             const float v = val[j_];                                                               \
-            STMT;                                                                                  \
-        }                                                                                          \
-        for (; j_ < e; j_++) {                                                                     \
-            T *const at = w_ + off + idx[j_];                                                      \
-            const float v = val[j_];                                                               \
+            const float d = op == S_ADD || op == S_SET ? v : merge_step(op, anchor + idx[j_], v); \
             STMT;                                                                                  \
         }                                                                                          \
     } while (0)
 
-static int sparse_walk(int add, const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
-                       const float *val, int64_t n) {
+/* anchor: NULL, or (merges) the anchor's entries for coordinates base, base + 1, ... (anchor_n of them). */
+static int sparse_walk(enum sparse_op op, const stella_flat_part *parts, int32_t nparts, int64_t base,
+                       const int32_t *idx, const float *val, int64_t n, float *anchor, int64_t anchor_n) {
     int64_t end = 0;
     int rc = check_parts(parts, nparts, 1, &end);
     if (rc != STELLA_OK) return rc;
     if (n < 0 || base < 0 || base > end || (n > 0 && (!idx || !val))) return STELLA_E_ARG;
-    rc = stella_check_sorted(idx, n, end - base, NULL);
+    int64_t lim = end - base;
+    if (op == S_MERGE_ADD || op == S_MERGE_SET) {
+        if (anchor_n < 0 || (n > 0 && !anchor)) return STELLA_E_ARG;
+        if (anchor_n < lim) lim = anchor_n;
+    } else {
+        anchor = NULL;
+    }
+    rc = stella_check_sorted(idx, n, lim, NULL);
     if (rc != STELLA_OK) return rc;
     int64_t j = 0;
     for (int32_t i = 0; i < nparts && j < n; i++) {
@@ -224,20 +250,20 @@ static int sparse_walk(int add, const stella_flat_part *parts, int32_t nparts, i
         const int64_t e = j + stella_lower_bound(idx + j, n - j, stop - base);
         const int64_t off = base - p->start; /* coordinate base + idx lives at w[off + idx] */
         if (p->dtype == STELLA_VAL_F32) {
-            if (add)
-                SPARSE_LOOP(float, p->data, *at += v);
-            else
+            if (op == S_SET)
                 SPARSE_LOOP(float, p->data, *at = v);
+            else
+                SPARSE_LOOP(float, p->data, *at += d);
         } else if (p->dtype == STELLA_VAL_F16) {
-            if (add)
-                SPARSE_LOOP(uint16_t, p->data, *at = stella_f32_to_f16_soft(stella_half_to_float(*at) + f16_round(v)));
-            else
+            if (op == S_SET)
                 SPARSE_LOOP(uint16_t, p->data, *at = stella_f32_to_f16_soft(v));
-        } else {
-            if (add)
-                SPARSE_LOOP(uint16_t, p->data, *at = stella_float_to_bf16(stella_bf16_to_float(*at) + bf16_round(v)));
             else
+                SPARSE_LOOP(uint16_t, p->data, *at = stella_f32_to_f16_soft(stella_half_to_float(*at) + f16_round(d)));
+        } else {
+            if (op == S_SET)
                 SPARSE_LOOP(uint16_t, p->data, *at = stella_float_to_bf16(v));
+            else
+                SPARSE_LOOP(uint16_t, p->data, *at = stella_float_to_bf16(stella_bf16_to_float(*at) + bf16_round(d)));
         }
         j = e;
     }
@@ -246,12 +272,18 @@ static int sparse_walk(int add, const stella_flat_part *parts, int32_t nparts, i
 
 int STELLA_ISA_FN(stella_flat_add_at)(const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
                                       const float *val, int64_t n) {
-    return sparse_walk(1, parts, nparts, base, idx, val, n);
+    return sparse_walk(S_ADD, parts, nparts, base, idx, val, n, NULL, 0);
 }
 
 int STELLA_ISA_FN(stella_flat_set_at)(const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
                                       const float *val, int64_t n) {
-    return sparse_walk(0, parts, nparts, base, idx, val, n);
+    return sparse_walk(S_SET, parts, nparts, base, idx, val, n, NULL, 0);
+}
+
+int STELLA_ISA_FN(stella_flat_merge_at)(const stella_flat_part *parts, int32_t nparts, int64_t base,
+                                        const int32_t *idx, const float *val, int64_t n, float *anchor,
+                                        int64_t anchor_n, int32_t set) {
+    return sparse_walk(set ? S_MERGE_SET : S_MERGE_ADD, parts, nparts, base, idx, val, n, anchor, anchor_n);
 }
 
 #if STELLA_ISA_BASE
@@ -261,6 +293,7 @@ STELLA_ISA_VARIANTS(stella_flat_add_range);
 STELLA_ISA_VARIANTS(stella_flat_set_range);
 STELLA_ISA_VARIANTS(stella_flat_add_at);
 STELLA_ISA_VARIANTS(stella_flat_set_at);
+STELLA_ISA_VARIANTS(stella_flat_merge_at);
 
 int stella_flat_gather(const stella_flat_part *parts, int32_t nparts, int64_t lo, int64_t hi, float *out) {
     return STELLA_ISA_PICK(stella_flat_gather)(parts, nparts, lo, hi, out);
@@ -287,5 +320,10 @@ int stella_flat_add_at(const stella_flat_part *parts, int32_t nparts, int64_t ba
 int stella_flat_set_at(const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
                        const float *val, int64_t n) {
     return STELLA_ISA_PICK(stella_flat_set_at)(parts, nparts, base, idx, val, n);
+}
+
+int stella_flat_merge_at(const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
+                         const float *val, int64_t n, float *anchor, int64_t anchor_n, int32_t set) {
+    return STELLA_ISA_PICK(stella_flat_merge_at)(parts, nparts, base, idx, val, n, anchor, anchor_n, set);
 }
 #endif

@@ -134,6 +134,11 @@ def _flat_ops(ffi, lib, parts: list[np.ndarray], results: dict[str, np.ndarray])
         assert fn(table, len(parts), 7, ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", val),
                   idx.size) == 0
         results[f"flat_{name}"] = np.concatenate([a.view(np.uint8) for a in parts])
+    for setting in (0, 1):  # update mode's merge: the anchor takes the values, the weights its change
+        assert lib.stella_flat_merge_at(table, len(parts), 7, ffi.from_buffer("int32_t[]", idx),
+                                        ffi.from_buffer("float[]", val), idx.size, ffi.from_buffer("float[]", anchor),
+                                        n - 7, setting) == 0
+        results[f"flat_merge{setting}"] = np.concatenate([anchor.view(np.uint8), *(a.view(np.uint8) for a in parts)])
     dense = (rng.standard_normal(n - 100) * 10.0 ** rng.integers(-6, 5, n - 100)).astype(F32)
     for name in ("add_range", "set_range"):
         fn = getattr(lib, f"stella_flat_{name}")

@@ -64,11 +64,12 @@ def _values(rng, n: int) -> np.ndarray:
 
 
 def _per_tensor(layout, params, pos, fn):
-    """``fn(flat view of tensor t, local indices, positions in pos)`` for each tensor ``pos`` touches."""
+    """``fn(flat view of tensor t, local indices, positions in pos, t's first flat
+    coordinate)`` for each tensor the flat positions ``pos`` touch."""
     for t, a, b in layout.spans():
         sel = np.nonzero((pos >= a) & (pos < b))[0]
         if sel.size:
-            fn(params[t].view(-1), torch.from_numpy(pos[sel] - a), torch.from_numpy(sel))
+            fn(params[t].view(-1), torch.from_numpy(pos[sel] - a), torch.from_numpy(sel), a)
 
 
 # ------------------------------------------------------------------------------ FlatParams
@@ -136,7 +137,7 @@ def test_sparse_install_matches_index_add(backend, device, op):
             vals = np.frombuffer(vals.tobytes(), np.float32)
         (flat.add_at if op == "add" else flat.set_at)(idx, vals, start)
 
-        def per(w, at, sel, vals=vals):
+        def per(w, at, sel, lo, vals=vals):
             v = torch.from_numpy(vals.copy())[sel].to(w.device, w.dtype)
             (w.index_add_ if op == "add" else w.index_copy_)(0, at.to(w.device), v)
 
@@ -163,6 +164,62 @@ def test_dense_range_matches_add_and_copy(backend, device, op):
                 v = torch.from_numpy(vals[x - lo:y - lo]).to(device, w.dtype)
                 w.add_(v) if op == "add" else w.copy_(v)
         _assert_same_params(params, ref)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("add", (True, False), ids=("broadcast", "exact"))
+def test_merge_is_the_update_modes_install(backend, device, add):
+    """merge_at / merge_range are _exchange.py's install, per tensor, bit for bit: the
+    anchor takes the server's values (added, or in their place) and the weights move by the
+    anchor's change."""
+    params = _model(12, device=device)
+    layout = _layout(params)
+    ref = [p.clone() for p in params]
+    flat = FlatParams(params, layout, backend=backend)
+    g = torch.Generator().manual_seed(13)
+    anchor = (_flat_ref(layout, params) + torch.randn(layout.numel, generator=g) * 1e-2).to(device)
+    ref_anchor = anchor.clone()
+    rng = np.random.default_rng(14)
+    for start, density in [(0, 0.05), (500, 0.3)]:
+        n = layout.numel - start
+        idx = _sorted_indices(rng, n, int(density * n))
+        vals = _values(rng, idx.size)
+        flat.merge_at(idx, vals, anchor[start:], add=add, start=start)
+
+        def per(w, at, sel, lo, vals=vals):
+            a = ref_anchor
+            at_a = (at + lo).to(a.device)
+            at = at.to(w.device)
+            new = torch.from_numpy(vals.copy())[sel].to(a.device)
+            if add:  # _exchange.py's install of a broadcast step
+                before = a.index_select(0, at_a)
+                a.index_add_(0, at_a, new)
+                w.index_add_(0, at, (a.index_select(0, at_a) - before).to(w.dtype))
+            else:  # and of exact values
+                w.index_add_(0, at, (new - a.index_select(0, at_a)).to(w.dtype))
+                a.index_copy_(0, at_a, new)
+
+        _per_tensor(layout, ref, idx.astype(np.int64) + start, per)
+        _assert_same_params(params, ref)
+        assert _bits_equal(anchor, ref_anchor)
+    s = layout.sparse_numel
+    dense = _values(rng, layout.numel - s)
+    flat.merge_range(dense, anchor[s:], s, add=add)
+    for t, lo, hi in layout.spans():
+        if lo >= s:
+            a, w = ref_anchor[lo:hi], ref[t].view(-1)
+            new = torch.from_numpy(dense[lo - s:hi - s]).to(device)
+            if add:
+                before = a.clone()
+                a.add_(new)
+                w.add_((a - before).to(w.dtype))
+            else:
+                w.add_((new - a).to(w.dtype))
+                a.copy_(new)
+    _assert_same_params(params, ref)
+    assert _bits_equal(anchor, ref_anchor)
+    with pytest.raises(ValueError):  # beyond the anchor
+        flat.merge_at(np.array([0, 10], np.int32), np.ones(2, np.float32), anchor[:10].clone())
 
 
 @settings(max_examples=40, deadline=None)

@@ -119,14 +119,22 @@ class PartTable:
         """``w[base + idx] = val`` (rounded to each part's dtype)."""
         self._sparse(lib.stella_flat_set_at, "stella_flat_set_at", idx, val, base)
 
-    def _sparse(self, fn: Any, what: str, idx: np.ndarray, val: np.ndarray, base: int) -> None:
+    def merge_at(self, idx: np.ndarray, val: np.ndarray, anchor: Any, base: int = 0, *, add: bool = True) -> None:
+        """Update mode's merge at ``base + idx``: ``anchor[idx] += val`` (``add``) or
+        ``= val``, and ``w[base + idx] +=`` the anchor's change (``anchor`` holds the
+        coordinates ``base, base + 1, ...``; float32, writable)."""
+        a = _floats(anchor, _len(anchor), "anchor", True)
+        self._sparse(lib.stella_flat_merge_at, "stella_flat_merge_at", idx, val, base, a, _len(anchor), int(not add))
+
+    def _sparse(self, fn: Any, what: str, idx: np.ndarray, val: np.ndarray, base: int, *extra: Any) -> None:
         if not (isinstance(idx, np.ndarray) and idx.dtype == np.int32 and idx.ndim == 1 and idx.flags.c_contiguous):
             raise ValueError(f"{what}: indices must be a 1-D contiguous int32 array")
         n = idx.shape[0]
         if not 0 <= int(base) <= self.numel:
             raise ValueError(f"{what}: base {base} outside [0, {self.numel}]")
         v = _floats(val, n, "values", False)
-        check(lib, fn(self._c, self.nparts, int(base), ffi.from_buffer("int32_t[]", idx), v, n), what, ValueError)
+        check(lib, fn(self._c, self.nparts, int(base), ffi.from_buffer("int32_t[]", idx), v, n, *extra), what,
+              ValueError)
 
 
 def _len(x: Any) -> int:

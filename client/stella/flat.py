@@ -188,6 +188,50 @@ class FlatParams:
             return
         self._torch_sparse(idx, vals, start, add=False)
 
+    # ------------------------------------------------------------------ update mode's merge
+    @torch.no_grad()
+    def merge_at(self, idx: np.ndarray, vals: np.ndarray, anchor: torch.Tensor, *, add: bool = True,
+                 start: int = 0) -> None:
+        """Update mode's install of the server's answer at ``start + idx`` (the merge rule
+        ``w <- w + (a_new - a)``, local progress kept): the anchor, the flat float32 replica
+        of the server's model holding ``[start, start + len(anchor))``, takes ``vals``,
+        added (``add``: a broadcast step) or in their place (exact values), and the weights
+        move by the anchor's change ``a_new - a_old`` in float32, rounded as :meth:`add_at`
+        rounds. One walk on CPU; bit for bit _exchange.py's ``index_add_``/``index_copy_``
+        of the anchor and ``index_add_`` of the change into the weights."""
+        self._refresh()
+        if self.backend == "native":
+            self._table.merge_at(idx, vals, anchor, start, add=add)
+            return
+        self._check_buffer(anchor, anchor.numel(), "anchor")
+        _check_indices(idx, vals, min(self.numel - start, anchor.numel()))
+        at = torch.from_numpy(idx.astype(np.int64)).to(self.device)
+        v = torch.from_numpy(_host_f32(vals, writable=True)).to(self.device)
+        before = anchor.index_select(0, at)
+        if add:
+            anchor.index_add_(0, at, v)
+            change = anchor.index_select(0, at) - before
+        else:
+            change = v - before
+            anchor.index_copy_(0, at, v)
+        self._torch_sparse(idx, change, start, add=True)
+
+    @torch.no_grad()
+    def merge_range(self, vals: torch.Tensor | np.ndarray, anchor: torch.Tensor, start: int, *,
+                    add: bool = True) -> None:
+        """:meth:`merge_at` over the range ``[start, start + len(vals))`` (the dense suffix,
+        a snapshot), ``anchor`` holding that range."""
+        v = self._device_f32(vals)
+        self._check_buffer(anchor, v.numel(), "anchor")
+        if add:
+            before = anchor.clone()
+            anchor.add_(v)
+            change = anchor - before
+        else:
+            change = v - anchor
+            anchor.copy_(v)
+        self.add_range(change, start)
+
     # ------------------------------------------------------------------ internals
     def _check(self) -> torch.device:
         """The parameters' one device, every parameter checked (ValueError naming the first
@@ -296,21 +340,17 @@ class FlatParams:
             else:
                 torch._foreach_copy_(dst, srcs)
 
-    def _torch_sparse(self, idx: np.ndarray, vals: np.ndarray, start: int, *, add: bool) -> None:
+    def _torch_sparse(self, idx: np.ndarray, vals: np.ndarray | torch.Tensor, start: int, *, add: bool) -> None:
         """``add_at``/``set_at`` as torch ops: per dtype group, its parameters staged in one
-        buffer, one ``index_add_``/``index_copy_``, copied back (module doc)."""
-        if not (isinstance(idx, np.ndarray) and idx.dtype == np.int32 and idx.ndim == 1):
-            raise ValueError("indices must be a 1-D int32 array")
-        if not (isinstance(vals, np.ndarray) and vals.shape == idx.shape):
-            raise ValueError("values must be an array of one float per index")
+        buffer, one ``index_add_``/``index_copy_``, copied back (module doc). ``vals``: host
+        floats, or float32 on the device."""
         if not 0 <= start <= self.numel:
             raise ValueError(f"start {start} outside [0, {self.numel}]")
-        if idx.size and (idx[0] < 0 or int(idx[-1]) >= self.numel - start or not np.all(idx[1:] > idx[:-1])):
-            raise ValueError(f"indices must be strictly increasing in [0, {self.numel - start})")
+        _check_indices(idx, vals, self.numel - start)
         if not idx.size:
             return
         pos = idx.astype(np.int64) + start
-        v = torch.from_numpy(_host_f32(vals, writable=True))
+        v = vals if isinstance(vals, torch.Tensor) else torch.from_numpy(_host_f32(vals, writable=True))
         part = np.searchsorted(np.asarray(self._fstarts, np.int64), pos, side="right") - 1
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, w in enumerate(self._flat):
@@ -330,7 +370,7 @@ class FlatParams:
                 local = pos[sel] - np.asarray(self._fstarts, np.int64)[part[sel]] + gstart[part[sel]]
             views = [self._flat[i] for i in members]
             at = torch.from_numpy(local).to(self.device)
-            src = (v if sel is None else v[torch.from_numpy(sel)]).to(self.device, dtype)
+            src = (v if sel is None else v[torch.from_numpy(sel).to(v.device)]).to(self.device, dtype)
             staged = torch.cat(views)
             if add:
                 staged.index_add_(0, at, src)
@@ -490,6 +530,17 @@ class FlatCompressor:
         if not idx:
             return SparseGrad(s, np.zeros(0, np.int32), np.zeros(0, np.float32))
         return SparseGrad(s, np.concatenate(idx), np.concatenate(val))
+
+
+def _check_indices(idx: np.ndarray, vals: Any, limit: int) -> None:
+    """ValueError unless ``idx`` is a 1-D int32 array, strictly increasing in ``[0, limit)``,
+    with one value each in ``vals``."""
+    if not (isinstance(idx, np.ndarray) and idx.dtype == np.int32 and idx.ndim == 1):
+        raise ValueError("indices must be a 1-D int32 array")
+    if tuple(vals.shape) != idx.shape:
+        raise ValueError("values must be one float per index")
+    if idx.size and (idx[0] < 0 or int(idx[-1]) >= limit or not np.all(idx[1:] > idx[:-1])):
+        raise ValueError(f"indices must be strictly increasing in [0, {limit})")
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -34,3 +34,12 @@ int stella_flat_add_at(const stella_flat_part *parts, int32_t nparts, int64_t ba
                        const float *val, int64_t n);
 int stella_flat_set_at(const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
                        const float *val, int64_t n);
+/* Update mode's install at the server's coordinates (the merge rule w <- w + (a_new - a) + c,
+ * docs/optimizer.md): the anchor (the replica of the server's model, float32; anchor[i] is
+ * coordinate base + i, anchor_n of them) takes val[j] at idx[j], added (set == 0: a
+ * broadcast step) or in place of its value (set != 0: exact values), and the weight moves
+ * by the anchor's change in float32, a_new - a_old, rounded as stella_flat_add_at rounds.
+ * One walk: torch's before = a[idx]; a.index_add_(0, idx, val) (or index_copy_);
+ * w.index_add_(0, idx, (a[idx] - before).to(w.dtype)). idx < anchor_n as well. */
+int stella_flat_merge_at(const stella_flat_part *parts, int32_t nparts, int64_t base, const int32_t *idx,
+                         const float *val, int64_t n, float *anchor, int64_t anchor_n, int32_t set);
