@@ -18,11 +18,14 @@ fixed handful of torch ops whatever the number of tensors: multi-tensor ``_forea
 ops over the parameters and views of the flat buffer, one group per parameter dtype. The
 sparse forms there (``add_at``, ``set_at``) stage the group's parameters in one
 buffer (``torch.cat``), index into it once and copy it back (``_foreach_copy_``): a pass
-over the parameters (~12 bytes a bf16 coordinate, ~30 µs for 10.8M on an H100-class
-GPU) in place of a launch or three per tensor; aliasing the parameters' memory would
-avoid the pass, at the price of pointer arithmetic on memory torch does not know is
-shared. Rounding is torch's everywhere: writes into f16/bf16 parameters round to nearest
-even, additions round the value to the parameter's dtype and then the sum, as
+over the parameters (~8 bytes moved a bf16 coordinate: tens of µs for 10.8M at a GPU's
+bandwidth, an estimate until ``bench.cuda --flat`` has run) in place of a launch or three
+per tensor; aliasing the parameters' memory would avoid the pass, at the price of
+pointer arithmetic on memory torch does not know is shared. Update mode's install
+(:meth:`FlatParams.merge_at`) moves the anchor and the weights in the same call.
+
+Rounding is torch's everywhere: writes into f16/bf16 parameters round to nearest even,
+additions round the value to the parameter's dtype and then the sum, as
 ``w.index_add_(0, idx, val.to(w.dtype))`` and ``w.add_(val.to(w.dtype))`` do
 (tests/test_flat.py checks both backends bit for bit against those per-tensor ops).
 
