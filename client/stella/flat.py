@@ -68,7 +68,7 @@ class FlatParams:
     Flat buffers (``out``, ``anchor``, values) are float32 tensors on the parameters'
     device holding the coordinates ``[start, start + len)``; sparse indices and their
     values are the wire's host NumPy arrays (int32, strictly increasing, relative to
-    ``start``; float32).
+    ``start``; float32). One thread at a time: the operations share the pointer table.
     """
 
     def __init__(self, params: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], layout: FlatLayout, *,
