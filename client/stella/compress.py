@@ -44,11 +44,12 @@ key's last selection.
 
 Each method on each backend is one :class:`Selector` (``Dense``, ``Exact``,
 ``NativeThreshold``, ``NativeBlock``, ``TorchThreshold``, ``TorchBlock``). An
-:class:`Engine` picks one per residual from the method, the residual's size and where
-it lives, and rounds what it selected to the wire dtype (the error kept in the residual);
-it also flushes. Two compressors share it: :class:`ErrorFeedbackCompressor` keeps a
-residual per tensor key, and :class:`stella.flat.FlatCompressor` one residual for the
-whole flat model (``stella.layout``), selected in one call.
+:class:`Engine` picks one per residual from the method, whether the residual goes
+whole (a tensor below ``dense_below``, the flat model's dense suffix) and where it
+lives, and rounds what it selected to the wire dtype (the error kept in the
+residual); it also flushes. Two compressors share it: :class:`ErrorFeedbackCompressor`
+keeps a residual per tensor key, and :class:`stella.flat.FlatCompressor` one residual
+for the whole flat model (``stella.layout``), selected in one call.
 """
 from __future__ import annotations
 
@@ -310,8 +311,9 @@ def _blocks(n: int) -> tuple[int, int]:
 
 class Engine:
     """A method on its backends, shared by both compressors: the :class:`Selector` for a
-    residual (from the method, the residual's size and where it lives), the rounding of
-    what it selected to the wire dtype with the error kept in the residual, and the flush."""
+    residual (from the method, whether the residual goes whole, and where it lives), the
+    rounding of what it selected to the wire dtype with the error kept in the residual,
+    and the flush."""
 
     def __init__(self, method: str = "threshold", backend: str = "auto", sample_size: int = 0, seed: int = 0x5EED):
         if method not in METHODS:
