@@ -1,6 +1,7 @@
 """The CUDA paths, on a machine with an NVIDIA GPU: workers training on the GPU through a real `stella-ps`.
 
     python -m bench.cuda [--steps 300] [--workers 2] [--json PATH] [--profile PATH] [--quick]
+                         [--flat] [--compressor-only]
 
 1. **Training.** The byte-level Transformer LM (bench.workloads ``bytelm``, AdamW) on the GPU:
    dense on one process (the baseline), then ``--workers`` worker processes sharing the GPU, each
@@ -13,6 +14,11 @@
    of the model's shapes and on one tensor of 100M coordinates, per density, in its steady state
    (threshold carried over): ms per round and ns per coordinate. `stella plan`'s scenarios assume
    1 ns per coordinate for a GPU's threshold pass.
+   With ``--flat``, bench.flat's sections on the GPU as well: :class:`stella.flat.FlatCompressor`
+   on the model's 76 tensors against one tensor of the same size (and the per-tensor compressor on
+   both), :class:`stella.flat.FlatParams`' operations, and an update-mode round (residual,
+   compression, install) per tensor and flat, with float32 and bfloat16 parameters.
+   ``--compressor-only`` measures this part alone (no training, no profile).
 3. **A profile** (`stella profile`'s :func:`stella.planning.measure.profile_model`) of the LM on the GPU,
    written to ``--profile``: the compute per step a catalog's speed is relative to.
 
@@ -148,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="100 steps")
     ap.add_argument("--profile", help="write the GPU profile of the LM here")
+    ap.add_argument("--flat", action="store_true", help="also the flat model's compressor, operations and round "
+                                                           "(bench.flat) on the GPU")
+    ap.add_argument("--compressor-only", action="store_true", help="only the compressor part (2.)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the code paths
     a = ap.parse_args(argv)
     if a.quick:
@@ -164,6 +173,30 @@ def main(argv=None) -> int:
                            "torch": torch.__version__,
                            "steps": a.steps, "workers": a.workers}
     print(f"bench.cuda: {out['started']}, {out['device']}, torch {out['torch']}", flush=True)
+    if not a.compressor_only:
+        train(out, a)
+    model = W.get("bytelm").build_model(0)
+    out["compressor"] = compressor({n: tuple(p.shape) for n, p in model.named_parameters()}, a.device,
+                                   big=100_000_000 if a.device == "cuda" else 1_000_000)
+    print("| tensors | coordinates | density | ms per round | ns per coordinate |\n|---|---|---|---|---|")
+    for r in out["compressor"]:
+        print(f"| {r['tensors']} | {r['numel']:,} | {r['density']:.1%} | {r['ms_per_round']:.2f} | "
+              f"{r['ns_per_coordinate']:.3f} |", flush=True)
+    if a.flat:
+        from bench import flat as F
+
+        out["flat"] = F.device_rows(a.device, [0.01, 0.001], steps=10)
+        F.print_tables(out["flat"])
+    if a.profile and not a.compressor_only:
+        profile(out, a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if out.get("passed", True) else 1
+
+
+def train(out: dict[str, Any], a: argparse.Namespace) -> None:
+    """Part 1 into ``out``: dense, then the Stella workers, and the check."""
     out["dense"] = dense(a.steps, a.seed, a.device)
     print(f"dense, 1 process: held-out loss {out['dense']['heldout_loss']:.3f}, "
           f"{1e3 * out['dense']['s_per_step']:.1f} ms/step", flush=True)
@@ -175,31 +208,26 @@ def main(argv=None) -> int:
     out["passed"] = worst <= TARGET_REL * out["dense"]["heldout_loss"]
     print(f"training check: worst Stella worker {worst:.3f} against dense {out['dense']['heldout_loss']:.3f} "
           f"(pass within {100 * (TARGET_REL - 1):.0f}%): {'PASS' if out['passed'] else 'FAIL'}", flush=True)
-    model = W.get("bytelm").build_model(0)
-    out["compressor"] = compressor({n: tuple(p.shape) for n, p in model.named_parameters()}, a.device,
-                                   big=100_000_000 if a.device == "cuda" else 1_000_000)
-    print("| tensors | coordinates | density | ms per round | ns per coordinate |\n|---|---|---|---|---|")
-    for r in out["compressor"]:
-        print(f"| {r['tensors']} | {r['numel']:,} | {r['density']:.1%} | {r['ms_per_round']:.2f} | "
-              f"{r['ns_per_coordinate']:.3f} |", flush=True)
-    if a.profile:
-        from stella.planning.measure import profile_model
-        from stella.planning.profile_file import write_profile
 
-        wl = W.get("bytelm")
-        dev = torch.device(a.device)
-        m = wl.build_model(0).to(dev)
-        batches = wl.batches(0, 1, wl.batch_size, 0)
-        doc = profile_model(m, wl.loss, lambda: tuple(t.to(dev) for t in next(batches)),
-                            optimizer=wl.make_optimizer(m.parameters()), batch_size=wl.batch_size, name="bytelm",
-                            log=print)
-        write_profile(a.profile, doc)
-        out["profile"] = {k: doc.get(k) for k in ("device", "compute_s", "compress_s_per_numel", "server")}
-        print(f"profile: {a.profile}: compute {1e3 * doc['compute_s']:.2f} ms/step on {doc.get('device')}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0 if out["passed"] else 1
+
+def profile(out: dict[str, Any], a: argparse.Namespace) -> None:
+    """Part 3 into ``out``: the LM's GPU profile, written to ``a.profile``."""
+    import torch
+
+    from bench import workloads as W
+    from stella.planning.measure import profile_model
+    from stella.planning.profile_file import write_profile
+
+    wl = W.get("bytelm")
+    dev = torch.device(a.device)
+    m = wl.build_model(0).to(dev)
+    batches = wl.batches(0, 1, wl.batch_size, 0)
+    doc = profile_model(m, wl.loss, lambda: tuple(t.to(dev) for t in next(batches)),
+                        optimizer=wl.make_optimizer(m.parameters()), batch_size=wl.batch_size, name="bytelm",
+                        log=print)
+    write_profile(a.profile, doc)
+    out["profile"] = {k: doc.get(k) for k in ("device", "compute_s", "compress_s_per_numel", "server")}
+    print(f"profile: {a.profile}: compute {1e3 * doc['compute_s']:.2f} ms/step on {doc.get('device')}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """cffi builds of Stella's native code (out-of-line API mode): one module per owner.
 
-``stella._native`` (client)       codec.c, half.c, quant.c (wire coding), compress.c (top-k selection)
+``stella._native`` (client)       codec.c, half.c, quant.c (wire coding), compress.c (top-k selection),
+                                  flat.c (the model's parameters read and written as one flat vector)
 ``stella_ps._kernel`` (server)    optim_state.c, merge.c, update.c, union.c (lazy optimizer),
                                   compress.c (the broadcast's streaming selection: the workers'
                                   top-k, compiled here too so that a step's selection stays in the
@@ -22,7 +23,7 @@ where it runs; set a portable level such as ``x86-64-v2``, what wheels and image
 use, to build for other machines). ``STELLA_NATIVE_DEBUG=1`` builds with ``-O0 -g``.
 
 Run-time dispatch (``stella_isa.h``): the sources with SIMD paths (compress.c,
-half.c, quant.c, merge.c, update.c) are also compiled through ``isa/<source>_v3.c`` and
+flat.c, half.c, quant.c, merge.c, update.c) are also compiled through ``isa/<source>_v3.c`` and
 ``_v4.c``, which set ``#pragma GCC target("arch=x86-64-v3")`` (v4) and include the
 source, so one module holds a portable copy (at ``-march``), an AVX2/F16C copy and an
 AVX-512 copy of their entry points, and picks one at run time from the CPU (override:
@@ -54,6 +55,7 @@ AREAS = {
     "core": ("stella_native.h", ["core.c"]),
     "codec": ("cdefs/codec.h", ["codec.c", *_with_variants("half.c", "quant.c")]),
     "compress": ("cdefs/compress.h", _with_variants("compress.c")),
+    "flat": ("cdefs/flat.h", _with_variants("flat.c")),
     "optim": ("cdefs/optim.h", ["optim_state.c", "union.c", *_with_variants("merge.c", "update.c")]),
     "residual": ("cdefs/residual.h", ["residual.c"]),
     "bench": ("optim_tuning.h", ["bench/tuning.c", "bench/probe.c"]),
@@ -93,5 +95,5 @@ def builder(module: str, areas: list[str], *, defines: tuple[str, ...] = (), abs
     return ffi
 
 
-client_ffi = builder("stella._native", ["codec", "compress"])
+client_ffi = builder("stella._native", ["codec", "compress", "flat"])
 server_ffi = builder("stella_ps._kernel", ["optim", "compress", "residual"])

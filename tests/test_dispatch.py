@@ -3,8 +3,9 @@
 Every level this CPU runs is forced in a subprocess (``STELLA_NATIVE_ISA``, read once
 per process) that runs the dispatched kernels on fixed inputs: top-k selection with
 error feedback (threshold and block methods, carried thresholds, ties), the codec's
-f16/bf16 converters, sum of squares of wire values and q4/q2 codings, and the
-optimizer's apply (merge of f32/f16/bf16 and dense pushes, SGD and Adam). The outputs
+f16/bf16 converters, sum of squares of wire values and q4/q2 codings, the flat
+model's reads and writes of f32/f16/bf16 parameters (flat.c), and the optimizer's
+apply (merge of f32/f16/bf16 and dense pushes, SGD and Adam). The outputs
 must be the same bits at every level, and match the references (mass conservation and
 top-ness of the selection, numpy/torch conversion, float64 numpy, ``stella_ps.optim_ref``;
 the q4/q2 frames match tests/test_codec.py's NumPy reference at the build's level). A
@@ -93,6 +94,58 @@ def _as_ref(push):
     return (np.arange(N_OPT, dtype=np.int32) if idx is None else idx), v.astype(F32)
 
 
+FLAT_SIZES = (5003, 0, 4099, 17, 2048)  # the flat model's parts: f32, f16, bf16 in turn
+
+
+def _flat_parts() -> list[np.ndarray]:
+    """The parts of a flat model as C sees them: float32, float16 and bf16 (uint16 bits)."""
+    rng = np.random.default_rng(21)
+    out = []
+    for i, n in enumerate(FLAT_SIZES):
+        v = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n)).astype(F32)
+        out.append([v, v.astype(np.float16), (v.view(np.uint32) >> 16).astype(np.uint16)][i % 3])
+    return out
+
+
+def _flat_ops(ffi, lib, parts: list[np.ndarray], results: dict[str, np.ndarray]) -> None:
+    """flat.c's entry points on ``parts`` (written in place): gather, residual, the sparse
+    and dense adds and sets; what they give into ``results``."""
+    table = ffi.new("stella_flat_part[]", len(parts))
+    codes = {F32: lib.STELLA_VAL_F32, np.float16: lib.STELLA_VAL_F16, np.uint16: lib.STELLA_VAL_BF16}
+    at = 0
+    for e, a in zip(table, parts):
+        e.data = ffi.from_buffer(a) if a.size else ffi.NULL
+        e.start, e.numel = at, a.size
+        e.dtype = codes[a.dtype.type]
+        at += a.size
+    n = at
+    rng = np.random.default_rng(22)
+    out = np.empty(n, F32)
+    assert lib.stella_flat_gather(table, len(parts), 0, n, ffi.from_buffer("float[]", out)) == 0
+    results["flat_gather"] = out.copy()
+    anchor = rng.standard_normal(n).astype(F32)
+    assert lib.stella_flat_residual(table, len(parts), 0, n, ffi.from_buffer("float[]", anchor),
+                                    ffi.from_buffer("float[]", out)) == 0
+    results["flat_residual"] = out.copy()
+    idx = np.sort(rng.choice(n - 7, n // 10, replace=False)).astype(np.int32)
+    val = (rng.standard_normal(idx.size) * 10.0 ** rng.integers(-6, 5, idx.size)).astype(F32)
+    for name in ("add_at", "set_at"):
+        fn = getattr(lib, f"stella_flat_{name}")
+        assert fn(table, len(parts), 7, ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", val),
+                  idx.size) == 0
+        results[f"flat_{name}"] = np.concatenate([a.view(np.uint8) for a in parts])
+    for setting in (0, 1):  # update mode's merge: the anchor takes the values, the weights its change
+        assert lib.stella_flat_merge_at(table, len(parts), 7, ffi.from_buffer("int32_t[]", idx),
+                                        ffi.from_buffer("float[]", val), idx.size, ffi.from_buffer("float[]", anchor),
+                                        n - 7, setting) == 0
+        results[f"flat_merge{setting}"] = np.concatenate([anchor.view(np.uint8), *(a.view(np.uint8) for a in parts)])
+    dense = (rng.standard_normal(n - 100) * 10.0 ** rng.integers(-6, 5, n - 100)).astype(F32)
+    for name in ("add_range", "set_range"):
+        fn = getattr(lib, f"stella_flat_{name}")
+        assert fn(table, len(parts), 50, n - 50, ffi.from_buffer("float[]", dense)) == 0
+        results[f"flat_{name}"] = np.concatenate([a.view(np.uint8) for a in parts])
+
+
 def run_kernels(out: str) -> None:
     """The subprocess's work: every dispatched kernel on the fixed inputs, into ``out`` (npz)."""
     from stella import _codec_native as codec_native
@@ -158,6 +211,7 @@ def run_kernels(out: str) -> None:
         for field, a in st.state_arrays().items():
             res_[f"{name}_{field}"] = a
     res_["union"] = kernel.union_indices([p[0] for p in _opt_pushes(0)])
+    _flat_ops(ffi, lib, _flat_parts(), res_)
     np.savez(out, **res_)
 
 
@@ -266,6 +320,13 @@ def test_results_match_the_references(runs):
             if f"{name}_{field}" in got:
                 assert got[f"{name}_{field}"].tobytes() == getattr(ref, field).tobytes(), (name, field)
     assert got["union"].tobytes() == np.unique(np.concatenate([p[0] for p in _opt_pushes(0)])).tobytes()
+    # the flat model's gather widens exactly, and its residual is anchor - w in float32
+    parts = _flat_parts()
+    widened = np.concatenate([(a.astype(np.uint32) << 16).view(F32) if a.dtype == np.uint16 else a.astype(F32)
+                              for a in parts])
+    assert got["flat_gather"].tobytes() == widened.tobytes()
+    anchor = np.random.default_rng(22).standard_normal(widened.size).astype(F32)
+    assert got["flat_residual"].tobytes() == (anchor - widened).tobytes()
 
 
 @pytest.mark.parametrize("ask", ["x86-64-v4", "x86-64-v3", "bogus"])
@@ -287,7 +348,7 @@ def test_stella_ps_logs_its_level(make_server, make_client):
     assert listening["native_isa"] == "portable"
 
 
-NODISPATCH = (("_stella_client_nodispatch", ["codec", "compress"]), ("_stella_server_nodispatch", ["optim"]))
+NODISPATCH = (("_stella_client_nodispatch", ["codec", "compress", "flat"]), ("_stella_server_nodispatch", ["optim"]))
 
 
 def _build_without_dispatch():
@@ -351,6 +412,12 @@ def test_a_build_without_dispatch_links_and_gives_the_same_bits():
     out = ffi.new("double *")
     assert lib.stella_values_sumsq(ffi.from_buffer(wire), wire.size, lib.STELLA_VAL_F16, out) == 0
     assert out[0] == codec.sum_of_squares(wire)
+    from stella._native import ffi as prod_ffi
+
+    flat: list[dict[str, np.ndarray]] = [{}, {}]
+    _flat_ops(ffi, lib, _flat_parts(), flat[0])
+    _flat_ops(prod_ffi, prod, _flat_parts(), flat[1])
+    assert flat[0].keys() == flat[1].keys() and all(flat[0][k].tobytes() == flat[1][k].tobytes() for k in flat[0])
 
 
 if __name__ == "__main__":  # one level's kernels in a process of their own (_run)

@@ -15,8 +15,13 @@ Where each concern lives:
   ``progress.py`` the timings pushes carry and the progress line; ``modes.py`` the modes
   and outer presets (no torch);
 - compression: ``compress.py`` top-k with error feedback, one selector per method and
-  backend; ``native_select.py`` the checked wrapper of the C selection (the client's
-  through ``_select_native.py``, the server's broadcast through ``stella_ps.topk``);
+  backend, shared by the per-tensor compressor and the flat one (its ``Engine``);
+  ``native_select.py`` the checked wrapper of the C selection (the client's through
+  ``_select_native.py``, the server's broadcast through ``stella_ps.topk``);
+- the flat model on the worker: ``flat.py`` ``FlatParams`` (the parameters, left where
+  they are, read and written as one flat float32 vector, one call an operation) and
+  ``FlatCompressor`` (one residual, one selection over the sparse range, the dense
+  suffix whole); ``_flat_native.py`` its C (``native/flat.c``);
 - the wire: ``layout.py`` the flat model's coordinate space (workers and server
   alike); ``protocol.py`` every message (the server imports it); ``codec.py`` the
   codings and the wire's facts (bits per value, the dense cut); ``_codec_native.py`` its

@@ -43,9 +43,13 @@ on the device and only the sparse result is copied to the host.
 key's last selection.
 
 Each method on each backend is one :class:`Selector` (``Dense``, ``Exact``,
-``NativeThreshold``, ``NativeBlock``, ``TorchThreshold``, ``TorchBlock``), picked per
-key from the method, the tensor's size and where it lives; the compressor keeps the
-residuals, the error feedback, the rounding of values to the wire dtype and the flush.
+``NativeThreshold``, ``NativeBlock``, ``TorchThreshold``, ``TorchBlock``). An
+:class:`Engine` picks one per residual from the method, whether the residual goes
+whole (a tensor below ``dense_below``, the flat model's dense suffix) and where it
+lives, and rounds what it selected to the wire dtype (the error kept in the
+residual); it also flushes. Two compressors share it: :class:`ErrorFeedbackCompressor`
+keeps a residual per tensor key, and :class:`stella.flat.FlatCompressor` one residual
+for the whole flat model (``stella.layout``), selected in one call.
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ from ._select_native import BLOCK, SelectStats, TopkState
 from ._select_native import SELECT as _select
 from .errors import BadValue
 
-__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "Selector", "METHODS", "BLOCK", "quantise_torch"]
+__all__ = ["SparseGrad", "ErrorFeedbackCompressor", "Engine", "State", "Selector", "METHODS", "VALUE_DTYPES", "BLOCK",
+           "quantise_torch", "k_for", "check_density", "check_value_dtype"]
 
 METHODS = ("exact", "threshold", "block", "dense")
 
@@ -99,8 +104,10 @@ class SparseGrad:
 
 
 @dataclass
-class _State:
-    """One key's residual and what its selector carries across steps."""
+class State:
+    """One residual and what its selector carries across steps (one per key of an
+    :class:`ErrorFeedbackCompressor`; a :class:`~stella.flat.FlatCompressor` has one for
+    its sparse range, one for the dense suffix, or one per group)."""
 
     residual: torch.Tensor  # flat float32, on the gradient's device
     shape: torch.Size
@@ -118,7 +125,8 @@ _VALUE_LIMITS = {
 VALUE_DTYPES = (*_VALUE_LIMITS, *codec.QUANT_DTYPES)
 
 
-def _k_for(density: float, numel: int) -> int:
+def k_for(density: float, numel: int) -> int:
+    """Coordinates to select of ``numel`` at ``density`` (at least one)."""
     return min(numel, max(1, round(density * numel)))
 
 
@@ -166,13 +174,13 @@ class Selector(Protocol):
     """One method on one backend: ``residual += grad`` (``grad`` None: the residual as it
     stands), select about ``k`` floats' worth, return them, zero them in the residual."""
 
-    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad: ...
+    def select(self, st: State, grad: torch.Tensor | None, k: int) -> SparseGrad: ...
 
 
 class Dense:
     """``"dense"`` (and tensors below ``dense_below``): everything goes."""
 
-    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+    def select(self, st: State, grad: torch.Tensor | None, k: int) -> SparseGrad:
         _add(st.residual, grad)
         return _take_dense(st.residual)
 
@@ -180,7 +188,7 @@ class Dense:
 class Exact:
     """``"exact"``, the reference: ``torch.topk`` of ``|acc|``, indices sorted (any backend)."""
 
-    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+    def select(self, st: State, grad: torch.Tensor | None, k: int) -> SparseGrad:
         acc = st.residual
         _add(acc, grad)
         _, idx = torch.topk(acc.abs(), k, sorted=False)
@@ -199,7 +207,7 @@ class NativeThreshold:
     def __init__(self, sampling: _Sampling):
         self.sampling = sampling
 
-    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+    def select(self, st: State, grad: torch.Tensor | None, k: int) -> SparseGrad:
         res = st.residual
         nu, ku = _units(res.numel(), k, self.unit)
         if st.cstate is None:
@@ -225,7 +233,7 @@ class TorchThreshold:
     def __init__(self, sampling: _Sampling):
         self.sampling = sampling
 
-    def select(self, st: _State, grad: torch.Tensor | None, k: int) -> SparseGrad:
+    def select(self, st: State, grad: torch.Tensor | None, k: int) -> SparseGrad:
         acc = st.residual
         _add(acc, grad)
         n = acc.numel()
@@ -301,9 +309,116 @@ def _blocks(n: int) -> tuple[int, int]:
     return nb, nb * BLOCK - n
 
 
+class Engine:
+    """A method on its backends, shared by both compressors: the :class:`Selector` for a
+    residual (from the method, whether the residual goes whole, and where it lives), the
+    rounding of what it selected to the wire dtype with the error kept in the residual,
+    and the flush."""
+
+    def __init__(self, method: str = "threshold", backend: str = "auto", sample_size: int = 0, seed: int = 0x5EED):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if backend not in ("auto", "native", "torch"):
+            raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
+        self.method = method
+        self.backend = backend
+        self.sampling = _Sampling(int(sample_size), int(seed))
+        self._dense, self._exact = Dense(), Exact()
+        self._native = {"threshold": NativeThreshold(self.sampling), "block": NativeBlock(self.sampling)}
+        self._torch = {"threshold": TorchThreshold(self.sampling), "block": TorchBlock(self.sampling)}
+
+    def compress(self, st: State, grad: torch.Tensor | None, k: int, value_dtype: str, *,
+                 dense: bool = False) -> SparseGrad:
+        """``st.residual += grad`` (flat float32 on the residual's device, or None); select
+        about ``k`` coordinates (all of them when ``dense`` or the method is "dense"); round
+        the values to ``value_dtype`` (:meth:`round_values`); the rest stays in the residual.
+        The caller counts its calls (``sampling.calls``: every one gives the next seed)."""
+        n = st.residual.numel()
+        if n == 0:
+            sg = SparseGrad(0, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        else:
+            sg = self.selector(st.residual, dense).select(st, grad, k)
+        return self.round_values(st, sg, value_dtype)
+
+    def selector(self, res: torch.Tensor, dense: bool = False) -> Selector:
+        """The selector for a residual: from the method, ``dense`` and where it lives."""
+        if self.method == "dense" or dense:
+            return self._dense
+        native = self.use_native(res)  # also refuses backend="native" off the CPU, for every method
+        if self.method == "exact":
+            return self._exact
+        return (self._native if native else self._torch)[self.method]
+
+    def round_values(self, st: State, sg: SparseGrad, value_dtype: str) -> SparseGrad:
+        """``sg`` (selected from ``st.residual``, indices relative to it) with its values
+        rounded to ``value_dtype``: f16/bf16 clamped to the finite range and rounded, q4/q2
+        quantised as the receiver decodes them (NaN/Inf: BadValue); the error added back
+        into the residual at the selected coordinates."""
+        if value_dtype == "f32" or sg.count == 0:
+            return sg
+        res = st.residual
+        vals = torch.from_numpy(sg.values)
+        if value_dtype in codec.QUANT_BITS:
+            if self.use_native(res):
+                q = torch.from_numpy(codec.quantise(sg.values, value_dtype))
+            else:  # on the residual's device
+                vals = vals.to(res.device)
+                q = quantise_torch(vals, value_dtype)
+        else:
+            limit, tdtype = _VALUE_LIMITS[value_dtype]
+            q = vals.clamp(-limit, limit).to(tdtype).float()
+        # exact for f16/bf16 (q is vals rounded to fewer mantissa bits); one float32
+        # rounding of the error for q4/q2
+        err = vals - q
+        if sg.indices is None:
+            res.add_(err.to(res.device))
+        else:
+            idx = torch.from_numpy(sg.indices).to(device=res.device, dtype=torch.long)
+            res.index_put_((idx,), err.to(res.device), accumulate=True)
+        return SparseGrad(sg.numel, sg.indices, _host_f32(q))
+
+    @staticmethod
+    def flush(st: State, whole: bool = False) -> SparseGrad:
+        """Everything left in ``st.residual`` (sparse nonzeros, or dense when that is
+        smaller or ``whole``), exact float32; it becomes zero."""
+        res = st.residual
+        n = res.numel()
+        nz = torch.count_nonzero(res).item() if n and not whole else 0
+        if whole or nz * 2 >= n:  # 8 bytes a pair vs 4 a value: dense is smaller
+            return _take_dense(res)
+        idx = torch.nonzero(res).reshape(-1)
+        val = res[idx]
+        res.zero_()
+        return SparseGrad(n, _host_i32(idx), _host_f32(val))
+
+    def use_native(self, res: torch.Tensor) -> bool:
+        if self.backend == "torch" or res.device.type != "cpu":
+            if self.backend == "native" and res.device.type != "cpu":
+                raise ValueError("backend='native' needs CPU tensors")
+            return False
+        if self.backend == "native":
+            return True
+        return res.numel() < 2**31  # int32 indices in the C kernel: torch ops beyond
+
+
+def check_value_dtype(value_dtype: str) -> str:
+    """``value_dtype``, one of :data:`VALUE_DTYPES` (ValueError otherwise)."""
+    if value_dtype not in VALUE_DTYPES:
+        raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype!r}")
+    return value_dtype
+
+
+def check_density(density: float) -> float:
+    """``density`` as a float in (0, 1] (ValueError otherwise)."""
+    density = float(density)
+    if not (0.0 < density <= 1.0) or math.isnan(density):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return density
+
+
 class ErrorFeedbackCompressor:
     """Per-key error-feedback residuals, values rounded to the wire dtype, and a
-    :class:`Selector` per method and backend (see module doc)."""
+    :class:`Selector` per method and backend (see module doc), through an :class:`Engine`."""
 
     def __init__(
         self,
@@ -316,31 +431,25 @@ class ErrorFeedbackCompressor:
         sample_size: int = 0,
         seed: int = 0x5EED,
     ):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if backend not in ("auto", "native", "torch"):
-            raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
+        self._engine = Engine(method, backend, sample_size, seed)
         if dense_below < 0:
             raise ValueError("dense_below must be >= 0")
-        if value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype!r}")
         self.set_density(density)
-        self.value_dtype = value_dtype
-        self.method = method
+        self.value_dtype = check_value_dtype(value_dtype)
         self.dense_below = int(dense_below)
-        self.backend = backend
-        self._sampling = _Sampling(int(sample_size), int(seed))
-        self._states: dict[str, _State] = {}
-        self._dense, self._exact = Dense(), Exact()
-        self._native = {"threshold": NativeThreshold(self._sampling), "block": NativeBlock(self._sampling)}
-        self._torch = {"threshold": TorchThreshold(self._sampling), "block": TorchBlock(self._sampling)}
+        self._states: dict[str, State] = {}
+
+    @property
+    def method(self) -> str:
+        return self._engine.method
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend
 
     # ------------------------------------------------------------------ API
     def set_density(self, density: float) -> None:
-        density = float(density)
-        if not (0.0 < density <= 1.0) or math.isnan(density):
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
-        self.density = density
+        self.density = check_density(density)
 
     def keys(self) -> list[str]:
         return list(self._states)
@@ -394,69 +503,24 @@ class ErrorFeedbackCompressor:
             g = grad.detach().reshape(-1)
             if g.dtype != torch.float32:
                 g = g.float()
-        self._sampling.calls += 1
         n = st.residual.numel()
-        if n == 0:
-            sg = SparseGrad(0, np.zeros(0, np.int32), np.zeros(0, np.float32))
-        else:
-            sg = self._selector(st.residual).select(st, g, _k_for(self.density, n))
-        return self._round_values(st, sg)
+        self._engine.sampling.calls += 1
+        return self._engine.compress(st, g, k_for(self.density, n), self.value_dtype,
+                                     dense=n < self.dense_below)
 
     def flush(self, key: str) -> SparseGrad:
         """Everything left in ``key``'s residual (sparse nonzeros or dense); it becomes zero.
 
         Values are exact float32 (never rounded to ``value_dtype``): send them as "f32".
         """
-        st = self._states[key]
-        res = st.residual
-        n = res.numel()
-        nz = torch.count_nonzero(res).item() if n else 0
-        if nz * 2 >= n:  # 8 bytes a pair vs 4 a value: dense is smaller
-            return _take_dense(res)
-        idx = torch.nonzero(res).reshape(-1)
-        val = res[idx]
-        res.zero_()
-        return SparseGrad(n, _host_i32(idx), _host_f32(val))
+        return self._engine.flush(self._states[key])
 
     # ------------------------------------------------------------ internals
-    def _selector(self, res: torch.Tensor) -> Selector:
-        """The selector for a residual: from the method, its size and where it lives."""
-        if self.method == "dense" or res.numel() < self.dense_below:
-            return self._dense
-        native = self._use_native(res)  # also refuses backend="native" off the CPU, for every method
-        if self.method == "exact":
-            return self._exact
-        return (self._native if native else self._torch)[self.method]
-
-    def _round_values(self, st: _State, sg: SparseGrad) -> SparseGrad:
-        if self.value_dtype == "f32" or sg.count == 0:
-            return sg
-        res = st.residual
-        vals = torch.from_numpy(sg.values)
-        if self.value_dtype in codec.QUANT_BITS:
-            if self._use_native(res):
-                q = torch.from_numpy(codec.quantise(sg.values, self.value_dtype))
-            else:  # on the residual's device
-                vals = vals.to(res.device)
-                q = quantise_torch(vals, self.value_dtype)
-        else:
-            limit, tdtype = _VALUE_LIMITS[self.value_dtype]
-            q = vals.clamp(-limit, limit).to(tdtype).float()
-        # exact for f16/bf16 (q is vals rounded to fewer mantissa bits); one float32
-        # rounding of the error for q4/q2
-        err = vals - q
-        if sg.indices is None:
-            res.add_(err.to(res.device))
-        else:
-            idx = torch.from_numpy(sg.indices).to(device=res.device, dtype=torch.long)
-            res.index_put_((idx,), err.to(res.device), accumulate=True)
-        return SparseGrad(sg.numel, sg.indices, _host_f32(q))
-
-    def _state_for(self, key: str, grad: torch.Tensor) -> _State:
+    def _state_for(self, key: str, grad: torch.Tensor) -> State:
         st = self._states.get(key)
         if st is None:
             res = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-            st = _State(res, grad.shape)
+            st = State(res, grad.shape)
             self._states[key] = st
         elif st.residual.numel() != grad.numel():
             raise ValueError(
@@ -466,15 +530,6 @@ class ErrorFeedbackCompressor:
             # the model moved: the residual follows it
             st.residual = st.residual.to(grad.device)
         return st
-
-    def _use_native(self, res: torch.Tensor) -> bool:
-        if self.backend == "torch" or res.device.type != "cpu":
-            if self.backend == "native" and res.device.type != "cpu":
-                raise ValueError("backend='native' needs CPU tensors")
-            return False
-        if self.backend == "native":
-            return True
-        return res.numel() < 2**31  # int32 indices in the C kernel: torch ops beyond
 
 
 def _add(res: torch.Tensor, g: torch.Tensor | None) -> None:
