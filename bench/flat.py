@@ -106,7 +106,7 @@ def compressor_rows(layout: FlatLayout, density: float, steps: int, gs: list[tor
     device = gs[0].device
     one = FlatLayout.of([TensorSpec("w", (n,), "float32")], DENSE_BELOW)
     split = [[g[a:b] for _, a, b in sorted(layout.spans())] for g in gs]  # views per tensor, by tensor number
-    names = [s.name for s in layout.specs]
+    names = [f"t{t}" for t in range(len(layout.numels))]
     rows: list[dict[str, Any]] = []
 
     def flat(lay: FlatLayout) -> Callable[[int], Any]:
@@ -123,8 +123,8 @@ def compressor_rows(layout: FlatLayout, density: float, steps: int, gs: list[tor
                 comp.compress(name, g)
         return run
 
-    systems = (("flat", len(layout.specs), flat(layout)), ("flat", 1, flat(one)),
-               ("per-tensor", len(layout.specs), per_tensor(False)), ("per-tensor", 1, per_tensor(True)))
+    systems = (("flat", len(layout.numels), flat(layout)), ("flat", 1, flat(one)),
+               ("per-tensor", len(layout.numels), per_tensor(False)), ("per-tensor", 1, per_tensor(True)))
     for system, tensors, fn in systems:
         dt = _median_s(fn, 3, steps, device)
         rows.append(dict(kind="compressor", device=str(device), system=system, tensors=tensors, numel=n,
@@ -314,7 +314,7 @@ def _per_tensor_message(layout: FlatLayout, idx: np.ndarray, vals: np.ndarray,
     out: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
     s = layout.sparse_numel
     for t, a, b in layout.spans():
-        name = layout.specs[t].name
+        name = f"t{t}"
         if b <= s:
             lo, hi = np.searchsorted(idx, [a, b])
             if hi > lo:
@@ -396,7 +396,7 @@ def main(argv=None) -> list[dict]:
     params, layout = model_params(DTYPES[args.dtype], args.workload)
     load0 = os.getloadavg()
     print(f"# bench.flat  {platform.processor() or platform.machine()}  cpus={os.cpu_count()}  "
-          f"torch={torch.__version__} threads=1  {args.workload}: {len(layout.specs)} tensors, "
+          f"torch={torch.__version__} threads=1  {args.workload}: {len(layout.numels)} tensors, "
           f"{layout.numel:,} coordinates ({layout.sparse_numel:,} sparse)  params {args.dtype}  "
           f"loadavg at start: {load0[0]:.2f},{load0[1]:.2f},{load0[2]:.2f}", flush=True)
     t0 = time.perf_counter()

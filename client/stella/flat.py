@@ -75,15 +75,12 @@ class FlatParams:
                  backend: str = "auto"):
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', got {backend!r}")
-        if isinstance(params, Mapping):
-            missing = [s.name for s in layout.specs if s.name not in params]
-            if missing:
-                raise ValueError(f"no parameter for tensors {missing[:5]} of the layout")
-            params = [params[s.name] for s in layout.specs]
+        if isinstance(params, Mapping):  # by name, in the order the layout was made from
+            params = list(params.values())
         self.layout = layout
         self._params = list(params)
-        if len(self._params) != len(layout.specs):
-            raise ValueError(f"{len(self._params)} parameters for a layout of {len(layout.specs)} tensors")
+        if len(self._params) != len(layout.numels):
+            raise ValueError(f"{len(self._params)} parameters for a layout of {len(layout.numels)} tensors")
         self.device = self._check()
         if backend == "native" and self.device.type != "cpu":
             raise ValueError(f"backend='native' needs CPU parameters, these are on {self.device}")
@@ -91,7 +88,7 @@ class FlatParams:
         self.numel = layout.numel
         self.sparse_numel = layout.sparse_numel
         self._order = list(layout.order)  # flat position -> tensor number
-        self._sizes = [layout.specs[t].numel for t in self._order]
+        self._sizes = [layout.numels[t] for t in self._order]
         self._fstarts = [layout.starts[t] for t in self._order]  # flat position -> first flat coordinate
         self._ptrs: list[int] | None = None  # the parameters' addresses as last seen
         self._flat: list[torch.Tensor] = []  # torch backend: flat views of the parameters, by flat position
@@ -242,12 +239,12 @@ class FlatParams:
         devices = {p.device for p in self._params}
         if len(devices) > 1:
             raise ValueError(f"parameters on several devices: {sorted(str(d) for d in devices)}")
-        for t, (p, spec) in enumerate(zip(self._params, self.layout.specs)):
-            what = f"parameter {t} ({spec.name!r})"
+        for t, (p, numel) in enumerate(zip(self._params, self.layout.numels)):
+            what = f"parameter {t}"
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{what}: a torch.Tensor expected, got {type(p).__name__}")
-            if tuple(p.shape) != tuple(spec.shape):
-                raise ValueError(f"{what}: shape {tuple(p.shape)}, the layout has {tuple(spec.shape)}")
+            if p.numel() != numel:
+                raise ValueError(f"{what}: {p.numel()} elements, the layout has {numel}")
             if p.dtype not in PARAM_DTYPES:
                 raise ValueError(f"{what}: dtype {p.dtype}; a flat model takes float32, float16 or bfloat16")
             if not p.is_contiguous():
