@@ -6,7 +6,6 @@ a model whose dense gradient has >= 10M parameters, in one run:
 - ``compute``: forward + backward only (no Stella);
 - ``sync``: push, wait for the step, pull and install inside ``step()`` (staleness 0);
 - ``pipeline``: the one-step-stale pipeline (staleness 1);
-- ``pipeline_bwd``: the same, with compression started per parameter during backward.
 
 Goal: ``pipeline`` within 1.15x of ``compute``. Table on stdout, ``--json PATH``.
 Every worker uses one torch thread, so the two workers occupy this machine's two
@@ -46,8 +45,7 @@ def _worker(mode: str, address: str | None, rank: int, args, out, keys: dict) ->
         opt = StellaOptimizer(model, address, mode="gradient", optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
                               compression=Compression(density=args.density, value_dtype=args.value_dtype,
                                                       index_coding=args.index_coding),
-                              sync=Sync(staleness=0 if mode == "sync" else 1,
-                                        compress_in_backward=mode == "pipeline_bwd"),
+                              sync=Sync(staleness=0 if mode == "sync" else 1),
                               connection=Connection(timeout=120, **keys))
     times = []
     b0 = (0, 0)
@@ -126,7 +124,7 @@ def main(argv=None) -> int:
     print(f"model: MLP 512-{args.width}x{args.depth}-10, {numel / 1e6:.1f}M parameters, batch {args.batch}, "
           f"{args.workers} workers, density {args.density}, values {args.value_dtype}, "
           f"indices {args.index_coding}; {platform.processor() or platform.machine()}")
-    rows = [run_mode(m, args) for m in ("compute", "sync", "pipeline", "pipeline_bwd")]
+    rows = [run_mode(m, args) for m in ("compute", "sync", "pipeline")]
     base = rows[0]["median_iter_s"]
     print(f"\n{'mode':<13}{'iter ms':>10}{'vs compute':>12}{'wait %':>9}{'compress ms':>13}{'exchange ms':>13}"
           f"{'up KB/it':>10}{'down KB/it':>12}")

@@ -124,24 +124,6 @@ def test_background_errors_surface_in_the_training_loop(make_server, monkeypatch
     opt.close(flush=False)
 
 
-def test_compression_started_in_backward_keeps_exact_staleness(exact_server):
-    model = Toy()
-    w0 = model.w.detach().clone()
-    opt = StellaOptimizer(model, exact_server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
-                          compression=Compression(method="dense", value_dtype="f16"),
-                          sync=Sync(max_accumulate=1, compress_in_backward=True),
-                          connection=Connection(timeout=10))
-    used = []
-    for t in range(6):
-        used.append(model.w.detach().clone())
-        (model.w * grad_at(t)).sum().backward()
-        assert model.w.grad is None  # taken by the hook as soon as it was accumulated
-        opt.step()
-    opt.close()
-    for t, w in enumerate(used):
-        assert torch.equal(w, w0 - sum((grad_at(u) for u in range(t - 1)), torch.zeros(8)))
-
-
 def test_auto_compression_keeps_the_ceiling_while_compute_hides_the_exchange(server):
     """The controller starts at its best candidate (the ceiling, f16) and keeps it on a
     loopback link that the computation hides; it measures the link meanwhile."""
@@ -211,7 +193,7 @@ def test_the_compression_given_sets_the_compressor_and_the_controller(make_serve
     try:
         assert opt.compression == given
         c = opt.rounds.compressor
-        assert (c.density, c.method, c.dense_below, c.value_dtype) == (0.5, "exact", 100, "f32")
+        assert (c.density, c.method, c.layout.dense_below, c.value_dtype) == (0.5, "exact", 100, "f32")
         assert opt.rounds.controller.pinned and opt.rounds.pull_coding == "varint"
     finally:
         opt.close()
@@ -223,7 +205,7 @@ def test_the_compression_given_sets_the_compressor_and_the_controller(make_serve
     ("sync_every", "sync=stella.Sync(every=...)"),
     ("max_sync_every", "sync=stella.Sync(max_every=...)"),
     ("staleness", "sync=stella.Sync(staleness=...)"),
-    ("compress_in_backward", "sync=stella.Sync(compress_in_backward=...)"),
+    ("compress_in_backward", "no compress_in_backward= any more: the flat compressor selects over every tensor"),
     ("timeout", "connection=stella.Connection(timeout=...)"),
     ("server_key", "connection=stella.Connection(server_key=...)"),
 ])

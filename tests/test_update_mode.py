@@ -150,7 +150,7 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
     x = _server_model(srv, n, steps)
     unsent = []
     for i, o in enumerate(opts):
-        a = o._exchange.anchor["w"]
+        a = o._exchange.anchor
         assert torch.equal(a, x), "the replica drifted from the server's model"
         unsent.append(a - models[i].w.detach())
         assert unsent[i].abs().sum() > 0  # top-k left something behind, in the weights
@@ -194,7 +194,7 @@ def test_nesterov_outer_step_matches_torch_sgd(exact_server):
         ref.step()
         # staleness 0, one worker, everything sent: the replica is the server's model
         assert torch.allclose(model.w.detach(), ref_p.detach(), rtol=1e-6, atol=1e-6)
-    assert torch.equal(model.w.detach(), opt._exchange.anchor["w"])
+    assert torch.equal(model.w.detach(), opt._exchange.anchor)
     opt.close(flush=False)
     assert torch.equal(_server_model(exact_server, n, 4), model.w.detach())
 
@@ -252,7 +252,7 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     for t in range(4):
         local_step(model, opt, 0, t)
     saved = opt.state_dict()
-    before = opt._exchange.anchor["w"].clone()
+    before = opt._exchange.anchor.clone()
     unsent = saved["unsent"]["w"]
     assert torch.equal(unsent, before - model.w.detach()) and unsent.abs().sum() > 0
     opt.close(flush=False)  # the worker dies: its unsent progress is only in the checkpoint
@@ -269,7 +269,7 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
                            compression=Compression(density=0.125, method="exact", value_dtype="f32"),
                            sync=Sync(max_every=1), connection=Connection(timeout=10))
     opt2.load_state_dict(saved)
-    x = opt2._exchange.anchor["w"]
+    x = opt2._exchange.anchor
     assert opt2.version == 5 and not torch.equal(x, before)  # the server moved on
     assert torch.allclose(x, other.w.detach(), atol=1e-6)  # ... to what the other worker made of it
     assert torch.allclose(x - model2.w.detach(), unsent, atol=1e-6)  # the unsent progress survived

@@ -23,10 +23,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .adapt import Controller, RoundMeasure
 from .client import Client, PullResult
-from .compress import SparseGrad
 from .errors import PipelineError
+from .flat import FlatPush
+from .layout import FlatUpdate
 from .options import Compression, Connection
 from .progress import Progress
 from .protocol import PullCoding, Registered
@@ -38,7 +41,7 @@ log = logging.getLogger("stella.pipeline")
 T = TypeVar("T")
 
 # What one round answers: the server's delta, and what this worker sent (as the server decoded it).
-Answer = tuple[PullResult, dict[str, SparseGrad]]
+Answer = tuple[PullResult, FlatPush]
 
 
 @dataclass
@@ -81,6 +84,13 @@ def wait_for_step(client: AnyClient, delta: PullResult, since: int, coding: Pull
     return delta
 
 
+def as_update(push: FlatPush) -> FlatUpdate:
+    """What the compressor made, as the client pushes it (the sparse range starts the flat model)."""
+    sp = push.sparse
+    idx = np.arange(sp.numel, dtype=np.int32) if sp.indices is None else sp.indices
+    return FlatUpdate(idx, sp.values, push.dense if push.dense.size else None)
+
+
 class Rounds:
     """The background thread, the round in flight, the controller and what it measures.
 
@@ -92,7 +102,7 @@ class Rounds:
     def __init__(self, exchange: Any, compression: Compression, *, leads: bool, may_run_on: bool,
                  progress_every: int):
         c = compression
-        self.exchange, self.compressor, self.compression = exchange, exchange.compressor, c
+        self.exchange, self.compression = exchange, c
         self.controller = Controller(density=None if c.density == "auto" else float(c.density),
                                      floor=c.min_density, ceiling=c.max_density,
                                      codings=exchange.codings if c.value_dtype == "auto" else (c.value_dtype,))
@@ -100,6 +110,7 @@ class Rounds:
         self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
         self.leads, self.may_run_on = leads, may_run_on
         self.stats = PipelineStats(density=self.controller.density, value_dtype=self.controller.value_dtype)
+        self._compressor: Any = None  # the exchange's, once attached
         self.progress = Progress(progress_every)
         self.client: AnyClient | None = None  # the leader's (a site's other ranks never connect)
         self._step_compute: deque[float] = deque(maxlen=8)  # per step(), the computation before it
@@ -110,6 +121,11 @@ class Rounds:
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
         weakref.finalize(self, self._exec.shutdown, wait=False)
+
+    @property
+    def compressor(self) -> Any:
+        """The exchange's compressor (made when it attached, the server's dense cut known)."""
+        return self.exchange.compressor
 
     # ------------------------------------------------------------------ on the thread
     def call(self, fn: Callable[[AnyClient], T]) -> T:
@@ -129,8 +145,6 @@ class Rounds:
                                     else connect(address, **connection.client_kwargs()))
             reply = client.register(params, optimizer, mode=mode)  # type: ignore[arg-type]
             self.controller.broadcast = reply.broadcast  # the pull's coding and size, as the server has them
-            assert client.flat is not None
-            self.compressor.dense_below = client.flat.dense_below  # the server's: small tensors travel whole
             if reply.base is None:
                 return reply, client.pull(None)
             # these values are the model at reply.base (this worker created it, or the job was created with the
@@ -144,21 +158,20 @@ class Rounds:
             self._exec.shutdown(wait=False)
             raise
 
-    def _round(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict[str, Any] | None,
+    def _round(self, grad: Any, version: int, since: int, hparams: dict[str, Any] | None,
                samples: int) -> Answer:
-        """Compress (a gradient, an early compression's future, or, for None, the
-        residual as the update mode left it), push, wait for the step, pull the delta;
-        measure the transfers for the controller."""
+        """Compress (the round's flat gradient, or, for None, the residual as the update
+        mode left it), push, wait for the step, pull the delta; measure the transfers for
+        the controller."""
         t0 = time.perf_counter()
-        sparse = {n: g.result() if isinstance(g, Future) else self.compressor.compress(n, g)
-                  for n, g in grads.items()}
+        sent = self.compressor.compress(grad)
         t1 = time.perf_counter()
         # a changed learning rate (or other hyper-parameter) rides on the push: it applies
         # from the step this push joins, with no round trip of its own
         client = self.client
         assert client is not None
         up0, down0 = client.bytes_pushed, client.bytes_pulled
-        push = client.push(sparse, version, value_dtype=self.controller.value_dtype,
+        push = client.push(as_update(sent), version, value_dtype=sent.value_dtype,
                            index_coding=self.compression.index_coding, hparams=hparams or None,
                            report=self.progress.report(), samples=samples, wait=False)
         pull = client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
@@ -178,9 +191,9 @@ class Rounds:
         t3 = time.perf_counter()
         self.stats.exchange_s += t3 - t1
         self._exchange_times.append(t3 - t0)
-        self.stats.values_pushed += sum(s.values.size for s in sparse.values())
+        self.stats.values_pushed += sent.count
         self.stats.values_pulled += delta.count
-        return delta, sparse
+        return delta, sent
 
     # ------------------------------------------------------------------ from the training loop
     def on_step(self) -> None:
@@ -202,13 +215,14 @@ class Rounds:
         left = statistics.median(self._exchange_times) - (time.perf_counter() - self._inflight_since)
         return bool(left > self.exchange.run_on_margin * step)
 
-    def start(self, grads: Mapping[str, Any], version: int, since: int, hparams: dict[str, Any], samples: int) -> None:
-        """Start the round that pushes ``grads`` (computed on ``version``) and pulls the
-        step after ``since`` (the leader's; nothing on a site's other ranks)."""
+    def start(self, grad: Any, version: int, since: int, hparams: dict[str, Any], samples: int) -> None:
+        """Start the round that pushes ``grad`` (the flat gradient computed on ``version``,
+        or None: the residual) and pulls the step after ``since`` (the leader's; nothing
+        on a site's other ranks)."""
         self.stats.rounds += 1
         if self.leads:
             self._inflight_since = time.perf_counter()
-            self._inflight = self._exec.submit(self._round, grads, version, since, hparams, samples)
+            self._inflight = self._exec.submit(self._round, grad, version, since, hparams, samples)
 
     def finish(self) -> Answer | None:
         """The answer of the round in flight, once it is done (None: none in flight);
@@ -246,9 +260,9 @@ class Rounds:
             return
 
         def flush(client: AnyClient) -> None:
-            rest = {n: self.compressor.flush(n) for n in self.compressor.keys()}  # noqa: SIM118 - not a dict
-            if rest:
-                client.push(rest, version, value_dtype="f32")
+            rest = self.compressor.flush()
+            if rest.count:
+                client.push(as_update(rest), version, value_dtype="f32")
 
         self.call(flush)
 

@@ -499,10 +499,7 @@ class Client:
 
     def _flat_values(self, s: SparseTensor) -> FlatValues:
         """A decoded entry (a part of this server's range) in the flat model's coordinates."""
-        p = self.parts[s.tensor]
-        if s.indices is None:
-            return FlatValues(s.values, None, p.start)
-        return FlatValues(s.values, s.indices.astype(np.int64) + p.start)
+        return FlatValues(s.values, s.indices, self.parts[s.tensor].start)
 
     def status(self, *, timeout: float | None = None) -> StatusReply:
         """The server's counters (see docs/protocol.md, ``status``); needs no join."""

@@ -75,8 +75,8 @@ class FlatUpdate:
 
 @dataclass(frozen=True)
 class FlatValues:
-    """Pulled values in the flat model's coordinates: at ``indices`` (sorted unique
-    int64), or with ``indices`` None the run ``[start, start + values.size)``."""
+    """Pulled values in the flat model's coordinates ``start + indices`` (``indices``
+    sorted unique int32), or with ``indices`` None the run ``[start, start + values.size)``."""
 
     values: np.ndarray
     indices: np.ndarray | None = None
@@ -197,12 +197,12 @@ class FlatLayout:
                         ix.append(np.arange(x - a, y - a, dtype=np.int64))
                         vx.append(piece.values[x - lo:y - lo])
                 continue
-            cuts = np.searchsorted(piece.indices, bounds)
+            cuts = np.searchsorted(piece.indices, bounds - piece.start)
             for j, t in enumerate(self.order):
                 c0, c1 = cuts[j], cuts[j + 1]
                 if c0 < c1:
                     ix, vx = out.setdefault(t, ([], []))
-                    ix.append(piece.indices[c0:c1] - bounds[j])
+                    ix.append(piece.indices[c0:c1].astype(np.int64) + (piece.start - bounds[j]))
                     vx.append(piece.values[c0:c1])
         result: dict[int, tuple[np.ndarray | None, np.ndarray]] = {t: (None, v) for t, v in whole.items()}
         for t, (ix, vx) in out.items():

@@ -76,8 +76,7 @@ class Sync:
 
     ``staleness``: 1 (overlapped: the exchange of round r runs while round r+1
     computes) or 0 (each exchange finishes inside the ``step()`` that starts it; the
-    non-overlapped baseline). ``compress_in_backward`` (gradient mode): compress each
-    gradient from its autograd hook, as soon as backward has made it.
+    non-overlapped baseline).
     """
 
     every: int = 1
@@ -85,7 +84,6 @@ class Sync:
     max_accumulate: int = 1
     batch_size: int | None = None
     staleness: int = 1
-    compress_in_backward: bool = False
 
     def __post_init__(self) -> None:
         _count("every", self.every, 1)
@@ -119,7 +117,10 @@ class Connection:
 _MOVED = {**{f.name: ("compression", "Compression", f.name) for f in fields(Compression)},
           **{f.name: ("connection", "Connection", f.name) for f in fields(Connection)},
           "sync_every": ("sync", "Sync", "every"), "max_sync_every": ("sync", "Sync", "max_every"),
-          **{k: ("sync", "Sync", k) for k in ("max_accumulate", "batch_size", "staleness", "compress_in_backward")}}
+          **{k: ("sync", "Sync", k) for k in ("max_accumulate", "batch_size", "staleness")}}
+# ... and those that went, with why
+_GONE = {"compress_in_backward": "the flat compressor selects over every tensor in one pass once backward is done "
+                                 "(stella.flat): there is no per-tensor compression to start early"}
 
 
 def removed_keyword(owner: str, kwargs: dict[str, Any]) -> TypeError | None:
@@ -127,6 +128,9 @@ def removed_keyword(owner: str, kwargs: dict[str, Any]) -> TypeError | None:
     spelling of each that moved into a group (None when ``kwargs`` is empty)."""
     if not kwargs:
         return None
+    gone = next((k for k in kwargs if k in _GONE), None)
+    if gone is not None:
+        return TypeError(f"{owner}() takes no {gone}= any more: {_GONE[gone]}")
     moved = [k for k in kwargs if k in _MOVED]
     if len(moved) < len(kwargs):
         unknown = next(k for k in kwargs if k not in _MOVED)

@@ -68,6 +68,7 @@ import torch
 from ._exchange import build_inner, exchange_for
 from ._rounds import Answer, PipelineStats, Rounds
 from .errors import PipelineError
+from .layout import FlatLayout
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .options import Compression, Connection, Sync, removed_keyword
 from .shards import AnyClient
@@ -136,21 +137,24 @@ class StellaOptimizer(torch.optim.Optimizer):
             self.site.broadcast(p.detach() for p in self.params.values())
         self.server_optimizer: dict[str, Any] = start[0]
         self.version: int = start[1]  # the version of the server's model the replica (anchor) holds
-        self._exchange.attach(self.server_optimizer)
+        self._exchange.attach(self.server_optimizer, start[2])  # laid out flat with the server's dense cut
         # the wrapper shows the exchange's groups: a scheduler built on it drives them
         super().__init__(list(self.params.values()), self._exchange.groups.defaults)
         self.param_groups = self._exchange.groups.param_groups
         self.state = self._exchange.groups.state
         self._sent_hparams = self._exchange.hparams()
 
-    def _register(self, address: Any, connection: Connection) -> tuple[dict[str, Any], int]:
-        """Join the job and hold its model: the server's optimizer config and the version held."""
+    def _register(self, address: Any, connection: Connection) -> tuple[dict[str, Any], int, FlatLayout]:
+        """Join the job and hold its model: the server's optimizer config, the version held,
+        and the model's flat layout."""
         reply, snap = self.rounds.open(address, connection, self.params, self._exchange.server_config, self.mode)
+        client = self.rounds.client
+        assert client is not None and client.flat is not None
         if snap is None:
-            return reply.optimizer or {}, reply.version
+            return reply.optimizer or {}, reply.version, client.flat
         with torch.no_grad():
             snap.apply_to(self.params)
-        return reply.optimizer or {}, snap.version
+        return reply.optimizer or {}, snap.version, client.flat
 
     @property
     def client(self) -> AnyClient | None:
@@ -197,12 +201,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange.install(delta, sent)
         self.version = delta.version
 
-    def _start_round(self, grads: Any, computed_on: int) -> None:
+    def _start_round(self, computed_on: int) -> None:
         """Install the round in flight, adapt, and start the next one."""
         self._finish_round()
         self.rounds.adapt()
         self._exchange.average_round(self.site)
-        grads, computed_on = self._exchange.outgoing(grads, computed_on, self.version)
+        grads, computed_on = self._exchange.outgoing(self.version, computed_on)
         hp = self._exchange.hparams()
         changed = {k: v for k, v in hp.items() if self._sent_hparams.get(k) != v}
         self._sent_hparams = hp
@@ -229,9 +233,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange.average_step(self.site)
         # update mode: the local step, a round every H steps or more; gradient mode: a round, or a
         # micro-batch accumulated while the exchange in flight is far from done
-        grads = self._exchange.step(self.rounds.runs_on())
-        if grads is not None:
-            self._start_round(grads, self.version)  # the version this gradient was computed on
+        if self._exchange.step(self.rounds.runs_on()):
+            self._start_round(self.version)  # the version this gradient was computed on
         return loss
 
     def synchronize(self) -> int:
@@ -244,7 +247,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         update mode the server's changes are merged: local progress not sent yet stays."""
         self._finish_round()
         delta = self.site.from_leader(lambda: self.rounds.call(lambda c: c.pull(self.version)))
-        self._exchange.install(delta, {})
+        self._exchange.install(delta, None)
         self.version = delta.version
         return self.version
 
