@@ -275,7 +275,7 @@ def round_rows(params: list[tuple[str, torch.Tensor]], layout: FlatLayout, densi
         b_idx = np.sort(rng.choice(s, k, replace=False)).astype(np.int32)
         b_val = (rng.standard_normal(k) * 1e-3).astype(np.float32)
         b_dense = (rng.standard_normal(n - s) * 1e-4).astype(np.float32)
-        msg = _per_tensor_message(layout, b_idx, b_val, b_dense)
+        msg = _per_tensor_message(layout, names, b_idx, b_val, b_dense)
         for system, rnd in (("per-tensor", per), ("flat", flat)):
             _sync(device)
             t0 = time.perf_counter()
@@ -307,14 +307,14 @@ def round_rows(params: list[tuple[str, torch.Tensor]], layout: FlatLayout, densi
     return rows
 
 
-def _per_tensor_message(layout: FlatLayout, idx: np.ndarray, vals: np.ndarray,
+def _per_tensor_message(layout: FlatLayout, names: list[str], idx: np.ndarray, vals: np.ndarray,
                         dense: np.ndarray) -> dict[str, tuple[np.ndarray | None, np.ndarray]]:
     """The flat broadcast step as today's per-tensor message: sparse entries per large
     tensor (indices relative to it), each small tensor whole."""
     out: dict[str, tuple[np.ndarray | None, np.ndarray]] = {}
     s = layout.sparse_numel
     for t, a, b in layout.spans():
-        name = f"t{t}"
+        name = names[t]
         if b <= s:
             lo, hi = np.searchsorted(idx, [a, b])
             if hi > lo:

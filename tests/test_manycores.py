@@ -33,6 +33,21 @@ from stella_ps.supervisor import JOB_FILE, Supervisor, advertised, plan, shard_c
 TORCH_SEED = 0
 
 
+
+def _free_pair() -> int:
+    """A port free with the next one (the shards' metrics go on the port + I)."""
+    import socket
+
+    for _ in range(64):
+        p = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(TORCH_SEED)
     return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
@@ -86,7 +101,7 @@ def _broadcast_model(address: str, model: torch.nn.Module) -> dict[str, np.ndarr
 def test_one_address_trains_through_both_shards_and_the_replica_is_their_broadcast_model(make_server, capsys):
     from stella.cli import main as stella_main
 
-    metrics = free_port()
+    metrics = _free_pair()
     srv = make_server(1, ["--shards", "2", "--metrics", f"127.0.0.1:{metrics}"])
     model = _model()
     opt = _optimizer(model, srv.endpoint)  # the first shard's address, nothing else
