@@ -20,10 +20,12 @@ Pass ``args`` (extra flags) as a list, e.g. ``make_server(1, ["--history", "3"])
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -90,6 +92,20 @@ def raw_dealer() -> Iterator[Callable[[str], zmq.Socket]]:
 ServerFactory = Callable[..., ServerProcess]
 
 
+def _all_at_once(calls: Iterable[Callable[[], object]]) -> None:
+    """Run ``calls`` side by side and raise the first error: a test's servers stop and its
+    clients leave in parallel (a client's close waits for its heartbeat thread, a server's for
+    its graceful shutdown), not one after another."""
+    calls = list(calls)
+    if len(calls) < 2:
+        for call in calls:
+            call()
+        return
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="teardown") as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
+
+
 def _server_factory() -> Iterator[ServerFactory]:
     servers: list[ServerProcess] = []
 
@@ -103,8 +119,7 @@ def _server_factory() -> Iterator[ServerFactory]:
         return s
 
     yield make
-    for s in servers:
-        s.close()
+    _all_at_once(s.close for s in servers)
 
 
 @pytest.fixture
@@ -141,8 +156,7 @@ def make_client() -> Iterator[Callable[..., Client]]:
         return c
 
     yield make
-    for c in clients:
-        c.close(timeout=1.0)
+    _all_at_once(functools.partial(c.close, timeout=1.0) for c in clients)
 
 
 @pytest.fixture(scope="module", autouse=True)
