@@ -40,6 +40,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZMQ_TERM_TIMEOUT_S = 10.0
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``/``test-fast``: ``-n 2 --dist loadgroup``), the tests
+    of a module that share a module-scoped fixture (a server, a build, a set-up of seconds)
+    run on one worker, so that it is made once; every other test goes wherever a worker is
+    free. Everything else the tests share is the worker's own: ephemeral ports, temporary
+    directories, the environment (the session's keys), hypothesis' database."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = [name for name, defs in info.name2fixturedefs.items()
+                  if defs and defs[-1].scope == "module" and name != "zmq_context_terminates"]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeySet]:
     """The whole suite runs over CurveZMQ, the default: one key set for the session, in
