@@ -24,6 +24,7 @@ import functools
 import gc
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -187,7 +188,16 @@ def zmq_context_terminates() -> Iterator[None]:
     yield
     ctx = zmq.Context.instance()
     gc.collect()  # dropped Clients close their sockets in a finalizer
-    leaked = [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+
+    def still_open() -> list[zmq.Socket]:
+        return [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+
+    # a socket that its owner's thread is still closing (a client's heartbeat thread closes its own
+    # when it sees the stop, a busy machine may take a while) is given the time, not called a leak
+    deadline = time.monotonic() + ZMQ_TERM_TIMEOUT_S
+    while still_open() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaked = still_open()
     for s in leaked:
         s.close(linger=0)
     done = threading.Event()
