@@ -49,11 +49,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check client server bench tests docker
 	$(VENV)/bin/mypy
 
+# the suite runs on TEST_WORKERS pytest-xdist processes (TEST_WORKERS=0: in one): its tests mostly
+# wait (servers starting, steps, timeouts), so two share the 2-core development machine well;
+# conftest.py keeps the tests of a module-scoped fixture on one worker
+TEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PYTEST_XDIST) tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_XDIST) tests
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.pipeline --quick

@@ -20,10 +20,13 @@ Pass ``args`` (extra flags) as a list, e.g. ``make_server(1, ["--history", "3"])
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -36,6 +39,25 @@ from stella_ps.security import KeySet, write_keyset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZMQ_TERM_TIMEOUT_S = 10.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``/``test-fast``: ``-n 2 --dist loadgroup``), the tests
+    of a module that share a module-scoped fixture (a server, a build, a set-up of seconds)
+    run on one worker, so that it is made once; every other test goes wherever a worker is
+    free. Everything else the tests share is the worker's own: ephemeral ports, temporary
+    directories, the environment (the session's keys), hypothesis' database."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = [name for name, defs in info.name2fixturedefs.items()
+                  if defs and defs[-1].scope == "module" and name != "zmq_context_terminates"]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,6 +112,20 @@ def raw_dealer() -> Iterator[Callable[[str], zmq.Socket]]:
 ServerFactory = Callable[..., ServerProcess]
 
 
+def _all_at_once(calls: Iterable[Callable[[], object]]) -> None:
+    """Run ``calls`` side by side and raise the first error: a test's servers stop and its
+    clients leave in parallel (a client's close waits for its heartbeat thread, a server's for
+    its graceful shutdown), not one after another."""
+    calls = list(calls)
+    if len(calls) < 2:
+        for call in calls:
+            call()
+        return
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="teardown") as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
+
+
 def _server_factory() -> Iterator[ServerFactory]:
     servers: list[ServerProcess] = []
 
@@ -103,8 +139,7 @@ def _server_factory() -> Iterator[ServerFactory]:
         return s
 
     yield make
-    for s in servers:
-        s.close()
+    _all_at_once(s.close for s in servers)
 
 
 @pytest.fixture
@@ -141,8 +176,7 @@ def make_client() -> Iterator[Callable[..., Client]]:
         return c
 
     yield make
-    for c in clients:
-        c.close(timeout=1.0)
+    _all_at_once(functools.partial(c.close, timeout=1.0) for c in clients)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -154,7 +188,16 @@ def zmq_context_terminates() -> Iterator[None]:
     yield
     ctx = zmq.Context.instance()
     gc.collect()  # dropped Clients close their sockets in a finalizer
-    leaked = [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+
+    def still_open() -> list[zmq.Socket]:
+        return [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+
+    # a socket that its owner's thread is still closing (a client's heartbeat thread closes its own
+    # when it sees the stop, a busy machine may take a while) is given the time, not called a leak
+    deadline = time.monotonic() + ZMQ_TERM_TIMEOUT_S
+    while still_open() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaked = still_open()
     for s in leaked:
         s.close(linger=0)
     done = threading.Event()

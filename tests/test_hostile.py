@@ -212,7 +212,7 @@ def test_the_finite_step_guard_undoes_a_step_drops_the_offender_and_refuses_its_
     before = honest.pull(None).tensors["w"][1].copy()
     honest.push({"w": np.full(DIM, 3e38, np.float32)}, 1)
     bad.push({"w": np.full(DIM, 3e38, np.float32)}, 1)
-    wait_until(lambda: answers(honest) == 2, 10, "the empty step")
+    wait_until(lambda: answers(honest) == 2, 30, "the empty step")
     probe = make_client(s.endpoint)
     probe.register({"w": w0})
     np.testing.assert_array_equal(probe.pull(None).tensors["w"][1], before)
@@ -280,7 +280,7 @@ def test_all_checkpoints_damaged_then_two_restarts_resume_from_one_written_after
         for _ in range(steps):
             c.push({"w": np.ones(32, np.float32)}, v)
             v = c.pull(v, wait_for=v + 1).version
-        wait_until(lambda: (c.status().checkpoint_version or 0) >= v - v % 5, 10, "a checkpoint")
+        wait_until(lambda: (c.status().checkpoint_version or 0) >= v - v % 5, 30, "a checkpoint")
         c.close()
         return v
 

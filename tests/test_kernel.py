@@ -495,15 +495,13 @@ def test_scatter_add_lists_adds_list_after_list_bit_for_bit_and_refuses_bad_list
 
 @pytest.mark.parametrize("tuning", [(0, 16, 0), (3, 16, 1), (8, 64, 2), "default", (24, 4096, 3)])
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
-def test_tiles_and_prefetch_do_not_change_results(name, tuning):
+def test_tiles_and_prefetch_do_not_change_results(native_bench, name, tuning):
     """Unions far larger than a tile: the merge stops and resumes mid-window.
 
     Runs on the bench-only build (bench/_native_bench.py: the same kernel sources with
     the tuning as knobs); production builds compile the default tuning."""
-    from bench import _native_bench
-
-    TunableState = _native_bench.state_class()
-    default = _native_bench.default_tuning()
+    TunableState = native_bench.state_class()
+    default = native_bench.default_tuning()
     if tuning == "default":
         tuning = default
     rng = np.random.default_rng(5)
@@ -512,7 +510,7 @@ def test_tiles_and_prefetch_do_not_change_results(name, tuning):
     numel = 20_000
     init = rng.standard_normal(numel).astype(F32)
     k, r = TunableState(init, cfg), RefTensorState(init, cfg)
-    _native_bench.set_tuning(*tuning)
+    native_bench.set_tuning(*tuning)
     try:
         for step in range(6):
             pushes = [make_push(rng, numel, [0.01, 0.3, 0.9][w % 3], step == 2 and w == 0, ["f32", "bf16"][w % 2])
@@ -524,6 +522,6 @@ def test_tiles_and_prefetch_do_not_change_results(name, tuning):
                 idx = rng.integers(0, numel, 5000).astype(np.int32)
                 np.testing.assert_array_equal(k.gather(idx), r.param[idx])
     finally:
-        _native_bench.set_tuning(*default)
+        native_bench.set_tuning(*default)
     for n, a in k.state_arrays().items():
         assert a.tobytes() == getattr(r, n).tobytes(), n

@@ -350,13 +350,13 @@ def test_a_push_lost_with_a_killed_server_does_not_hold_its_worker_and_the_step_
     assert b_step(0) == 1
     a_step()  # exchange 1: a's push on version 1, queued until b's comes
     with Client(srv.endpoint, join=False, timeout=5) as mon:
-        wait_until(lambda: mon.status().pending_pushes == 1 and mon.status().checkpoint_version == 1, 10,
+        wait_until(lambda: mon.status().pending_pushes == 1 and mon.status().checkpoint_version == 1, 30,
                     "a's push queued on a checkpoint of version 1")
     srv.kill()  # a's acknowledged push dies with the server
     srv.wait(10)
     srv2 = make_server(2, args, bind=f"tcp://127.0.0.1:{port}")
     with Client(srv2.endpoint, join=False, timeout=5) as mon:  # a finds the new server by itself
-        wait_until(lambda: len(mon.status().workers) == 1, 15, "a reconnected")
+        wait_until(lambda: len(mon.status().workers) == 1, 30, "a reconnected")
     errors: list[BaseException] = []
 
     def a_more() -> None:

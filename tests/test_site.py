@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
+import time
 
 import numpy as np
 import pytest
@@ -55,6 +57,22 @@ def _rank(endpoint: str, port: int, rank: int, mode: str, q) -> None:
         dist.destroy_process_group()
 
 
+def _results(q, procs: list, timeout: float = 200.0) -> dict:
+    """Each rank's result from ``q``; fails as soon as a rank died without one (a rank that
+    cannot import or connect), not after the whole timeout, which only bounds a hang."""
+    out: dict = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
+        try:
+            rank, result = q.get(timeout=1.0)
+            out[rank] = result
+        except queue.Empty:
+            died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not died, f"a rank exited ({died}) before it sent its result"
+            assert time.monotonic() < deadline, f"no result from every rank within {timeout:g} s"
+    return out
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["update", "gradient"])
 def test_a_site_of_two_gloo_ranks_is_one_worker_and_matches_the_flat_run(make_server, mode):
@@ -66,7 +84,7 @@ def test_a_site_of_two_gloo_ranks_is_one_worker_and_matches_the_flat_run(make_se
     for p in procs:
         p.start()
     flat = _train(flat_srv.endpoint, 0, 1, mode, site=False)
-    got = dict(q.get(timeout=200) for _ in procs)
+    got = _results(q, procs)
     for p in procs:
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
