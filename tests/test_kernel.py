@@ -493,6 +493,16 @@ def test_scatter_add_lists_adds_list_after_list_bit_for_bit_and_refuses_bad_list
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.fixture(scope="module")
+def native_bench():
+    """bench/_native_bench.py, its build loaded (compiled on first use into build/: one
+    module fixture, so that parallel test workers do not compile it side by side)."""
+    from bench import _native_bench
+
+    _native_bench.state_class()
+    return _native_bench
+
+
 @pytest.mark.parametrize("tuning", [(0, 16, 0), (3, 16, 1), (8, 64, 2), "default", (24, 4096, 3)])
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_tiles_and_prefetch_do_not_change_results(native_bench, name, tuning):
