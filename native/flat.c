@@ -95,7 +95,18 @@ static void residual_seg(int32_t dtype, const void *w, int64_t n, const float *a
     }
 }
 
-static inline float f16_round(float v) { return stella_f16_to_f32_soft(stella_f32_to_f16_soft(v)); }
+/* One float to f16, to nearest even: F16C where the copy is compiled for it (the sparse
+ * loops' per-entry conversions: the soft one cost ~3x in add_at), the soft one else; the
+ * same bits either way (stella_half.h). */
+static inline uint16_t f32_to_f16(float v) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return stella_f32_to_f16_soft(v);
+#endif
+}
+
+static inline float f16_round(float v) { return stella_half_to_float(f32_to_f16(v)); }
 static inline float bf16_round(float v) { return stella_bf16_to_float(stella_float_to_bf16(v)); }
 
 static void add_seg(int32_t dtype, void *w, int64_t n, const float *v) {
@@ -256,9 +267,9 @@ static int sparse_walk(enum sparse_op op, const stella_flat_part *parts, int32_t
                 SPARSE_LOOP(float, p->data, *at += d);
         } else if (p->dtype == STELLA_VAL_F16) {
             if (op == S_SET)
-                SPARSE_LOOP(uint16_t, p->data, *at = stella_f32_to_f16_soft(v));
+                SPARSE_LOOP(uint16_t, p->data, *at = f32_to_f16(v));
             else
-                SPARSE_LOOP(uint16_t, p->data, *at = stella_f32_to_f16_soft(stella_half_to_float(*at) + f16_round(d)));
+                SPARSE_LOOP(uint16_t, p->data, *at = f32_to_f16(stella_half_to_float(*at) + f16_round(d)));
         } else {
             if (op == S_SET)
                 SPARSE_LOOP(uint16_t, p->data, *at = stella_float_to_bf16(v));

@@ -20,7 +20,7 @@ import numpy as np
 from ._native import ffi, lib
 from .native_errors import check, require_abi
 
-__all__ = ["PartTable", "DTYPES"]
+__all__ = ["PartTable", "DTYPES", "scatter_add"]
 
 require_abi(lib, "stella._native")
 
@@ -135,6 +135,18 @@ class PartTable:
         v = _floats(val, n, "values", False)
         check(lib, fn(self._c, self.nparts, int(base), ffi.from_buffer("int32_t[]", idx), v, n, *extra), what,
               ValueError)
+
+
+def scatter_add(dst: Any, idx: np.ndarray, val: np.ndarray) -> None:
+    """``dst[idx] += val`` for a contiguous float32 CPU tensor or array ``dst`` (``idx``
+    strictly increasing int32): :meth:`PartTable.add_at` on a table of one part. The
+    compressor's rounding error goes back into its residual this way (torch's
+    ``index_put_(accumulate=True)`` took ~4x as long)."""
+    n = _len(dst)
+    _floats(dst, n, "dst", True)  # checked: a contiguous float32 CPU buffer
+    table = PartTable([n], ["f32"])
+    table.point(0, dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data_ptr())
+    table.add_at(idx, val)
 
 
 def _len(x: Any) -> int:
