@@ -51,8 +51,8 @@ __all__ = [
     # replies
     "Joined", "Left", "Registered", "PushOk", "Delta", "StatusReply", "OptimizerSet", "HeartbeatOk", "Error",
     # framing and the payloads' coding
-    "Request", "Reply", "Received", "SparseTensor", "encode", "decode_request", "decode_reply", "encode_tensors",
-    "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
+    "Request", "Reply", "Received", "SparseTensor", "encode", "encode_header", "decode_request", "decode_reply",
+    "encode_tensors", "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
 ]
 
 PROTOCOL_VERSION = 9
@@ -456,6 +456,11 @@ def _req_of(header: bytes | memoryview) -> int:
 def encode(msg: _Message, frames: Sequence[Any] = ()) -> list[Any]:
     """The multipart message for ``msg`` followed by its payload frames."""
     return [_encoder.encode(msg), *frames]
+
+
+def encode_header(msg: _Message) -> bytes:
+    """The header frame of ``msg`` alone (its payload frames go after it as they are)."""
+    return _encoder.encode(msg)
 
 
 @dataclass(frozen=True, slots=True)
