@@ -38,6 +38,7 @@ from stella.protocol import (
     Left,
     OptimizerSet,
     Pull,
+    PullCoding,
     Push,
     PushOk,
     Received,
@@ -59,7 +60,7 @@ from .runtime import Clock, LoopClock, StoreThread, Tasks, Timer, default_thread
 from .security import fingerprint
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
-from .store import ModelStore
+from .store import EncodedChanges, ModelStore
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Peer", "MAX_WAIT_AHEAD"]
@@ -112,6 +113,10 @@ class Service:
         # the allowlist's name of a key, for status (the transport sets it when it runs with keys)
         self.key_name: Callable[[str], str] = lambda key: ""
         self._sweeper: Timer | None = None
+        # pulls ready to be answered, and whether a task is answering them: a step releases every
+        # worker's pull at once, and one trip to the store thread encodes the answers of all
+        self._due: list[tuple[bytes, Pull, float]] = []
+        self._answering = False
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -294,15 +299,52 @@ class Service:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
         arrived = time.monotonic()
         if wait_for <= v:
-            self._spawn(self._reply_delta(ident, msg, arrived), ident, msg.req)
+            self._answer(ident, msg, arrived)
         else:
             self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
-                             lambda: self._spawn(self._reply_delta(ident, msg, arrived), ident, msg.req))
+                             lambda: self._answer(ident, msg, arrived))
         self.stats.pulls += 1
 
-    async def _reply_delta(self, ident: bytes, msg: Pull, arrived: float) -> None:
-        enc = await self.store_thread.run(self.store.encoded_delta, msg.since, msg.coding)
-        held_ms = min(1e9, 1e3 * (time.monotonic() - arrived))  # the worker's measure of its link leaves it out
-        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                                parts=enc.parts, held_ms=held_ms,
-                                step_ms=min(1e9, 1e3 * self.steps.last_apply_s)), enc.frames)
+    def _answer(self, ident: bytes, msg: Pull, arrived: float) -> None:
+        """Answer the pull ``msg`` soon, with the other pulls ready by then."""
+        self._due.append((ident, msg, arrived))
+        if not self._answering:
+            self._answering = True
+            self.tasks.spawn(self._answer_due())
+
+    async def _answer_due(self) -> None:
+        """Encode the answers of the pulls due (each ``(since, coding)`` once, the store's
+        cache) in one trip to the store thread, and send them; a pull whose answer
+        cannot be made is refused, the others are answered."""
+        try:
+            while self._due:
+                due, self._due = self._due, []
+                try:
+                    encoded = await self.store_thread.run(self._encode_deltas, [(m.since, m.coding) for _, m, _ in due])
+                except Exception as e:
+                    encoded = [e] * len(due)
+                step_ms = min(1e9, 1e3 * self.steps.last_apply_s)
+                now = time.monotonic()
+                for (ident, msg, arrived), enc in zip(due, encoded):
+                    if isinstance(enc, Exception):
+                        self.refuse(ident, msg.req, enc)
+                        continue
+                    held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
+                    try:
+                        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries,
+                                                add=enc.add, parts=enc.parts, held_ms=held_ms, step_ms=step_ms),
+                                   enc.frames)
+                    except Exception as e:  # a bug costs this pull its answer, not the others
+                        self.refuse(ident, msg.req, e)
+        finally:
+            self._answering = False
+
+    def _encode_deltas(self, keys: list[tuple[int, PullCoding]]) -> list[EncodedChanges | Exception]:
+        """On the store thread: the answer for each ``(since, coding)``, or the exception it raised."""
+        out: list[EncodedChanges | Exception] = []
+        for since, coding in keys:
+            try:
+                out.append(self.store.encoded_delta(since, coding))
+            except Exception as e:
+                out.append(e)
+        return out
