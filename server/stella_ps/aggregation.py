@@ -27,6 +27,7 @@ byte bound limits the backlog, never a worker's only push.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -45,9 +46,10 @@ __all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBou
 
 log = logging.getLogger("stella_ps.aggregation")
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class PendingPush:
-    """A validated push waiting for its step."""
+    """A validated push waiting for its step (not changed once made; a plain slotted
+    class: a frozen dataclass costs four times as much to make, once a push)."""
 
     worker: int
     version: int  # model version the update was computed on
@@ -231,8 +233,12 @@ class Aggregator:
 
     def should_close(self, live: Collection[int], started: bool) -> bool:
         """Does the open step close now: some push pending and every live worker's in
-        (with no live worker left, whatever is pending closes)?"""
-        return started and self.has_pending() and not self.missing(live)
+        (with no live worker left, whatever is pending closes)? (Asked on every push:
+        it stops at the first worker missing.)"""
+        if not started or not self.has_pending():
+            return False
+        pending, behind = self._pending, self._behind
+        return all(pending.get(w) or w in behind for w in live)
 
     def deadline(self, started: bool) -> float | None:
         """Seconds after the open step's first push at which it closes without the
@@ -293,7 +299,11 @@ def push_norm(tensors: list[SparseTensor]) -> float:
     values are finite, but float32 squares of 3e38 overflow): one C pass per tensor
     over the values as they travelled, no conversion, and no BLAS (whose threads would
     spin on the server's other cores)."""
-    return math.sqrt(sum(sum_of_squares(np.ascontiguousarray(s.values)) for s in tensors))
+    total = 0.0
+    for s in tensors:
+        v = s.values
+        total += sum_of_squares(v if v.flags.c_contiguous else np.ascontiguousarray(v))
+    return math.sqrt(total)
 
 
 def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
@@ -324,15 +334,24 @@ class PushNormBound:
                  min_samples: int = 8):
         self.absolute, self.action, self.factor = absolute, action, factor
         self.min_samples = min_samples
-        self._norms: deque[float] = deque(maxlen=window)
+        self._window = window
+        self._norms: deque[float] = deque()  # the recent nonzero norms, oldest first
+        self._sorted: list[float] = []  # the same, in order (the median without a sort a push)
         self.clipped = 0  # pushes scaled down (either bound)
 
     def relative_limit(self) -> float | None:
         """``factor`` times the median of the recent nonzero norms; None until learnt."""
-        if not self.factor or len(self._norms) < self.min_samples:
+        if not self.factor or len(self._sorted) < self.min_samples:
             return None
-        xs = sorted(self._norms)
+        xs = self._sorted
         return self.factor * xs[len(xs) // 2]
+
+    def _record(self, norm: float) -> None:
+        if len(self._norms) >= self._window:
+            old = self._norms.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._norms.append(norm)
+        bisect.insort(self._sorted, norm)
 
     def apply(self, worker: int, tensors: list[SparseTensor]) -> list[SparseTensor]:
         """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
@@ -340,7 +359,8 @@ class PushNormBound:
         if not (self.absolute or self.factor):
             return tensors
         norm = push_norm(tensors)
-        log.debug("push norm", extra={"worker": worker, "norm": norm})
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("push norm", extra={"worker": worker, "norm": norm})
         limit, which = math.inf, ""
         if self.absolute and norm > self.absolute:
             if self.action == "refuse":
@@ -355,5 +375,5 @@ class PushNormBound:
             self.clipped += 1
             tensors, norm = scaled(tensors, limit / norm), limit
         if norm > 0:
-            self._norms.append(norm)
+            self._record(norm)
         return tensors

@@ -233,9 +233,10 @@ class Service:
     def _member(self, ident: bytes, worker: int, registered: bool = True) -> WorkerInfo:
         """The live worker ``worker`` of this connection; a gone one speaking again on
         its own connection is live again first."""
-        if worker not in self.members.live and self.members.revive(ident, worker) is not None:
+        members = self.members
+        if worker not in members.live and members.revive(ident, worker) is not None:
             log.info("worker back", extra={"worker": worker, "live": len(self.members.live)})
-        return self.members.check(ident, worker, registered=registered)
+        return members.check(ident, worker, registered=registered)
 
     def _join(self, ident: bytes, msg: Join, peer: Peer) -> None:
         info = self.members.join(ident, msg.worker, msg.name, reserved=self.steps.pending_workers(),
@@ -278,7 +279,10 @@ class Service:
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")
-        room = self.steps.room(info.worker, sum(f.nbytes for f in rx.frames))  # before the work of decoding
+        nbytes = 0
+        for f in rx.frames:
+            nbytes += f.nbytes
+        room = self.steps.room(info.worker, nbytes)  # before the work of decoding
         tensors = self.push_bound.apply(info.worker, decode_tensors(rx, self.store.layout))
         queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
         info.last_push_req = msg.req

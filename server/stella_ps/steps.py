@@ -53,7 +53,7 @@ SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals 
 StepListener = Callable[[int], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Room:
     """A push's place in its worker's queue, found by :meth:`StepScheduler.room` before
     the push's values are decoded; :meth:`StepScheduler.offer` takes it and checks the
