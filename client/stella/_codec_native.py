@@ -113,14 +113,15 @@ def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
     count, numel = int(count), int(numel)
     if not (0 <= numel <= 2**31) or not (0 <= count <= numel):
         raise CodecError(f"impossible count {count} for numel {numel}")
-    b = byte_view(buf)
-    if count * _MIN_BITS[coding] > 8 * b.shape[0]:
-        raise CodecError(f"{coding}: {b.shape[0]} bytes cannot hold {count} indices")
+    b = buf if type(buf) is memoryview and buf.c_contiguous else byte_view(buf)  # a frame: read in place
+    nbytes = b.nbytes
+    if count * _MIN_BITS[coding] > 8 * nbytes:
+        raise CodecError(f"{coding}: {nbytes} bytes cannot hold {count} indices")
     out = np.empty(count, dtype=np.int32)
-    rc = lib.stella_idx_decode(ffi.from_buffer("uint8_t[]", b), b.shape[0], count, numel, cid,
+    rc = lib.stella_idx_decode(ffi.from_buffer("uint8_t[]", b), nbytes, count, numel, cid,
                                ffi.from_buffer("int32_t[]", out, require_writable=True))
     if rc < 0:  # (the message is made only for an error: every push decodes here)
-        check(lib, rc, f"{coding} decode ({b.shape[0]} bytes, {count} indices, numel {numel})", CodecError)
+        check(lib, rc, f"{coding} decode ({nbytes} bytes, {count} indices, numel {numel})", CodecError)
     return out
 
 

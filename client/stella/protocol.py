@@ -667,41 +667,52 @@ class SparseTensor:
     values: np.ndarray
 
 
-def decode_tensors(rx: Received, layout: Sequence[TensorSpec], *, float32: bool = False) -> list[SparseTensor]:
+def decode_tensors(rx: Received, layout: Sequence[TensorSpec], *, float32: bool = False,
+                   sumsq: list[float] | None = None) -> list[SparseTensor]:
     """Check a push's or delta's entries against ``layout`` and decode them: values as
     they travelled (the server's kernel reads f16 and bf16 as they are), or with
     ``float32`` as float32 (what a worker adds to its replica), in the same pass.
+    ``sumsq``: a list to which the sum of the squares of each tensor's values (float64,
+    the push norm's parts) is appended; the one C pass over the values that sums them
+    also proves them finite (a float32's square is finite in float64, and so is the sum
+    of fewer than 2**31 of them), so it costs nothing beside the check.
 
     Raises :class:`ServerError` with code ``unknown_tensor`` for a tensor not in the
     layout, :class:`OversizedMessage` for more values than the tensor has,
     :class:`ProtocolError` for a dense entry of the wrong count, :class:`CodecError`
     for corrupt indices (or q4/q2 pad bits) and :class:`~stella.errors.BadValue` for
     NaN or Inf (or a negative, NaN or Inf q4/q2 scale)."""
-    kind = _tag(rx.msg)
     out = []
-    for e, index_frame, value_frame in rx.entries():
-        if e.tensor >= len(layout):
-            raise ServerError(f"{kind}: tensor {e.tensor} is not in the model (0..{len(layout) - 1})",
+    frames = rx.frames
+    for e in rx.msg.tensors:
+        t, count = e.tensor, e.count
+        if t >= len(layout):
+            raise ServerError(f"{_tag(rx.msg)}: tensor {t} is not in the model (0..{len(layout) - 1})",
                               ErrorCode.UNKNOWN_TENSOR)
-        spec = layout[e.tensor]
-        if e.count > spec.numel:
-            raise OversizedMessage(f"{kind}: tensor {spec.name!r}: {e.count} values > its {spec.numel} elements")
-        if index_frame is None:
-            if e.count != spec.numel:
-                raise ProtocolError(f"{kind}: dense tensor {spec.name!r} needs {spec.numel} values, got {e.count}")
+        spec = layout[t]
+        numel = spec.numel
+        if count > numel:
+            raise OversizedMessage(f"{_tag(rx.msg)}: tensor {spec.name!r}: {count} values > its {numel} elements")
+        if e.index_frame is None:
+            if count != numel:
+                raise ProtocolError(f"{_tag(rx.msg)}: dense tensor {spec.name!r} needs {numel} values, got {count}")
             idx = None
         else:
             try:
-                idx = codec.decode_indices(index_frame, e.count, spec.numel, e.coding)
+                idx = codec.decode_indices(frames[e.index_frame], count, numel, e.coding)
             except CodecError as err:
-                raise CodecError(f"{kind}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
+                raise CodecError(f"{_tag(rx.msg)}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
         try:
-            vals = codec.wire_values(value_frame, e.count, e.value_dtype)
+            if sumsq is None:
+                vals = codec.wire_values(frames[e.value_frame], count, e.value_dtype)
+            else:
+                vals, ss = codec.wire_values_sumsq(frames[e.value_frame], count, e.value_dtype)
+                sumsq.append(ss)
             if float32:
                 vals = codec.to_float32(vals)
         except ProtocolError as err:
-            raise type(err)(f"{kind}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
-        out.append(SparseTensor(e.tensor, idx, vals))
+            raise type(err)(f"{_tag(rx.msg)}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
+        out.append(SparseTensor(t, idx, vals))
     return out
 
 

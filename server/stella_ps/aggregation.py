@@ -177,7 +177,7 @@ class Aggregator:
         self.adaptive = adaptive  # used when step_deadline is 0; None: wait for every live worker
         self.max_queued_pushes = max_queued_pushes  # per worker
         self.max_queued_push_bytes = max_queued_push_bytes  # per worker, once its queue is not empty
-        self._pending: dict[int, deque[PendingPush]] = {}
+        self._pending: dict[int, deque[PendingPush]] = {}  # only queues that hold a push (take_step drops the empty)
         self._last_close = 0.0  # monotonic time the previous step closed
         self._pushed_before: set[int] = set()  # workers with a step behind them
         self._behind: set[int] = set()  # silent, missed a step the deadline closed: not waited for until they push
@@ -202,7 +202,9 @@ class Aggregator:
         """Queue a push whose room :meth:`check_room` found (the step scheduler's
         :meth:`~stella_ps.steps.StepScheduler.room`, before the push was decoded);
         returns how many of this worker's pushes were already waiting."""
-        q = self._pending.setdefault(push.worker, deque())
+        q = self._pending.get(push.worker)
+        if q is None:
+            q = self._pending[push.worker] = deque()
         q.append(push)
         self._behind.discard(push.worker)
         return len(q) - 1
@@ -211,7 +213,7 @@ class Aggregator:
         return sum(len(q) for q in self._pending.values())
 
     def has_pending(self) -> bool:
-        return any(self._pending.values())
+        return bool(self._pending)  # no queue in it is empty
 
     def pending_workers(self) -> set[int]:
         """Workers with queued pushes (those of a worker that left included)."""
@@ -353,12 +355,19 @@ class PushNormBound:
         self._norms.append(norm)
         bisect.insort(self._sorted, norm)
 
-    def apply(self, worker: int, tensors: list[SparseTensor]) -> list[SparseTensor]:
+    @property
+    def on(self) -> bool:
+        """Whether any bound is set (a push's norm is needed)."""
+        return bool(self.absolute or self.factor)
+
+    def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None) -> list[SparseTensor]:
         """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
-        or scaled down (float32 copies)."""
+        or scaled down (float32 copies). ``sumsq``: the sums of the squares of its
+        tensors' values, as the decoder found them (:func:`stella.protocol.decode_tensors`);
+        None: computed here."""
         if not (self.absolute or self.factor):
             return tensors
-        norm = push_norm(tensors)
+        norm = push_norm(tensors) if sumsq is None else math.sqrt(sum(sumsq))  # push_norm's order: its bits
         if log.isEnabledFor(logging.DEBUG):
             log.debug("push norm", extra={"worker": worker, "norm": norm})
         limit, which = math.inf, ""

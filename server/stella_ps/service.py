@@ -283,7 +283,12 @@ class Service:
         for f in rx.frames:
             nbytes += f.nbytes
         room = self.steps.room(info.worker, nbytes)  # before the work of decoding
-        tensors = self.push_bound.apply(info.worker, decode_tensors(rx, self.store.layout))
+        bound = self.push_bound
+        if bound.on:  # the norm's parts come from the pass that checks the values
+            sumsq: list[float] = []
+            tensors = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq)
+        else:
+            tensors = decode_tensors(rx, self.store.layout)
         queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
         info.last_push_req = msg.req
         info.pushes += 1
