@@ -3,7 +3,8 @@ and the clock.
 
 - :class:`StoreThread`: every use of the model store runs on one dedicated thread,
   one task at a time, so a step and a pull never interleave and the event loop keeps
-  receiving while the C kernel runs.
+  receiving while the C kernel runs; while the thread is idle the loop may read what
+  the store has made already (a pull's cached answer), which no task can change then.
 - :class:`TensorPool`: the store thread's per-tensor work (a step's apply, its
   broadcast) spread over a few threads; the C calls release the GIL.
 - :class:`Tasks`: coroutines started from handlers and timers; a task that fails
@@ -46,9 +47,28 @@ class StoreThread:
 
     def __init__(self, name: str = "stella-store"):
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # tasks handed to the thread (counted on the event loop) and finished (counted on the thread):
+        # each counter has one writer, so reading both needs no lock
+        self._submitted = 0
+        self._finished = 0
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+        self._submitted += 1
+        return await asyncio.get_running_loop().run_in_executor(self._exec, self._call, fn, args)
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        try:
+            return fn(*args)
+        finally:
+            self._finished += 1
+
+    @property
+    def idle(self) -> bool:
+        """Nothing handed to the thread is running or waiting (asked on the event loop,
+        the only caller of :meth:`run`): what the thread owns may be read on the loop
+        until the loop's next :meth:`run`. A task cancelled before it ran never counts
+        as finished, so the thread never looks idle again: safe, only slower."""
+        return self._finished == self._submitted
 
     def close(self) -> None:
         """Wait for the running task and stop the thread."""

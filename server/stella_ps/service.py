@@ -315,7 +315,14 @@ class Service:
         self.stats.pulls += 1
 
     def _answer(self, ident: bytes, msg: Pull, arrived: float) -> None:
-        """Answer the pull ``msg`` soon, with the other pulls ready by then."""
+        """Answer the pull ``msg``: now when its answer is made already (a step prepares
+        the one every worker of a synchronous job asks for) and the store thread is
+        idle; else soon, with the other pulls ready by then."""
+        if not self._answering and self.store_thread.idle:
+            enc = self.store.cached_delta(msg.since, msg.coding)
+            if enc is not None:
+                self._send_delta(ident, msg, arrived, enc, time.monotonic())
+                return
         self._due.append((ident, msg, arrived))
         if not self._answering:
             self._answering = True
@@ -332,21 +339,23 @@ class Service:
                     encoded = await self.store_thread.run(self._encode_deltas, [(m.since, m.coding) for _, m, _ in due])
                 except Exception as e:
                     encoded = [e] * len(due)
-                step_ms = min(1e9, 1e3 * self.steps.last_apply_s)
                 now = time.monotonic()
                 for (ident, msg, arrived), enc in zip(due, encoded):
                     if isinstance(enc, Exception):
                         self.refuse(ident, msg.req, enc)
-                        continue
-                    held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
-                    try:
-                        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries,
-                                                add=enc.add, parts=enc.parts, held_ms=held_ms, step_ms=step_ms),
-                                   enc.frames)
-                    except Exception as e:  # a bug costs this pull its answer, not the others
-                        self.refuse(ident, msg.req, e)
+                    else:
+                        self._send_delta(ident, msg, arrived, enc, now)
         finally:
             self._answering = False
+
+    def _send_delta(self, ident: bytes, msg: Pull, arrived: float, enc: EncodedChanges, now: float) -> None:
+        held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
+        try:
+            self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
+                                    parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, 1e3 * self.steps.last_apply_s)),
+                       enc.frames)
+        except Exception as e:  # a bug costs this pull its answer, not the others
+            self.refuse(ident, msg.req, e)
 
     def _encode_deltas(self, keys: list[tuple[int, PullCoding]]) -> list[EncodedChanges | Exception]:
         """On the store thread: the answer for each ``(since, coding)``, or the exception it raised."""
