@@ -5,8 +5,8 @@ The event loop watches the socket's file descriptor itself (``add_reader``) and 
 and writes the plain socket without pyzmq's asyncio wrapper: a ROUTER without
 ROUTER_MANDATORY never blocks a send, so a future per send or receive is pure
 overhead. ZeroMQ's descriptor is edge-triggered and any send or receive may consume
-its edge, so whoever touches the socket checks its ``EVENTS`` afterwards: the receive
-pump reads until nothing is queued, and a send made outside the pump schedules one.
+its edge: the receive pump reads until a receive finds nothing queued (which re-arms
+it), and a send made outside the pump schedules a pump.
 
 Receiving is bounded before the payload is held: libzmq drops a peer whose single
 frame exceeds ``--max-message-bytes`` without buffering it, and a message with more
@@ -23,8 +23,8 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -50,8 +50,6 @@ HANG_UP_DELAY_S = 0.2  # from an oversized message's refusal to cutting its host
 # plain ints: pyzmq's enum.Flag arithmetic costs a microsecond an operation
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
 # the socket's own send, past pyzmq's Python layer (which only adds draft-socket options): a third
 # of the cost of a frame's send
 _zsend = zmq.backend.Socket.send
@@ -195,23 +193,28 @@ class ParameterServer:
             await self.close()
 
     def _pump(self) -> None:
-        """Read and handle what is queued, until the socket has nothing more (its events
-        read last, which re-arms the descriptor) or :data:`DRAIN` messages were read (then
-        it runs again after the loop's other work)."""
+        """Read and handle what is queued, until a receive finds nothing (libzmq then reads
+        its commands, which re-arms the descriptor) or :data:`DRAIN` messages were read
+        (then it runs again after the loop's other work). A receive that finds a message
+        costs no system call; asking for EVENTS before each would cost one."""
         self._pump_due = False
         sock = self._sock
         if sock is None or self._stop.is_set():
             return
-        events = cast(Callable[[int], int], sock.get)
+        recv = sock.recv
         self._pumping = True
         try:
             for _ in range(DRAIN):
-                if not events(_EVENTS) & _POLLIN:
+                try:
+                    ident = recv(_NOBLOCK)  # a ROUTER's message starts with its sender's routing id
+                except zmq.Again:
                     return
-                self._handle(sock)
+                self._handle(sock, ident)
                 if self._stop.is_set():
                     return
             self._schedule_pump()
+        except zmq.ZMQError as e:  # the socket is closing
+            log.debug("receive failed", extra={"error": str(e)})
         finally:
             self._pumping = False
 
@@ -220,12 +223,8 @@ class ParameterServer:
             self._pump_due = True
             self._loop.call_soon(self._pump)
 
-    def _handle(self, sock: zmq.Socket) -> None:
-        try:
-            ident, frames, count, size = self._read_message(sock)
-        except zmq.ZMQError as e:  # the socket is closing; nothing was read
-            log.debug("receive failed", extra={"error": str(e)})
-            return
+    def _handle(self, sock: zmq.Socket, ident: bytes) -> None:
+        frames, count, size = self._read_message(sock)
         try:
             self._on_message(ident, frames, count, size)
         except Exception as e:  # a bug must cost one message, never the receive loop
@@ -236,26 +235,26 @@ class ParameterServer:
             self._trim = False
             _release_heap()
 
-    def _read_message(self, sock: zmq.Socket) -> tuple[bytes, list[zmq.Frame], int, int]:
-        """One message: its sender's routing id, the frames after it (the header and the
-        payload), the count of all its frames and the bytes after the routing id; frames
-        past the protocol's or the size limit are read (to keep the stream in step) but
-        not kept. All parts of a ZeroMQ message arrive together, so this never waits.
+    def _read_message(self, sock: zmq.Socket) -> tuple[list[zmq.Frame], int, int]:
+        """The rest of a message whose routing id was read: the frames after it (the header
+        and the payload), the count of all its frames and the bytes after the routing id;
+        frames past the protocol's or the size limit are read (to keep the stream in step)
+        but not kept. All parts of a ZeroMQ message arrive together, so this never waits.
         (Each frame's ``more``, which pyzmq reads as it receives it, says whether another
         follows: asking the socket costs a microsecond more a frame.)"""
         recv = sock.recv
-        f = recv(_NOBLOCK, False)
-        ident = f.bytes
         frames: list[zmq.Frame] = []
         count, size = 1, 0
         limit = self.config.limits.max_message_bytes
-        while f.more:
+        more = True  # a routing id is always followed by the message
+        while more:
             f = recv(_NOBLOCK, False)  # there already: a message's parts arrive together
+            more = f.more
             count += 1
             size += len(f)
             if count <= MAX_FRAMES + 1 and size <= limit:
                 frames.append(f)
-        return ident, frames, count, size
+        return frames, count, size
 
     def reload_allowlist(self) -> None:
         """Read the allowlist again now (SIGHUP)."""
