@@ -102,7 +102,6 @@ SILENT_HANDSHAKE_FAILURES = 3
 _MORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _zsend = zmq.backend.Socket.send
 
@@ -615,15 +614,20 @@ class Session:
                 self._outstanding.discard(req)
                 self._rebased.discard(req)
                 raise self._unavailable("no reply from", t)
-            sock = self._sock
-            # a reply already queued is read without a poll (a system call)
-            if not int(sock.get(_EVENTS)) & _POLLIN and not sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
-                self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
-                why = self._lost() if req in self._sent else None
-                if why:
-                    raise _Lost(why)
+            # a reply already queued is read at once: a receive that finds a message costs no system
+            # call (a poll, or asking for EVENTS, would); one that finds none, then the poll
+            try:
+                parts: list[memoryview] | None = self._recv_parts(self._sock)
+            except zmq.Again:
+                parts = None
+            if parts is None:
+                if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
+                    self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
+                    why = self._lost() if req in self._sent else None
+                    if why:
+                        raise _Lost(why)
                 continue
-            rx = decode_reply(self._recv_parts(sock))
+            rx = decode_reply(parts)
             if rx.msg.req in self._outstanding:
                 self._replies[rx.msg.req] = rx
             else:  # a reply to a request given up on (timed out) is dropped
@@ -641,8 +645,8 @@ class Session:
         return rx
 
     def _recv_parts(self, sock: zmq.Socket) -> list[memoryview]:
-        """The frames of the message queued (it is: a message's parts arrive together),
-        each one's ``more`` read as it is received (asking the socket costs more)."""
+        """The frames of the message queued (:class:`zmq.Again` if none is; its parts arrive
+        together), each one's ``more`` read as it is received (asking the socket costs more)."""
         f = sock.recv(_NOBLOCK, False)
         parts, n = [f.buffer], len(f)
         while f.more:
