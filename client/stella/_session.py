@@ -556,14 +556,17 @@ class Session:
             raise ServerUnavailable("client is closed")
         t = self.timeout if timeout is None else timeout
         rebased = False
-        if not self._writable(t):
-            if not self._resilient(msg):
-                raise self._unavailable("cannot reach", t)
-            self._reconnect(f"cannot reach the server within {t:.1f}s")
-            msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
-        req = next(self._req)
         frames = list(frames)
-        self._transmit(msgspec.structs.replace(msg, req=req), frames)
+        req = next(self._req)
+        # the usual case first: the socket takes it at once (no system call to ask whether it would)
+        if not self._transmit(msgspec.structs.replace(msg, req=req), frames, wait=False):
+            if not self._writable(t):
+                if not self._resilient(msg):
+                    raise self._unavailable("cannot reach", t)
+                self._reconnect(f"cannot reach the server within {t:.1f}s")
+                msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
+                req = next(self._req)  # after the reconnect's own requests, as it is sent
+            self._transmit(msgspec.structs.replace(msg, req=req), frames)
         self._outstanding.add(req)
         if rebased:
             self._rebased.add(req)
@@ -589,18 +592,24 @@ class Session:
             if self._sock in dict(poller.poll(int(left * 1000) + 1)):
                 return True
 
-    def _transmit(self, msg: Any, frames: list[Any]) -> None:
+    def _transmit(self, msg: Any, frames: list[Any], wait: bool = True) -> bool:
+        """Send ``msg`` and its frames; with ``wait`` False, nothing (returns False) unless
+        the socket takes the header at once (ZeroMQ takes a message's parts together)."""
         header = encode_header(msg)
         sock, n = self._sock, len(header)
-        if not frames:
-            _zsend(sock, header, 0)
-        else:
-            _zsend(sock, header, _MORE)
+        try:
+            _zsend(sock, header, (0 if wait else _NOBLOCK) | (_MORE if frames else 0))
+        except zmq.Again:
+            if wait:
+                raise
+            return False
+        if frames:
             last = len(frames) - 1
             for i, f in enumerate(frames):
                 n += memoryview(f).nbytes
                 _zsend(sock, f, 0 if i == last else _MORE, False)  # zero-copy above pyzmq's copy threshold
         self.bytes_pushed += n
+        return True
 
     def wait(self, req: int, timeout: float | None = None) -> Received:
         """Wait for the reply to request ``req``; raises the server's error if it sent one."""
