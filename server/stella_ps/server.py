@@ -69,7 +69,7 @@ class ParameterServer:
         self.endpoint: str | None = None
         self._sock: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pumping = False  # the receive pump runs: it checks the socket's events before it returns
+        self._pumping = False  # the receive pump runs: it reads until nothing is queued before it returns
         self._pump_due = False  # a run of the pump is scheduled
         self._peers: dict[str, Peer] = {}  # admitted keys seen, each one's Peer (made once)
         self._stop = asyncio.Event()
