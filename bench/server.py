@@ -14,7 +14,9 @@ Reported per (shards, optimizer): steps/s, pushes/s (one per worker per step, to
 shards), pushed updates/s (coordinates), MB/s into and out of the servers (their own
 byte counters), the step latency seen by a worker (push sent to the step's answer from
 every shard; p50 and p99), the servers' CPU per step and peak RSS (all shards together,
-from /proc), and, in this process, the cost of decoding and validating one push header
+from /proc; ``ms/wkr/step``: that CPU over the workers, the per-message cost's measure, since each
+worker sends a push and a pull a step and gets their replies; ``wkr ms/step``: one light worker's
+CPU a step, all its threads), and, in this process, the cost of decoding and validating one push header
 and of the work the server's event loop does on each push of the run (header, indices
 and value checks, the push-norm bound's sum of squares).
 
@@ -197,8 +199,11 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         "step_latency_ms_p50": round(1e3 * float(np.percentile(lat, 50)), 3),
         "step_latency_ms_p99": round(1e3 * float(np.percentile(lat, 99)), 3),
         "server_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
+        # the per-message cost's measure: each worker sends a push and a pull a step (and gets their replies)
+        "server_cpu_ms_per_worker_step": round(1e3 * cpu / (steps * workers), 4),
         "server_cores_busy": round(cpu / wall, 3),
         "worker_cores_busy": round(sum(d[6] for d in done) / wall, 3),  # their CPU, all threads
+        "worker_cpu_ms_per_step": round(1e3 * sum(d[6] for d in done) / (steps * workers), 4),  # one worker's
         "server_cpu_ns_per_update": round(1e9 * cpu / (steps * workers * k), 2),
         "server_peak_rss_mb": round(rss, 1),
         "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),  # all workers
@@ -318,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', shards from one command (stella-ps --shards N, pinned by it)' if a.one_host else ''}"
           f" (load at start: {load}; at end: {load_end})")
     print(f"{'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
-          f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'srv cores':>9} "
-          f"{'wkr cores':>9} {'RSS MB':>7}")
+          f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'ms/wkr/step':>11} "
+          f"{'srv cores':>9} {'wkr cores':>9} {'wkr ms/step':>12} {'RSS MB':>7}")
     one = {(r["workers"], r["optimizer"]): r["updates_per_s"] for r in rows if r["shards"] == 1}
     for r in rows:
         base = one.get((r["workers"], r["optimizer"]))
@@ -328,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['pushes_per_s']:>9.1f} {r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} "
               f"{r['mb_in_per_s']:>8.2f} "
               f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
-              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cores_busy']:>9.2f} "
-              f"{r['worker_cores_busy']:>9.2f} {r['server_peak_rss_mb']:>7.0f}")
+              f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cpu_ms_per_worker_step']:>11.3f} "
+              f"{r['server_cores_busy']:>9.2f} {r['worker_cores_busy']:>9.2f} {r['worker_cpu_ms_per_step']:>12.3f} "
+              f"{r['server_peak_rss_mb']:>7.0f}")
     print("\npush header decode + validation (this process)")
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:

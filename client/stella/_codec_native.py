@@ -113,13 +113,15 @@ def idx_decode(buf, count: int, numel: int, coding: str) -> np.ndarray:
     count, numel = int(count), int(numel)
     if not (0 <= numel <= 2**31) or not (0 <= count <= numel):
         raise CodecError(f"impossible count {count} for numel {numel}")
-    b = byte_view(buf)
-    if count * _MIN_BITS[coding] > 8 * b.shape[0]:
-        raise CodecError(f"{coding}: {b.shape[0]} bytes cannot hold {count} indices")
+    b = buf if type(buf) is memoryview and buf.c_contiguous else byte_view(buf)  # a frame: read in place
+    nbytes = b.nbytes
+    if count * _MIN_BITS[coding] > 8 * nbytes:
+        raise CodecError(f"{coding}: {nbytes} bytes cannot hold {count} indices")
     out = np.empty(count, dtype=np.int32)
-    rc = lib.stella_idx_decode(ffi.from_buffer("uint8_t[]", b), b.shape[0], count, numel, cid,
+    rc = lib.stella_idx_decode(ffi.from_buffer("uint8_t[]", b), nbytes, count, numel, cid,
                                ffi.from_buffer("int32_t[]", out, require_writable=True))
-    check(lib, rc, f"{coding} decode ({b.shape[0]} bytes, {count} indices, numel {numel})", CodecError)
+    if rc < 0:  # (the message is made only for an error: every push decodes here)
+        check(lib, rc, f"{coding} decode ({nbytes} bytes, {count} indices, numel {numel})", CodecError)
     return out
 
 
@@ -160,7 +162,8 @@ def values_check(values: np.ndarray, dtype: str) -> None:
     """BadValue unless every value of the contiguous 1-D array (float32, float16 or
     uint16 bf16 bits, as ``dtype`` says) is finite: one C pass, no conversion."""
     rc = lib.stella_values_check(ffi.from_buffer(values), values.shape[0], VALUE_DTYPE_IDS[dtype])
-    check(lib, rc, f"{dtype}: {values.shape[0]} values", BadValue)
+    if rc < 0:
+        check(lib, rc, f"{dtype}: {values.shape[0]} values", BadValue)
 
 
 _WIRE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}
@@ -172,7 +175,8 @@ def sum_of_squares(values: np.ndarray) -> float:
     dtype = _WIRE_DTYPES[values.dtype]
     out = ffi.new("double *")
     rc = lib.stella_values_sumsq(ffi.from_buffer(values), values.shape[0], VALUE_DTYPE_IDS[dtype], out)
-    check(lib, rc, f"{dtype}: {values.shape[0]} values", ValueError)
+    if rc < 0:
+        check(lib, rc, f"{dtype}: {values.shape[0]} values", ValueError)
     return float(out[0])
 
 

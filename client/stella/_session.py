@@ -40,6 +40,7 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.auth
+import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from .errors import (
@@ -69,6 +70,7 @@ from .protocol import (
     TrainingMode,
     decode_reply,
     encode,
+    encode_header,
     key_fingerprint,
     model_digest,
 )
@@ -95,6 +97,13 @@ ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at
 # handshakes the server closes without a word, in a row, before the client concludes that it holds the
 # wrong server key (one alone can be a server going down mid-handshake)
 SILENT_HANDSHAKE_FAILURES = 3
+# plain ints and the Cython socket's own send: pyzmq's enum.Flag arithmetic and its Python send layer
+# cost microseconds a frame, a request's frames every step
+_MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLOUT = int(zmq.POLLOUT)
+_zsend = zmq.backend.Socket.send
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -547,14 +556,17 @@ class Session:
             raise ServerUnavailable("client is closed")
         t = self.timeout if timeout is None else timeout
         rebased = False
-        if not self._writable(t):
-            if not self._resilient(msg):
-                raise self._unavailable("cannot reach", t)
-            self._reconnect(f"cannot reach the server within {t:.1f}s")
-            msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
-        req = next(self._req)
         frames = list(frames)
-        self._transmit(msgspec.structs.replace(msg, req=req), frames)
+        req = next(self._req)
+        # the usual case first: the socket takes it at once (no system call to ask whether it would)
+        if not self._transmit(msgspec.structs.replace(msg, req=req), frames, wait=False):
+            if not self._writable(t):
+                if not self._resilient(msg):
+                    raise self._unavailable("cannot reach", t)
+                self._reconnect(f"cannot reach the server within {t:.1f}s")
+                msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
+                req = next(self._req)  # after the reconnect's own requests, as it is sent
+            self._transmit(msgspec.structs.replace(msg, req=req), frames)
         self._outstanding.add(req)
         if rebased:
             self._rebased.add(req)
@@ -566,7 +578,7 @@ class Session:
         """Whether the socket can send within ``t`` seconds (IMMEDIATE: once a connection
         has finished its handshake); a handshake the server refuses raises
         :class:`Unauthorised` as soon as it fails."""
-        if self._sock.poll(0, zmq.POLLOUT):
+        if int(self._sock.get(_EVENTS)) & _POLLOUT:  # (no poll system call)
             return True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLOUT)
@@ -580,10 +592,24 @@ class Session:
             if self._sock in dict(poller.poll(int(left * 1000) + 1)):
                 return True
 
-    def _transmit(self, msg: Any, frames: list[Any]) -> None:
-        parts = encode(msg, frames)
-        self._sock.send_multipart(parts, copy=False)
-        self.bytes_pushed += sum(memoryview(p).nbytes for p in parts)
+    def _transmit(self, msg: Any, frames: list[Any], wait: bool = True) -> bool:
+        """Send ``msg`` and its frames; with ``wait`` False, nothing (returns False) unless
+        the socket takes the header at once (ZeroMQ takes a message's parts together)."""
+        header = encode_header(msg)
+        sock, n = self._sock, len(header)
+        try:
+            _zsend(sock, header, (0 if wait else _NOBLOCK) | (_MORE if frames else 0))
+        except zmq.Again:
+            if wait:
+                raise
+            return False
+        if frames:
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                n += memoryview(f).nbytes
+                _zsend(sock, f, 0 if i == last else _MORE, False)  # zero-copy above pyzmq's copy threshold
+        self.bytes_pushed += n
+        return True
 
     def wait(self, req: int, timeout: float | None = None) -> Received:
         """Wait for the reply to request ``req``; raises the server's error if it sent one."""
@@ -597,15 +623,20 @@ class Session:
                 self._outstanding.discard(req)
                 self._rebased.discard(req)
                 raise self._unavailable("no reply from", t)
-            if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
-                self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
-                why = self._lost() if req in self._sent else None
-                if why:
-                    raise _Lost(why)
+            # a reply already queued is read at once: a receive that finds a message costs no system
+            # call (a poll, or asking for EVENTS, would); one that finds none, then the poll
+            try:
+                parts: list[memoryview] | None = self._recv_parts(self._sock)
+            except zmq.Again:
+                parts = None
+            if parts is None:
+                if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
+                    self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
+                    why = self._lost() if req in self._sent else None
+                    if why:
+                        raise _Lost(why)
                 continue
-            parts = self._sock.recv_multipart(copy=False)
-            self.bytes_pulled += sum(len(p) for p in parts)
-            rx = decode_reply([p.buffer for p in parts])
+            rx = decode_reply(parts)
             if rx.msg.req in self._outstanding:
                 self._replies[rx.msg.req] = rx
             else:  # a reply to a request given up on (timed out) is dropped
@@ -621,6 +652,18 @@ class Session:
             raise from_reply(rx.msg.code, rx.msg.message)
         self._sent.pop(req, None)
         return rx
+
+    def _recv_parts(self, sock: zmq.Socket) -> list[memoryview]:
+        """The frames of the message queued (:class:`zmq.Again` if none is; its parts arrive
+        together), each one's ``more`` read as it is received (asking the socket costs more)."""
+        f = sock.recv(_NOBLOCK, False)
+        parts, n = [f.buffer], len(f)
+        while f.more:
+            f = sock.recv(_NOBLOCK, False)
+            parts.append(f.buffer)
+            n += len(f)
+        self.bytes_pulled += n
+        return parts
 
     def wait_resilient(self, req: int, timeout: float | None = None) -> Received:
         """:meth:`wait`, reconnecting (and re-sending ``req``) when the connection is lost."""

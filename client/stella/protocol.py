@@ -26,7 +26,6 @@ test fails when they differ.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -51,8 +50,8 @@ __all__ = [
     # replies
     "Joined", "Left", "Registered", "PushOk", "Delta", "StatusReply", "OptimizerSet", "HeartbeatOk", "Error",
     # framing and the payloads' coding
-    "Request", "Reply", "Received", "SparseTensor", "encode", "decode_request", "decode_reply", "encode_tensors",
-    "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
+    "Request", "Reply", "Received", "SparseTensor", "encode", "encode_header", "decode_request", "decode_reply",
+    "encode_tensors", "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
 ]
 
 PROTOCOL_VERSION = 10
@@ -468,9 +467,16 @@ def encode(msg: _Message, frames: Sequence[Any] = ()) -> list[Any]:
     return [_encoder.encode(msg), *frames]
 
 
-@dataclass(frozen=True, slots=True)
+def encode_header(msg: _Message) -> bytes:
+    """The header frame of ``msg`` alone (its payload frames go after it as they are)."""
+    return _encoder.encode(msg)
+
+
+@dataclass(slots=True, eq=False)
 class Received:
-    """A decoded message and its payload frames, cross-checked by the decoder."""
+    """A decoded message and its payload frames, cross-checked by the decoder (not
+    changed after: a plain slotted class, which costs a third of a frozen one to make,
+    once a message)."""
 
     msg: Any  # one of Request or Reply
     frames: tuple[memoryview, ...]
@@ -492,7 +498,11 @@ def _decode(frames: Sequence[Any], decoder: msgspec.msgpack.Decoder[Any], kind: 
         raise ProtocolError("empty message: no header frame")
     if len(frames) > MAX_FRAMES:
         raise OversizedMessage(f"{len(frames)} frames > limit {MAX_FRAMES}")
-    views = tuple(f if type(f) is memoryview else memoryview(f) for f in frames)
+    views = tuple(frames)
+    for f in views:  # the server's frames are views already
+        if type(f) is not memoryview:
+            views = tuple(f if type(f) is memoryview else memoryview(f) for f in frames)
+            break
     header = views[0]
     if header.nbytes > MAX_HEADER_BYTES:
         err = OversizedMessage(f"oversized header: {header.nbytes} bytes > {MAX_HEADER_BYTES}")
@@ -563,8 +573,10 @@ def _tag(msg: Any) -> str:
 
 
 def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
-    if isinstance(msg, (Push, Delta)):
-        _check_entries(msg, payload)
+    if isinstance(msg, Push):
+        _check_run(msg, msg.tensors, payload, 0, len(payload), False)
+    elif isinstance(msg, Delta):
+        _check_delta(msg, payload)
     elif isinstance(msg, Register) and msg.values:  # their sizes are the parts', which the server knows
         if not 1 <= len(payload) <= MAX_PARTS:
             raise ProtocolError(f"register: expected 1 or {MAX_PARTS} value frames (the parts of the range), "
@@ -573,32 +585,45 @@ def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
         raise ProtocolError(f"{_tag(msg)}: expected no payload frames, got {len(payload)}")
 
 
-def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
-    seen: set[int] = set()
-    nframes = len(payload)
-    expect = 0  # frames are referenced in order, each exactly once, index before values
-    increments = isinstance(msg, Delta) and msg.add
-    if isinstance(msg, Delta) and ((msg.parts and not msg.add) or (msg.add and msg.full)):
+def _check_delta(msg: Delta, payload: tuple[memoryview, ...]) -> None:
+    if (msg.parts and not msg.add) or (msg.add and msg.full):
         raise ProtocolError("delta: parts are for added messages, and a snapshot is not added")
-    parts = msg.parts if isinstance(msg, Delta) and increments else []
-    # added messages: one part per step (none when no step was made); otherwise one run of entries
-    ends = list(itertools.accumulate(parts)) if increments else [len(msg.tensors)]
-    total = ends[-1] if ends else 0
+    if not msg.add:  # one run of entries, exact values
+        _check_run(msg, msg.tensors, payload, 0, len(payload), True)
+        return
+    # added messages: one part per step (none when no step was made), each a run of its own
+    total = sum(msg.parts)
     if total != len(msg.tensors):
         raise ProtocolError(f"delta: parts add up to {total} entries, the delta has {len(msg.tensors)}")
-    starts = set(ends[:-1])  # where the next step's message begins
-    for i, e in enumerate(msg.tensors):
-        if i in starts:
-            seen = set()
+    start = expect = 0
+    for n in msg.parts:
+        expect = _check_run(msg, msg.tensors[start:start + n], payload, expect, len(payload), False, last=False)
+        start += n
+    if expect != len(payload):
+        raise ProtocolError(f"delta: {len(payload)} payload frames, the entries describe {expect}")
+
+
+def _check_run(msg: Push | Delta, entries: Sequence[TensorEntry], payload: tuple[memoryview, ...], expect: int,
+               nframes: int, exact: bool, last: bool = True) -> int:
+    """Check one run of entries (a tensor at most once), whose frames start at ``expect``:
+    frames are referenced in order, each exactly once, index before values, and every
+    value frame has its size; ``exact``: values a replica installs, f32 only. Returns
+    the frame after the run's; with ``last``, that must be the end of the payload."""
+    seen: set[int] = set()
+    for e in entries:
         t = e.tensor
         if t in seen:
             raise ProtocolError(f"{_tag(msg)}: tensor {t} appears twice")
         seen.add(t)
         fi, fv = e.index_frame, e.value_frame
-        if (fi is None) != (e.coding == "dense"):
-            raise ProtocolError(f"{_tag(msg)}: tensor {t}: an index frame is required unless dense, "
-                                "and forbidden when dense")
-        if fi is not None:
+        if fi is None:
+            if e.coding != "dense":
+                raise ProtocolError(f"{_tag(msg)}: tensor {t}: an index frame is required unless dense, "
+                                    "and forbidden when dense")
+        else:
+            if e.coding == "dense":
+                raise ProtocolError(f"{_tag(msg)}: tensor {t}: an index frame is required unless dense, "
+                                    "and forbidden when dense")
             if fi != expect:
                 _frame_error(msg, t, fi, expect)
             expect += 1
@@ -607,7 +632,7 @@ def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
         expect += 1
         if expect > nframes:
             raise ProtocolError(f"{_tag(msg)}: tensor {t}: frame {expect - 1} missing ({nframes} payload frames)")
-        if isinstance(msg, Delta) and not increments and e.value_dtype != "f32":
+        if exact and e.value_dtype != "f32":
             # replicas that install values hold exact ones, or they would drift from the server's
             raise ProtocolError(f"delta: tensor {t}: value dtype {e.value_dtype!r}: values a replica installs are "
                                 "exact (f32); coded values come only in an added (broadcast) delta")
@@ -615,8 +640,9 @@ def _check_entries(msg: Push | Delta, payload: tuple[memoryview, ...]) -> None:
         if payload[fv].nbytes != need:
             raise CodecError(f"{_tag(msg)}: tensor {t} value frame ({e.value_dtype}): "
                              f"{payload[fv].nbytes} bytes for {e.count} values (need {need})")
-    if expect != nframes:
+    if last and expect != nframes:
         raise ProtocolError(f"{_tag(msg)}: {nframes} payload frames, the entries describe {expect}")
+    return expect
 
 
 def _frame_error(msg: Push | Delta, tensor: int, ref: int, expect: int) -> None:
@@ -651,41 +677,52 @@ class SparseTensor:
     values: np.ndarray
 
 
-def decode_tensors(rx: Received, layout: Sequence[TensorSpec], *, float32: bool = False) -> list[SparseTensor]:
+def decode_tensors(rx: Received, layout: Sequence[TensorSpec], *, float32: bool = False,
+                   sumsq: list[float] | None = None) -> list[SparseTensor]:
     """Check a push's or delta's entries against ``layout`` and decode them: values as
     they travelled (the server's kernel reads f16 and bf16 as they are), or with
     ``float32`` as float32 (what a worker adds to its replica), in the same pass.
+    ``sumsq``: a list to which the sum of the squares of each tensor's values (float64,
+    the push norm's parts) is appended; the one C pass over the values that sums them
+    also proves them finite (a float32's square is finite in float64, and so is the sum
+    of fewer than 2**31 of them), so it costs nothing beside the check.
 
     Raises :class:`ServerError` with code ``unknown_tensor`` for a tensor not in the
     layout, :class:`OversizedMessage` for more values than the tensor has,
     :class:`ProtocolError` for a dense entry of the wrong count, :class:`CodecError`
     for corrupt indices (or q4/q2 pad bits) and :class:`~stella.errors.BadValue` for
     NaN or Inf (or a negative, NaN or Inf q4/q2 scale)."""
-    kind = _tag(rx.msg)
     out = []
-    for e, index_frame, value_frame in rx.entries():
-        if e.tensor >= len(layout):
-            raise ServerError(f"{kind}: tensor {e.tensor} is not in the model (0..{len(layout) - 1})",
+    frames = rx.frames
+    for e in rx.msg.tensors:
+        t, count = e.tensor, e.count
+        if t >= len(layout):
+            raise ServerError(f"{_tag(rx.msg)}: tensor {t} is not in the model (0..{len(layout) - 1})",
                               ErrorCode.UNKNOWN_TENSOR)
-        spec = layout[e.tensor]
-        if e.count > spec.numel:
-            raise OversizedMessage(f"{kind}: tensor {spec.name!r}: {e.count} values > its {spec.numel} elements")
-        if index_frame is None:
-            if e.count != spec.numel:
-                raise ProtocolError(f"{kind}: dense tensor {spec.name!r} needs {spec.numel} values, got {e.count}")
+        spec = layout[t]
+        numel = spec.numel
+        if count > numel:
+            raise OversizedMessage(f"{_tag(rx.msg)}: tensor {spec.name!r}: {count} values > its {numel} elements")
+        if e.index_frame is None:
+            if count != numel:
+                raise ProtocolError(f"{_tag(rx.msg)}: dense tensor {spec.name!r} needs {numel} values, got {count}")
             idx = None
         else:
             try:
-                idx = codec.decode_indices(index_frame, e.count, spec.numel, e.coding)
+                idx = codec.decode_indices(frames[e.index_frame], count, numel, e.coding)
             except CodecError as err:
-                raise CodecError(f"{kind}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
+                raise CodecError(f"{_tag(rx.msg)}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
         try:
-            vals = codec.wire_values(value_frame, e.count, e.value_dtype)
+            if sumsq is None:
+                vals = codec.wire_values(frames[e.value_frame], count, e.value_dtype)
+            else:
+                vals, ss = codec.wire_values_sumsq(frames[e.value_frame], count, e.value_dtype)
+                sumsq.append(ss)
             if float32:
                 vals = codec.to_float32(vals)
         except ProtocolError as err:
-            raise type(err)(f"{kind}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
-        out.append(SparseTensor(e.tensor, idx, vals))
+            raise type(err)(f"{_tag(rx.msg)}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
+        out.append(SparseTensor(t, idx, vals))
     return out
 
 

@@ -27,6 +27,7 @@ byte bound limits the backlog, never a worker's only push.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -45,9 +46,10 @@ __all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBou
 
 log = logging.getLogger("stella_ps.aggregation")
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class PendingPush:
-    """A validated push waiting for its step."""
+    """A validated push waiting for its step (not changed once made; a plain slotted
+    class: a frozen dataclass costs four times as much to make, once a push)."""
 
     worker: int
     version: int  # model version the update was computed on
@@ -175,7 +177,7 @@ class Aggregator:
         self.adaptive = adaptive  # used when step_deadline is 0; None: wait for every live worker
         self.max_queued_pushes = max_queued_pushes  # per worker
         self.max_queued_push_bytes = max_queued_push_bytes  # per worker, once its queue is not empty
-        self._pending: dict[int, deque[PendingPush]] = {}
+        self._pending: dict[int, deque[PendingPush]] = {}  # only queues that hold a push (take_step drops the empty)
         self._last_close = 0.0  # monotonic time the previous step closed
         self._pushed_before: set[int] = set()  # workers with a step behind them
         self._behind: set[int] = set()  # silent, missed a step the deadline closed: not waited for until they push
@@ -200,7 +202,9 @@ class Aggregator:
         """Queue a push whose room :meth:`check_room` found (the step scheduler's
         :meth:`~stella_ps.steps.StepScheduler.room`, before the push was decoded);
         returns how many of this worker's pushes were already waiting."""
-        q = self._pending.setdefault(push.worker, deque())
+        q = self._pending.get(push.worker)
+        if q is None:
+            q = self._pending[push.worker] = deque()
         q.append(push)
         self._behind.discard(push.worker)
         return len(q) - 1
@@ -209,7 +213,7 @@ class Aggregator:
         return sum(len(q) for q in self._pending.values())
 
     def has_pending(self) -> bool:
-        return any(self._pending.values())
+        return bool(self._pending)  # no queue in it is empty
 
     def pending_workers(self) -> set[int]:
         """Workers with queued pushes (those of a worker that left included)."""
@@ -231,8 +235,12 @@ class Aggregator:
 
     def should_close(self, live: Collection[int], started: bool) -> bool:
         """Does the open step close now: some push pending and every live worker's in
-        (with no live worker left, whatever is pending closes)?"""
-        return started and self.has_pending() and not self.missing(live)
+        (with no live worker left, whatever is pending closes)? (Asked on every push:
+        it stops at the first worker missing.)"""
+        if not started or not self.has_pending():
+            return False
+        pending, behind = self._pending, self._behind
+        return all(pending.get(w) or w in behind for w in live)
 
     def deadline(self, started: bool) -> float | None:
         """Seconds after the open step's first push at which it closes without the
@@ -293,7 +301,11 @@ def push_norm(tensors: list[SparseTensor]) -> float:
     values are finite, but float32 squares of 3e38 overflow): one C pass per tensor
     over the values as they travelled, no conversion, and no BLAS (whose threads would
     spin on the server's other cores)."""
-    return math.sqrt(sum(sum_of_squares(np.ascontiguousarray(s.values)) for s in tensors))
+    total = 0.0
+    for s in tensors:
+        v = s.values
+        total += sum_of_squares(v if v.flags.c_contiguous else np.ascontiguousarray(v))
+    return math.sqrt(total)
 
 
 def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
@@ -324,23 +336,40 @@ class PushNormBound:
                  min_samples: int = 8):
         self.absolute, self.action, self.factor = absolute, action, factor
         self.min_samples = min_samples
-        self._norms: deque[float] = deque(maxlen=window)
+        self._window = window
+        self._norms: deque[float] = deque()  # the recent nonzero norms, oldest first
+        self._sorted: list[float] = []  # the same, in order (the median without a sort a push)
         self.clipped = 0  # pushes scaled down (either bound)
 
     def relative_limit(self) -> float | None:
         """``factor`` times the median of the recent nonzero norms; None until learnt."""
-        if not self.factor or len(self._norms) < self.min_samples:
+        if not self.factor or len(self._sorted) < self.min_samples:
             return None
-        xs = sorted(self._norms)
+        xs = self._sorted
         return self.factor * xs[len(xs) // 2]
 
-    def apply(self, worker: int, tensors: list[SparseTensor]) -> list[SparseTensor]:
+    def _record(self, norm: float) -> None:
+        if len(self._norms) >= self._window:
+            old = self._norms.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._norms.append(norm)
+        bisect.insort(self._sorted, norm)
+
+    @property
+    def on(self) -> bool:
+        """Whether any bound is set (a push's norm is needed)."""
+        return bool(self.absolute or self.factor)
+
+    def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None) -> list[SparseTensor]:
         """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
-        or scaled down (float32 copies)."""
+        or scaled down (float32 copies). ``sumsq``: the sums of the squares of its
+        tensors' values, as the decoder found them (:func:`stella.protocol.decode_tensors`);
+        None: computed here."""
         if not (self.absolute or self.factor):
             return tensors
-        norm = push_norm(tensors)
-        log.debug("push norm", extra={"worker": worker, "norm": norm})
+        norm = push_norm(tensors) if sumsq is None else math.sqrt(sum(sumsq))  # push_norm's order: its bits
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("push norm", extra={"worker": worker, "norm": norm})
         limit, which = math.inf, ""
         if self.absolute and norm > self.absolute:
             if self.action == "refuse":
@@ -355,5 +384,5 @@ class PushNormBound:
             self.clipped += 1
             tensors, norm = scaled(tensors, limit / norm), limit
         if norm > 0:
-            self._norms.append(norm)
+            self._record(norm)
         return tensors

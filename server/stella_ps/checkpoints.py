@@ -52,7 +52,12 @@ Run = Callable[..., Awaitable[Any]]
 class CheckpointPolicy:
     """Where checkpoints go, how many are kept, and when one is due: the daemon's
     :class:`~stella_ps.config.Checkpoints` (``every_steps`` versions and/or ``every_s``
-    seconds, 0 turns either off, counted from the last one written), with a directory."""
+    seconds, 0 turns either off), with a directory. By steps, one is due once the
+    version passes a multiple of ``every_steps`` that the last one written did not
+    reach: a checkpoint rolls forward the steps applied while it copies, and one that
+    reached 28 of a policy of 5 makes the next due at 30, not 33 (counted from the
+    last one, a job that stops at 32 would never write it, however fast its steps);
+    by time, ``every_s`` after the last one written."""
 
     settings: Checkpoints
     last_version: int = -1  # version of the last checkpoint written or resumed from
@@ -73,7 +78,7 @@ class CheckpointPolicy:
             return False
         now = time.monotonic() if now is None else now
         every_steps, every_s = self.settings.every_steps, self.settings.every_s
-        by_steps = every_steps > 0 and version - max(self.last_version, 0) >= every_steps
+        by_steps = every_steps > 0 and version // every_steps > max(self.last_version, 0) // every_steps
         by_time = every_s > 0 and now - self.last_time >= every_s
         return by_steps or by_time
 

@@ -3,7 +3,8 @@ and the clock.
 
 - :class:`StoreThread`: every use of the model store runs on one dedicated thread,
   one task at a time, so a step and a pull never interleave and the event loop keeps
-  receiving while the C kernel runs.
+  receiving while the C kernel runs; while the thread is idle the loop may read what
+  the store has made already (a pull's cached answer), which no task can change then.
 - :class:`TensorPool`: the store thread's per-tensor work (a step's apply, its
   broadcast) spread over a few threads; the C calls release the GIL.
 - :class:`Tasks`: coroutines started from handlers and timers; a task that fails
@@ -20,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,17 +45,78 @@ PARALLEL_MIN_WORK = 100_000
 
 class StoreThread:
     """One thread for the model store (and one for any other serial owner, e.g. the
-    checkpoint writer): :meth:`run` awaits ``fn(*args)`` on it."""
+    checkpoint writer): :meth:`run` awaits ``fn(*args)`` on it. A plain thread over a
+    queue, the result handed back with the loop's ``call_soon_threadsafe``: an
+    executor's submit and its chained futures cost several times as much a hand-off,
+    and a step makes one."""
 
     def __init__(self, name: str = "stella-store"):
-        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=f"{name}_0", daemon=True)
+        self._started = False
+        self._closed = False
+        # tasks handed to the thread (counted on the event loop) and finished (counted on the thread):
+        # each counter has one writer, so reading both needs no lock
+        self._submitted = 0
+        self._finished = 0
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+        if self._closed:
+            raise RuntimeError("cannot run a task on a closed store thread")
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._submitted += 1
+        self._queue.put((loop, fut, fn, args))
+        return await fut
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            loop, fut, fn, args = job
+            try:
+                if fut.cancelled():  # its awaiter gave up before it started: not run
+                    continue
+                try:
+                    result, error = fn(*args), None
+                except BaseException as e:
+                    result, error = None, e
+            finally:
+                self._finished += 1
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # the loop is closed: nobody awaits it any more
+                pass
+
+    @property
+    def idle(self) -> bool:
+        """Nothing handed to the thread is running or waiting (asked on the event loop,
+        the only caller of :meth:`run`): what the thread owns may be read on the loop
+        until the loop's next :meth:`run`."""
+        return self._finished == self._submitted
 
     def close(self) -> None:
-        """Wait for the running task and stop the thread."""
-        self._exec.shutdown(wait=True)
+        """Let the tasks handed over finish, and stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self._queue.put(None)
+            self._thread.join()
+
+
+_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """On the loop: a store-thread task's outcome into its future (unless its awaiter gave up)."""
+    if fut.cancelled():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
 
 
 def default_threads(limit: int = 8) -> int:

@@ -39,6 +39,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -266,10 +267,11 @@ class Connections:
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
     HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
-    def __init__(self, sock: zmq.asyncio.Socket, on_refused: Callable[[str], None] = lambda reason: None):
+    def __init__(self, sock: zmq.Socket, on_refused: Callable[[str], None] = lambda reason: None):
         self._sock = sock
         self._on_refused = on_refused
-        self._monitor = sock.get_monitor_socket(self.EVENTS)
+        # made by the socket's context, an asyncio one (the server's): its recv is awaited
+        self._monitor = cast(zmq.asyncio.Socket, sock.get_monitor_socket(self.EVENTS))
         self._hosts: dict[int, str] = {}  # fd -> peer IP
         self._task: asyncio.Task[None] | None = None
 

@@ -1,5 +1,12 @@
-"""Transport and lifecycle: the zmq.asyncio ROUTER socket (CurveZMQ unless the
-operator chose ``--insecure``), receiving, decoding, sending, and stopping.
+"""Transport and lifecycle: the ROUTER socket (CurveZMQ unless the operator chose
+``--insecure``), receiving, decoding, sending, and stopping.
+
+The event loop watches the socket's file descriptor itself (``add_reader``) and reads
+and writes the plain socket without pyzmq's asyncio wrapper: a ROUTER without
+ROUTER_MANDATORY never blocks a send, so a future per send or receive is pure
+overhead. ZeroMQ's descriptor is edge-triggered and any send or receive may consume
+its edge: the receive pump reads until a receive finds nothing queued (which re-arms
+it), and a send made outside the pump schedules a pump.
 
 Receiving is bounded before the payload is held: libzmq drops a peer whose single
 frame exceeds ``--max-message-bytes`` without buffering it, and a message with more
@@ -21,9 +28,10 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+import zmq.backend
 
 from stella.errors import OversizedMessage, StellaError, Unauthorised
-from stella.protocol import MAX_FRAMES, decode_request, encode, request_id
+from stella.protocol import MAX_FRAMES, decode_request, encode_header, request_id
 
 from .config import ServerConfig
 from .errors import ConfigError
@@ -39,6 +47,12 @@ log = logging.getLogger("stella_ps.server")
 CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (command, nonce, MAC)
 DRAIN = 64  # messages read per wake-up of the receive loop, at most, before the loop's other work
 HANG_UP_DELAY_S = 0.2  # from an oversized message's refusal to cutting its host's connections
+# plain ints: pyzmq's enum.Flag arithmetic costs a microsecond an operation
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE) | _NOBLOCK
+# the socket's own send, past pyzmq's Python layer (which only adds draft-socket options): a third
+# of the cost of a frame's send
+_zsend = zmq.backend.Socket.send
 
 
 class ParameterServer:
@@ -53,7 +67,11 @@ class ParameterServer:
         self.stats = Stats()
         self.service = Service(config, self._send, self.stats)
         self.endpoint: str | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pumping = False  # the receive pump runs: it reads until nothing is queued before it returns
+        self._pump_due = False  # a run of the pump is scheduled
+        self._peers: dict[str, Peer] = {}  # admitted keys seen, each one's Peer (made once)
         self._stop = asyncio.Event()
         self.allowlist: Allowlist | None = None
         self._insecure_peer = Peer("")
@@ -108,8 +126,8 @@ class ParameterServer:
             log.info("stopped", extra={"version": self.service.store.version, "steps": self.stats.steps})
 
     @contextlib.contextmanager
-    def _bound_socket(self) -> Iterator[zmq.asyncio.Socket]:
-        sock = self.ctx.socket(zmq.ROUTER)
+    def _bound_socket(self) -> Iterator[zmq.Socket]:
+        sock = zmq.Socket(self.ctx, zmq.ROUTER)  # a plain socket: serve watches its descriptor itself
         try:
             sock.setsockopt(zmq.LINGER, 0)
             # libzmq drops a peer whose single frame exceeds this without buffering it; the
@@ -139,7 +157,7 @@ class ParameterServer:
         finally:
             sock.close(linger=0)
 
-    def _secure(self, sock: zmq.asyncio.Socket) -> None:
+    def _secure(self, sock: zmq.Socket) -> None:
         if not (self.config.keys and self.config.allow):
             raise ConfigError("CurveZMQ needs the server's key pair (keys) and an allowlist (allow); "
                               "or set insecure")
@@ -157,58 +175,81 @@ class ParameterServer:
     async def serve(self) -> None:
         """Receive and serve messages until :meth:`stop`, then :meth:`close`.
 
-        One awaited receive wakes the loop; then the messages already queued (up to
-        :data:`DRAIN`) are read without a future each, and a message's further frames
-        likewise (ZeroMQ delivers a message's parts together): a push of many tensors
-        is one wake-up, not one per frame."""
+        The loop calls :meth:`_pump` when the socket's descriptor signals; it reads the
+        messages queued (up to :data:`DRAIN`, then it yields to the loop's other work and
+        goes on), each message's frames together (ZeroMQ delivers a message's parts
+        together), and hands each to :meth:`_on_message`."""
         if self._resources is None:
             await self.start()
         assert self._sock is not None
-        sync: zmq.Socket = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read without futures
-        recv: asyncio.Future | None = None
-        stop = asyncio.ensure_future(self._stop.wait())
+        self._loop = loop = asyncio.get_running_loop()
+        fd = int(self._sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._pump)
         try:
-            while not self._stop.is_set():
-                recv = asyncio.ensure_future(self._sock.recv(copy=False))
-                if recv not in (await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED))[0]:
-                    break
-                first: zmq.Frame | None = recv.result()
-                recv = None  # nothing of this message outlives its handling here
-                handled = 0
-                while first is not None:
-                    self._handle(first, sync)
-                    handled += 1
-                    first = None
-                    if handled < DRAIN and not self._stop.is_set():
-                        with contextlib.suppress(zmq.Again):
-                            first = sync.recv(zmq.NOBLOCK, copy=False)
-                await asyncio.sleep(0)  # the loop's other work (timers, replies) between batches
+            self._pump()  # what arrived before the reader was added: the edge is gone
+            await self._stop.wait()
         finally:
-            stop.cancel()
-            if recv is not None:
-                recv.cancel()
+            loop.remove_reader(fd)
             await self.close()
 
-    def _handle(self, first: zmq.Frame, sync: zmq.Socket) -> None:
-        frames, count, size = self._rest_of_message(first, sync)
+    def _pump(self) -> None:
+        """Read and handle what is queued, until a receive finds nothing (libzmq then reads
+        its commands, which re-arms the descriptor) or :data:`DRAIN` messages were read
+        (then it runs again after the loop's other work). A receive that finds a message
+        costs no system call; asking for EVENTS before each would cost one."""
+        self._pump_due = False
+        sock = self._sock
+        if sock is None or self._stop.is_set():
+            return
+        recv = sock.recv
+        self._pumping = True
         try:
-            self._on_message(frames, count, size)
+            for _ in range(DRAIN):
+                try:
+                    ident = recv(_NOBLOCK)  # a ROUTER's message starts with its sender's routing id
+                except zmq.Again:
+                    return
+                self._handle(sock, ident)
+                if self._stop.is_set():
+                    return
+            self._schedule_pump()
+        except zmq.ZMQError as e:  # the socket is closing
+            log.debug("receive failed", extra={"error": str(e)})
+        finally:
+            self._pumping = False
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_due and self._loop is not None:
+            self._pump_due = True
+            self._loop.call_soon(self._pump)
+
+    def _handle(self, sock: zmq.Socket, ident: bytes) -> None:
+        frames, count, size = self._read_message(sock)
+        try:
+            self._on_message(ident, frames, count, size)
         except Exception as e:  # a bug must cost one message, never the receive loop
             log.error("message handling failed", exc_info=e)
-            self._refuse_unread(frames, e)
-        del first, frames
+            self._refuse_unread(ident, e)
+        del frames
         if self._trim:
             self._trim = False
             _release_heap()
 
-    def _rest_of_message(self, first: zmq.Frame, sync: zmq.Socket) -> tuple[list[zmq.Frame], int, int]:
-        """The frames of the message ``first`` opens, the count and the bytes; frames past
-        the protocol's or the size limit are read (to keep the stream in step) but not
-        kept. All parts of a ZeroMQ message arrive together, so this never waits."""
-        frames, count, size = [first], 1, 0
+    def _read_message(self, sock: zmq.Socket) -> tuple[list[zmq.Frame], int, int]:
+        """The rest of a message whose routing id was read: the frames after it (the header
+        and the payload), the count of all its frames and the bytes after the routing id;
+        frames past the protocol's or the size limit are read (to keep the stream in step)
+        but not kept. All parts of a ZeroMQ message arrive together, so this never waits.
+        (Each frame's ``more``, which pyzmq reads as it receives it, says whether another
+        follows: asking the socket costs a microsecond more a frame.)"""
+        recv = sock.recv
+        frames: list[zmq.Frame] = []
+        count, size = 1, 0
         limit = self.config.limits.max_message_bytes
-        while sync.get(zmq.RCVMORE):
-            f = sync.recv(copy=False)  # there already: a message's parts arrive together
+        more = True  # a routing id is always followed by the message
+        while more:
+            f = recv(_NOBLOCK, False)  # there already: a message's parts arrive together
+            more = f.more
             count += 1
             size += len(f)
             if count <= MAX_FRAMES + 1 and size <= limit:
@@ -230,24 +271,40 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ transport
     def _send(self, ident: bytes, msg: Any, frames: Sequence[Any]) -> None:
-        parts = encode(msg, frames)
-        self.stats.bytes_out += sum(memoryview(p).nbytes for p in parts)
+        header = encode_header(msg)
+        sock = self._sock
+        if sock is None:
+            return
+        out = len(header)
         try:
-            assert self._sock is not None
-            self._sock.send_multipart([ident, *parts], copy=not frames)
-        except zmq.ZMQError as e:  # peer gone: nothing to do
+            # a ROUTER without ROUTER_MANDATORY drops what a full peer cannot take: NOBLOCK never raises
+            _zsend(sock, ident, _MORE)
+            if not frames:
+                _zsend(sock, header, _NOBLOCK)
+            else:
+                _zsend(sock, header, _MORE)
+                last = len(frames) - 1
+                for i, f in enumerate(frames):
+                    out += memoryview(f).nbytes
+                    # zero-copy (pyzmq copies frames under its copy_threshold itself): a delta's
+                    # frames are the store's immutable arrays
+                    _zsend(sock, f, _NOBLOCK if i == last else _MORE, False)
+        except zmq.ZMQError as e:  # the socket is closing: nothing to do
             log.debug("send failed", extra={"error": str(e)})
+        self.stats.bytes_out += out
+        if not self._pumping:
+            self._schedule_pump()  # the send may have taken the descriptor's edge from under the reader
 
-    def _on_message(self, frames: list[zmq.Frame], count: int, size: int) -> None:
+    def _on_message(self, ident: bytes, frames: list[zmq.Frame], count: int, size: int) -> None:
         self.stats.messages += 1
         self.stats.bytes_in += size
-        ident = frames[0].bytes
-        if len(frames) < 2:  # a ROUTER hands over at least the identity and one frame
+        if not frames:  # a ROUTER hands over at least the identity and one frame
             return
-        body = [f.buffer for f in frames[1:]]
-        peer = self._peer(frames[1])
+        header = frames[0]
+        body = [f.buffer for f in frames]
+        peer = self._peer(header)
         if peer is None:  # a key taken off the allowlist while its connection stayed open
-            key = str(frames[1].get("User-Id"))
+            key = str(header.get("User-Id"))
             self.service.refuse(ident, request_id(body[0]), Unauthorised(
                 f"this client's key (fingerprint {fingerprint(key)}) is no longer on the server's allowlist"))
             self.service.drop_peer(key)
@@ -256,7 +313,7 @@ class ParameterServer:
             what = (f"{count - 1} frames > limit {MAX_FRAMES}" if count - 1 > MAX_FRAMES else
                     f"message of {size} bytes > limit {self.config.limits.max_message_bytes}")
             self.service.refuse(ident, request_id(body[0]), OversizedMessage(what))
-            self._hang_up(frames[1], peer)
+            self._hang_up(header, peer)
             return
         try:
             rx = decode_request(body)
@@ -287,12 +344,11 @@ class ParameterServer:
             # a moment later, so that the `oversized` reply leaves first
             asyncio.get_running_loop().call_later(HANG_UP_DELAY_S, self._connections.cut, host)
 
-    def _refuse_unread(self, frames: list[zmq.Frame], exc: BaseException) -> None:
+    def _refuse_unread(self, ident: bytes, exc: BaseException) -> None:
         """The last resort of the receive loop: an ``internal`` reply to the message whose
-        handling failed, if its sender can be named at all."""
+        handling failed."""
         try:
-            if frames:
-                self.service.refuse(frames[0].bytes, -1, exc)
+            self.service.refuse(ident, -1, exc)
         except Exception as e:
             log.error("could not refuse a message", exc_info=e)
 
@@ -303,7 +359,14 @@ class ParameterServer:
         if self.allowlist is None:
             return self._insecure_peer
         key = str(header.get("User-Id"))  # the Z85 public key the ZAP handler admitted
-        return Peer(key) if self.allowlist.admits(key) else None
+        if not self.allowlist.admits(key):
+            return None
+        peer = self._peers.get(key)
+        if peer is None:
+            if len(self._peers) >= 4096:  # the keys an allowlist admitted over time, bounded all the same
+                self._peers.clear()
+            peer = self._peers[key] = Peer(key)
+        return peer
 
 
 def _release_heap() -> None:

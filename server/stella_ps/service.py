@@ -38,6 +38,7 @@ from stella.protocol import (
     Left,
     OptimizerSet,
     Pull,
+    PullCoding,
     Push,
     PushOk,
     Received,
@@ -60,7 +61,7 @@ from .security import fingerprint
 from .shardlist import ShardList
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
-from .store import ModelStore
+from .store import EncodedChanges, ModelStore
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Peer", "MAX_WAIT_AHEAD"]
@@ -114,6 +115,10 @@ class Service:
         self.key_name: Callable[[str], str] = lambda key: ""
         self.shard_list = ShardList(config.shard_list, config.shard)  # the job's shards, for joined and status
         self._sweeper: Timer | None = None
+        # pulls ready to be answered, and whether a task is answering them: a step releases every
+        # worker's pull at once, and one trip to the store thread encodes the answers of all
+        self._due: list[tuple[bytes, Pull, float]] = []
+        self._answering = False
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -231,9 +236,10 @@ class Service:
     def _member(self, ident: bytes, worker: int, registered: bool = True) -> WorkerInfo:
         """The live worker ``worker`` of this connection; a gone one speaking again on
         its own connection is live again first."""
-        if worker not in self.members.live and self.members.revive(ident, worker) is not None:
+        members = self.members
+        if worker not in members.live and members.revive(ident, worker) is not None:
             log.info("worker back", extra={"worker": worker, "live": len(self.members.live)})
-        return self.members.check(ident, worker, registered=registered)
+        return members.check(ident, worker, registered=registered)
 
     def _join(self, ident: bytes, msg: Join, peer: Peer) -> None:
         info = self.members.join(ident, msg.worker, msg.name, reserved=self.steps.pending_workers(),
@@ -277,8 +283,16 @@ class Service:
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")
-        room = self.steps.room(info.worker, sum(f.nbytes for f in rx.frames))  # before the work of decoding
-        tensors = self.push_bound.apply(info.worker, decode_tensors(rx, self.store.layout))
+        nbytes = 0
+        for f in rx.frames:
+            nbytes += f.nbytes
+        room = self.steps.room(info.worker, nbytes)  # before the work of decoding
+        bound = self.push_bound
+        if bound.on:  # the norm's parts come from the pass that checks the values
+            sumsq: list[float] = []
+            tensors = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq)
+        else:
+            tensors = decode_tensors(rx, self.store.layout)
         queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
         info.last_push_req = msg.req
         info.pushes += 1
@@ -298,15 +312,61 @@ class Service:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
         arrived = time.monotonic()
         if wait_for <= v:
-            self._spawn(self._reply_delta(ident, msg, arrived), ident, msg.req)
+            self._answer(ident, msg, arrived)
         else:
             self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
-                             lambda: self._spawn(self._reply_delta(ident, msg, arrived), ident, msg.req))
+                             lambda: self._answer(ident, msg, arrived))
         self.stats.pulls += 1
 
-    async def _reply_delta(self, ident: bytes, msg: Pull, arrived: float) -> None:
-        enc = await self.store_thread.run(self.store.encoded_delta, msg.since, msg.coding)
-        held_ms = min(1e9, 1e3 * (time.monotonic() - arrived))  # the worker's measure of its link leaves it out
-        self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                                parts=enc.parts, held_ms=held_ms,
-                                step_ms=min(1e9, 1e3 * self.steps.last_apply_s)), enc.frames)
+    def _answer(self, ident: bytes, msg: Pull, arrived: float) -> None:
+        """Answer the pull ``msg``: now when its answer is made already (a step prepares
+        the one every worker of a synchronous job asks for) and the store thread is
+        idle; else soon, with the other pulls ready by then."""
+        if not self._answering and self.store_thread.idle:
+            enc = self.store.cached_delta(msg.since, msg.coding)
+            if enc is not None:
+                self._send_delta(ident, msg, arrived, enc, time.monotonic())
+                return
+        self._due.append((ident, msg, arrived))
+        if not self._answering:
+            self._answering = True
+            self.tasks.spawn(self._answer_due())
+
+    async def _answer_due(self) -> None:
+        """Encode the answers of the pulls due (each ``(since, coding)`` once, the store's
+        cache) in one trip to the store thread, and send them; a pull whose answer
+        cannot be made is refused, the others are answered."""
+        try:
+            while self._due:
+                due, self._due = self._due, []
+                try:
+                    encoded = await self.store_thread.run(self._encode_deltas, [(m.since, m.coding) for _, m, _ in due])
+                except Exception as e:
+                    encoded = [e] * len(due)
+                now = time.monotonic()
+                for (ident, msg, arrived), enc in zip(due, encoded):
+                    if isinstance(enc, Exception):
+                        self.refuse(ident, msg.req, enc)
+                    else:
+                        self._send_delta(ident, msg, arrived, enc, now)
+        finally:
+            self._answering = False
+
+    def _send_delta(self, ident: bytes, msg: Pull, arrived: float, enc: EncodedChanges, now: float) -> None:
+        held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
+        try:
+            self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
+                                    parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, 1e3 * self.steps.last_apply_s)),
+                       enc.frames)
+        except Exception as e:  # a bug costs this pull its answer, not the others
+            self.refuse(ident, msg.req, e)
+
+    def _encode_deltas(self, keys: list[tuple[int, PullCoding]]) -> list[EncodedChanges | Exception]:
+        """On the store thread: the answer for each ``(since, coding)``, or the exception it raised."""
+        out: list[EncodedChanges | Exception] = []
+        for since, coding in keys:
+            try:
+                out.append(self.store.encoded_delta(since, coding))
+            except Exception as e:
+                out.append(e)
+        return out

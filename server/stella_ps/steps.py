@@ -53,7 +53,7 @@ SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals 
 StepListener = Callable[[int], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Room:
     """A push's place in its worker's queue, found by :meth:`StepScheduler.room` before
     the push's values are decoded; :meth:`StepScheduler.offer` takes it and checks the
@@ -279,8 +279,9 @@ class StepScheduler:
                 now = self._clock.now()
                 self._stats.count_step(step.late, now, now - t0, opened)
                 self.last_apply_s = now - t0
-                log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
-                                                 "apply_ms": round(1e3 * (now - t0), 3)})
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
+                                                     "apply_ms": round(1e3 * (now - t0), 3)})
                 self.members.stepped = True
                 for listener in self._listeners:
                     listener(version)

@@ -14,6 +14,7 @@ to every step.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from .runtime import TensorPool
 
 __all__ = ["ModelStore", "ModelRange", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes",
            "RecordCopy", "RedoEntry"]
+
+log = logging.getLogger("stella_ps.store")
 
 # a step applied while a checkpoint's copy went on (the copy's log, read by checkpoints.roll_forward): the
 # version after the step, the step, its optimizer configuration, what it did to the broadcast
@@ -158,6 +161,9 @@ class ModelStore:
         # encoded deltas of the current version, by (since, coding): every worker of a
         # synchronous job pulls the same one each step; emptied by every step
         self._encoded: dict[tuple[int, str], EncodedChanges] = {}
+        # index codings pulls asked for since the previous version (what a synchronous job's
+        # workers ask for every step): a step encodes that answer at once (prepared)
+        self._hot: set[str] = set()
         # while a checkpoint copies the state a slice at a time: the steps applied meanwhile
         self._redo: list[RedoEntry] | None = None
         self._copy_abandoned = False  # a step failed while a checkpoint's copy was logging (end_copy refuses it)
@@ -275,7 +281,21 @@ class ModelStore:
         if self._redo is not None:
             self._redo.append((self.version, step, cfg, log))
         self._encoded.clear()
+        self._prepare()
         return self.version
+
+    def _prepare(self) -> None:
+        """After a step, on the store thread: the answer of a pull since the version before
+        it, in each coding pulls asked for last step (every worker of a synchronous job
+        pulls it now, and the event loop finds it ready: :meth:`cached_delta`). A failure
+        leaves it to the pull that asks."""
+        since = self.version - 1
+        hot, self._hot = self._hot, set()  # this version's pulls say which to prepare next
+        for coding in hot:
+            try:
+                self._encoded[(since, coding)] = self._encode(since, coding)  # type: ignore[arg-type]
+            except Exception as e:  # the pull that asks meets it, and is refused
+                log.debug("delta not prepared", extra={"since": since, "coding": coding, "error": str(e)})
 
     def _apply(self, step: Step, cfg: OptimizerConfig) -> list[np.ndarray]:
         """Every tensor's part of ``step``, on the pool's threads; when one fails (a
@@ -336,6 +356,16 @@ class ModelStore:
         enc = self._encoded.get(key)
         if enc is None:
             enc = self._encoded[key] = self._encode(since, coding)
+        if since == self.version - 1:
+            self._hot.add(coding)
+        return enc
+
+    def cached_delta(self, since: int, coding: PullCoding) -> EncodedChanges | None:
+        """:meth:`encoded_delta` if it is made already, else None (called on the event loop
+        while the store thread is idle: a dictionary look-up, and the coding noted as hot)."""
+        enc = self._encoded.get((since, coding))
+        if enc is not None and since == self.version - 1:
+            self._hot.add(coding)
         return enc
 
     def _encode(self, since: int, coding: PullCoding) -> EncodedChanges:
