@@ -59,31 +59,62 @@ from stella.shards import ShardedClient, connect
 from stella_ps.aggregation import push_norm
 from stella_ps.process import process_cpu_seconds
 
-TENSORS = 8
 VARIANTS = 4  # different updates per worker, replayed in turn
 
 
-def _layout(numel: int) -> dict[str, np.ndarray]:
-    per = numel // TENSORS
-    return {f"t{i}": np.zeros(per, np.float32) for i in range(TENSORS)}
+def model_sizes(numel: int, tensors: int) -> list[int]:
+    """``tensors`` tensor sizes summing to ``numel``: one tensor; a few equal ones (under
+    16); or a transformer's shapes (``--tensors 76``: the byte LM's count, 300: a 1B
+    model's scaled down): per layer the attention's in and out projections, the MLP's two,
+    their biases and two layer norms' weights and biases (12 tensors; the small ones fall
+    under the server's dense cut, as they do in a real model), the token and position
+    embeddings and a final norm (4), and extra norm-sized tensors for a remainder. The
+    width d is the largest whose layers fit; the token embedding takes what is left."""
+    if tensors < 16:
+        return [numel // tensors + (i < numel % tensors) for i in range(tensors)]
+    layers, extra = divmod(tensors - 4, 12)
+    ctx = 256
+
+    def body(d: int) -> list[int]:
+        layer = [3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d, d, d]
+        return [ctx * d] + layer * layers + [d, d] + [d] * extra
+
+    d = 1
+    while sum(body(d + 1)) + 256 * (d + 1) <= numel:  # a vocabulary of at least 256 rows left over
+        d += 1
+    rest = body(d)
+    return [numel - sum(rest), *rest]
 
 
-def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: int, optimizer: dict, out,
-            keys: dict, cpus: list[int] | None = None) -> None:
+def _layout(numel: int, tensors: int) -> dict[str, np.ndarray]:
+    return {f"t{i}": np.zeros(n, np.float32) for i, n in enumerate(model_sizes(numel, tensors))}
+
+
+def _worker(endpoints: list[str], rank: int, numel: int, tensors: int, density: float, steps: int, optimizer: dict,
+            out, keys: dict, cpus: list[int] | None = None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     rng = np.random.default_rng(rank)
-    init = _layout(numel)
+    init = _layout(numel, tensors)
     c = connect(endpoints, timeout=120, **keys)
     c.register(init, optimizer)
     clients = c.shards if isinstance(c, ShardedClient) else [c]
+    assert clients[0].flat is not None
+    dense_below = clients[0].flat.dense_below  # the server's cut: smaller tensors are pushed whole, as a worker does
     encoded = []  # per variant, per shard
+    count = 0  # coordinates a push carries
     for _ in range(VARIANTS):
-        upd = {}
+        upd: dict[str, object] = {}
+        count = 0
         for name, t in init.items():
+            if t.size < dense_below:
+                upd[name] = (rng.standard_normal(t.size) * 1e-3).astype(np.float32)
+                count += t.size
+                continue
             k = max(1, int(t.size * density))
             idx = np.sort(rng.choice(t.size, k, replace=False)).astype(np.int32)
             upd[name] = (idx, (rng.standard_normal(k) * 1e-3).astype(np.float32))
+            count += k
         flat = c.shards[0].flatten(upd) if isinstance(c, ShardedClient) else c.flatten(upd)  # each shard its range
         encoded.append([cl.encode_push(flat, value_dtype="f16", index_coding="rice") for cl in clients])
     versions = [cl.pull(None, decode=False).version for cl in clients]
@@ -92,7 +123,7 @@ def _worker(endpoints: list[str], rank: int, numel: int, density: float, steps: 
     t0, c0 = time.perf_counter(), time.process_time()
     _, latencies = replay(clients, encoded, versions, steps)  # stella profile's loop: one implementation
     out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0,
-             latencies, time.process_time() - c0))
+             latencies, time.process_time() - c0, count))
     c.close()
 
 
@@ -142,7 +173,8 @@ def _children(pid: int) -> list[int]:
 
 
 def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str, shards: int = 1,
-                   server_args: tuple[str, ...] = (), pin: bool = False, one_host: bool = False) -> dict:
+                   server_args: tuple[str, ...] = (), pin: bool = False, one_host: bool = False,
+                   tensors: int = 1) -> dict:
     opt = {"name": optimizer, "lr": 1e-3}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -169,7 +201,8 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
             for i, s in enumerate(servers):
                 _pin(s.pid, {cpus[i % len(cpus)]})
         keys, endpoints = servers[0].client_kwargs(), [s.endpoint for s in servers]
-        procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, density, steps, opt, out, keys, worker_cpus))
+        procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, tensors, density, steps, opt, out, keys,
+                                                              worker_cpus))
                  for r in range(workers)]
         for p in procs:
             p.start()
@@ -184,12 +217,12 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         rss = sum(_peak_rss_mb(p) for p in pids)
         for p in procs:
             p.join(30)
-    k = sum(max(1, int((numel // TENSORS) * density)) for _ in range(TENSORS))
+    k = done[0][7]  # coordinates a push carries (every worker's pushes are alike in size)
     lat = np.concatenate([np.asarray(d[5]) for d in done])
     mb_in = sum(b.bytes_in - a.bytes_in for a, b in zip(st0, st1)) / 1e6
     mb_out = sum(b.bytes_out - a.bytes_out for a, b in zip(st0, st1)) / 1e6
     return {
-        "numel": numel, "density": density, "workers": workers, "shards": shards, "steps": steps,
+        "numel": numel, "tensors": tensors, "density": density, "workers": workers, "shards": shards, "steps": steps,
         "optimizer": optimizer, "pinned": pin, "one_host": one_host, "server_cpus": server_cpus,
         "wall_s": round(wall, 3),
         "steps_per_s": round(steps / wall, 2),
@@ -204,6 +237,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         "server_cores_busy": round(cpu / wall, 3),
         "worker_cores_busy": round(sum(d[6] for d in done) / wall, 3),  # their CPU, all threads
         "worker_cpu_ms_per_step": round(1e3 * sum(d[6] for d in done) / (steps * workers), 4),  # one worker's
+        "updates_per_push": k,
         "server_cpu_ns_per_update": round(1e9 * cpu / (steps * workers * k), 2),
         "server_peak_rss_mb": round(rss, 1),
         "bytes_pushed_per_step": round(sum(d[3] for d in done) / steps),  # all workers
@@ -259,15 +293,15 @@ def header_decode_cost(tensors: int, reps: int) -> dict:
 
 def push_decode_cost(numel: int, density: float, reps: int) -> dict:
     """The event loop's work on one push of the throughput run (``numel`` parameters in
-    TENSORS tensors, ``density`` of each, Rice + f16), in this process: microseconds per
+    one part (the server's flat range), ``density`` of each, Rice + f16), in this process: microseconds per
     push to decode the header, to decode the indices and check the values of every
     tensor, and to take the push's norm (the push-norm bound, on by default)."""
     rng = np.random.default_rng(0)
-    per = numel // TENSORS
-    layout = [protocol.TensorSpec(f"t{i}", (per,), "float32") for i in range(TENSORS)]
+    per = numel
+    layout = [protocol.TensorSpec(f"t{i}", (per,), "float32") for i in range(1)]
     k = max(1, int(per * density))
     sparse = [protocol.SparseTensor(t, np.sort(rng.choice(per, k, replace=False)).astype(np.int32),
-                                    (rng.standard_normal(k) * 1e-3).astype(np.float32)) for t in range(TENSORS)]
+                                    (rng.standard_normal(k) * 1e-3).astype(np.float32)) for t in range(1)]
     entries, frames = protocol.encode_tensors(sparse, layout, "rice", "f16")
     parts = [memoryview(bytes(p)) for p in protocol.encode(protocol.Push(req=1, worker=0, version=0,
                                                                          tensors=entries), frames)]
@@ -283,9 +317,30 @@ def push_decode_cost(numel: int, density: float, reps: int) -> dict:
             fn()
         us[name] = 1e6 * (time.perf_counter() - t0) / reps
     total = sum(us.values())
-    return {"entries": k * TENSORS, "header_us": round(us["header"], 2), "tensors_us": round(us["tensors"], 2),
+    return {"entries": k, "header_us": round(us["header"], 2), "tensors_us": round(us["tensors"], 2),
             "norm_us": round(us["norm"], 2), "total_us": round(total, 2),
-            "ns_per_entry": round(1e3 * total / (k * TENSORS), 3)}
+            "ns_per_entry": round(1e3 * total / (k), 3)}
+
+
+def kernel_cost(rows: list[dict]) -> None:
+    """The kernel alone (``bench.kernel``'s run, one thread, best of 5 fresh push sets) on
+    each row's step: its workers' pushes at the row's density (dense suffix included), applied
+    to the row's parameters with its optimizer. Adds the kernel's CPU per pushed update and the
+    server's over it (``x_kernel``): what the server's path costs beyond the apply."""
+    from bench.kernel import run_case
+
+    cache: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["numel"], r["updates_per_push"], r["workers"], r["optimizer"])
+        if key not in cache:
+            got: list[dict] = []
+            run_case(got, r["optimizer"], r["numel"], r["updates_per_push"] / r["numel"], r["workers"], bw=float("nan"),
+                     reps=5, impls=("stella",))
+            one = next(g for g in got if g["impl"] == "stella" and g["threads"] == 1)
+            step_cpu_s = one["union"] / one["updates_per_cpu_s"]  # the kernel's CPU for one step's pushes
+            cache[key] = 1e9 * step_cpu_s / (r["workers"] * r["updates_per_push"])
+        r["kernel_cpu_ns_per_update"] = round(cache[key], 2)
+        r["x_kernel"] = round(r["server_cpu_ns_per_update"] / cache[key], 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--one-host", action="store_true",
                      help="the shards from one command, stella-ps --shards N (pinned and listed by the supervisor); "
                           "the workers given the first address")
+    p.add_argument("--tensors", default="1",
+                   help="model layouts, comma-separated tensor counts (default 1; 76: the byte LM's count, 300: a 1B "
+                        "transformer's, shapes scaled to --numel, see model_sizes)")
+    p.add_argument("--kernel", action="store_true",
+                   help="also time the kernel alone (bench.kernel, one thread) on each case's pushes, in this run: "
+                        "the server's CPU per pushed update over the kernel's")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="updates/s and server CPU against shards (PNG)")
     a = p.parse_args(argv)
@@ -312,36 +373,42 @@ def main(argv: list[str] | None = None) -> int:
     steps = a.steps or (40 if a.quick else 100)
     server_args = tuple(a.server_args.split())
     load = loadavg()
-    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin, a.one_host)
-            for w in workers for n in a.shards.split(",") for opt in a.optimizers.split(",")]
+    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin, a.one_host, int(t))
+            for t in a.tensors.split(",") for w in workers for n in a.shards.split(",")
+            for opt in a.optimizers.split(",")]
+    if a.kernel:
+        kernel_cost(rows)
     load_end = loadavg()
     dec = [header_decode_cost(t, 2000 if a.quick else 20000) for t in (1, 16, 128)]
     push = push_decode_cost(numel, a.density, 100 if a.quick else 1000)
-    print(f"stella-ps throughput: {'/'.join(map(str, workers))} workers, {numel:,} parameters in {TENSORS} tensors, "
+    print(f"stella-ps throughput: {'/'.join(map(str, workers))} workers, {numel:,} parameters in {a.tensors} tensors, "
           f"density {a.density:.0%}, pre-encoded Rice + f16 pushes replayed, push + pull per step"
           f"{', shards pinned to a core each' if a.pin else ''}"
           f"{', shards from one command (stella-ps --shards N, pinned by it)' if a.one_host else ''}"
           f" (load at start: {load}; at end: {load_end})")
-    print(f"{'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
+    print(f"{'tensors':>7} {'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
           f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'ms/wkr/step':>11} "
-          f"{'srv cores':>9} {'wkr cores':>9} {'wkr ms/step':>12} {'RSS MB':>7}")
-    one = {(r["workers"], r["optimizer"]): r["updates_per_s"] for r in rows if r["shards"] == 1}
+          f"{'srv cores':>9} {'wkr cores':>9} {'wkr ms/step':>12} {'RSS MB':>7} {'srv ns/upd':>10} {'kern ns/upd':>11} "
+          f"{'x kernel':>8}")
+    one = {(r["tensors"], r["workers"], r["optimizer"]): r["updates_per_s"] for r in rows if r["shards"] == 1}
     for r in rows:
-        base = one.get((r["workers"], r["optimizer"]))
+        base = one.get((r["tensors"], r["workers"], r["optimizer"]))
         r["x_one_shard"] = round(r["updates_per_s"] / base, 3) if base else None
-        print(f"{r['workers']:>3} {r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} "
+        kern = r.get("kernel_cpu_ns_per_update", float("nan"))
+        print(f"{r['tensors']:>7} {r['workers']:>3} {r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} "
               f"{r['pushes_per_s']:>9.1f} {r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} "
               f"{r['mb_in_per_s']:>8.2f} "
               f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
               f"{r['server_cpu_ms_per_step']:>12.2f} {r['server_cpu_ms_per_worker_step']:>11.3f} "
               f"{r['server_cores_busy']:>9.2f} {r['worker_cores_busy']:>9.2f} {r['worker_cpu_ms_per_step']:>12.3f} "
-              f"{r['server_peak_rss_mb']:>7.0f}")
+              f"{r['server_peak_rss_mb']:>7.0f} {r['server_cpu_ns_per_update']:>10.1f} {kern:>11.1f} "
+              f"{r.get('x_kernel', float('nan')):>8.2f}")
     print("\npush header decode + validation (this process)")
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:
         print(f"{d['tensors']:>8} {d['header_bytes']:>9} {d['decode_us']:>8.2f}")
     print(f"\none push of the run on the server's event loop (this process): {push['entries']:,} entries "
-          f"in {TENSORS} tensors, Rice + f16")
+          f"in one part, Rice + f16")
     print(f"{'header us':>10} {'tensors us':>11} {'norm us':>8} {'total us':>9} {'ns/entry':>9}")
     print(f"{push['header_us']:>10.2f} {push['tensors_us']:>11.2f} {push['norm_us']:>8.2f} {push['total_us']:>9.2f} "
           f"{push['ns_per_entry']:>9.3f}")
