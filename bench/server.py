@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', shards pinned to a core each' if a.pin else ''}"
           f"{', shards from one command (stella-ps --shards N, pinned by it)' if a.one_host else ''}"
           f" (load at start: {load}; at end: {load_end})")
-    print(f"{'tensors':>7} {'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} {'x 1 shard':>9} "
+    print(f"{'tensors':>7} {'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} "
+          f"{'x 1 shard':>9} "
           f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'ms/wkr/step':>11} "
           f"{'srv cores':>9} {'wkr cores':>9} {'wkr ms/step':>12} {'RSS MB':>7} {'srv ns/upd':>10} {'kern ns/upd':>11} "
           f"{'x kernel':>8}")
