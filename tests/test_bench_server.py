@@ -34,10 +34,31 @@ def test_unpinned_servers_may_use_every_core():
 
 def test_push_decode_cost_times_the_loops_work_on_one_push_of_the_run():
     r = S.push_decode_cost(80_000, 0.01, reps=5)
-    assert r["entries"] == S.TENSORS * 100  # 1% of each of the 8 tensors of 10,000
+    assert r["entries"] == 800  # 1% of the one part of 80,000
     assert min(r["header_us"], r["tensors_us"], r["norm_us"]) > 0
     assert r["total_us"] == pytest.approx(r["header_us"] + r["tensors_us"] + r["norm_us"], abs=0.02)
     assert r["ns_per_entry"] == pytest.approx(1e3 * r["total_us"] / r["entries"], rel=0.01)
+
+
+@pytest.mark.parametrize("numel,tensors", [(10_000_000, 76), (100_000_000, 300), (100_000, 76), (1000, 1), (999, 4)])
+def test_model_sizes_lays_out_the_asked_tensor_count_and_model_size(numel, tensors):
+    sizes = S.model_sizes(numel, tensors)
+    assert len(sizes) == tensors and sum(sizes) == numel and min(sizes) > 0
+
+
+def test_a_transformer_layout_pushes_its_small_tensors_whole_and_the_kernel_is_timed_beside_it():
+    """76 tensors (the byte LM's count): the biases and norms are under the server's dense
+    cut (4096), so a push carries them whole besides 1% of the large ones; ``kernel_cost``
+    times the kernel on the same step and gives the server's cost over it."""
+    sizes = S.model_sizes(1_000_000, 76)
+    small = sum(n for n in sizes if n < 4096)
+    assert 0 < small < 1_000_000 // 10
+    r = S.run_throughput(1_000_000, 0.01, workers=2, steps=10, optimizer="sgd", tensors=76)
+    large = sum(max(1, int(n * 0.01)) for n in sizes if n >= 4096)
+    assert r["tensors"] == 76 and r["updates_per_push"] == small + large
+    S.kernel_cost([r])
+    assert r["kernel_cpu_ns_per_update"] > 0
+    assert r["x_kernel"] == pytest.approx(r["server_cpu_ns_per_update"] / r["kernel_cpu_ns_per_update"], rel=0.01)
 
 
 def test_one_host_runs_the_shards_through_the_supervisor():
