@@ -32,7 +32,8 @@ import time
 import numpy as np
 
 from stella import checkpoint_file as ckfmt
-from stella.protocol import SparseTensor, TensorSpec
+from stella.payload import SparseTensor
+from stella.protocol import TensorSpec
 from stella_ps.aggregation import Step
 from stella_ps.checkpoints import CHECKPOINT_SLICE, copy_in_slices, roll_forward, state_copy
 from stella_ps.config import Pulls

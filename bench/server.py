@@ -53,7 +53,7 @@ import time
 import numpy as np
 
 from bench.harness import await_ready, loadavg, start_shards
-from stella import protocol
+from stella import payload, protocol
 from stella.planning.measure import replay
 from stella.shards import ShardedClient, connect
 from stella_ps.aggregation import push_norm
@@ -280,7 +280,7 @@ def header_decode_cost(tensors: int, reps: int) -> dict:
     layout = [protocol.TensorSpec(f"t{i}", (100_000,), "float32") for i in range(tensors)]
     idx = np.arange(0, 100_000, 100, dtype=np.int32)
     vals = np.ones(idx.size, np.float32)
-    entries, frames = protocol.encode_tensors([protocol.SparseTensor(t, idx, vals) for t in range(tensors)], layout,
+    entries, frames = payload.encode_tensors([payload.SparseTensor(t, idx, vals) for t in range(tensors)], layout,
                                               "rice", "f16")
     parts = protocol.encode(protocol.Push(req=1, worker=0, version=0, tensors=entries), frames)
     parts = [memoryview(bytes(p)) for p in parts]
@@ -297,17 +297,16 @@ def push_decode_cost(numel: int, density: float, reps: int) -> dict:
     push to decode the header, to decode the indices and check the values of every
     tensor, and to take the push's norm (the push-norm bound, on by default)."""
     rng = np.random.default_rng(0)
-    per = numel
-    layout = [protocol.TensorSpec(f"t{i}", (per,), "float32") for i in range(1)]
-    k = max(1, int(per * density))
-    sparse = [protocol.SparseTensor(t, np.sort(rng.choice(per, k, replace=False)).astype(np.int32),
-                                    (rng.standard_normal(k) * 1e-3).astype(np.float32)) for t in range(1)]
-    entries, frames = protocol.encode_tensors(sparse, layout, "rice", "f16")
+    layout = [protocol.TensorSpec("part0", (numel,), "float32")]
+    k = max(1, int(numel * density))
+    sparse = [payload.SparseTensor(0, np.sort(rng.choice(numel, k, replace=False)).astype(np.int32),
+                                   (rng.standard_normal(k) * 1e-3).astype(np.float32))]
+    entries, frames = payload.encode_tensors(sparse, layout, "rice", "f16")
     parts = [memoryview(bytes(p)) for p in protocol.encode(protocol.Push(req=1, worker=0, version=0,
                                                                          tensors=entries), frames)]
     rx = protocol.decode_request(parts)
-    tensors = protocol.decode_tensors(rx, layout)
-    stages = {"header": lambda: protocol.decode_request(parts), "tensors": lambda: protocol.decode_tensors(rx, layout),
+    tensors = payload.decode_tensors(rx, layout)
+    stages = {"header": lambda: protocol.decode_request(parts), "tensors": lambda: payload.decode_tensors(rx, layout),
               "norm": lambda: push_norm(tensors)}
     us = {}
     for name, fn in stages.items():

@@ -76,7 +76,8 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(
 def test_restore_gives_back_every_state_array_bit_for_bit(tmp_path):
     """The store's whole state (parameters and Adam moments and step counts), restored
     from a checkpoint and copied out again, equals what was written."""
-    from stella.protocol import SparseTensor, TensorSpec
+    from stella.payload import SparseTensor
+    from stella.protocol import TensorSpec
     from stella_ps.aggregation import Step
     from stella_ps.checkpoints import state_copy
     from stella_ps.config import Pulls
@@ -198,7 +199,8 @@ def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt, pull)
     """A checkpoint copies the state a slice at a time while steps go on; the logged
     steps, applied to the slices copied before them, give exactly the store's state
     (with the broadcast, its model and residual too: a step's selection is replayed)."""
-    from stella.protocol import SparseTensor, TensorSpec
+    from stella.payload import SparseTensor
+    from stella.protocol import TensorSpec
     from stella_ps.aggregation import Step
     from stella_ps.checkpoints import copy_in_slices, roll_forward, state_copy
     from stella_ps.config import Pulls

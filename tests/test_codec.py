@@ -566,7 +566,8 @@ def test_q_fuzz_valid_frames_round_trip(count, dtype, seed):
 
 def test_a_delta_of_values_to_install_refuses_coded_values_and_a_broadcast_takes_them():
     from stella.errors import ProtocolError
-    from stella.protocol import Delta, SparseTensor, TensorSpec, decode_reply, encode, encode_tensors
+    from stella.payload import SparseTensor, encode_tensors
+    from stella.protocol import Delta, TensorSpec, decode_reply, encode
 
     layout = [TensorSpec("w", (10,), "float32")]
     for vd in ("q4", "f16"):

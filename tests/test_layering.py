@@ -93,10 +93,11 @@ def test_the_health_check_loads_no_c_extension():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-# the client's modules the server may import: the wire (protocol, codec, errors, the flat layout), the checked
-# boundary to C and the selection over it (native_errors, native_select), and the checkpoint file's format
-SERVER_TO_CLIENT = {"stella.protocol", "stella.codec", "stella.errors", "stella.native_errors", "stella.native_select",
-                    "stella.checkpoint_file", "stella.layout"}
+# the client's modules the server may import: the wire (protocol, its payloads, codec, errors, the flat
+# layout), the checked boundary to C and the selection over it (native_errors, native_select), and the checkpoint
+# file's format
+SERVER_TO_CLIENT = {"stella.protocol", "stella.payload", "stella.codec", "stella.errors", "stella.native_errors",
+                    "stella.native_select", "stella.checkpoint_file", "stella.layout"}
 
 
 def test_the_server_imports_only_the_clients_wire_modules():

@@ -12,7 +12,8 @@ import pytest
 from stella import BadRequest, LayoutConflict, NotRegistered, ServerUnavailable, VersionError, _session
 from stella.client import Client
 from stella.layout import FlatLayout
-from stella.protocol import PROTOCOL_VERSION, model_digest
+from stella.payload import model_digest
+from stella.protocol import PROTOCOL_VERSION
 from stella_ps.process import free_port
 
 SGD1 = {"name": "sgd", "lr": 1.0}

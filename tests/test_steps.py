@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from stella.errors import ServerError
-from stella.protocol import SparseTensor, TensorSpec
+from stella.payload import SparseTensor
+from stella.protocol import TensorSpec
 from stella_ps.config import Deadline, Limits, Liveness, Pulls
 from stella_ps.membership import Membership
 from stella_ps.optim import OptimizerConfig

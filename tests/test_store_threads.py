@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from stella.protocol import SparseTensor, TensorSpec
+from stella.payload import SparseTensor
+from stella.protocol import TensorSpec
 from stella_ps import runtime
 from stella_ps.aggregation import Step
 from stella_ps.config import Pulls

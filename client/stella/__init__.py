@@ -23,7 +23,8 @@ Where each concern lives:
   ``FlatCompressor`` (one residual, one selection over the sparse range, the dense
   suffix whole); ``_flat_native.py`` its C (``native/flat.c``);
 - the wire: ``layout.py`` the flat model's coordinate space (workers and server
-  alike); ``protocol.py`` every message (the server imports it); ``codec.py`` the
+  alike); ``protocol.py`` every message (the server imports it); ``payload.py`` a
+  message's tensor entries and raw frames to arrays and back; ``codec.py`` the
   codings and the wire's facts (bits per value, the dense cut); ``_codec_native.py`` its
   C; ``native_errors.py`` the checked-call boundary to C; ``protocol_docs.py`` the
   generated tables of docs/protocol.md;

@@ -53,6 +53,7 @@ from .errors import (
     from_reply,
     unreadable,
 )
+from .payload import model_digest
 from .protocol import (
     Error,
     Heartbeat,
@@ -72,7 +73,6 @@ from .protocol import (
     encode,
     encode_header,
     key_fingerprint,
-    model_digest,
 )
 
 __all__ = ["Session", "rebase", "curve_keys", "default_timeout", "default_reconnect", "ENV_TIMEOUT",

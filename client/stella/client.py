@@ -40,6 +40,7 @@ from ._session import (
 )
 from .errors import ProtocolError
 from .layout import FlatLayout, FlatUpdate, FlatValues, Part
+from .payload import SparseTensor, concat_entries, decode_tensors, encode_tensors, part_specs
 from .protocol import (
     Delta,
     IndexCoding,
@@ -54,17 +55,12 @@ from .protocol import (
     Received,
     Registered,
     SetOptimizer,
-    SparseTensor,
     Status,
     StatusReply,
     TensorSpec,
     TrainingMode,
     ValueDtype,
     WorkerReport,
-    concat_entries,
-    decode_tensors,
-    encode_tensors,
-    part_specs,
 )
 
 __all__ = ["Client", "Pending", "PullResult", "EncodedPush", "ENV_TIMEOUT", "ENV_SERVER_KEY", "ENV_CLIENT_KEY",
@@ -324,7 +320,7 @@ class Client:
         :class:`LayoutConflict`. The reply's ``base`` says where to start: the version
         whose model equals these values (this registration created the model, or the
         model was created with the same values: the registration carries their digest,
-        :func:`stella.protocol.model_digest`), to pull since; None: pull a full snapshot.
+        :func:`stella.payload.model_digest`), to pull since; None: pull a full snapshot.
         """
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]

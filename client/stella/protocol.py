@@ -11,10 +11,11 @@ travel inside MessagePack and are never pickled.
 checked without the model: exact field types (``proto: 1.0`` or ``true`` is not the
 int 1), required fields, unknown fields, ranges and string lengths, that the frame
 references of a message cover its payload frames exactly once and in order, and
-the size of every value frame. :func:`decode_tensors` then checks the entries
-against the model's layout, decodes the indices (strictly increasing, in range)
-and checks that values are finite: what it returns, :class:`SparseTensor`, is
-what the kernel may trust without checking again.
+the size of every value frame. :func:`stella.payload.decode_tensors` then checks
+the entries against the model's layout, decodes the indices (strictly increasing,
+in range) and checks that values are finite: what it returns,
+:class:`~stella.payload.SparseTensor`, is what the kernel may trust without
+checking again.
 
 This is the single place that declares message types; the server imports it
 (never the other way round). Adding a message type means: a class here, added to
@@ -27,16 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
-import numpy as np
 
 from . import codec
-from .errors import BadValue, CodecError, ErrorCode, OversizedMessage, ProtocolError, ServerError
-from .layout import MAX_NUMEL, Part  # int32 indices
+from .errors import CodecError, OversizedMessage, ProtocolError
+from .layout import MAX_NUMEL  # int32 indices
 
 __all__ = [
     # constants and types
@@ -50,8 +50,7 @@ __all__ = [
     # replies
     "Joined", "Left", "Registered", "PushOk", "Delta", "StatusReply", "OptimizerSet", "HeartbeatOk", "Error",
     # framing and the payloads' coding
-    "Request", "Reply", "Received", "SparseTensor", "encode", "encode_header", "decode_request", "decode_reply",
-    "encode_tensors", "concat_entries", "decode_tensors", "decode_register_values", "model_digest", "part_specs",
+    "Request", "Reply", "Received", "encode", "encode_header", "decode_request", "decode_reply", "tag_of",
 ]
 
 PROTOCOL_VERSION = 10
@@ -551,7 +550,7 @@ def _reason(err: Exception) -> str:
 def _explained(env: _Envelope, err: Exception, kind: str) -> ProtocolError:
     if env.proto != PROTOCOL_VERSION or type(env.proto) is not int:
         return ProtocolError(f"protocol version {env.proto!r} not supported (this side speaks {PROTOCOL_VERSION})")
-    known = sorted(_tag(t) for t in (REQUEST_TYPES if kind == "request" else REPLY_TYPES))
+    known = sorted(tag_of(t) for t in (REQUEST_TYPES if kind == "request" else REPLY_TYPES))
     if not isinstance(env.type, str) or env.type not in known:
         return ProtocolError(f"unknown {kind} type {env.type!r}; known: {known}")
     return ProtocolError(f"{env.type}: {_entry_field_names(_reason(err))}")
@@ -567,7 +566,7 @@ def _entry_field_names(text: str) -> str:
                   lambda m: f"{m.group(1)}.{_ENTRY_FIELDS[int(m.group(2))]}", text)
 
 
-def _tag(msg: Any) -> str:
+def tag_of(msg: Any) -> str:
     """A message's ``type`` on the wire."""
     return str(msg.__struct_config__.tag)
 
@@ -582,7 +581,7 @@ def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
             raise ProtocolError(f"register: expected 1 or {MAX_PARTS} value frames (the parts of the range), "
                                 f"got {len(payload)}")
     elif payload:
-        raise ProtocolError(f"{_tag(msg)}: expected no payload frames, got {len(payload)}")
+        raise ProtocolError(f"{tag_of(msg)}: expected no payload frames, got {len(payload)}")
 
 
 def _check_delta(msg: Delta, payload: tuple[memoryview, ...]) -> None:
@@ -613,16 +612,16 @@ def _check_run(msg: Push | Delta, entries: Sequence[TensorEntry], payload: tuple
     for e in entries:
         t = e.tensor
         if t in seen:
-            raise ProtocolError(f"{_tag(msg)}: tensor {t} appears twice")
+            raise ProtocolError(f"{tag_of(msg)}: tensor {t} appears twice")
         seen.add(t)
         fi, fv = e.index_frame, e.value_frame
         if fi is None:
             if e.coding != "dense":
-                raise ProtocolError(f"{_tag(msg)}: tensor {t}: an index frame is required unless dense, "
+                raise ProtocolError(f"{tag_of(msg)}: tensor {t}: an index frame is required unless dense, "
                                     "and forbidden when dense")
         else:
             if e.coding == "dense":
-                raise ProtocolError(f"{_tag(msg)}: tensor {t}: an index frame is required unless dense, "
+                raise ProtocolError(f"{tag_of(msg)}: tensor {t}: an index frame is required unless dense, "
                                     "and forbidden when dense")
             if fi != expect:
                 _frame_error(msg, t, fi, expect)
@@ -631,22 +630,22 @@ def _check_run(msg: Push | Delta, entries: Sequence[TensorEntry], payload: tuple
             _frame_error(msg, t, fv, expect)
         expect += 1
         if expect > nframes:
-            raise ProtocolError(f"{_tag(msg)}: tensor {t}: frame {expect - 1} missing ({nframes} payload frames)")
+            raise ProtocolError(f"{tag_of(msg)}: tensor {t}: frame {expect - 1} missing ({nframes} payload frames)")
         if exact and e.value_dtype != "f32":
             # replicas that install values hold exact ones, or they would drift from the server's
             raise ProtocolError(f"delta: tensor {t}: value dtype {e.value_dtype!r}: values a replica installs are "
                                 "exact (f32); coded values come only in an added (broadcast) delta")
         need = codec.value_frame_size(e.value_dtype, e.count)
         if payload[fv].nbytes != need:
-            raise CodecError(f"{_tag(msg)}: tensor {t} value frame ({e.value_dtype}): "
+            raise CodecError(f"{tag_of(msg)}: tensor {t} value frame ({e.value_dtype}): "
                              f"{payload[fv].nbytes} bytes for {e.count} values (need {need})")
     if last and expect != nframes:
-        raise ProtocolError(f"{_tag(msg)}: {nframes} payload frames, the entries describe {expect}")
+        raise ProtocolError(f"{tag_of(msg)}: {nframes} payload frames, the entries describe {expect}")
     return expect
 
 
 def _frame_error(msg: Push | Delta, tensor: int, ref: int, expect: int) -> None:
-    raise ProtocolError(f"{_tag(msg)}: tensor {tensor}: frame {ref} referenced where frame {expect} "
+    raise ProtocolError(f"{tag_of(msg)}: tensor {tensor}: frame {ref} referenced where frame {expect} "
                         "comes next (frames go in entry order, index before values)")
 
 
@@ -659,143 +658,3 @@ def decode_request(frames: Sequence[Any]) -> Received:
 def decode_reply(frames: Sequence[Any]) -> Received:
     """Decode and validate a reply, as :func:`decode_request` does a request."""
     return _decode(frames, _reply_decoder, "reply")
-
-
-# ------------------------------------------------------------- tensor payloads
-@dataclass(frozen=True, slots=True)
-class SparseTensor:
-    """One tensor's part of a push or delta, decoded and proved valid against the
-    model: ``indices`` strictly increasing int32 inside the tensor (None: dense, every
-    coordinate in order) and ``values`` as they travelled (float32, float16, or bf16
-    bit patterns as uint16; q4/q2 dequantised to float32), all finite. The one shape of a
-    sparse tensor from the wire to the kernel and back: :func:`decode_tensors` makes it
-    (so the kernel applies it without checking again), the server's store holds it, and
-    :func:`encode_tensors` takes it (then ``values`` are float32 to be coded)."""
-
-    tensor: int
-    indices: np.ndarray | None
-    values: np.ndarray
-
-
-def decode_tensors(rx: Received, layout: Sequence[TensorSpec], *, float32: bool = False,
-                   sumsq: list[float] | None = None) -> list[SparseTensor]:
-    """Check a push's or delta's entries against ``layout`` and decode them: values as
-    they travelled (the server's kernel reads f16 and bf16 as they are), or with
-    ``float32`` as float32 (what a worker adds to its replica), in the same pass.
-    ``sumsq``: a list to which the sum of the squares of each tensor's values (float64,
-    the push norm's parts) is appended; the one C pass over the values that sums them
-    also proves them finite (a float32's square is finite in float64, and so is the sum
-    of fewer than 2**31 of them), so it costs nothing beside the check.
-
-    Raises :class:`ServerError` with code ``unknown_tensor`` for a tensor not in the
-    layout, :class:`OversizedMessage` for more values than the tensor has,
-    :class:`ProtocolError` for a dense entry of the wrong count, :class:`CodecError`
-    for corrupt indices (or q4/q2 pad bits) and :class:`~stella.errors.BadValue` for
-    NaN or Inf (or a negative, NaN or Inf q4/q2 scale)."""
-    out = []
-    frames = rx.frames
-    for e in rx.msg.tensors:
-        t, count = e.tensor, e.count
-        if t >= len(layout):
-            raise ServerError(f"{_tag(rx.msg)}: tensor {t} is not in the model (0..{len(layout) - 1})",
-                              ErrorCode.UNKNOWN_TENSOR)
-        spec = layout[t]
-        numel = spec.numel
-        if count > numel:
-            raise OversizedMessage(f"{_tag(rx.msg)}: tensor {spec.name!r}: {count} values > its {numel} elements")
-        if e.index_frame is None:
-            if count != numel:
-                raise ProtocolError(f"{_tag(rx.msg)}: dense tensor {spec.name!r} needs {numel} values, got {count}")
-            idx = None
-        else:
-            try:
-                idx = codec.decode_indices(frames[e.index_frame], count, numel, e.coding)
-            except CodecError as err:
-                raise CodecError(f"{_tag(rx.msg)}: tensor {spec.name!r} index frame ({e.coding}): {err}") from None
-        try:
-            if sumsq is None:
-                vals = codec.wire_values(frames[e.value_frame], count, e.value_dtype)
-            else:
-                vals, ss = codec.wire_values_sumsq(frames[e.value_frame], count, e.value_dtype)
-                sumsq.append(ss)
-            if float32:
-                vals = codec.to_float32(vals)
-        except ProtocolError as err:
-            raise type(err)(f"{_tag(rx.msg)}: tensor {spec.name!r} value frame ({e.value_dtype}): {err}") from None
-        out.append(SparseTensor(t, idx, vals))
-    return out
-
-
-def model_digest(values: Sequence[np.ndarray]) -> bytes:
-    """SHA-256 of a model's values as its registration sends them (per tensor, in the
-    layout's order: its element count, then its float32 bytes): what ``Register.digest``
-    carries and what the server compares with the values the model was created with."""
-    h = hashlib.sha256()
-    for v in values:
-        a = np.ascontiguousarray(v, dtype="<f4").reshape(-1)
-        h.update(a.size.to_bytes(8, "little"))
-        h.update(a.data)  # large updates run without the GIL
-    return h.digest()
-
-
-def part_specs(parts: Sequence[Part]) -> list[TensorSpec]:
-    """A server's parts of the flat model (:mod:`stella.layout`) as its tensors, what the
-    wire's entries name."""
-    return [TensorSpec(p.name, (p.numel,), "float32") for p in parts]
-
-
-def decode_register_values(rx: Received, parts: Sequence[TensorSpec]) -> list[np.ndarray]:
-    """The initial float32 values a ``register`` with ``values`` carries, one flat array
-    per part of the server's range (``parts``); raises :class:`CodecError` for a frame
-    of the wrong size and :class:`~stella.errors.BadValue` naming the first part with a
-    NaN or Inf."""
-    msg = rx.msg
-    assert isinstance(msg, Register) and msg.values
-    if len(rx.frames) != len(parts):
-        raise ProtocolError(f"register: expected {len(parts)} value frames (the parts of the range), "
-                            f"got {len(rx.frames)}")
-    out = []
-    for spec, frame in zip(parts, rx.frames):
-        if frame.nbytes != 4 * spec.numel:
-            raise CodecError(f"register: part {spec.name!r} value frame: {frame.nbytes} bytes for "
-                             f"{spec.numel} float32 values (need {4 * spec.numel})")
-        try:
-            out.append(codec.wire_values(frame, spec.numel, "f32"))
-        except BadValue:
-            raise BadValue(f"register: part {spec.name!r} has NaN/Inf initial values") from None
-    return out
-
-
-def encode_tensors(
-    tensors: Sequence[SparseTensor],
-    layout: Sequence[TensorSpec],
-    coding: IndexCoding,
-    value_dtype: ValueDtype,
-) -> tuple[list[TensorEntry], list[Any]]:
-    """Entries and payload frames for sparse tensors (sorted unique indices or None for
-    dense; float32 values, sent as ``value_dtype``): the one encoder of pushes and deltas."""
-    entries: list[TensorEntry] = []
-    frames: list[Any] = []
-    for s in tensors:
-        t, idx, vals = s.tensor, s.indices, s.values
-        if idx is None:
-            entries.append(TensorEntry(t, int(vals.size), "dense", value_dtype, None, len(frames)))
-        else:
-            entries.append(TensorEntry(t, int(idx.size), coding, value_dtype, len(frames), len(frames) + 1))
-            frames.append(codec.encode_indices(idx, layout[t].numel, coding))
-        frames.append(codec.encode_values(vals, value_dtype))
-    return entries, frames
-
-
-def concat_entries(parts: Iterable[tuple[Sequence[TensorEntry], Sequence[Any]]]) -> tuple[list[TensorEntry], list[Any]]:
-    """Several (entries, frames) pairs, as :func:`encode_tensors` returns them, joined
-    into one: each pair's frames follow the previous pairs', and its entries' frame
-    numbers move with them."""
-    entries: list[TensorEntry] = []
-    frames: list[Any] = []
-    for part_entries, part_frames in parts:
-        off = len(frames)
-        entries += [msgspec.structs.replace(e, index_frame=None if e.index_frame is None else e.index_frame + off,
-                                            value_frame=e.value_frame + off) for e in part_entries]
-        frames += part_frames
-    return entries, frames

@@ -40,7 +40,7 @@ import numpy as np
 
 from stella.codec import sum_of_squares, to_float32
 from stella.errors import BadValue, ErrorCode, ServerError
-from stella.protocol import SparseTensor
+from stella.payload import SparseTensor
 
 __all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled", "weigh"]
 
@@ -65,7 +65,7 @@ class Step:
     """What one closed step applies.
 
     ``per_tensor[t]`` holds the pushes' parts for tensor ``t`` as the wire decoder
-    made them (:class:`~stella.protocol.SparseTensor`); their sum is applied times ``scale``, the mean over the step's
+    made them (:class:`~stella.payload.SparseTensor`); their sum is applied times ``scale``, the mean over the step's
     contributors. ``late`` counts pushes computed on a version older than the one
     before this step (they missed their own step and were folded into this one).
     ``hparams`` are the optimizer changes the step's pushes carry, in worker order.
@@ -363,7 +363,7 @@ class PushNormBound:
     def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None) -> list[SparseTensor]:
         """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
         or scaled down (float32 copies). ``sumsq``: the sums of the squares of its
-        tensors' values, as the decoder found them (:func:`stella.protocol.decode_tensors`);
+        tensors' values, as the decoder found them (:func:`stella.payload.decode_tensors`);
         None: computed here."""
         if not (self.absolute or self.factor):
             return tensors

@@ -44,15 +44,8 @@ from typing import Any
 import numpy as np
 
 from stella import codec
-from stella.protocol import (
-    BroadcastInfo,
-    SparseTensor,
-    TensorEntry,
-    TensorSpec,
-    ValueDtype,
-    concat_entries,
-    encode_tensors,
-)
+from stella.payload import SparseTensor, concat_entries, encode_tensors
+from stella.protocol import BroadcastInfo, TensorEntry, TensorSpec, ValueDtype
 
 from .kernel import scatter_add, scatter_add_lists
 from .residual import FlatResidual

@@ -28,7 +28,8 @@ import numpy as np
 from stella import checkpoint_file as ckpt_format
 from stella.checkpoint_file import Checkpoint, CheckpointError
 from stella.layout import FlatLayout
-from stella.protocol import SparseTensor, TensorSpec
+from stella.payload import SparseTensor
+from stella.protocol import TensorSpec
 
 from .broadcast import replay
 from .config import Checkpoints

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stella.native_errors import NativeIsa, check, isa_info, require_abi, sparse_lists, warn_isa_fallback
-from stella.protocol import SparseTensor
+from stella.payload import SparseTensor
 
 from ._kernel import ffi, lib
 from .errors import KernelError, KernelInputError, NonFiniteStep
@@ -259,7 +259,7 @@ class KernelTensorState:
               cfg: OptimizerConfig, *, checked: bool = True) -> np.ndarray:
         """Merge ``pushes``, apply ``scale`` times their sum with the lazy optimizer.
 
-        A push is the :class:`~stella.protocol.SparseTensor` the wire decoder made (the
+        A push is the :class:`~stella.payload.SparseTensor` the wire decoder made (the
         server's path), or an ``(indices or None for dense, values)`` pair (tests, the
         reference's duck type).
 

@@ -26,17 +26,8 @@ import numpy as np
 
 from stella.errors import LayoutConflict, ProtocolError, StellaError
 from stella.layout import FlatLayout
-from stella.protocol import (
-    MAX_NUMEL,
-    Received,
-    Register,
-    Registered,
-    TensorSpec,
-    TrainingMode,
-    decode_register_values,
-    model_digest,
-    part_specs,
-)
+from stella.payload import decode_register_values, model_digest, part_specs
+from stella.protocol import MAX_NUMEL, Received, Register, Registered, TensorSpec, TrainingMode
 
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig

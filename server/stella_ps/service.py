@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stella.errors import ErrorCode, ProtocolError, StellaError, VersionError
+from stella.payload import decode_tensors
 from stella.protocol import (
     MAX_NAME_BYTES,
     Delta,
@@ -47,7 +48,6 @@ from stella.protocol import (
     Status,
     StatusReply,
     WorkerStatus,
-    decode_tensors,
 )
 
 from . import __version__

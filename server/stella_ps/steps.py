@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stella.errors import ErrorCode, ServerError
-from stella.protocol import SparseTensor
+from stella.payload import SparseTensor
 
 from .aggregation import AdaptiveDeadline, Aggregator, PendingPush, Step
 from .config import Deadline, Limits, Liveness

@@ -24,16 +24,8 @@ import numpy as np
 
 from stella.errors import ErrorCode, ServerError
 from stella.layout import FlatLayout, Part
-from stella.protocol import (
-    PullCoding,
-    PullMode,
-    SparseTensor,
-    TensorEntry,
-    TensorSpec,
-    concat_entries,
-    encode_tensors,
-    part_specs,
-)
+from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
+from stella.protocol import PullCoding, PullMode, TensorEntry, TensorSpec
 
 from .aggregation import Step
 from .broadcast import OWED_BYTES, Broadcast, StepLog

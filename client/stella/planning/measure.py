@@ -110,7 +110,8 @@ def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAUL
     import msgspec
 
     from ..compress import ErrorFeedbackCompressor
-    from ..protocol import SparseTensor, TensorSpec, encode_tensors
+    from ..payload import SparseTensor, encode_tensors
+    from ..protocol import TensorSpec
 
     layout = [TensorSpec(n, tuple(int(s) for s in t.shape), "float32") for n, t in update.items()]
     numel = sum(t.numel() for t in update.values())
