@@ -22,7 +22,8 @@ Where each concern lives:
 - ``aggregation``: pending pushes, what a closed step takes, the mean's scale, late
   pushes, the adaptive deadline, the push-norm bound.
 - ``membership``: worker ids, the connections they belong to, liveness.
-- ``waiters``: pulls waiting for a future version.
+- ``waiters``: pulls waiting for a future version; ``answers``: pulls answered (the
+  answer a step prepared, sent from the loop; the rest in one trip to the store thread).
 - ``store``: the model, its version, the history of touched coordinates, encoded deltas,
   and the primitives a checkpoint copies it with.
 - ``broadcast``: the compressed broadcast pulls answer: its model ``B`` and residual

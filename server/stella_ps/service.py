@@ -11,7 +11,7 @@ same way (:meth:`Service.refuse`) and the request changes nothing.
 
 The parts, each in its own module: who takes part (:mod:`.membership`), when a step
 closes and with which optimizer configuration (:mod:`.steps`), pulls waiting for a
-version (:mod:`.waiters`), the model (:mod:`.store`) and its creation by the first
+version (:mod:`.waiters`) and their answers (:mod:`.answers`), the model (:mod:`.store`) and its creation by the first
 upload (:mod:`.registration`), checkpoints (:mod:`.checkpoints`), the job's snapshot for ``status`` and the metrics
 (:mod:`.stats`), over the small runtime of :mod:`.runtime`. :meth:`Service.running`
 pairs the start and the stop of each.
@@ -29,7 +29,6 @@ from stella.errors import ErrorCode, ProtocolError, StellaError, VersionError
 from stella.payload import decode_tensors
 from stella.protocol import (
     MAX_NAME_BYTES,
-    Delta,
     Error,
     Heartbeat,
     HeartbeatOk,
@@ -39,7 +38,6 @@ from stella.protocol import (
     Left,
     OptimizerSet,
     Pull,
-    PullCoding,
     Push,
     PushOk,
     Received,
@@ -52,6 +50,7 @@ from stella.protocol import (
 
 from . import __version__
 from .aggregation import PushNormBound
+from .answers import PullAnswers
 from .checkpoints import Checkpointer
 from .config import ServerConfig
 from .membership import Membership, WorkerInfo
@@ -61,7 +60,7 @@ from .security import fingerprint
 from .shardlist import ShardList
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
-from .store import EncodedChanges, ModelStore
+from .store import ModelStore
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Peer", "MAX_WAIT_AHEAD"]
@@ -115,10 +114,8 @@ class Service:
         self.key_name: Callable[[str], str] = lambda key: ""
         self.shard_list = ShardList(config.shard_list, config.shard)  # the job's shards, for joined and status
         self._sweeper: Timer | None = None
-        # pulls ready to be answered, and whether a task is answering them: a step releases every
-        # worker's pull at once, and one trip to the store thread encodes the answers of all
-        self._due: list[tuple[bytes, Pull, float]] = []
-        self._answering = False
+        self.answers = PullAnswers(self.store, self.store_thread, self.tasks, self._send, self.refuse,
+                                   lambda: 1e3 * self.steps.last_apply_s)
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -312,61 +309,8 @@ class Service:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
         arrived = time.monotonic()
         if wait_for <= v:
-            self._answer(ident, msg, arrived)
+            self.answers.answer(ident, msg, arrived)
         else:
             self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
-                             lambda: self._answer(ident, msg, arrived))
+                             lambda: self.answers.answer(ident, msg, arrived))
         self.stats.pulls += 1
-
-    def _answer(self, ident: bytes, msg: Pull, arrived: float) -> None:
-        """Answer the pull ``msg``: now when its answer is made already (a step prepares
-        the one every worker of a synchronous job asks for) and the store thread is
-        idle; else soon, with the other pulls ready by then."""
-        if not self._answering and self.store_thread.idle:
-            enc = self.store.cached_delta(msg.since, msg.coding)
-            if enc is not None:
-                self._send_delta(ident, msg, arrived, enc, time.monotonic())
-                return
-        self._due.append((ident, msg, arrived))
-        if not self._answering:
-            self._answering = True
-            self.tasks.spawn(self._answer_due())
-
-    async def _answer_due(self) -> None:
-        """Encode the answers of the pulls due (each ``(since, coding)`` once, the store's
-        cache) in one trip to the store thread, and send them; a pull whose answer
-        cannot be made is refused, the others are answered."""
-        try:
-            while self._due:
-                due, self._due = self._due, []
-                try:
-                    encoded = await self.store_thread.run(self._encode_deltas, [(m.since, m.coding) for _, m, _ in due])
-                except Exception as e:
-                    encoded = [e] * len(due)
-                now = time.monotonic()
-                for (ident, msg, arrived), enc in zip(due, encoded):
-                    if isinstance(enc, Exception):
-                        self.refuse(ident, msg.req, enc)
-                    else:
-                        self._send_delta(ident, msg, arrived, enc, now)
-        finally:
-            self._answering = False
-
-    def _send_delta(self, ident: bytes, msg: Pull, arrived: float, enc: EncodedChanges, now: float) -> None:
-        held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
-        try:
-            self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                                    parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, 1e3 * self.steps.last_apply_s)),
-                       enc.frames)
-        except Exception as e:  # a bug costs this pull its answer, not the others
-            self.refuse(ident, msg.req, e)
-
-    def _encode_deltas(self, keys: list[tuple[int, PullCoding]]) -> list[EncodedChanges | Exception]:
-        """On the store thread: the answer for each ``(since, coding)``, or the exception it raised."""
-        out: list[EncodedChanges | Exception] = []
-        for since, coding in keys:
-            try:
-                out.append(self.store.encoded_delta(since, coding))
-            except Exception as e:
-                out.append(e)
-        return out
