@@ -29,7 +29,8 @@ Where each concern lives:
   C; ``native_errors.py`` the checked-call boundary to C; ``protocol_docs.py`` the
   generated tables of docs/protocol.md;
 - the connection: ``client.py`` the :class:`Client` API, ``_session.py`` its socket,
-  reply matching, heartbeats and reconnect; ``shards.py`` the same API over a sharded
+  reply matching, heartbeats and reconnect, ``_wire.py`` a message's frames onto the
+  socket and off it; ``shards.py`` the same API over a sharded
   job; ``errors.py`` the exceptions;
 - tools: ``cli.py`` the ``stella`` command; ``status.py`` ``stella status``'s table;
   ``checkpoint_file.py`` the checkpoint format (the server writes it); ``demo.py`` the

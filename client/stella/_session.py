@@ -40,9 +40,9 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.auth
-import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
+from ._wire import receive_message, send_message, writable
 from .errors import (
     ErrorCode,
     NotRegistered,
@@ -97,13 +97,6 @@ ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at
 # handshakes the server closes without a word, in a row, before the client concludes that it holds the
 # wrong server key (one alone can be a server going down mid-handshake)
 SILENT_HANDSHAKE_FAILURES = 3
-# plain ints and the Cython socket's own send: pyzmq's enum.Flag arithmetic and its Python send layer
-# cost microseconds a frame, a request's frames every step
-_MORE = int(zmq.SNDMORE)
-_NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
-_POLLOUT = int(zmq.POLLOUT)
-_zsend = zmq.backend.Socket.send
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -575,41 +568,17 @@ class Session:
         return req
 
     def _writable(self, t: float) -> bool:
-        """Whether the socket can send within ``t`` seconds (IMMEDIATE: once a connection
-        has finished its handshake); a handshake the server refuses raises
-        :class:`Unauthorised` as soon as it fails."""
-        if int(self._sock.get(_EVENTS)) & _POLLOUT:  # (no poll system call)
-            return True
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLOUT)
-        poller.register(self._handshakes.socket, zmq.POLLIN)
-        deadline = time.monotonic() + t
-        while True:
-            self._handshakes.check()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if self._sock in dict(poller.poll(int(left * 1000) + 1)):
-                return True
+        """Whether the socket can send within ``t`` seconds; a handshake the server refuses
+        raises :class:`Unauthorised` as soon as it fails."""
+        return writable(self._sock, t, self._handshakes.socket, self._handshakes.check)
 
     def _transmit(self, msg: Any, frames: list[Any], wait: bool = True) -> bool:
         """Send ``msg`` and its frames; with ``wait`` False, nothing (returns False) unless
-        the socket takes the header at once (ZeroMQ takes a message's parts together)."""
-        header = encode_header(msg)
-        sock, n = self._sock, len(header)
-        try:
-            _zsend(sock, header, (0 if wait else _NOBLOCK) | (_MORE if frames else 0))
-        except zmq.Again:
-            if wait:
-                raise
-            return False
-        if frames:
-            last = len(frames) - 1
-            for i, f in enumerate(frames):
-                n += memoryview(f).nbytes
-                _zsend(sock, f, 0 if i == last else _MORE, False)  # zero-copy above pyzmq's copy threshold
-        self.bytes_pushed += n
-        return True
+        the socket takes it at once."""
+        n = send_message(self._sock, encode_header(msg), frames, wait)
+        if n is not None:
+            self.bytes_pushed += n
+        return n is not None
 
     def wait(self, req: int, timeout: float | None = None) -> Received:
         """Wait for the reply to request ``req``; raises the server's error if it sent one."""
@@ -626,16 +595,15 @@ class Session:
             # a reply already queued is read at once: a receive that finds a message costs no system
             # call (a poll, or asking for EVENTS, would); one that finds none, then the poll
             try:
-                parts: list[memoryview] | None = self._recv_parts(self._sock)
+                parts, n = receive_message(self._sock)
             except zmq.Again:
-                parts = None
-            if parts is None:
                 if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
                     self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
                     why = self._lost() if req in self._sent else None
                     if why:
-                        raise _Lost(why)
+                        raise _Lost(why) from None
                 continue
+            self.bytes_pulled += n
             rx = decode_reply(parts)
             if rx.msg.req in self._outstanding:
                 self._replies[rx.msg.req] = rx
@@ -652,18 +620,6 @@ class Session:
             raise from_reply(rx.msg.code, rx.msg.message)
         self._sent.pop(req, None)
         return rx
-
-    def _recv_parts(self, sock: zmq.Socket) -> list[memoryview]:
-        """The frames of the message queued (:class:`zmq.Again` if none is; its parts arrive
-        together), each one's ``more`` read as it is received (asking the socket costs more)."""
-        f = sock.recv(_NOBLOCK, False)
-        parts, n = [f.buffer], len(f)
-        while f.more:
-            f = sock.recv(_NOBLOCK, False)
-            parts.append(f.buffer)
-            n += len(f)
-        self.bytes_pulled += n
-        return parts
 
     def wait_resilient(self, req: int, timeout: float | None = None) -> Received:
         """:meth:`wait`, reconnecting (and re-sending ``req``) when the connection is lost."""
