@@ -92,6 +92,8 @@ def worker(a) -> int:
         comp_kw["density"] = a.density if a.density == "auto" else float(a.density)
     if a.value_dtype != "default":
         comp_kw["value_dtype"] = a.value_dtype
+    if a.per_tensor:
+        comp_kw["per_tensor"] = True
     if a.mode == "update":  # the workload's own optimizer steps on the worker; the server's is the outer step
         mode_kw = {"mode": "update", "optimizer": wl.make_optimizer(model.parameters()),
                    "outer": json.loads(a.outer) if a.outer.startswith("{") else a.outer}
@@ -180,14 +182,15 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
                sync_every: int = 1, value_dtype: str = "auto", outer: str = "average",
                server_args: tuple[str, ...] = (), site_size: int = 1, slowdown: float | list[float] = 1.0,
-               max_sync_every: int = 0, max_accumulate: int = 0) -> dict:
+               max_sync_every: int = 0, max_accumulate: int = 0, per_tensor: bool = False) -> dict:
     """Run one Stella job (server + ``world`` workers) and return its summary. The
     server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key).
     ``server_args``: more stella-ps flags. ``site_size`` > 1: the workers are sites of
     that many ranks (consecutive ranks, gloo among them, one worker to the server).
     ``slowdown``: each worker's compute-time factor (one for all, or a list per rank).
     ``density``/``value_dtype`` "default", ``sync_every``/``max_sync_every``/
-    ``max_accumulate`` 0: not passed, the library's defaults."""
+    ``max_accumulate`` 0: not passed, the library's defaults. ``per_tensor``: each large
+    tensor its own share of a push (``Compression(per_tensor=True)``)."""
     from bench import workloads as W
     from stella_ps.process import free_port
 
@@ -220,6 +223,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                 argv += [f"--{flag.replace('_', '-')}", path]
             if stop_at_target:
                 argv.append("--stop-at-target")
+            if per_tensor:
+                argv.append("--per-tensor")
             argvs.append(argv)
         rcs = wait_workers(launch_workers(argvs, tmp, bed=bed, sites=sites), max_seconds + 180)
         server_cpu = process_cpu_seconds(ps.pid) - server_cpu
@@ -237,7 +242,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     res = summarize("stella", workload, ranks, wl)
     res["density"] = density
     res.update(mode=mode, sync_every=sync_every, value_dtype=value_dtype, outer=outer, slowdown=slow,
-               max_sync_every=max_sync_every, max_accumulate=max_accumulate)
+               max_sync_every=max_sync_every, max_accumulate=max_accumulate, per_tensor=per_tensor)
     # where the time of an exchange goes (profile), per iteration, mean over workers
     res["compress_s_per_iter"] = sum(k["compress_s"] / max(1, k["steps"]) for k in ranks) / world
     res["exchange_s_per_iter"] = sum(k["exchange_s"] / max(1, k["steps"]) for k in ranks) / world
@@ -282,6 +287,8 @@ SYSTEMS: dict[str, dict[str, Any]] = {
                   "max_sync_every": 8},  # local steps
     "stella_nesterov": {"mode": "update", "value_dtype": "q2", "density": 0.006, "sync_every": 8,
                         "max_sync_every": 8, "outer": "nesterov"},
+    # one top-k over the flat model (stella_f16) against a quota per tensor: whether per-tensor fairness matters
+    "stella_f16_per_tensor": {"mode": "update", "value_dtype": "f16", "max_sync_every": 1, "per_tensor": True},
     "stella_grad": {"mode": "gradient"},  # StellaTrain's gradient mode, one step stale
     "stella_grad_sync": {"mode": "gradient", "staleness": 0},  # gradient mode without overlap
 }
@@ -308,6 +315,7 @@ def main(argv=None) -> int:
     w.add_argument("--value-dtype", default="auto", help='a wire dtype, "auto", or "default" (not passed)')
     w.add_argument("--outer", default="average", help="a preset's name or the outer optimizer's config as JSON")
     w.add_argument("--stop-at-target", action="store_true")
+    w.add_argument("--per-tensor", action="store_true", help="each large tensor its own share of a push")
     w.add_argument("--log-dir", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--server-key", help="the server's public key file (CurveZMQ)")

@@ -120,8 +120,10 @@ def _server_model(srv, numel: int, version: int) -> torch.Tensor:
         return torch.from_numpy(snap.tensors["w"][1].copy())
 
 
-@pytest.mark.parametrize("value_dtype", ["f32", "f16", "q4", "q2"])
-def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_server(make_server, value_dtype):
+@pytest.mark.parametrize("value_dtype,per_tensor", [("f32", False), ("f16", False), ("q4", False), ("q2", False),
+                                                    ("f32", True)])
+def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_server(make_server, value_dtype,
+                                                                                     per_tensor):
     """Top-k pushes: what a worker has not sent stays in its weights. After the last
     exchange, for each worker ``a - w = (sum of its local steps) - (sum of what it
     sent)``, and the server moved by minus the mean of what was sent, so
@@ -134,9 +136,10 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
     models = [Toy(n, init), Toy(n, init)]
     opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd", "lr": 1.0},
                             compression=Compression(density=0.125, method="exact",
-                                                    value_dtype=value_dtype),
+                                                    value_dtype=value_dtype, per_tensor=per_tensor),
                             sync=Sync(max_every=1), connection=Connection(timeout=10, worker_id=i))
             for i, m in enumerate(models)]
+    assert all(o._exchange.compressor.per_tensor == per_tensor for o in opts)
     total = [torch.zeros(n), torch.zeros(n)]
     for t in range(steps):
         for i in (0, 1):

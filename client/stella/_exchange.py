@@ -104,6 +104,7 @@ class _Exchange:
         # values are rounded to the wire coding inside the compressor, the rounding error kept in the residual
         self._first = (c.max_density if c.density == "auto" else float(c.density), c.method,
                        self.codings[0] if c.value_dtype == "auto" else c.value_dtype)
+        self._per_tensor = c.per_tensor
         self.local_steps = 0  # update mode: inner steps since the last exchange started
         # the round step() just ended: its local steps (update mode) and the micro-batches its
         # gradient averages (gradient mode); the samples it represents are their product
@@ -119,7 +120,8 @@ class _Exchange:
         self.layout = layout
         self.flat = FlatParams(list(self.params.values()), layout)
         density, method, coding = self._first
-        self.compressor = FlatCompressor(layout, density, method, device=self.flat.device, value_dtype=coding)
+        self.compressor = FlatCompressor(layout, density, method, device=self.flat.device, value_dtype=coding,
+                                         group_quotas=self._per_tensor)
 
     def _mirror(self, server_optimizer: Mapping[str, Any]) -> _ServerGroup:
         """A group mirroring the server's optimizer, its names taken from the config the server

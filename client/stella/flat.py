@@ -429,8 +429,8 @@ class FlatCompressor:
     ``value_dtype``, the suffix's to :attr:`dense_dtype` (f16 when the push is q4/q2, as
     the server's broadcast codes whole tensors: a 4- or 2-bit code has no zero, and one
     scale per 64 values); both rounding errors stay in the residual. ``group_quotas``
-    (for measurement): each of the layout's tensors in the sparse range gets
-    ``density`` times its size, selected one call per tensor.
+    (``Compression(per_tensor=True)``): each of the layout's tensors in the sparse range
+    gets ``density`` times its size, selected one call per tensor.
 
     The residual lives on ``device``: :attr:`residual`, flat float32 of ``layout.numel``;
     the update mode writes ``anchor - w`` into it (:meth:`FlatParams.residual_into`) and
@@ -461,6 +461,11 @@ class FlatCompressor:
     @property
     def method(self) -> str:
         return self._engine.method
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether each large tensor gets its own quota (``group_quotas``)."""
+        return self._groups is not None
 
     @property
     def backend(self) -> str:

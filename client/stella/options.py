@@ -32,6 +32,9 @@ class Compression:
     ``value_dtype``: the wire coding of pushed values, or ``"auto"`` (default): the
     controller picks among f16, q4 and q2 (4.5 or 2.5 bits a value, the quantisation
     error kept in the residual); a coding pins it. ``index_coding``: the indices'.
+    ``per_tensor``: each large tensor gets its own share of a push (``density`` times
+    its size, one selection per tensor) instead of one top-k over the whole flat model
+    (default, one selection: a tensor of large values may take more than its share).
     """
 
     density: float | Literal["auto"] = "auto"
@@ -40,6 +43,7 @@ class Compression:
     method: str = "threshold"
     value_dtype: ValueDtype | Literal["auto"] = "auto"
     index_coding: IndexCoding = "rice"
+    per_tensor: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.density, str):
