@@ -1,15 +1,17 @@
 """The CUDA paths, on a machine with an NVIDIA GPU: workers training on the GPU through a real `stella-ps`.
 
-    python -m bench.cuda [--steps 300] [--workers 2] [--json PATH] [--profile PATH] [--quick]
-                         [--flat] [--compressor-only]
+    python -m bench.cuda [--steps 300] [--workers 2] [--configs h1,defaults] [--json PATH] [--profile PATH]
+                         [--quick] [--flat] [--compressor-only]
 
 1. **Training.** The byte-level Transformer LM (bench.workloads ``bytelm``, AdamW) on the GPU:
-   dense on one process (the baseline), then ``--workers`` worker processes sharing the GPU, each
-   with a :class:`stella.StellaOptimizer` (update mode, H = 1, 1% f16) against a real ``stella-ps``
-   on this host's CPU over loopback, CurveZMQ on. Every run takes ``--steps`` steps per process;
-   reported: held-out loss, s/step and the bytes each worker moved. The check passes when every
-   Stella worker's held-out loss is within 5% of the dense run's (the same iterations, twice the
-   samples).
+   dense on one process (the baseline), then, for each of ``--configs``, ``--workers`` worker
+   processes sharing the GPU, each with a :class:`stella.StellaOptimizer` (update mode) against a
+   real ``stella-ps`` on this host's CPU over loopback, CurveZMQ on: ``h1`` pins H = 1 and 1% f16,
+   ``defaults`` is the library's own (H, density and coding chosen by the controller). Every run
+   takes ``--steps`` steps per process; reported: held-out loss, s/step, each worker's own compute
+   (the same model and inner optimizer without Stella, timed in the worker just before) and the
+   ratio of the two, and the bytes each worker moved. The check passes when every Stella worker's
+   held-out loss is within 5% of the dense run's (the same iterations, twice the samples).
 2. **The compressor on the GPU**: :class:`stella.compress.ErrorFeedbackCompressor` on CUDA tensors
    of the model's shapes and on one tensor of 100M coordinates, per density, in its steady state
    (threshold carried over): ms per round and ns per coordinate. `stella plan`'s scenarios assume
@@ -58,8 +60,29 @@ def _train(wl, model, opt, batches, steps: int, dev) -> float:
     return time.perf_counter() - t0
 
 
+def _own_compute(wl, model, rank: int, world: int, seed: int, steps: int, dev) -> float:
+    """Seconds a step of ``model``'s own training (a copy, its own inner optimizer, batches
+    of its own) takes on ``dev``, without Stella: what a worker's step costs at best."""
+    import copy
+
+    m = copy.deepcopy(model)
+    opt = wl.make_optimizer(m.parameters())
+    batches = wl.batches(rank, world, wl.batch_size, seed + 1000)
+    _train(wl, m, opt, batches, 3, dev)  # warm-up: allocations, kernels chosen
+    return _train(wl, m, opt, batches, steps, dev) / steps
+
+
+def _configured(stella: Any, config: str) -> dict[str, Any]:
+    """The StellaOptimizer keywords of a ``--configs`` name."""
+    if config == "h1":
+        return {"sync": stella.Sync(every=1), "compression": stella.Compression(density=0.01, value_dtype="f16")}
+    if config == "defaults":
+        return {}  # the library's own: H, density and coding chosen by the controller
+    raise ValueError(f"unknown config {config!r} (h1, defaults)")
+
+
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
-            q: Any) -> None:
+            config: str, q: Any) -> None:
     import torch
 
     import stella
@@ -69,17 +92,19 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     wl = W.get("bytelm")
     dev = torch.device(device)
     model = wl.build_model(seed).to(dev)
+    compute = _own_compute(wl, model, rank, world, seed, max(10, steps // 10), dev)
     inner = wl.make_optimizer(model.parameters())
-    opt = stella.StellaOptimizer(model, address, optimizer=inner, sync=stella.Sync(every=1),
-                                 compression=stella.Compression(density=0.01, value_dtype="f16"),
-                                 connection=stella.Connection(**keys))
+    opt = stella.StellaOptimizer(model, address, optimizer=inner, connection=stella.Connection(**keys),
+                                 **_configured(stella, config))
     batches = wl.batches(rank, world, wl.batch_size, seed)
     wall = _train(wl, model, opt, batches, steps, dev)
     moved = {"bytes_pushed": opt.bytes_pushed, "bytes_pulled": opt.bytes_pulled}
     opt.close()  # pushes what is left and installs the last pull
     st = opt.stats
-    q.put({"rank": rank, "wall_s": wall, "s_per_step": wall / steps, "heldout_loss": wl.evaluate(model.cpu()),
-           **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled})
+    q.put({"rank": rank, "wall_s": wall, "s_per_step": wall / steps, "compute_s_per_step": compute,
+           "x_compute": wall / steps / compute, "heldout_loss": wl.evaluate(model.cpu()),
+           **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled,
+           "sync_every": st.sync_every, "density": st.density, "value_dtype": st.value_dtype})
 
 
 def dense(steps: int, seed: int, device: str) -> dict[str, Any]:
@@ -97,13 +122,14 @@ def dense(steps: int, seed: int, device: str) -> dict[str, Any]:
     return {"wall_s": wall, "s_per_step": wall / steps, "heldout_loss": wl.evaluate(model.cpu())}
 
 
-def stella_run(workers: int, steps: int, seed: int, device: str) -> dict[str, Any]:
+def stella_run(workers: int, steps: int, seed: int, device: str, config: str = "h1") -> dict[str, Any]:
     from stella_ps.process import ServerProcess
 
     ctx = mp.get_context("spawn")
     with ServerProcess(workers=workers) as ps:
         q = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, workers, ps.endpoint, ps.client_kwargs(), steps, seed, device, q))
+        procs = [ctx.Process(target=_worker, args=(r, workers, ps.endpoint, ps.client_kwargs(), steps, seed, device,
+                                                   config, q))
                  for r in range(workers)]
         for p in procs:
             p.start()
@@ -113,7 +139,7 @@ def stella_run(workers: int, steps: int, seed: int, device: str) -> dict[str, An
         codes = [p.exitcode for p in procs]
     if any(c != 0 for c in codes):
         raise RuntimeError(f"worker exit codes {codes}")
-    return {"workers": sorted(res, key=lambda r: r["rank"])}
+    return {"config": config, "workers": sorted(res, key=lambda r: r["rank"])}
 
 
 def compressor(shapes: dict[str, tuple[int, ...]], device: str, densities=(0.001, 0.01, 0.1),
@@ -150,6 +176,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--configs", default="h1,defaults",
+                    help="Stella configurations to train, comma-separated: h1 (H = 1, 1%% f16), defaults (the "
+                         "library's own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="100 steps")
@@ -200,11 +229,14 @@ def train(out: dict[str, Any], a: argparse.Namespace) -> None:
     out["dense"] = dense(a.steps, a.seed, a.device)
     print(f"dense, 1 process: held-out loss {out['dense']['heldout_loss']:.3f}, "
           f"{1e3 * out['dense']['s_per_step']:.1f} ms/step", flush=True)
-    out["stella"] = stella_run(a.workers, a.steps, a.seed, a.device)
-    for w in out["stella"]["workers"]:
-        print(f"stella worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, {1e3 * w['s_per_step']:.1f} "
-              f"ms/step, {w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled", flush=True)
-    worst = max(w["heldout_loss"] for w in out["stella"]["workers"])
+    out["stella"] = [stella_run(a.workers, a.steps, a.seed, a.device, c) for c in a.configs.split(",")]
+    for run in out["stella"]:
+        for w in run["workers"]:
+            print(f"stella {run['config']} worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, "
+                  f"{1e3 * w['s_per_step']:.1f} ms/step against its own compute {1e3 * w['compute_s_per_step']:.1f} "
+                  f"({w['x_compute']:.2f}x; last round H = {w['sync_every']}, {w['density']:.2%} {w['value_dtype']}), "
+                  f"{w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled", flush=True)
+    worst = max(w["heldout_loss"] for run in out["stella"] for w in run["workers"])
     out["passed"] = worst <= TARGET_REL * out["dense"]["heldout_loss"]
     print(f"training check: worst Stella worker {worst:.3f} against dense {out['dense']['heldout_loss']:.3f} "
           f"(pass within {100 * (TARGET_REL - 1):.0f}%): {'PASS' if out['passed'] else 'FAIL'}", flush=True)
