@@ -17,17 +17,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_the_training_part_runs_both_configurations_and_reports_each_workers_own_compute(tmp_path):
     out = tmp_path / "cuda.json"
-    r = subprocess.run([sys.executable, "-m", "bench.cuda", "--device", "cpu", "--steps", "12", "--workers", "2",
+    r = subprocess.run([sys.executable, "-m", "bench.cuda", "--device", "cpu", "--steps", "6", "--workers", "2",
                         "--configs", "h1,defaults", "--compressor-only", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     # --compressor-only skips training: the compressor rows are there, no Stella run
     doc = json.loads(out.read_text())
     assert doc["compressor"] and "stella" not in doc
-    r = subprocess.run([sys.executable, "-m", "bench.cuda", "--device", "cpu", "--steps", "12", "--workers", "2",
+    r = subprocess.run([sys.executable, "-m", "bench.cuda", "--device", "cpu", "--steps", "6", "--workers", "2",
                         "--configs", "h1,defaults", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
-    doc = json.loads(out.read_text())  # written whether or not the loss check passed on 12 steps
+    doc = json.loads(out.read_text())  # written whether or not the loss check passed on 6 steps
     assert [run["config"] for run in doc["stella"]] == ["h1", "defaults"], r.stdout + r.stderr
     for run in doc["stella"]:
         assert len(run["workers"]) == 2
