@@ -159,12 +159,17 @@ def replay(clients: Sequence[Client], pushes: Sequence[Sequence[EncodedPush]], v
     return versions, seconds
 
 
+MIN_SERVER_CPU_S = 0.25  # a point's server CPU at least this (25 ticks of /proc's 10 ms: within 4%) ...
+MAX_SERVER_POINT_S = 10.0  # ... or this long, whichever comes first
+
+
 def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tuple[int, float]] = ((1, 0.01),
                    (3, 0.01), (3, 0.03)), steps: int = 12, warmup: int = 3, timeout: float = 120.0,
                    server_args: Sequence[str] = (),
                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The server's CPU per step for each ``(workers, density)`` point, on loopback, a
-    fresh ``stella-ps`` per point (with ``server_args``, e.g. the job's broadcast flags);
+    fresh ``stella-ps`` per point (``steps`` at a time until its CPU is at least
+    ``MIN_SERVER_CPU_S`` or ``MAX_SERVER_POINT_S`` have passed) (with ``server_args``, e.g. the job's broadcast flags);
     fitted into per pushed coordinate + per model coordinate. ``broadcast``: the
     broadcast's settings as the server answered the registration (None: exact pulls)."""
     import numpy as np
@@ -198,10 +203,16 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
                 versions = [c.pull(None, decode=False).version for c in clients]
                 versions, _ = replay(clients, [encoded], versions, warmup)
                 cpu0, t0, pulled0 = process_cpu_seconds(ps.pid), time.perf_counter(), clients[0].bytes_pulled
-                replay(clients, [encoded], versions, steps)
-                cpu = (process_cpu_seconds(ps.pid) - cpu0) / steps
-                wall = (time.perf_counter() - t0) / steps
-                pulled = (clients[0].bytes_pulled - pulled0) / steps
+                done = 0
+                while True:  # /proc counts CPU in ticks (10 ms): run on until the count is worth reading
+                    versions, _ = replay(clients, [encoded], versions, steps)
+                    done += steps
+                    if (process_cpu_seconds(ps.pid) - cpu0 >= MIN_SERVER_CPU_S
+                            or time.perf_counter() - t0 >= MAX_SERVER_POINT_S):
+                        break
+                cpu = (process_cpu_seconds(ps.pid) - cpu0) / done
+                wall = (time.perf_counter() - t0) / done
+                pulled = (clients[0].bytes_pulled - pulled0) / done
             finally:
                 for c in clients:
                     c.close()
