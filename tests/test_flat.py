@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from stella import codec
@@ -43,9 +43,16 @@ def _flat_ref(layout: FlatLayout, tensors) -> torch.Tensor:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits, every NaN taken as one (values beyond f16's range make infinities, and
+    inf + -inf's NaN has the sign the hardware's path gives it: x86's default NaN in one
+    backend, another order of operands in the other, seed 2686)."""
     assert a.dtype == b.dtype and a.shape == b.shape
     view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
-    return torch.equal(a.cpu().view(view), b.cpu().view(view))
+    a, b = a.cpu(), b.cpu()
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    return torch.equal(a.view(view)[~nan_a], b.view(view)[~nan_b])
 
 
 def _assert_same_params(got, ref):
@@ -225,6 +232,7 @@ def test_merge_is_the_update_modes_install(backend, device, add):
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), seed=st.integers(0, 2**16),
        dense_below=st.integers(0, 200), density=st.floats(0.0, 1.0))
+@example(sizes=[20, 22, 22, 23, 23, 23, 128, 300, 300, 300], seed=2686, dense_below=23, density=0.8932448113096556)
 def test_native_and_torch_backends_agree(sizes, seed, dense_below, density):
     """Any layout: the C walk and the torch ops leave the same bits (gather, add_at, add_range)."""
     shapes = [(n,) for n in sizes]
