@@ -51,6 +51,10 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_the_workers_reconnect(
         reg = probe.register(dict(model.named_parameters()))
         # the job's first values (the same seed), but a resumed server knows no creation values: a snapshot
         assert not reg.created and reg.version == ck.version and reg.base is None
+        # status says which checkpoint it resumed from and how old it is (the file's age), not "none"
+        st = probe.status()
+        assert st.checkpoint_version == ck.version
+        assert st.checkpoint_age_s is not None and 0 <= st.checkpoint_age_s < 600
         snap = probe.pull(None)
         assert snap.version == ck.version
         # the workers' model: the broadcast model the checkpoint holds (the exact one with --pull exact)

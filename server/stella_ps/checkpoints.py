@@ -303,6 +303,9 @@ class Checkpointer:
         path, ck = found
         cfg = restore(self.store, ck)
         self.policy.last_version = self.version = ck.version
+        # its age is the file's: status and the age metric say how old the newest checkpoint is from the start,
+        # not "none" (and an age alert) until the next one is written
+        self._stats.last_checkpoint = os.path.getmtime(path)
         log.info("resumed from checkpoint", extra={"path": path, "version": ck.version, "numel": self.store.numel,
                                                    "optimizer": cfg.to_wire()})
         return cfg

@@ -49,7 +49,7 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 ``worker_local_steps``             gauge    local steps (H) of its latest round
 ``worker_accumulate``              gauge    micro-batches per step of its latest round
 ``worker_uplink_bytes_per_second`` gauge    its measured uplink (``..._downlink_...``: down)
-``checkpoint_age_seconds``         gauge    NaN until a checkpoint has been written
+``checkpoint_age_seconds``         gauge    NaN until a checkpoint has been written or resumed from
 =================================  =======  ==============================================
 
 The ``worker_*`` timings are what the workers report with their pushes
