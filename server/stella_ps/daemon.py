@@ -15,6 +15,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import asyncio  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
@@ -126,6 +127,8 @@ async def run(cfg: ServerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     _setup_logging(cfg)
+    # a fatal signal (an abort in a C library, a segfault) prints every thread's Python stack to stderr, the log
+    faulthandler.enable()
     if cfg.shards.count:  # one command for the shards of a job on this host
         from .supervisor import supervise
 
