@@ -99,15 +99,14 @@ def _worker(endpoints: list[str], rank: int, numel: int, tensors: int, density: 
     c = connect(endpoints, timeout=120, **keys)
     c.register(init, optimizer)
     clients = c.shards if isinstance(c, ShardedClient) else [c]
-    assert clients[0].flat is not None
-    dense_below = clients[0].flat.dense_below  # the server's cut: smaller tensors are pushed whole, as a worker does
+    layout = clients[0].flat
+    assert layout is not None
     encoded = []  # per variant, per shard
-    count = 0  # coordinates a push carries
     for _ in range(VARIANTS):
         upd: dict[str, object] = {}
-        count = 0
-        for name, t in init.items():
-            if t.size < dense_below:
+        count = 0  # coordinates a push carries
+        for i, (name, t) in enumerate(init.items()):
+            if layout.span(i)[0] >= layout.sparse_numel:  # the dense suffix (the server's cut): whole, as a worker does
                 upd[name] = (rng.standard_normal(t.size) * 1e-3).astype(np.float32)
                 count += t.size
                 continue
@@ -318,7 +317,7 @@ def push_decode_cost(numel: int, density: float, reps: int) -> dict:
     total = sum(us.values())
     return {"entries": k, "header_us": round(us["header"], 2), "tensors_us": round(us["tensors"], 2),
             "norm_us": round(us["norm"], 2), "total_us": round(total, 2),
-            "ns_per_entry": round(1e3 * total / (k), 3)}
+            "ns_per_entry": round(1e3 * total / k, 3)}
 
 
 def kernel_cost(rows: list[dict]) -> None:

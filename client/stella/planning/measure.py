@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ..codec import CODINGS, DEFAULT_VALUE_DTYPE
+from ..layout import FlatLayout
 from ..protocol import BroadcastInfo, ValueDtype
 from .profile_file import STALL_S, STALL_SOURCE, ProfileError, broadcast_bytes, pull_section
 
@@ -168,9 +169,9 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
                    server_args: Sequence[str] = (),
                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The server's CPU per step for each ``(workers, density)`` point, on loopback, a
-    fresh ``stella-ps`` per point (``steps`` at a time until its CPU is at least
-    ``MIN_SERVER_CPU_S`` or ``MAX_SERVER_POINT_S`` have passed) (with ``server_args``, e.g. the job's broadcast flags);
-    fitted into per pushed coordinate + per model coordinate. ``broadcast``: the
+    fresh ``stella-ps`` per point with ``server_args`` (e.g. the job's broadcast flags),
+    replayed ``steps`` at a time until its CPU is at least ``MIN_SERVER_CPU_S`` or
+    ``MAX_SERVER_POINT_S`` have passed; fitted into per pushed coordinate + per model coordinate. ``broadcast``: the
     broadcast's settings as the server answered the registration (None: exact pulls)."""
     import numpy as np
 
@@ -272,7 +273,7 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
         from stella_ps.config import ServerConfig
 
         dense_below = ServerConfig().dense_below
-    sparse_numel = sum(p.numel() for p in params.values() if p.numel() >= dense_below)
+    sparse_numel = FlatLayout.of(list(params.values()), dense_below).sparse_numel  # the layout's own cut
     shapes = {n: tuple(int(s) for s in p.shape) for n, p in params.items()}
     if server:
         srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)),
