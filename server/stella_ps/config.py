@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the wire schema's types, for the checker only: this module 
     from stella.protocol import BroadcastInfo, PullMode, ValueDtype
 
 __all__ = ["ServerConfig", "Limits", "Liveness", "Deadline", "Checkpoints", "Pulls", "Shards", "ENV", "ENV_PREFIX",
-           "parse_args", "parse_bind", "parse_shards", "setting"]
+           "parse_args", "parse_bind", "parse_shards", "setting", "shard_position"]
 
 ENV_PREFIX = "STELLA_PS_"
 PUSH_NORM_ACTIONS = ("refuse", "clip")
@@ -97,6 +97,15 @@ def parse_shard(text: str) -> str:
     if not (sep and i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
         raise ValueError(f"{text!r}: a shard is I/N with 0 <= I < N, e.g. 0/2")
     return f"{int(i)}/{int(n)}"
+
+
+def shard_position(shard: str) -> tuple[int, int] | None:
+    """A ``--shard`` label as :func:`parse_shard` left it, as ``(index, count)``; None
+    for an unsharded server ("")."""
+    if not shard:
+        return None
+    i, _, n = shard.partition("/")
+    return int(i), int(n)
 
 
 def parse_shards(text: str) -> str:

@@ -29,6 +29,7 @@ from stella.layout import FlatLayout
 from stella.payload import decode_register_values, model_digest, part_specs
 from stella.protocol import MAX_NUMEL, Received, Register, Registered, TensorSpec, TrainingMode
 
+from .config import shard_position
 from .membership import Membership, WorkerInfo
 from .optim import OptimizerConfig
 from .runtime import Clock, StoreThread
@@ -92,10 +93,11 @@ class Registration:
         if stop - msg.start > MAX_NUMEL:
             raise ProtocolError(f"register: a range of {stop - msg.start} coordinates: a server holds fewer than "
                                 "2**31 (shard the job)")
-        index, _, count = self._shard.partition("/")
-        if count and int(count) > 1:  # the split every client makes (stella.shards), never a lone Client's whole model
+        position = shard_position(self._shard)
+        if position is not None and position[1] > 1:
+            index, count = position  # the split every client makes (stella.shards), never a lone Client's whole model
             try:
-                mine = flat.shard_ranges(int(count))[int(index)]
+                mine = flat.shard_ranges(count)[index]
             except ValueError as e:
                 raise ProtocolError(f"register: this server is shard {self._shard}: {e}") from None
             if (msg.start, stop) != mine:

@@ -21,6 +21,8 @@ import os
 
 from stella.protocol import MAX_ADDRESS_BYTES, MAX_SHARDS
 
+from .config import shard_position
+
 __all__ = ["ShardList", "read_addresses"]
 
 log = logging.getLogger("stella_ps.shardlist")
@@ -51,7 +53,8 @@ class ShardList:
 
     def __init__(self, path: str | None, shard: str = ""):
         self.path, self.shard = path, shard
-        self._count = int(shard.partition("/")[2]) if shard else None
+        position = shard_position(shard)
+        self._count = position[1] if position is not None else None
         self._seen: tuple[int, int, int] | None = None
         self._addresses: list[str] = []
         self._why = ""  # the last refusal logged
