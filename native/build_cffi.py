@@ -19,8 +19,10 @@ declaration of one area: the functions of that area's sources and its constants
 :func:`builder` (the kernel compiled with ``-DSTELLA_TUNABLE`` plus ``native/bench/``).
 
 ``STELLA_NATIVE_ARCH`` picks ``-march`` (default ``native``: the package is built
-where it runs; set a portable level such as ``x86-64-v2``, what wheels and images
-use, to build for other machines). ``STELLA_NATIVE_DEBUG=1`` builds with ``-O0 -g``.
+where it runs, as an editable install is; a portable level such as ``x86-64-v2``, what
+wheels and images use, builds for other machines: ``setup.py`` makes it a wheel's
+default; empty: no ``-march``, the compiler's default target). ``STELLA_NATIVE_DEBUG=1``
+builds with ``-O0 -g``.
 
 Run-time dispatch (``stella_isa.h``): the sources with SIMD paths (compress.c,
 flat.c, half.c, quant.c, merge.c, update.c) are also compiled through ``isa/<source>_v3.c`` and
