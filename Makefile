@@ -46,7 +46,7 @@ demo: $(STAMP)
 # lint: ruff over everything Python, mypy over client/, server/ and bench/ (strict on the wire schema and
 # the server's policy modules); configured in pyproject.toml; part of `make test`
 lint: $(STAMP)
-	$(VENV)/bin/ruff check client server bench tests docker
+	$(VENV)/bin/ruff check client server bench tests docker examples
 	$(VENV)/bin/mypy
 
 # the suite runs on TEST_WORKERS pytest-xdist processes (TEST_WORKERS=0: in one): its tests mostly

@@ -96,6 +96,7 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     inner = wl.make_optimizer(model.parameters())
     opt = stella.StellaOptimizer(model, address, optimizer=inner, connection=stella.Connection(**keys),
                                  **_configured(stella, config))
+    opt.start()  # the registration before the clock
     batches = wl.batches(rank, world, wl.batch_size, seed)
     wall = _train(wl, model, opt, batches, steps, dev)
     moved = {"bytes_pushed": opt.bytes_pushed, "bytes_pulled": opt.bytes_pulled}

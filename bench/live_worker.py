@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = StellaOptimizer(model, a.address, optimizer={"name": "adamw", "lr": a.lr, "weight_decay": 0.0},
                           compression=Compression(density=a.density, method="threshold"),
                           connection=Connection(timeout=a.timeout, name=f"live-worker-{a.rank}", worker_id=a.worker_id))
+    opt.start()
     log.write(json.dumps({"t": time.time(), "joined": True, "worker": opt.client.worker_id,
                           "version": opt.version, "pid": os.getpid()}) + "\n")
     gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank + 7919 * (a.worker_id or 0))

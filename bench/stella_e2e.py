@@ -103,6 +103,7 @@ def worker(a) -> int:
                           connection=Connection(timeout=600, name=f"e2e-{a.rank}", server_key=a.server_key,
                                                 client_key=a.client_key),
                           process_group="default" if a.site_size > 1 else None, **mode_kw)
+    opt.start()  # the registration (the model's upload) before the clock, as before DDP's first step
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_round")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines

@@ -106,6 +106,7 @@ def test_one_address_trains_through_both_shards_and_the_replica_is_their_broadca
     model = _model()
     opt = _optimizer(model, srv.endpoint)  # the first shard's address, nothing else
     try:
+        opt.start()
         assert isinstance(opt.client, ShardedClient) and len(opt.client.shards) == 2
         assert [c.shard for c in opt.client.shards] == ["0/2", "1/2"]
         first = _train(opt, model, range(0, 3))

@@ -159,6 +159,8 @@ def test_the_wrapper_mirrors_the_hyper_parameters_the_server_names(server):
                           connection=Connection(timeout=10))
     try:
         group = opt.param_groups[0]
+        assert set(group) >= {"lr"} and not opt.server_optimizer  # the config given, until the start
+        opt.start()
         assert set(opt.server_optimizer) - {"name"} == {"lr", "betas", "eps", "weight_decay"} <= set(group)
         assert group["betas"] == (0.9, 0.999)  # a tuple, as torch's Adam keeps it
         group["betas"] = (0.8, 0.99)
@@ -191,6 +193,7 @@ def test_the_compression_given_sets_the_compressor_and_the_controller(make_serve
     opt = StellaOptimizer(Toy(), srv.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
                           compression=given, connection=Connection(timeout=10))
     try:
+        opt.start()  # the compressor is laid out with the server's dense cut
         assert opt.compression == given
         c = opt.rounds.compressor
         assert (c.density, c.method, c.layout.dense_below, c.value_dtype) == (0.5, "exact", 100, "f32")
@@ -242,6 +245,8 @@ def test_workers_holding_the_models_first_values_pull_no_snapshot(make_server):
     b = StellaOptimizer(other, srv.endpoint, **kw)
     c = StellaOptimizer(same, srv.endpoint, **kw)
     try:
+        for opt in (a, b, c):
+            opt.start()
         assert a.version == 0 and b.version == 0 and c.version == 0
         assert a.bytes_pulled < n  # a reply or two, no float32 copy of the model
         assert b.bytes_pulled >= 4 * n  # the snapshot
@@ -270,6 +275,7 @@ def test_the_workers_controller_and_status_take_the_broadcast_from_the_server(ma
     srv = make_server(1, flags)
     opt = StellaOptimizer(Toy(), srv.endpoint, optimizer={"name": "sgd", "lr": 1.0}, connection=Connection(timeout=10))
     try:
+        opt.start()
         assert opt.rounds.controller.broadcast == expect
         status = opt.rounds.call(lambda c: c.status())
         assert status.broadcast == expect and status.pull == ("exact" if expect is None else "broadcast")

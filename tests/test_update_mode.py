@@ -139,6 +139,8 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
                                                     value_dtype=value_dtype, per_tensor=per_tensor),
                             sync=Sync(max_every=1), connection=Connection(timeout=10, worker_id=i))
             for i, m in enumerate(models)]
+    for o in opts:
+        o.start()
     assert all(o._exchange.compressor.per_tensor == per_tensor for o in opts)
     total = [torch.zeros(n), torch.zeros(n)]
     for t in range(steps):
@@ -271,7 +273,8 @@ def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server)
     opt2 = StellaOptimizer(model2, srv.endpoint, optimizer=torch.optim.AdamW(model2.parameters(), lr=0.125),
                            compression=Compression(density=0.125, method="exact", value_dtype="f32"),
                            sync=Sync(max_every=1), connection=Connection(timeout=10))
-    opt2.load_state_dict(saved)
+    opt2.load_state_dict(saved)  # applied by the start, on the server's model (which holds the job)
+    opt2.start()
     x = opt2._exchange.anchor
     assert opt2.version == 5 and not torch.equal(x, before)  # the server moved on
     assert torch.allclose(x, other.w.detach(), atol=1e-6)  # ... to what the other worker made of it
@@ -297,9 +300,10 @@ def test_a_job_refuses_workers_of_the_other_mode(server):
     model = Toy()
     opt = StellaOptimizer(model, server.endpoint, optimizer={"name": "sgd", "lr": 1.0}, sync=Sync(max_every=1),
                           connection=Connection(timeout=10))
+    opt.start()
     with pytest.raises(LayoutConflict, match="update mode"):
         StellaOptimizer(Toy(), server.endpoint, mode="gradient", optimizer={"name": "sgd", "lr": 1.0},
-                        connection=Connection(timeout=10))
+                        connection=Connection(timeout=10)).start()
     with Client(server.endpoint, timeout=10) as c:  # a client that names no mode is not refused
         assert c.register({"w": np.zeros(N, np.float32)}).mode == "update"
         c.leave()

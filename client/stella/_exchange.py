@@ -122,17 +122,30 @@ class _Exchange:
         density, method, coding = self._first
         self.compressor = FlatCompressor(layout, density, method, device=self.flat.device, value_dtype=coding,
                                          group_quotas=self._per_tensor)
+        # the mirror takes the server's values, except where a scheduler moved one from the config given
+        group = self.server.param_groups[0]
+        answered, given = self._hparams_of(server_optimizer), self._hparams_of(self.server_config or {})
+        for k, v in answered.items():
+            if k not in group or group[k] == given.get(k):
+                group[k] = v
+        self.server.defaults.update(answered)
+        self._hparam_names = list(answered)
 
-    def _mirror(self, server_optimizer: Mapping[str, Any]) -> _ServerGroup:
-        """A group mirroring the server's optimizer, its names taken from the config the server
-        answered with (every key but "name"), never copied from the server's code. A param_group
-        is a plain dict, so it holds the server-only string ``momentum_mode`` too, and the server
-        takes every name it answered with as a change: none is left out. Schedulers touch only
-        the keys they know (lr, momentum, betas). Lists (``betas``) are tuples there, as torch's
-        own optimizers keep them."""
-        hparams = {k: (tuple(v) if isinstance(v, list) else v) for k, v in server_optimizer.items() if k != "name"}
+    def _mirror(self) -> _ServerGroup:
+        """A group mirroring the server's optimizer: until the start, the config given
+        (``server_config``); from then, its names and values are those the server answered
+        with (every key but "name", :meth:`attach`), never copied from the server's code. A
+        param_group is a plain dict, so it holds the server-only string ``momentum_mode`` too,
+        and the server takes every name it answered with as a change: none is left out.
+        Schedulers touch only the keys they know (lr, momentum, betas). Lists (``betas``) are
+        tuples there, as torch's own optimizers keep them."""
+        hparams = self._hparams_of(self.server_config or {})
         self._hparam_names = list(hparams)
         return _ServerGroup(list(self.params.values()), hparams)
+
+    @staticmethod
+    def _hparams_of(config: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (tuple(v) if isinstance(v, list) else v) for k, v in config.items() if k != "name"}
 
     def hparams(self) -> dict[str, Any]:
         """The server's hyper-parameters as the mirror holds them now (a scheduler may have moved them)."""
@@ -172,6 +185,19 @@ class _Exchange:
         """Load :meth:`state` on top of the server's current model ``snap`` (a snapshot)."""
         raise NotImplementedError
 
+    def unstarted_state(self, saved: Mapping[str, Any] | None) -> dict[str, Any]:
+        """:meth:`state` before the start (nothing exchanged yet): a checkpoint loaded then
+        (``saved``) and not applied yet, as it was loaded."""
+        raise NotImplementedError
+
+    def before_start(self, saved: Mapping[str, Any]) -> None:
+        """A worker checkpoint loaded before the start, before the registration: the
+        parameters become the model to register (the one the checkpoint's weights came from)."""
+
+    def after_start(self, saved: Mapping[str, Any]) -> None:
+        """The rest of it, once attached, with the replica holding the server's model."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -195,19 +221,18 @@ class _UpdateExchange(_Exchange):
         super().__init__(params, compression)
         self.inner = (optimizer if isinstance(optimizer, torch.optim.Optimizer)
                       else build_inner(optimizer, list(params.values())))
+        # the wrapper's groups are the inner optimizer's (schedulers built on either drive the local steps)
+        self.groups = self.inner
         if isinstance(outer, str) and outer not in OUTER_PRESETS:
             raise ValueError(f"outer must be one of {sorted(OUTER_PRESETS)} or a config mapping, got {outer!r}")
         self.server_config = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
+        self.outer = self.server = self._mirror()  # `outer` mirrors the server's optimizer
         self.sync_every = sync.every
         self.max_sync_every = 4 * sync.every if sync.max_every is None else sync.max_every
         self.round_steps = sync.every
 
     def attach(self, server_optimizer: Mapping[str, Any], layout: FlatLayout) -> None:
         super().attach(server_optimizer, layout)
-        # the wrapper's groups are the inner optimizer's (schedulers built on either drive the
-        # local steps); `outer` mirrors the server's optimizer
-        self.groups = self.inner
-        self.outer = self.server = self._mirror(server_optimizer)
         # the replica of the server's model, exact (float32, flat, the parameters' device)
         self.anchor = torch.empty(layout.numel, dtype=torch.float32, device=self.flat.device)
         self.flat.gather_into(self.anchor)
@@ -268,15 +293,33 @@ class _UpdateExchange(_Exchange):
         self.flat.residual_into(self.anchor, unsent)
         return {"inner": self.inner.state_dict(), "unsent": _by_name(unsent, self.layout, self._names)}
 
+    def unstarted_state(self, saved: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "unsent": None if saved is None else saved.get("unsent")}
+
+    @torch.no_grad()
+    def before_start(self, saved: Mapping[str, Any]) -> None:
+        """The weights become the anchor they were saved with, ``w + (a - w)``: the model
+        the job held then, which a new server takes as its own."""
+        unsent = saved.get("unsent")
+        if unsent is not None:
+            for n, p in self.params.items():
+                p.add_(unsent[n].reshape(p.shape).to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def after_start(self, saved: Mapping[str, Any]) -> None:
+        """The weights become the server's model minus the saved unsent progress."""
+        if saved.get("unsent") is not None:
+            unsent = torch.empty_like(self.anchor)
+            _from_names(saved["unsent"], self.layout, self._names, unsent)
+            self.flat.set_range(self.anchor - unsent, 0)
+
     @torch.no_grad()
     def restore(self, state: Mapping[str, Any], snap: PullResult) -> None:
         """The weights become the server's model minus the saved unsent progress."""
-        unsent = torch.empty_like(self.anchor)
-        _from_names(state["unsent"], self.layout, self._names, unsent)
         self.inner.load_state_dict(state["inner"])
         snap.apply_to(self.params)
         self.flat.gather_into(self.anchor)
-        self.flat.set_range(self.anchor - unsent, 0)
+        self.after_start(state)
 
 
 class _GradientExchange(_Exchange):
@@ -294,14 +337,15 @@ class _GradientExchange(_Exchange):
             raise ValueError("Sync(every=, max_every=) are for update mode (gradient mode exchanges every step)")
         super().__init__(params, compression)
         self.server_config = optimizer
+        # the wrapper's group mirrors the server's optimizer, so that schedulers can edit it (without a
+        # config given, the server's default: StellaOptimizer starts at once, to know it)
+        self.groups = self.server = self._mirror()
         self.max_accumulate = sync.max_accumulate
         self._grad: torch.Tensor | None = None  # the round's gradient, flat (the micro-batches summed so far)
         self._acc_batches = 0
 
     def attach(self, server_optimizer: Mapping[str, Any], layout: FlatLayout) -> None:
         super().attach(server_optimizer, layout)
-        # the wrapper's group mirrors the server's optimizer, so that schedulers can edit it
-        self.groups = self.server = self._mirror(server_optimizer)
 
     def average_step(self, site: Any) -> None:
         """The site's gradient: the mean of its ranks'."""
@@ -355,10 +399,19 @@ class _GradientExchange(_Exchange):
     def state(self) -> dict[str, Any]:
         return {"residuals": _by_name(self.compressor.residual, self.layout, self._names)}
 
+    def unstarted_state(self, saved: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {"residuals": None if saved is None else saved.get("residuals")}
+
+    @torch.no_grad()
+    def after_start(self, saved: Mapping[str, Any]) -> None:
+        """The saved residuals, on the server's model."""
+        if saved.get("residuals") is not None:
+            _from_names(saved["residuals"], self.layout, self._names, self.compressor.residual)
+
     @torch.no_grad()
     def restore(self, state: Mapping[str, Any], snap: PullResult) -> None:
         """The server's model, with the saved residuals."""
-        if "residuals" in state:
+        if state.get("residuals") is not None:
             _from_names(state["residuals"], self.layout, self._names, self.compressor.residual)
         snap.apply_to(self.params)
 

@@ -135,15 +135,16 @@ class Rounds:
         return self._exec.submit(fn, client).result()
 
     def open(self, address: str | Sequence[str] | AnyClient, connection: Connection, params: Mapping[str, Any],
-             optimizer: Mapping[str, Any] | None, mode: str) -> tuple[Registered, PullResult | None]:
-        """Connect (unless ``address`` is a connected client), register the model and
-        pull what the worker's values lack: the job's snapshot when the job's model is
-        not these values, the steps since its ``base`` when it is (or nothing)."""
+             optimizer: Mapping[str, Any] | None, mode: str, version: int = 0) -> tuple[Registered, PullResult | None]:
+        """Connect (unless ``address`` is a connected client), register the model (the
+        job's model at ``version``: a resuming worker's) and pull what the worker's values
+        lack: the job's snapshot when the job's model is not these values, the steps since
+        its ``base`` when it is (or nothing)."""
 
         def register() -> tuple[Registered, PullResult | None]:
             client = self.client = (address if isinstance(address, Client | ShardedClient)  # connected by the caller
                                     else connect(address, **connection.client_kwargs()))
-            reply = client.register(params, optimizer, mode=mode)  # type: ignore[arg-type]
+            reply = client.register(params, optimizer, mode=mode, version=version)  # type: ignore[arg-type]
             self.controller.broadcast = reply.broadcast  # the pull's coding and size, as the server has them
             if reply.base is None:
                 return reply, client.pull(None)

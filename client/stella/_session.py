@@ -368,6 +368,7 @@ class _Registration:
     optimizer: dict[str, Any]
     mode: TrainingMode | None
     values: Callable[[], list[np.ndarray]]
+    version: int = 0  # of the job's model the values are (a resuming worker's)
 
 
 class Session:
@@ -434,11 +435,11 @@ class Session:
 
     def register(self, layout: list[TensorSpec], start: int, stop: int, dense_below: int, optimizer: dict[str, Any],
                  mode: TrainingMode | None, values: Callable[[], list[np.ndarray]],
-                 timeout: float | None) -> Registered:
+                 timeout: float | None, version: int = 0) -> Registered:
         """Register (sending ``values()`` if the server asks for them); remembered, so
         that a reconnect registers again. The probe carries the values' digest: a worker
         whose values are those the model was created with learns so (``Registered.base``)."""
-        reg = _Registration(layout, start, stop, dense_below, optimizer, mode, values)
+        reg = _Registration(layout, start, stop, dense_below, optimizer, mode, values, version)
         arrays = values()  # read once: hashed now, and sent if the server asks for them
         reply = self._register(reg, timeout, arrays)
         self._registration = reg
@@ -453,7 +454,7 @@ class Session:
         # the probe may be held while another worker uploads the model (workers starting together send it once)
         msg = Register(worker=self.worker(), tensors=reg.layout, optimizer=reg.optimizer, values=False, mode=reg.mode,
                        wait_ms=int(t * 1000 * 0.9), digest=None if arrays is None else model_digest(arrays),
-                       dense_below=reg.dense_below, start=reg.start, stop=reg.stop)
+                       dense_below=reg.dense_below, start=reg.start, stop=reg.stop, version=reg.version)
         # joining a model sends no values; Register is not re-sent by a reconnect, which redoes it
         reply = expect(self.wait(self.send(msg, (), timeout), timeout), Registered)
         if reply.needs_values:  # this registration initialises the model

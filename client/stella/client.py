@@ -305,6 +305,7 @@ class Client:
         mode: TrainingMode | None = None,
         timeout: float | None = None,
         range: tuple[int, int] | None = None,
+        version: int = 0,
     ) -> Registered:
         """Declare the model layout; the first registration also sends the initial values.
         The model is laid out flat with the server's dense cut (:mod:`stella.layout`);
@@ -321,6 +322,8 @@ class Client:
         whose model equals these values (this registration created the model, or the
         model was created with the same values: the registration carries their digest,
         :func:`stella.payload.model_digest`), to pull since; None: pull a full snapshot.
+        ``version``: the version of the job's model these values are (a worker resuming
+        from its checkpoint); a registration that creates the model starts the count there.
         """
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
@@ -334,7 +337,7 @@ class Client:
 
         # a reconnect registers again, reading the values then (a server that lost the model needs them)
         reply = self._session.register(layout, start, stop, flat.dense_below, dict(optimizer or {}), mode, values,
-                                       timeout)
+                                       timeout, version)
         self.layout, self.flat, self.range, self.parts = layout, flat, (start, stop), parts
         self._part_specs = part_specs(parts)
         self._index = {s.name: i for i, s in enumerate(layout)}

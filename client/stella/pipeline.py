@@ -59,6 +59,7 @@ the server, and what the other ranks are told). It keeps the optimizer API.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,6 +74,8 @@ from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .options import Compression, Connection, Sync, removed_keyword
 from .shards import AnyClient
 from .site import site_for
+
+log = logging.getLogger("stella.pipeline")
 
 __all__ = ["StellaOptimizer", "Compression", "Sync", "Connection", "PipelineError", "PipelineStats", "MODES",
            "OUTER_PRESETS", "build_inner"]
@@ -130,31 +133,93 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange = exchange_for(self.mode, self.params, optimizer, outer, compression, sync, self.site)
         self.rounds = Rounds(self._exchange, compression, leads=self.site.leads, may_run_on=self.site.may_run_on,
                              progress_every=progress_every)
+        self._address, self._connection = address, connection
         self._pending = False  # a round is in flight (on every rank of a site)
         self._closed = False
-        start = self.site.from_leader(lambda: self._register(address, connection))
-        with torch.no_grad():  # the leader's model, on every rank
-            self.site.broadcast(p.detach() for p in self.params.values())
-        self.server_optimizer: dict[str, Any] = start[0]
-        self.version: int = start[1]  # the version of the server's model the replica (anchor) holds
-        self._exchange.attach(self.server_optimizer, start[2])  # laid out flat with the server's dense cut
+        self._started = False
+        self._saved: Mapping[str, Any] | None = None  # a worker checkpoint loaded before the start, applied by it
+        self.server_optimizer: dict[str, Any] = {}  # the server's optimizer config, as it answered the registration
+        self.version: int = 0  # the version of the server's model the replica (anchor) holds
         # the wrapper shows the exchange's groups: a scheduler built on it drives them
         super().__init__(list(self.params.values()), self._exchange.groups.defaults)
         self.param_groups = self._exchange.groups.param_groups
         self.state = self._exchange.groups.state
-        self._sent_hparams = self._exchange.hparams()
+        self._sent_hparams: dict[str, Any] = {}
+        if self.mode == "gradient" and self._exchange.server_config is None:
+            self.start()  # the wrapper's group mirrors the server's default optimizer: it must be known now
 
-    def _register(self, address: Any, connection: Connection) -> tuple[dict[str, Any], int, FlatLayout]:
-        """Join the job and hold its model: the server's optimizer config, the version held,
-        and the model's flat layout."""
-        reply, snap = self.rounds.open(address, connection, self.params, self._exchange.server_config, self.mode)
+    # ------------------------------------------------------------------ the start
+    def start(self) -> None:
+        """Join the job with the model as the parameters hold it now. The first ``step()``
+        (or ``synchronize()``, ``pull_latest()``) calls it, so that a checkpoint loaded after
+        the optimizer was built (``model.load_state_dict``, a training stack's resume) is
+        what a new server starts from; a worker checkpoint loaded before it
+        (:meth:`load_state_dict`) is applied here. Which model wins when the server already
+        holds one: :meth:`load_state_dict`. Idempotent; every rank of a site calls it."""
+        if self._started:
+            return
+        if self._closed:
+            raise PipelineError("start() after close()")
+        saved, self._saved = self._saved, None
+        before = None
+        if saved is not None:
+            self._exchange.before_start(saved)
+            before = self._flat_copy()
+        version = int(saved.get("version") or 0) if saved is not None else 0
+        created, start = self.site.from_leader(lambda: self._register(self._address, self._connection, version))
+        with torch.no_grad():  # the leader's model, on every rank
+            self.site.broadcast(p.detach() for p in self.params.values())
+        self.server_optimizer, self.version = start[0], start[1]
+        self._exchange.attach(self.server_optimizer, start[2])  # laid out flat with the server's dense cut
+        self._sent_hparams = self._exchange.hparams()
+        self._started = True
+        if saved is not None:
+            self._resumed(saved, created, before)
+            self._exchange.after_start(saved)
+
+    def _register(self, address: Any, connection: Connection,
+                  version: int) -> tuple[bool, tuple[dict[str, Any], int, FlatLayout]]:
+        """Join the job and hold its model (the model at ``version``, if this registration
+        creates it): whether this registration created it, the server's optimizer config,
+        the version held, and the model's flat layout."""
+        reply, snap = self.rounds.open(address, connection, self.params, self._exchange.server_config, self.mode,
+                                       version)
         client = self.rounds.client
         assert client is not None and client.flat is not None
         if snap is None:
-            return reply.optimizer or {}, reply.version, client.flat
+            return reply.created, (reply.optimizer or {}, reply.version, client.flat)
         with torch.no_grad():
             snap.apply_to(self.params)
-        return reply.optimizer or {}, snap.version, client.flat
+        return reply.created, (reply.optimizer or {}, snap.version, client.flat)
+
+    def _flat_copy(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).float() for p in self.params.values()])
+
+    def _resumed(self, saved: Mapping[str, Any], created: bool, before: torch.Tensor | None) -> None:
+        """Say which model a resumed worker holds: the rule of :meth:`load_state_dict`,
+        and, when the server's model replaced the checkpoint's, by how much it differs."""
+        was = saved.get("version")
+        if created:
+            log.info("stella-ps had no model: the job starts from this worker's checkpoint (taken at version %s)",
+                     was, extra={"version": self.version, "checkpoint_version": was})
+            return
+        moved = 0.0
+        if before is not None:
+            moved = float((self._flat_copy() - before).norm() / before.norm().clamp_min(1e-12))
+        extra = {"version": self.version, "checkpoint_version": was, "moved": moved}
+        if was is None or moved == 0.0:
+            log.info("joined the job's model at version %d", self.version, extra=extra)
+        elif self.version >= int(was):
+            log.info("resuming on stella-ps's model at version %d, as new as this checkpoint's (version %s) or newer: "
+                     "the server holds the job's progress since, and its model is the one trained on (it differs from "
+                     "the checkpoint's by %.3g of its norm)", self.version, was, moved, extra=extra)
+        else:
+            log.warning("stella-ps holds a model at version %d, OLDER than this checkpoint's (version %s): the "
+                        "server's model wins and replaced the checkpoint's weights (they differ by %.3g of their "
+                        "norm), so %d step(s) of the checkpoint's are lost. To train on from the checkpoint's model, "
+                        "start a new stella-ps (without --resume) and this worker first: the first worker to start "
+                        "gives it its model", self.version, was, moved, int(was) - self.version, extra=extra)
 
     @property
     def client(self) -> AnyClient | None:
@@ -225,6 +290,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._closed:
             raise PipelineError("step() after close()")
+        self.start()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -239,12 +305,14 @@ class StellaOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> int:
         """Finish the in-flight exchange and install it; returns the replica's version."""
+        self.start()
         self._finish_round()
         return self.version
 
     def pull_latest(self) -> int:
         """Install everything the server has applied so far (e.g. after training). In
         update mode the server's changes are merged: local progress not sent yet stays."""
+        self.start()
         self._finish_round()
         delta = self.site.from_leader(lambda: self.rounds.call(lambda c: c.pull(self.version)))
         self._exchange.install(delta, None)
@@ -255,26 +323,52 @@ class StellaOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The worker's own side, for a checkpoint: the inner optimizer's state and what
         was not sent yet (update mode: ``anchor - weights``; gradient mode: the
-        error-feedback residuals). Finishes the exchange in flight first, so nothing is
-        half-merged. The weights themselves are the server's business (and
-        ``model.state_dict()``'s)."""
+        error-feedback residuals), and the version of the server's model it was taken on.
+        Finishes the exchange in flight first, so nothing is half-merged. The weights
+        themselves are ``model.state_dict()``'s. Before the start (nothing exchanged yet):
+        the state as built, or as :meth:`load_state_dict` loaded it."""
+        head = {"mode": self.mode, "local_steps": self._exchange.local_steps,
+                "density": self._exchange.compressor.density if self._started else None}
+        if not self._started:
+            saved = self._saved
+            return {**head, "version": None if saved is None else saved.get("version"),
+                    **self._exchange.unstarted_state(saved)}
         self._finish_round()
-        return {"mode": self.mode, "version": self.version, "local_steps": self._exchange.local_steps,
-                "density": self._exchange.compressor.density, **self._exchange.state()}
+        return {**head, "version": self.version, **self._exchange.state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` into a fresh wrapper, rebased on the server's
-        current model (which may have moved on, or been restored from an older
-        checkpoint): the weights become the server's model minus the saved unsent
-        progress (update mode) or the server's model with the saved residuals
-        (gradient mode)."""
+        """Restore :meth:`state_dict`, with the weights of the same checkpoint loaded in the
+        model (before or after this call, as long as it is before the first ``step()``).
+
+        Which model the job goes on from (docs/optimizer.md, "Resuming"):
+
+        - a new ``stella-ps`` (it holds no model): the checkpoint's. The start registers
+          the model the checkpoint's weights were computed from (update mode: the weights
+          plus the saved unsent progress) and the weights train on as they were saved;
+        - a ``stella-ps`` that holds the job's model (it kept running, or restarted from
+          its own checkpoint): the server's, which every other worker shares; the saved
+          unsent progress is kept on top of it (update mode: the weights become the
+          server's model minus it; gradient mode: the residuals). When the server's model
+          replaced weights that differ from it, a warning says so, and says louder when
+          the server's version is older than the checkpoint's (steps were lost: a new
+          server takes the checkpoint's model).
+
+        Called after the start (the job running), it rebases on the server's model the
+        same way."""
         if state.get("mode") != self.mode:
             raise ValueError(f"a {state.get('mode')!r}-mode state cannot load into a {self.mode!r}-mode optimizer")
-        self._finish_round()
         self._exchange.local_steps = int(state.get("local_steps", 0))
+        if not self._started:
+            if self._exchange.inner is not None and "inner" in state:
+                self._exchange.inner.load_state_dict(state["inner"])
+            self._saved = state  # applied by the start, on whichever model the server holds then
+            return
+        self._finish_round()
+        before = self._flat_copy()
         snap = self.site.from_leader(lambda: self.rounds.call(lambda c: c.pull(None)))
         self._exchange.restore(state, snap)
         self.version = snap.version
+        self._resumed(state, False, before)
 
     def close(self, *, flush: bool = True) -> None:
         """Finish the in-flight exchange, push what has not been sent (gradient mode:
@@ -285,7 +379,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._closed = True
         try:
             self._finish_round()
-            if flush:
+            if flush and self._started:
                 self._exchange.prepare_flush()
                 self.rounds.flush(self.version)
         finally:

@@ -239,6 +239,10 @@ class Register(_Message, tag="register", frozen=True):
     dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0
     start: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
     stop: Annotated[int, msgspec.Meta(ge=1, le=2**62)] | None = None  # None: the end of the model
+    # the version of the job's model these values are (a worker resuming from its checkpoint): the
+    # registration that creates the model starts the version count there, as a server resuming from
+    # its own checkpoint does; ignored once the model exists
+    version: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
 
 
 class Push(_Message, tag="push", frozen=True):

@@ -192,7 +192,7 @@ class ShardedClient:
 
     def register(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                  optimizer: Mapping[str, Any] | None = None, *, mode: TrainingMode | None = None,
-                 timeout: float | None = None) -> Registered:
+                 timeout: float | None = None, version: int = 0) -> Registered:
         """Register the model with each shard, for its range (see :meth:`stella.Client.register`)."""
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         cuts = {c._session.dense_below for c in self.shards}
@@ -202,7 +202,7 @@ class ShardedClient:
         self.layout = [TensorSpec(n, tuple(int(s) for s in t.shape), _dtype_name(t)) for n, t in items]
         self.flat = FlatLayout.of(self.layout, cuts.pop())
         ranges = self.flat.shard_ranges(len(self.shards))
-        replies = [c.register(items, optimizer, mode=mode, timeout=timeout, range=r)
+        replies = [c.register(items, optimizer, mode=mode, timeout=timeout, range=r, version=version)
                    for c, r in zip(self.shards, ranges)]
         for r, a in zip(replies, self.addresses):
             if r.pull not in (None, "broadcast"):

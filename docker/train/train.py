@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         opt = stella.StellaOptimizer(model, address, optimizer=torch.optim.AdamW(model.parameters(), lr=a.lr),
                                      connection=stella.Connection(name=f"train-{rank}"),
                                      progress_every=a.progress_every)
+        opt.start()  # join now (the first step would): the model as built, every worker's the same
     except stella.StellaError as e:
         print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -142,7 +142,7 @@ class Registration:
                     info.registering = True  # their upload is a sign of life only once it ends: heartbeats count
                     return Registered(req=msg.req, version=self.store.version, created=False, needs_values=True,
                                       optimizer=None, numel=0)
-                await self._create(info, layout, where, values, cfg)
+                await self._create(info, layout, where, values, cfg, msg.version)
                 created = True
             else:
                 held = self.store.model
@@ -164,11 +164,12 @@ class Registration:
                               pull=self.store.pull, broadcast=self.store.broadcast_info, base=base)
 
     async def _create(self, info: WorkerInfo, layout: list[TensorSpec], where: tuple[FlatLayout, int, int],
-                      values: list[np.ndarray], cfg: OptimizerConfig) -> None:
-        """The model, from ``info``'s upload (on the store thread), with ``cfg`` in force."""
+                      values: list[np.ndarray], cfg: OptimizerConfig, version: int) -> None:
+        """The model, from ``info``'s upload (on the store thread), with ``cfg`` in force, at
+        ``version`` (the registration's: a resuming worker's checkpoint's)."""
         try:
             await self._store_thread.run(functools.partial(self.store.initialise, None, values, cfg,
-                                                           model=ModelRange(layout, *where)))
+                                                           model=ModelRange(layout, *where), version=version))
         except BaseException:
             info.registering = False
             raise

@@ -180,11 +180,12 @@ class ModelStore:
         return [p.whole for p in self.model.parts] if self.model is not None else [False] * len(self.layout)
 
     def initialise(self, layout: list[TensorSpec] | None, values: list[np.ndarray], cfg: OptimizerConfig, *,
-                   model: ModelRange | None = None) -> None:
+                   model: ModelRange | None = None, version: int = 0) -> None:
         """Create the tensors (``layout``, or ``model``'s parts) with initial float32
-        ``values`` and state for ``cfg``'s optimizer."""
+        ``values`` and state for ``cfg``'s optimizer, as the model at ``version``."""
         tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout, self.model, self.tensors = self._layout(model, layout), model, tensors
+        self.version = version
         if self.broadcast_info is not None:
             self.broadcast = Broadcast(self.layout, values, self.broadcast_info, self._history_len,
                                        whole=self._whole())
