@@ -140,13 +140,42 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._saved: Mapping[str, Any] | None = None  # a worker checkpoint loaded before the start, applied by it
         self.server_optimizer: dict[str, Any] = {}  # the server's optimizer config, as it answered the registration
         self.version: int = 0  # the version of the server's model the replica (anchor) holds
-        # the wrapper shows the exchange's groups: a scheduler built on it drives them
+        # the wrapper shows the exchange's groups (param_groups, state): a scheduler built on it drives them
         super().__init__(list(self.params.values()), self._exchange.groups.defaults)
-        self.param_groups = self._exchange.groups.param_groups
-        self.state = self._exchange.groups.state
+        self._shows_groups = True
         self._sent_hparams: dict[str, Any] = {}
         if self.mode == "gradient" and self._exchange.server_config is None:
             self.start()  # the wrapper's group mirrors the server's default optimizer: it must be known now
+
+    # ------------------------------------------------------------------ the groups shown
+    # ``param_groups`` and ``state`` are the exchange's (update mode: the inner optimizer's), read
+    # each time: a torch optimizer's load_state_dict replaces its lists, and a scheduler built on
+    # the wrapper before that must still drive them. Until torch's constructor is done, its own.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        if self.__dict__.get("_shows_groups"):
+            return self._exchange.groups.param_groups
+        return self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if self.__dict__.get("_shows_groups"):
+            self._exchange.groups.param_groups = groups
+        else:
+            self.__dict__["_own_groups"] = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        if self.__dict__.get("_shows_groups"):
+            return self._exchange.groups.state
+        return self.__dict__["_own_state"]
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        if self.__dict__.get("_shows_groups"):
+            self._exchange.groups.state = state
+        else:
+            self.__dict__["_own_state"] = state
 
     # ------------------------------------------------------------------ the start
     def start(self) -> None:
