@@ -151,7 +151,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     # ``param_groups`` and ``state`` are the exchange's (update mode: the inner optimizer's), read
     # each time: a torch optimizer's load_state_dict replaces its lists, and a scheduler built on
     # the wrapper before that must still drive them. Until torch's constructor is done, its own.
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         if self.__dict__.get("_shows_groups"):
             return self._exchange.groups.param_groups
@@ -164,7 +164,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         else:
             self.__dict__["_own_groups"] = groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         if self.__dict__.get("_shows_groups"):
             return self._exchange.groups.state
