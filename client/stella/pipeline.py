@@ -61,6 +61,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -127,6 +128,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
         if not self.params:
             raise ValueError("model has no trainable parameters")
+        self._model = weakref.ref(model)  # looked at again by the start: was a parameter added or replaced since?
         self.mode: Mode = mode or DEFAULT_MODE
         self.sync, self.compression = sync, compression
         self.site = site_for(process_group)
@@ -189,6 +191,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             return
         if self._closed:
             raise PipelineError("start() after close()")
+        self._check_parameters()
         saved, self._saved = self._saved, None
         before = None
         if saved is not None:
@@ -220,6 +223,22 @@ class StellaOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             snap.apply_to(self.params)
         return reply.created, (reply.optimizer or {}, snap.version, client.flat)
+
+    def _check_parameters(self) -> None:
+        """The model's trainable parameters are still those the optimizer was built on: one
+        added or replaced since (a layer added, embeddings resized) would train without
+        ever reaching the server."""
+        model = self._model()
+        if model is None:
+            return
+        now = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
+        added = [n for n in now if n not in self.params]
+        replaced = [n for n, p in now.items() if n in self.params and p is not self.params[n]]
+        if added or replaced:
+            raise PipelineError(f"the model's parameters changed after StellaOptimizer was built (added: "
+                                f"{added[:5]}, replaced: {replaced[:5]}): build the optimizer once the model is "
+                                "complete (after resizing embeddings, adding heads, or loading a model that "
+                                "replaces its parameters)")
 
     def _flat_copy(self) -> torch.Tensor:
         with torch.no_grad():
@@ -313,7 +332,11 @@ class StellaOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):
