@@ -88,7 +88,7 @@ def test_a_server_that_holds_the_job_keeps_its_model_and_a_server_older_than_the
     wins, the unsent progress is kept on top, and it is only logged. A server whose model is
     older than the checkpoint (it restarted from an older checkpoint of its own, or another
     worker made it first) wins too, with a warning naming the steps lost."""
-    weights, state, anchor = save_checkpoint(make_server, tmp_path / "ckpt.pt")
+    weights, state, _ = save_checkpoint(make_server, tmp_path / "ckpt.pt")
     srv = make_server(1, ["--dense-below", "0"], pull="exact")
     other = Net(seed=2)  # another worker makes the new server's model first, from other weights
     o2 = StellaOptimizer(other, srv.endpoint, optimizer=adamw(other), **KW)
