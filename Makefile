@@ -27,7 +27,7 @@ NATIVE := $(wildcard native/*.c native/*.h native/isa/*.c native/cdefs/*.h) nati
 WHEELHOUSE ?= docker/wheelhouse
 NATIVE_ARCH ?= x86-64-v2
 
-.PHONY: demo test test-fast lint install bench-quick clean wheelhouse docker-images docker-test
+.PHONY: demo example test test-fast lint install bench-quick clean wheelhouse docker-images docker-test
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ $(STAMP): $(PY) pyproject.toml setup.py $(NATIVE)
 
 demo: $(STAMP)
 	$(VENV)/bin/stella demo
+
+# one of examples/ (docs/integrations.md) through its one command: a local stella-ps and two workers,
+# e.g. make example NAME=hf_trainer
+NAME ?= plain_loop
+example: $(STAMP)
+	$(PY) examples/$(NAME).py
 
 # lint: ruff over everything Python, mypy over client/, server/ and bench/ (strict on the wire schema and
 # the server's policy modules); configured in pyproject.toml; part of `make test`

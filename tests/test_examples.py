@@ -68,3 +68,8 @@ def test_autocast_gradscaler_and_compile_train_in_both_modes(flags):
     for r in run_example("amp_compile", *flags, "--steps", "80", "--target", "2.9"):
         assert r["last10"] < r["first_loss"] - 2.0 and r["heldout_loss"] < 2.9
         assert r["rounds"] >= 40
+
+
+def test_the_plain_loop_of_the_readme_trains():
+    for r in run_example("plain_loop", "--steps", "80", "--target", "2.9"):
+        assert r["heldout_loss"] < 2.9 and r["version"] >= 30
