@@ -475,6 +475,37 @@ def test_train_py_stops_cleanly_on_sigterm_continues_a_model_and_is_told_a_refus
     assert refused.returncode == 1 and "Unauthorised" in out and "refused this client's key" in out, out
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("waiting_for", ["the other sites", "a stopped server"])
+def test_train_py_stops_on_sigterm_while_it_waits_for_the_server(make_server, waiting_for):
+    """Issue 45: a worker waiting inside Stella (for the other sites of a job not started
+    yet, or for a server that stopped answering, while it reconnects) ended only by SIGKILL
+    30 s later. SIGTERM's handler calls opt.stop(): the wait ends at once, close() runs,
+    and the process exits cleanly (the run records how long it took; the bound here only
+    catches a hang: STELLA_TIMEOUT is 60 s)."""
+    srv = make_server(2 if waiting_for == "the other sites" else 1, ["--liveness-timeout", "60"])
+    p = _train(srv, 0, "--steps", "0", "--eval-every", "5", STELLA_TIMEOUT="60")
+    stopped = False
+    try:
+        _wait_line(p, "starts a new model", 60)
+        if waiting_for == "a stopped server":
+            _wait_line(p, "train.py: step 5 |", 60)
+            os.kill(srv.pid, signal.SIGSTOP)
+            stopped = True
+        time.sleep(2.0)  # well inside its wait (a step's push and pull)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        if stopped:
+            os.kill(srv.pid, signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()
+    print(f"SIGTERM to exit while waiting for {waiting_for}: {took:.2f} s")
+    assert p.returncode == 0 and "stopped (SIGTERM)" in out, out
+
+
 # ------------------------------------------------------------------ the walk-through's text
 def _readme() -> str:
     with open(os.path.join(DOCKER, "README.md")) as f:

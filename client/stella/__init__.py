@@ -52,6 +52,7 @@ from .errors import (
     ServerError,
     ServerUnavailable,
     StellaError,
+    Stopped,
     Unauthorised,
     VersionError,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "Sync",
     "Connection",
     "PipelineError",
+    "Stopped",
     "ErrorFeedbackCompressor",
     "SparseGrad",
     "StellaError",

@@ -27,7 +27,7 @@ import numpy as np
 
 from .adapt import Controller, RoundMeasure
 from .client import Client, PullResult
-from .errors import PipelineError
+from .errors import PipelineError, Stopped
 from .flat import FlatPush
 from .layout import FlatUpdate
 from .options import Compression, Connection
@@ -118,6 +118,7 @@ class Rounds:
         self._measure: RoundMeasure | None = None  # the latest finished round's, for the controller
         self._inflight: Future[Answer] | None = None
         self._inflight_since = 0.0
+        self.stopped = False  # stop() was called
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stella-pipeline")
         # an optimizer dropped without close() still lets its thread go (its Client closes its own socket)
         weakref.finalize(self, self._exec.shutdown, wait=False)
@@ -144,6 +145,8 @@ class Rounds:
         def register() -> tuple[Registered, PullResult | None]:
             client = self.client = (address if isinstance(address, Client | ShardedClient)  # connected by the caller
                                     else connect(address, **connection.client_kwargs()))
+            if self.stopped:
+                client.stop()
             reply = client.register(params, optimizer, mode=mode, version=version)  # type: ignore[arg-type]
             self.controller.broadcast = reply.broadcast  # the pull's coding and size, as the server has them
             if reply.base is None:
@@ -233,6 +236,8 @@ class Rounds:
             return None
         try:
             return fut.result()
+        except Stopped:
+            raise
         except Exception as e:
             raise PipelineError(f"background exchange failed: {type(e).__name__}: {e}") from e
 
@@ -267,10 +272,23 @@ class Rounds:
 
         self.call(flush)
 
+    def stop(self) -> None:
+        """End the thread's wait for the server, if any (:meth:`stella.Client.stop`); safe
+        from a signal handler."""
+        self.stopped = True
+        client = self.client
+        if client is not None:
+            client.stop()
+
     def close(self) -> None:
         """Leave the job, close the connection and stop the thread."""
         try:
             if self.client is not None:
-                self._exec.submit(self.client.close).result()
+                try:
+                    fut = self._exec.submit(self.client.close)
+                except RuntimeError:  # the thread was shut down (a registration failed): nothing runs on it
+                    self.client.close()
+                else:
+                    fut.result()
         finally:
             self._exec.shutdown(wait=True)

@@ -49,6 +49,7 @@ from .errors import (
     ProtocolError,
     ServerError,
     ServerUnavailable,
+    Stopped,
     Unauthorised,
     from_reply,
     unreadable,
@@ -94,6 +95,7 @@ ENV_RECONNECT = "STELLA_RECONNECT_S"
 BACKOFF_FIRST_S = 0.1  # first reconnect delay; doubled after each failed attempt (full jitter)
 BACKOFF_MAX_S = 5.0
 ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at most this (or `timeout`)
+STOP_GRACE_S = 1.0  # after a stop() that ended a wait: each request's timeout (a closing worker's push and leave)
 # handshakes the server closes without a word, in a row, before the client concludes that it holds the
 # wrong server key (one alone can be a server going down mid-handshake)
 SILENT_HANDSHAKE_FAILURES = 3
@@ -402,6 +404,10 @@ class Session:
         self._req = itertools.count(1)
         self._replies: dict[int, Received] = {}
         self._outstanding: set[int] = set()
+        # stop(): when it was called (monotonic; a float, set from a signal handler with no lock), and
+        # whether it ended a wait then: requests after that get STOP_GRACE_S, not the timeout
+        self._stop_at: float | None = None
+        self._interrupted = False
         self._ctx = ctx or zmq.Context.instance()
         self._keys = curve_keys(server_key, client_key)
         self.secure = self._keys is not None
@@ -416,6 +422,26 @@ class Session:
         """Stop reconnecting and drop what is in flight, stop the heartbeats, close the socket."""
         self.stop_reconnecting()
         self._finalizer()
+
+    def stop(self) -> None:
+        """End a wait in progress (:class:`~stella.errors.Stopped`, within a poll of 0.2 s)
+        and any reconnecting; safe from a signal handler and from another thread. A wait
+        begun after it runs as usual, within :data:`STOP_GRACE_S` if this stop ended one
+        (the server did not answer then: a closing worker's last push and leave get that
+        long, not the timeout)."""
+        self._stop_at = time.monotonic()
+
+    def _stopped_since(self, started: float) -> bool:
+        """Whether stop() was called after ``started`` (and so ends the wait begun then)."""
+        at = self._stop_at
+        if at is None or at < started:
+            return False
+        self._interrupted = True
+        return True
+
+    def _limit(self, t: float) -> float:
+        """A wait's timeout: ``t``, or the stop's grace once a stop ended a wait."""
+        return min(t, STOP_GRACE_S) if self._interrupted else t
 
     def stop_reconnecting(self) -> None:
         """A client on its way out (leaving) neither reconnects nor re-sends."""
@@ -548,7 +574,7 @@ class Session:
         """Send a request built without its id; returns the id for :meth:`wait`."""
         if self._sock.closed:
             raise ServerUnavailable("client is closed")
-        t = self.timeout if timeout is None else timeout
+        t = self._limit(self.timeout if timeout is None else timeout)
         rebased = False
         frames = list(frames)
         req = next(self._req)
@@ -583,9 +609,14 @@ class Session:
 
     def wait(self, req: int, timeout: float | None = None) -> Received:
         """Wait for the reply to request ``req``; raises the server's error if it sent one."""
-        t = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + t
+        started = time.monotonic()
+        t = self._limit(self.timeout if timeout is None else timeout)
+        deadline = started + t
         while req not in self._replies:
+            if self._stopped_since(started):
+                self._outstanding.discard(req)
+                self._sent.pop(req, None)
+                raise Stopped(f"stopped while waiting for stella-ps at {self.address} to answer")
             left = deadline - time.monotonic()
             if left <= 0:
                 if req in self._sent:
@@ -646,6 +677,9 @@ class Session:
         :class:`ServerUnavailable` when the deadline passes, and :class:`Unauthorised`
         at once if the server refuses this client's key (it left the allowlist)."""
         t0 = time.monotonic()
+        if self._stopped_since(0.0):
+            raise Stopped(f"stopped: the connection to stella-ps at {self.address} was lost ({why}) and is not "
+                          "reconnected after a stop")
         deadline = t0 + self.reconnect_s
         log.warning("connection to stella-ps lost; reconnecting",
                     extra={"address": self.address, "reason": why, "worker": self.worker_id})
@@ -666,7 +700,11 @@ class Session:
                 raise ServerUnavailable(f"gave up reconnecting to stella-ps at {self.address} after "
                                         f"{time.monotonic() - t0:.1f}s and {attempts} attempts (the reconnect "
                                         f"deadline, {ENV_RECONNECT}): {last}")
-            time.sleep(pause)
+            end = time.monotonic() + pause
+            while time.monotonic() < end:  # in slices, so that a stop ends the pause
+                if self._stopped_since(t0):
+                    raise Stopped(f"stopped while reconnecting to stella-ps at {self.address} ({last})")
+                time.sleep(min(0.1, max(0.0, end - time.monotonic())))
             delay = min(2 * delay, BACKOFF_MAX_S)
 
     def _reconnect_once(self, t: float) -> None:

@@ -513,6 +513,13 @@ class Client:
         if self.worker_id is not None:
             self._session.request(Leave(worker=self.worker_id), Left, timeout=timeout)
 
+    def stop(self) -> None:
+        """End a wait in progress at once (it raises :class:`~stella.errors.Stopped`) and
+        any reconnecting; safe from a signal handler or another thread. Requests after it
+        run as usual, within a second each if the stop found the client waiting (the
+        server was not answering then)."""
+        self._session.stop()
+
     def close(self, *, leave: bool = True, timeout: float = 5.0) -> None:
         """Leave the job (best effort) and close the socket; safe to call twice."""
         if self._session.closed:

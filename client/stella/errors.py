@@ -20,6 +20,7 @@ __all__ = [
     "BadValue",
     "ServerError",
     "ServerUnavailable",
+    "Stopped",
     "LayoutConflict",
     "NotRegistered",
     "VersionError",
@@ -138,6 +139,11 @@ class PipelineError(StellaError):
     """:class:`~stella.StellaOptimizer`'s background exchange failed (the cause is
     chained), or on a site's other ranks, the leader's did (its words are in the
     message). Raised from the next ``step()``, ``synchronize()`` or ``close()``."""
+
+
+class Stopped(PipelineError):
+    """``stop()`` was called (a signal handler's way to end training): a wait for the
+    server that was in progress then ended at once, and ``step()`` raises it from then on."""
 
 
 class BadRequest(ServerError, ProtocolError):

@@ -69,7 +69,7 @@ import torch
 
 from ._exchange import build_inner, exchange_for
 from ._rounds import Answer, PipelineStats, Rounds
-from .errors import PipelineError
+from .errors import PipelineError, StellaError, Stopped
 from .layout import FlatLayout
 from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
 from .options import Compression, Connection, Sync, removed_keyword
@@ -342,6 +342,8 @@ class StellaOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._closed:
             raise PipelineError("step() after close()")
+        if self.rounds.stopped:
+            raise Stopped("stop() was called: close() the optimizer")
         self.start()
         loss = None
         if closure is not None:
@@ -422,18 +424,48 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.version = snap.version
         self._resumed(state, False, before)
 
+    def stop(self) -> None:
+        """End training from a signal handler (or another thread): a wait for the server in
+        progress (the other sites not up yet, a server down and being reconnected to) ends
+        at once, and ``step()`` raises :class:`~stella.errors.Stopped` from then on. Then
+        call :meth:`close`: it pushes what was not sent and leaves, as usual, within about a
+        second a request if the stop found the worker waiting (the server was not answering).
+        Safe to call at any time, more than once::
+
+            signal.signal(signal.SIGTERM, lambda *_: opt.stop())
+            try:
+                for x, y in loader: ...
+            except stella.Stopped:
+                pass
+            opt.close()
+        """
+        self.rounds.stop()
+
     def close(self, *, flush: bool = True) -> None:
         """Finish the in-flight exchange, push what has not been sent (gradient mode:
         the residuals; update mode: the rest of the weights' change), so nothing is lost,
-        leave the job and close the connection. Idempotent."""
+        leave the job and close the connection. Idempotent. After :meth:`stop`, a round
+        that the stop cut short is dropped, and with it the push of what it had not sent
+        (whether its push reached the server is not known): the log says so."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._finish_round()
+            try:
+                self._finish_round()
+            except Stopped as e:
+                flush = False
+                log.warning("closing after stop(): the exchange in flight was cut short, and what this worker "
+                            "had not sent is not pushed (%s)", e)
             if flush and self._started:
                 self._exchange.prepare_flush()
-                self.rounds.flush(self.version)
+                try:
+                    self.rounds.flush(self.version)
+                except StellaError as e:
+                    if not self.rounds.stopped:
+                        raise
+                    log.warning("closing after stop(): the last push of what this worker had not sent failed "
+                                "(%s: %s); it is lost", type(e).__name__, e)
         finally:
             self.rounds.close()
             self._exchange.close()

@@ -329,6 +329,10 @@ class ShardedClient:
         for c in self.shards:
             c.leave(timeout=timeout)
 
+    def stop(self) -> None:
+        for c in self.shards:
+            c.stop()
+
     def close(self, *, leave: bool = True, timeout: float = 5.0) -> None:
         for c in self.shards:
             c.close(leave=leave, timeout=timeout)

@@ -50,8 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     address = os.environ["STELLA_SERVER"]
     rank, world = int(os.environ.get("STELLA_RANK", "0")), int(os.environ.get("STELLA_WORLD", "1"))
 
-    stop = threading.Event()  # SIGTERM: finish the step, then close() (push the rest, leave)
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    # SIGTERM: finish the step, then close() (push the rest, leave); a wait for the server in progress (the
+    # other sites not up yet, the server down) ends at once (opt.stop()), so the stop takes seconds at most
+    stop = threading.Event()
+    opts: list[stella.StellaOptimizer] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        stop.set()
+        for o in opts:
+            o.stop()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     torch.set_num_threads(1)
     if a.progress_every:
         from stella.progress import log_to_stderr
@@ -62,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         opt = stella.StellaOptimizer(model, address, optimizer=torch.optim.AdamW(model.parameters(), lr=a.lr),
                                      connection=stella.Connection(name=f"train-{rank}"),
                                      progress_every=a.progress_every)
+        opts.append(opt)
         opt.start()  # join now (the first step would): the model as built, every worker's the same
+    except stella.Stopped:
+        print("train.py: stopped (SIGTERM) before joining the job", flush=True)
+        opt.close()
+        return 0
     except stella.StellaError as e:
         print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -84,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x[b]), y[b])
             loss.backward()
-            opt.step()
+            try:
+                opt.step()
+            except stella.Stopped:
+                break
             step += 1
             if rank == 0 and a.eval_every and step % a.eval_every == 0:
                 print(f"train.py: step {step} | version {opt.version} | loss {loss.item():.4f} | test accuracy "
