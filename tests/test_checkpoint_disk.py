@@ -186,6 +186,8 @@ def test_a_read_only_directory_fails_checkpoints_and_a_restart_resumes_from_the_
     v = train(c, 0, EVERY)
     wait_until(lambda: c.status().checkpoint_version == EVERY, 20, "the first checkpoint")
     (first, _), = checkpoints_of(ckdir).items()
+    crashed = ckfmt.temporary_name(ckfmt.file_name(4, 1), pid=1)  # a write a crash interrupted, not this server's
+    (ckdir / crashed).write_bytes(b"partial")
     with read_only(ckdir):  # no write is in progress: the steps wait for this test
         v = train(c, v, 2 * EVERY)
         failures_reach(c, 1)
@@ -195,8 +197,9 @@ def test_a_read_only_directory_fails_checkpoints_and_a_restart_resumes_from_the_
         # the last checkpoint on SIGTERM fails too; said so, and the server still stops cleanly
         assert srv.close() == 0
         assert "final checkpoint failed; the newest valid checkpoint is kept" in srv.logs()
-        assert checkpoints_of(ckdir) == {first: EVERY} and os.listdir(ckdir) == [first]
-        # a restart on the read-only directory resumes from the newest valid checkpoint
+        assert checkpoints_of(ckdir) == {first: EVERY} and sorted(os.listdir(ckdir)) == sorted([first, crashed])
+        # a restart on the read-only directory resumes from the newest valid checkpoint (the crashed write's
+        # temporary file, which it cannot delete now, in its way or not)
         srv = start(make_server, ckdir, port)
         c = make_client(srv.endpoint)
         reg = c.register({"w": np.zeros(NUMEL, np.float32)}, SGD)
@@ -208,3 +211,4 @@ def test_a_read_only_directory_fails_checkpoints_and_a_restart_resumes_from_the_
     wait_until(lambda: c.status().checkpoint_version == v, 20, "a checkpoint once the directory is writable")
     assert_clear(c, port, srv, capsys, version=v, failed=1)
     assert sorted(checkpoints_of(ckdir).values()) == [EVERY, v]
+    assert "temporary checkpoint file not deleted" in srv.logs()

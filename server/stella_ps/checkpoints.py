@@ -249,13 +249,21 @@ def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
     one that does not is logged and moved into ``damaged/`` (kept for the operator, out
     of the way: it never counts towards ``--checkpoint-keep``, so pruning never deletes
     a valid checkpoint in its place). Temporary files of a write that a crash
-    interrupted are deleted."""
+    interrupted are deleted (where the directory is read-only, left with a warning:
+    they are never read, and the resume goes on)."""
     try:
-        for n in os.listdir(directory):
-            if ckpt_format.is_temporary(n):
-                os.unlink(os.path.join(directory, n))
+        names = os.listdir(directory)
     except FileNotFoundError:
         return None
+    for n in names:
+        if ckpt_format.is_temporary(n):
+            try:
+                os.unlink(os.path.join(directory, n))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("temporary checkpoint file not deleted", extra={"path": os.path.join(directory, n),
+                                                                            "error": describe_error(e)})
     for path, got in ckpt_format.iter_valid(directory):
         if isinstance(got, Checkpoint):
             return path, got
