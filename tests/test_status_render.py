@@ -15,7 +15,7 @@ import pytest
 from stella import Client
 from stella.modes import OUTER_PRESETS, outer_preset
 from stella.protocol import StatusReply
-from stella.status import rates, render, watch
+from stella.status import rates, render, render_shards, watch
 
 
 def sgd(**hp) -> dict:
@@ -63,6 +63,19 @@ def test_the_job_line_names_the_mode_and_the_optimizer(optimizer, mode, expect):
 def test_insecure_still_ends_the_job_line():
     st = msgspec.structs.replace(reply(AVERAGE, "update"), insecure=True)
     assert job(st) == "mode update, outer average | INSECURE"
+
+
+def test_a_failing_checkpoint_write_is_on_the_job_line_until_one_succeeds():
+    st = msgspec.structs.replace(reply(AVERAGE, "update"), checkpoint_age_s=600.0, checkpoint_version=2,
+                                 checkpoint_error="ENOSPC: No space left on device", checkpoint_failures=3)
+    head = render(st, rates(st, None, None)).splitlines()[0]
+    assert ("| checkpoint 10m ago | CHECKPOINT FAILING: ENOSPC: No space left on device (3 failed, version 2 kept) "
+            "| workers 0/2 |") in head
+    shards = render_shards([st, reply(AVERAGE, "update")], [rates(st, None, None)] * 2, ["a", "b"]).splitlines()
+    assert shards[0].endswith("| CHECKPOINT FAILING") and "CHECKPOINT FAILING: ENOSPC" in shards[1]
+    assert "FAILING" not in shards[2]
+    cleared = msgspec.structs.replace(st, checkpoint_error=None)  # a write succeeded again; the count stays
+    assert "FAILING" not in render(cleared, rates(cleared, None, None))
 
 
 def test_outer_presets_are_recognised_in_the_servers_full_config():

@@ -41,8 +41,8 @@ import numpy as np
 from .errors import StellaError
 from .layout import FlatLayout
 
-__all__ = ["Checkpoint", "CheckpointError", "write", "read", "read_header", "names", "file_name", "iter_valid",
-           "layout_of", "FORMAT", "SUFFIX"]
+__all__ = ["Checkpoint", "CheckpointError", "write", "read", "read_header", "names", "file_name", "temporary_name",
+           "is_temporary", "iter_valid", "layout_of", "FORMAT", "SUFFIX"]
 
 MAGIC = b"STELLACK"
 END = b"STELLEND"
@@ -126,7 +126,7 @@ def write(path: str, ckpt: Checkpoint) -> int:
     total = base + offset + len(END)
     head = MAGIC + struct.pack("<IQ", FORMAT, len(hb)) + hb + struct.pack("<IQ", zlib.crc32(hb), total)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    tmp = os.path.join(directory, temporary_name(os.path.basename(path)))
     try:
         with open(tmp, "wb") as f:
             f.write(head)
@@ -146,7 +146,7 @@ def write(path: str, ckpt: Checkpoint) -> int:
     except BaseException:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:  # gone, or a directory that became read-only: the write's own error is the one to raise
             pass
         raise
     fd = os.open(directory, os.O_RDONLY)
@@ -237,6 +237,18 @@ def names(directory: str) -> list[str]:
 
 def file_name(version: int, seq: int) -> str:
     return f"ckpt-{version:015d}-{seq:06d}{SUFFIX}"
+
+
+def temporary_name(name: str, pid: int | None = None) -> str:
+    """The temporary file :func:`write` writes checkpoint ``name`` into before renaming
+    it, as process ``pid`` (default: this one) names it."""
+    return f".{name}.tmp{os.getpid() if pid is None else pid}"
+
+
+def is_temporary(name: str, pid: int | None = None) -> bool:
+    """Whether ``name`` is a temporary file of :func:`write` (of process ``pid`` only, if given)."""
+    return (name.startswith(".ckpt-") and SUFFIX + ".tmp" in name
+            and (pid is None or name.endswith(f".tmp{pid}")))
 
 
 def iter_valid(directory: str) -> Iterable[tuple[str, Checkpoint | CheckpointError | OSError]]:

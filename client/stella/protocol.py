@@ -53,7 +53,7 @@ __all__ = [
     "Request", "Reply", "Received", "encode", "encode_header", "decode_request", "decode_reply", "tag_of",
 ]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -396,6 +396,10 @@ class StatusReply(_Message, tag="status", frozen=True):
     broadcast: BroadcastInfo | None = None  # the broadcast's settings (None: exact pulls)
     dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0  # the server's dense cut (stella.layout)
     shards: ShardList = []  # the job's shards in order, as ``joined`` says them (``stella status`` of one address)
+    # a checkpoint write that failed (README "Operations"): why the latest failed, e.g. "ENOSPC: No space left on
+    # device" (None: the latest succeeded, or none failed), and the failures since the server started
+    checkpoint_error: str | None = None
+    checkpoint_failures: int = 0
 
 
 class HeartbeatOk(_Message, tag="heartbeat_ok", frozen=True):

@@ -1,6 +1,7 @@
 """``stella status ADDRESS``: a running job at a glance.
 
-One line for the job (version, steps/s, bytes/s each way, checkpoint age, workers, and
+One line for the job (version, steps/s, bytes/s each way, checkpoint age, and ``CHECKPOINT
+FAILING: ENOSPC: No space left on device (2 failed, version 40 kept)`` while writes fail, workers, and
 the training mode with the server's optimizer: ``mode update, outer average`` or
 ``outer nesterov(lr 0.7, momentum 0.9)``, ``mode gradient, optimizer adamw(lr 0.001,
 ...)``) and a table with a row per live worker (id, name, key fingerprint with the
@@ -144,10 +145,19 @@ def render(st: StatusReply, r: dict[str, float], address: str = "") -> str:
 
 
 def _figures(st: StatusReply, r: dict[str, float]) -> str:
-    """One server's figures: version, rates, checkpoint age, workers."""
+    """One server's figures: version, rates, checkpoint age (and a failing write), workers."""
     return (f"version {st.version} | {r['steps']:.2f} steps/s | in {_bytes(r['bytes_in'])}/s | "
-            f"out {_bytes(r['bytes_out'])}/s | checkpoint {_age(st.checkpoint_age_s)} | "
+            f"out {_bytes(r['bytes_out'])}/s | checkpoint {_age(st.checkpoint_age_s)}{_failing(st)} | "
             f"workers {len(st.workers)}/{st.expected_workers}")
+
+
+def _failing(st: StatusReply) -> str:
+    """`` | CHECKPOINT FAILING: why (n failed, version v kept)`` while the latest write
+    failed (README "Operations": training goes on, the newest valid checkpoint is kept)."""
+    if st.checkpoint_error is None:
+        return ""
+    kept = "none kept" if st.checkpoint_version is None else f"version {st.checkpoint_version} kept"
+    return f" | CHECKPOINT FAILING: {st.checkpoint_error} ({st.checkpoint_failures} failed, {kept})"
 
 
 def render_shards(sts: list[StatusReply], rs: list[dict[str, float]], addresses: list[str]) -> str:
@@ -158,7 +168,8 @@ def render_shards(sts: list[StatusReply], rs: list[dict[str, float]], addresses:
             f"| {min(r['steps'] for r in rs):.2f} steps/s | in {_bytes(sum(r['bytes_in'] for r in rs))}/s | "
             f"out {_bytes(sum(r['bytes_out'] for r in rs))}/s | checkpoint {oldest} | workers "
             f"{min(len(st.workers) for st in sts)}/{sts[0].expected_workers} | {_job(sts[0])}"
-            f"{' | INSECURE' if any(st.insecure for st in sts) else ''}")
+            f"{' | INSECURE' if any(st.insecure for st in sts) else ''}"
+            f"{' | CHECKPOINT FAILING' if any(st.checkpoint_error is not None for st in sts) else ''}")
     shards = [f"  shard {st.shard or '?'} {a} | {_figures(st, r)}" for st, r, a in zip(sts, rs, addresses)]
     table = render(sts[0], rs[0]).splitlines()[1:]  # the first shard's workers
     return "\n".join([head, *shards, *table])

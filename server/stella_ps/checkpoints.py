@@ -12,10 +12,22 @@ exact state of one version. At most one write is in progress: a checkpoint that
 falls due meanwhile is written when it finishes (of the version then current). On
 start, :func:`newest_valid` tries the checkpoints newest first: a damaged one is
 reported in the log and the next older one is used.
+
+A write that fails (a full disk, ENOSPC; a directory that became read-only, EROFS;
+any other error) costs the job nothing but that checkpoint: the steps go on, the
+temporary file is removed, and nothing older is pruned (pruning follows a successful
+write only), so the newest valid checkpoint stays where a restart finds it. The
+failure is logged (``checkpoint write failed``), counted and shown until a write
+succeeds again (:class:`~stella_ps.stats.Stats`: ``status`` and the metrics). It is
+retried on the schedule, not sooner: a failed attempt counts as the checkpoint that
+was due, and the next one due is written as usual; a retry would cost what any
+checkpoint costs (a copy of the state), so a disk that stays full costs no more than
+the schedule already does, and the first due checkpoint after space is freed succeeds.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -40,11 +52,13 @@ from .stats import Stats
 from .store import ModelRange, ModelStore, RecordCopy, RedoEntry
 
 __all__ = ["Checkpointer", "CheckpointPolicy", "SlicedCopy", "copy_in_slices", "roll_forward", "state_copy", "restore",
-           "newest_valid", "write_and_prune", "Checkpoint", "CheckpointError", "CHECKPOINT_SLICE", "BCAST_ARRAYS"]
+           "newest_valid", "write_and_prune", "describe_error", "Checkpoint", "CheckpointError", "CHECKPOINT_SLICE",
+           "BCAST_ARRAYS"]
 
 log = logging.getLogger("stella_ps.checkpoints")
 CHECKPOINT_SLICE = 1 << 18  # coordinates a checkpoint copies per store-thread task (4 MiB of Adam records)
 BCAST_ARRAYS = ("bcast_model", "bcast_residual")  # a tensor's broadcast model and residual in a checkpoint
+MAX_ERROR_CHARS = 200  # of a failed write's description in status
 
 Run = Callable[..., Awaitable[Any]]
 
@@ -235,13 +249,21 @@ def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
     one that does not is logged and moved into ``damaged/`` (kept for the operator, out
     of the way: it never counts towards ``--checkpoint-keep``, so pruning never deletes
     a valid checkpoint in its place). Temporary files of a write that a crash
-    interrupted are deleted."""
+    interrupted are deleted (where the directory is read-only, left with a warning:
+    they are never read, and the resume goes on)."""
     try:
-        for n in os.listdir(directory):
-            if n.startswith(".ckpt-") and ".tmp" in n:
-                os.unlink(os.path.join(directory, n))
+        names = os.listdir(directory)
     except FileNotFoundError:
         return None
+    for n in names:
+        if ckpt_format.is_temporary(n):
+            try:
+                os.unlink(os.path.join(directory, n))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("temporary checkpoint file not deleted", extra={"path": os.path.join(directory, n),
+                                                                            "error": describe_error(e)})
     for path, got in ckpt_format.iter_valid(directory):
         if isinstance(got, Checkpoint):
             return path, got
@@ -262,16 +284,42 @@ def write_and_prune(policy: CheckpointPolicy, ckpt: Checkpoint) -> tuple[str, in
     writer thread."""
     t0 = time.perf_counter()
     os.makedirs(policy.directory, exist_ok=True)
+    _remove_own_temporary(policy.directory)
     policy.seq += 1
     path = os.path.join(policy.directory, ckpt_format.file_name(ckpt.version, policy.seq))
-    size = ckpt_format.write(path, ckpt)
+    size = ckpt_format.write(path, ckpt)  # a failure raises here: nothing older is touched, no temporary file stays
     older = [n for n in ckpt_format.names(policy.directory) if n != os.path.basename(path)]
     for old in older[policy.settings.keep - 1:]:
         try:
             os.unlink(os.path.join(policy.directory, old))
         except FileNotFoundError:
             pass
+        except OSError as e:  # the new one is written: an old one left behind is worth a warning, not a failure
+            log.warning("old checkpoint not deleted", extra={"path": os.path.join(policy.directory, old),
+                                                             "error": describe_error(e)})
     return path, size, time.perf_counter() - t0
+
+
+def _remove_own_temporary(directory: str) -> None:
+    """Delete a temporary file an earlier write of this process could not (its directory
+    was read-only then); another process's are left alone."""
+    for n in os.listdir(directory):
+        if ckpt_format.is_temporary(n, os.getpid()):
+            try:
+                os.unlink(os.path.join(directory, n))
+            except FileNotFoundError:
+                pass
+
+
+def describe_error(e: BaseException) -> str:
+    """A failed write as ``status`` and the log say it: ``ENOSPC: No space left on
+    device`` for an OS error, else the exception's type and message (at most
+    :data:`MAX_ERROR_CHARS` characters)."""
+    if isinstance(e, OSError) and e.errno is not None and e.errno in errno.errorcode:
+        text = f"{errno.errorcode[e.errno]}: {e.strerror}"
+    else:
+        text = f"{type(e).__name__}: {e}"
+    return text[:MAX_ERROR_CHARS]
 
 
 class Checkpointer:
@@ -290,6 +338,8 @@ class Checkpointer:
         self._closing = False
         self._scheduled = False  # a periodic checkpoint task is spawned or running
         self.version: int | None = None  # the newest checkpoint on disk (written or resumed from)
+        self.path: str | None = None  # its file
+        self._failed_in_a_row = 0  # writes failed since the last one that succeeded
 
     def resume(self) -> OptimizerConfig | None:
         """Become the newest valid checkpoint of the directory (before serving); returns
@@ -303,6 +353,7 @@ class Checkpointer:
         path, ck = found
         cfg = restore(self.store, ck)
         self.policy.last_version = self.version = ck.version
+        self.path = path
         # its age is the file's: status and the age metric say how old the newest checkpoint is from the start,
         # not "none" (and an age alert) until the next one is written
         self._stats.last_checkpoint = os.path.getmtime(path)
@@ -320,20 +371,24 @@ class Checkpointer:
     async def _scheduled_write(self) -> None:
         try:
             await self.write()
+        except Exception:
+            pass  # logged and counted by write(); the next due checkpoint is the retry
         finally:
             self._scheduled = False
             self.maybe(self.store.version)  # one that fell due while this one was written
 
-    async def write(self) -> str:
+    async def write(self, final: bool = False) -> str:
         """Write a checkpoint of the model now; returns its path. Steps wait only for the
         slices of the copy. One at a time: ``_writing`` is set before the first await,
-        so no second one starts meanwhile."""
+        so no second one starts meanwhile. A failure is logged and counted here
+        (:meth:`_failed`), then raised."""
         optimizer = self._optimizer()
         assert self.policy is not None and optimizer is not None
         while self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
         cp = self.policy
         self._writing = asyncio.get_running_loop().create_future()
+        version = self.store.version
         try:
             t_copy = time.perf_counter()
             copy = await copy_in_slices(self.store, self._store_thread.run)
@@ -348,29 +403,54 @@ class Checkpointer:
                 arrays = roll_forward(kind, numels, copy.copies, copy.redo)
                 return write_and_prune(cp, Checkpoint(copy.version, layout, opt, arrays, time.time(), model))
 
-            cp.last_version, cp.last_time = copy.version, time.monotonic()
+            # the schedule moves on whether the write succeeds or not: a failed one is retried when the next is due
+            version, cp.last_version, cp.last_time = copy.version, copy.version, time.monotonic()
             path, size, write_s = await self._writer.run(build_and_write)
             self._stats.checkpoints += 1
             self._stats.last_checkpoint = time.time()
-            self.version = copy.version
+            self._stats.checkpoint_error = None
+            self.version, self.path = copy.version, path
             log.info("checkpoint written", extra={"path": path, "version": copy.version, "bytes": size,
                                                   "stall_ms": round(1e3 * copy.stall_s, 3),
                                                   "copy_s": round(copy_s, 3), "steps_rolled_forward": len(copy.redo),
                                                   "write_s": round(write_s, 3)})
+            if self._failed_in_a_row:
+                log.info("checkpoint writes work again", extra={"path": path, "version": copy.version,
+                                                                "failed_before": self._failed_in_a_row})
+                self._failed_in_a_row = 0
             return path
+        except Exception as e:
+            self._failed(e, version, final)
+            raise
         finally:
             fut, self._writing = self._writing, None
             fut.set_result(None)
 
+    def _failed(self, e: Exception, version: int, final: bool) -> None:
+        """Count and log a write that failed; what is on disk is as it was."""
+        self._failed_in_a_row += 1
+        self._stats.checkpoint_failures += 1
+        self._stats.checkpoint_error = error = describe_error(e)
+        what = "final checkpoint failed" if final else "checkpoint write failed; training goes on"
+        kept = "there is no checkpoint yet" if self.path is None else "the newest valid checkpoint is kept"
+        assert self.policy is not None
+        # an OS error says all there is to say; anything else may be a bug: its traceback too
+        log.error(f"{what}; {kept}", exc_info=None if isinstance(e, OSError) else e,
+                  extra={"version": version, "error": error, "checkpoint_dir": self.policy.directory,
+                         "failed_in_a_row": self._failed_in_a_row, "kept": self.path, "kept_version": self.version,
+                         "retry": "none (stopping)" if final else "when the next checkpoint is due"})
+
     async def close(self) -> None:
         """Wait for a write in progress, then write a last checkpoint when the model moved
-        on since the last one; stop the writer thread."""
+        on since the newest one on disk; stop the writer thread."""
         self._closing = True
         while self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
-        if self.policy is not None and self.store.initialised and self.store.version > self.policy.last_version:
+        # against the newest on disk, not the last attempt: a periodic write that failed at this version is tried again
+        written = -1 if self.version is None else self.version
+        if self.policy is not None and self.store.initialised and self.store.version > written:
             try:
-                await self.write()
-            except Exception as e:
-                log.error("final checkpoint failed", exc_info=e)
+                await self.write(final=True)
+            except Exception:
+                pass  # logged by write()
         self._writer.close()

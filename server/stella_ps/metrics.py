@@ -32,6 +32,10 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
                                             allowlist), ``banned``, ``handshake`` (wrong
                                             server key, or no keys)
 ``checkpoints_total``              counter  checkpoints written since start
+``checkpoint_failures_total``      counter  checkpoint writes failed since start (full disk,
+                                            read-only directory, ...: README "Operations")
+``checkpoint_failing``             gauge    1 while the latest checkpoint write failed (why:
+                                            ``stella status`` and the log), 0 once one succeeds
 ``checkpoint_stall_seconds``       gauge    the longest a checkpoint's copy held a step back
 ``rejected_steps_total``           counter  steps undone by the finite-step guard (NaN/Inf result)
 ``rejected_pushes_total``          counter  pushes those steps dropped
@@ -129,6 +133,11 @@ class JobCollector(Collector):
         yield GaugeMetricFamily("stella_checkpoint_age_seconds", "seconds since the latest checkpoint (NaN: none)",
                                 value=math.nan if age is None else age)
         yield CounterMetricFamily("stella_checkpoints", "checkpoints written since start", value=snap.checkpoints)
+        yield CounterMetricFamily("stella_checkpoint_failures", "checkpoint writes failed since start",
+                                  value=st.checkpoint_failures)
+        yield GaugeMetricFamily("stella_checkpoint_failing", "1 while the latest checkpoint write failed "
+                                "(why: stella status, the log), 0 once one succeeds",
+                                value=int(st.checkpoint_error is not None))
         yield CounterMetricFamily("stella_rejected_steps", "steps the finite-step guard undid (a result was NaN/Inf)",
                                   value=snap.rejected_steps)
         yield CounterMetricFamily("stella_rejected_pushes", "pushes such steps dropped", value=snap.rejected_pushes)

@@ -53,16 +53,19 @@ class Stats:
     checkpoints: int = 0  # written since start
     checkpoint_stall_s: float = 0.0  # the longest a checkpoint's copy held a step back
     last_checkpoint: float | None = None  # wall clock of the latest checkpoint written
+    checkpoint_failures: int = 0  # checkpoint writes failed since start
+    checkpoint_error: str | None = None  # why the latest write failed; None once one succeeds again
 
     _COUNTERS = ("bytes_in", "bytes_out", "messages", "errors", "pushes", "duplicate_pushes", "pulls", "steps",
                  "late_pushes", "workers_gone", "step_interval_s", "step_intervals", "apply_s", "straggler_wait_s",
-                 "rejected_steps", "rejected_pushes", "checkpoints", "checkpoint_stall_s")
+                 "rejected_steps", "rejected_pushes", "checkpoints", "checkpoint_stall_s", "checkpoint_failures")
 
     def counters(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The counters as a :class:`JobSnapshot` shows them: those the ``status`` reply
         carries (named as its fields), and those only the metrics show (copies of the maps)."""
         every = {**{k: getattr(self, k) for k in self._COUNTERS}, "errors_by_code": dict(self.errors_by_code),
-                 "refused_connections": dict(self.refused_connections), "uptime_s": time.time() - self.started}
+                 "refused_connections": dict(self.refused_connections), "uptime_s": time.time() - self.started,
+                 "checkpoint_error": self.checkpoint_error}
         return ({k: v for k, v in every.items() if k in STATUS_FIELDS},
                 {k: v for k, v in every.items() if k not in STATUS_FIELDS})
 
