@@ -243,6 +243,30 @@ def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     opt.close()
 
 
+@pytest.mark.parametrize("when", ["before_start", "after_start"])
+def test_a_scheduler_on_the_wrapper_still_drives_the_inner_lr_after_load_state_dict(server, when):
+    """A training stack's resume: the scheduler is built on the wrapper, then the
+    optimizer's checkpoint is loaded (HF Trainer, Lightning). torch's load_state_dict
+    replaces the inner optimizer's group dicts; the wrapper's (and the scheduler's) must
+    stay the ones the inner steps with."""
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                          connection=Connection(timeout=10))
+    groups = opt.param_groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    if when == "after_start":
+        local_step(model, opt, 0, 0)
+    saved = opt.state_dict()
+    saved["inner"]["param_groups"][0]["lr"] = 0.75  # what the checkpoint holds
+    opt.load_state_dict(saved)
+    assert opt.param_groups is groups is opt.inner.param_groups and opt.state is opt.inner.state
+    assert opt.inner.param_groups[0]["lr"] == 0.75
+    local_step(model, opt, 0, 1)
+    sched.step()
+    assert opt.inner.param_groups[0]["lr"] == 0.5  # the schedule's, on the groups the inner steps with
+    opt.close()
+
+
 def test_a_worker_restores_its_own_side_on_top_of_the_servers_model(make_server):
     """state_dict() holds the inner optimizer's state and the unsent progress; a
     restarted worker keeps that progress on top of the server's current model (which

@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from ._exchange import build_inner, exchange_for
+from ._exchange import build_inner, exchange_for, load_in_place
 from ._rounds import Answer, PipelineStats, Rounds
 from .errors import PipelineError
 from .layout import FlatLayout
@@ -360,7 +360,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange.local_steps = int(state.get("local_steps", 0))
         if not self._started:
             if self._exchange.inner is not None and "inner" in state:
-                self._exchange.inner.load_state_dict(state["inner"])
+                load_in_place(self._exchange.inner, state["inner"])  # the wrapper's groups stay the inner's
             self._saved = state  # applied by the start, on whichever model the server holds then
             return
         self._finish_round()
