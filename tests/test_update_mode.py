@@ -182,6 +182,45 @@ def test_close_flushes_what_was_not_sent(make_server):
     assert torch.equal(_server_model(exact_server, n, 6), -total)  # 5 rounds and the flush
 
 
+class Forwarding:
+    """What Lightning's LightningOptimizer (``self.optimizers()``) is: an object of a class
+    derived from its own and the optimizer's that reads missing attributes from the
+    optimizer (lightning 2.6) or, in older releases, copied its ``__dict__``; either way
+    its writes stay its own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, copy_dict: bool):
+        if copy_dict:
+            self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")}
+        self._optimizer = optimizer
+        self.__class__ = type("Wrapped" + optimizer.__class__.__name__, (self.__class__, optimizer.__class__), {})
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+
+@pytest.mark.parametrize("copy_dict", [False, True], ids=["forwarding", "dict_copy"])
+def test_close_through_a_wrapper_acts_on_the_optimizer_and_flushes(make_server, copy_dict):
+    """A wrapper made before the start (a copied __dict__ says: not started, nothing in
+    flight): state_dict() and close() through it finish the round in flight and flush, as
+    on the optimizer, whose own flags and version follow."""
+    exact_server = make_server(1, ["--dense-below", "0"], pull="exact")
+    n = 256
+    model = Toy(n, torch.zeros(n))
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(density=0.05, method="exact", value_dtype="f32"),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10))
+    wrapped = Forwarding(opt, copy_dict)
+    total = torch.zeros(n)
+    for t in range(5):
+        local_step(model, opt, 0, t)
+        total += grad_of(0, t, n)
+    assert wrapped.state_dict()["version"] == opt.version == 5 and not opt._pending  # the round in flight, installed
+    wrapped.close()
+    assert opt._closed
+    assert torch.equal(_server_model(exact_server, n, 6), -total)  # 5 rounds and the flush
+    opt.close()  # (idempotent)
+
+
 def test_nesterov_outer_step_matches_torch_sgd(exact_server):
     """The outer step on the server is torch's SGD(nesterov) on the pseudo-gradient
     (dense here, so lazy == dense)."""
