@@ -182,6 +182,45 @@ def test_close_flushes_what_was_not_sent(make_server):
     assert torch.equal(_server_model(exact_server, n, 6), -total)  # 5 rounds and the flush
 
 
+class Forwarding:
+    """What Lightning's LightningOptimizer (``self.optimizers()``) is: an object of a class
+    derived from its own and the optimizer's that reads missing attributes from the
+    optimizer (lightning 2.6) or, in older releases, copied its ``__dict__``; either way
+    its writes stay its own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, copy_dict: bool):
+        if copy_dict:
+            self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")}
+        self._optimizer = optimizer
+        self.__class__ = type("Wrapped" + optimizer.__class__.__name__, (self.__class__, optimizer.__class__), {})
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+
+@pytest.mark.parametrize("copy_dict", [False, True], ids=["forwarding", "dict_copy"])
+def test_close_through_a_wrapper_acts_on_the_optimizer_and_flushes(make_server, copy_dict):
+    """A wrapper made before the start (a copied __dict__ says: not started, nothing in
+    flight): state_dict() and close() through it finish the round in flight and flush, as
+    on the optimizer, whose own flags and version follow."""
+    exact_server = make_server(1, ["--dense-below", "0"], pull="exact")
+    n = 256
+    model = Toy(n, torch.zeros(n))
+    opt = StellaOptimizer(model, exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
+                          compression=Compression(density=0.05, method="exact", value_dtype="f32"),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10))
+    wrapped = Forwarding(opt, copy_dict)
+    total = torch.zeros(n)
+    for t in range(5):
+        local_step(model, opt, 0, t)
+        total += grad_of(0, t, n)
+    assert wrapped.state_dict()["version"] == opt.version == 5 and not opt._pending  # the round in flight, installed
+    wrapped.close()
+    assert opt._closed
+    assert torch.equal(_server_model(exact_server, n, 6), -total)  # 5 rounds and the flush
+    opt.close()  # (idempotent)
+
+
 def test_nesterov_outer_step_matches_torch_sgd(exact_server):
     """The outer step on the server is torch's SGD(nesterov) on the pseudo-gradient
     (dense here, so lazy == dense)."""
@@ -240,6 +279,30 @@ def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     opt.synchronize()
     with Client(server.endpoint, timeout=10) as c:
         assert c.status().optimizer["lr"] == 0.25
+    opt.close()
+
+
+@pytest.mark.parametrize("when", ["before_start", "after_start"])
+def test_a_scheduler_on_the_wrapper_still_drives_the_inner_lr_after_load_state_dict(server, when):
+    """A training stack's resume: the scheduler is built on the wrapper, then the
+    optimizer's checkpoint is loaded (HF Trainer, Lightning). torch's load_state_dict
+    replaces the inner optimizer's group dicts; the wrapper's (and the scheduler's) must
+    stay the ones the inner steps with."""
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                          connection=Connection(timeout=10))
+    groups = opt.param_groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    if when == "after_start":
+        local_step(model, opt, 0, 0)
+    saved = opt.state_dict()
+    saved["inner"]["param_groups"][0]["lr"] = 0.75  # what the checkpoint holds
+    opt.load_state_dict(saved)
+    assert opt.param_groups is groups is opt.inner.param_groups and opt.state is opt.inner.state
+    assert opt.inner.param_groups[0]["lr"] == 0.75
+    local_step(model, opt, 0, 1)
+    sched.step()
+    assert opt.inner.param_groups[0]["lr"] == 0.5  # the schedule's, on the groups the inner steps with
     opt.close()
 
 

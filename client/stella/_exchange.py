@@ -52,6 +52,23 @@ def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> 
     return _INNER[name](params, **hp)
 
 
+def load_in_place(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``opt.load_state_dict(state)``, keeping its ``param_groups`` list, their dicts and its
+    ``state`` mapping the same objects: torch replaces them, which would leave the wrapper's
+    groups (and a scheduler built on the wrapper, or a training stack's copy of it, such as
+    Lightning's ``LightningOptimizer``) driving groups the optimizer no longer steps with."""
+    groups, held = opt.param_groups, opt.state
+    opt.load_state_dict(state)
+    for old, new in zip(groups, opt.param_groups):
+        if old is not new:
+            old.clear()
+            old.update(new)
+    if held is not opt.state:
+        held.clear()
+        held.update(opt.state)
+    opt.param_groups, opt.state = groups, held
+
+
 class _ServerGroup(torch.optim.Optimizer):
     """One parameter group mirroring the server's optimizer; a learning-rate scheduler
     may drive it. ``step()`` does nothing: the server steps, and changed values travel
@@ -316,7 +333,7 @@ class _UpdateExchange(_Exchange):
     @torch.no_grad()
     def restore(self, state: Mapping[str, Any], snap: PullResult) -> None:
         """The weights become the server's model minus the saved unsent progress."""
-        self.inner.load_state_dict(state["inner"])
+        load_in_place(self.inner, state["inner"])
         snap.apply_to(self.params)
         self.flat.gather_into(self.anchor)
         self.after_start(state)

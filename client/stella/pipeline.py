@@ -58,16 +58,17 @@ the server, and what the other ranks are told). It keeps the optimizer API.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 
-from ._exchange import build_inner, exchange_for
+from ._exchange import build_inner, exchange_for, load_in_place
 from ._rounds import Answer, PipelineStats, Rounds
 from .errors import PipelineError, StellaError, Stopped
 from .layout import FlatLayout
@@ -77,6 +78,26 @@ from .shards import AnyClient
 from .site import site_for
 
 log = logging.getLogger("stella.pipeline")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _on_owner(method: _F) -> _F:
+    """``method`` runs on the optimizer itself also when called through a wrapper that
+    reads the optimizer's attributes but writes its own: Lightning's ``LightningOptimizer``
+    (what ``self.optimizers()`` returns; it forwards missing attributes to the optimizer,
+    older releases copied its ``__dict__``) is one. Run on the wrapper, ``close()`` would
+    finish the round and close the shared connection while the optimizer's own flags and
+    version stayed as they were (in flight, not closed; with a copied ``__dict__``, the
+    copy's stale flags skipped the round in flight and the flush: the last progress lost
+    without a word)."""
+
+    @functools.wraps(method)
+    def on_owner(self: StellaOptimizer, *args: Any, **kwargs: Any) -> Any:
+        return method(getattr(self, "_owner", self), *args, **kwargs)
+
+    return cast(_F, on_owner)
+
 
 __all__ = ["StellaOptimizer", "Compression", "Sync", "Connection", "PipelineError", "PipelineStats", "MODES",
            "OUTER_PRESETS", "build_inner"]
@@ -124,6 +145,7 @@ class StellaOptimizer(torch.optim.Optimizer):
                  outer: str | Mapping[str, Any] = "average", sync: Sync = Sync(),
                  compression: Compression = Compression(), connection: Connection = Connection(),
                  process_group: Any = "default", progress_every: int = 0):
+        self._owner = self  # what a wrapper reading this optimizer's attributes acts on (_on_owner)
         # tensors without elements never change: nothing to exchange
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
         if not self.params:
@@ -180,6 +202,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             self.__dict__["_own_state"] = state
 
     # ------------------------------------------------------------------ the start
+    @_on_owner
     def start(self) -> None:
         """Join the job with the model as the parameters hold it now. The first ``step()``
         (or ``synchronize()``, ``pull_latest()``) calls it, so that a checkpoint loaded after
@@ -357,12 +380,14 @@ class StellaOptimizer(torch.optim.Optimizer):
             self._start_round(self.version)  # the version this gradient was computed on
         return loss
 
+    @_on_owner
     def synchronize(self) -> int:
         """Finish the in-flight exchange and install it; returns the replica's version."""
         self.start()
         self._finish_round()
         return self.version
 
+    @_on_owner
     def pull_latest(self) -> int:
         """Install everything the server has applied so far (e.g. after training). In
         update mode the server's changes are merged: local progress not sent yet stays."""
@@ -374,6 +399,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         return self.version
 
     # ------------------------------------------------------------------ worker checkpoints
+    @_on_owner
     def state_dict(self) -> dict[str, Any]:
         """The worker's own side, for a checkpoint: the inner optimizer's state and what
         was not sent yet (update mode: ``anchor - weights``; gradient mode: the
@@ -390,6 +416,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._finish_round()
         return {**head, "version": self.version, **self._exchange.state()}
 
+    @_on_owner
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`, with the weights of the same checkpoint loaded in the
         model (before or after this call, as long as it is before the first ``step()``).
@@ -414,7 +441,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange.local_steps = int(state.get("local_steps", 0))
         if not self._started:
             if self._exchange.inner is not None and "inner" in state:
-                self._exchange.inner.load_state_dict(state["inner"])
+                load_in_place(self._exchange.inner, state["inner"])  # the wrapper's groups stay the inner's
             self._saved = state  # applied by the start, on whichever model the server holds then
             return
         self._finish_round()
@@ -424,6 +451,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.version = snap.version
         self._resumed(state, False, before)
 
+    @_on_owner
     def stop(self) -> None:
         """End training from a signal handler (or another thread): a wait for the server in
         progress (the other sites not up yet, a server down and being reconnected to) ends
@@ -441,6 +469,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         """
         self.rounds.stop()
 
+    @_on_owner
     def close(self, *, flush: bool = True) -> None:
         """Finish the in-flight exchange, push what has not been sent (gradient mode:
         the residuals; update mode: the rest of the weights' change), so nothing is lost,
