@@ -50,6 +50,7 @@ def test_hf_trainer_trains_saves_evaluates_and_resumes_against_a_new_server(tmp_
         assert resumed <= 1.02 * at_n, (before["losses"], after["losses"])
         assert abs(resumed - before["losses"]["25"]) <= 0.05 * before["losses"]["25"]
         assert after["version"] >= 20 + 8  # the new server counted on from the checkpoint's version
+        assert after["inner_lr"] == after["scheduled_lr"]  # the Trainer's schedule still drives the local steps
 
 
 def test_accelerate_prepares_accumulates_and_trains_in_bf16():
