@@ -15,6 +15,7 @@ to every step.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from stella.codec import sum_of_squares
 from stella.errors import ErrorCode, ServerError
 from stella.layout import FlatLayout, Part
 from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
@@ -36,7 +38,7 @@ from .optim import OptimizerConfig
 from .runtime import TensorPool
 
 __all__ = ["ModelStore", "ModelRange", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes",
-           "RecordCopy", "RedoEntry"]
+           "RecordCopy", "RedoEntry", "l2_norm"]
 
 log = logging.getLogger("stella_ps.store")
 
@@ -95,6 +97,11 @@ class EncodedChanges:
     parts: list[int] = field(default_factory=list)
 
 
+def l2_norm(values: Sequence[np.ndarray]) -> float:
+    """The L2 norm of float32 arrays together, accumulated in float64 (one C pass each)."""
+    return math.sqrt(sum(sum_of_squares(np.ascontiguousarray(v, np.float32).reshape(-1)) for v in values))
+
+
 def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: int = 5) -> str | None:
     """A sentence naming which of the registration's own tensors differ from the
     server's model (``have``), or None if identical. It names what differs (count,
@@ -144,6 +151,9 @@ class ModelStore:
         self._pool = TensorPool(threads)  # a step's per-tensor work (apply, broadcast) on this many threads
         self.tensors: list[KernelTensorState] = []
         self.version = 0
+        # the L2 norm of the parameters held, as created or restored (the push-norm bound's unit of a change: a
+        # norm now would cost a pass over the model a push)
+        self.param_norm = 0.0
         self.pull: PullMode = pulls.mode
         self.broadcast_info = pulls.broadcast_info()  # None: exact pulls
         self._history_len = history
@@ -185,6 +195,7 @@ class ModelStore:
         ``values`` and state for ``cfg``'s optimizer."""
         tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout, self.model, self.tensors = self._layout(model, layout), model, tensors
+        self.param_norm = l2_norm(values)
         if self.broadcast_info is not None:
             self.broadcast = Broadcast(self.layout, values, self.broadcast_info, self._history_len,
                                        whole=self._whole())
@@ -232,6 +243,7 @@ class ModelStore:
             tensors.append(st)
         self.layout, self.model = layout, model
         self.tensors, self.version = tensors, version
+        self.param_norm = l2_norm([a["param"] for a in arrays])
         self._history.clear()
         self._encoded.clear()
         self.broadcast = None
