@@ -42,6 +42,8 @@ from stella.codec import sum_of_squares, to_float32
 from stella.errors import BadValue, ErrorCode, ServerError
 from stella.payload import SparseTensor
 
+from .errors import StepFailed
+
 __all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
@@ -81,6 +83,11 @@ class Step:
     # samples one unit of its (pre-multiplied) values stands for (see :func:`weigh`)
     samples: dict[int, int] | None = None
     unit: float = 1.0
+
+    @classmethod
+    def empty(cls, ntensors: int) -> Step:
+        """A step of no push: it changes no parameter, and the version moves on."""
+        return cls([[] for _ in range(ntensors)], 0.0, [], 0, [], [[] for _ in range(ntensors)])
 
     def without(self, workers: Collection[int]) -> Step:
         """This step without the pushes of ``workers``, the (weighted) mean over the
@@ -270,6 +277,14 @@ class Aggregator:
                 del self._pending[w]
         if not pushes:
             return None
+        try:
+            return self._group(pushes, version, ntensors, complete, now)
+        except Exception as e:  # the pushes are taken: the step closes empty without them (StepScheduler)
+            raise StepFailed(f"step {version + 1} failed in the aggregation ({type(e).__name__}: {e}); its pushes "
+                             "were dropped", [p.worker for p in pushes]) from e
+
+    def _group(self, pushes: list[PendingPush], version: int, ntensors: int, complete: bool, now: float) -> Step:
+        """The step of ``pushes`` (taken from their queues), closed at ``now``."""
         newcomer = any(p.worker not in self._pushed_before for p in pushes)
         self._pushed_before.update(p.worker for p in pushes)
         # a worker's first push comes after its start-up, not after a step: no sample

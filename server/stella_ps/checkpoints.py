@@ -364,11 +364,15 @@ class Checkpointer:
 
     async def close(self) -> None:
         """Wait for a write in progress, then write a last checkpoint when the model moved
-        on since the last one; stop the writer thread."""
+        on since the last one (and is whole: not after :class:`ModelDamaged`); stop the
+        writer thread."""
         self._closing = True
         while self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
-        if self.policy is not None and self.store.initialised and self.store.version > self.policy.last_version:
+        if self.store.damaged is not None:  # the model may hold part of a step: keep the newest checkpoint
+            log.error("no last checkpoint: the model may hold part of a failed step",
+                      extra={"version": self.store.version, "checkpoint_version": self.version})
+        elif self.policy is not None and self.store.initialised and self.store.version > self.policy.last_version:
             try:
                 await self.write()
             except Exception as e:

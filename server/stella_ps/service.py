@@ -107,6 +107,9 @@ class Service:
                                          lambda: self.steps.optimizer)
         self.steps.on_step(self.waiters.release)
         self.steps.on_step(self.checkpointer.maybe)
+        # a step that can be neither applied whole nor closed empty: the transport stops serving (the daemon exits 1)
+        self.on_failure: Callable[[BaseException], None] = lambda e: log.critical("no step can close", exc_info=e)
+        self.steps.on_failure(lambda e: self.on_failure(e))
         self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor,
                                         model_change=limits.max_push_change)
         self.registration = Registration(self.store, self.store_thread, self.members, self.steps, self.clock,
@@ -315,6 +318,11 @@ class Service:
         if wait_for <= v:
             self.answers.answer(ident, msg, arrived)
         else:
-            self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
-                             lambda: self.answers.answer(ident, msg, arrived))
+            def answer() -> None:  # later, when the version comes (or the timeout): a failure is its refusal
+                try:
+                    self.answers.answer(ident, msg, arrived)
+                except Exception as e:
+                    self.refuse(ident, msg.req, e)
+
+            self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000, answer)
         self.stats.pulls += 1
