@@ -257,8 +257,8 @@ def test_a_listener_that_fails_after_a_step_costs_no_pull_its_answer(job, monkey
     answers = j.step()
     assert fake.hits == 1 and all(d.version == 1 for d, _ in answers)
     j.version = 1
-    fake_answer = failing(j.service.answers.answer)
-    monkeypatch.setattr(j.service.answers, "answer", fake_answer)
+    fake_answer = failing(j.store.cached_delta)  # the first pull released by the step: its answer fails
+    monkeypatch.setattr(j.store, "cached_delta", fake_answer)
     answers = j.step()
     assert fake_answer.hits == 1
     errors = [got for got, _ in answers if isinstance(got, Exception)]

@@ -318,11 +318,6 @@ class Service:
         if wait_for <= v:
             self.answers.answer(ident, msg, arrived)
         else:
-            def answer() -> None:  # later, when the version comes (or the timeout): a failure is its refusal
-                try:
-                    self.answers.answer(ident, msg, arrived)
-                except Exception as e:
-                    self.refuse(ident, msg.req, e)
-
-            self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000, answer)
+            self.waiters.add(msg.worker, wait_for, msg.timeout_ms / 1000,
+                             lambda: self.answers.answer(ident, msg, arrived))
         self.stats.pulls += 1
