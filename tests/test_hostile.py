@@ -189,12 +189,74 @@ def test_huge_pushes_are_clipped_and_the_honest_worker_keeps_training(make_serve
     assert losses[-1] < losses[9] and losses[-1] < 0.1 * max(losses[10:14]), losses
 
 
+def _flat(d) -> np.ndarray:
+    return np.concatenate([np.ravel(v[1]) for _, v in sorted(d.tensors.items())])
+
+
+@pytest.mark.parametrize(("mode", "optimizer"), [
+    ("update", {"name": "sgd", "lr": 1.0}),  # the outer step of plain averaging
+    ("update", {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}),  # DiLoCo's outer Nesterov
+    ("gradient", {"name": "sgd", "lr": 0.1, "momentum": 0.9}),
+    ("gradient", {"name": "adam", "lr": 1e-3}),  # a step of about lr whatever the push: no model bound needed
+], ids=["update-avg", "update-nesterov", "gradient-momentum", "gradient-adam"])
+@pytest.mark.parametrize(("value", "pull"), [(3e38, None), (3e38, "exact"), (1e30, None)],
+                         ids=["3e38", "3e38-exact", "1e30"])
+def test_a_huge_first_push_moves_the_model_by_at_most_its_own_norm(make_server, make_client, mode, optimizer, value,
+                                                                    pull):
+    """Issue 45: the job's very first push, +-value at every coordinate of a dense and a
+    sparse tensor, from an allowed key, with the default flags: the relative clip knows no
+    pushes yet, and --max-push-change 1 holds what the push can change to the model's L2
+    norm (an SGD step's lr / (1 - momentum) times the push's norm). The largest parameter
+    is at most twice what it was (it was 3e38 before the bound), in the exact model and
+    in what replicas hold; an honest worker is answered and trains on."""
+    s = make_server(1, pull=pull)
+    bad, honest = make_client(s.endpoint), make_client(s.endpoint)
+    rng = np.random.default_rng(0)
+    w = {"a": (0.05 * rng.standard_normal((100, 100))).astype(np.float32), "b": np.zeros(100, np.float32)}
+    before = np.concatenate([w["a"].ravel(), w["b"]])
+    bad.register(w, optimizer, mode=mode)
+    signs = np.where(rng.random(10_000) < 0.5, -1.0, 1.0).astype(np.float32).reshape(100, 100)
+    bad.push({"a": value * signs, "b": np.full(100, value, np.float32)}, 0)
+    wait_until(lambda: answers(bad) == 1, 30, "step 1: its push alone")
+    if optimizer["name"] == "adam":  # its square overflows float32: the finite-step guard dropped it
+        with pytest.raises(BadRequest, match="non-finite"):
+            bad.pull(1)
+    honest.register(w, mode=mode)
+    d = honest.pull(-1)
+    assert d.version == 1
+    after = _flat(d)
+    assert np.all(np.isfinite(after))
+    assert np.abs(after).max() <= 2 * np.abs(before).max(), (np.abs(after).max(), np.abs(before).max())
+    if optimizer["name"] == "sgd":
+        assert "push clipped" in s.logs() and "--max-push-change" in s.logs()
+    for v in range(1, 4):  # the honest worker trains on (the other one pushes nothing now)
+        bad.push({"b": np.zeros(100, np.float32)}, v)
+        honest.push({"a": 0.01 * np.ones((100, 100), np.float32)}, v)
+        assert honest.pull(v, wait_for=v + 1).version == v + 1
+    assert answers(honest) == 4
+
+
+def test_a_huge_first_push_on_one_coordinate_moves_it_by_at_most_the_models_norm(make_server, make_client):
+    """The bound is on the push's L2 norm: a push on one coordinate can move that one by
+    up to the model's norm (docs/security.md, known limits), and no further."""
+    s = make_server(1, pull="exact")
+    bad = make_client(s.endpoint)
+    rng = np.random.default_rng(0)
+    w = (0.05 * rng.standard_normal(10_000)).astype(np.float32)
+    bad.register({"w": w}, {"name": "sgd", "lr": 1.0}, mode="update")
+    bad.push({"w": (np.array([7], np.int32), np.array([3e38], np.float32))}, 0)
+    after = bad.pull(-1, wait_for=1).tensors["w"][1]
+    change = float(np.linalg.norm(after.astype(np.float64) - w))
+    assert change <= 1.0001 * float(np.linalg.norm(w.astype(np.float64))), change
+    assert np.count_nonzero(after != w) == 1
+
+
 def test_the_finite_step_guard_undoes_a_step_drops_the_offender_and_refuses_its_next_request(
         make_server, make_client):
-    """Without the clip (--push-norm-factor 0), a push that makes lr * value overflow:
-    the step is undone, applied without that push, and the offender's next request is
-    refused naming it; nothing in the model is ever non-finite."""
-    s = make_server(2, ["--push-norm-factor", "0"])
+    """Without the clips (--push-norm-factor 0 --max-push-change 0), a push that makes lr
+    * value overflow: the step is undone, applied without that push, and the offender's
+    next request is refused naming it; nothing in the model is ever non-finite."""
+    s = make_server(2, ["--push-norm-factor", "0", "--max-push-change", "0"])
     honest, bad = make_client(s.endpoint), make_client(s.endpoint)
     w0 = np.ones(DIM, np.float32)
     honest.register({"w": w0}, {"name": "sgd", "lr": 100.0})

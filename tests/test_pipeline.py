@@ -26,6 +26,15 @@ def grad_at(t: int, n: int = 8) -> torch.Tensor:
     return torch.full((n,), float(t + 1)) + torch.arange(n, dtype=torch.float32) * 0.25
 
 
+@pytest.fixture
+def exact_server(make_server):
+    """Exact pulls, and no bound relative to the model's norm (--max-push-change 0): the
+    toy's steps (lr 1, gradients of 1 to 9 a coordinate) move its 8 weights by more than
+    their norm, which that bound clips in a job's first pushes; these tests check the
+    pipeline's arithmetic bit for bit."""
+    return make_server(1, ["--max-push-change", "0"], pull="exact")
+
+
 def test_weights_used_at_iteration_t_include_exactly_updates_up_to_t_minus_2(exact_server):
     model = Toy()
     w0 = model.w.detach().clone()

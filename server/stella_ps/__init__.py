@@ -18,14 +18,16 @@ Where each concern lives:
 - ``registration``: model creation: the probe held while another worker uploads, the
   upload, the layout and mode checks, the digest base.
 - ``steps``: when a step closes and with which optimizer configuration (its only
-  writer): the deadline, silent and behind workers, lost workers, the apply loop.
+  writer): the deadline, silent and behind workers, lost workers, the apply loop (a
+  step whole or not at all: a failed one closes empty; one that cannot be undone stops
+  the server).
 - ``aggregation``: pending pushes, what a closed step takes, the mean's scale, late
   pushes, the adaptive deadline, the push-norm bound.
 - ``membership``: worker ids, the connections they belong to, liveness.
 - ``waiters``: pulls waiting for a future version; ``answers``: pulls answered (the
   answer a step prepared, sent from the loop; the rest in one trip to the store thread).
 - ``store``: the model, its version, the history of touched coordinates, encoded deltas,
-  and the primitives a checkpoint copies it with.
+  the undo of a step that failed part way, and the primitives a checkpoint copies it with.
 - ``broadcast``: the compressed broadcast pulls answer: its model ``B`` and residual
   ``R``, each step's selection and message, the candidate pool, the step log a
   checkpoint replays; ``topk``: its streaming top-k pass (``Selector``, the workers'

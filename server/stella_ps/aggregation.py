@@ -42,6 +42,8 @@ from stella.codec import sum_of_squares, to_float32
 from stella.errors import BadValue, ErrorCode, ServerError
 from stella.payload import SparseTensor
 
+from .errors import StepFailed
+
 __all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
@@ -81,6 +83,11 @@ class Step:
     # samples one unit of its (pre-multiplied) values stands for (see :func:`weigh`)
     samples: dict[int, int] | None = None
     unit: float = 1.0
+
+    @classmethod
+    def empty(cls, ntensors: int) -> Step:
+        """A step of no push: it changes no parameter, and the version moves on."""
+        return cls([[] for _ in range(ntensors)], 0.0, [], 0, [], [[] for _ in range(ntensors)])
 
     def without(self, workers: Collection[int]) -> Step:
         """This step without the pushes of ``workers``, the (weighted) mean over the
@@ -270,6 +277,14 @@ class Aggregator:
                 del self._pending[w]
         if not pushes:
             return None
+        try:
+            return self._group(pushes, version, ntensors, complete, now)
+        except Exception as e:  # the pushes are taken: the step closes empty without them (StepScheduler)
+            raise StepFailed(f"step {version + 1} failed in the aggregation ({type(e).__name__}: {e}); its pushes "
+                             "were dropped", [p.worker for p in pushes]) from e
+
+    def _group(self, pushes: list[PendingPush], version: int, ntensors: int, complete: bool, now: float) -> Step:
+        """The step of ``pushes`` (taken from their queues), closed at ``now``."""
         newcomer = any(p.worker not in self._pushed_before for p in pushes)
         self._pushed_before.update(p.worker for p in pushes)
         # a worker's first push comes after its start-up, not after a step: no sample
@@ -329,17 +344,28 @@ class PushNormBound:
       usual (a bug, or a hostile worker) moves the model by at most ``factor`` usual
       pushes, and the median follows honest changes of scale within a window. The
       norms recorded are those after clipping, so clipped pushes cannot raise the bound
-      by themselves (a key with most of a job's workers can still move it: docs/security.md).
+      by themselves (a key with most of a job's workers can still move it: docs/security.md);
+    - ``model_change`` (``--max-push-change``, 0: none): until that median is learnt (the
+      job's first ``min_samples`` pushes, and again after every restart; for ever with
+      ``factor`` 0), a push is
+      scaled down so that the change it can make, ``gain`` (the optimizer's
+      :meth:`~stella_ps.optim.OptimizerConfig.push_gain`) times its norm, is at most
+      ``model_change`` times ``model_norm``, the L2 norm of the model (the server's range
+      of it) as it was registered or resumed. So the first pushes of a job are bounded
+      too, with the default flags. Without a gain (Adam, AdamW: a step is about ``lr``
+      whatever the push) or a scale (a model of zeros) there is no such bound.
     """
 
     def __init__(self, absolute: float = 0.0, action: str = "refuse", factor: float = 0.0, window: int = 64,
-                 min_samples: int = 8):
+                 min_samples: int = 8, model_change: float = 0.0):
         self.absolute, self.action, self.factor = absolute, action, factor
+        self.model_change = model_change
         self.min_samples = min_samples
         self._window = window
         self._norms: deque[float] = deque()  # the recent nonzero norms, oldest first
         self._sorted: list[float] = []  # the same, in order (the median without a sort a push)
-        self.clipped = 0  # pushes scaled down (either bound)
+        self.clipped = 0  # pushes scaled down (any bound)
+        self._unscaled = False  # said once that a model of zeros gives no bound relative to it
 
     def relative_limit(self) -> float | None:
         """``factor`` times the median of the recent nonzero norms; None until learnt."""
@@ -347,6 +373,18 @@ class PushNormBound:
             return None
         xs = self._sorted
         return self.factor * xs[len(xs) // 2]
+
+    def model_limit(self, model_norm: float, gain: float | None) -> float | None:
+        """The bound relative to the model, while the median is not learnt; None: none."""
+        if not self.model_change or not gain or self.relative_limit() is not None:
+            return None
+        if model_norm <= 0:
+            if not self._unscaled:
+                self._unscaled = True
+                log.warning("the model is all zeros: until the job's first pushes are known, only --max-push-norm "
+                            "bounds a push (--max-push-change is relative to the model's norm)")
+            return None
+        return self.model_change * model_norm / gain
 
     def _record(self, norm: float) -> None:
         if len(self._norms) >= self._window:
@@ -358,14 +396,16 @@ class PushNormBound:
     @property
     def on(self) -> bool:
         """Whether any bound is set (a push's norm is needed)."""
-        return bool(self.absolute or self.factor)
+        return bool(self.absolute or self.factor or self.model_change)
 
-    def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None) -> list[SparseTensor]:
+    def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None, *,
+              model_norm: float = 0.0, gain: float | None = None) -> list[SparseTensor]:
         """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
         or scaled down (float32 copies). ``sumsq``: the sums of the squares of its
         tensors' values, as the decoder found them (:func:`stella.payload.decode_tensors`);
-        None: computed here."""
-        if not (self.absolute or self.factor):
+        None: computed here. ``model_norm`` and ``gain``: the model's norm and the
+        optimizer's gain in force (``--max-push-change``)."""
+        if not self.on:
             return tensors
         norm = push_norm(tensors) if sumsq is None else math.sqrt(sum(sumsq))  # push_norm's order: its bits
         if log.isEnabledFor(logging.DEBUG):
@@ -376,9 +416,10 @@ class PushNormBound:
                 raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
                                f"{self.absolute:g} (--max-push-norm)")
             limit, which = self.absolute, "--max-push-norm"
-        relative = self.relative_limit()
-        if relative is not None and norm > relative and relative < limit:
-            limit, which = relative, "--push-norm-factor"
+        for bound, flag in ((self.relative_limit(), "--push-norm-factor"),
+                            (self.model_limit(model_norm, gain), "--max-push-change")):
+            if bound is not None and norm > bound and bound < limit:
+                limit, which = bound, flag
         if norm > limit:
             log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": which, "bound": limit})
             self.clipped += 1

@@ -3,9 +3,9 @@ for next, and while the store thread is idle the event loop sends it with a look
 no task and no hand-off; any other answer is made on the store thread, in one trip for
 every pull due by then (each ``(since, coding)`` encoded once, the store's cache).
 
-A pull whose answer cannot be made is refused; the others are answered. The service
-hands a pull here once it may be answered (at once, or when the version it waits for
-comes, :mod:`.waiters`).
+A pull whose answer cannot be made (or fails to be sent) is refused; the others are
+answered. The service hands a pull here once it may be answered (at once, or when the
+version it waits for comes, :mod:`.waiters`).
 """
 from __future__ import annotations
 
@@ -41,16 +41,20 @@ class PullAnswers:
     def answer(self, ident: bytes, msg: Pull, arrived: float) -> None:
         """Answer the pull ``msg`` (received at ``arrived``, ``time.monotonic``): now when
         its answer is made already and the store thread is idle; else soon, with the
-        other pulls ready by then."""
-        if not self._answering and self.store_thread.idle:
-            enc = self.store.cached_delta(msg.since, msg.coding)
-            if enc is not None:
-                self._send_delta(ident, msg, arrived, enc, time.monotonic())
-                return
-        self._due.append((ident, msg, arrived))
-        if not self._answering:
-            self._answering = True
-            self.tasks.spawn(self._answer_due())
+        other pulls ready by then. Never raises: a failure is the pull's refusal (a
+        pull released by a step is answered from the step's loop)."""
+        try:
+            if not self._answering and self.store_thread.idle:
+                enc = self.store.cached_delta(msg.since, msg.coding)
+                if enc is not None:
+                    self._send_delta(ident, msg, arrived, enc, time.monotonic())
+                    return
+            self._due.append((ident, msg, arrived))
+            if not self._answering:
+                self._answering = True
+                self.tasks.spawn(self._answer_due())
+        except Exception as e:  # a bug costs this pull its answer, never the others released with it
+            self._refuse(ident, msg.req, e)
 
     async def _answer_due(self) -> None:
         try:

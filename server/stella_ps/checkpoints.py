@@ -442,13 +442,17 @@ class Checkpointer:
 
     async def close(self) -> None:
         """Wait for a write in progress, then write a last checkpoint when the model moved
-        on since the newest one on disk; stop the writer thread."""
+        on since the newest one on disk (and is whole: not after :class:`ModelDamaged`); stop
+        the writer thread."""
         self._closing = True
         while self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
         # against the newest on disk, not the last attempt: a periodic write that failed at this version is tried again
         written = -1 if self.version is None else self.version
-        if self.policy is not None and self.store.initialised and self.store.version > written:
+        if self.store.damaged is not None:  # the model may hold part of a step: keep the newest checkpoint
+            log.error("no last checkpoint: the model may hold part of a failed step",
+                      extra={"version": self.store.version, "checkpoint_version": self.version})
+        elif self.policy is not None and self.store.initialised and self.store.version > written:
             try:
                 await self.write(final=True)
             except Exception:

@@ -230,6 +230,11 @@ class Limits:
     push_norm_factor: float = setting(10.0, check=_finite_at_least(0),
                                       help="clip a push whose L2 norm is above this many times the median of the "
                                            "job's recent pushes; 0: never")
+    max_push_change: float = setting(1.0, check=_finite_at_least(0),
+                                     help="until the job's recent pushes are known (its first 8, and after a "
+                                          "restart), clip a push that could change the model by more than this "
+                                          "many times the model's L2 norm (SGD: lr / (1 - momentum) times the "
+                                          "push's norm); 0: never")
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -91,7 +91,8 @@ async def run(cfg: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM, then shut down within ``SHUTDOWN_TIMEOUT_S`` (with
     ``--checkpoint-dir``, ``CHECKPOINT_SHUTDOWN_TIMEOUT_S``: the last checkpoint is written);
     SIGHUP reads the allowlist again. Returns the exit status: 0 after a requested stop,
-    1 if serving ended by itself (a bug: docker or systemd should restart the server)."""
+    1 if serving ended by itself (a bug, or a step that could not be undone: docker or
+    systemd should restart the server)."""
     from .server import ParameterServer  # here: the supervisor of --shards needs none of it
 
     server = ParameterServer(cfg)
@@ -116,11 +117,17 @@ async def run(cfg: ServerConfig) -> int:
         exc = None if task.cancelled() else task.exception()
         log.critical("the server stopped serving without being asked to; exiting", exc_info=exc)
         return 1
-    log.info("shutting down")
+    if server.failure is None:
+        log.info("shutting down")
     try:
         await asyncio.wait_for(task, shutdown_timeout_s(cfg))
     except asyncio.TimeoutError:
         log.error("shutdown timed out")
+    if server.failure is not None:  # a step could not be undone (ParameterServer._fail said why)
+        log.critical("exiting 1: a step failed and could not be undone or closed; restart from the newest "
+                     "checkpoint",
+                     extra={"error": f"{type(server.failure).__name__}: {server.failure}"})
+        return 1
     return 0
 
 

@@ -7,8 +7,10 @@ refusals by the service where a request caused them.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = ["StellaPSError", "ConfigError", "KernelInputError", "KernelError", "NonFiniteStep", "StepFailed",
-           "CopyAbandoned"]
+           "ModelDamaged", "CopyAbandoned"]
 
 
 class StellaPSError(Exception):
@@ -33,12 +35,26 @@ class NonFiniteStep(StellaPSError, ArithmeticError):
 
 
 class StepFailed(StellaPSError, RuntimeError):
-    """Applying a step failed after the kernel had applied it (in the compressed
-    broadcast's part of the step): the kernel's part was undone, the broadcast made
-    whole again (its residual recomputed; every replica's next pull is a snapshot), and
-    the version did not move."""
+    """A step failed part way (a fault, MemoryError, a bug: in its aggregation, the
+    kernel's apply, or the compressed broadcast's part) and changed nothing: what the
+    kernel had applied was undone, the broadcast made whole again (its residual
+    recomputed; every replica's next pull is a snapshot), and the version did not move.
+    ``workers``: whose pushes the step had taken, when the step itself could not be
+    built (an aggregation failure)."""
+
+    def __init__(self, message: str, workers: Sequence[int] = ()):
+        super().__init__(message)
+        self.workers = list(workers)
+
+
+class ModelDamaged(StellaPSError, RuntimeError):
+    """A step failed part way and could not be undone (its rollback failed too, or the
+    empty step that closes a failed one failed as well): the model may hold part of
+    a step, and the version cannot move. The server stops serving and exits 1, without
+    a last checkpoint, so that its supervisor restarts it from its newest checkpoint."""
 
 
 class CopyAbandoned(StellaPSError, RuntimeError):
     """A checkpoint's copy overlapped a step that failed (:class:`StepFailed`): its
-    slices cannot be rolled forward to one version; the next checkpoint starts afresh."""
+    slices cannot be rolled forward to one version; the next checkpoint starts afresh.
+    (After :class:`ModelDamaged`, no copy ends and no checkpoint is written.)"""

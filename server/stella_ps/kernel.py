@@ -270,7 +270,9 @@ class KernelTensorState:
         ``checked=False`` skips the index scan for pushes whose indices the wire decoder
         already proved sorted, unique and in range (the server's path). Values are
         float32, float16 or bfloat16 bits (uint16); finiteness is not checked here
-        (:func:`stella.codec.wire_values` does it on the server's path).
+        (:func:`stella.codec.wire_values` does it on the server's path). An apply that
+        raises, for any reason, changed nothing (the store relies on it to undo a step
+        over several tensors).
         """
         c_cfg = self._config(cfg)
         w = len(pushes)
@@ -306,10 +308,16 @@ class KernelTensorState:
         out = np.empty(bound, np.int32)
         rc = lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
                                     ffi.from_buffer("int32_t[]", out, require_writable=True), bound, _num_threads)
+        # an error code: the kernel changed nothing (it undid what it wrote)
         count = check(lib, rc, "apply: a result would be NaN or Inf, the step was undone" if
                       rc == lib.STELLA_E_NONFINITE else "apply", _APPLY_ERRORS)
-        # Heavy overlap leaves most of the bound unused: do not keep it alive.
-        return out[:count] if 2 * count >= bound else out[:count].copy()
+        touched = out[:count]
+        try:
+            # Heavy overlap leaves most of the bound unused: do not keep it alive.
+            return touched if 2 * count >= bound else touched.copy()
+        except BaseException:  # MemoryError: this apply fails whole, as the kernel's own errors do
+            self.rollback(touched)
+            raise
 
     def rollback(self, touched: np.ndarray) -> None:
         """Undo the last :meth:`apply` (``touched``: what it returned): its records go back

@@ -139,6 +139,18 @@ class OptimizerConfig:
         lr = h["lr"] * (1.0 - h["dampening"]) / (1.0 - h["momentum"])
         return OptimizerConfig("sgd", {**h, "lr": lr, "momentum": 0.0, "dampening": 0.0, "nesterov": False})
 
+    def push_gain(self) -> float | None:
+        """How far one push moves a coordinate per unit of its value, over every step it
+        takes part in: SGD's ``lr * (1 - dampening) / (1 - momentum)`` (the folded step;
+        a lazy momentum buffer, Nesterov's too, adds up to the same), whatever the
+        training mode (gradient mode's SGD, or update mode's outer step). None for Adam
+        and AdamW: their step is about ``lr`` whatever the push's size (the push-norm
+        bound relative to the model, :class:`~stella_ps.aggregation.PushNormBound`, needs a gain)."""
+        if self.name != "sgd":
+            return None
+        h = self.hparams
+        return float(h["lr"] * (1.0 - h["dampening"]) / (1.0 - h["momentum"]))
+
     def to_wire(self) -> dict[str, Any]:
         d = {"name": self.name, **self.hparams}
         if "betas" in d:

@@ -166,7 +166,14 @@ class TensorPool:
             b = load.index(min(load))
             bins[b].append(t)
             load[b] += max(1, sizes[t])
-        futures = [self._exec.submit(run, sorted(b)) for b in bins[1:] if b]
+        futures = []
+        for ts in bins[1:]:
+            if not ts:
+                continue
+            try:
+                futures.append(self._exec.submit(run, sorted(ts)))
+            except RuntimeError:  # the pool cannot take it (shut down, no thread): its tensors run here
+                run(sorted(ts))
         run(sorted(bins[0]))
         for f in futures:
             f.result()

@@ -66,6 +66,8 @@ class ParameterServer:
         self._own_ctx = ctx is None
         self.stats = Stats()
         self.service = Service(config, self._send, self.stats)
+        self.service.on_failure = self._fail
+        self.failure: BaseException | None = None  # why serving stopped by itself (the daemon then exits 1)
         self.endpoint: str | None = None
         self._sock: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -264,6 +266,22 @@ class ParameterServer:
     def stop(self) -> None:
         """Ask :meth:`serve` to return (safe from a signal handler)."""
         self._stop.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """A step could be neither applied whole nor closed empty (a fault, and its undo
+        failed too): no step can close any more. Stop serving, loudly, so that the
+        daemon exits 1 and its supervisor (docker, systemd, ``--shards``) restarts it
+        from its newest checkpoint; the last checkpoint is written on the way out only
+        when the model is whole (the store knows). Waiting pulls get no answer: their
+        workers' heartbeats go unanswered, and they reconnect to the restarted server."""
+        if self.failure is None:
+            self.failure = error
+            damaged = self.service.store.damaged is not None
+            log.critical("a step failed and could not be undone or closed: stopping, to be restarted from the "
+                         + ("newest checkpoint (the model may hold part of the step: no last checkpoint)" if damaged
+                            else "last checkpoint, written now (the model is whole)"), exc_info=error, extra={
+                             "version": self.service.store.version, "model_damaged": damaged})
+        self.stop()
 
     async def stop_requested(self) -> None:
         """Wait until :meth:`stop` has been called."""

@@ -107,7 +107,11 @@ class Service:
                                          lambda: self.steps.optimizer)
         self.steps.on_step(self.waiters.release)
         self.steps.on_step(self.checkpointer.maybe)
-        self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor)
+        # a step that can be neither applied whole nor closed empty: the transport stops serving (the daemon exits 1)
+        self.on_failure: Callable[[BaseException], None] = lambda e: log.critical("no step can close", exc_info=e)
+        self.steps.on_failure(lambda e: self.on_failure(e))
+        self.push_bound = PushNormBound(limits.max_push_norm, limits.push_norm_action, limits.push_norm_factor,
+                                        model_change=limits.max_push_change)
         self.registration = Registration(self.store, self.store_thread, self.members, self.steps, self.clock,
                                          max_model_bytes=limits.max_model_bytes, shard=config.shard)
         # the allowlist's name of a key, for status (the transport sets it when it runs with keys)
@@ -287,7 +291,10 @@ class Service:
         bound = self.push_bound
         if bound.on:  # the norm's parts come from the pass that checks the values
             sumsq: list[float] = []
-            tensors = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq)
+            optimizer = self.steps.optimizer
+            tensors = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq,
+                                  model_norm=self.store.param_norm,
+                                  gain=optimizer.push_gain() if optimizer is not None else None)
         else:
             tensors = decode_tensors(rx, self.store.layout)
         queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)

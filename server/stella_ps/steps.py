@@ -17,6 +17,13 @@ The rules (README "Stragglers", docs/protocol.md):
 - The finite-step guard: a step whose result would hold a NaN or Inf anywhere is undone
   by the kernel; it is applied again without the pushes that are non-finite on their
   own (their workers' next request is refused), or as an empty step.
+- A step applies whole or not at all: one that fails anywhere (its aggregation, the
+  kernel, the broadcast, memory, a bug) is undone by the store and closes empty, its
+  pushes dropped, so that the pulls waiting for it are answered. One that can be
+  neither applied whole nor closed (its undo failed too, :class:`ModelDamaged`) closes
+  no step after it: :meth:`StepScheduler.on_failure` tells the server, which stops and
+  exits 1 (without a last checkpoint when the model may be damaged), for its supervisor
+  to restart it from its newest checkpoint.
 
 The scheduler is the only writer of the optimizer configuration in force:
 ``set_optimizer`` and the ``hparams`` pushes carry change it on the event loop (each
@@ -51,6 +58,7 @@ log = logging.getLogger("stella_ps.steps")
 SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals is silent
 
 StepListener = Callable[[int], None]
+FailureListener = Callable[[BaseException], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +91,8 @@ class StepScheduler:
         self.optimizer: OptimizerConfig | None = None  # in force; set when the model is initialised
         self.last_apply_s = 0.0  # the latest step's time on the store thread (pulls tell workers)
         self._listeners: list[StepListener] = []
+        self._failure_listeners: list[FailureListener] = []
+        self.failed: BaseException | None = None  # why no step can close any more (on_failure)
         self._applying = False
         self._timer: Timer | None = None
         self._opened: float | None = None  # when the open step's first push arrived
@@ -217,22 +227,65 @@ class StepScheduler:
                                         "made the model non-finite (NaN/Inf)")
         return version
 
-    def _apply_failed(self, step: Step, cfg: OptimizerConfig, error: StepFailed) -> int:
-        """On the store thread, after ``step`` failed and was undone (:class:`StepFailed`):
-        the step closes empty (the version moves on, so that every pull waiting for it
-        is answered; the model does not), and its pushes are dropped, as a non-finite
-        step's are when nothing else is left."""
-        version = self.store.apply_step(step.without(step.contributors), cfg)
+    # ------------------------------------------------------------------ a step, whole or not at all
+    def _take_step(self, complete: bool) -> tuple[Step | None, StepFailed | None]:
+        """The open step's pushes, taken from their queues: the step, or (None, why) when
+        it could not be built (its pushes are gone: it closes empty), or (None, None)
+        when there was nothing to take."""
+        try:
+            return self.agg.take_step(self.store.version, len(self.store.layout), complete=complete), None
+        except StepFailed as e:
+            return None, e
+        except Exception as e:  # before any push was taken (Aggregator.take_step names the taken ones)
+            return None, StepFailed(f"step {self.store.version + 1} failed in the aggregation "
+                                    f"({type(e).__name__}: {e})")
+
+    def _apply_whole(self, step: Step | None, cfg: OptimizerConfig, failed: StepFailed | None) -> int:
+        """On the store thread: ``step`` applied whole, or not at all and closed empty
+        (:meth:`_close_empty`); ``step`` None: it could not be built (``failed``), and
+        closes empty. Raises (:class:`ModelDamaged`, or the empty step's own failure)
+        only when the step can be neither: the caller stops the server."""
+        if step is None:
+            assert failed is not None
+            return self._close_empty(failed.workers, cfg, failed)
+        try:
+            try:
+                return self.store.apply_step(step, cfg)
+            except NonFiniteStep:
+                return self._apply_guarded(step, cfg)
+        except StepFailed as e:  # undone: the model is as before the step
+            return self._close_empty(step.contributors, cfg, e)
+
+    def _close_empty(self, dropped: Sequence[int], cfg: OptimizerConfig, error: StepFailed) -> int:
+        """On the store thread, after a step failed and changed nothing (:class:`StepFailed`):
+        it closes empty (the version moves on, so that every pull waiting for it is
+        answered; the model does not), and its pushes (of ``dropped``) are dropped, as a
+        non-finite step's are when nothing else is left."""
+        version = self.store.apply_step(Step.empty(len(self.store.layout)), cfg)
         self._stats.rejected_steps += 1
-        self._stats.rejected_pushes += len(step.contributors)
+        self._stats.rejected_pushes += len(dropped)
         log.error("step failed and was undone: its pushes were dropped", extra={
-            "version": version, "dropped_workers": list(step.contributors), "error": str(error)})
+            "version": version, "dropped_workers": list(dropped), "error": str(error)})
         return version
+
+    def on_failure(self, listener: FailureListener) -> None:
+        """Call ``listener(error)`` once if a step can neither be applied whole nor closed
+        empty (:meth:`_apply_whole` raised): no step closes after it, and the server must
+        stop (it exits 1: docs/security.md)."""
+        self._failure_listeners.append(listener)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failed is not None:
+            return
+        self.failed = error
+        self.close()
+        for listener in self._failure_listeners:
+            listener(error)
 
     # ------------------------------------------------------------------ closing steps
     def _maybe_close(self, first_push: bool = False) -> None:
-        if self._applying:
-            return  # the running apply loop checks again when it finishes
+        if self._applying or self.failed is not None:
+            return  # the running apply loop checks again when it finishes; after a failure no step closes
         if self.agg.should_close(self.members.waited(), self.members.started):
             self._start_applying(force=False)
         elif first_push and self._timer is None and self.agg.has_pending():
@@ -242,7 +295,7 @@ class StepScheduler:
 
     def _on_deadline(self) -> None:
         self._timer = None
-        if self._applying or not self.agg.has_pending():
+        if self._applying or self.failed is not None or not self.agg.has_pending():
             return
         missing = self.agg.missing(self.members.waited())
         silent = self.members.silent(missing, self._silent_after)
@@ -264,27 +317,37 @@ class StepScheduler:
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None
-                step = self.agg.take_step(self.store.version, len(self.store.layout), complete=complete)
-                if step is None:
+                step, failed = self._take_step(complete)
+                if step is None and failed is None:
                     break
-                cfg = self._for_step(step.hparams)
+                cfg = self.optimizer
+                if step is not None:
+                    try:
+                        cfg = self._for_step(step.hparams)
+                    except Exception as e:  # a bug: each change was checked when its push arrived
+                        failed = StepFailed(f"step {self.store.version + 1} failed in its optimizer changes "
+                                            f"({type(e).__name__}: {e}); its pushes were dropped", step.contributors)
+                        step = None
+                assert cfg is not None
                 t0 = self._clock.now()
                 opened, self._opened = self._opened, (t0 if self.agg.has_pending() else None)
                 try:
-                    version = await self._store_thread.run(self.store.apply_step, step, cfg)
-                except NonFiniteStep:
-                    version = await self._store_thread.run(self._apply_guarded, step, cfg)
-                except StepFailed as e:
-                    version = await self._store_thread.run(self._apply_failed, step, cfg, e)
+                    version = await self._store_thread.run(self._apply_whole, step, cfg, failed)
+                except Exception as e:  # neither whole nor closed empty: no step can close after it
+                    self._fail(e)
+                    return
                 now = self._clock.now()
-                self._stats.count_step(step.late, now, now - t0, opened)
+                self._stats.count_step(step.late if step is not None else 0, now, now - t0, opened)
                 self.last_apply_s = now - t0
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("step applied", extra={"version": version, "contributors": len(step.contributors),
-                                                     "apply_ms": round(1e3 * (now - t0), 3)})
+                    log.debug("step applied", extra={"version": version, "apply_ms": round(1e3 * (now - t0), 3),
+                                                     "contributors": len(step.contributors) if step else 0})
                 self.members.stepped = True
                 for listener in self._listeners:
-                    listener(version)
+                    try:
+                        listener(version)
+                    except Exception as e:  # the step is applied: one listener's bug must not cost the others
+                        log.error("after a step: a listener failed", exc_info=e, extra={"version": version})
         finally:
             self._applying = False
             self._idle.set()

@@ -8,13 +8,17 @@ recent steps' messages), with ``pull="exact"`` the history of which coordinates 
 step touched, whose current values a pull gathers.
 
 All methods run on the server's single store thread, so a step and a pull never
-interleave: a pull always sees the model exactly at the version it reports. The
+interleave: a pull always sees the model exactly at the version it reports. A step
+applies whole or not at all (:meth:`ModelStore.apply_step`: a failure anywhere in it is
+undone, or, when the undo fails too, the store says it is damaged and takes no more
+steps). The
 store never holds the optimizer configuration: the step scheduler owns it and passes it
 to every step.
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from stella.codec import sum_of_squares
 from stella.errors import ErrorCode, ServerError
 from stella.layout import FlatLayout, Part
 from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
@@ -30,13 +35,13 @@ from stella.protocol import PullCoding, PullMode, TensorEntry, TensorSpec
 from .aggregation import Step
 from .broadcast import OWED_BYTES, Broadcast, StepLog
 from .config import Pulls
-from .errors import CopyAbandoned, NonFiniteStep, StepFailed
+from .errors import CopyAbandoned, ModelDamaged, NonFiniteStep, StepFailed
 from .kernel import KernelTensorState, state_bytes, union_indices
 from .optim import OptimizerConfig
 from .runtime import TensorPool
 
 __all__ = ["ModelStore", "ModelRange", "Changes", "EncodedChanges", "layout_diff", "check_model_bytes", "model_bytes",
-           "RecordCopy", "RedoEntry"]
+           "RecordCopy", "RedoEntry", "l2_norm"]
 
 log = logging.getLogger("stella_ps.store")
 
@@ -95,6 +100,11 @@ class EncodedChanges:
     parts: list[int] = field(default_factory=list)
 
 
+def l2_norm(values: Sequence[np.ndarray]) -> float:
+    """The L2 norm of float32 arrays together, accumulated in float64 (one C pass each)."""
+    return math.sqrt(sum(sum_of_squares(np.ascontiguousarray(v, np.float32).reshape(-1)) for v in values))
+
+
 def layout_diff(have: Sequence[TensorSpec], got: Sequence[TensorSpec], limit: int = 5) -> str | None:
     """A sentence naming which of the registration's own tensors differ from the
     server's model (``have``), or None if identical. It names what differs (count,
@@ -144,6 +154,9 @@ class ModelStore:
         self._pool = TensorPool(threads)  # a step's per-tensor work (apply, broadcast) on this many threads
         self.tensors: list[KernelTensorState] = []
         self.version = 0
+        # the L2 norm of the parameters held, as created or restored (the push-norm bound's unit of a change: a
+        # norm now would cost a pass over the model a push)
+        self.param_norm = 0.0
         self.pull: PullMode = pulls.mode
         self.broadcast_info = pulls.broadcast_info()  # None: exact pulls
         self._history_len = history
@@ -159,6 +172,7 @@ class ModelStore:
         # while a checkpoint copies the state a slice at a time: the steps applied meanwhile
         self._redo: list[RedoEntry] | None = None
         self._copy_abandoned = False  # a step failed while a checkpoint's copy was logging (end_copy refuses it)
+        self.damaged: str | None = None  # why the model may hold part of a step (ModelDamaged): nothing more applies
 
     @property
     def initialised(self) -> bool:
@@ -186,6 +200,7 @@ class ModelStore:
         tensors = [KernelTensorState(v, cfg) for v in values]
         self.layout, self.model, self.tensors = self._layout(model, layout), model, tensors
         self.version = version
+        self.param_norm = l2_norm(values)
         if self.broadcast_info is not None:
             self.broadcast = Broadcast(self.layout, values, self.broadcast_info, self._history_len,
                                        whole=self._whole())
@@ -194,12 +209,16 @@ class ModelStore:
         """Start a checkpoint's copy: from now on the steps applied are logged, so that
         slices copied at different versions can be rolled forward to one
         (:func:`stella_ps.checkpoints.roll_forward`)."""
+        if self.damaged is not None:
+            raise ModelDamaged(self.damaged)
         self._redo = []
         self._copy_abandoned = False
         return self.version
 
     def copy_records(self, tensor: int, start: int, n: int) -> RecordCopy:
         """One slice of a checkpoint's copy (a memcpy: steps wait only this long)."""
+        if self.damaged is not None:
+            raise ModelDamaged(self.damaged)
         b = self.broadcast
         bcast = None if b is None else (b.model[tensor][start:start + n].copy(),
                                         b.residual[tensor][start:start + n].copy())
@@ -208,6 +227,8 @@ class ModelStore:
     def end_copy(self) -> tuple[int, list[RedoEntry]]:
         """The version now and the steps applied since :meth:`begin_copy`."""
         redo, self._redo = self._redo or [], None
+        if self.damaged is not None:
+            raise ModelDamaged(self.damaged)
         if self._copy_abandoned:
             self._copy_abandoned = False
             raise CopyAbandoned(f"a step failed during the checkpoint's copy (now at version {self.version}): "
@@ -233,6 +254,7 @@ class ModelStore:
             tensors.append(st)
         self.layout, self.model = layout, model
         self.tensors, self.version = tensors, version
+        self.param_norm = l2_norm([a["param"] for a in arrays])
         self._history.clear()
         self._encoded.clear()
         self.broadcast = None
@@ -246,36 +268,75 @@ class ModelStore:
         self._pool.close()
 
     def apply_step(self, step: Step, cfg: OptimizerConfig) -> int:
-        """Apply one closed step with optimizer ``cfg``; returns the new version.
+        """Apply one closed step with optimizer ``cfg``, whole or not at all; returns the
+        new version.
 
         The contributions were validated by the wire decoder (sorted, unique,
         in-range indices; finite values), so the kernel does not scan them again.
         Raises :class:`NonFiniteStep` when a value the step would write (parameter or
-        optimizer state, in any tensor) is NaN or Inf: then the step changed nothing
-        (the kernel undid its tensor, the tensors before it are rolled back)."""
-        touched = self._apply(step, cfg)
-        log = None
-        if self.broadcast is not None:
-            try:
+        optimizer state, in any tensor) is NaN or Inf, and :class:`StepFailed` when
+        anything else fails on the way (the kernel, the broadcast, memory, a bug): either
+        way the step changed nothing (the kernel undid its tensor, the tensors before it
+        are rolled back, the broadcast is made whole again) and the version did not move.
+        :class:`ModelDamaged` when undoing it failed too (then the store refuses every
+        step and checkpoint copy after it)."""
+        if self.damaged is not None:
+            raise ModelDamaged(self.damaged)
+        version = self.version + 1
+        try:
+            touched = self._apply(step, cfg)
+        except (NonFiniteStep, ModelDamaged):
+            raise
+        except Exception as e:  # KernelError, MemoryError, a fault: the kernel's part is undone already
+            raise StepFailed(f"step {version} failed in the kernel's apply ({type(e).__name__}: {e}); nothing "
+                             "changed") from e
+        stage = "in the broadcast"
+        try:
+            log = None
+            if self.broadcast is not None:
                 counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors))
                           for parts in step.per_tensor]
                 log = self.broadcast.step(  # each tensor's change taken on its own thread, with the rest of its part
-                    self.version + 1, touched, lambda t: self.tensors[t].last_changes(touched[t]) if touched[t].size
+                    version, touched, lambda t: self.tensors[t].last_changes(touched[t]) if touched[t].size
                     else np.empty(0, np.float32), counts, pool=self._pool)
-            except Exception as e:  # MemoryError, or a fault: the step must not stay half applied
-                self._rollback(touched)
-                self.broadcast.resync([s.snapshot() for s in self.tensors], self.version)
-                self._copy_abandoned = self._redo is not None
-                raise StepFailed(f"step {self.version + 1} failed in the broadcast ({type(e).__name__}: {e}); "
-                                 "it was undone") from e
-        self.version += 1
-        if self.broadcast is None:
-            self._history.append((self.version, touched))
-        if self._redo is not None:
-            self._redo.append((self.version, step, cfg, log))
+            stage = "after the kernel's apply"
+            if self.broadcast is None:
+                self._history.append((version, touched))
+            if self._redo is not None:
+                self._redo.append((version, step, cfg, log))
+        except Exception as e:  # MemoryError, or a fault: the step must not stay half applied
+            self._undo(version, touched, f"{stage}: {type(e).__name__}: {e}")
+            raise StepFailed(f"step {version} failed {stage} ({type(e).__name__}: {e}); it was undone") from e
+        self.version = version
         self._encoded.clear()
         self._prepare()
-        return self.version
+        return version
+
+    def _undo(self, version: int, touched: list[np.ndarray], why: str) -> None:
+        """Undo step ``version``, which the kernel applied (``touched``) and which failed
+        after: the kernel's records back, its history and redo entries gone, the
+        broadcast's ``R`` recomputed (``B`` may have changed: every replica's next pull is
+        a snapshot, and a checkpoint's copy under way is abandoned). Raises
+        :class:`ModelDamaged` when that fails too."""
+        try:
+            if self._history and self._history[-1][0] == version:
+                self._history.pop()
+            if self._redo and self._redo[-1][0] == version:
+                self._redo.pop()
+            self._rollback(touched)
+            self._encoded.clear()  # answers made before: B may have changed without a message
+            if self.broadcast is not None:
+                self._copy_abandoned = self._redo is not None
+                self.broadcast.resync([s.snapshot() for s in self.tensors], self.version)
+        except Exception as e:
+            raise self._damage(f"step {version} failed ({why}) and could not be undone ({type(e).__name__}: {e})") \
+                from e
+
+    def _damage(self, why: str) -> ModelDamaged:
+        """The model may hold part of a step: refuse every step and checkpoint copy from now on."""
+        self.damaged = why
+        self._copy_abandoned = True
+        return ModelDamaged(why)
 
     def _prepare(self) -> None:
         """After a step, on the store thread: the answer of a pull since the version before
@@ -300,10 +361,17 @@ class ModelStore:
                 return np.empty(0, np.int32)
             return self.tensors[t].apply(contributions, step.scale, cfg, checked=False)
 
-        done = self._pool.map(one, [sum(p.values.size for p in c) for c in step.per_tensor])
+        try:
+            done = self._pool.map(one, [sum(p.values.size for p in c) for c in step.per_tensor])
+        except Exception as e:  # not one tensor's failure (map hands those back): which ones ran is unknown
+            raise self._damage(f"step {self.version + 1}: the tensor pool failed ({type(e).__name__}: {e})") from e
         failed = [d for d in done if isinstance(d, Exception)]
-        if failed:
-            self._rollback([np.empty(0, np.int32) if isinstance(d, Exception) else d for d in done])
+        if failed:  # each failed tensor changed nothing (KernelTensorState.apply): undo the others
+            try:
+                self._rollback([np.empty(0, np.int32) if isinstance(d, Exception) else d for d in done])
+            except Exception as e:
+                raise self._damage(f"step {self.version + 1} failed in the kernel's apply ({failed[0]!r}) and its "
+                                   f"other tensors could not be undone ({type(e).__name__}: {e})") from e
             raise failed[0]
         return done  # type: ignore[return-value]
 
@@ -315,9 +383,14 @@ class ModelStore:
     def finite_alone(self, step: Step, cfg: OptimizerConfig) -> bool:
         """Would ``step`` leave every value finite? Applied and undone: nothing changes."""
         try:
-            self._rollback(self._apply(step, cfg))
+            touched = self._apply(step, cfg)
         except NonFiniteStep:
             return False
+        try:
+            self._rollback(touched)
+        except Exception as e:
+            raise self._damage(f"step {self.version + 1}: a trial of one push could not be undone "
+                               f"({type(e).__name__}: {e})") from e
         return True
 
     def changes_since(self, since: int) -> Changes:

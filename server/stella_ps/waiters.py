@@ -10,6 +10,7 @@ pulls leaves the timer as it is; when it fires, it answers the pulls whose time 
 come and is armed again for the earliest left."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from stella.errors import ErrorCode, ServerError
 from .runtime import Clock, LoopClock, Timer
 
 __all__ = ["PullWaiters"]
+
+log = logging.getLogger("stella_ps.waiters")
 
 # a timer may fire a little before its deadline by the event loop's clock (libuv counts whole
 # milliseconds): a pull this close to its timeout is answered with the others
@@ -31,6 +34,15 @@ class _Waiter:
     wait_for: int
     answer: Callable[[], None]
     deadline: float  # the clock's time at which it is answered whatever the version
+
+
+def _answer(w: _Waiter) -> None:
+    """Answer one waiting pull: a failure (a bug; the service refuses the pull when its
+    answer fails) costs that pull, never the others released with it."""
+    try:
+        w.answer()
+    except Exception as e:
+        log.error("a waiting pull could not be answered", exc_info=e, extra={"worker": w.worker})
 
 
 class PullWaiters:
@@ -86,7 +98,7 @@ class PullWaiters:
         self._waiting = [w for w in self._waiting if w.wait_for > version]
         for w in ready:
             self._done(w)
-            w.answer()
+            _answer(w)
 
     def _expire(self) -> None:
         """The timer: answer the pulls whose timeout has passed; arm it for the next."""
@@ -97,7 +109,7 @@ class PullWaiters:
             self._waiting = [w for w in self._waiting if w.deadline > now]
             for w in due:
                 self._done(w)
-                w.answer()
+                _answer(w)
         if self._waiting:
             self._arm(min(w.deadline for w in self._waiting))
 
