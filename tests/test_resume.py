@@ -150,3 +150,37 @@ def test_the_plain_pytorch_expectations_of_an_optimizer(make_server):
     with pytest.raises(PipelineError, match=r"replaced: \['w'\]"):
         opt.start()
     opt.close()
+
+
+def test_close_pushes_the_whole_residual_unclipped(make_server):
+    """Issue 45: close() flushes the whole error-feedback residual as one push, far above
+    the job's usual push norm (here over 10x its median: --push-norm-factor's default
+    bound), and the clip used to scale it down ("push clipped" on every clean stop in the
+    Docker walk-through), losing part of it. The final push is allowed more, once: it
+    arrives whole, and the server's model becomes the worker's weights."""
+    import json
+
+    import numpy as np
+
+    from stella import Client
+
+    n = 20_000
+    srv = make_server(1, pull="exact")  # default push bounds
+    model = torch.nn.Linear(n, 1, bias=False)
+    opt = StellaOptimizer(model, srv.endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=2e-4),
+                          compression=Compression(density=0.001, method="exact", value_dtype="f32"),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        opt.zero_grad()
+        model.weight.grad = torch.randn(1, n, generator=g)
+        opt.step()
+    opt.close()
+    w = model.weight.detach().reshape(-1).numpy()
+    norms = [json.loads(line)["norm"] for line in srv.logs().splitlines() if '"push norm"' in line]
+    assert len(norms) == 41 and norms[-1] > 10 * float(np.median(norms[:-1]))  # the flush: above the usual bound
+    assert '"push clipped"' not in srv.logs()
+    with Client(srv.endpoint, timeout=10) as c:
+        c.register({"weight": np.zeros((1, n), np.float32)})
+        server_model = c.pull(None).tensors["weight"][1].reshape(-1)
+    np.testing.assert_allclose(server_model, w, atol=1e-6)  # nothing the worker had was lost

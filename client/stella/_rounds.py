@@ -268,7 +268,7 @@ class Rounds:
         def flush(client: AnyClient) -> None:
             rest = self.compressor.flush()
             if rest.count:
-                client.push(as_update(rest), version, value_dtype="f32")
+                client.push(as_update(rest), version, value_dtype="f32", final=True)
 
         self.call(flush)
 

@@ -346,17 +346,20 @@ class Client:
     @overload
     def push(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
-             report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
+             report: WorkerReport | None = ..., samples: int | None = ..., final: bool = ...,
+             timeout: float | None = ...,
              wait: Literal[True] = ...) -> PushOk: ...
     @overload
     def push(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
-             report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
+             report: WorkerReport | None = ..., samples: int | None = ..., final: bool = ...,
+             timeout: float | None = ...,
              wait: Literal[False]) -> Pending[PushOk]: ...
     @overload
     def push(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, *, value_dtype: ValueDtype = ...,
              index_coding: IndexCoding = ..., hparams: Mapping[str, Any] | None = ...,
-             report: WorkerReport | None = ..., samples: int | None = ..., timeout: float | None = ...,
+             report: WorkerReport | None = ..., samples: int | None = ..., final: bool = ...,
+             timeout: float | None = ...,
              wait: bool) -> PushOk | Pending[PushOk]: ...
     def push(
         self,
@@ -368,6 +371,7 @@ class Client:
         hparams: Mapping[str, Any] | None = None,
         report: WorkerReport | None = None,
         samples: int | None = None,
+        final: bool = False,
         timeout: float | None = None,
         wait: bool = True,
     ) -> PushOk | Pending[PushOk]:
@@ -388,6 +392,8 @@ class Client:
         ``report``: this worker's timings, shown by ``stella status`` and the metrics.
         ``samples``: what the update represents (samples, or micro-batches): the server
         weights the pushes of a step by it (None: one unit; docs/optimizer.md).
+        ``final``: this worker's last push, its whole error-feedback residual (close()): the
+        server's push clip allows it more, once (docs/security.md).
         Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
         :class:`Pending` of it with ``wait=False``.
         """
@@ -396,7 +402,7 @@ class Client:
         entries, frames = enc.entries, enc.frames
         s = self._session
         msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=entries,
-                   hparams=dict(hparams) if hparams else None, report=report, samples=samples)
+                   hparams=dict(hparams) if hparams else None, report=report, samples=samples, final=final)
         pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
         return pending if not wait else pending.result()
 

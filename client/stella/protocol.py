@@ -257,6 +257,9 @@ class Push(_Message, tag="push", frozen=True):
     # the samples (or micro-batches) this update represents: the server weights each push
     # of a step by them (docs/optimizer.md, "Weighting by samples"); nil: one unit
     samples: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
+    # the worker's last push (close()): its whole error-feedback residual, larger than a round's top-k. Once
+    # per registration the server's clip relative to the job's pushes allows it more (docs/security.md)
+    final: bool = False
 
 
 class Pull(_Message, tag="pull", frozen=True):

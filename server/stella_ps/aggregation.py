@@ -333,6 +333,9 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
     return out
 
 
+FINAL_ALLOWANCE = 8.0  # a final push's relative bound, in the usual one's
+
+
 class PushNormBound:
     """The bounds on one push's L2 norm (over all its values, float64):
 
@@ -353,7 +356,12 @@ class PushNormBound:
       ``model_change`` times ``model_norm``, the L2 norm of the model (the server's range
       of it) as it was registered or resumed. So the first pushes of a job are bounded
       too, with the default flags. Without a gain (Adam, AdamW: a step is about ``lr``
-      whatever the push) or a scale (a model of zeros) there is no such bound.
+      whatever the push) or a scale (a model of zeros) there is no such bound;
+    - a worker's *final* push (``close()``: its whole error-feedback residual, which holds
+      more than a round's top-k: 1.2-1.5x the relative bound in the Docker walk-through),
+      once per registration, is allowed :data:`FINAL_ALLOWANCE` times the relative bound,
+      within the bound relative to the model (applied to it whether or not the median is
+      learnt) and the absolute one; its norm does not join the median.
     """
 
     def __init__(self, absolute: float = 0.0, action: str = "refuse", factor: float = 0.0, window: int = 64,
@@ -374,9 +382,10 @@ class PushNormBound:
         xs = self._sorted
         return self.factor * xs[len(xs) // 2]
 
-    def model_limit(self, model_norm: float, gain: float | None) -> float | None:
-        """The bound relative to the model, while the median is not learnt; None: none."""
-        if not self.model_change or not gain or self.relative_limit() is not None:
+    def model_limit(self, model_norm: float, gain: float | None, always: bool = False) -> float | None:
+        """The bound relative to the model, while the median is not learnt (``always``:
+        learnt or not); None: none."""
+        if not self.model_change or not gain or (self.relative_limit() is not None and not always):
             return None
         if model_norm <= 0:
             if not self._unscaled:
@@ -399,12 +408,13 @@ class PushNormBound:
         return bool(self.absolute or self.factor or self.model_change)
 
     def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None, *,
-              model_norm: float = 0.0, gain: float | None = None) -> list[SparseTensor]:
+              model_norm: float = 0.0, gain: float | None = None, final: bool = False) -> list[SparseTensor]:
         """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
         or scaled down (float32 copies). ``sumsq``: the sums of the squares of its
         tensors' values, as the decoder found them (:func:`stella.payload.decode_tensors`);
         None: computed here. ``model_norm`` and ``gain``: the model's norm and the
-        optimizer's gain in force (``--max-push-change``)."""
+        optimizer's gain in force (``--max-push-change``). ``final``: a worker's final push
+        (the class doc)."""
         if not self.on:
             return tensors
         norm = push_norm(tensors) if sumsq is None else math.sqrt(sum(sumsq))  # push_norm's order: its bits
@@ -416,14 +426,18 @@ class PushNormBound:
                 raise BadValue(f"push refused: the L2 norm of its values, {norm:.6g}, is above the server's limit "
                                f"{self.absolute:g} (--max-push-norm)")
             limit, which = self.absolute, "--max-push-norm"
-        for bound, flag in ((self.relative_limit(), "--push-norm-factor"),
-                            (self.model_limit(model_norm, gain), "--max-push-change")):
+        relative = self.relative_limit()
+        if relative is not None and final:
+            relative *= FINAL_ALLOWANCE
+        for bound, flag in ((relative, "--push-norm-factor"),
+                            (self.model_limit(model_norm, gain, always=final), "--max-push-change")):
             if bound is not None and norm > bound and bound < limit:
                 limit, which = bound, flag
         if norm > limit:
-            log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": which, "bound": limit})
+            log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": which, "bound": limit,
+                                               "final": final})
             self.clipped += 1
             tensors, norm = scaled(tensors, limit / norm), limit
-        if norm > 0:
+        if norm > 0 and not final:
             self._record(norm)
         return tensors

@@ -48,6 +48,7 @@ class WorkerInfo:
     held: bool = False  # a probe of its is held for another worker's upload (one at a time)
     waited: bool = False  # steps wait for its push (see the module doc)
     pushes: int = 0
+    final_pushed: bool = False  # its one final push (close()'s residual, allowed more by the push clip) came
     pulls: int = 0
     report: WorkerReport | None = None  # the latest its pushes carried
     session: int = field(default_factory=lambda: secrets.randbits(63))  # token for heartbeats and reconnects

@@ -292,9 +292,11 @@ class Service:
         if bound.on:  # the norm's parts come from the pass that checks the values
             sumsq: list[float] = []
             optimizer = self.steps.optimizer
+            final = msg.final and not info.final_pushed  # one per registration
             tensors = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq,
                                   model_norm=self.store.param_norm,
-                                  gain=optimizer.push_gain() if optimizer is not None else None)
+                                  gain=optimizer.push_gain() if optimizer is not None else None, final=final)
+            info.final_pushed = info.final_pushed or final
         else:
             tensors = decode_tensors(rx, self.store.layout)
         queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
