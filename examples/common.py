@@ -74,7 +74,11 @@ def worker_args(description: str) -> argparse.ArgumentParser:
 
 
 def report(path: str | None, figures: dict[str, Any]) -> None:
-    print(json.dumps(figures), flush=True)
+    """The worker's figures: one JSON line on stdout, written in one system call (the
+    workers share the launcher's stdout, and a line of theirs must not interleave), and
+    to ``path``."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(figures) + "\n").encode())
     if path:
         with open(path, "w") as f:
             json.dump(figures, f)

@@ -196,9 +196,15 @@ def test_sigterm_stops_every_shard_with_its_last_checkpoint_and_a_restart_resume
 
 
 def test_the_supervisor_fails_when_a_shard_cannot_start(make_server):
-    port = free_port()
-    with socket.socket() as taken:  # shard 1's port (port + 1) is somebody else's
-        taken.bind(("127.0.0.1", port + 1))
+    taken = socket.socket()
+    for _ in range(20):  # a free port whose successor is free too (another test's server may hold it)
+        port = free_port()
+        try:
+            taken.bind(("127.0.0.1", port + 1))
+            break
+        except OSError:
+            continue
+    with taken:  # shard 1's port (port + 1) is somebody else's
         taken.listen()
         with pytest.raises(ServerStartError) as e:
             make_server(1, ["--shards", "2"], bind=f"tcp://127.0.0.1:{port}", timeout=60)
