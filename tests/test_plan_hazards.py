@@ -172,6 +172,11 @@ def test_plan_config_predicts_one_configuration_term_by_term(tmp_path, capsys):
     one_kind = write(tmp_path, "one.toml", GOOD.split("[kinds.cloud]")[0])
     assert cli(capsys, "plan", "--catalog", one_kind, "--profile", prof_path, "--config",
                "W=1,density=0.01,coding=f16")[0] == 0
+    # beyond the factors table: the round's terms, and no estimate of the time (not inf, not nan)
+    rc, text, _ = cli(capsys, "plan", "--catalog", cat_path, "--profile", prof_path, "--config",
+                      "W=2,kind=cloud,density=0.0005,coding=q2,H=16")
+    assert rc == 0 and "iterations: no estimate (beyond the factors table" in text
+    assert "time to target, cost: no estimate" in text and "nan" not in text and "s/it: " in text
 
 
 @pytest.mark.parametrize("config, message", [
@@ -265,6 +270,9 @@ def test_shards_never_exceed_the_cap(tmp_path, capsys):
     # a server host of one's own (price 0) is one host: its cores
     own = dict(doc, server=dict(doc["server"], price=0, cores=2))
     assert max(p.config.shards for p in plan(catalog_from_dict(own), prof).rows) <= 2
+    # ... and on a shared host, that host's cores (not [server] cores, whose default is 1)
+    bed0 = dict(bed, server=dict(bed["server"], price=0, cores=1))
+    assert shard_cap(catalog_from_dict(bed0)) == (2, "the server's host 'bed' has 2 cores")
     # [server] max_shards, and --max-shards (a cap not in 1, 2, 4, 8 is tried itself)
     capped = dict(doc, server=dict(doc["server"], max_shards=3))
     res = plan(catalog_from_dict(capped), prof)

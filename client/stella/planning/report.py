@@ -86,6 +86,8 @@ def _range(p: Prediction) -> str:
 
 
 def _factor(p: Prediction) -> str:
+    if not math.isfinite(p.factor):
+        return p.factor_source
     flag = "" if p.factor_measured else "UNVERIFIED factor, "
     return f"x{p.factor:.2f} dense: {flag}{p.factor_source}"
 
@@ -218,11 +220,15 @@ def render_config(p: Prediction, profile: Profile, catalog: Catalog, cap: tuple[
                                        f" (the exchange outlasts compute; {p.bound} is its largest term)"),
               f"  s/it: {p.s_per_it:.4g}" + (f"  (with the profile's spread of the step: {p.s_per_it_range[0]:.4g}-"
                                              f"{p.s_per_it_range[1]:.4g})" if p.s_per_it_range else ""),
-              f"  iterations: {p.iterations:.0f} ({_factor(p)})",
-              f"  time to target: {_dur(p.time_s)}" + (f" ({_dur(p.time_range[0])} to {_dur(p.time_range[1])})"
-                                                       if p.time_range else ""),
-              f"  cost: {_money(p.cost, cur)}" + (f", {p.revocations:.1f} revocations expected" if p.revocations
-                                                  else "")]
+              f"  iterations: {p.iterations:.0f} ({_factor(p)})" if math.isfinite(p.iterations) else
+              f"  iterations: no estimate ({_factor(p)})"]
+    if not math.isfinite(p.time_s):
+        lines += ["  time to target, cost: no estimate (the iterations factor: see above; the s/it stands)"]
+    else:
+        lines += [f"  time to target: {_dur(p.time_s)}" + (f" ({_dur(p.time_range[0])} to {_dur(p.time_range[1])})"
+                                                           if p.time_range else ""),
+                  f"  cost: {_money(p.cost, cur)}" + (f", {p.revocations:.1f} revocations expected" if p.revocations
+                                                      else "")]
     return "\n".join(lines)
 
 

@@ -100,20 +100,20 @@ def shard_cap(catalog: Catalog, max_shards: int | None = None) -> tuple[int, str
     """The most ``stella-ps`` processes a plan may run, and why (``(0, "")``: no limit).
     The tightest of: ``max_shards`` (``stella plan --max-shards``); the catalog's ``[server]
     max_shards``; the cores of the shared host the server runs on (``[server] host``: one
-    host, its processes share its cores); and, for a server host of price 0 (one's own: the
-    plan cannot rent more of it), its ``cores``."""
+    host, its processes share its cores); or else, for a server host of price 0 (one's own:
+    the plan cannot rent more of it), its ``cores``."""
     srv = catalog.server
     caps: list[tuple[int, str]] = []
     if max_shards:
         caps.append((max_shards, "--max-shards"))
     if srv.max_shards:
         caps.append((srv.max_shards, "[server] max_shards"))
-    if srv.host:
+    if srv.host:  # its cores are the shared host's
         cores = dict(catalog.hosts)[srv.host]
         caps.append((cores, f"the server's host '{srv.host}' has {cores} cores"))
-    if srv.price == 0:
-        caps.append((srv.cores, f"the server host has {srv.cores} core{'s' if srv.cores != 1 else ''} and costs "
-                                "nothing (one's own: one host)"))
+    elif srv.price == 0:
+        caps.append((srv.cores, f"the server host has {srv.cores} core{'s' if srv.cores != 1 else ''} ([server] "
+                                "cores) and costs nothing: one's own, one host"))
     return min(caps, key=lambda c: c[0]) if caps else (0, "")
 
 
