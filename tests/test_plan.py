@@ -268,12 +268,13 @@ def test_unequal_speeds_run_on(catalog, profile):
 
 def test_iterations_factor_table(profile):
     assert profile.factor(0.01, "f16", 1) == (1.1, "t1")
-    f, src = profile.factor(0.003, "q2", 4)  # between 1%/q2/1 (1.2) and 0.1%/q2/8 (1.6)
-    assert f == pytest.approx(1.4) and "interpolated" in src
+    f, src = profile.factor(0.003, "q2", 4)  # between 1%/q2/1 (1.2) and 0.1%/q2/8 (1.6): the bound, not the middle
+    assert f == pytest.approx(1.6) and "at most" in src
     f, src = profile.factor(0.1, "f16", 1)  # milder than every entry: the harsher one bounds it
     assert f == 1.1 and "at most" in src
     f, src = profile.factor(0.0005, "q2", 16)  # harsher than everything measured
     assert f == math.inf and "not considered" in src
+    # no table: x1.00 at 1% f16 H = 1, assumed, and nothing harsher (tests/test_plan_hazards.py)
     assert profile_from_dict(profile_doc(factors=[])).factor(0.01, "f16", 1)[0] == 1.0
 
 
@@ -590,7 +591,7 @@ def test_profile_cli_and_from_a_running_job(tmp_path, capsys, make_server, make_
     factors = tmp_path / "f.toml"
     factors.write_text('[[factors]]\ndensity = 0.01\ncoding = "f16"\nH = 1\nfactor = 1.2\n')
     out = tmp_path / "p.json"
-    args = ["profile", "--model", "tests.test_plan:tiny_spec", "--out", str(out), "--steps", "3", "--no-server",
+    args = ["profile", "--model", "tests.test_plan:tiny_spec", "--out", str(out), "--steps", "5", "--no-server",
             "--target-iterations", "500", "--factors", str(factors)]
     assert main(args) == 2  # no server asked: the job's broadcast settings must be given
     assert "--broadcast-values and --broadcast-factor" in capsys.readouterr().err

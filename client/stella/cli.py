@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--from", dest="from_address", metavar="ADDRESS",
                      help="a running job (its workers' reports, through status)")
     pr.add_argument("--out", required=True, metavar="PATH", help="the profile JSON to write")
-    pr.add_argument("--steps", type=int, default=20, help="timed training steps")
+    pr.add_argument("--steps", type=int, default=30, help="timed training steps (at least 5: the profile records "
+                    "their median and quartiles, and stella plan widens its prediction by them)")
+    pr.add_argument("--threads", type=int, default=1, help="torch threads while timing the step (default 1, as "
+                    "Stella's examples and workers run: torch.set_num_threads(1)); give what your workers will use")
     pr.add_argument("--no-server", action="store_true", help="skip the real stella-ps on loopback (the server's "
                     "time then comes from bench.server's figures; give --broadcast-values and --broadcast-factor)")
     pr.add_argument("--broadcast-values", choices=VALUE_DTYPES, help="the job's stella-ps --broadcast-values: "
@@ -82,10 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--top", type=int, default=10, help="rows to show")
     pl.add_argument("--plot", metavar="PNG", help="write the Pareto front of time against cost")
     pl.add_argument("--json", metavar="PATH", help="write the ranked rows and the front as JSON")
+    pl.add_argument("--config", metavar="K=V,...", help="predict this one configuration, term by term, instead of "
+                    "searching: W=2,kind=NAME,density=1%%,coding=q4,H=2,shards=1 (or machines=2xlab+4xcloud:spot; "
+                    "kind= may be left out with one kind; H and shards default to 1)")
+    pl.add_argument("--max-shards", type=int, metavar="N", help="at most N stella-ps processes (also: the catalog's "
+                    "[server] max_shards, the cores of the server's shared host, or of a server host of price 0)")
+    pl.add_argument("--calibration", metavar="FILE|test-bed|none", default="",
+                    help="the model's fitted coefficients: default the profile's own, else the test bed's fit "
+                    "(bench/RESULTS.md), said so; 'none' for the bare structure; or a JSON file with a "
+                    "'calibration' (a profile, bench.plan's --json output)")
     a = p.parse_args(argv)
     if a.cmd == "plan":
+        if a.max_shards is not None and a.max_shards < 1:
+            p.error("plan: --max-shards must be >= 1")
         return plan(a)
     if a.cmd == "profile":
+        if a.model and (a.steps < 5 or a.threads < 1):
+            p.error("profile: need --steps >= 5 (a spread needs steps) and --threads >= 1")
         if a.from_address and (a.broadcast_values or a.broadcast_factor):
             p.error("profile: --from reads the job's broadcast settings from its status; "
                     "--broadcast-values/--broadcast-factor are for --model")
@@ -126,15 +142,29 @@ def plan(a: argparse.Namespace) -> int:
     import json
 
     from .planning.catalog import PlanError, load_catalog
-    from .planning.profile_file import load_profile
-    from .planning.report import pareto_plot, parse_duration, render, to_json
+    from .planning.model import predict, with_spread
+    from .planning.profile_file import attach_calibration, load_profile
+    from .planning.report import pareto_plot, parse_duration, prediction_json, render, render_config, to_json
+    from .planning.search import parse_config, shard_cap
     from .planning.search import plan as search
 
     try:
         catalog = load_catalog(a.catalog)
-        prof = load_profile(a.profile)
+        prof = attach_calibration(load_profile(a.profile), a.calibration)
+        if a.config:
+            if a.deadline or a.budget is not None or a.plot:
+                raise PlanError("--config predicts one configuration: --deadline, --budget and --plot are for the "
+                                "search")
+            cfg = parse_config(a.config, catalog)
+            one = with_spread(prof, catalog, predict(prof, catalog, cfg))
+            print(render_config(one, prof, catalog, shard_cap(catalog, a.max_shards)))
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(prediction_json(one), f, indent=1, default=str)
+                print(f"wrote {a.json}")
+            return 0
         deadline = parse_duration(a.deadline) if a.deadline else None
-        res = search(catalog, prof, deadline_s=deadline, budget=a.budget, top=a.top)
+        res = search(catalog, prof, deadline_s=deadline, budget=a.budget, top=a.top, max_shards=a.max_shards)
     except PlanError as e:
         print(f"stella plan: {e}", file=sys.stderr)
         return 2
@@ -172,7 +202,8 @@ def profile(a: argparse.Namespace) -> int:
             batch = spec["batch"]
             bs = int(spec.get("batch_size") or len(batch[0] if isinstance(batch, (tuple, list)) else batch))
             doc = profile_model(spec["model"], spec["loss"], lambda: batch, optimizer=spec.get("optimizer"),
-                                batch_size=bs, name=a.model, steps=a.steps, server=not a.no_server,
+                                batch_size=bs, name=a.model, steps=a.steps, threads=a.threads,
+                                server=not a.no_server,
                                 broadcast_values=a.broadcast_values, broadcast_factor=a.broadcast_factor,
                                 log=lambda s: print(s, file=sys.stderr))
         if target:
@@ -184,8 +215,14 @@ def profile(a: argparse.Namespace) -> int:
     except (StellaError, OSError) as e:
         print(f"stella profile: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {a.out}: {doc['numel']:,} parameters, {doc['compute_s']:.4g} s/step at batch {doc['batch_size']}",
+    spread = doc.get("compute_spread") or {}
+    print(f"wrote {a.out}: {doc['numel']:,} parameters, {doc['compute_s']:.4g} s/step at batch {doc['batch_size']}"
+          + (f" (quartiles {spread['q1_s']:.4g}-{spread['q3_s']:.4g} s over {spread['steps']} steps)" if spread
+             else "") + (f", {doc['torch_threads']} torch thread(s)" if doc.get("torch_threads") else ""),
           file=sys.stderr)
+    if not doc.get("calibration"):
+        print("  no calibration in it: stella plan uses the test bed's fit (bench/RESULTS.md) and says so; "
+              "--calibration FILE attaches another", file=sys.stderr)
     return 0
 
 

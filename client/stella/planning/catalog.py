@@ -53,7 +53,7 @@ class MachineKind:
     gpu: str
     gpus: int  # per machine
     speed: float  # compute speed of one GPU relative to the profiled machine (1.0: the same)
-    count: int  # machines available (on-premises: the ones the lab has)
+    count: int  # machines available (on-premises: the ones the lab has); with a range, its top
     up_mbps: float
     down_mbps: float
     onprem: bool = False
@@ -68,6 +68,13 @@ class MachineKind:
     # a hop away from the sender (a shaper on the sender's own interface pushes back without loss)
     up_queue_ms: float = 0.0
     down_queue_ms: float = 0.0
+    # the fewest machines of the kind a mix takes (0: the default: all of an on-premises kind, 1 of a rented one);
+    # count = "1-3" in the catalog: 1
+    min_count: int = 0
+
+    @property
+    def counts_from(self) -> int:
+        return self.min_count or (self.count if self.onprem else 1)
 
     def price_of(self, market: str) -> float:
         return self.spot_price if market == "spot" and self.spot_price is not None else self.price
@@ -85,6 +92,7 @@ class ServerHost:
     mttr_h: float | None = None  # mean time between its failures or revocations (None: not modelled)
     restart_s: float = SERVER_RESTART_S  # from a failure to serving again from the newest checkpoint
     host: str = ""  # a shared host ([hosts.NAME]) it shares with workers
+    max_shards: int = 0  # the most stella-ps processes a plan may run (0: no limit said)
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ KIND_FIELDS: dict[str, _Check] = {
     "gpu": (str, True, None, ""),
     "gpus": (int, False, *_POS),
     "speed": (_NUM, True, *_POS),
-    "count": (int, True, *_POS),
+    "count": ((int, str), True, None, ""),  # an int, or a range "1-3" (checked by _count)
     "up_mbps": (_NUM, True, *_POS),
     "down_mbps": (_NUM, True, *_POS),
     "onprem": (bool, False, None, ""),
@@ -135,6 +143,7 @@ SERVER_FIELDS: dict[str, _Check] = {
     "mttr_h": (_NUM, False, *_POS),
     "restart_s": (_NUM, False, *_NONNEG),
     "host": (str, False, None, ""),
+    "max_shards": (int, False, *_POS),
 }
 HOST_FIELDS: dict[str, _Check] = {"cores": (int, True, *_POS)}
 TOP_FIELDS = {"currency", "prices_note", "server", "kinds", "hosts"}
@@ -167,6 +176,25 @@ def _fields(table: Mapping[str, Any], spec: Mapping[str, _Check], where: str) ->
             raise CatalogError(f"{where}: field {key!r} must be {says}, got {v!r}")
         out[key] = v
     return out
+
+
+def _count(v: int | str, where: str) -> tuple[int, int]:
+    """A kind's ``count``: ``(fewest, most)``; ``(0, n)`` for a plain ``n`` (the kind's default: all of an
+    on-premises kind), ``(a, b)`` for a range ``"a-b"`` (or ``"up to b"``: ``(1, b)``)."""
+    import re
+
+    if isinstance(v, int):
+        if v <= 0:
+            raise CatalogError(f"{where}: field 'count' must be > 0, got {v!r}")
+        return 0, v
+    m = re.fullmatch(r"\s*(?:(\d+)\s*-\s*|up\s+to\s+)(\d+)\s*", v)
+    if not m:
+        raise CatalogError(f"{where}: field 'count' must be int, got {v!r} (or a range of machines: \"1-3\", "
+                           "\"up to 3\")")
+    lo, hi = int(m.group(1) or 1), int(m.group(2))
+    if not 1 <= lo <= hi:
+        raise CatalogError(f"{where}: field 'count' range {v!r} must be 1 <= fewest <= most")
+    return lo, hi
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -219,7 +247,8 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
     server = ServerHost(name=s.get("name", "server"), price=float(s["price"]), cores=s.get("cores", 1),
                         up_mbps=float(s["up_mbps"]), down_mbps=float(s["down_mbps"]),
                         mttr_h=None if "mttr_h" not in s else float(s["mttr_h"]),
-                        restart_s=float(s.get("restart_s", SERVER_RESTART_S)), host=host_of(s, f"{path}: [server]"))
+                        restart_s=float(s.get("restart_s", SERVER_RESTART_S)), host=host_of(s, f"{path}: [server]"),
+                        max_shards=s.get("max_shards", 0))
     kinds_t = doc.get("kinds")
     if not isinstance(kinds_t, dict) or not kinds_t:
         raise CatalogError(f"{path}: no machine kinds: add at least one [kinds.NAME] table")
@@ -229,6 +258,7 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
         if not isinstance(t, dict):
             raise CatalogError(f"{where}: must be a table ([kinds.{name}])")
         v = _fields(t, KIND_FIELDS, where)
+        min_count, count = _count(v["count"], where)
         onprem = v.get("onprem", False)
         if onprem:
             for bad in ("spot_price", "mttr_h"):
@@ -246,7 +276,8 @@ def catalog_from_dict(doc: Mapping[str, Any], path: str = "<catalog>") -> Catalo
                 raise CatalogError(f"{where}: fields 'spot_price' and 'mttr_h' go together (a spot market needs "
                                    "its price and its mean time to revocation)")
         kinds.append(MachineKind(name=name, gpu=v["gpu"], gpus=v.get("gpus", 1), speed=float(v["speed"]),
-                                 count=v["count"], up_mbps=float(v["up_mbps"]), down_mbps=float(v["down_mbps"]),
+                                 count=count, min_count=min_count, up_mbps=float(v["up_mbps"]),
+                                 down_mbps=float(v["down_mbps"]),
                                  onprem=onprem, price=float(v.get("price", 0.0)),
                                  spot_price=None if "spot_price" not in v else float(v["spot_price"]),
                                  mttr_h=None if "mttr_h" not in v else float(v["mttr_h"]),

@@ -4,7 +4,9 @@ profile file (:mod:`stella.planning.profile_file`).
 On one machine (:func:`profile_model`):
 
 - **compute**: seconds per training step (forward, backward, the local optimizer) at the
-  batch size, the median of ``steps`` after warm-up;
+  batch size, the median of ``steps`` after warm-up, with their quartiles and standard
+  deviation (``compute_spread``), under the torch thread count the workers will use
+  (``threads``, default 1, recorded as ``torch_threads``);
 - **bytes per round** at a few densities and value codings: a real weight change (the
   model's parameters after a few steps minus before, what update mode pushes) through the
   real compressor (:class:`stella.compress.ErrorFeedbackCompressor`) and the real encoder
@@ -44,7 +46,8 @@ from .profile_file import STALL_S, STALL_SOURCE, ProfileError, broadcast_bytes, 
 if TYPE_CHECKING:
     from ..client import Client, EncodedPush
 
-__all__ = ["profile_model", "profile_from_status", "load_model_spec", "measure_compute", "measure_bytes",
+__all__ = ["profile_model", "profile_from_status", "load_model_spec", "measure_compute", "measure_steps",
+           "spread_of", "measure_bytes",
            "measure_server", "replay", "describe_machine", "DEFAULT_DENSITIES", "BENCH_SERVER"]
 
 DEFAULT_DENSITIES = (0.003, 0.01, 0.03, 0.1)
@@ -86,6 +89,21 @@ def load_model_spec(spec: str) -> dict[str, Any]:
 def measure_compute(model: Any, loss: Callable[[Any, Any], Any], next_batch: Callable[[], Any], optimizer: Any,
                     steps: int = 20, warmup: int = 3) -> float:
     """Median seconds of one training step (zero_grad, forward, backward, optimizer step)."""
+    return statistics.median(measure_steps(model, loss, next_batch, optimizer, steps, warmup))
+
+
+def spread_of(times: Sequence[float]) -> dict[str, Any]:
+    """A profile's ``compute_spread``: the timed steps' count, median, quartiles, standard
+    deviation, least and most (seconds)."""
+    xs = sorted(times)
+    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+    return {"steps": len(xs), "median_s": med, "q1_s": q1, "q3_s": q3,
+            "stdev_s": statistics.stdev(xs) if len(xs) > 1 else 0.0, "min_s": xs[0], "max_s": xs[-1]}
+
+
+def measure_steps(model: Any, loss: Callable[[Any, Any], Any], next_batch: Callable[[], Any], optimizer: Any,
+                  steps: int = 20, warmup: int = 3) -> list[float]:
+    """Seconds of each of ``steps`` training steps after ``warmup``."""
     import torch
 
     times = []
@@ -99,7 +117,7 @@ def measure_compute(model: Any, loss: Callable[[Any, Any], Any], next_batch: Cal
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAULT_DENSITIES,
@@ -240,7 +258,8 @@ def _broadcast_flags(values: str | None, factor: float | None) -> list[str]:
 
 
 def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Callable[[], Any], *,
-                  optimizer: Any = None, batch_size: int, name: str = "model", steps: int = 20,
+                  optimizer: Any = None, batch_size: int, name: str = "model", steps: int = 30,
+                  threads: int | None = 1,
                   densities: Sequence[float] = DEFAULT_DENSITIES, server: bool = True,
                   broadcast_values: str | None = None, broadcast_factor: float | None = None,
                   dense_below: int | None = None, target: Mapping[str, Any] | None = None,
@@ -253,7 +272,9 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     runs those given (its own defaults for the others) and the profile records what it
     answered at registration; without, no server is asked, so both must be given, and the
     pull's bytes are estimated from their coded bits. ``dense_below``: the job's dense cut
-    (``stella-ps --dense-below``; None: the server's default), which tensors go whole."""
+    (``stella-ps --dense-below``; None: the server's default), which tensors go whole.
+    ``threads``: torch's thread count while the step is timed (the workers', 1 by default as
+    Stella's examples set it; None: leave torch's as it is), recorded as ``torch_threads``."""
     import torch
 
     if not server and (broadcast_values is None or broadcast_factor is None):
@@ -263,8 +284,17 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    compute_s = measure_compute(model, loss, next_batch, optimizer, steps=steps)
-    log(f"  compute: {1e3 * compute_s:.1f} ms/step at batch {batch_size}")
+    before_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        used_threads = torch.get_num_threads()
+        spread = spread_of(measure_steps(model, loss, next_batch, optimizer, steps=steps))
+    finally:
+        torch.set_num_threads(before_threads)
+    compute_s = spread["median_s"]
+    log(f"  compute: {1e3 * compute_s:.1f} ms/step at batch {batch_size} (quartiles {1e3 * spread['q1_s']:.1f}-"
+        f"{1e3 * spread['q3_s']:.1f} ms over {spread['steps']} steps, {used_threads} torch thread(s))")
     update = {n: (p.detach() - before[n]) for n, p in params.items()}  # the weights' change: what update mode pushes
     push, per_numel = measure_bytes(update, densities)
     log("  push bytes: " + ", ".join(f"{e['density']:g}/{e['coding']} {e['bytes']:,}" for e in push))
@@ -293,7 +323,8 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     return {
         "stella_profile": 1, "model": name, "numel": numel, "sparse_numel": sparse_numel, "batch_size": batch_size,
         "device": str(next(iter(params.values())).device) + f" ({describe_machine()}, torch threads "
-                                                              f"{torch.get_num_threads()})",
+                                                              f"{used_threads})",
+        "torch_threads": used_threads, "compute_spread": spread,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "compute_s": compute_s, "compress_s_per_numel": per_numel, "push": push, "pull": pull, "server": srv,
@@ -344,6 +375,8 @@ def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0
         "batch_size": batch_size, "device": "the job's workers (from their reports)",
         "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "compute_s": statistics.median(r.compute_s for r in reps),
+        "compute_spread": spread_of([r.compute_s for r in reps]) | {
+            "source": "the workers' reports (each a running mean of its steps), not single steps"},
         "compress_s_per_numel": 0.0,
         "push": [{"density": d, "coding": coding, "bytes": statistics.median(p[2] for p in pushes)}],
         "pull": pull_section(broadcast[0], [{"density": d, "bytes": statistics.median(p[3] for p in pushes)}]),

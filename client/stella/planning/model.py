@@ -37,7 +37,8 @@ from .catalog import Catalog, MachineKind
 from .profile_file import Profile
 
 __all__ = ["Group", "Config", "Prediction", "Mix", "mix_arrays", "evaluate", "expected_max", "predict",
-           "prediction", "BOUNDS", "SHARD_EXPONENT", "START_S", "MAX_RATIO_H", "TAIL_OVERFLOW", "TAIL_FLIGHT_BYTES"]
+           "prediction", "with_spread", "BOUNDS", "SHARD_EXPONENT", "START_S", "MAX_RATIO_H", "TAIL_OVERFLOW",
+           "TAIL_FLIGHT_BYTES"]
 
 # bench.server (bench/RESULTS.md 2026-11-26): 2 shards on 2 cores made 1.78-1.80x one shard's steps/s (W = 2);
 # S shards divide the server's step by S^0.85
@@ -96,6 +97,27 @@ class Prediction:
     revocations: float  # expected
     cost: float
     revocation_cost: float  # the part of cost due to revocations
+    factor_measured: bool = True  # the factor is the table's entry for this configuration (not a bound, not assumed)
+    # the exchange's terms, each as it enters the round (seconds): the slowest machine's compressor and fixed CPU,
+    # the push and the pull (the link coefficient applied), the tail-loss wait, twice the largest RTT, the fixed
+    # overhead; and where the push and the pull are bound ("uplink"/"downlink": the slowest machine's own link,
+    # "server": the server site's link carrying all W)
+    compress_s: float = 0.0
+    push_s: float = 0.0
+    pull_s: float = 0.0
+    tail_s: float = 0.0
+    rtt_s: float = 0.0
+    fixed_s: float = 0.0
+    push_at: str = ""
+    pull_at: str = ""
+    # with the profile's spread of the step time: s/it and time to target at its quartiles (None: no spread)
+    s_per_it_range: tuple[float, float] | None = None
+    time_range: tuple[float, float] | None = None
+
+    @property
+    def overlap_s(self) -> float:
+        """What the round hides: compute and exchange run side by side (one round stale)."""
+        return self.compute_s + self.exchange_s - self.round_s
 
 
 @dataclass(frozen=True)
@@ -204,8 +226,11 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
         pull_s = (np.maximum(pull_b[:, None, :] - burst, 0) / mix.down[:, :, None]).max(axis=1)
     else:
         push_s, pull_s = push_b * mix.inv_up, pull_b * mix.inv_down
-    push_s = np.maximum(push_s, push_b * w / (srv.down_mbps * 1e6 / 8 * hosts))
-    pull_s = np.maximum(pull_s, pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts))
+    push_srv = push_b * w / (srv.down_mbps * 1e6 / 8 * hosts)
+    pull_srv = pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts)
+    push_at_srv, pull_at_srv = push_srv > push_s, pull_srv > pull_s
+    push_s = np.maximum(push_s, push_srv)
+    pull_s = np.maximum(pull_s, pull_srv)
     tail = 0.0
     if cal.tail_loss and (mix.up_queue.any() or mix.down_queue.any()):
         tail = cal.tail_loss * (_tail_loss_s(np, push_b, mix.up_queue, mix.up)
@@ -284,7 +309,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
     boot = mix.boot_rate * time_s  # a replacement is paid for while it starts (the revoked machine no longer is)
     cost = price_h * time_s / 3600 + boot
     if not detail:  # what the ranking reads
-        return {"time_s": time_s, "cost": cost}
+        return {"time_s": time_s, "cost": cost, "factor": factor}
     cost0 = price_h * t0 / 3600
     parts = np.stack(np.broadcast_arrays(cal.link * push_s, cal.link * pull_s, server, compress))
     bound = np.where(compute >= exchange, 0, 1 + parts.argmax(axis=0))
@@ -292,7 +317,10 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
             "server_s": server + 0 * w, "bound": bound, "max_sync_every": max_h, "samples_per_s": samples / round_s,
             "iterations": iterations, "factor": factor, "h_eff": h_eff, "time_s": time_s,
             "revocations": lam_total * time_s, "cost": cost, "revocation_cost": cost - np.minimum(cost0, cost),
-            "load": load_slow + 0 * round_s}
+            "load": load_slow + 0 * round_s, **{k: np.broadcast_to(np.asarray(x, float), round_s.shape) for k, x in (
+                ("compress_s", compress), ("push_s", cal.link * push_s), ("pull_s", cal.link * pull_s),
+                ("tail_s", tail), ("rtt_s", 2 * mix.rtt_max), ("fixed_s", cal.round_s),
+                ("push_at_server", push_at_srv), ("pull_at_server", pull_at_srv))}}
 
 
 # The window of message sizes that lose their tail, as bench.transport measured it on the test bed's links at
@@ -409,12 +437,33 @@ def predict(profile: Profile, catalog: Catalog, config: Config, checkpoint_every
 
 def prediction(profile: Profile, config: Config, r: Mapping[str, Any], i: int) -> Prediction:
     v = {k: a[i, 0] for k, a in r.items()}
-    source = profile.factor(config.density, config.coding, max(config.sync_every, int(v["h_eff"])))[1]
+    h_factor = max(config.sync_every, int(v["h_eff"]))
+    source = profile.factor(config.density, config.coding, h_factor)[1]
     return Prediction(config=config, s_per_it=float(v["s_per_it"]), round_s=float(v["round_s"]),
                       compute_s=float(v["compute_s"]), exchange_s=float(v["exchange_s"]),
                       link_s=float(v["link_s"]), server_s=float(v["server_s"]), bound=BOUNDS[int(v["bound"])],
                       max_sync_every=int(v["max_sync_every"]), samples_per_s=float(v["samples_per_s"]),
                       iterations=float(v["iterations"]), factor=float(v["factor"]), factor_source=source,
                       time_s=float(v["time_s"]), revocations=float(v["revocations"]), cost=float(v["cost"]),
-                      revocation_cost=float(v["revocation_cost"]))
+                      revocation_cost=float(v["revocation_cost"]),
+                      factor_measured=profile.factor_measured(config.density, config.coding, h_factor),
+                      compress_s=float(v["compress_s"]), push_s=float(v["push_s"]), pull_s=float(v["pull_s"]),
+                      tail_s=float(v["tail_s"]), rtt_s=float(v["rtt_s"]), fixed_s=float(v["fixed_s"]),
+                      push_at="server" if v["push_at_server"] else "uplink",
+                      pull_at="server" if v["pull_at_server"] else "downlink")
+
+
+def with_spread(profile: Profile, catalog: Catalog, p: Prediction, checkpoint_every: int = 100) -> Prediction:
+    """``p`` with the range its profile's spread of the step time gives: s/it and time to the
+    target predicted again at the step's quartiles (unchanged where the profile has no spread)."""
+    import dataclasses
+
+    spread = profile.compute_spread
+    if spread is None:
+        return p
+    lo, hi = (predict(dataclasses.replace(profile, compute_s=q), catalog, p.config, checkpoint_every)
+              for q in spread)
+    s_lo, s_hi = min(lo.s_per_it, p.s_per_it), max(hi.s_per_it, p.s_per_it)
+    t_lo, t_hi = min(lo.time_s, p.time_s), max(hi.time_s, p.time_s)
+    return dataclasses.replace(p, s_per_it_range=(s_lo, s_hi), time_range=(t_lo, t_hi))
 

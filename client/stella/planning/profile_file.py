@@ -26,7 +26,8 @@ from ..protocol import BroadcastInfo
 from .catalog import PlanError, read_toml
 
 __all__ = ["ProfileError", "Calibration", "Profile", "profile_from_dict", "load_profile", "write_profile",
-           "pull_section", "broadcast_bytes", "read_factors", "STALL_S", "STALL_SOURCE"]
+           "pull_section", "broadcast_bytes", "read_factors", "read_calibration", "attach_calibration", "STALL_S",
+           "STALL_SOURCE", "TEST_BED_FIT", "NO_TABLE_ENTRY", "BARE_SOURCE"]
 
 # bench.chaos (bench/CHAOS.json, 2026-11-23, 3 workers at 20 Mbit/s): the longest stall a killed worker caused
 # the others (one step deadline); a profile's revocation.stall_s unless it says
@@ -53,6 +54,27 @@ class Calibration:
     source: str = "not fitted (the bare structure)"
     runs: int = 0
     exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
+
+    @property
+    def fitted(self) -> bool:
+        return self.runs > 0 or not self.source.startswith(BARE_SOURCE)
+
+
+BARE_SOURCE = Calibration.source
+# The fit that ships: bench.plan's last round (bench/PLAN.json, docs/plan.md section 5, round 12), on the slow-link
+# test bed (2 logical CPUs shared by every worker and stella-ps, the server's link at 1000 Mbit/s, the workers'
+# shaped). `stella plan` attaches it to a profile that has none, and says so; --calibration none runs the bare
+# structure. It was fitted on digits and widemlp, not on the user's model.
+TEST_BED_FIT = Calibration(
+    compute=1.0, host_load=1.125, exchange_stretch=0.3863, link=1.0465, round_s=0.010215, tail_loss=1.4426,
+    jitter=0.285, worker_round_s=0.0025,
+    source="the test bed's fit from bench/RESULTS.md (bench.plan round 12, 2026-11-26: 61 runs of digits and "
+           "widemlp on a 2-core host, the server's link unshaped), not fitted on this model's runs",
+    runs=61, exchange_runs=18)
+# With no factors table, one assumed entry: Stella's reference setting (1% f16, H = 1) costs dense training's
+# iterations. Unverified, and the conservative rule (Profile.factor) then considers nothing harsher than it
+NO_TABLE_ENTRY = (0.01, "f16", 1, 1.0, "no factors table: assumed equal to dense training at 1% f16 H = 1 "
+                                       "(unverified; give stella profile --factors)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,20 @@ class Profile:
     path: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     compress: tuple[tuple[float, str, float], ...] = ()  # (density, coding, seconds per round) measured
+    # the step's spread over the timed steps: their quartiles (0: not measured) and count, and the torch thread
+    # count it was measured with (0: not recorded)
+    compute_q1_s: float = 0.0
+    compute_q3_s: float = 0.0
+    compute_steps: int = 0
+    threads: int = 0
+    measured_at: str = ""
+
+    @property
+    def compute_spread(self) -> tuple[float, float] | None:
+        """The quartiles of the step time, where measured."""
+        if self.compute_steps > 1 and 0 < self.compute_q1_s <= self.compute_q3_s:
+            return self.compute_q1_s, self.compute_q3_s
+        return None
 
     # ---- the compressor's time: linear in the density, per coding, on what was measured
     def compress_s(self, density: float, coding: str) -> float:
@@ -106,37 +142,34 @@ class Profile:
     def factor(self, density: float, coding: str, h: int) -> tuple[float, str]:
         """Iterations to target against dense training for a configuration, with its source.
 
-        The table's entry when there is one; otherwise bounds from monotonicity: a
-        configuration *harsher* on every axis (lower density, a coarser coding, more local
-        steps) needs at least as many iterations. The estimate is the midpoint of the
-        largest factor of the milder entries and the smallest of the harsher ones; the
-        harsher one's alone for a configuration milder than the table's; infinite (not
-        considered) for one harsher than every entry, since nothing bounds it; else the
-        nearest entry."""
-        if not self.factors:
-            return 1.0, "no table: assumed equal to dense training's iterations (unverified)"
+        The table's entry when there is one. Otherwise the bound monotonicity gives, and
+        never less: a configuration *harsher* on every axis (lower density, a coarser
+        coding, more local steps) needs at least as many iterations, so the smallest factor
+        of the entries at least as harsh as this one bounds it from above, and that bound
+        is the estimate (or the largest factor of the milder entries, if the measurements
+        disagree with monotonicity and it is larger). A configuration that no entry is at
+        least as harsh as (it has a larger H, a lower density or a coarser coding than
+        everything measured that bounds it) is beyond the table: infinite (not considered).
+        With no table, :data:`NO_TABLE_ENTRY` is the table."""
+        table = self.factors or (NO_TABLE_ENTRY,)
         q = (density, _CODING_RANK.get(coding, 2), h)
-        for e in self.factors:
+        for e in table:
             if abs(e[0] - density) <= 1e-9 * density and e[1] == coding and e[2] == h:
                 return e[3], e[4]
-        milder = [e for e in self.factors if _harsher(q, _axes(e))]
-        harsher = [e for e in self.factors if _harsher(_axes(e), q)]
+        milder = [e for e in table if _harsher(q, _axes(e))]
+        harsher = [e for e in table if _harsher(_axes(e), q)]
         lo = max(milder, key=lambda e: e[3]) if milder else None
         hi = min(harsher, key=lambda e: e[3]) if harsher else None
-        if lo and hi:
-            f = (lo[3] + max(lo[3], hi[3])) / 2
-            return f, f"between {_entry(lo)} and {_entry(hi)} (interpolated)"
-        if lo:  # harsher than anything measured: no estimate; such configurations are not considered
-            return math.inf, f"harsher than every entry of the table (at least {_entry(lo)}): not considered"
-        if hi:
-            return hi[3], f"at most {_entry(hi)} (milder than every entry)"
+        if hi is None:  # nothing measured bounds it: no estimate; such configurations are not considered
+            return math.inf, ("beyond the factors table (no entry is at least as harsh: lower density, coarser "
+                              "coding, more local steps): not considered; add an entry measured there")
+        if lo is not None and lo[3] > hi[3]:  # the table is not monotone here: the larger of the two
+            return lo[3], f"at least {_entry(lo)} (the table is not monotone: at most {_entry(hi)})"
+        return hi[3], f"at most {_entry(hi)} (the bound; not measured here)"
 
-        def dist(e: tuple[float, str, int, float, str]) -> float:
-            return (abs(math.log(e[0] / density)) + 0.7 * abs(_CODING_RANK.get(e[1], 2) - q[1])
-                    + abs(math.log2(e[2] / h)))
-
-        best = min(self.factors, key=dist)
-        return best[3], f"nearest {_entry(best)}"
+    def factor_measured(self, density: float, coding: str, h: int) -> bool:
+        """Whether the table has this very configuration (not a bound, not assumed)."""
+        return any(abs(e[0] - density) <= 1e-9 * density and e[1] == coding and e[2] == h for e in self.factors)
 
 
 # a coding's harshness: its place among the codings by bits a value, the coarsest last (equal bits: one rank)
@@ -245,6 +278,12 @@ def profile_from_dict(doc: Mapping[str, Any], path: str = "<profile>") -> Profil
     cal = Calibration(**{k: cal_t[k] for k in (f.name for f in dataclasses.fields(Calibration)) if k in cal_t})
     rev = doc.get("revocation") or {}
     numel = int(_req(doc, "numel", where))
+    spread = doc.get("compute_spread") or {}
+    if not isinstance(spread, dict):
+        raise ProfileError(f"{where}: field 'compute_spread' must be an object (steps, q1_s, q3_s)")
+    threads = doc.get("torch_threads", 0)
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        raise ProfileError(f"{where}: field 'torch_threads' must be a count, got {threads!r}")
     return Profile(
         model=str(doc.get("model", "?")), numel=numel, sparse_numel=int(doc.get("sparse_numel", numel)),
         batch_size=int(_req(doc, "batch_size", where)), compute_s=float(_req(doc, "compute_s", where)),
@@ -257,7 +296,10 @@ def profile_from_dict(doc: Mapping[str, Any], path: str = "<profile>") -> Profil
         target_batch=int(_req(target, "global_batch", f"{where}: target")),
         critical_batch=float(target.get("critical_batch", 0.0)), target_source=str(target.get("source", "")),
         factors=factors, calibration=cal, stall_s=float(rev.get("stall_s", STALL_S)),
-        device=str(doc.get("device", "")), path=path, raw=doc)
+        device=str(doc.get("device", "")), path=path, raw=doc,
+        compute_q1_s=float(spread.get("q1_s", 0.0)), compute_q3_s=float(spread.get("q3_s", 0.0)),
+        compute_steps=int(spread.get("steps", 0)), threads=int(doc.get("torch_threads", 0)),
+        measured_at=str(doc.get("measured_at", "")))
 
 
 def load_profile(path: str) -> Profile:
@@ -303,3 +345,39 @@ def read_factors(path: str) -> list[dict[str, Any]]:
             raise ProfileError(f"{path}: factors entry {i}: missing {', '.join(missing)}")
         out.append({**r, "source": r.get("source", f"user table {path}")})
     return out
+
+
+def read_calibration(path: str) -> Calibration:
+    """A fit from a JSON file: a profile's ``calibration``, bench.plan's output
+    (``bench/PLAN.json``: its ``calibration``), or the coefficients themselves."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the calibration: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ProfileError(f"{path}: not valid JSON: {e}") from None
+    cal_t = doc.get("calibration", doc) if isinstance(doc, dict) else None
+    names = {f.name for f in dataclasses.fields(Calibration)}
+    if not isinstance(cal_t, dict) or not (set(cal_t) & names):
+        raise ProfileError(f"{path}: no calibration in it (a JSON object with \"calibration\": {{...}} or the "
+                           f"coefficients: {', '.join(sorted(names))})")
+    cal = Calibration(**{k: cal_t[k] for k in names if k in cal_t})
+    if cal.source == BARE_SOURCE:
+        cal = dataclasses.replace(cal, source=f"{path}")
+    return cal
+
+
+def attach_calibration(profile: Profile, which: str = "") -> Profile:
+    """The profile with the fit ``stella plan`` uses: ``which`` is ``""`` (the profile's own
+    if it has one, else :data:`TEST_BED_FIT`), ``"test-bed"``, ``"none"`` (the bare
+    structure) or a JSON file (:func:`read_calibration`)."""
+    if which == "" and profile.calibration.fitted:
+        return profile
+    if which in ("", "test-bed"):
+        cal = TEST_BED_FIT
+    elif which == "none":
+        cal = Calibration(source=f"{BARE_SOURCE}: --calibration none")
+    else:
+        cal = read_calibration(which)
+    return dataclasses.replace(profile, calibration=cal)
