@@ -565,12 +565,13 @@ def test_profile_of_a_tiny_model_against_a_real_server():
 
     spec = tiny_spec()
     doc = profile_model(spec["model"], spec["loss"], lambda: spec["batch"], batch_size=32, name="tiny", steps=5,
-                        densities=(0.01, 0.1), broadcast_values="q2", broadcast_factor=3.0)
+                        densities=(0.01, 0.1), broadcast_values="q2", broadcast_factor=3.0, dense_below=300)
     prof = profile_from_dict(doc, "tiny")
-    # the loopback stella-ps ran the job's broadcast flags, and the profile says what it answered
+    # the loopback stella-ps ran the job's broadcast flags and dense cut, and the profile says what it answered
     assert (doc["pull"]["values"], doc["pull"]["factor"]) == ("q2", 3.0) and "broadcast" not in doc["server"]
     assert (prof.pull_values, prof.pull_factor) == ("q2", 3.0)
-    assert prof.numel == 64 * 256 + 256 + 256 * 10 + 10 and prof.sparse_numel == 64 * 256
+    assert doc["server"]["dense_below"] == 300  # its servers laid the model out with the job's cut
+    assert prof.numel == 64 * 256 + 256 + 256 * 10 + 10 and prof.sparse_numel == 64 * 256 + 256 * 10
     assert 0 < prof.compute_s < 1
     b = {(e[0], e[1]): e[2] for e in prof.push}
     assert b[(0.1, "f16")] > b[(0.01, "f16")]

@@ -201,6 +201,7 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
     rng = np.random.default_rng(0)
     rows = []
     answered: list[BroadcastInfo | None] = []
+    cuts: set[int] = set()  # the servers' dense cuts, as their clients laid the model out
     for workers, density in points:
         with ServerProcess(workers, ["--max-workers-per-key", str(workers + 1), *server_args], log_level="WARNING",
                            timeout=60) as ps:
@@ -211,6 +212,8 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
                 init = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
                 for c in clients:
                     answered.append(c.register(init, {"name": "sgd", "lr": 1.0}, mode="update").broadcast)
+                    assert c.flat is not None
+                    cuts.add(c.flat.dense_below)
                 encoded = []
                 for c in clients:
                     upd = {}
@@ -248,7 +251,8 @@ def measure_server(shapes: Mapping[str, tuple[int, ...]], *, points: Sequence[tu
     if per_update < 0 or fixed < 0:
         per_update, fixed = max(per_update, 0.0), max(float(np.mean(y - max(per_update, 0.0) * a[:, 0])), 0.0)
     return {"per_update_s": float(per_update), "per_numel_s": float(fixed) / numel, "measured": rows,
-            "source": f"measured: stella-ps on loopback, {describe_machine()}", "broadcast": answered[0]}
+            "source": f"measured: stella-ps on loopback, {describe_machine()}", "broadcast": answered[0],
+            "dense_below": cuts.pop() if len(cuts) == 1 else sorted(cuts)}
 
 
 def _broadcast_flags(values: str | None, factor: float | None) -> list[str]:
@@ -306,8 +310,9 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     sparse_numel = FlatLayout.of(list(params.values()), dense_below).sparse_numel  # the layout's own cut
     shapes = {n: tuple(int(s) for s in p.shape) for n, p in params.items()}
     if server:
-        srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)),
-                             server_args=_broadcast_flags(broadcast_values, broadcast_factor), log=log)
+        srv = measure_server(shapes, points=((1, 0.01), (3, 0.01), (3, 0.03)),  # with the job's dense cut too
+                             server_args=[*_broadcast_flags(broadcast_values, broadcast_factor), "--dense-below",
+                                          str(dense_below)], log=log)
         answered = srv.pop("broadcast")
         # the broadcast of a job of one worker is smaller (its residual is one push's): the rows with W > 1
         several = [r for r in srv["measured"] if r["workers"] > 1] or srv["measured"]
