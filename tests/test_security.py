@@ -218,6 +218,20 @@ def test_an_unreadable_key_names_the_uid_to_give_it_to(monkeypatch, two_keys):
         load_server_keys(two_keys.server_secret)
 
 
+def test_an_empty_keys_directory_says_what_docker_did(tmp_path):
+    """Issue 45: with the host's keys directory missing, Docker mounts an empty one it made, and
+    the server looped on "Invalid certificate file"; it now says what happened and what to do
+    (a file missing from a folder that holds others keeps the plain error)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    with pytest.raises(ConfigError, match=r"directory is empty: .*Docker mounted an empty one.*stella keygen"):
+        load_server_keys(str(keys / "server.key_secret"))
+    (keys / "allowlist").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot read the server's key pair") as e:
+        load_server_keys(str(keys / "server.key_secret"))
+    assert "Docker" not in str(e.value)
+
+
 def test_status_names_each_key_as_the_allowlist_does(server, make_client, curve_keys):
     c = make_client(server.endpoint)
     st = c.status()

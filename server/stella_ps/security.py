@@ -74,6 +74,13 @@ class ServerKeys:
 
 def load_server_keys(path: str) -> ServerKeys:
     """The server's key pair from a ZeroMQ certificate file with its secret key."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.exists(path) and os.path.isdir(folder) and not os.listdir(folder):
+        # what a container sees when the host's keys directory is missing: Docker bind-mounts an empty one it made
+        raise ConfigError(f"{path!r} does not exist and its directory is empty: in a container, the host's keys "
+                          "directory (STELLA_KEYS_DIR, ./keys by default) was probably missing, and Docker mounted "
+                          "an empty one it created; make the keys there first (`stella keygen`, docker/README.md) "
+                          "and start the server again")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except OSError as e:
