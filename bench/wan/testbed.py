@@ -489,6 +489,15 @@ class WanTestbed:
             s = self._site(site)
             self._apply(s, s.up if up is None else (up or None), s.down if down is None else (down or None))
 
+    def set_link(self, site: str, connected: bool) -> None:
+        """Cut ``site`` off (its port on the hub down: no packet passes either way, no
+        connection is reset) or connect it again; its shaping is kept."""
+        self._check_open()
+        s = self._site(site)
+        _run(["ip", "-n", self.hub_ns, "link", "set", s.hub_if, "up" if connected else "down"])
+        with self._lock:
+            self.rate_log.append((self.elapsed(), s.name, s.up if connected else 0.0, s.down if connected else 0.0))
+
     def counters(self, site: str) -> dict[str, int]:
         """Bytes/packets through the site's WAN interface: ``tx_bytes`` is what
         left the site (uplink), ``rx_bytes`` what arrived (downlink)."""
