@@ -210,6 +210,10 @@ class StepScheduler:
         step (the version moves on, the model does not). Offenders' next request is
         refused (:meth:`Membership.refuse_next`)."""
         offenders = [w for w in step.contributors if not self.store.finite_alone(step.only(w), cfg)]
+        # marked before the version moves on: a request of theirs that sees the new version is refused
+        for w in offenders:
+            self.members.refuse_next(w, f"the push of worker {w} for step {self.store.version + 1} was not applied: "
+                                        "it would have made the model non-finite (NaN/Inf)")
         rest = step.without(offenders) if offenders else step.without(step.contributors)
         try:
             version = self.store.apply_step(rest, cfg)
@@ -222,9 +226,6 @@ class StepScheduler:
         log.error("step would have made the model non-finite: pushes dropped", extra={
             "version": version, "offenders": offenders, "dropped_workers": dropped,
             "applied_workers": rest.contributors})
-        for w in offenders:
-            self.members.refuse_next(w, f"the push of worker {w} for step {version} was not applied: it would have "
-                                        "made the model non-finite (NaN/Inf)")
         return version
 
     # ------------------------------------------------------------------ a step, whole or not at all
