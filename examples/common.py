@@ -73,15 +73,21 @@ def worker_args(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def report(path: str | None, figures: dict[str, Any]) -> None:
+def report(path: str | None, figures: dict[str, Any], target: float = 0.0) -> int:
     """The worker's figures: one JSON line on stdout, written in one system call (the
     workers share the launcher's stdout, and a line of theirs must not interleave), and
-    to ``path``."""
+    to ``path``. Returns the worker's exit status: 2 when ``target`` is set and the
+    figures' ``heldout_loss`` did not reach it (said on stderr), else 0."""
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (json.dumps(figures) + "\n").encode())
     if path:
         with open(path, "w") as f:
             json.dump(figures, f)
+    held = figures["heldout_loss"]
+    if target and held > target:
+        print(f"held-out loss {held:.3f} did not reach {target}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def launch(script: str, argv: Sequence[str], *, workers: int = 2, server_args: Sequence[str] = (),

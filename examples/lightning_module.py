@@ -146,15 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     sched = trainer.lr_scheduler_configs[0].scheduler
     steps = sorted(lm.losses)
     last = [lm.losses[s] for s in steps[-a.log_steps:]]
-    report(a.out, {"rank": a.rank, "heldout_loss": held_loss, "train_loss": sum(last) / max(1, len(last)),
-                   "losses": {s: lm.losses[s] for s in steps if s == steps[0] or s % a.log_steps == 0},
-                   "steps": trainer.global_step, "resumed_from": ckpt_path, "version": opt.version,
-                   "max_grad_norm_stepped": max(lm.clipped, default=0.0), "lr": opt.inner.param_groups[0]["lr"],
-                   "scheduled_lr": sched.get_last_lr()[0]})
-    if a.target and held_loss > a.target:
-        print(f"held-out loss {held_loss:.3f} did not reach {a.target}", file=sys.stderr)
-        return 2
-    return 0
+    return report(a.out, {"rank": a.rank, "heldout_loss": held_loss, "train_loss": sum(last) / max(1, len(last)),
+                          "losses": {s: lm.losses[s] for s in steps if s == steps[0] or s % a.log_steps == 0},
+                          "steps": trainer.global_step, "resumed_from": ckpt_path, "version": opt.version,
+                          "max_grad_norm_stepped": max(lm.clipped, default=0.0), "lr": opt.inner.param_groups[0]["lr"],
+                          "scheduled_lr": sched.get_last_lr()[0]}, a.target)
 
 
 if __name__ == "__main__":
