@@ -302,14 +302,19 @@ def profile_from_dict(doc: Mapping[str, Any], path: str = "<profile>") -> Profil
         measured_at=str(doc.get("measured_at", "")))
 
 
-def load_profile(path: str) -> Profile:
+def _read_json(path: str, what: str) -> Any:
+    """The JSON document in ``path``; a :class:`ProfileError` naming ``what`` it should hold."""
     try:
         with open(path) as f:
-            doc = json.load(f)
+            return json.load(f)
     except OSError as e:
-        raise ProfileError(f"{path}: cannot read the profile: {e.strerror or e}") from None
+        raise ProfileError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
     except ValueError as e:
         raise ProfileError(f"{path}: not valid JSON: {e}") from None
+
+
+def load_profile(path: str) -> Profile:
+    doc = _read_json(path, "profile")
     if not isinstance(doc, dict):
         raise ProfileError(f"{path}: a profile is a JSON object")
     return profile_from_dict(doc, path)
@@ -350,13 +355,7 @@ def read_factors(path: str) -> list[dict[str, Any]]:
 def read_calibration(path: str) -> Calibration:
     """A fit from a JSON file: a profile's ``calibration``, bench.plan's output
     (``bench/PLAN.json``: its ``calibration``), or the coefficients themselves."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read the calibration: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ProfileError(f"{path}: not valid JSON: {e}") from None
+    doc = _read_json(path, "calibration")
     cal_t = doc.get("calibration", doc) if isinstance(doc, dict) else None
     names = {f.name for f in dataclasses.fields(Calibration)}
     if not isinstance(cal_t, dict) or not (set(cal_t) & names):
