@@ -426,11 +426,13 @@ def test_a_worker_asked_for_the_models_values_is_kept_alive_by_its_heartbeats_me
     m = Membership(expected=2)
     up = m.join(b"conn-up", None)
     stray = m.join(b"conn-stray", None)
+    waiting = m.join(b"conn-waiting", None)
     up.registering = True
+    waiting.held = True  # its probe is held while `up` uploads (5 Mbit/s: 62 s; it was declared gone at 20 s)
     now = time.monotonic()
-    up.last_seen = stray.last_seen = now + 2.0  # both heartbeat; neither sends a request
+    up.last_seen = stray.last_seen = waiting.last_seen = now + 2.0  # all heartbeat; none sends a request
     assert m.sweep(1.0, now + 2.5) == [stray.worker]
-    assert up.worker in m.live
+    assert up.worker in m.live and waiting.worker in m.live
 
 
 # ------------------------------------------------------------------ a step that fails part way

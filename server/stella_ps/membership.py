@@ -153,10 +153,12 @@ class Membership:
     def sweep(self, timeout: float, now: float | None = None) -> list[int]:
         """Declare gone the live workers not heard from for ``timeout`` seconds (and
         those joined but unregistered for that long since their last request);
-        returns their ids."""
+        returns their ids. A worker inside its registration (uploading the model, or its
+        probe held while another uploads) is heard from by its heartbeats: over a slow
+        link the upload, and so the hold, may outlast the timeout."""
         now = self._clock() if now is None else now
         out = [w for w, i in self.live.items()
-               if now - (i.last_seen if i.registered or i.registering else i.last_request) > timeout]
+               if now - (i.last_seen if i.registered or i.registering or i.held else i.last_request) > timeout]
         for w in out:
             info = self.live.pop(w)
             info.gone_at = now
