@@ -32,8 +32,9 @@ import random
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -50,13 +51,17 @@ from .errors import (
     ServerError,
     ServerUnavailable,
     Stopped,
+    TransferLost,
     Unauthorised,
     from_reply,
     unreadable,
 )
 from .payload import model_digest
 from .protocol import (
+    Chunk,
+    Chunked,
     Error,
+    Fetch,
     Heartbeat,
     HeartbeatOk,
     Join,
@@ -70,6 +75,8 @@ from .protocol import (
     SetOptimizer,
     TensorSpec,
     TrainingMode,
+    Upload,
+    Uploaded,
     decode_reply,
     encode,
     encode_header,
@@ -96,6 +103,16 @@ BACKOFF_FIRST_S = 0.1  # first reconnect delay; doubled after each failed attemp
 BACKOFF_MAX_S = 5.0
 ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's join and registration wait at most this (or `timeout`)
 STOP_GRACE_S = 1.0  # after a stop() that ended a wait: each request's timeout (a closing worker's push and leave)
+# Large messages over slow links (issue 45): an answer larger than CHUNK_ABOVE bytes comes as a transfer,
+# fetched in pieces with FETCH_WINDOW of them in flight (one on the link, one queued behind it); a model's
+# values larger than that go up in pieces too. Each piece is sized to take about PIECE_S on the link as
+# measured so far (between PIECE_MIN and PIECE_MAX bytes), so that no request outlasts its timeout and a
+# reconnect costs at most the pieces in flight, whatever the link's rate.
+CHUNK_ABOVE = 4 << 20
+FETCH_WINDOW = 2
+PIECE_S = 0.5
+PIECE_FIRST, PIECE_MIN, PIECE_MAX = 1 << 20, 256 << 10, 16 << 20
+TRANSFER_RETRIES = 3  # a request whose transfer the server lost is sent again at most this often
 # handshakes the server closes without a word, in a row, before the client concludes that it holds the
 # wrong server key (one alone can be a server going down mid-handshake)
 SILENT_HANDSHAKE_FAILURES = 3
@@ -148,13 +165,52 @@ def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int) -> M:
         if msg.since > server_version or (need_snapshot and msg.since >= 0):
             return replace(msg, worker=worker, since=-1, wait_for=None)
         return replace(msg, worker=worker, wait_for=None)
-    if isinstance(msg, (SetOptimizer, Leave)):
+    if isinstance(msg, (SetOptimizer, Leave, Fetch)):
         return replace(msg, worker=worker)
     return msg
 
 
 class _Lost(Exception):
     """The connection to the server is lost (internal: it starts a reconnect)."""
+
+
+class _Pieces:
+    """The pace of a transfer's pieces: each sized to take about ``PIECE_S`` at the rate
+    measured on the ones before (a piece's time is from the end of the one before it: the
+    window keeps the link busy, so that is the link's time for it)."""
+
+    def __init__(self) -> None:
+        self.size = PIECE_FIRST
+        self.last = time.monotonic()
+
+    def done(self, n: int) -> None:
+        now = time.monotonic()
+        rate = n / max(now - self.last, 1e-3)
+        self.last = now
+        self.size = int(min(PIECE_MAX, max(PIECE_MIN, rate * PIECE_S)))
+
+
+@dataclass(eq=False)
+class _Assembly:
+    """A ``chunked`` answer being fetched: the bytes so far, the fetches in flight (re-sent
+    by a reconnect, as every request waiting for its reply is) and the request that made
+    it (sent again if the server loses the transfer; None when it is not re-sendable)."""
+
+    transfer: int
+    sizes: list[int]
+    entry: tuple[Any, list[Any], float | None] | None
+    buffer: bytearray = field(init=False)
+    have: int = 0  # bytes in, from the start
+    next: int = 0  # the next piece's first byte
+    inflight: deque[tuple[int, int, int]] = field(default_factory=deque)  # (fetch request, offset, bytes)
+    pace: _Pieces = field(default_factory=_Pieces)
+
+    def __post_init__(self) -> None:
+        self.buffer = bytearray(sum(self.sizes))
+
+    @property
+    def total(self) -> int:
+        return len(self.buffer)
 
 
 class _Liveness:
@@ -371,6 +427,8 @@ class _Registration:
     mode: TrainingMode | None
     values: Callable[[], list[np.ndarray]]
     version: int = 0  # of the job's model the values are (a resuming worker's)
+    # the id of this registration's upload in pieces (a reconnect's upload goes on where the server stands)
+    upload: int = field(default_factory=lambda: random.getrandbits(63) or 1)
 
 
 class Session:
@@ -404,6 +462,9 @@ class Session:
         self._req = itertools.count(1)
         self._replies: dict[int, Received] = {}
         self._outstanding: set[int] = set()
+        self._assemblies: dict[int, _Assembly] = {}  # requests whose chunked answers are being fetched
+        self._registered: Registered | None = None  # the last registration's reply
+        self._transfers_lost: dict[int, int] = {}  # requests sent again because the server lost their transfer
         # stop(): when it was called (monotonic; a float, set from a signal handler with no lock), and
         # whether it ended a wait then: requests after that get STOP_GRACE_S, not the timeout
         self._stop_at: float | None = None
@@ -467,7 +528,17 @@ class Session:
         whose values are those the model was created with learns so (``Registered.base``)."""
         reg = _Registration(layout, start, stop, dense_below, optimizer, mode, values, version)
         arrays = values()  # read once: hashed now, and sent if the server asks for them
-        reply = self._register(reg, timeout, arrays)
+        try:
+            reply = self._register(reg, timeout, arrays)
+        except ServerUnavailable as e:
+            if self.reconnect_s <= 0 or not self._joined or self.closed:
+                raise
+            # the link went while registering (an upload over a slow link): the reconnect registers again,
+            # and an upload in pieces goes on from the bytes the server holds
+            self._registration = reg
+            self._reconnect(f"registering: {e}")
+            assert self._registered is not None
+            reply = self._registered
         self._registration = reg
         self.server_version = reply.version
         return reply
@@ -486,8 +557,52 @@ class Session:
         if reply.needs_values:  # this registration initialises the model
             msg = msgspec.structs.replace(msg, values=True, wait_ms=0)
             frames = reg.values() if arrays is None else arrays
+            views = [np.ascontiguousarray(f).reshape(-1).view(np.uint8).data for f in frames]
+            if sum(v.nbytes for v in views) > CHUNK_ABOVE:  # in pieces, then the registration names them
+                self._upload(reg.upload, views, timeout)
+                msg, frames = msgspec.structs.replace(msg, upload=reg.upload), []
             reply = expect(self.wait(self.send(msg, frames, timeout), timeout), Registered)
+        self._registered = reply
         return reply
+
+    def _upload(self, transfer: int, views: list[memoryview], timeout: float | None) -> None:
+        """Upload the model's values (``views``, bytes) in pieces, ``FETCH_WINDOW`` in flight,
+        from where the server stands (an upload of this id cut by a reconnect goes on there)."""
+        sizes = [v.nbytes for v in views]
+        starts = list(itertools.accumulate([0, *sizes[:-1]]))
+        total, pace = sum(sizes), _Pieces()
+        inflight: deque[tuple[int, int, int]] = deque()
+        have = nxt = 0
+
+        def piece(offset: int, n: int) -> list[memoryview]:
+            out, end = [], offset + n
+            for v, at in zip(views, starts):
+                lo, hi = max(offset, at), min(end, at + v.nbytes)
+                if lo < hi:
+                    out.append(v[lo - at:hi - at])
+            return out
+
+        while have < total:
+            # the first piece goes alone and small: the server may hold more of this upload already
+            window = FETCH_WINDOW if have or nxt else 1
+            while len(inflight) < window and nxt < total:
+                n = min(pace.size if have else PIECE_MIN, total - nxt)
+                r = self.send(Upload(worker=self.worker(), transfer=transfer, offset=nxt, sizes=sizes),
+                              piece(nxt, n), timeout)
+                inflight.append((r, nxt, n))
+                nxt += n
+            r, offset, n = inflight.popleft()
+            got = expect(self.wait(r, timeout), Uploaded).have
+            if got == offset + n:
+                have = got
+                pace.done(n)
+            elif got <= total:  # the server stands elsewhere (an upload resumed): go on from there
+                for r, _, _ in inflight:
+                    self.wait(r, timeout)  # taken or ignored, in order
+                inflight.clear()
+                have = nxt = got
+            else:
+                raise ProtocolError(f"upload {transfer:#x}: the server holds {got} of {total} bytes")
 
     def worker(self) -> int:
         if self.worker_id is None:
@@ -568,7 +683,7 @@ class Session:
 
     def _resilient(self, msg: Any) -> bool:
         """Whether ``msg`` is re-sent after a reconnect (which redoes a join and a registration itself)."""
-        return self.reconnect_s > 0 and self._joined and not isinstance(msg, (Join, Register))
+        return self.reconnect_s > 0 and self._joined and not isinstance(msg, (Join, Register, Upload))
 
     def send(self, msg: Any, frames: Iterable[Any] = (), timeout: float | None = None) -> int:
         """Send a request built without its id; returns the id for :meth:`wait`."""
@@ -608,7 +723,20 @@ class Session:
         return n is not None
 
     def wait(self, req: int, timeout: float | None = None) -> Received:
-        """Wait for the reply to request ``req``; raises the server's error if it sent one."""
+        """Wait for the reply to request ``req``; raises the server's error if it sent one.
+        A ``chunked`` reply is fetched in pieces (:meth:`_assemble`) and its answer returned."""
+        while True:
+            if req in self._assemblies:
+                rx = self._assemble(req, timeout)
+                if rx is not None:
+                    return rx
+                continue  # the server lost the transfer: the request went again
+            rx = self._await(req, timeout)
+            if not isinstance(rx.msg, Chunked):
+                return rx
+
+    def _await(self, req: int, timeout: float | None = None) -> Received:
+        """The reply to ``req`` as it comes (a ``chunked`` one starts its assembly)."""
         started = time.monotonic()
         t = self._limit(self.timeout if timeout is None else timeout)
         deadline = started + t
@@ -650,8 +778,73 @@ class Session:
             self._sent.pop(req, None)
             self._rebased.discard(req)
             raise from_reply(rx.msg.code, rx.msg.message)
-        self._sent.pop(req, None)
+        entry = self._sent.pop(req, None)
+        if isinstance(rx.msg, Chunked):  # its fetches, not the request, are re-sent after a reconnect
+            self._assemblies[req] = _Assembly(rx.msg.transfer, list(rx.msg.sizes), entry)
         return rx
+
+    def _assemble(self, req: int, timeout: float | None) -> Received | None:
+        """Fetch the rest of ``req``'s chunked answer, ``FETCH_WINDOW`` pieces in flight, and
+        return the answer; None when the server no longer holds the transfer and ``req`` was
+        sent again (it raises :class:`TransferLost` for a request that is not re-sendable).
+        A lost connection raises :class:`_Lost` with the assembly kept: the reconnect re-sends
+        the fetches in flight, and the wait after it goes on from the bytes in."""
+        a = self._assemblies[req]
+        while a.have < a.total:
+            while len(a.inflight) < FETCH_WINDOW and a.next < a.total:
+                n = min(a.pace.size, a.total - a.next)
+                f = self.send(Fetch(worker=self.worker(), transfer=a.transfer, offset=a.next, length=n), (), timeout)
+                a.inflight.append((f, a.next, n))
+                a.next += n
+            f, offset, n = a.inflight[0]
+            try:
+                rx = self._await(f, timeout)
+            except TransferLost as e:
+                self._again(req, a, e)
+                return None
+            a.inflight.popleft()
+            got = sum(b.nbytes for b in rx.frames)
+            if not isinstance(rx.msg, Chunk) or (rx.msg.transfer, rx.msg.offset, got) != (a.transfer, offset, n):
+                raise ProtocolError(f"fetch of transfer {a.transfer:#x} at {offset}: a wrong piece came back")
+            at = offset
+            for b in rx.frames:
+                a.buffer[at:at + b.nbytes] = b
+                at += b.nbytes
+            a.have = offset + n
+            a.pace.done(n)
+        del self._assemblies[req]
+        self._transfers_lost.pop(req, None)
+        view, parts, at = memoryview(a.buffer), [], 0
+        for n in a.sizes:
+            parts.append(view[at:at + n])
+            at += n
+        rx = decode_reply(parts)
+        if rx.msg.req != req or isinstance(rx.msg, (Chunked, Chunk)):
+            raise ProtocolError(f"transfer {a.transfer:#x} holds no answer to request {req}")
+        if isinstance(rx.msg, Error):
+            raise from_reply(rx.msg.code, rx.msg.message)
+        return rx
+
+    def _again(self, req: int, a: _Assembly, lost: TransferLost) -> None:
+        """The server lost ``req``'s transfer: send ``req`` again (rebased, as after a reconnect)."""
+        for f, _, _ in a.inflight:
+            self._outstanding.discard(f)
+            self._sent.pop(f, None)
+            self._replies.pop(f, None)
+        del self._assemblies[req]
+        tries = self._transfers_lost[req] = self._transfers_lost.get(req, 0) + 1
+        if a.entry is None or tries > TRANSFER_RETRIES:
+            self._transfers_lost.pop(req, None)
+            raise lost
+        log.warning("the server no longer holds an answer being fetched; asking for it again",
+                    extra={"address": self.address, "transfer": a.transfer, "bytes_in": a.have, "reason": str(lost)})
+        msg, frames, timeout = a.entry
+        msg, rebased = self._rebase(msg)
+        if rebased:
+            self._rebased.add(req)
+        self._sent[req] = (msg, frames, timeout)
+        self._outstanding.add(req)
+        self._transmit(msgspec.structs.replace(msg, req=req), frames)
 
     def wait_resilient(self, req: int, timeout: float | None = None) -> Received:
         """:meth:`wait`, reconnecting (and re-sending ``req``) when the connection is lost."""

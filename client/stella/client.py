@@ -28,6 +28,7 @@ import zmq
 
 from . import codec
 from ._session import (
+    CHUNK_ABOVE,
     ENV_CLIENT_KEY,
     ENV_RECONNECT,
     ENV_SERVER_KEY,
@@ -439,7 +440,8 @@ class Client:
             since, wait_for = None, None  # the replica is of a history the server lost: its snapshot
         msg = Pull(worker=s.worker(), since=-1 if since is None else int(since), coding=index_coding,
                    wait_for=None if wait_for is None else int(wait_for),
-                   timeout_ms=int(t * 1000 * 0.9))  # the server answers before we give up
+                   timeout_ms=int(t * 1000 * 0.9),  # the server answers before we give up
+                   chunk_bytes=CHUNK_ABOVE)  # a larger answer (a snapshot) comes in pieces
         parse = self._pull_result if decode else functools.partial(self._pull_result, decode=False)
         pending = Pending(s, s.send(msg, (), timeout), parse, timeout)
         return pending if not wait else pending.result()

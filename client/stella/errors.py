@@ -24,6 +24,7 @@ __all__ = [
     "LayoutConflict",
     "NotRegistered",
     "VersionError",
+    "TransferLost",
     "Unauthorised",
     "BadRequest",
     "PipelineError",
@@ -48,6 +49,7 @@ class ErrorCode(str, Enum):
     VERSION = "version"  # an impossible version (from the future, too far ahead)
     UNAUTHORISED = "unauthorised"  # the sender's key is not (or no longer) on the server's allowlist
     LIMIT = "limit"  # a resource bound of the server (workers, waiting pulls, queued pushes, model bytes)
+    TRANSFER = "transfer"  # a transfer (a chunked answer, an upload) the server no longer holds: start again
     INTERNAL = "internal"  # a bug in the server; the request changed nothing it could undo
     UNAVAILABLE = "unavailable"  # client side only: no answer in time
 
@@ -135,6 +137,14 @@ class Unauthorised(ServerError):
     code = ErrorCode.UNAUTHORISED
 
 
+class TransferLost(ServerError):
+    """The server no longer holds a transfer this worker was fetching or uploading (it
+    expired, was replaced by a newer one, or the server restarted): the request that
+    made it is sent again."""
+
+    code = ErrorCode.TRANSFER
+
+
 class PipelineError(StellaError):
     """:class:`~stella.StellaOptimizer`'s background exchange failed (the cause is
     chained), or on a site's other ranks, the leader's did (its words are in the
@@ -159,6 +169,7 @@ _BY_CODE: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.NOT_REGISTERED: NotRegistered,
     ErrorCode.VERSION: VersionError,
     ErrorCode.UNAUTHORISED: Unauthorised,
+    ErrorCode.TRANSFER: TransferLost,
     ErrorCode.INTERNAL: ServerError,
 }
 

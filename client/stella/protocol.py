@@ -42,18 +42,19 @@ __all__ = [
     # constants and types
     "PROTOCOL_VERSION", "key_fingerprint", "IndexCoding", "PullCoding", "TrainingMode", "PullMode", "ValueDtype",
     "ModelDtype", "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NAME_BYTES", "MAX_FRAMES", "MAX_PARTS", "MAX_NUMEL",
-    "MODEL_DTYPES", "MAX_SHARDS", "MAX_ADDRESS_BYTES",
+    "MODEL_DTYPES", "MAX_SHARDS", "MAX_ADDRESS_BYTES", "MAX_CHUNK_BYTES", "MAX_TRANSFER_BYTES", "MAX_CHUNK_FRAMES",
     # the parts of messages
     "TensorSpec", "TensorEntry", "BroadcastInfo", "WorkerReport", "WorkerStatus",
     # requests
-    "Join", "Leave", "Register", "Push", "Pull", "Status", "SetOptimizer", "Heartbeat",
+    "Join", "Leave", "Register", "Push", "Pull", "Status", "SetOptimizer", "Heartbeat", "Fetch", "Upload",
     # replies
     "Joined", "Left", "Registered", "PushOk", "Delta", "StatusReply", "OptimizerSet", "HeartbeatOk", "Error",
+    "Chunked", "Chunk", "Uploaded",
     # framing and the payloads' coding
     "Request", "Reply", "Received", "encode", "encode_header", "decode_request", "decode_reply", "tag_of",
 ]
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -62,6 +63,9 @@ MAX_PARTS = 2  # the server's tensors: the parts of its range of the flat model 
 MAX_SHAPE_DIMS = 8
 MAX_SHARDS = 1024  # shards of one job, in a ``shards`` list
 MAX_ADDRESS_BYTES = 256  # one shard's address
+MAX_CHUNK_BYTES = 64 << 20  # one piece of a transfer (a ``fetch``'s answer, an ``upload``)
+MAX_TRANSFER_BYTES = 1 << 42  # a transfer's bytes: a model's values (stella-ps --max-model-bytes bounds it further)
+MAX_CHUNK_FRAMES = 8  # the frames one piece may come in (it may span frames of the message it is part of)
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -76,6 +80,8 @@ Version = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Session = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 WorkerId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+TransferId = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+ByteOffset = Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_BYTES)]
 FrameNo = Annotated[int, msgspec.Meta(ge=0, lt=MAX_FRAMES)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_BYTES)]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_BYTES)]
@@ -243,6 +249,9 @@ class Register(_Message, tag="register", frozen=True):
     # registration that creates the model starts the version count there, as a server resuming from
     # its own checkpoint does; ignored once the model exists
     version: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
+    # with ``values``: the values are those of this worker's finished ``upload`` of that id (sent in
+    # pieces before, over a slow link), and no value frame follows
+    upload: TransferId | None = None
 
 
 class Push(_Message, tag="push", frozen=True):
@@ -271,6 +280,9 @@ class Pull(_Message, tag="pull", frozen=True):
     wait_for: Version | None = None
     timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 60_000
     coding: PullCoding = "raw32"
+    # an answer of more payload bytes than this (a snapshot over a slow link) comes as a ``chunked``
+    # reply: a transfer this worker then fetches in pieces, which a reconnect resumes; 0: whole
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_BYTES)] = 0
 
 
 class Status(_Message, tag="status", frozen=True):
@@ -292,6 +304,33 @@ class Heartbeat(_Message, tag="heartbeat", frozen=True):
 
     worker: WorkerId
     session: Session
+
+
+class Fetch(_Message, tag="fetch", frozen=True):
+    """Bytes ``[offset, offset + length)`` of this worker's transfer ``transfer`` (a
+    ``chunked`` reply's): the answer is a ``chunk``. A transfer outlives a reconnect that
+    keeps the worker's id (a session), so a piece lost with the link is fetched again,
+    not the whole; one the server no longer holds is refused with code ``transfer``."""
+
+    worker: WorkerId
+    transfer: TransferId
+    offset: ByteOffset
+    length: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_BYTES)]
+
+
+class Upload(_Message, tag="upload", frozen=True):
+    """A piece of the model's values that the server asked this worker for (``registered``
+    with ``needs_values``), sent ahead of the ``register`` that names the upload: bytes
+    ``[offset, offset + n)`` of the value frames laid end to end (``sizes`` their bytes,
+    ``total`` their sum), in 1 to ``MAX_CHUNK_FRAMES`` payload frames. The reply says how
+    many bytes the server holds: a piece that does not start there changes nothing, and
+    an upload cut by a reconnect goes on from there."""
+
+    worker: WorkerId
+    transfer: TransferId
+    offset: ByteOffset
+    sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_BYTES)]],
+                     msgspec.Meta(min_length=1, max_length=MAX_PARTS)]
 
 
 # ------------------------------------------------------------------------ replies
@@ -414,6 +453,31 @@ class OptimizerSet(_Message, tag="optimizer_set", frozen=True):
     version: Version
 
 
+class Chunked(_Message, tag="chunked", frozen=True):
+    """The answer to this request is large: its frames (the answer's header first, then
+    its payload frames; ``sizes`` their bytes) laid end to end are transfer ``transfer``,
+    to be fetched in pieces (``fetch``); the reassembled frames are the answer."""
+
+    transfer: TransferId
+    sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_BYTES)]],
+                     msgspec.Meta(min_length=1, max_length=MAX_FRAMES)]
+
+
+class Chunk(_Message, tag="chunk", frozen=True):
+    """A piece of a transfer from ``offset``: its payload frames (1 to
+    ``MAX_CHUNK_FRAMES``) laid end to end."""
+
+    transfer: TransferId
+    offset: ByteOffset
+
+
+class Uploaded(_Message, tag="uploaded", frozen=True):
+    """The bytes of upload ``transfer`` the server holds (the next piece starts there)."""
+
+    transfer: TransferId
+    have: ByteOffset
+
+
 class Error(_Message, tag="error", frozen=True):
     """The request was refused and changed nothing; ``code`` says why."""
 
@@ -421,8 +485,9 @@ class Error(_Message, tag="error", frozen=True):
     message: str
 
 
-Request = Join | Leave | Register | Push | Pull | Status | SetOptimizer | Heartbeat
-Reply = Joined | Left | Registered | PushOk | Delta | StatusReply | OptimizerSet | HeartbeatOk | Error
+Request = Join | Leave | Register | Push | Pull | Status | SetOptimizer | Heartbeat | Fetch | Upload
+Reply = (Joined | Left | Registered | PushOk | Delta | StatusReply | OptimizerSet | HeartbeatOk | Error | Chunked
+         | Chunk | Uploaded)
 REQUEST_TYPES: tuple[type, ...] = Request.__args__
 REPLY_TYPES: tuple[type, ...] = Reply.__args__
 
@@ -587,6 +652,15 @@ def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
         _check_run(msg, msg.tensors, payload, 0, len(payload), False)
     elif isinstance(msg, Delta):
         _check_delta(msg, payload)
+    elif isinstance(msg, (Chunk, Upload)):
+        if not 1 <= len(payload) <= MAX_CHUNK_FRAMES:
+            raise ProtocolError(f"{tag_of(msg)}: expected 1 to {MAX_CHUNK_FRAMES} payload frames, got {len(payload)}")
+        n = sum(f.nbytes for f in payload)
+        if not 1 <= n <= MAX_CHUNK_BYTES:
+            raise OversizedMessage(f"{tag_of(msg)}: a piece of {n} bytes (1 to {MAX_CHUNK_BYTES})")
+    elif isinstance(msg, Register) and msg.values and msg.upload is not None:
+        if payload:
+            raise ProtocolError("register: the values are the upload's; no value frame may follow")
     elif isinstance(msg, Register) and msg.values:  # their sizes are the parts', which the server knows
         if not 1 <= len(payload) <= MAX_PARTS:
             raise ProtocolError(f"register: expected 1 or {MAX_PARTS} value frames (the parts of the range), "

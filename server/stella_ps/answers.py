@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stella.protocol import Delta, Pull, PullCoding
+from stella.protocol import Chunked, Delta, Pull, PullCoding, encode_header
 
 from .runtime import StoreThread, Tasks
 from .store import EncodedChanges, ModelStore
+from .transfers import Transfers
 
 __all__ = ["PullAnswers"]
 
@@ -24,17 +25,19 @@ __all__ = ["PullAnswers"]
 class PullAnswers:
     """Answers pulls from ``store``: ``send(ident, msg, frames)`` sends a reply,
     ``refuse(ident, req, exc)`` an error; ``step_ms()`` is the last step's apply time,
-    which every answer carries."""
+    which every answer carries. An answer larger than its pull's ``chunk_bytes`` is held
+    in ``transfers`` and answered ``chunked`` (fetched in pieces)."""
 
     def __init__(self, store: ModelStore, store_thread: StoreThread, tasks: Tasks,
                  send: Callable[[bytes, Any, Sequence[Any]], None], refuse: Callable[[bytes, int, BaseException], None],
-                 step_ms: Callable[[], float]):
+                 step_ms: Callable[[], float], transfers: Transfers | None = None):
         self.store = store
         self.store_thread = store_thread
         self.tasks = tasks
         self._send = send
         self._refuse = refuse
         self._step_ms = step_ms
+        self.transfers = Transfers() if transfers is None else transfers
         self._due: list[tuple[bytes, Pull, float]] = []  # pulls ready to be answered
         self._answering = False  # a task is answering them
 
@@ -76,8 +79,13 @@ class PullAnswers:
     def _send_delta(self, ident: bytes, msg: Pull, arrived: float, enc: EncodedChanges, now: float) -> None:
         held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
         try:
-            self._send(ident, Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                                    parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, self._step_ms())), enc.frames)
+            delta = Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
+                          parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, self._step_ms()))
+            if msg.chunk_bytes and enc.nbytes > msg.chunk_bytes:  # over a slow link: fetched in pieces
+                transfer, sizes = self.transfers.offer(msg.worker, encode_header(delta), enc.frames)
+                self._send(ident, Chunked(req=msg.req, transfer=transfer, sizes=sizes), ())
+            else:
+                self._send(ident, delta, enc.frames)
         except Exception as e:  # a bug costs this pull its answer, not the others
             self._refuse(ident, msg.req, e)
 

@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from stella.errors import BadValue, ErrorCode, NotRegistered, ServerError
 from stella.protocol import WorkerReport
@@ -57,6 +58,7 @@ class WorkerInfo:
     last_push_req: int = 0  # request id of the newest push taken (a re-sent push is not queued twice)
     gone_at: float | None = None
     refusal: str | None = None  # why its next request is refused (a push the server dropped)
+    upload: Any = None  # the model's values coming in pieces (stella_ps.transfers.Upload), asked of it
 
 
 class Membership:

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from stella.errors import LayoutConflict, ProtocolError, StellaError
+from stella.errors import BadRequest, ErrorCode, LayoutConflict, ProtocolError, StellaError, TransferLost
 from stella.layout import FlatLayout
 from stella.payload import decode_register_values, model_digest, part_specs
-from stella.protocol import MAX_NUMEL, Received, Register, Registered, TensorSpec, TrainingMode
+from stella.protocol import MAX_NUMEL, Received, Register, Registered, TensorSpec, TrainingMode, Upload, Uploaded
 
 from .config import shard_position
 from .membership import Membership, WorkerInfo
@@ -35,6 +35,7 @@ from .optim import OptimizerConfig
 from .runtime import Clock, StoreThread
 from .steps import StepScheduler
 from .store import ModelRange, ModelStore, check_model_bytes, layout_diff
+from .transfers import Upload as UploadBuffer
 
 __all__ = ["Registration"]
 
@@ -73,12 +74,36 @@ class Registration:
         cfg = self.steps.initial(msg.optimizer)
         if not self.store.initialised:
             check_model_bytes(parts, cfg, self._max_model_bytes, self.store.pull == "broadcast")
+        if msg.values and msg.upload is not None:  # the values came ahead, in pieces
+            up = info.upload
+            if up is None or up.transfer != msg.upload or up.have != up.total:
+                raise TransferLost(f"register: upload {msg.upload:#x} is not whole here ("
+                                   + ("none under way" if up is None or up.transfer != msg.upload else
+                                      f"{up.have} of {up.total} bytes") + "): upload it, then register")
+            rx = Received(msg, tuple(up.frames()))
         try:
             values = decode_register_values(rx, parts) if msg.values else None
         except StellaError:
             info.registering = False  # a refused upload: probes held for it stop waiting
+            info.upload = None
             raise
         return self._register(msg, info, layout, (flat, start, stop), values, cfg)
+
+    def upload(self, msg: Upload, rx: Received, info: WorkerInfo) -> Uploaded:
+        """Take a piece of the model's values from ``info``'s worker, which the server asked
+        for them (:class:`~stella_ps.transfers.Upload`): bounded by ``--max-model-bytes``,
+        one upload per worker (a new id starts it again), refused once the model exists."""
+        if self.store.initialised or not info.registering:
+            raise BadRequest("upload: this worker was not asked for the model's values (a registration probe "
+                             "answered needs_values asks for them)", code=ErrorCode.PROTOCOL)
+        total = sum(msg.sizes)
+        if total > self._max_model_bytes:
+            raise BadRequest(f"upload: {total} bytes of values > --max-model-bytes {self._max_model_bytes}",
+                             code=ErrorCode.LIMIT)
+        up = info.upload
+        if up is None or up.transfer != msg.transfer or up.sizes != list(msg.sizes):
+            up = info.upload = UploadBuffer(msg.transfer, list(msg.sizes), bytearray(total))
+        return Uploaded(req=msg.req, transfer=msg.transfer, have=up.take(msg.offset, rx.frames))
 
     def _range(self, msg: Register) -> tuple[FlatLayout, int, int]:
         """The model laid out flat, and the range of it this registration gives this server."""
@@ -172,7 +197,9 @@ class Registration:
                                                            model=ModelRange(layout, *where), version=version))
         except BaseException:
             info.registering = False
+            info.upload = None
             raise
+        info.upload = None  # the store holds the values now
         self._origin = (await self._store_thread.run(model_digest, values), self.store.version)
         self.steps.optimizer = cfg
         self._created.set()

@@ -29,7 +29,9 @@ from stella.errors import ErrorCode, ProtocolError, StellaError, VersionError
 from stella.payload import decode_tensors
 from stella.protocol import (
     MAX_NAME_BYTES,
+    Chunk,
     Error,
+    Fetch,
     Heartbeat,
     HeartbeatOk,
     Join,
@@ -45,6 +47,7 @@ from stella.protocol import (
     SetOptimizer,
     Status,
     StatusReply,
+    Upload,
     WorkerStatus,
 )
 
@@ -61,6 +64,7 @@ from .shardlist import ShardList
 from .stats import JobSnapshot, Stats
 from .steps import StepScheduler
 from .store import ModelStore
+from .transfers import Transfers
 from .waiters import PullWaiters
 
 __all__ = ["Service", "Peer", "MAX_WAIT_AHEAD"]
@@ -118,8 +122,9 @@ class Service:
         self.key_name: Callable[[str], str] = lambda key: ""
         self.shard_list = ShardList(config.shard_list, config.shard)  # the job's shards, for joined and status
         self._sweeper: Timer | None = None
+        self.transfers = Transfers(self.clock.now, max_total=limits.max_workers)  # large answers, in pieces
         self.answers = PullAnswers(self.store, self.store_thread, self.tasks, self._send, self.refuse,
-                                   lambda: 1e3 * self.steps.last_apply_s)
+                                   lambda: 1e3 * self.steps.last_apply_s, self.transfers)
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -230,6 +235,13 @@ class Service:
                 self._leave(ident, msg)
             case Heartbeat() as msg:
                 self._heartbeat(ident, msg, peer)
+            case Fetch() as msg:
+                info = self._member(ident, msg.worker, registered=False)
+                parts = self.transfers.piece(info.worker, msg.transfer, msg.offset, msg.length)
+                self._send(ident, Chunk(req=msg.req, transfer=msg.transfer, offset=msg.offset), parts)
+            case Upload() as msg:
+                reply = self.registration.upload(msg, rx, self._member(ident, msg.worker, registered=False))
+                self._send(ident, reply, ())
             case _:  # pragma: no cover - decode_request returns only the types above
                 raise ProtocolError(f"no handler for {type(rx.msg).__name__}")
 
@@ -267,6 +279,7 @@ class Service:
     def _leave(self, ident: bytes, msg: Leave) -> None:
         info = self._member(ident, msg.worker, registered=False)
         self.members.leave(info.worker)
+        self.transfers.drop(info.worker)
         log.info("worker left", extra={"worker": info.worker, "live": len(self.members.live)})
         self._send(ident, Left(req=msg.req, worker=info.worker, version=self.store.version), ())
         self.steps.membership_changed()

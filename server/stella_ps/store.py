@@ -17,6 +17,7 @@ to every step.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import deque
@@ -98,6 +99,11 @@ class EncodedChanges:
     frames: list[Any]
     add: bool = False
     parts: list[int] = field(default_factory=list)
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        """The payload's bytes (whether it goes whole or in pieces)."""
+        return sum(memoryview(f).nbytes for f in self.frames)
 
 
 def l2_norm(values: Sequence[np.ndarray]) -> float:
