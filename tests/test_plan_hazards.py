@@ -116,7 +116,7 @@ def test_the_plan_says_which_fit_it_uses(tmp_path, capsys):
     assert "not fitted on this model's runs" in text
     rc, text, _ = cli(capsys, "plan", "--catalog", cat, "--profile", bare, "--calibration", "none")
     assert rc == 0 and "model calibration: not fitted (the bare structure)" in text
-    assert "no command fits one on your own runs yet" in text
+    assert "fit one on your own runs with stella calibrate" in text
     bench_json = os.path.join(ROOT, "bench", "PLAN.json")
     rc, text, _ = cli(capsys, "plan", "--catalog", cat, "--profile", bare, "--calibration", bench_json)
     assert rc == 0 and "model calibration: bench.plan 2026-11-26 23:37 UTC: 61 test-bed runs" in text

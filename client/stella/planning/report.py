@@ -140,8 +140,8 @@ def _calibration(p: Profile) -> str:
     cal = p.calibration
     if cal.fitted:
         return f"model calibration: {cal.source}"
-    return (f"model calibration: {cal.source}; no command fits one on your own runs yet: drop --calibration none "
-            "for the test bed's fit, or --calibration FILE for a fit python -m bench.plan wrote (docs/plan.md)")
+    return (f"model calibration: {cal.source}; fit one on your own runs with stella calibrate, drop --calibration "
+            "none for the test bed's fit, or --calibration FILE for another fit (docs/plan.md)")
 
 
 def _considered(res: PlanResult) -> str:
