@@ -109,7 +109,7 @@ def test_too_few_runs_fit_fewer_coefficients_and_say_so(tmp_path, capsys):
         assert getattr(cal, k) == getattr(TEST_BED_FIT, k), k
     assert "note: too few runs to fit every coefficient (2 runs" in text
     assert "round_s, exchange_stretch, tail_loss from the base fit (the test bed's fit" in text
-    assert cal.source.endswith("fitted compute, link, jitter, round_s, exchange_stretch, tail_loss from the test "
+    assert cal.source.endswith("fitted compute, link, jitter; round_s, exchange_stretch, tail_loss from the test "
                                "bed's fit")
     # one run: the compute and link scales, nothing else
     runs = measured_runs(tmp_path, truth, which=(8,))

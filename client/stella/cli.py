@@ -294,7 +294,7 @@ def profile(a: argparse.Namespace) -> int:
           file=sys.stderr)
     if not doc.get("calibration"):
         print("  no calibration in it: stella plan uses the test bed's fit (bench/RESULTS.md) and says so; "
-              "--calibration FILE attaches another", file=sys.stderr)
+              "stella calibrate fits one on your own runs (docs/plan.md)", file=sys.stderr)
     return 0
 
 

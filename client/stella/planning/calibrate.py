@@ -339,6 +339,6 @@ def calibrate(profile: Profile, runs: Sequence[Run], *, source: str, compute: fl
                      "shared hosts for host_load and worker_round_s): fitted "
                      f"{cal.fitted_terms}; {', '.join(kept)} from the base fit ({base.source})")
         base_name = "the test bed's fit" if base.source.startswith("the test bed") else base.source
-        cal = dataclasses.replace(cal, source=f"{cal.source}; fitted {cal.fitted_terms}, {', '.join(kept)} from "
+        cal = dataclasses.replace(cal, source=f"{cal.source}; fitted {cal.fitted_terms}; {', '.join(kept)} from "
                                               f"{base_name}")
     return cal, notes
