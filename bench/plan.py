@@ -6,7 +6,9 @@
    loopback). Their target iterations and factors come from bench/RESULTS.md (labelled).
 2. **Fit**: a few real jobs over the test bed (``bench.stella_e2e.run_stella``, update mode,
    density/coding/H pinned, no adaptation) at fixed step counts; the model's four
-   coefficients are fitted on them by least squares (:func:`bench.calibrate.fit_many`).
+   coefficients are fitted on them by least squares (:func:`stella.planning.calibrate.fit_many`,
+   as ``stella calibrate`` does on a user's runs). Each row of ``--json`` carries its run's
+   catalog and configuration (``catalog``, ``spec``), which ``stella calibrate`` reads.
 3. **Held out**: at least 6 other configurations (other W, link rates, asymmetric links,
    densities, codings, H, and an unequal mix of worker speeds with run-on), predicted
    first, then measured: s/it (round seconds / H) and, for the runs that stop at the
@@ -47,10 +49,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.calibrate import Observation, fit_many
 from bench.harness import REPO, loadavg
 from bench.wan import TBF_QUEUE_MS, tbf_burst_bytes
 from stella.codec import coordinate_bits
+from stella.planning.calibrate import fit_many, observation
 from stella.planning.catalog import Catalog, catalog_from_dict, load_catalog
 from stella.planning.measure import BENCH_SERVER, describe_machine
 from stella.planning.model import Config, Group, Prediction, predict
@@ -65,7 +67,7 @@ from stella.planning.profile_file import (
     write_profile,
 )
 from stella.planning.report import pareto_plot, recommend, table
-from stella.planning.search import plan
+from stella.planning.search import parse_config, plan
 from stella_ps.config import Pulls
 
 OUT_DIR = os.path.join(REPO, "bench", "out", "plan")
@@ -348,15 +350,14 @@ def runs(quick: bool) -> list[Run]:
     return fit + held
 
 
-def testbed_catalog(r: Run) -> tuple[Catalog, Config]:
-    """The run as the planner sees it: one machine kind per distinct worker speed, the
-    sites' links, the server's site at 1000 Mbit/s, all on one shared host (this machine's
-    cores)."""
-    slow = r.slowdown or [1.0] * r.world
+def testbed_catalog_doc(r: Run) -> dict[str, Any]:
+    """The run as the planner sees it, as a catalog's tables: one machine kind per distinct
+    worker speed, the sites' links, the server's site at 1000 Mbit/s, all on one shared host
+    (this machine's cores)."""
     kinds: dict[float, int] = {}
-    for f in slow:
+    for f in r.slowdown or [1.0] * r.world:
         kinds[f] = kinds.get(f, 0) + 1
-    cat = catalog_from_dict({
+    return {
         "hosts": {"bed": {"cores": os.cpu_count() or 1}},  # every worker and stella-ps share this machine
         "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE, "host": "bed"},
         "kinds": {f"site-x{f:g}": {"gpu": "cpu", "speed": 1 / f, "count": n, "onprem": True, "up_mbps": r.up,
@@ -365,10 +366,25 @@ def testbed_catalog(r: Run) -> tuple[Catalog, Config]:
                                    # the downlink's tbf sits at the hub, a hop from the sender (the server):
                                    # its queue drops; the uplink's, on the worker's own interface, pushes back
                                    "down_queue_ms": TBF_QUEUE_MS}
-                  for f, n in kinds.items()}},
-        f"test bed ({r.name})")
-    groups = tuple(Group(cat.kind(f"site-x{f:g}"), "onprem", n) for f, n in kinds.items())
-    return cat, Config(groups, r.density, r.coding, r.h, 1)
+                  for f, n in kinds.items()}}
+
+
+def testbed_spec(r: Run) -> str:
+    """The run's configuration in ``stella plan --config``'s syntax, on :func:`testbed_catalog_doc`."""
+    kinds = testbed_catalog_doc(r)["kinds"]
+    machines = "+".join(f"{k['count']}x{name}" for name, k in kinds.items())
+    return f"machines={machines},density={r.density!r},coding={r.coding},H={r.h},shards=1"
+
+
+def testbed_row(r: Run) -> dict[str, Any]:
+    """What a row of the output adds for ``stella calibrate``: the run's catalog and configuration."""
+    return {"spec": testbed_spec(r), "catalog": testbed_catalog_doc(r)}
+
+
+def testbed_catalog(r: Run) -> tuple[Catalog, Config]:
+    """The run as the planner sees it (:func:`testbed_catalog_doc`) and its configuration."""
+    cat = catalog_from_dict(testbed_catalog_doc(r), f"test bed ({r.name})")
+    return cat, parse_config(testbed_spec(r), cat)
 
 
 def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> None:
@@ -704,26 +720,6 @@ def billion_scenario(cal: Calibration | None, server: dict[str, Any] | None, log
 # ============================================================ main
 
 
-def round_step(r: Run, m: Mapping[str, Any]) -> float:
-    """The slowest machine's mean step, what its H steps of a round add up to (the fit's compute). On a
-    shared host the steps that overlap the round's background work (compressor, server) are the slower
-    ones, so at H > 1 the median step is one of those and overstates the mean. Runs measured before
-    2026-11-26 19:00 kept the median only: a round is at least the slowest machine's H steps, so
-    ``round / H`` bounds their mean from above."""
-    if "compute_mean_s" in m:
-        return float(m["compute_mean_s"])
-    return min(float(m["compute_s"]), float(m["round_s"]) / r.h)
-
-
-def round_exchange(m: Mapping[str, Any]) -> float:
-    """A round's exchange (the fit's): the workers' mean exchange per round, but no longer than the
-    round. One exchange is in flight at a time, so a round lasts at least its exchange; the mean
-    counts every round, the round only the warm ones, and one slow early pull (a worker's snapshot
-    over a slow downlink) can lift the mean above every warm round (2026-11-26 round 4: q3's mean
-    exchange 1.21 s in rounds of 0.21 s)."""
-    return min(float(m["exchange_s"]), float(m["round_s"]))
-
-
 def mape(pairs: list[tuple[float, float]]) -> float:
     return 100 * statistics.mean(abs(p - m) / m for p, m in pairs) if pairs else float("nan")
 
@@ -798,8 +794,7 @@ def validate(a, log=print) -> dict[str, Any]:
         if r.role == "fit" and r.name in measured:
             cat, cfg = testbed_catalog(r)
             m = measured[r.name]
-            obs.append((profiles[r.workload], cat, Observation(cfg, round_step(r, m), round_exchange(m),
-                                                                 m["s_per_it"])))
+            obs.append((profiles[r.workload], cat, observation(cfg, m)))
     # the profiles were measured on this machine just before the runs: the compute scale is 1 by construction
     # (fitted, it trades off against host_load: on a loaded host both scale every step)
     cals = fit_many(obs, compute=1.0, source=f"bench.plan {started}: {len(obs)} test-bed runs") \
@@ -834,7 +829,7 @@ def validate(a, log=print) -> dict[str, Any]:
         if r.name not in measured:
             continue
         m = measured[r.name]
-        row = {"run": r.name, "role": r.role, "config": r.describe(), "pred_s_per_it": pred.s_per_it,
+        row = {"run": r.name, "role": r.role, "config": r.describe(), **testbed_row(r), "pred_s_per_it": pred.s_per_it,
                "meas_s_per_it": m["s_per_it"], "err_s_per_it": pred.s_per_it / m["s_per_it"] - 1,
                "bound": pred.bound, "pred_compute_s": pred.compute_s / r.h, "meas_compute_s": m["compute_s"],
                "pred_exchange_s": pred.exchange_s, "meas_exchange_s": m["exchange_s"], "measured": m}

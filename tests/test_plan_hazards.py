@@ -116,7 +116,7 @@ def test_the_plan_says_which_fit_it_uses(tmp_path, capsys):
     assert "not fitted on this model's runs" in text
     rc, text, _ = cli(capsys, "plan", "--catalog", cat, "--profile", bare, "--calibration", "none")
     assert rc == 0 and "model calibration: not fitted (the bare structure)" in text
-    assert "no command fits one on your own runs yet" in text
+    assert "fit one on your own runs with stella calibrate" in text
     bench_json = os.path.join(ROOT, "bench", "PLAN.json")
     rc, text, _ = cli(capsys, "plan", "--catalog", cat, "--profile", bare, "--calibration", bench_json)
     assert rc == 0 and "model calibration: bench.plan 2026-11-26 23:37 UTC: 61 test-bed runs" in text
@@ -149,7 +149,7 @@ def test_plan_config_predicts_one_configuration_term_by_term(tmp_path, capsys):
     rc, text, err = cli(capsys, "plan", "--catalog", cat_path, "--profile", prof_path, "--config",
                         "W=2,kind=cloud,density=1%,coding=q4,H=2,shards=2", "--json", str(tmp_path / "one.json"))
     assert rc == 0, err
-    for term in ("compute", "compress", "push", "server", "pull", "tail loss", "rtt", "fixed", "exchange",
+    for term in ("compute", "compress", "push", "server", "pull", "duplex", "tail loss", "rtt", "fixed", "exchange",
                  "overlap", "round"):
         assert any(ln.strip().startswith(term + " ") for ln in text.splitlines()), term
     assert "bound: " in text and "s/it: " in text and "time to target: " in text
@@ -159,8 +159,8 @@ def test_plan_config_predicts_one_configuration_term_by_term(tmp_path, capsys):
     cfg = Config((Group(cat.kind("cloud"), "ondemand", 2),), 0.01, "q4", 2, 2)
     p = with_spread(prof, cat, predict(prof, cat, cfg))
     assert f"s/it: {p.s_per_it:.4g}" in text and f"bound: {p.bound}" in text
-    assert p.exchange_s == pytest.approx(p.compress_s + p.push_s + p.server_s + p.pull_s + p.tail_s + p.rtt_s
-                                         + p.fixed_s)
+    assert p.exchange_s == pytest.approx(p.compress_s + p.push_s + p.server_s + p.pull_s - p.duplex_s + p.tail_s
+                                         + p.rtt_s + p.fixed_s)
     assert p.overlap_s == pytest.approx(p.compute_s + p.exchange_s - p.round_s)
     assert p.push_at == "uplink" and p.pull_at == "downlink"  # 20 Mbit/s sites, a 10 Gbit/s server
     one = json.loads((tmp_path / "one.json").read_text())

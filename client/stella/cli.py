@@ -1,6 +1,6 @@
 """``stella``: the user command line (``stella demo``, ``stella status``, ``stella keygen``,
-``stella export``, ``stella profile``, ``stella plan``). Heavy imports (torch) happen
-inside the subcommand that needs them: ``stella plan`` never imports torch."""
+``stella export``, ``stella profile``, ``stella calibrate``, ``stella plan``). Heavy imports
+(torch) happen inside the subcommand that needs them: ``stella plan`` never imports torch."""
 from __future__ import annotations
 
 import argparse
@@ -94,7 +94,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model's fitted coefficients: default the profile's own, else the test bed's fit "
                     "(bench/RESULTS.md), said so; 'none' for the bare structure; or a JSON file with a "
                     "'calibration' (a profile, bench.plan's --json output)")
+    ca = sub.add_parser("calibrate", help="fit stella plan's model coefficients on your own measured runs and "
+                        "attach the fit to the profile")
+    ca.add_argument("runs", nargs="+", metavar="RUNS.json", help="measured runs: a runs file (docs/plan.md) or "
+                    "python -m bench.plan --json's output")
+    ca.add_argument("--profile", required=True, help="the model's profile (stella profile); the fit is written "
+                    "into it unless --out")
+    ca.add_argument("--catalog", help="the catalog the runs' configurations name (unless the runs file carries "
+                    "its own)")
+    ca.add_argument("--out", metavar="PATH", help="write the calibrated profile here (default: back to --profile)")
+    ca.add_argument("--compute-scale", type=float, metavar="X", help="the compute scale, given rather than fitted "
+                    "(1: the profile was measured on the machines, and at the time, of the runs)")
     a = p.parse_args(argv)
+    if a.cmd == "calibrate":
+        if a.compute_scale is not None and not a.compute_scale > 0:
+            p.error("calibrate: --compute-scale must be > 0")
+        return calibrate(a)
     if a.cmd == "plan":
         if a.max_shards is not None and a.max_shards < 1:
             p.error("plan: --max-shards must be >= 1")
@@ -179,6 +194,63 @@ def plan(a: argparse.Namespace) -> int:
     return 0 if res.rows else 1
 
 
+def calibrate(a: argparse.Namespace) -> int:
+    """``stella calibrate``: fit the model's coefficients on measured runs of the profile's
+    model, write the profile with the fit (its source said), and show the fit's errors."""
+    import dataclasses
+    import datetime
+    import os
+
+    from .planning.calibrate import calibrate as fit
+    from .planning.calibrate import read_runs
+    from .planning.catalog import PlanError, load_catalog
+    from .planning.model import predict
+    from .planning.profile_file import load_profile, write_profile
+
+    out = a.out or a.profile
+    try:
+        catalog = load_catalog(a.catalog) if a.catalog else None
+        prof = load_profile(a.profile)
+        runs = [r for path in a.runs for r in read_runs(path, catalog)]
+        mine = sum(r.model in ("", prof.model) for r in runs)
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        source = (f"stella calibrate {when}: {mine} run{'s' if mine != 1 else ''} of {prof.model} "
+                  f"({', '.join(os.path.basename(x) for x in a.runs)})")
+        cal, notes = fit(prof, runs, source=source, compute=a.compute_scale)
+        doc = dict(prof.raw)
+        doc["calibration"] = dataclasses.asdict(cal)
+        write_profile(out, doc)
+    except (PlanError, OSError) as e:
+        print(f"stella calibrate: {e}", file=sys.stderr)
+        return 2
+    fitted = dataclasses.replace(prof, calibration=cal)
+    print(f"stella calibrate: {cal.source}")
+    for note in notes:
+        print(f"  note: {note}")
+    print(f"  compute x{cal.compute:.3f}, host load x{cal.host_load:.3f}, {1e3 * cal.worker_round_s:.1f} ms of a "
+          f"worker's CPU per round, link x{cal.link:.3f}, {1e3 * cal.round_s:.1f} ms per round, exchange stretch "
+          f"x{cal.exchange_stretch:.2f}, tail loss x{cal.tail_loss:.2f} queue delays, jitter {cal.jitter:.3f} "
+          f"({cal.exchange_runs} of the runs bound by their exchange)")
+    print("\n  | run | configuration | predicted s/it | measured s/it | error |\n  |---|---|---|---|---|")
+    errors = []
+    for r in runs:
+        if r.model not in ("", prof.model):
+            continue
+        p = predict(fitted, r.catalog, r.observation.config)
+        meas = r.observation.s_per_it
+        err = p.s_per_it / meas - 1 if meas > 0 else float("nan")
+        if meas > 0:
+            errors.append(abs(err))
+        c = r.observation.config
+        print(f"  | {r.name} | {c.machines}, {c.density:.2%} {c.coding}, H = {c.sync_every} | {p.s_per_it:.4g} | "
+              f"{meas:.4g} | {err:+.1%} |")
+    if errors:
+        print(f"\n  the fit's own runs: mean absolute error {sum(errors) / len(errors):.1%}, worst "
+              f"{max(errors):.1%} (in the fit, not held out)")
+    print(f"wrote {out}: stella plan --profile {out} uses this fit and says so")
+    return 0
+
+
 def profile(a: argparse.Namespace) -> int:
     """``stella profile``: measure (``--model``) or read (``--from``), then write the JSON."""
     from .errors import StellaError
@@ -222,7 +294,7 @@ def profile(a: argparse.Namespace) -> int:
           file=sys.stderr)
     if not doc.get("calibration"):
         print("  no calibration in it: stella plan uses the test bed's fit (bench/RESULTS.md) and says so; "
-              "--calibration FILE attaches another", file=sys.stderr)
+              "stella calibrate fits one on your own runs (docs/plan.md)", file=sys.stderr)
     return 0
 
 

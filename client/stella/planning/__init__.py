@@ -12,11 +12,12 @@ apart: it measures a model and writes a profile file):
   and cost of a configuration (NumPy, vectorised over machine mixes and settings);
 - :mod:`~stella.planning.search` every configuration of a catalog, ranked under a deadline
   and/or a budget, and the Pareto front;
+- :mod:`~stella.planning.calibrate` the model's coefficients fitted on measured runs
+  (``stella calibrate``; ``bench.plan`` on the test bed's);
 - :mod:`~stella.planning.report` the table, the recommended settings, the JSON and the plot;
 - :mod:`~stella.planning.measure` ``stella profile``'s measurements (torch, a real
   ``stella-ps`` on loopback, or a running job's status).
 
-The model's coefficients are fitted on measured runs by ``bench/calibrate.py``. No module
-here but ``measure`` imports torch: ``stella plan`` answers without it. The command line is
-:mod:`stella.cli`; the formats and the model are in docs/plan.md.
+No module here but ``measure`` imports torch: ``stella plan`` answers without it. The
+command line is :mod:`stella.cli`; the formats and the model are in docs/plan.md.
 """

@@ -7,9 +7,12 @@ slowest machine sets the round's compute; faster ones run on (more local steps, 
 the background while the next round computes (one round stale): compress, push over the
 slowest uplink (and the server site's downlink, which carries every worker's push), the
 server's step (per pushed coordinate and per model coordinate, divided among shards), the
-broadcast pull over the slowest downlink, and the wait of a message that loses its tail in
-a drop-tail queue. A round lasts the longer of the two (their expected max, with the
-calibration's jitter). The profile's :class:`~stella.planning.profile_file.Calibration`
+broadcast pull over the slowest downlink (and the server site's uplink, which carries it to
+every worker), and the wait of a message that loses its tail in a drop-tail queue. The server
+site's link is full duplex: where it is the bottleneck, the pushes of the next round arrive
+while the broadcast still goes out, and the two directions overlap (:func:`_evaluate_arrays`).
+A round lasts the longer of compute and exchange (their expected max, with the calibration's
+jitter). The profile's :class:`~stella.planning.profile_file.Calibration`
 scales it: the compute scale, processor sharing on a shared host, the share of it the
 exchange's CPU work takes, the link scale, a fixed overhead per round and the tail loss's
 wait (docs/plan.md section 3).
@@ -99,12 +102,13 @@ class Prediction:
     revocation_cost: float  # the part of cost due to revocations
     factor_measured: bool = True  # the factor is the table's entry for this configuration (not a bound, not assumed)
     # the exchange's terms, each as it enters the round (seconds): the slowest machine's compressor and fixed CPU,
-    # the push and the pull (the link coefficient applied), the tail-loss wait, twice the largest RTT, the fixed
-    # overhead; and where the push and the pull are bound ("uplink"/"downlink": the slowest machine's own link,
-    # "server": the server site's link carrying all W)
+    # the push and the pull (the link coefficient applied), the part of them the server link's two directions
+    # overlap, the tail-loss wait, twice the largest RTT, the fixed overhead; and where the push and the pull are
+    # bound ("uplink"/"downlink": the slowest machine's own link, "server": the server site's link carrying all W)
     compress_s: float = 0.0
     push_s: float = 0.0
     pull_s: float = 0.0
+    duplex_s: float = 0.0  # what the server link's two directions overlap (full duplex): push + pull less this
     tail_s: float = 0.0
     rtt_s: float = 0.0
     fixed_s: float = 0.0
@@ -226,16 +230,29 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
         pull_s = (np.maximum(pull_b[:, None, :] - burst, 0) / mix.down[:, :, None]).max(axis=1)
     else:
         push_s, pull_s = push_b * mix.inv_up, pull_b * mix.inv_down
-    push_srv = push_b * w / (srv.down_mbps * 1e6 / 8 * hosts)
-    pull_srv = pull_b * w / (srv.up_mbps * 1e6 / 8 * hosts)
+    # the server site's link carries every worker's push in (its downlink) and the broadcast to every worker out
+    # (its uplink): W messages each way per round, one message at the server's rate for the first one served
+    srv_down, srv_up = srv.down_mbps * 1e6 / 8 * hosts, srv.up_mbps * 1e6 / 8 * hosts
+    push_srv, pull_srv = push_b * w / srv_down, pull_b * w / srv_up
     push_at_srv, pull_at_srv = push_srv > push_s, pull_srv > pull_s
+    push_one, pull_one = np.maximum(push_s, push_b / srv_down), np.maximum(pull_s, pull_b / srv_up)
     push_s = np.maximum(push_s, push_srv)
     pull_s = np.maximum(pull_s, pull_srv)
+    # full duplex: the two directions of the server's link overlap across workers. In steady state a worker
+    # pushes round r+1 as soon as its own pull of round r is in (one exchange in flight), while the broadcast
+    # still goes out to the others; the server steps once it has all W pushes. So a round's link time is the
+    # busier direction's W messages plus one message the other way (the first pull before the first push, or
+    # the last push after the last pull): max(push + pull_one, push_one + pull), and the sum less their
+    # overlap. Where the server's link is not the bottleneck (push = push_one, pull = pull_one) the overlap is 0
+    duplex = np.minimum(push_s - push_one, pull_s - pull_one)
     tail = 0.0
     if cal.tail_loss and (mix.up_queue.any() or mix.down_queue.any()):
-        tail = cal.tail_loss * (_tail_loss_s(np, push_b, mix.up_queue, mix.up)
-                                + _tail_loss_s(np, pull_b, mix.down_queue, mix.down))
-    link = cal.link * (push_s + pull_s) + tail + 2 * mix.rtt_max
+        # a machine's queue overflows only where the other end sends faster than the machine's link drains: a
+        # server site whose link is no faster paces the flight itself (its own shaper pushes back on TCP)
+        up_q = np.where(mix.up < srv.down_mbps * 1e6 / 8, mix.up_queue, 0.0)
+        down_q = np.where(mix.down < srv.up_mbps * 1e6 / 8, mix.down_queue, 0.0)
+        tail = cal.tail_loss * (_tail_loss_s(np, push_b, up_q, mix.up) + _tail_loss_s(np, pull_b, down_q, mix.down))
+    link = cal.link * (push_s + pull_s - duplex) + tail + 2 * mix.rtt_max
     server = (profile.server_per_update_s * w * profile.sparse_numel * d + profile.server_per_numel_s * n) / \
         np.minimum(shards, srv.cores * hosts) ** SHARD_EXPONENT
     # one worker's CPU per round: its compressor, and the fixed rest (decode and apply the pull, the messages)
@@ -319,6 +336,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
             "revocations": lam_total * time_s, "cost": cost, "revocation_cost": cost - np.minimum(cost0, cost),
             "load": load_slow + 0 * round_s, **{k: np.broadcast_to(np.asarray(x, float), round_s.shape) for k, x in (
                 ("compress_s", compress), ("push_s", cal.link * push_s), ("pull_s", cal.link * pull_s),
+                ("duplex_s", cal.link * duplex),
                 ("tail_s", tail), ("rtt_s", 2 * mix.rtt_max), ("fixed_s", cal.round_s),
                 ("push_at_server", push_at_srv), ("pull_at_server", pull_at_srv))}}
 
@@ -448,7 +466,8 @@ def prediction(profile: Profile, config: Config, r: Mapping[str, Any], i: int) -
                       revocation_cost=float(v["revocation_cost"]),
                       factor_measured=profile.factor_measured(config.density, config.coding, h_factor),
                       compress_s=float(v["compress_s"]), push_s=float(v["push_s"]), pull_s=float(v["pull_s"]),
-                      tail_s=float(v["tail_s"]), rtt_s=float(v["rtt_s"]), fixed_s=float(v["fixed_s"]),
+                      duplex_s=float(v["duplex_s"]), tail_s=float(v["tail_s"]), rtt_s=float(v["rtt_s"]),
+                      fixed_s=float(v["fixed_s"]),
                       push_at="server" if v["push_at_server"] else "uplink",
                       pull_at="server" if v["pull_at_server"] else "downlink")
 

@@ -6,10 +6,10 @@ compressor's seconds; the broadcast pull's bytes, with the broadcast's settings 
 server answered them; the server's time per pushed and per model coordinate; the
 iterations dense training needs to reach the target and the factor each configuration
 costs against them (each with its source); and the coefficients a regression on measured
-runs fitted (:class:`Calibration`; ``bench/calibrate.py`` fits them). :func:`load_profile`
-checks it and returns a :class:`Profile`, which answers the bytes, the compressor's time
-and the iterations factor of any configuration from what was measured. Format:
-docs/plan.md section 1.
+runs fitted (:class:`Calibration`; ``stella calibrate`` fits them,
+:mod:`stella.planning.calibrate`). :func:`load_profile` checks it and returns a
+:class:`Profile`, which answers the bytes, the compressor's time and the iterations factor
+of any configuration from what was measured. Format: docs/plan.md section 1.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class ProfileError(PlanError):
 
 @dataclass(frozen=True)
 class Calibration:
-    """The model's fitted coefficients (``bench/calibrate.py`` fits them on measured runs);
+    """The model's fitted coefficients (``stella calibrate`` fits them on measured runs);
     the defaults are the bare structure."""
 
     compute: float = 1.0  # measured step time / the profile's, on a host of its own
@@ -54,6 +54,7 @@ class Calibration:
     source: str = "not fitted (the bare structure)"
     runs: int = 0
     exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
+    fitted_terms: str = ""  # the coefficients fitted on those runs, comma-separated (the rest: a base fit's)
 
     @property
     def fitted(self) -> bool:

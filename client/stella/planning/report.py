@@ -140,8 +140,8 @@ def _calibration(p: Profile) -> str:
     cal = p.calibration
     if cal.fitted:
         return f"model calibration: {cal.source}"
-    return (f"model calibration: {cal.source}; no command fits one on your own runs yet: drop --calibration none "
-            "for the test bed's fit, or --calibration FILE for a fit python -m bench.plan wrote (docs/plan.md)")
+    return (f"model calibration: {cal.source}; fit one on your own runs with stella calibrate, drop --calibration "
+            "none for the test bed's fit, or --calibration FILE for another fit (docs/plan.md)")
 
 
 def _considered(res: PlanResult) -> str:
@@ -196,6 +196,7 @@ def render_config(p: Prediction, profile: Profile, catalog: Catalog, cap: tuple[
              ("push", p.push_s, f"over {where[p.push_at]}"),
              ("server", p.server_s, f"the server's step over {plural(c.shards, 'shard')}"),
              ("pull", p.pull_s, f"the broadcast over {where[p.pull_at]}"),
+             ("duplex", p.duplex_s, "taken off: the server link's pushes in and broadcast out overlap (full duplex)"),
              ("tail loss", p.tail_s, "a message overflowing a drop-tail queue in one flight"),
              ("rtt", p.rtt_s, "twice the largest round trip"),
              ("fixed", p.fixed_s, "the calibration's fixed overhead per round")]
@@ -209,8 +210,8 @@ def render_config(p: Prediction, profile: Profile, catalog: Catalog, cap: tuple[
     lines.append("  per round (seconds):")
     for name, v, what in terms:
         lines.append(f"    {name:<10} {v:8.4f}  {what}")
-    lines += [f"    {'exchange':<10} {p.exchange_s:8.4f}  compress + push + server + pull + tail + rtt + fixed, in "
-              "the background (one round stale)",
+    lines += [f"    {'exchange':<10} {p.exchange_s:8.4f}  compress + push + server + pull - duplex + tail + rtt "
+              "+ fixed, in the background (one round stale)",
               f"    {'overlap':<10} {p.overlap_s:8.4f}  compute + exchange - round: what running them side by side "
               "hides",
               f"    {'round':<10} {p.round_s:8.4f}  the expected max of compute and exchange "
