@@ -103,7 +103,11 @@ def worker(a) -> int:
                           connection=Connection(timeout=600, name=f"e2e-{a.rank}", server_key=a.server_key,
                                                 client_key=a.client_key),
                           process_group="default" if a.site_size > 1 else None, **mode_kw)
+    if a.start_after > 0:  # a worker that joins the job later (bench.slow's joiner)
+        time.sleep(a.start_after)
+    t_start = time.time()
     opt.start()  # the registration (the model's upload) before the clock, as before DDP's first step
+    start_s = time.time() - t_start
     batches = wl.batches(a.rank, a.world, a.batch_size or wl.batch_size, a.seed)
     stop_file = os.path.join(a.log_dir, "stop_round")
     recorder = IterRecorder(site_iface())  # the same accounting as the DDP baselines
@@ -171,7 +175,8 @@ def worker(a) -> int:
            "values_pushed": opt.stats.values_pushed, "values_pulled": opt.stats.values_pulled,
            "client_bytes_pushed": steady[0], "client_bytes_pulled": steady[1], "client_rounds": steady[2],
            "leader": opt.client is not None,
-           "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s}
+           "compress_s": opt.stats.compress_s, "exchange_s": opt.stats.exchange_s,
+           "start_s": start_s, "start_epoch": t_start, "reconnects": getattr(opt.client, "reconnects", 0)}
     with open(a.out, "w") as f:
         json.dump(out, f)
     return 0
@@ -183,7 +188,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
                sync_every: int = 1, value_dtype: str = "auto", outer: str = "average",
                server_args: tuple[str, ...] = (), site_size: int = 1, slowdown: float | list[float] = 1.0,
-               max_sync_every: int = 0, max_accumulate: int = 0, per_tensor: bool = False) -> dict:
+               max_sync_every: int = 0, max_accumulate: int = 0, per_tensor: bool = False,
+               start_after: list[float] | None = None, expected: int | None = None) -> dict:
     """Run one Stella job (server + ``world`` workers) and return its summary. The
     server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key).
     ``server_args``: more stella-ps flags. ``site_size`` > 1: the workers are sites of
@@ -191,7 +197,9 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     ``slowdown``: each worker's compute-time factor (one for all, or a list per rank).
     ``density``/``value_dtype`` "default", ``sync_every``/``max_sync_every``/
     ``max_accumulate`` 0: not passed, the library's defaults. ``per_tensor``: each large
-    tensor its own share of a push (``Compression(per_tensor=True)``)."""
+    tensor its own share of a push (``Compression(per_tensor=True)``). ``start_after``: seconds
+    each rank waits before it joins (a joiner mid-job); ``expected``: the workers the server
+    waits for before its first step (default: every worker)."""
     from bench import workloads as W
     from stella_ps.process import free_port
 
@@ -201,7 +209,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
         raise ValueError(f"slowdown: one factor per rank ({world}), got {slow}")
     tmp = tempfile.mkdtemp(prefix=f"stella-{workload}-", dir=log_dir)
     host = bed.address(ps_site) if bed is not None else "127.0.0.1"
-    ps = ServerProcess(world // site_size, ["--max-workers-per-key", str(world + 1), *server_args],
+    ps = ServerProcess(expected or world // site_size, ["--max-workers-per-key", str(world + 1), *server_args],
                        bind=f"tcp://{host}:{PS_PORT if bed else 0}", log_level="INFO", cwd=REPO, timeout=60,
                        popen=functools.partial(bed.popen, ps_site) if bed is not None else subprocess.Popen)
     site_ports = [free_port() for _ in range(world // site_size)]
@@ -226,6 +234,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                 argv.append("--stop-at-target")
             if per_tensor:
                 argv.append("--per-tensor")
+            if start_after and start_after[r] > 0:
+                argv += ["--start-after", str(start_after[r])]
             argvs.append(argv)
         rcs = wait_workers(launch_workers(argvs, tmp, bed=bed, sites=sites), max_seconds + 180)
         server_cpu = process_cpu_seconds(ps.pid) - server_cpu
@@ -326,6 +336,7 @@ def main(argv=None) -> int:
     w.add_argument("--slowdown", type=float, default=1.0, help="sleep (F-1) x each step's forward+backward")
     w.add_argument("--max-sync-every", type=int, default=0, help="0: the library's default (not passed)")
     w.add_argument("--max-accumulate", type=int, default=0, help="0: the library's default (not passed)")
+    w.add_argument("--start-after", type=float, default=0.0, help="join the job this many seconds after launch")
     ap.add_argument("--workload", default="digits")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=120)

@@ -429,7 +429,8 @@ def build_push(rng: np.random.Generator, wid: int, version: int, coding: str | N
 
 def build_other(rng: np.random.Generator, wid: int, version: int) -> tuple[dict, list]:
     # what is drawn from rng must not depend on the version (hypothesis replays draws)
-    kind = str(rng.choice(["pull", "pull", "status", "set_optimizer", "register", "join", "leave"]))
+    kind = str(rng.choice(["pull", "pull", "status", "set_optimizer", "register", "join", "leave", "fetch",
+                           "upload"]))
     if kind == "pull":
         hdr: dict = {"type": "pull", "worker": wid, "since": int(rng.random() * (version + 2)) - 1,
                      "coding": str(rng.choice(PULL_CODINGS))}
@@ -449,6 +450,13 @@ def build_other(rng: np.random.Generator, wid: int, version: int) -> tuple[dict,
                 "dense_below": DENSE_BELOW}, frames
     if kind == "join":
         return {"type": "join", "worker": wid, "name": "fuzz"}, []
+    if kind == "fetch":  # of a transfer never made (a chunked answer's): refused, `transfer`
+        return {"type": "fetch", "worker": wid, "transfer": int(rng.integers(1, 2**62)),
+                "offset": int(rng.integers(0, 1 << 20)), "length": int(rng.integers(1, 1 << 20))}, []
+    if kind == "upload":  # a piece of a push's payload: held for a push naming it, which never comes
+        n = int(rng.integers(1, 4096))
+        return {"type": "upload", "worker": wid, "transfer": int(rng.integers(1, 2**62)), "offset": 0,
+                "sizes": [n, int(rng.integers(0, 1 << 20))]}, [bytes(n)]
     return {"type": "leave", "worker": wid}, []
 
 

@@ -154,10 +154,13 @@ def test_a_stopped_worker_is_waited_for_only_the_adaptive_deadline_and_its_late_
             v = a.pull(v, wait_for=v + 1, timeout=30).version
             waited.append(time.monotonic() - ts)
         # each step waited the deadline while the stopped worker was not yet silent (its last heartbeat
-        # less than 1.5 intervals of 1.5 s ago), and a deadline that found it silent marked it behind
-        assert waited and min(waited) >= 0.8 * deadline, (waited, deadline)
-        marked = [line for line in srv.logs().splitlines() if '"step deadline passed"' in line]
-        assert f'"silent_workers": [{stopped}]' in marked[-1], marked[-1]
+        # less than 1.5 intervals of 0.375 s ago); it was marked behind by a deadline that found it silent,
+        # or, the moment it fell silent, by the watch a deadline set on it (the step then closed at once)
+        assert waited and min(waited[:-1] or [deadline]) >= 0.8 * deadline, (waited, deadline)
+        logs = srv.logs().splitlines()
+        marked = [line for line in logs if '"step deadline passed"' in line]
+        fell = [line for line in logs if "fell silent" in line]
+        assert f'"silent_workers": [{stopped}]' in (fell or marked)[-1], (marked[-1], fell)
         for _ in range(5):  # behind: the steps do not wait for it any more (a step that did would end
             # by its deadline, and log it)
             a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)

@@ -70,7 +70,7 @@ def test_a_transfer_is_its_workers_alone_one_at_a_time_bounded_and_dropped_when_
 
 
 def test_an_upload_takes_the_piece_where_it_stands_and_nothing_else():
-    up = UploadBuffer(7, [6, 4], bytearray(10))
+    up = UploadBuffer(7, [6, 4])
     assert up.take(0, [memoryview(b"abc")]) == 3
     assert up.take(0, [memoryview(b"abc")]) == 3  # sent again (a reconnect): ignored
     assert up.take(5, [memoryview(b"zz")]) == 3  # one after a lost piece: ignored
@@ -110,6 +110,24 @@ def test_a_model_goes_up_and_a_snapshot_comes_down_in_pieces_bit_for_bit(make_se
         np.testing.assert_array_equal(got[name], v)
     uploads = [line for line in srv.logs().splitlines() if '"upload"' in line and "rejected" in line]
     assert not uploads
+
+
+def test_a_push_larger_than_a_piece_goes_up_in_pieces_and_is_applied_as_sent(make_server, make_client, small_pieces,
+                                                                           monkeypatch):
+    """close()'s residual is dense (39 MB for widemlp: 62 s at 5 Mbit/s, beyond the default
+    timeout as one message): a push over the threshold is uploaded first and named by the push."""
+    srv = make_server(1, ["--pull", "exact"])
+    c = make_client(srv.endpoint, name="w")
+    c.register({"w": np.zeros(300_000, np.float32)}, SGD)
+    staged = []
+    real = session.Session.staged
+    monkeypatch.setattr(session.Session, "staged", lambda self, *a: staged.append(1) or real(self, *a))
+    g = np.linspace(-1, 1, 300_000, dtype=np.float32)
+    ok = c.push({"w": g}, 0, value_dtype="f32")
+    assert staged == [1] and ok.step == 0
+    got = np.zeros(300_000, np.float32)
+    c.pull(None, wait_for=1).apply_to({"w": got})
+    np.testing.assert_allclose(got, -0.1 * g, rtol=1e-6)  # sgd, lr 0.1: the whole push, as sent
 
 
 def test_hostile_pieces_are_refused_and_change_nothing(make_server, make_client, raw_dealer, small_pieces):
@@ -178,6 +196,12 @@ if role == "joiner":
     ok = bool(np.array_equal(s.tensors["w"][1], values))
     print(f"snapshot {ok} {time.monotonic() - t:.2f} s pulled {c.bytes_pulled} reconnects {c.reconnects}", flush=True)
 else:
+    sys.stdin.readline()  # then a dense push as large as the model (close()'s residual is such a push)
+    t = time.monotonic()
+    before = c.bytes_pushed
+    ok = c.push({"w": np.full(n, 1e-3, np.float32)}, r.version, value_dtype="f32")
+    print(f"pushed {ok.step} {time.monotonic() - t:.2f} s pushed {c.bytes_pushed - before} reconnects {c.reconnects}",
+          flush=True)
     sys.stdin.readline()  # stays joined until told
 c.close()
 """
@@ -186,9 +210,9 @@ c.close()
 @pytest.mark.slow
 def test_a_link_cut_in_the_middle_of_an_upload_and_of_a_snapshot_resumes_them(tmp_path):
     """12 MB over 16 Mbit/s (6 s each way); the link is cut for 8 s (twice the client's
-    timeout: it reconnects) in the middle of the upload, then of the snapshot. Each
-    completes after the cut, bit for bit, having sent the model about once: the pieces
-    in, not the whole, survive the reconnect."""
+    timeout: it reconnects) in the middle of the upload, then of the snapshot, then of a
+    dense push as large as the model. Each completes after the cut, bit for bit, having
+    sent the model about once: the pieces in, not the whole, survive the reconnect."""
     import threading
     import time
 
@@ -222,6 +246,13 @@ def test_a_link_cut_in_the_middle_of_an_upload_and_of_a_snapshot_resumes_them(tm
             cutter = threading.Thread(target=cut_when, args=(bed, "down", "rx_bytes", model // 2), daemon=True)
             cutter.start()
             down = bed.run("down", [sys.executable, "-c", _CUT_CLIENT, ps.endpoint, "joiner", str(n)], timeout=120)
+            cutter = threading.Thread(target=cut_when, args=(bed, "up", "tx_bytes",
+                                                             bed.counters("up")["tx_bytes"] + model // 2), daemon=True)
+            cutter.start()
+            up.stdin.write("\n")
+            up.stdin.flush()
+            pushed_line = up.stdout.readline()
+            cutter.join(20)
             up.stdin.write("\n")
             up.stdin.flush()
             up.wait(30)
@@ -240,4 +271,6 @@ def test_a_link_cut_in_the_middle_of_an_upload_and_of_a_snapshot_resumes_them(tm
     assert g[1] == "True", line  # bit for bit
     pulled, reconnects = int(g[5]), int(g[7])
     assert reconnects >= 1 and pulled < model + in_flight, line
-    print(uploaded.strip(), "|", line)
+    h = pushed_line.split()
+    assert h[0] == "pushed" and int(h[7]) >= 2 and int(h[5]) < model + in_flight, pushed_line  # a push: the same
+    print(uploaded.strip(), "|", line, "|", pushed_line.strip())

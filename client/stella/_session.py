@@ -170,6 +170,15 @@ def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int) -> M:
     return msg
 
 
+def _byte_views(frames: Iterable[Any]) -> list[memoryview]:
+    """Each frame's bytes, as a flat byte view (no copy of a contiguous array)."""
+    out = []
+    for f in frames:
+        m = memoryview(f) if not isinstance(f, np.ndarray) else np.ascontiguousarray(f).reshape(-1).view(np.uint8).data
+        out.append(m if m.format == "B" and m.ndim == 1 else m.cast("B"))
+    return out
+
+
 class _Lost(Exception):
     """The connection to the server is lost (internal: it starts a reconnect)."""
 
@@ -221,6 +230,7 @@ class _Liveness:
         self.worker = 0
         self.session = 0
         self.interval = 0.0
+        self.lost_after = 1.0  # seconds without a heartbeat reply after which the connection is lost
         self.last_ok = time.monotonic()  # the last heartbeat reply
         self.refused = -1  # a session the server said it does not know ...
         self.refused_sent = 0.0  # ... in reply to a heartbeat sent then (monotonic)
@@ -287,7 +297,7 @@ class _Handshakes:
     closes unread: the wrong server key) from one that is merely slow or down."""
 
     EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
 
     def __init__(self, sock: zmq.Socket, address: str, keys: tuple[bytes, bytes, bytes] | None):
         # before connect(): no handshake goes unseen. pyzmq's default endpoint is named after the
@@ -296,6 +306,9 @@ class _Handshakes:
         self.socket = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://stella-handshakes-{next(_MONITORS)}")
         self.address, self.keys = address, keys
         self._silent = 0  # handshakes closed without a word, in a row
+        # the connection dropped under the socket (libzmq connects again by itself, but what was in
+        # flight on it is lost, and the server knows the new connection by another routing id)
+        self.dropped = False
         # why the server refused: for good, since libzmq does not reconnect after a refused
         # (ZAP) or mismatched handshake, so every later call on this socket says it again
         self.refused: str | None = None
@@ -305,7 +318,9 @@ class _Handshakes:
         while self.refused is None and self.socket.poll(0):
             ev = parse_monitor_message(self.socket.recv_multipart())
             kind, value = ev["event"], int(ev["value"])
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if kind == zmq.EVENT_DISCONNECTED:
+                self.dropped = True
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._silent = 0
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.refused = self._refused(value)
@@ -465,6 +480,7 @@ class Session:
         self._assemblies: dict[int, _Assembly] = {}  # requests whose chunked answers are being fetched
         self._registered: Registered | None = None  # the last registration's reply
         self._transfers_lost: dict[int, int] = {}  # requests sent again because the server lost their transfer
+        self._pieces: set[int] = set()  # upload pieces waiting for their replies
         # stop(): when it was called (monotonic; a float, set from a signal handler with no lock), and
         # whether it ended a wait then: requests after that get STOP_GRACE_S, not the timeout
         self._stop_at: float | None = None
@@ -557,13 +573,28 @@ class Session:
         if reply.needs_values:  # this registration initialises the model
             msg = msgspec.structs.replace(msg, values=True, wait_ms=0)
             frames = reg.values() if arrays is None else arrays
-            views = [np.ascontiguousarray(f).reshape(-1).view(np.uint8).data for f in frames]
+            views = _byte_views(frames)
             if sum(v.nbytes for v in views) > CHUNK_ABOVE:  # in pieces, then the registration names them
                 self._upload(reg.upload, views, timeout)
                 msg, frames = msgspec.structs.replace(msg, upload=reg.upload), []
             reply = expect(self.wait(self.send(msg, frames, timeout), timeout), Registered)
         self._registered = reply
         return reply
+
+    def staged(self, msg: Push, frames: list[Any], timeout: float | None) -> Push:
+        """``msg`` whose ``frames`` are uploaded in pieces first (a push larger than
+        ``CHUNK_ABOVE`` over a slow link: close()'s residual), naming the upload; a link
+        lost meanwhile is reconnected and the upload goes on where the server stands."""
+        views, transfer = _byte_views(frames), random.getrandbits(63) or 1
+        while True:
+            try:
+                self._upload(transfer, views, timeout)
+                return msgspec.structs.replace(msg, upload=transfer)
+            except ServerUnavailable as e:
+                if self.reconnect_s <= 0 or not self._joined or self.closed:
+                    raise
+                self._reconnect(f"uploading a push: {e}")
+                msg, _ = self._rebase(msg)
 
     def _upload(self, transfer: int, views: list[memoryview], timeout: float | None) -> None:
         """Upload the model's values (``views``, bytes) in pieces, ``FETCH_WINDOW`` in flight,
@@ -589,16 +620,23 @@ class Session:
                 n = min(pace.size if have else PIECE_MIN, total - nxt)
                 r = self.send(Upload(worker=self.worker(), transfer=transfer, offset=nxt, sizes=sizes),
                               piece(nxt, n), timeout)
+                self._pieces.add(r)
                 inflight.append((r, nxt, n))
                 nxt += n
             r, offset, n = inflight.popleft()
-            got = expect(self.wait(r, timeout), Uploaded).have
+            try:
+                got = expect(self.wait(r, timeout), Uploaded).have
+            finally:
+                self._pieces.discard(r)
             if got == offset + n:
                 have = got
                 pace.done(n)
             elif got <= total:  # the server stands elsewhere (an upload resumed): go on from there
                 for r, _, _ in inflight:
-                    self.wait(r, timeout)  # taken or ignored, in order
+                    try:
+                        self.wait(r, timeout)  # taken or ignored, in order
+                    finally:
+                        self._pieces.discard(r)
                 inflight.clear()
                 have = nxt = got
             else:
@@ -650,6 +688,9 @@ class Session:
         self._joined_at = time.monotonic()
         self._live.worker, self._live.session = reply.worker, reply.session
         self._live.interval = reply.heartbeat_s
+        # silent this long: lost (the server's liveness timeout, when the server says it: it declares the worker
+        # gone then; heartbeats come more often than a quarter of it since protocol 12)
+        self._live.lost_after = max(reply.liveness_s or 4 * reply.heartbeat_s, 1.0)
         if not self._heartbeat_on or reply.heartbeat_s <= 0 or self._hb_thread is not None:
             return
         self._live.last_ok = time.monotonic()
@@ -670,7 +711,7 @@ class Session:
         if live.refused == live.session and live.refused_sent >= self._joined_at:
             return "the server does not know this worker (restarted, or declared it gone and gave its id away)"
         silent = time.monotonic() - live.last_ok
-        if silent > max(4 * live.interval, 1.0):
+        if silent > live.lost_after:
             return f"no heartbeat reply for {silent:.1f}s"
         return None
 
@@ -759,7 +800,18 @@ class Session:
             except zmq.Again:
                 if not self._sock.poll(int(min(left, 0.2) * 1000) + 1, zmq.POLLIN):
                     self._handshakes.check()  # a reconnect of the socket (libzmq's own) may have been refused
-                    why = self._lost() if req in self._sent else None
+                    why = None
+                    if req in self._sent or req in self._pieces:
+                        why = self._lost()
+                        if not why and self._handshakes.dropped:
+                            # the request (or its reply) may have been lost with the connection, and the server
+                            # knows the socket's new one by another id: join again now, not after the timeout
+                            # (a push of 39 MB over 5 Mbit/s once outlasted the server's transport heartbeat)
+                            why = "the connection dropped under the socket"
+                    if why and req in self._pieces:  # an upload's piece: its caller reconnects and goes on
+                        self._outstanding.discard(req)
+                        raise ServerUnavailable(f"the connection to stella-ps at {self.address} was lost: "
+                                                f"{why}") from None
                     if why:
                         raise _Lost(why) from None
                 continue

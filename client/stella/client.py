@@ -404,6 +404,8 @@ class Client:
         s = self._session
         msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=entries,
                    hparams=dict(hparams) if hparams else None, report=report, samples=samples, final=final)
+        if sum(memoryview(f).nbytes for f in frames) > CHUNK_ABOVE:  # over a slow link: in pieces first
+            msg, frames = s.staged(msg, list(frames), timeout), []
         pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
         return pending if not wait else pending.result()
 

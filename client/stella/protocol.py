@@ -52,6 +52,7 @@ __all__ = [
     "Chunked", "Chunk", "Uploaded",
     # framing and the payloads' coding
     "Request", "Reply", "Received", "encode", "encode_header", "decode_request", "decode_reply", "tag_of",
+    "check_payload",
 ]
 
 PROTOCOL_VERSION = 12
@@ -269,6 +270,9 @@ class Push(_Message, tag="push", frozen=True):
     # the worker's last push (close()): its whole error-feedback residual, larger than a round's top-k. Once
     # per registration the server's clip relative to the job's pushes allows it more (docs/security.md)
     final: bool = False
+    # the payload frames are this worker's finished ``upload`` of that id (a push larger than a
+    # few MiB over a slow link: close()'s residual), and none follows
+    upload: TransferId | None = None
 
 
 class Pull(_Message, tag="pull", frozen=True):
@@ -319,18 +323,19 @@ class Fetch(_Message, tag="fetch", frozen=True):
 
 
 class Upload(_Message, tag="upload", frozen=True):
-    """A piece of the model's values that the server asked this worker for (``registered``
-    with ``needs_values``), sent ahead of the ``register`` that names the upload: bytes
-    ``[offset, offset + n)`` of the value frames laid end to end (``sizes`` their bytes,
-    ``total`` their sum), in 1 to ``MAX_CHUNK_FRAMES`` payload frames. The reply says how
-    many bytes the server holds: a piece that does not start there changes nothing, and
-    an upload cut by a reconnect goes on from there."""
+    """A piece of a large message's payload, sent ahead of the message that names the
+    upload: the model's values the server asked this worker for (``registered`` with
+    ``needs_values``; then ``register``), or a registered worker's push (then ``push``).
+    Bytes ``[offset, offset + n)`` of the payload frames laid end to end (``sizes`` their
+    bytes), in 1 to ``MAX_CHUNK_FRAMES`` payload frames. The reply says how many bytes the
+    server holds: a piece that does not start there changes nothing, and an upload cut by
+    a reconnect goes on from there."""
 
     worker: WorkerId
     transfer: TransferId
     offset: ByteOffset
     sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TRANSFER_BYTES)]],
-                     msgspec.Meta(min_length=1, max_length=MAX_PARTS)]
+                     msgspec.Meta(min_length=1, max_length=MAX_CHUNK_FRAMES)]
 
 
 # ------------------------------------------------------------------------ replies
@@ -341,6 +346,8 @@ class Joined(_Message, tag="joined", frozen=True):
     initialised: bool
     session: Session = 0  # token for heartbeats and for taking the id back on reconnect
     heartbeat_s: float = 0.0  # send a heartbeat this often; 0: the server checks no liveness
+    # the server's liveness timeout: a client that hears no heartbeat reply for this long reconnects
+    liveness_s: float = 0.0
     shard: str = ""  # "I/N": the server is shard I of N of a sharded job (stella.shards); "": not sharded
     # the server's dense cut (stella-ps --dense-below): how a registration lays the model out flat
     dense_below: Annotated[int, msgspec.Meta(ge=0, le=MAX_NUMEL)] = 0
@@ -648,6 +655,16 @@ def tag_of(msg: Any) -> str:
 
 
 def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
+    if isinstance(msg, Push) and msg.upload is not None:  # checked with the upload's frames (check_payload)
+        if payload:
+            raise ProtocolError("push: the payload is the upload's; no payload frame may follow")
+        return
+    check_payload(msg, payload)
+
+
+def check_payload(msg: Any, payload: tuple[memoryview, ...]) -> None:
+    """Check ``msg``'s payload frames against its header (what the decoders do; the server
+    calls it on a push whose frames came ahead in an ``upload``)."""
     if isinstance(msg, Push):
         _check_run(msg, msg.tensors, payload, 0, len(payload), False)
     elif isinstance(msg, Delta):

@@ -230,6 +230,10 @@ class Aggregator:
         """Live workers the open step still waits for (those behind excepted)."""
         return [w for w in live if not self._pending.get(w) and w not in self._behind]
 
+    def has_pending_of(self, worker: int) -> bool:
+        """Whether ``worker`` has a push waiting for its step."""
+        return bool(self._pending.get(worker))
+
     def mark_behind(self, workers: Collection[int], live: Collection[int]) -> None:
         """``workers`` missed a step the deadline closed, and are silent: wait for none
         of them until its next push arrives. Workers no longer ``live`` are forgotten (the set

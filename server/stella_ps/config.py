@@ -245,6 +245,9 @@ class Limits:
         return OptimizerLimits(self.max_lr, self.max_weight_decay, self.min_eps)
 
 
+HEARTBEAT_MAX_S = 1.0
+
+
 @dataclass(frozen=True)
 class Liveness:
     """When a worker counts as gone (README "Operations")."""
@@ -259,8 +262,10 @@ class Liveness:
 
     @property
     def heartbeat_s(self) -> float:
-        """How often clients send a heartbeat (the ``joined`` reply says it); 0: never."""
-        return self.timeout / 4 if self.timeout > 0 else 0.0
+        """How often clients send a heartbeat (the ``joined`` reply says it); 0: never. At
+        most a second: a worker cut off is *silent* after 1.5 of them (the steps stop waiting
+        for it), long before the liveness timeout declares it gone."""
+        return min(self.timeout / 4, HEARTBEAT_MAX_S) if self.timeout > 0 else 0.0
 
 
 @dataclass(frozen=True)

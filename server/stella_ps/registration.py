@@ -89,20 +89,26 @@ class Registration:
             raise
         return self._register(msg, info, layout, (flat, start, stop), values, cfg)
 
-    def upload(self, msg: Upload, rx: Received, info: WorkerInfo) -> Uploaded:
-        """Take a piece of the model's values from ``info``'s worker, which the server asked
-        for them (:class:`~stella_ps.transfers.Upload`): bounded by ``--max-model-bytes``,
-        one upload per worker (a new id starts it again), refused once the model exists."""
-        if self.store.initialised or not info.registering:
+    def upload(self, msg: Upload, rx: Received, info: WorkerInfo, max_push_bytes: int) -> Uploaded:
+        """Take a piece of a large payload from ``info``'s worker
+        (:class:`~stella_ps.transfers.Upload`): the model's values the server asked it for
+        (bounded by ``--max-model-bytes``), or a registered worker's push (bounded by
+        ``max_push_bytes``, ``--max-message-bytes``); one upload per worker (a new id
+        starts it again)."""
+        total = sum(msg.sizes)
+        if info.registered:  # a push's frames
+            if total > max_push_bytes:
+                raise BadRequest(f"upload: a push of {total} bytes > --max-message-bytes {max_push_bytes}",
+                                 code=ErrorCode.LIMIT)
+        elif self.store.initialised or not info.registering:
             raise BadRequest("upload: this worker was not asked for the model's values (a registration probe "
                              "answered needs_values asks for them)", code=ErrorCode.PROTOCOL)
-        total = sum(msg.sizes)
-        if total > self._max_model_bytes:
+        elif total > self._max_model_bytes:
             raise BadRequest(f"upload: {total} bytes of values > --max-model-bytes {self._max_model_bytes}",
                              code=ErrorCode.LIMIT)
         up = info.upload
         if up is None or up.transfer != msg.transfer or up.sizes != list(msg.sizes):
-            up = info.upload = UploadBuffer(msg.transfer, list(msg.sizes), bytearray(total))
+            up = info.upload = UploadBuffer(msg.transfer, list(msg.sizes))
         return Uploaded(req=msg.req, transfer=msg.transfer, have=up.take(msg.offset, rx.frames))
 
     def _range(self, msg: Register) -> tuple[FlatLayout, int, int]:

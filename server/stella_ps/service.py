@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stella.errors import ErrorCode, ProtocolError, StellaError, VersionError
+from stella.errors import ErrorCode, ProtocolError, StellaError, TransferLost, VersionError
 from stella.payload import decode_tensors
 from stella.protocol import (
     MAX_NAME_BYTES,
@@ -49,6 +49,7 @@ from stella.protocol import (
     StatusReply,
     Upload,
     WorkerStatus,
+    check_payload,
 )
 
 from . import __version__
@@ -240,7 +241,8 @@ class Service:
                 parts = self.transfers.piece(info.worker, msg.transfer, msg.offset, msg.length)
                 self._send(ident, Chunk(req=msg.req, transfer=msg.transfer, offset=msg.offset), parts)
             case Upload() as msg:
-                reply = self.registration.upload(msg, rx, self._member(ident, msg.worker, registered=False))
+                reply = self.registration.upload(msg, rx, self._member(ident, msg.worker, registered=False),
+                                                 self.config.limits.max_message_bytes)
                 self._send(ident, reply, ())
             case _:  # pragma: no cover - decode_request returns only the types above
                 raise ProtocolError(f"no handler for {type(rx.msg).__name__}")
@@ -266,6 +268,7 @@ class Service:
         self._send(ident, Joined(req=msg.req, worker=info.worker, version=self.store.version,
                                  workers=len(self.members.live), initialised=self.store.initialised,
                                  session=info.session, heartbeat_s=self.config.liveness.heartbeat_s,
+                                 liveness_s=self.config.liveness.timeout,
                                  shard=self.config.shard, dense_below=self.config.dense_below,
                                  shards=self.shard_list.addresses()), ())
         self.steps.membership_changed()
@@ -294,6 +297,14 @@ class Service:
             self.stats.duplicate_pushes += 1
             self._send(ident, PushOk(req=msg.req, step=self.store.version, version=self.store.version), ())
             return
+        if msg.upload is not None:  # its frames came ahead, in pieces
+            up = info.upload
+            if up is None or up.transfer != msg.upload or up.have != up.total:
+                raise TransferLost(f"push: upload {msg.upload:#x} is not whole here: upload it, then push")
+            frames = tuple(up.frames())
+            check_payload(msg, frames)
+            rx = Received(msg, frames)
+            info.upload = None
         if msg.version > self.store.version:
             raise VersionError(f"push computed on version {msg.version}, but the server is at "
                                f"{self.store.version} (a version from the future)")

@@ -10,7 +10,10 @@ The rules (README "Stragglers", docs/protocol.md):
 - Of the missing workers, the *silent* ones (no request or heartbeat for
   :data:`SILENT_BEATS` heartbeat intervals: dead, stopped, cut off) are then *behind*:
   later steps do not wait for them until their next push arrives. One still heard from
-  (a long evaluation, a slow machine) is only slow and waited for up to the deadline.
+  (a long evaluation, a slow machine) is only slow and waited for up to the deadline;
+  but if it falls silent before its next push (a link cut just before the deadline), it
+  is behind from that moment, and a step that waited only for it closes then: a cut
+  site costs the others one deadline, not one per step until the silence shows.
 - A push that missed its step is folded into the next one (the aggregator keeps it).
 - A worker declared gone (liveness) or dropped (allowlist) stops being waited for at
   once; the step its loss closes is not a sample for the adaptive deadline.
@@ -95,6 +98,8 @@ class StepScheduler:
         self.failed: BaseException | None = None  # why no step can close any more (on_failure)
         self._applying = False
         self._timer: Timer | None = None
+        self._silence: Timer | None = None  # watches missing workers still heard from at a deadline
+        self._watched: set[int] = set()
         self._opened: float | None = None  # when the open step's first push arrived
         self._lost_worker = False  # a worker was lost while the open step waited: not a complete step
         self._idle = asyncio.Event()
@@ -180,6 +185,9 @@ class StepScheduler:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
 
     async def idle(self) -> None:
         """Wait until no step is being applied."""
@@ -303,7 +311,36 @@ class StepScheduler:
         log.info("step deadline passed", extra={"missing_workers": missing, "silent_workers": silent,
                                                 "version": self.store.version})
         self.agg.mark_behind(silent, self.members.live)
+        self._watched.update(w for w in missing if w not in silent)
+        self._watch_silence()
         self._start_applying(force=True)
+
+    def _watch_silence(self) -> None:
+        """Look again, when the first of the watched workers could have fallen silent,
+        whether they did (until each pushes, is silent, or is gone)."""
+        if self._silence is not None or self._silent_after <= 0 or self.failed is not None:
+            return
+        live = self.members.live
+        self._watched = {w for w in self._watched if w in live and not self.agg.has_pending_of(w)}
+        if not self._watched:
+            return
+        first = min(live[w].last_seen for w in self._watched)
+        self._silence = self._clock.call_later(first + self._silent_after - self._clock.now() + 0.01,
+                                               self._on_silence)
+
+    def _on_silence(self) -> None:
+        self._silence = None
+        if self.failed is not None:
+            return
+        waiting = [w for w in self._watched if w in self.members.live and not self.agg.has_pending_of(w)]
+        silent = self.members.silent(waiting, self._silent_after)
+        if silent:
+            log.info("workers that missed a step fell silent: not waited for until they push",
+                     extra={"silent_workers": silent, "version": self.store.version})
+            self.agg.mark_behind(silent, self.members.live)
+            self._watched.difference_update(silent)
+            self._maybe_close()
+        self._watch_silence()
 
     def _start_applying(self, force: bool) -> None:
         self._applying = True

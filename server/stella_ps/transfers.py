@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from stella.errors import BadRequest, ErrorCode, TransferLost
 from stella.protocol import MAX_CHUNK_FRAMES
 
@@ -133,17 +135,23 @@ class Transfers:
 
 @dataclass(eq=False)
 class Upload:
-    """The model's values coming in pieces from the worker asked for them."""
+    """A large payload coming in pieces (the model's values from the worker asked for
+    them, or a registered worker's push). Its buffer is allocated zeroed by the OS
+    (``calloc``: pages are resident only once written), so a declared size costs memory
+    only as its bytes arrive, as a message of that size would."""
 
     transfer: int
     sizes: list[int]
-    buffer: bytearray
+    buffer: np.ndarray = field(init=False)
     have: int = 0
     started: float = field(default_factory=time.monotonic)
 
+    def __post_init__(self) -> None:
+        self.buffer = np.zeros(sum(self.sizes), np.uint8)
+
     @property
     def total(self) -> int:
-        return len(self.buffer)
+        return int(self.buffer.size)
 
     def take(self, offset: int, frames: Sequence[memoryview]) -> int:
         """Write a piece starting at ``offset`` if it starts where the upload stands (else
@@ -156,14 +164,14 @@ class Upload:
                              code=ErrorCode.PROTOCOL)
         at = self.have
         for f in frames:
-            self.buffer[at:at + f.nbytes] = _bytes(f)
+            self.buffer[at:at + f.nbytes] = np.frombuffer(_bytes(f), np.uint8)
             at += f.nbytes
         self.have = at
         return self.have
 
     def frames(self) -> list[memoryview]:
         """The value frames, once the upload is whole."""
-        view, out, at = memoryview(self.buffer), [], 0
+        view, out, at = memoryview(self.buffer.data), [], 0
         for n in self.sizes:
             out.append(view[at:at + n])
             at += n
