@@ -62,17 +62,19 @@ def scenario(kind: str, seconds: float, a: argparse.Namespace) -> dict[str, Any]
             threading.Thread(target=read, args=(s, p), daemon=True).start()
         time.sleep(a.before)
         t_cut = time.monotonic()
-        if kind == "cut":
+        if kind in ("cut", "forever"):
             bed.set_link("a", False)
         else:
             bed.set_rate("a", up=a.rate / 100, down=a.rate / 100)
         time.sleep(seconds)
         if kind == "cut":
             bed.set_link("a", True)
-        else:
+        elif kind == "trickle":
             bed.set_rate("a", up=a.rate, down=a.rate)
         t_up = time.monotonic()
-        time.sleep(a.after)
+        if kind != "forever":
+            time.sleep(a.after)
+        status = _status(srv)
         for p in procs.values():
             p.send_signal(signal.SIGTERM)
         codes = {}
@@ -93,31 +95,75 @@ def scenario(kind: str, seconds: float, a: argparse.Namespace) -> dict[str, Any]
     after_a = [t for t in sa if t >= t_up]
     gaps_b = [y - x for x, y in itertools.pairwise(sb) if t_cut <= y <= t_up + 1]
     deadline = [line for line in log.splitlines() if "step deadline passed" in line]
-    return {"scenario": f"{kind} {seconds:g} s", "b_steps_during": len(during_b),
+    waits = [t for t, line in ((_ts(x), x) for x in log.splitlines()) if "step deadline passed" in line]
+    return {"scenario": f"{kind} {seconds:g} s" if kind != "forever" else f"cut for good ({seconds:g} s watched)",
+            "b_steps_during": len(during_b),
             "b_longest_gap_s": round(max(gaps_b, default=float("nan")), 2),
             "steps_waiting_the_deadline": len(deadline), "a_declared_gone": "declared gone" in log,
             "a_back_after_s": round(after_a[0] - t_up, 2) if after_a else None,
             "a_reconnects": sum("reconnecting" in line for _, line in lines["a"]),
-            "exit": codes, "a_steps_after": len(after_a)}
+            "exit": codes, "a_steps_after": len(after_a),
+            "a_silent_after_s": _silent_after(log, t_cut),
+            "late_pushes": status.get("late_pushes"),
+            "deadline_waits_after_cut": len(waits)}
+
+
+def _status(srv: ServerProcess) -> dict[str, Any]:
+    """The server's counters now: its versions and late pushes (a push that missed its step, folded into a
+    later one)."""
+    from stella import Client
+
+    try:
+        kw = srv.client_kwargs()
+        c = Client(srv.endpoint, join=False, timeout=10, server_key=kw.get("server_key"),
+                   client_key=kw.get("client_key"))
+        try:
+            st = c.status()
+        finally:
+            c.close()
+    except Exception as e:  # the report says why, the scenario's other figures stand
+        return {"error": str(e)}
+    return {"version": st.version, "late_pushes": st.late_pushes, "steps": st.steps}
+
+
+def _ts(line: str) -> float:
+    try:
+        return float(json.loads(line)["ts"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def _silent_after(log: str, t_cut: float) -> float | None:
+    """Seconds from the cut (monotonic) to the server's marking a silent: the log's wall-clock times are
+    converted through the offset between the clocks now (both read here)."""
+    offset = time.time() - time.monotonic()
+    for line in log.splitlines():
+        if ("fell silent" in line or "step deadline passed" in line) and '"silent_workers": [' in line \
+                and '"silent_workers": []' not in line and _ts(line) - offset >= t_cut:
+            return round(_ts(line) - offset - t_cut, 2)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cut", description=__doc__.split("\n\n")[0])
     p.add_argument("--cuts", default="30,120", help="cut site a for these many seconds, one scenario each")
     p.add_argument("--trickle", type=float, default=60.0, help="then 1%% of its rate for this long (0: not)")
+    p.add_argument("--forever", type=float, default=60.0,
+                   help="then cut site a for good, watched this long (0: not)")
     p.add_argument("--rate", type=float, default=100.0, help="the worker sites' links, Mbit/s")
     p.add_argument("--before", type=float, default=15.0)
     p.add_argument("--after", type=float, default=30.0)
     p.add_argument("--liveness", type=float, default=20.0, help="stella-ps --liveness-timeout")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    runs = [("cut", float(s)) for s in a.cuts.split(",") if s] + ([("trickle", a.trickle)] if a.trickle else [])
+    runs = [("cut", float(s)) for s in a.cuts.split(",") if s] + ([("trickle", a.trickle)] if a.trickle else []) \
+        + ([("forever", a.forever)] if a.forever else [])
     rows = []
     for kind, seconds in runs:
         rows.append(scenario(kind, seconds, a))
         print(json.dumps(rows[-1]), flush=True)
-    cols = ["scenario", "b_steps_during", "b_longest_gap_s", "steps_waiting_the_deadline", "a_declared_gone",
-            "a_back_after_s", "a_reconnects", "exit"]
+    cols = ["scenario", "b_steps_during", "b_longest_gap_s", "steps_waiting_the_deadline", "a_silent_after_s",
+            "a_declared_gone", "a_back_after_s", "a_reconnects", "late_pushes", "exit"]
     print(f"load {os.getloadavg()[0]:.2f}; sites a, b at {a.rate:g} Mbit/s; liveness {a.liveness:g} s")
     print(" | ".join(cols))
     for r in rows:

@@ -7,8 +7,8 @@ again, and reports what it did as JSON lines.
 It trains the demo's MLP on its shard of the digits (``stella.demo``) with
 :class:`stella.StellaOptimizer` (the default update mode: a local AdamW, top-k of
 the weight changes with error feedback, averaged on the server)
-until the server's version reaches ``--target-version`` (or ``--max-steps``), so
-that workers that come and go finish together. Each step appends
+until the server's version reaches ``--target-version`` (or ``--max-steps``, or a
+SIGTERM: ``StellaOptimizer.stop()``), so that workers that come and go finish together. Each step appends
 ``{"t", "step", "version", "loss"}`` to the log; the end appends ``{"done": true,
 "accuracy", "version", "reconnects", "worker"}`` with the held-out accuracy of its
 replica after the last exchange.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from stella import Compression, Connection, StellaOptimizer
+    from stella import Compression, Connection, StellaOptimizer, Stopped
     from stella.demo import accuracy, demo_model, load_digits_split, shuffled_batches
 
     torch.set_num_threads(1)
@@ -54,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     opt = StellaOptimizer(model, a.address, optimizer={"name": "adamw", "lr": a.lr, "weight_decay": 0.0},
                           compression=Compression(density=a.density, method="threshold"),
                           connection=Connection(timeout=a.timeout, name=f"live-worker-{a.rank}", worker_id=a.worker_id))
+    stopping = []
+
+    def stop(*_: object) -> None:  # SIGTERM (bench.soak's end): the loop ends after this step, cleanly
+        stopping.append(True)
+        opt.stop()
+
+    signal.signal(signal.SIGTERM, stop)
     opt.start()
     log.write(json.dumps({"t": time.time(), "joined": True, "worker": opt.client.worker_id,
                           "version": opt.version, "pid": os.getpid()}) + "\n")
@@ -61,18 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     batches = shuffled_batches(xtr.shape[0], a.batch_size, gen)
     step = 0
     try:
-        while opt.version < a.target_version and step < a.max_steps:
+        while opt.version < a.target_version and step < a.max_steps and not stopping:
             b = next(batches)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xtr[b]), ytr[b])
             loss.backward()
             if a.step_sleep:
                 time.sleep(a.step_sleep)
-            opt.step()
+            try:
+                opt.step()
+            except Stopped:
+                break
             step += 1
             log.write(json.dumps({"t": time.time(), "step": step, "version": opt.version,
                                   "loss": round(loss.item(), 5)}) + "\n")
-        opt.synchronize()
+        if not stopping:
+            opt.synchronize()
         acc = accuracy(model, xte, yte)
         log.write(json.dumps({"t": time.time(), "done": True, "accuracy": acc, "version": opt.version,
                               "reconnects": opt.client.reconnects, "worker": opt.client.worker_id,

@@ -1,4 +1,4 @@
-"""Slow links: ``python -m bench.slow [--rates 5,10] [--joiner 10] [--join-at 60] [--json PATH]``.
+"""Slow links: ``python -m bench.slow [--rates 5,10] [--joiner 10] [--join-at 90] [--json PATH]``.
 
 Issue 45's slow-link scenario on the test bed (``bench/wan``; needs root and network
 namespaces): a job whose sites sit behind home or spot-market uplinks, shaped from the
@@ -6,9 +6,9 @@ start (the model's first copy included), and a site that joins mid-job over one 
 
 - sites ``w0``, ``w1``, ...: a worker each at ``--rates`` Mbit/s both ways (5 and 10 by
   default), started together; the server's site ``ps`` at ``--ps-rate``;
-- site ``join`` (``--joiner`` Mbit/s; 0: none) starts ``--join-at`` seconds later: it
-  registers, pulls what it lacks (a snapshot in pieces, or the steps since the model's
-  creation) and trains on;
+- site ``join`` (``--joiner`` Mbit/s; 0: none) starts ``--join-at`` seconds later, with
+  initial values of its own (another seed): it registers, pulls the job's model (a
+  snapshot, 39 MB in pieces) and trains on;
 - ``--workload`` (widemlp by default: 9.7M parameters, a 39 MB first copy: 62 s at
   5 Mbit/s) in update mode with the library's default compression and adaptation, until
   worker 0 reaches the workload's target or ``--max-seconds``.
@@ -37,16 +37,21 @@ from bench.wan import Link, WanTestbed
 def job(rates: list[float], joiner: float, a: argparse.Namespace) -> dict[str, Any]:
     sites = {"ps": Link(a.ps_rate, a.ps_rate), **{f"w{i}": Link(r, r) for i, r in enumerate(rates)}}
     names = [f"w{i}" for i in range(len(rates))]
-    start_after = [0.0] * len(rates)
+    start_after: list[float] = [0.0] * len(rates)
+    seeds: list[int | None] = [None] * len(rates)
     if joiner:
         sites["join"] = Link(joiner, joiner)
         names.append("join")
         start_after.append(a.join_at)
+        # its own initial values: not the job's, so it pulls the model (a snapshot, in pieces) as any worker
+        # joining a job that has moved on does, whatever the history the server keeps
+        seeds.append(1000)
     t0 = time.time()
     with WanTestbed(sites, max_lifetime=a.max_seconds + a.join_at + 600) as bed:
         res = run_stella(a.workload, world=len(names), steps=a.max_steps, max_seconds=a.max_seconds, bed=bed,
                          sites=names, density="default", value_dtype="default", sync_every=0, mode="update",
-                         stop_at_target=True, start_after=start_after, expected=len(rates), log_dir=a.log_dir)
+                         stop_at_target=True, start_after=start_after, expected=len(rates), log_dir=a.log_dir,
+                         model_seeds=seeds)
     out: dict[str, Any] = {"rates": rates, "joiner": joiner, "wall_s": round(time.time() - t0, 1),
                            "ok": bool(res.get("ok"))}
     if not res.get("ok"):
@@ -60,7 +65,7 @@ def job(rates: list[float], joiner: float, a: argparse.Namespace) -> dict[str, A
         "target": res["target"], "final_metric": res.get("final_metric"),
         "reached_s": round(reached["wall"], 1) if reached else None,
         "reached_step": reached["step"] if reached else None,
-        "declared_gone": sum("declared gone" in line for line in log.splitlines()),
+        "declared_gone": sum("workers declared gone" in line for line in log.splitlines()),
         "deadline_steps": sum("step deadline passed" in line for line in log.splitlines()),
         "transfers_lost": sum('"code": "transfer"' in line for line in log.splitlines()),
         "workers": [worker_row(name, r) for name, r in zip(names, ranks)],
@@ -103,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.slow", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="5,10", help="the starting sites' links, Mbit/s, one worker each")
     p.add_argument("--joiner", type=float, default=10.0, help="a site joining mid-job at this rate (0: none)")
-    p.add_argument("--join-at", type=float, default=60.0, help="seconds after the start")
+    p.add_argument("--join-at", type=float, default=90.0,
+                   help="seconds after the start (the first copy of widemlp takes 62-66 s at 5 Mbit/s: later than "
+                        "that, the joiner is not one of the job's first workers, whose first step waits for all)")
     p.add_argument("--ps-rate", type=float, default=1000.0)
     p.add_argument("--workload", default="widemlp")
     p.add_argument("--max-seconds", type=float, default=600.0)

@@ -86,7 +86,7 @@ def worker(a) -> int:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.site_port}", rank=a.rank % a.site_size,
                                 world_size=a.site_size)
     wl = W.get(a.workload)
-    model = wl.build_model(a.seed)
+    model = wl.build_model(a.seed if a.model_seed is None else a.model_seed)
     comp_kw: dict[str, Any] = {}  # "default": the library's own default (not passed)
     if a.density != "default":
         comp_kw["density"] = a.density if a.density == "auto" else float(a.density)
@@ -189,7 +189,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                sync_every: int = 1, value_dtype: str = "auto", outer: str = "average",
                server_args: tuple[str, ...] = (), site_size: int = 1, slowdown: float | list[float] = 1.0,
                max_sync_every: int = 0, max_accumulate: int = 0, per_tensor: bool = False,
-               start_after: list[float] | None = None, expected: int | None = None) -> dict:
+               start_after: list[float] | None = None, expected: int | None = None,
+               model_seeds: list[int | None] | None = None) -> dict:
     """Run one Stella job (server + ``world`` workers) and return its summary. The
     server's log is kept as ``ps.log`` in the job's log directory (``log_dir`` key).
     ``server_args``: more stella-ps flags. ``site_size`` > 1: the workers are sites of
@@ -199,7 +200,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
     ``max_accumulate`` 0: not passed, the library's defaults. ``per_tensor``: each large
     tensor its own share of a push (``Compression(per_tensor=True)``). ``start_after``: seconds
     each rank waits before it joins (a joiner mid-job); ``expected``: the workers the server
-    waits for before its first step (default: every worker)."""
+    waits for before its first step (default: every worker); ``model_seeds``: each rank's
+    model seed (None: ``seed``; another makes that worker pull a snapshot when it joins)."""
     from bench import workloads as W
     from stella_ps.process import free_port
 
@@ -236,6 +238,8 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                 argv.append("--per-tensor")
             if start_after and start_after[r] > 0:
                 argv += ["--start-after", str(start_after[r])]
+            if model_seeds and model_seeds[r] is not None:
+                argv += ["--model-seed", str(model_seeds[r])]
             argvs.append(argv)
         rcs = wait_workers(launch_workers(argvs, tmp, bed=bed, sites=sites), max_seconds + 180)
         server_cpu = process_cpu_seconds(ps.pid) - server_cpu
@@ -337,6 +341,9 @@ def main(argv=None) -> int:
     w.add_argument("--max-sync-every", type=int, default=0, help="0: the library's default (not passed)")
     w.add_argument("--max-accumulate", type=int, default=0, help="0: the library's default (not passed)")
     w.add_argument("--start-after", type=float, default=0.0, help="join the job this many seconds after launch")
+    w.add_argument("--model-seed", type=int, default=None,
+                   help="build the model with this seed (default --seed): another seed's values are not the job's, "
+                        "so the worker pulls a snapshot")
     ap.add_argument("--workload", default="digits")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-seconds", type=float, default=120)
