@@ -61,9 +61,10 @@ class Job:
         self.args = ["--liveness-timeout", str(a.liveness), "--checkpoint-dir", os.path.join(workdir, "ck"),
                      "--checkpoint-every-steps", str(a.checkpoint_every)]
         self.servers: list[dict[str, Any]] = []  # each server process: its usage after warm-up and at its end
-        self.srv = self._server([])
+        self.env: dict[str, str] = {}
+        self.srv = self._server(None)
         self.env = {**os.environ, **self.srv.client_env()}
-        self.keys = list(self.srv.argv[self.srv.argv.index("--keys"):self.srv.argv.index("--keys") + 4])
+        self.keys = self.srv.key_args()  # a restarted server uses the same keys (or the environment's)
         self.vfile = os.path.join(workdir, "versions.txt")
         self.mon = bed.popen("ps", [sys.executable, "-m", "bench.chaos", "monitor", self.srv.endpoint, self.vfile,
                                     "--max-seconds", str(a.minutes * 60 + a.reference_minutes * 60 + 300)],
@@ -76,9 +77,10 @@ class Job:
         for r in range(a.workers):
             self.procs[r] = self.worker(r)
 
-    def _server(self, extra: list[str]) -> ServerProcess:
-        kw: dict[str, Any] = {"env": self.env, "secure": True} if extra else {}
-        srv = ServerProcess(self.a.workers, [*self.args, *extra], bind=self.bind, log_level="INFO",
+    def _server(self, keys: list[str] | None) -> ServerProcess:
+        """The first server (``keys`` None: it makes the job's keys), or a restart with the same."""
+        kw: dict[str, Any] = {"env": self.env, "secure": True} if keys is not None else {}
+        srv = ServerProcess(self.a.workers, [*self.args, *(keys or [])], bind=self.bind, log_level="INFO",
                             popen=functools.partial(self.bed.popen, "ps"), cwd=ROOT, **kw)
         self.servers.append({"pid": srv.pid, "started": time.monotonic(), "ended": None, "warm": None, "end": None,
                              "proc": srv})

@@ -329,6 +329,10 @@ def test_rejoin_with_same_id_and_conflict(server, make_client):
     other = make_client(server.endpoint, join=False)
     with pytest.raises(BadRequest, match=r"\[worker_id\] worker id \d+ is in use"):
         other.join(wid)
+    # a restarted process asking for its old id, still held by its killed incarnation's connection
+    # (until the liveness timeout): it does not fail, it joins with a new id (bench.soak's restarted worker)
+    again = make_client(server.endpoint, worker_id=wid)
+    assert again.worker_id not in (None, wid)
     a.leave()
     assert other.join(wid) == wid
 

@@ -18,6 +18,7 @@ resumes from the server's version.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from ._session import (
     default_timeout,
     expect,
 )
-from .errors import ProtocolError
+from .errors import ErrorCode, ProtocolError, ServerError
 from .layout import FlatLayout, FlatUpdate, FlatValues, Part
 from .payload import SparseTensor, concat_entries, decode_tensors, encode_tensors, part_specs
 from .protocol import (
@@ -66,6 +67,8 @@ from .protocol import (
 
 __all__ = ["Client", "Pending", "PullResult", "EncodedPush", "ENV_TIMEOUT", "ENV_SERVER_KEY", "ENV_CLIENT_KEY",
            "ENV_RECONNECT", "default_timeout", "default_reconnect", "curve_keys"]
+
+log = logging.getLogger("stella.client")
 
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 T = TypeVar("T")
@@ -284,7 +287,17 @@ class Client:
         self._index: dict[str, int] = {}
         self.shard_addresses: list[str] = []  # the job's shards as the server's join reply lists them (stella.shards)
         if join:
-            self.join(worker_id)
+            try:
+                self.join(worker_id)
+            except ServerError as e:
+                if worker_id is None or e.code != ErrorCode.WORKER_ID:
+                    raise
+                # still held by a connection the server has not declared gone: a restarted worker's own old
+                # one, until --liveness-timeout. Not waited for: a new id, as a reconnect takes in that case
+                log.warning("the worker id asked for is still held by a connection the server has not declared "
+                            "gone (a restarted worker's old one): joining with a new id",
+                            extra={"address": address, "worker": worker_id, "reason": str(e)})
+                self.join(None)
 
     def _tensor(self, name: str) -> int:
         try:
