@@ -20,9 +20,11 @@ def test_a_site_cut_for_12_s_costs_the_other_one_deadline_and_comes_back_by_itse
     a = argparse.Namespace(rate=100.0, before=8.0, after=10.0, liveness=20.0)
     r = scenario("cut", 12.0, a)
     assert r["b_steps_during"] > 50, r  # the other site trained on through the cut
-    # one step waited the deadline (about a second), or none: a was silent within 1.5 heartbeats
-    assert r["steps_waiting_the_deadline"] <= 2 and r["b_longest_gap_s"] < 4.0, r
+    # the server found a silent within 1.5 heartbeats (1.5 s) and waited for it no more: b lost about one
+    # deadline or the silence, whichever is longer (with a deadline shorter than 1.5 s, as under a loaded CI
+    # machine's fast steps, a few deadlines fit in it), not a deadline per step of the 12 s cut (8 before)
     assert r["a_silent_after_s"] is not None and r["a_silent_after_s"] < 4.0, r
+    assert r["b_longest_gap_s"] < 4.0 and r["steps_waiting_the_deadline"] <= 5, r
     assert not r["a_declared_gone"], r  # 12 s < the 20 s liveness timeout
     assert r["a_back_after_s"] is not None and r["a_back_after_s"] < 10.0 and r["a_reconnects"] <= 1, r
     assert r["exit"] == {"a": 0, "b": 0}, r

@@ -26,6 +26,8 @@ Where each concern lives:
 - ``membership``: worker ids, the connections they belong to, liveness.
 - ``waiters``: pulls waiting for a future version; ``answers``: pulls answered (the
   answer a step prepared, sent from the loop; the rest in one trip to the store thread).
+- ``transfers``: large messages in pieces over slow links: answers held for their
+  workers' fetches, uploads (the model's values, a push) taken piece by piece.
 - ``store``: the model, its version, the history of touched coordinates, encoded deltas,
   the undo of a step that failed part way, and the primitives a checkpoint copies it with.
 - ``broadcast``: the compressed broadcast pulls answer: its model ``B`` and residual
