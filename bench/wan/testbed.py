@@ -168,11 +168,20 @@ def _run(args: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT)
     return r
 
 
+#: the burst's floor: more than one TSO/GSO super-packet, which is up to 65,535 bytes of IP packet plus its
+#: 14-byte Ethernet header (what tbf counts). A burst of exactly 64 KiB was 13 bytes short: a super-packet queued
+#: while the rate was high (its burst larger) could never gather the tokens to leave once the rate dropped below
+#: 131 Mbit/s, and the link stalled until a rate change raised the burst again (bench.adaptive's fluctuating
+#: links, seed 4: 11.6 s and 14.1 s stalls after drops from 300 to 35 and 30 Mbit/s; issue 45 saw 15.3 s)
+TBF_MIN_BURST = 80 * 1024
+
+
 def tbf_burst_bytes(rate_mbit: float) -> int:
-    """The token bucket's burst at ``rate_mbit``: at least 64 KiB (one TSO/GSO
-    super-packet), and >= 4 ms worth at high rates so that the bucket is not starved by
-    timer granularity. That much of a message passes at line rate once the bucket refilled."""
-    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+    """The token bucket's burst at ``rate_mbit``: at least :data:`TBF_MIN_BURST` (more
+    than one TSO/GSO super-packet with its link-layer header), and >= 4 ms worth at high
+    rates so that the bucket is not starved by timer granularity. That much of a message
+    passes at line rate once the bucket refilled."""
+    return max(TBF_MIN_BURST, int(rate_mbit * 1e6 / 8 * 0.004))
 
 
 #: the tbf queue: this many ms at the rate, beside the burst; a packet that finds it full is dropped
