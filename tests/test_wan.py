@@ -209,9 +209,12 @@ def test_a_message_that_overflows_the_downlink_queue_in_one_flight_loses_its_tai
     from bench.transport import measure
 
     hit = measure(20, 288 * 1024, reps=20)
-    qdelay = hit["queue_bytes"] * 8 / 20e6
     assert hit["down_tail_hits"] >= 1, hit
-    assert max(hit["down_all_s"]) > hit["base_s"] + qdelay, hit
+    # (until 2026-12-02 a timer's wait, longer than a queue delay, was asserted too: with the tbf burst at
+    # exactly 64 KiB, a TSO/GSO super-packet (65,549 bytes with its Ethernet header) could not leave, and the
+    # waits seen were, at least in part, that. With the 80 KiB floor the tail is lost and found again within
+    # the queue delay: bench/RESULTS.md "Rate drops")
+    assert min(hit["down_all_s"]) >= hit["base_s"], hit
     assert hit["drops_down"] > 0, hit
     fits = measure(50, 288 * 1024, reps=6)
     assert fits["drops_down"] == 0, fits  # nothing lost down: no tail to wait for
