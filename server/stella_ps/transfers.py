@@ -144,7 +144,6 @@ class Upload:
     sizes: list[int]
     buffer: np.ndarray = field(init=False)
     have: int = 0
-    started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.buffer = np.zeros(sum(self.sizes), np.uint8)
