@@ -98,3 +98,22 @@ def test_a_pull_waiting_through_a_reconnect_is_answered_at_once_and_says_so(make
     assert delta.rebased and delta.version == 0 and c.reconnects >= 1
     assert time.monotonic() - t0 < 60  # ~3 s: not held until the pull's 108 s wait expired
     assert not c.pull(0).rebased
+
+
+def test_a_connection_dropped_after_its_monitor_closed_leaves_the_process_able_to_connect(make_server, make_client):
+    """libzmq sends a socket's monitor events from the context's IO thread, blocking, and
+    keeps a closed socket's monitor until its reaper gets to it. A client that closed its
+    handshake reader first, and then lost its connection (the server went away while the
+    socket was being torn down: a race a test suite met about once in 50 clients), left that
+    thread waiting for ever: no socket of the process connected again. The reader's close
+    stops the monitor first; here the connection drops with the reader closed and the
+    socket still open, and a new client in the same process must still connect."""
+    gone = make_server(1)
+    c = make_client(gone.endpoint, timeout=10)
+    c._session._handshakes.close()
+    gone.stop()
+    time.sleep(0.5)  # the drop reaches the client's IO thread
+    other = make_server(1)
+    t0 = time.monotonic()
+    make_client(other.endpoint, timeout=10).status()
+    assert time.monotonic() - t0 < 10

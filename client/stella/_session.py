@@ -303,7 +303,14 @@ class _Handshakes:
         # before connect(): no handshake goes unseen. pyzmq's default endpoint is named after the
         # socket's fd, which a new socket may reuse before libzmq's reaper released the old
         # endpoint (EADDRINUSE): each monitor gets a name of its own
-        self.socket = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://stella-handshakes-{next(_MONITORS)}")
+        inproc = f"inproc://stella-handshakes-{next(_MONITORS)}"
+        sock.monitor(inproc, self.EVENTS)
+        self._watched = sock
+        self.socket = sock.context.socket(zmq.PAIR)
+        # no high-water mark: libzmq's IO thread sends the events blocking, so a reader that fell 1,000
+        # events behind (a client idle while its connection flaps) would stop every socket of the context
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.connect(inproc)
         self.address, self.keys = address, keys
         self._silent = 0  # handshakes closed without a word, in a row
         # the connection dropped under the socket (libzmq connects again by itself, but what was in
@@ -364,6 +371,13 @@ class _Handshakes:
                 "`server_key_fingerprint`)")
 
     def close(self) -> None:
+        """Stop the monitor, then close its reader; before the watched socket is closed.
+        libzmq keeps a closed socket's monitor until the reaper destroys it, and the
+        teardown's events (a connection dropped) are sent from the context's IO thread,
+        blocking: to a reader already gone, that send never returns, and every socket of
+        the context (every client of the process) stops connecting."""
+        if not self._watched.closed:
+            self._watched.disable_monitor()
         self.socket.close(linger=0)
 
 
@@ -381,8 +395,8 @@ def _release(sock: zmq.Socket, handshakes: _Handshakes, live: _Liveness, thread:
     live.stop.set()
     if thread is not None and thread is not threading.current_thread():
         thread.join(5.0)
+    handshakes.close()  # first: see _Handshakes.close
     sock.close(0)
-    handshakes.close()
 
 
 def _public_key(spec: str) -> bytes:
@@ -673,8 +687,13 @@ class Session:
         sock = _dealer(self._ctx, self.address, self._keys)
         try:
             handshakes = _Handshakes(sock, self.address, self._keys)
+        except BaseException:
+            sock.close(0)
+            raise
+        try:
             sock.connect(self.address)
         except BaseException:
+            handshakes.close()
             sock.close(0)
             raise
         return sock, handshakes
@@ -953,8 +972,8 @@ class Session:
             delay = min(2 * delay, BACKOFF_MAX_S)
 
     def _reconnect_once(self, t: float) -> None:
+        self._handshakes.close()  # first: see _Handshakes.close
         self._sock.close(0)
-        self._handshakes.close()
         self._replies.clear()
         self._sock, self._handshakes = self._new_socket()
         self._arm_finalizer()
