@@ -13,6 +13,7 @@ from bench.wan import netns_available
 
 
 @pytest.mark.slow
+@pytest.mark.testbed
 def test_a_site_cut_for_12_s_costs_the_other_one_deadline_and_comes_back_by_itself():
     ok, why = netns_available()
     if not ok:

@@ -35,6 +35,7 @@ def test_stella_runner_trains_digits_through_a_real_server(mode, staleness, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two systems, each bounded by max_seconds=120 plus start-up
 @pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailable: {_why}")
+@pytest.mark.testbed
 def test_both_stella_systems_run_over_shaped_links():
     """Registered under their names; the veth counters see the sparse traffic."""
     assert {"stella", "stella_grad"} <= set(e2e.SYSTEMS)

@@ -398,6 +398,7 @@ c.close()
 """
 
 
+@pytest.mark.testbed
 def test_a_snapshot_that_outlasts_four_heartbeats_on_a_slow_link_is_not_taken_for_a_lost_server(tmp_path):
     """A worker joining over a slow link pulls the model's snapshot (3 MB over 4 Mbit/s: ~6 s)
     while its heartbeats share that link (1 s heartbeats: "lost" after 4 s without a reply).

@@ -16,6 +16,7 @@ from bench.wan import netns_available
 
 
 @pytest.mark.slow
+@pytest.mark.testbed
 def test_three_minutes_of_churn_on_the_test_bed(tmp_path, capsys):
     ok, why = netns_available()
     if not ok:

@@ -208,6 +208,7 @@ c.close()
 
 
 @pytest.mark.slow
+@pytest.mark.testbed
 def test_a_link_cut_in_the_middle_of_an_upload_and_of_a_snapshot_resumes_them(tmp_path):
     """12 MB over 16 Mbit/s (6 s each way); the link is cut for 8 s (twice the client's
     timeout: it reconnects) in the middle of the upload, then of the snapshot, then of a

@@ -15,6 +15,7 @@ from bench.wan import Link, NotRootError, WanTestbed, bulk, netns_available
 
 _ok, _why = netns_available()
 needs_netns = pytest.mark.skipif(not _ok, reason=f"slow-link test bed unavailable: {_why}")
+pytestmark = pytest.mark.testbed  # timed transfers: one bed at a time (the test-bed tests of other modules too)
 
 
 def _netns_names():
