@@ -46,8 +46,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under pytest-xdist (``make test``/``test-fast``: ``-n 2 --dist loadgroup``), the tests
     of a module that share a module-scoped fixture (a server, a build, a set-up of seconds)
     run on one worker, so that it is made once, and the tests marked ``testbed`` run on one
-    worker, one at a time; every other test goes wherever a worker is free. Everything else the tests share is the worker's own: ephemeral ports, temporary
-    directories, the environment (the session's keys), hypothesis' database."""
+    worker, one at a time; every other test goes wherever a worker is free. Everything else
+    the tests share is the worker's own: ephemeral ports, temporary directories, the
+    environment (the session's keys), hypothesis' database."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
