@@ -1,7 +1,7 @@
 """Validation of ``stella plan``'s model on the slow-link test bed, and two scenarios.
 
-1. **Profiles** of ``digits`` and ``widemlp`` (``stella.planning.measure.profile_model`` on the bench
-   workloads: compute s/step at batch 32 on one torch thread, bytes per round through the
+1. **Profiles** of ``digits``, ``widemlp`` and ``bytelm`` (``stella.planning.measure.profile_model`` on
+   the bench workloads: compute s/step at their batch on one torch thread, bytes per round through the
    real compressor and encoder, the server's CPU per step from a real ``stella-ps`` on
    loopback). Their target iterations and factors come from bench/RESULTS.md (labelled).
 2. **Fit**: a few real jobs over the test bed (``bench.stella_e2e.run_stella``, update mode,
@@ -9,9 +9,11 @@
    coefficients are fitted on them by least squares (:func:`stella.planning.calibrate.fit_many`,
    as ``stella calibrate`` does on a user's runs). Each row of ``--json`` carries its run's
    catalog and configuration (``catalog``, ``spec``), which ``stella calibrate`` reads.
-3. **Held out**: at least 6 other configurations (other W, link rates, asymmetric links,
-   densities, codings, H, and an unequal mix of worker speeds with run-on), predicted
-   first, then measured: s/it (round seconds / H) and, for the runs that stop at the
+3. **Held out**: a workload outside the fit (``bytelm``, the AdamW byte LM: fit on digits
+   and widemlp, predict the third with its own profile and the fit's shared coefficients,
+   :func:`calibration_for`), in 8 configurations (W, link rates, asymmetric links, densities,
+   codings, H; half with the server's site shaped like the workers', several bound by their
+   exchange), predicted first, then measured: s/it (round seconds / H) and, for the runs that stop at the
    target, time to target. MAPE and the worst error against the issue's goals (15% / 30%,
    time to target 25%).
 4. **Hybrid scenario** (model only, docs/catalog.example.toml's illustrative prices):
@@ -175,6 +177,7 @@ class Run:
     slowdown: list[float] = field(default_factory=list)  # per rank; empty: all 1
     steps: int = 30
     to_target: bool = False
+    ps: float = PS_RATE  # Mbit/s of the server's site, each way (issue 47: shaped like the workers' sites)
 
     @property
     def skewed(self) -> bool:
@@ -184,7 +187,8 @@ class Run:
     def describe(self) -> str:
         link = f"{self.up:g}" if self.up == self.down else f"{self.up:g}/{self.down:g}"
         mix = " speeds " + ":".join(f"{1 / s:.2g}" for s in self.slowdown) if self.skewed else ""
-        return (f"{self.workload} W={self.world} {link} Mbit/s {self.density:.2%} {self.coding} H={self.h}"
+        server = f" server {self.ps:g}" if self.ps != PS_RATE else ""
+        return (f"{self.workload} W={self.world} {link} Mbit/s{server} {self.density:.2%} {self.coding} H={self.h}"
                 + (f" (run-on to {self.max_h})" if self.max_h > self.h else "") + mix)
 
 
@@ -345,6 +349,33 @@ def runs(quick: bool) -> list[Run]:
         Run("z7", "digits", "held-out", 4, 20, 20, 0.01, "q2", 1, steps=400, to_target=True),
         Run("z8", "widemlp", "held-out", 2, 20, 20, 0.01, "q4", 1, steps=200, to_target=True),
     ]
+    # the twelfth round's held-out runs (2026-11-26 23:30): 12.0% MAPE, worst 26.8%, the goals met; fit runs since.
+    # Then issue 47 found the model 33-56% high on exchange-bound runs whose server site was shaped too (every run
+    # above gives the server 1000 Mbit/s), and a workload outside the fit off by up to 56%
+    fit += [dataclasses.replace(r, role="fit") for r in held]
+    # the server's site shaped like the workers' (links as they are; the model's server link is full duplex
+    # since issue 47): fit runs, several bound by their exchange
+    fit += [
+        Run("k1", "widemlp", "fit", 2, 30, 30, 0.1, "f16", 1, steps=20, ps=30),
+        Run("k2", "widemlp", "fit", 3, 10, 10, 0.03, "q4", 1, steps=20, ps=10),
+        Run("k3", "widemlp", "fit", 2, 100, 100, 0.01, "f16", 1, steps=s, ps=100),
+        Run("k4", "digits", "fit", 3, 50, 50, 0.03, "f16", 1, steps=3 * s, ps=50),
+        Run("k5", "widemlp", "fit", 4, 50, 50, 0.01, "q4", 2, steps=s, ps=50),
+        Run("k6", "widemlp", "fit", 2, 20, 20, 0.03, "q2", 1, steps=s, ps=20),
+    ]
+    # held out: a workload outside the fit (the AdamW byte LM, 10.8M parameters in 76 tensors: neither the
+    # optimizer nor the model's shape of the two fitted), predicted from its own fresh profile and the fit's
+    # coefficients; half of them with the server's site shaped, several bound by their exchange
+    held = [
+        Run("g1", "bytelm", "held-out", 2, 100, 100, 0.01, "f16", 1, steps=s),
+        Run("g2", "bytelm", "held-out", 2, 20, 20, 0.03, "f16", 1, steps=s, ps=20),
+        Run("g3", "bytelm", "held-out", 3, 50, 50, 0.01, "q4", 1, steps=s, ps=50),
+        Run("g4", "bytelm", "held-out", 2, 10, 10, 0.01, "f16", 1, steps=s, ps=10),
+        Run("g5", "bytelm", "held-out", 3, 30, 30, 0.005, "q2", 2, steps=s),
+        Run("g6", "bytelm", "held-out", 2, 100, 100, 0.1, "f16", 1, steps=s, ps=100),
+        Run("g7", "bytelm", "held-out", 4, 30, 30, 0.01, "q2", 1, steps=s, ps=30),
+        Run("g8", "bytelm", "held-out", 2, 50, 10, 0.03, "q4", 2, steps=s, ps=50),
+    ]
     if quick:
         held = held[:6]
     return fit + held
@@ -352,14 +383,14 @@ def runs(quick: bool) -> list[Run]:
 
 def testbed_catalog_doc(r: Run) -> dict[str, Any]:
     """The run as the planner sees it, as a catalog's tables: one machine kind per distinct
-    worker speed, the sites' links, the server's site at 1000 Mbit/s, all on one shared host
-    (this machine's cores)."""
+    worker speed, the sites' links, the server's site at its rate (1000 Mbit/s unless the run
+    shapes it), all on one shared host (this machine's cores)."""
     kinds: dict[float, int] = {}
     for f in r.slowdown or [1.0] * r.world:
         kinds[f] = kinds.get(f, 0) + 1
     return {
         "hosts": {"bed": {"cores": os.cpu_count() or 1}},  # every worker and stella-ps share this machine
-        "server": {"price": 0, "cores": 2, "up_mbps": PS_RATE, "down_mbps": PS_RATE, "host": "bed"},
+        "server": {"price": 0, "cores": 2, "up_mbps": r.ps, "down_mbps": r.ps, "host": "bed"},
         "kinds": {f"site-x{f:g}": {"gpu": "cpu", "speed": 1 / f, "count": n, "onprem": True, "up_mbps": r.up,
                                    "down_mbps": r.down, "host": "bed",
                                    "burst_kb": tbf_burst_bytes(min(r.up, r.down)) / 1024,
@@ -402,6 +433,8 @@ def _shape_after_join(bed, r: Run, model_bytes: int, stop: threading.Event) -> N
         if uploaded or sum(bed.counters(site)["rx_bytes"] >= 0.98 * model_bytes for site in sites) >= r.world - 1:
             for site in sites:
                 bed.set_rate(site, up=r.up, down=r.down)
+            if r.ps != PS_RATE:
+                bed.set_rate("ps", up=r.ps, down=r.ps)
             return
         stop.wait(0.2)
 
@@ -720,6 +753,21 @@ def billion_scenario(cal: Calibration | None, server: dict[str, Any] | None, log
 # ============================================================ main
 
 
+def calibration_for(workload: str, cals: Mapping[str, Calibration]) -> Calibration:
+    """The fit's coefficients for ``workload``: its own where it had fit runs; for a workload
+    held out of the fit, those the fitted workloads share. With the compute scale given (1:
+    the profiles were measured on the machine that ran the jobs), the fit's only per-model
+    term, every fitted workload carries the same coefficients; the held-out one takes them
+    with its own fresh profile, as a user's model would take a fit made on others."""
+    if workload in cals:
+        return cals[workload]
+    if not cals:
+        return Calibration()
+    shared = cals[min(cals)]
+    return dataclasses.replace(shared, source=f"{shared.source} (fitted on other workloads than {workload}: "
+                                               f"{', '.join(sorted(cals))})")
+
+
 def mape(pairs: list[tuple[float, float]]) -> float:
     return 100 * statistics.mean(abs(p - m) / m for p, m in pairs) if pairs else float("nan")
 
@@ -732,7 +780,12 @@ def validate(a, log=print) -> dict[str, Any]:
     log(f"bench.plan: started {started}, load average {out['load_start']}, {out['machine']}")
     profiles: dict[str, Profile] = {}
     out["profiles"] = {}
-    for wl in ("digits", "widemlp"):
+    plan_runs = runs(a.quick)
+    if a.only:
+        plan_runs = [r for r in plan_runs if r.name in a.only.split(",") or r.role == "fit"]
+    if a.fit:  # a subset of the fit runs (measured again when the system changed under the earlier ones)
+        plan_runs = [r for r in plan_runs if r.name in a.fit.split(",") or r.role != "fit"]
+    for wl in sorted({r.workload for r in plan_runs}):
         path = os.path.join(OUT_DIR, f"{wl}.profile.json")
         if (a.reuse_profiles or a.from_json) and os.path.exists(path):
             with open(path) as f:
@@ -748,11 +801,6 @@ def validate(a, log=print) -> dict[str, Any]:
         profiles[wl] = profile_from_dict(doc, path)
         out["profiles"][wl] = {k: doc[k] for k in ("numel", "compute_s", "compress_s_per_numel", "push", "pull",
                                                      "server", "load_average", "measured_at")}
-    plan_runs = runs(a.quick)
-    if a.only:
-        plan_runs = [r for r in plan_runs if r.name in a.only.split(",") or r.role == "fit"]
-    if a.fit:  # a subset of the fit runs (measured again when the system changed under the earlier ones)
-        plan_runs = [r for r in plan_runs if r.name in a.fit.split(",") or r.role != "fit"]
     measured: dict[str, dict[str, Any]] = {}
     by_name = {r.name: r for r in plan_runs}
     if a.from_json:  # the runs measured before: fit and predict again, run nothing
@@ -817,7 +865,7 @@ def validate(a, log=print) -> dict[str, Any]:
     rows = []
     for r in plan_runs:
         cat, cfg = testbed_catalog(r)
-        prof = dataclasses.replace(profiles[r.workload], calibration=cals.get(r.workload, Calibration()))
+        prof = dataclasses.replace(profiles[r.workload], calibration=calibration_for(r.workload, cals))
         pred = predict(prof, cat, cfg)
         if r.role != "fit" and r.name not in measured and not a.from_json:
             try:

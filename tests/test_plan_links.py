@@ -118,3 +118,28 @@ def test_a_server_site_no_faster_than_the_workers_paces_the_broadcast_no_tail_lo
     shaped = catalog(10, 10, down_queue_ms=50)
     assert predict(prof, fast, cfg(fast, 2, d=d)).tail_s > 0
     assert predict(prof, shaped, cfg(shaped, 2, d=d)).tail_s == 0
+
+
+def test_bench_plans_runs_shape_the_server_site_and_a_held_out_workload_takes_the_shared_fit():
+    """bench.plan's validation (issue 47): a run that shapes the server's site describes it so to
+    the planner (the catalog's server link at the run's rate) and names it; a workload held out
+    of the fit is predicted with the coefficients the fitted workloads share, saying so."""
+    from bench.plan import PS_RATE, calibration_for, runs, testbed_catalog
+
+    rs = {r.name: r for r in runs(quick=False)}
+    shaped = [r for r in rs.values() if r.ps != PS_RATE]
+    assert {r.role for r in shaped} == {"fit", "held-out"}
+    held = [r for r in rs.values() if r.role == "held-out"]
+    assert {r.workload for r in held} == {"bytelm"} and "bytelm" not in {r.workload for r in rs.values()
+                                                                          if r.role == "fit"}
+    r = rs["g4"]
+    cat = testbed_catalog(r)[0]
+    assert (cat.server.up_mbps, cat.server.down_mbps) == (10, 10) and "server 10 " in r.describe()
+    assert testbed_catalog(rs["g1"])[0].server.up_mbps == PS_RATE and "server" not in rs["g1"].describe()
+    # the shared coefficients, under the held-out workload's own profile
+    fitted = Calibration(link=1.2, round_s=0.01, runs=5, source="bench.plan: 5 runs")
+    cals = {"digits": fitted, "widemlp": fitted}
+    assert calibration_for("widemlp", cals) is fitted
+    lm = calibration_for("bytelm", cals)
+    assert (lm.link, lm.round_s, lm.runs) == (1.2, 0.01, 5) and "other workloads than bytelm" in lm.source
+    assert calibration_for("bytelm", {}) == Calibration()
