@@ -172,3 +172,69 @@ def test_calibrate_reads_bench_plans_runs(tmp_path, capsys):
     assert "too few" not in text and 0.8 < cal.link < 1.3 and 1.0 < cal.host_load < 1.3
     mean = float(text.split("mean absolute error ")[1].split("%")[0])
     assert mean < 15  # the test bed's fit made 12% on these workloads
+
+
+def test_calibrate_from_a_running_job_measures_it_records_the_run_and_checks_the_configuration(
+        tmp_path, capsys, make_server, make_client):
+    """``stella calibrate --from``: a real stella-ps with two workers stepping every ~40 ms
+    (each push carrying its report, as StellaOptimizer's do), read through status over a
+    window; the run's pace is the workers' own, its density, coding and H the job's, and it
+    is added to the runs file that the fit then reads. A configuration that is not the job's
+    is refused, saying why."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from stella.protocol import WorkerReport
+
+    srv = make_server(2)
+    workers = [make_client(srv.endpoint) for _ in range(2)]
+    for c in workers:
+        c.register({"w": np.zeros(10_000, np.float32)}, {"name": "sgd", "lr": 0.01}, mode="update")
+    stop, paces = threading.Event(), {}
+    idx = np.arange(0, 10_000, 100, dtype=np.int32)
+
+    def train(i: int, c) -> None:
+        v = c.pull(None).version
+        t0, step = time.monotonic(), 0
+        while not stop.is_set() and step < 2_000:
+            time.sleep(0.04)  # the step's compute
+            step += 1
+            rep = WorkerReport(step=step, compute_s=0.04, exchange_s=0.005, wait_s=0.0, density=0.01,
+                               value_dtype="q4", local_steps=1)
+            c.push({"w": (idx, np.full(idx.size, 1e-3, np.float32))}, v, value_dtype="q4", report=rep)
+            v = c.pull(v, wait_for=v + 1).version
+        paces[i] = (time.monotonic() - t0) / step
+
+    threads = [threading.Thread(target=train, args=(i, c)) for i, c in enumerate(workers)]
+    for t in threads:
+        t.start()
+    try:
+        (tmp_path / "c.toml").write_text(catalog_toml())
+        prof_path = tmp_path / "p.json"
+        prof_path.write_text(json.dumps(profile_doc()))
+        record = tmp_path / "live-runs.json"
+        args = ["calibrate", "--profile", str(prof_path), "--from", srv.endpoint, "--catalog",
+                str(tmp_path / "c.toml"), "--samples", "4", "--interval", "0.5"]
+        rc, _, err = cli(capsys, *args, "--config", "W=3,kind=k0")
+        assert rc == 2 and "does not describe the job" in err and "workers 3 (the job: 2)" in err, err
+        rc, _, err = cli(capsys, *args, "--config", "W=2,kind=k0,coding=f16")
+        assert rc == 2 and "coding f16 (the job: q4)" in err, err
+        rc, text, err = cli(capsys, *args, "--config", "W=2,kind=k0", "--record", str(record), "--out",
+                            str(tmp_path / "fitted.json"))
+        assert rc == 0, err
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    rows = json.loads(record.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["catalog"] == "c.toml" and rows[0]["model"] == "toy"
+    assert rows[0]["spec"] == "W=2,kind=k0,density=0.01,coding=q4,H=1"
+    m = rows[0]["measured"]
+    assert m["workers"] == 2 and m["compute_s"] == pytest.approx(0.04) and m["exchange_s"] == pytest.approx(0.005)
+    # the pace read through status is the workers' own (a round's granularity over a 1.5 s window)
+    assert m["s_per_it"] == pytest.approx(max(paces.values()), rel=0.3), (m, paces)
+    cal = load_profile(str(tmp_path / "fitted.json")).calibration
+    assert cal.runs == 1 and "1 run of toy (live-runs.json)" in cal.source
+    assert f"| {rows[0]['run']} |" in text

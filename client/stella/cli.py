@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 __all__ = ["main"]
 
@@ -96,8 +97,17 @@ def main(argv: list[str] | None = None) -> int:
                     "'calibration' (a profile, bench.plan's --json output)")
     ca = sub.add_parser("calibrate", help="fit stella plan's model coefficients on your own measured runs and "
                         "attach the fit to the profile")
-    ca.add_argument("runs", nargs="+", metavar="RUNS.json", help="measured runs: a runs file (docs/plan.md) or "
+    ca.add_argument("runs", nargs="*", metavar="RUNS.json", help="measured runs: a runs file (docs/plan.md) or "
                     "python -m bench.plan --json's output")
+    ca.add_argument("--from", dest="from_address", metavar="ADDRESS", help="also measure a running job (its "
+                    "workers' reports, through status, over --samples x --interval seconds) as one more run; give "
+                    "its machines with --config and --catalog")
+    ca.add_argument("--config", metavar="SPEC", help="with --from: the job's machines in stella plan --config's "
+                    "syntax (W=2,kind=NAME or machines=...); density, coding and H are the job's own unless given")
+    ca.add_argument("--record", metavar="RUNS.json", help="with --from: add the measured run to this runs file "
+                    "(made if missing); the fit takes every run in it, so runs of several jobs add up")
+    ca.add_argument("--samples", type=int, default=6, help="with --from: status replies to read (default 6)")
+    ca.add_argument("--interval", type=float, default=2.0, help="with --from: seconds between them (default 2)")
     ca.add_argument("--profile", required=True, help="the model's profile (stella profile); the fit is written "
                     "into it unless --out")
     ca.add_argument("--catalog", help="the catalog the runs' configurations name (unless the runs file carries "
@@ -201,26 +211,47 @@ def calibrate(a: argparse.Namespace) -> int:
     import datetime
     import os
 
+    from .errors import StellaError
     from .planning.calibrate import calibrate as fit
-    from .planning.calibrate import read_runs
+    from .planning.calibrate import read_run, read_runs
     from .planning.catalog import PlanError, load_catalog
     from .planning.model import predict
     from .planning.profile_file import load_profile, write_profile
 
     out = a.out or a.profile
+    if not a.runs and not a.from_address:
+        print("stella calibrate: no runs: give a runs file (RUNS.json) or a running job (--from ADDRESS)",
+              file=sys.stderr)
+        return 2
+    if a.from_address and not (a.config and a.catalog):
+        print("stella calibrate: --from needs the job's machines: --config (W=2,kind=NAME or machines=...) on "
+              "--catalog", file=sys.stderr)
+        return 2
     try:
         catalog = load_catalog(a.catalog) if a.catalog else None
         prof = load_profile(a.profile)
-        runs = [r for path in a.runs for r in read_runs(path, catalog)]
+        files = list(a.runs)
+        live = None
+        if a.from_address and catalog is not None:
+            live = _live_run(a, catalog, prof.model)
+            if a.record:
+                _record(a.record, live, a.catalog)
+                if os.path.abspath(a.record) not in map(os.path.abspath, files):
+                    files.append(a.record)
+                live = None  # read back from the record with the runs before it
+        runs = [r for path in files for r in read_runs(path, catalog)]
+        if live is not None and catalog is not None:
+            runs.append(read_run(live, catalog, f"--from {a.from_address}"))
         mine = sum(r.model in ("", prof.model) for r in runs)
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        named = [os.path.basename(x) for x in files] + ([f"live: {a.from_address}"] if live is not None else [])
         source = (f"stella calibrate {when}: {mine} run{'s' if mine != 1 else ''} of {prof.model} "
-                  f"({', '.join(os.path.basename(x) for x in a.runs)})")
+                  f"({', '.join(named)})")
         cal, notes = fit(prof, runs, source=source, compute=a.compute_scale)
         doc = dict(prof.raw)
         doc["calibration"] = dataclasses.asdict(cal)
         write_profile(out, doc)
-    except (PlanError, OSError) as e:
+    except (PlanError, OSError, StellaError) as e:
         print(f"stella calibrate: {e}", file=sys.stderr)
         return 2
     fitted = dataclasses.replace(prof, calibration=cal)
@@ -249,6 +280,55 @@ def calibrate(a: argparse.Namespace) -> int:
               f"{max(errors):.1%} (in the fit, not held out)")
     print(f"wrote {out}: stella plan --profile {out} uses this fit and says so")
     return 0
+
+
+def _live_run(a: argparse.Namespace, catalog: Any, model: str) -> dict[str, Any]:
+    """``calibrate --from``: the running job measured (:func:`stella.planning.measure.run_from_status`)
+    as a runs file's row, its configuration the user's machines with the job's own density,
+    coding and H (or the user's, which must then be the job's)."""
+    import datetime
+
+    from .planning.catalog import PlanError
+    from .planning.measure import run_from_status
+    from .planning.search import parse_config
+
+    print(f"stella calibrate: reading the job at {a.from_address} for {a.samples * a.interval:g} s ...",
+          file=sys.stderr)
+    m = run_from_status(a.from_address, samples=a.samples, interval=a.interval)
+    given = {k.strip().lower(): v.strip() for k, _, v in (p.partition("=") for p in a.config.split(",") if p.strip())}
+    spec = a.config
+    for key, value in (("density", m["density"]), ("coding", m["coding"]), ("H", m["H"])):
+        if key.lower() not in given:
+            spec += f",{key}={value}"
+    config = parse_config(spec, catalog)
+    job = {"workers": (config.workers, m["workers"]), "H": (config.sync_every, m["H"]),
+           "coding": (config.coding, m["coding"])}
+    wrong = [f"{k} {said} (the job: {got})" for k, (said, got) in job.items() if said != got]
+    if abs(config.density - m["density"]) > 0.05 * m["density"]:
+        wrong.append(f"density {config.density:g} (the job: {m['density']:g})")
+    if wrong:
+        raise PlanError(f"--config {spec!r} does not describe the job at {a.from_address}: " + "; ".join(wrong))
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return {"run": f"{a.from_address} {when}", "spec": spec, "model": model, "measured": m}
+
+
+def _record(path: str, row: dict[str, Any], catalog: str) -> None:
+    """Add ``row`` to the runs file ``path`` (made if missing), naming its catalog relative to it."""
+    import json
+    import os
+
+    doc: dict[str, Any] = {"rows": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+            raise OSError(f"{path}: not a runs file (a JSON object with \"rows\": [...])")
+    row = {**row, "catalog": os.path.relpath(os.path.abspath(catalog), os.path.dirname(os.path.abspath(path)))}
+    doc["rows"].append(row)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
 
 
 def profile(a: argparse.Namespace) -> int:

@@ -248,7 +248,6 @@ def read_runs(path: str, catalog: Catalog | None = None) -> list[Run]:
     import os
 
     from .catalog import catalog_from_dict, load_catalog
-    from .search import parse_config
 
     try:
         with open(path) as f:
@@ -299,13 +298,21 @@ def read_runs(path: str, catalog: Catalog | None = None) -> list[Run]:
         if cat is None:
             raise PlanError(f"{where}: no catalog for its configuration {text!r}: give --catalog (the catalog the "
                             "runs' configurations name) or a \"catalog\" in the file")
-        try:
-            config = parse_config(text, cat)
-            ob = observation(config, row.get("measured", row))
-        except PlanError as e:
-            raise PlanError(f"{where}: {e}") from None
-        out.append(Run(name, cat, ob, str(model)))
+        out.append(read_run({**row, "run": name, "spec": text, "model": model}, cat, where))
     return out
+
+
+def read_run(row: Mapping[str, Any], catalog: Catalog, where: str) -> Run:
+    """One run from a runs file's row: its configuration (``spec``, in ``stella plan
+    --config``'s syntax) on ``catalog`` and what it measured (``measured``, else the row)."""
+    from .search import parse_config
+
+    try:
+        config = parse_config(str(row["spec"]), catalog)
+        ob = observation(config, row.get("measured", row))
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
+    return Run(str(row.get("run", where)), catalog, ob, str(row.get("model", "")))
 
 
 def calibrate(profile: Profile, runs: Sequence[Run], *, source: str, compute: float | None = None,

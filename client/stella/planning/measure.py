@@ -391,3 +391,59 @@ def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0
         "factors": [], "revocation": {"stall_s": STALL_S, "source": STALL_SOURCE},
         "reports": len(reps),
     }
+
+
+def run_from_status(address: str, *, samples: int = 6, interval: float = 2.0, timeout: float = 5.0,
+                    server_key: str | None = None, client_key: str | None = None,
+                    clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """A running job's pace, as ``stella calibrate --from`` records it: ``samples`` of its
+    ``status`` replies, ``interval`` seconds apart, and each worker's reports in them.
+
+    - ``s_per_it``: the slowest worker's seconds per iteration over the window (its report's
+      step count, which rides on each push, against this clock: good to about a round over
+      the window, so a window of 20 rounds or more);
+    - ``compute_s``: the slowest worker's step (the median of its reports' running means);
+    - ``exchange_s``: the median of the reports' exchange per round (compressor, push, the
+      server's step and the pull);
+    - what the job runs, to check a configuration against: ``workers`` (those that made a
+      step in the window), ``density``, ``coding`` and ``H`` (the median local steps a round).
+
+    Raises :class:`ProfileError` when no worker made a step in the window."""
+    from ..shards import connect
+
+    steps: dict[int, list[tuple[float, int]]] = {}
+    reports: list[Any] = []
+    with connect(address, timeout=timeout, join=False, server_key=server_key, client_key=client_key) as c:
+        for i in range(max(2, samples)):
+            got = c.status()
+            now = clock()
+            st = got[0] if isinstance(got, list) else got  # every shard has the same workers
+            for w in st.live or []:
+                r = w.report
+                if r is None:
+                    continue
+                steps.setdefault(w.worker, []).append((now, r.step))
+                reports.append((w.worker, r))
+            if i + 1 < max(2, samples):
+                sleep(interval)
+    paces = {}
+    for worker, seen in steps.items():
+        (t0, s0), (t1, s1) = seen[0], seen[-1]
+        if s1 > s0 and t1 > t0:
+            paces[worker] = (t1 - t0) / (s1 - s0)
+    if not paces:
+        window = max(2, samples) * interval
+        raise ProfileError(f"{address}: no worker made a step in the {window:g} s window (of {len(steps)} that "
+                           "have reported): is the job training? A longer window: --samples, --interval")
+    slowest = max(paces, key=lambda w: paces[w])
+    mine = [r for w, r in reports if w in paces]
+    by_worker = {w: statistics.median(r.compute_s for v, r in reports if v == w) for w in paces}
+    return {
+        "s_per_it": paces[slowest], "compute_s": max(by_worker.values()),
+        "exchange_s": statistics.median(r.exchange_s for r in mine),
+        "workers": len(paces), "density": statistics.median(r.density for r in mine),
+        "coding": statistics.mode(r.value_dtype or DEFAULT_VALUE_DTYPE for r in mine),
+        "H": max(1, round(statistics.median(r.local_steps or 1 for r in mine))),
+        "window_s": steps[slowest][-1][0] - steps[slowest][0][0], "reports": len(mine),
+    }
