@@ -40,3 +40,11 @@ def test_three_minutes_of_churn_on_the_test_bed(tmp_path, capsys):
     assert all(c == 0 for c in s["exit"].values()), s["exit"]  # every worker stopped cleanly on SIGTERM
     assert not [m for m in s["messages"] if m.startswith(("server error", "server critical"))], s["messages"]
     assert s.get("server_fds_ratio") is not None and s["server_fds_ratio"] <= 1.5, s["servers"]
+
+
+def test_the_longest_stall_is_the_runs_not_its_ends():
+    """bench.soak's stall: the longest time the version stood still inside the run; the last
+    version standing after the run's end (the workers stopped) is not one."""
+    samples = [(0.0, 0), (1.0, 1), (1.5, 2), (2.0, 2), (3.2, 2), (3.4, 3), (4.0, 4), (9.0, 4)]
+    assert soak._stall(samples, 0.5, 4.5) == pytest.approx(1.7)  # 1.5 -> 3.2 at version 2
+    assert soak._stall(samples, 0.5) == pytest.approx(5.0)  # with the end: 4.0 -> 9.0
