@@ -224,12 +224,12 @@ def run(bed: Any, a: argparse.Namespace, minutes: float, churn: bool) -> dict[st
     finally:
         codes = job.close()
     samples = _samples(job.vfile)
-    begin = t0 + (started or 0.0)
+    begin, end = t0 + (started or 0.0), t0 + minutes * 60
     warm = begin + WARMUP_S
     out: dict[str, Any] = {
         "run": "churn" if churn else "undisturbed", "minutes": minutes, "workdir": workdir,
-        "versions": samples[-1][1] if samples else 0, "pace": _pace(samples, warm, t0 + minutes * 60),
-        "steps_lost": job.lost, "longest_stall_s": round(_stall(samples, warm, t0 + minutes * 60), 2), "exit": codes,
+        "versions": samples[-1][1] if samples else 0, "pace": _pace(samples, warm, end),
+        "steps_lost": job.lost, "longest_stall_s": round(_stall(samples, warm, end), 2), "exit": codes,
         "events": [(round(t, 1), e) for t, e in events]}
     reconnects, done = 0, 0
     lines: collections.Counter[str] = collections.Counter()

@@ -317,12 +317,14 @@ def _record(path: str, row: dict[str, Any], catalog: str) -> None:
     import json
     import os
 
+    from .planning.catalog import PlanError
+
     doc: dict[str, Any] = {"rows": []}
     if os.path.exists(path):
         with open(path) as f:
             doc = json.load(f)
         if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-            raise OSError(f"{path}: not a runs file (a JSON object with \"rows\": [...])")
+            raise PlanError(f"{path}: not a runs file (a JSON object with \"rows\": [...])")
     row = {**row, "catalog": os.path.relpath(os.path.abspath(catalog), os.path.dirname(os.path.abspath(path)))}
     doc["rows"].append(row)
     tmp = path + ".tmp"

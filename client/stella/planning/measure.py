@@ -35,7 +35,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ..codec import CODINGS, DEFAULT_VALUE_DTYPE
@@ -341,6 +341,19 @@ def profile_model(model: Any, loss: Callable[[Any, Any], Any], next_batch: Calla
     }
 
 
+def _status_replies(address: str, samples: int, interval: float, timeout: float, server_key: str | None,
+                    client_key: str | None, sleep: Callable[[float], None] = time.sleep) -> Iterator[Any]:
+    """A running job's ``status`` replies (one per shard, a list, for a sharded job),
+    ``samples`` of them ``interval`` seconds apart, over one connection that does not join."""
+    from ..shards import connect
+
+    with connect(address, timeout=timeout, join=False, server_key=server_key, client_key=client_key) as c:
+        for i in range(samples):
+            yield c.status()
+            if i + 1 < samples:
+                sleep(interval)
+
+
 def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0, timeout: float = 5.0,
                         server_key: str | None = None, client_key: str | None = None,
                         batch_size: int = 1) -> dict[str, Any]:
@@ -348,27 +361,21 @@ def profile_from_status(address: str, *, samples: int = 3, interval: float = 2.0
     s/it (the median over workers and samples), bytes per push and pull at the density
     and coding the workers use, and the job's broadcast settings as its status says them.
     The server's time comes from bench.server's figures."""
-    from ..shards import connect
-
     reps: list[Any] = []
     pushes: list[tuple[float, str, float, float]] = []
     numel = 0
     broadcast: list[BroadcastInfo | None] = []
-    with connect(address, timeout=timeout, join=False, server_key=server_key, client_key=client_key) as c:
-        for i in range(max(1, samples)):
-            got = c.status()
-            st = got[0] if isinstance(got, list) else got
-            numel = sum(s.numel for s in got) if isinstance(got, list) else st.numel
-            broadcast = [s.broadcast for s in got] if isinstance(got, list) else [st.broadcast]
-            for w in st.live or []:
-                r = w.report
-                if r is None or w.pushes == 0:
-                    continue
-                reps.append(r)
-                pushes.append((r.density, r.value_dtype or DEFAULT_VALUE_DTYPE, r.bytes_pushed / w.pushes,
-                               r.bytes_pulled / max(1, w.pulls)))
-            if i + 1 < samples:
-                time.sleep(interval)
+    for got in _status_replies(address, max(1, samples), interval, timeout, server_key, client_key):
+        st = got[0] if isinstance(got, list) else got
+        numel = sum(s.numel for s in got) if isinstance(got, list) else st.numel
+        broadcast = [s.broadcast for s in got] if isinstance(got, list) else [st.broadcast]
+        for w in st.live or []:
+            r = w.report
+            if r is None or w.pushes == 0:
+                continue
+            reps.append(r)
+            pushes.append((r.density, r.value_dtype or DEFAULT_VALUE_DTYPE, r.bytes_pushed / w.pushes,
+                           r.bytes_pulled / max(1, w.pulls)))
     if not reps:
         raise ProfileError(f"{address}: no worker has reported yet (a report rides on each push)")
     if any(b != broadcast[0] for b in broadcast):
@@ -410,23 +417,17 @@ def run_from_status(address: str, *, samples: int = 6, interval: float = 2.0, ti
       step in the window), ``density``, ``coding`` and ``H`` (the median local steps a round).
 
     Raises :class:`ProfileError` when no worker made a step in the window."""
-    from ..shards import connect
-
     steps: dict[int, list[tuple[float, int]]] = {}
     reports: list[Any] = []
-    with connect(address, timeout=timeout, join=False, server_key=server_key, client_key=client_key) as c:
-        for i in range(max(2, samples)):
-            got = c.status()
-            now = clock()
-            st = got[0] if isinstance(got, list) else got  # every shard has the same workers
-            for w in st.live or []:
-                r = w.report
-                if r is None:
-                    continue
-                steps.setdefault(w.worker, []).append((now, r.step))
-                reports.append((w.worker, r))
-            if i + 1 < max(2, samples):
-                sleep(interval)
+    for got in _status_replies(address, max(2, samples), interval, timeout, server_key, client_key, sleep):
+        now = clock()
+        st = got[0] if isinstance(got, list) else got  # every shard has the same workers
+        for w in st.live or []:
+            r = w.report
+            if r is None:
+                continue
+            steps.setdefault(w.worker, []).append((now, r.step))
+            reports.append((w.worker, r))
     paces = {}
     for worker, seen in steps.items():
         (t0, s0), (t1, s1) = seen[0], seen[-1]
