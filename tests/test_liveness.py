@@ -204,17 +204,22 @@ def test_a_slow_worker_still_heard_from_is_waited_for_every_step(make_server, ma
         b.pull(v - 1, wait_for=v)
     deadline = a.status().step_deadline_s
     assert deadline is not None and deadline < 30  # learnt, not the --deadline-max
+    # a pull answers with what it has once its timeout passes: give it room past a deadline learnt
+    # under load, and check each step closed (a step left open would make the next pull answer early)
+    wait = 2 * deadline + 5
     t0 = time.monotonic()
     for _ in range(4):  # b "computes" for ~4 heartbeat intervals: every step waits the deadline for it
         a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
-        v = a.pull(v, wait_for=v + 1, timeout=5).version
+        v, was = a.pull(v, wait_for=v + 1, timeout=wait).version, v
+        assert v == was + 1
         time.sleep(1.0)
         assert a.status().behind_workers == []
     took = time.monotonic() - t0 - 4.0
     assert took >= 4 * 0.8 * deadline, (took, deadline)
     b.push({"w": (np.array([1], np.int32), np.ones(1, np.float32))}, 8)  # its late push, folded
     a.push({"w": (np.array([0], np.int32), np.ones(1, np.float32))}, v)
-    v = a.pull(v, wait_for=v + 1).version
+    v, was = a.pull(v, wait_for=v + 1, timeout=wait).version, v
+    assert v == was + 1
     assert a.status().late_pushes >= 1
 
 
