@@ -412,6 +412,38 @@ def testbed_row(r: Run) -> dict[str, Any]:
     return {"spec": testbed_spec(r), "catalog": testbed_catalog_doc(r)}
 
 
+PICK_RATE, PICK_MOST = 100.0, 3  # the pick's test bed: up to 3 sites at 100 Mbit/s, the server's site too
+
+
+def pick_catalog_doc(rate: float = PICK_RATE, most: int = PICK_MOST) -> dict[str, Any]:
+    """The test bed as a user would describe it to ``stella plan`` before choosing: up to
+    ``most`` like sites at ``rate`` Mbit/s each way, the server's site at the same rate, one
+    ``stella-ps`` (the bench runs one), all on this host."""
+    doc = testbed_catalog_doc(Run("pick", "", "pick", 1, rate, rate, 0.01, "f16", 1, ps=rate))
+    doc["server"]["max_shards"] = 1
+    (kind,) = doc["kinds"].values()
+    doc["kinds"] = {"site-x1": {**kind, "count": f"up to {most}"}}
+    return doc
+
+
+def own_pick(prof: Profile, workload: str, steps: int) -> tuple[Run, Prediction]:
+    """``stella plan``'s fastest configuration for ``prof`` on :func:`pick_catalog_doc`, as a
+    run of the test bed (role "pick"), and the plan's prediction of it. A run of H > 1 takes
+    ``steps`` rounds' worth of iterations at least, so its pace is measured over rounds."""
+    cat = catalog_from_dict(pick_catalog_doc(), "test bed (the plan's own pick)")
+    # what a user would give: iterations that fall with the global batch (else one site is always fastest),
+    # and the byte LM's measured factors (bench/RESULTS.md), so the pick weighs H and density as measured
+    prof = dataclasses.replace(
+        prof, dense_iterations=2000, target_batch=prof.batch_size, critical_batch=64 * prof.batch_size,
+        target_source="assumed for the pick: 2,000 iterations at one site's batch, falling with the global batch",
+        factors=tuple((f["density"], f["coding"], f["H"], f["factor"], f["source"]) for f in FACTORS["lm"]))
+    best = plan(cat, prof, max_shards=1).rows[0]
+    c = best.config
+    run = Run("p1", workload, "pick", c.workers, PICK_RATE, PICK_RATE, c.density, c.coding, c.sync_every,
+              steps=max(steps, 4 * c.sync_every * 4), ps=PICK_RATE)
+    return run, best
+
+
 def testbed_catalog(r: Run) -> tuple[Catalog, Config]:
     """The run as the planner sees it (:func:`testbed_catalog_doc`) and its configuration."""
     cat = catalog_from_dict(testbed_catalog_doc(r), f"test bed ({r.name})")
@@ -810,7 +842,7 @@ def validate(a, log=print) -> dict[str, Any]:
         if a.remeasure:
             measured = {n: remeasure(by_name[n], m) for n, m in measured.items() if n in by_name}
             out["remeasured"] = True
-        for k in ("started", "load_start", "load_end", "machine", "command"):
+        for k in ("started", "load_start", "load_end", "machine", "command", "pick_run"):
             out[k] = old.get(k, out.get(k))
         out["reanalysed"] = f"python -m bench.plan --from-json {a.from_json}"
     elif a.fit_from:  # the fit runs as earlier runs measured them; the held-out runs are measured now
@@ -861,6 +893,19 @@ def validate(a, log=print) -> dict[str, Any]:
             f"link x{c.link:.3f}, tail loss x{c.tail_loss:.2f} queue delays, {1e3 * c.round_s:.1f} ms per round, "
             f"jitter {c.jitter:.3f}, {1e3 * c.worker_round_s:.1f} ms of a worker's CPU per round ({c.runs} runs, "
             f"{c.exchange_runs} bound by their exchange)")
+    pick_pred = None
+    if "bytelm" in profiles and (not a.only or "p1" in a.only.split(",")):
+        old_pick = out.get("pick_run")
+        if a.from_json and old_pick:  # the run as it was chosen then, whatever the plan says now
+            pick = Run(**old_pick)
+        else:
+            prof = dataclasses.replace(profiles["bytelm"], calibration=calibration_for("bytelm", cals))
+            pick, pick_pred = own_pick(prof, "bytelm", 20 if a.quick else 30)
+            out["pick_run"] = dataclasses.asdict(pick)
+            out["pick_plan"] = summary(pick_pred)
+            log(f"the plan's own pick for bytelm on {PICK_MOST} sites at {PICK_RATE:g} Mbit/s: {pick.describe()}, "
+                f"predicted {pick_pred.s_per_it:.4f} s/it (bound by {pick_pred.bound}); run as {pick.name}")
+        plan_runs.append(pick)
     # predict every held-out run first, then measure it
     rows = []
     for r in plan_runs:
@@ -896,6 +941,10 @@ def validate(a, log=print) -> dict[str, Any]:
     out["fit_mape"] = mape([(x["pred_s_per_it"], x["meas_s_per_it"]) for x in rows if x["role"] == "fit"])
     tt = [x for x in held if "err_time" in x]
     out["time_to_target_errors"] = [100 * x["err_time"] for x in tt]
+    picked = [x for x in rows if x["role"] == "pick"]
+    out["pick_error"] = 100 * picked[0]["err_s_per_it"] if picked else None
+    shaped = [x for x in held if x["catalog"]["server"]["up_mbps"] != PS_RATE and x["bound"] != "compute"]
+    out["held_out_exchange_shaped_errors"] = [100 * x["err_s_per_it"] for x in shaped]
     log("\n" + render_validation(out))
     return out
 
@@ -921,6 +970,14 @@ def render_validation(out: dict[str, Any]) -> str:
               f"{out['held_out_max_error']:.1f}% (goal <= 30%); fit runs: MAPE {out['fit_mape']:.1f}%",
               "held-out time to target errors: " + (", ".join(f"{e:+.0f}%" for e in out["time_to_target_errors"])
                                                     or "none reached") + " (goal within 25%)"]
+    shaped = out.get("held_out_exchange_shaped_errors") or []
+    if shaped:
+        lines.append(f"held-out runs bound by their exchange, the server's site shaped: mean error "
+                     f"{statistics.mean(shaped):+.1f}% (" + ", ".join(f"{e:+.1f}%" for e in shaped)
+                     + ") (goal within 15%)")
+    if out.get("pick_error") is not None:
+        lines.append(f"the plan's own pick (p1): predicted against measured {out['pick_error']:+.1f}% "
+                     "(goal within 15%)")
     return "\n".join(lines)
 
 

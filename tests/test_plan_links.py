@@ -143,3 +143,21 @@ def test_bench_plans_runs_shape_the_server_site_and_a_held_out_workload_takes_th
     lm = calibration_for("bytelm", cals)
     assert (lm.link, lm.round_s, lm.runs) == (1.2, 0.01, 5) and "other workloads than bytelm" in lm.source
     assert calibration_for("bytelm", {}) == Calibration()
+
+
+def test_bench_plans_own_pick_is_the_plans_fastest_row_run_as_planned():
+    """The plan's own pick (issue 47's third goal): bench.plan asks ``plan`` for the fastest
+    configuration on the test bed as a user would describe it (up to 3 sites and the server's
+    site at 100 Mbit/s, one stella-ps), and runs that configuration. The run must be the row:
+    its own catalog predicts the same s/it, at most 3 workers, one shard, every round measured."""
+    from bench.plan import PICK_MOST, PICK_RATE, own_pick, testbed_catalog
+
+    prof = dataclasses.replace(profile_from_dict(profile_doc()),
+                               calibration=Calibration(link=1.1, round_s=0.01, runs=4, source="test"))
+    run, best = own_pick(prof, "bytelm", 30)
+    assert run.role == "pick" and 1 <= run.world <= PICK_MOST and best.config.shards == 1
+    assert run.up == run.down == run.ps == PICK_RATE
+    assert (run.density, run.coding, run.h) == (best.config.density, best.config.coding, best.config.sync_every)
+    assert run.steps >= 4 * run.h
+    cat, cfg_ = testbed_catalog(run)
+    assert predict(prof, cat, cfg_).s_per_it == pytest.approx(best.s_per_it, rel=1e-9)
