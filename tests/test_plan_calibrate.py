@@ -19,7 +19,7 @@ from stella.planning.profile_file import TEST_BED_FIT, Calibration, load_profile
 from stella.planning.search import parse_config
 
 TRUTH = Calibration(compute=1.3, host_load=0.85, exchange_stretch=0.4, link=1.1, round_s=0.02, tail_loss=1.2,
-                    jitter=0.25, worker_round_s=0.003)
+                    jitter=0.25, worker_round_s=0.003, background=0.5)
 # (W, Mbit/s, density, speed, H, shared host, a drop-tail queue on the downlink), as test_plan's fit test
 RUNS = ((2, 100, 0.01, 1.5, 1, "", 0), (3, 20, 0.01, 1.0, 2, "bed", 0), (4, 50, 0.03, 0.7, 1, "bed", 0),
         (2, 10, 0.003, 1.5, 4, "", 50), (3, 200, 0.01, 2.0, 1, "bed", 0), (2, 30, 0.03, 1.0, 1, "", 0),
@@ -73,10 +73,10 @@ def test_calibrate_fits_the_users_runs_and_attaches_the_fit_to_the_profile(tmp_p
     for k in ("compute", "exchange_stretch", "link", "round_s", "tail_loss"):
         assert getattr(cal, k) == pytest.approx(getattr(TRUTH, k), rel=1e-6), k
     assert cal.host_load == pytest.approx(0.85, abs=0.003) and cal.jitter == pytest.approx(0.25, abs=1e-9)
-    assert cal.worker_round_s == pytest.approx(0.003, abs=1e-9)
+    assert cal.worker_round_s == pytest.approx(0.003, abs=1e-9) and cal.background == pytest.approx(0.5, abs=1e-9)
     assert cal.runs == 10 and cal.source.startswith("stella calibrate ") and "10 runs of toy (runs.json)" in cal.source
-    assert cal.fitted_terms == ("compute, host_load, worker_round_s, round_s, link, exchange_stretch, tail_loss, "
-                                "jitter")
+    assert cal.fitted_terms == ("compute, host_load, worker_round_s, background, round_s, link, exchange_stretch, "
+                                "tail_loss, jitter")
     assert "too few" not in text and "| r3 |" in text and "mean absolute error 0.0%" in text
     assert json.loads(prof_path.read_text()).get("calibration") is None  # --out: the profile itself untouched
     # stella plan says which fit it uses

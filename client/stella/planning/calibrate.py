@@ -62,7 +62,8 @@ EXCHANGE_BOUND = 1.1  # a run's exchange sets its round when it exceeds its comp
 # the exchange's coefficients, fitted together by non-negative least squares: each needs a run (one fewer run than
 # coefficients leaves them undetermined), else the link scale alone is fitted and the rest come from the base fit
 LINK_TERMS = ("round_s", "link", "exchange_stretch", "tail_loss")
-HOST_RUNS = 3  # runs on shared hosts that fit host_load and worker_round_s (with the compute scale): else the base's
+# runs on shared hosts that fit host_load, worker_round_s and background (with the compute scale): else the base's
+HOST_RUNS = 3
 
 
 def observation(config: Config, measured: Mapping[str, Any]) -> Observation:
@@ -111,7 +112,8 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
       the measured compute per step: ``step = scale x (slowest machine's profiled step) x
       max(1, host_load x n / cores)`` (``host_load`` by a search on a fine grid, the scales
       in closed form at each point), with ``worker_round_s`` on a grid; on fewer than
-      :data:`HOST_RUNS` runs on shared hosts, ``host_load`` and ``worker_round_s`` are the
+      :data:`HOST_RUNS` runs on shared hosts, ``host_load``, ``worker_round_s`` and
+      ``background`` (the share of the background CPU work inside the steps, on a grid) are the
       base's (a worker's fixed CPU per round then goes into the fixed overhead per round);
     - across all runs, a link scale, a fixed overhead per round, ``exchange_stretch`` (the
       share of the host's stretch the exchange's CPU work takes) and ``tail_loss`` (the wait of
@@ -143,37 +145,44 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
     b, yc = np.array(base_s), np.array(y)
     terms = ["compute"] if compute is None else []
 
-    def loads(fixed: float) -> Any:
-        """Each run's host load, with ``fixed`` seconds of a worker's CPU per round beside its compressor."""
-        cal0 = Calibration(worker_round_s=fixed)
+    def loads(fixed: float, background: float) -> Any:
+        """Each run's host load, with ``fixed`` seconds of a worker's CPU per round beside its
+        compressor and the share ``background`` of the background work in it."""
+        cal0 = Calibration(worker_round_s=fixed, background=background)
         return np.array([float(evaluate(dataclasses.replace(prof, calibration=cal0), cat, mix,
                                          [(ob.config.density, ob.config.coding, ob.config.sync_every,
                                            ob.config.shards)])["load"][0, 0]) for prof, cat, ob, mix in mixes])
 
-    def scales(kappa: float, ld: Any) -> tuple[Any, float]:
-        m = b * np.maximum(1.0, kappa * ld) / yc  # the model at scale 1, relative to the measurement
-        k = np.array([np.sum(m[which == i]) / np.sum(m[which == i] ** 2) if compute is None else compute
-                      for i in range(len(names))])
-        return k, float(np.sum((k[which] * m - 1) ** 2))
+    def errors(kappas: Any, ld: Any) -> tuple[Any, Any]:
+        """Per host_load in ``kappas``: each model's compute scale and the squared relative error."""
+        m = b[None, :] * np.maximum(1.0, kappas[:, None] * ld[None, :]) / yc  # the model at scale 1 / measured
+        k = np.stack([np.sum(m[:, which == i], axis=1) / np.sum(m[:, which == i] ** 2, axis=1)
+                      if compute is None else np.full(len(kappas), compute) for i in range(len(names))], axis=1)
+        return k, np.sum((k[:, which] * m - 1) ** 2, axis=1)
 
-    kappa, fixed, ld = 1.0, 0.0, loads(0.0)
+    busy = loads(0.0, 0.0)  # the load is linear in the background's share: busy + share x (its load at 1)
+    kappa, fixed, share, ld = 1.0, 0.0, 1.0, loads(0.0, 1.0)
     shared = int((ld > 0).sum())
-    if shared >= HOST_RUNS:  # runs on a shared host: the grids' best (host_load 0.2 .. 3, worker_round_s 0 .. 10 ms)
-        best = math.inf
+    if shared >= HOST_RUNS:
+        # runs on a shared host: the grids' best (host_load 0.2 .. 3, worker_round_s 0 .. 10 ms, the background's
+        # share 0 .. 1.5)
+        best, kappas = math.inf, np.linspace(0.2, 3.0, 561)
         for f in np.linspace(0.0, 0.01, 21):
-            ldf = loads(float(f))
-            kf = min(np.linspace(0.2, 3.0, 561), key=lambda x: scales(float(x), ldf)[1])
-            err = scales(float(kf), ldf)[1]
-            if err < best - 1e-12:
-                best, kappa, fixed, ld = err, float(kf), float(f), ldf
-        terms += ["host_load", "worker_round_s"]
+            extra = loads(float(f), 1.0) - busy
+            for sh in np.linspace(0.0, 1.5, 31):
+                ldf = busy + sh * extra
+                errs = errors(kappas, ldf)[1]
+                i = int(np.argmin(errs))
+                if errs[i] < best - 1e-12:
+                    best, kappa, fixed, share, ld = float(errs[i]), float(kappas[i]), float(f), float(sh), ldf
+        terms += ["host_load", "worker_round_s", "background"]
     else:  # none, or too few to tell processor sharing from the compute scale: the base's
-        kappa, fixed = base.host_load, base.worker_round_s
-        ld = loads(fixed)
-    k = scales(float(kappa), ld)[0]
+        kappa, fixed, share = base.host_load, base.worker_round_s, base.background
+        ld = loads(fixed, share)
+    k = errors(np.array([kappa]), ld)[0][0]
     rows_e, ye, bound = [], [], []
     for (prof, cat, ob), ki in zip(runs, k[which]):
-        cal = Calibration(compute=float(ki), host_load=float(kappa), worker_round_s=fixed)
+        cal = Calibration(compute=float(ki), host_load=float(kappa), worker_round_s=fixed, background=share)
         p = predict(dataclasses.replace(prof, calibration=cal), cat, ob.config)  # exchange unstretched
         full = predict(dataclasses.replace(prof, calibration=dataclasses.replace(cal, exchange_stretch=1.0)), cat,
                        ob.config)
@@ -196,6 +205,7 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
                        base.tail_loss])
         terms.append("link")
     cals = {n: Calibration(compute=float(max(k[i], 1e-3)), host_load=float(kappa), worker_round_s=fixed,
+                           background=share,
                            link=float(max(ke[1], 1e-3)),
                            round_s=float(ke[0]), exchange_stretch=float(min(ke[2], 1.0)), tail_loss=float(ke[3]),
                            jitter=base.jitter, source=source or "fitted", runs=len(runs),
@@ -336,14 +346,14 @@ def calibrate(profile: Profile, runs: Sequence[Run], *, source: str, compute: fl
     cal = fit_many([(profile, r.catalog, r.observation) for r in mine], source, compute, base)[profile.model]
     fitted = set(cal.fitted_terms.split(", "))
     shared = any(g.kind.host for r in mine for g in r.observation.config.groups)
-    kept = [t for t in (*(("compute",) if compute is None else ()), *(("host_load", "worker_round_s") if shared
-                                                                        else ()), *LINK_TERMS, "jitter")
+    kept = [t for t in (*(("compute",) if compute is None else ()), *(("host_load", "worker_round_s", "background")
+                                                                        if shared else ()), *LINK_TERMS, "jitter")
             if t not in fitted]
     if kept:
         bound = cal.exchange_runs
         notes.append(f"too few runs to fit every coefficient ({len(mine)} runs, {bound} in the link terms' fit, "
                      f"{len(LINK_TERMS)} needed for all four; 2 with a measured s/it for jitter; {HOST_RUNS} on "
-                     "shared hosts for host_load and worker_round_s): fitted "
+                     "shared hosts for host_load, worker_round_s and background): fitted "
                      f"{cal.fitted_terms}; {', '.join(kept)} from the base fit ({base.source})")
         base_name = "the test bed's fit" if base.source.startswith("the test bed") else base.source
         cal = dataclasses.replace(cal, source=f"{cal.source}; fitted {cal.fitted_terms}; {', '.join(kept)} from "

@@ -261,7 +261,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
     step = profile.compute_s * cal.compute
     if (mix.host >= 0).any():
         load, stretch, s_server = _host_load(np, catalog, mix, profile.compute_s, h, compress_1, server,
-                                             cal.host_load)
+                                             cal.host_load, cal.background)
         present = (mix.count > 0)[:, :, None]
         t_step = mix.t_rel[:, :, None] * step * stretch  # inf where a group is absent
         t_slow = np.where(present, t_step, 0.0).max(axis=1)
@@ -405,13 +405,14 @@ def expected_max(np: Any, compute: Any, exchange: Any, jitter: float, h: Any) ->
 
 
 def _host_load(np: Any, catalog: Catalog, mix: Mix, compute_s: float, h: Any, compress: Any, server: Any,
-               host_load: float) -> tuple[Any, Any, Any]:
+               host_load: float, background: float = 1.0) -> tuple[Any, Any, Any]:
     """Processor sharing on the catalog's shared hosts: ``(load, stretch, server_stretch)``.
 
     A worker on a shared host is busy through its round's compute; the CPU work of a round that
     runs in the background (each worker's compressor, and the server's step if ``stella-ps``
-    shares the host) lands in that window too, for the next round's compute overlaps it. So
-    the host carries ``n = busy + (W_host x compress + server) / (H x step)`` runnable
+    shares the host) lands in that window too, for the next round's compute overlaps it, the
+    share ``background`` of it (the calibration's; the rest runs while the host waits on its
+    links). So the host carries ``n = busy + background x (W_host x compress + server) / (H x step)`` runnable
     processes (``step``: its fastest machine's as profiled, uncalibrated; a slower machine there
     is slower by waiting, not by CPU work, so ``busy`` counts each machine by the share of the
     time it computes, ``t_fastest / t_machine``; ``compress``: one worker's, per round) on ``cores``
@@ -434,7 +435,7 @@ def _host_load(np: Any, catalog: Catalog, mix: Mix, compute_s: float, h: Any, co
         # a machine slower than the host's fastest is slower by waiting: it is runnable t_min / t_rel of the time
         busy = (mix.count * on * np.where(on, t_min / mix.t_rel, 0.0)).sum(axis=1)[:, None]
         bg = w_h * compress + (server if catalog.server.host == name else 0.0)
-        n_h = np.where(w_h > 0, busy + bg / (h * step), 0.0) / cores
+        n_h = np.where(w_h > 0, busy + background * bg / (h * step), 0.0) / cores
         s_h = np.maximum(1.0, host_load * n_h)
         load = np.where(on[:, :, None], n_h[:, None, :], load)
         stretch = np.where(on[:, :, None], s_h[:, None, :], stretch)

@@ -51,6 +51,9 @@ class Calibration:
     tail_loss: float = 0.0  # a message that loses its tail waits this many of its queue's delays (TCP's timer)
     jitter: float = 0.0  # coefficient of variation of a step's and an exchange's time (the round's expected max)
     worker_round_s: float = 0.0  # a worker's CPU per round beside its compressor (decoding, applying, messages)
+    # the share of the background CPU work (the workers' compressors and fixed round, the server's step) that
+    # lands inside the steps on a shared host, and so counts in its load (the rest runs while it waits on links)
+    background: float = 1.0
     source: str = "not fitted (the bare structure)"
     runs: int = 0
     exchange_runs: int = 0  # of those, the runs bound by their exchange (the link terms' fit)
