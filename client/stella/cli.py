@@ -259,7 +259,8 @@ def calibrate(a: argparse.Namespace) -> int:
     for note in notes:
         print(f"  note: {note}")
     print(f"  compute x{cal.compute:.3f}, host load x{cal.host_load:.3f}, {1e3 * cal.worker_round_s:.1f} ms of a "
-          f"worker's CPU per round, background share {cal.background:.2f}, link x{cal.link:.3f}, {1e3 * cal.round_s:.1f} ms per round, exchange stretch "
+          f"worker's CPU per round, background share {cal.background:.2f}, link x{cal.link:.3f}, "
+          f"{1e3 * cal.round_s:.1f} ms per round, exchange stretch "
           f"x{cal.exchange_stretch:.2f}, tail loss x{cal.tail_loss:.2f} queue delays, jitter {cal.jitter:.3f} "
           f"({cal.exchange_runs} of the runs bound by their exchange)")
     print("\n  | run | configuration | predicted s/it | measured s/it | error |\n  |---|---|---|---|---|")
