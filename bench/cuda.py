@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -91,8 +92,11 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     torch.manual_seed(seed + rank)
     wl = W.get("bytelm")
     dev = torch.device(device)
+    if dev.type == "cpu":  # the workers share the host's cores: torch's default (all of them each) oversubscribes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model = wl.build_model(seed).to(dev)
-    compute = _own_compute(wl, model, rank, world, seed, max(10, steps // 10), dev)
+    # a short run (the tests') times 3 steps of its own compute after the warm-up; a real one a tenth of its steps
+    compute = _own_compute(wl, model, rank, world, seed, max(10, steps // 10) if steps >= 100 else 3, dev)
     inner = wl.make_optimizer(model.parameters())
     opt = stella.StellaOptimizer(model, address, optimizer=inner, connection=stella.Connection(**keys),
                                  **_configured(stella, config))
