@@ -85,17 +85,18 @@ def test_lightning_module_trains_clips_schedules_and_resumes_against_a_new_serve
 @pytest.mark.timeout(300)
 def test_torchrun_site_of_two_gloo_ranks_is_one_worker(tmp_path):
     """Two sites, each ``torchrun --standalone --nproc_per_node 2`` of the example (gloo on
-    CPU), through one stella-ps, 60 steps. Measured here: held-out 1.79-1.80 (5.4-5.5 at
-    the first step); the ranks of a site end identical and only rank 0 pushed."""
-    figures = run_example("torchrun_site.py", "--steps", "60", "--target", "2.2")
+    CPU), through one stella-ps, 40 steps. Measured here: held-out 1.95-1.96 (5.4-5.5 at
+    the first step; 1.79-1.80 after 60); the ranks of a site end identical and only rank 0
+    pushed."""
+    figures = run_example("torchrun_site.py", "--steps", "40", "--target", "2.2")
     assert sorted(f["site"] for f in figures) == [0, 1], figures  # one report per site (its rank 0)
     for f in figures:
         assert f["ranks"] == 2 and f["ranks_identical"], f
         assert f["bytes_pushed_by_rank"][0] > 0 and f["bytes_pushed_by_rank"][1] == 0, f  # the leader speaks for it
         assert f["first_loss"] > 5.0 and f["heldout_loss"] < 2.2, f
-        # each of the site's 60 rounds is in a step of its own (60 here: both sites in each step; more when the
+        # each of the site's 40 rounds is in a step of its own (40 here: both sites in each step; more when the
         # server's adaptive deadline closed a step without a late site)
-        assert f["version"] >= 60, f
+        assert f["version"] >= 40, f
 
 
 @pytest.mark.slow
