@@ -479,6 +479,35 @@ class _Fault(Exception):
     pass
 
 
+def test_a_steps_late_pushes_are_counted_before_its_version_is_visible():
+    """The store thread moves the version, and a pull waiting for it is answered from then
+    on, before the loop goes on after the apply. A status read right after that pull must
+    already count the step's late pushes (CI read 0 there, at the version of the step that
+    held the late push)."""
+    async def main() -> None:
+        job = Job(2)
+        for _ in range(3):
+            job.push(0)
+            job.push(1)
+            await job.settle()
+        seen: list[tuple[int, int]] = []
+        real = job.store.apply_step
+
+        def apply_step(*a, **k):  # on the store thread: the moment the new version is visible
+            v = real(*a, **k)
+            seen.append((job.store.version, job.stats.late_pushes))
+            return v
+
+        job.store.apply_step = apply_step  # type: ignore[method-assign]
+        job.push(0, version=0)  # computed on version 0 with the store at 3: late
+        job.push(1)
+        await job.settle()
+        assert seen == [(4, 1)] and job.stats.late_pushes == 1
+        await job.close()
+
+    run(main)
+
+
 def test_a_step_that_fails_in_the_broadcast_is_undone_and_the_version_still_moves_on():
     """The broadcast's part of a step raises (a fault, MemoryError): the kernel's part is
     undone, B + R is the exact model again, every replica's next pull is a snapshot, the

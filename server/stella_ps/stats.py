@@ -69,11 +69,10 @@ class Stats:
         return ({k: v for k, v in every.items() if k in STATUS_FIELDS},
                 {k: v for k, v in every.items() if k not in STATUS_FIELDS})
 
-    def count_step(self, late: int, now: float, applied_s: float, opened: float | None) -> None:
+    def count_step(self, now: float, applied_s: float, opened: float | None) -> None:
         """One step closed at ``now`` (monotonic) after ``applied_s`` of apply; ``opened``:
-        when its first push arrived."""
+        when its first push arrived. (Its late pushes were counted when it was taken.)"""
         self.steps += 1
-        self.late_pushes += late
         self.apply_s += applied_s
         if opened is not None:
             self.straggler_wait_s += max(0.0, now - applied_s - opened)

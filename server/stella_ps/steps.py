@@ -358,6 +358,10 @@ class StepScheduler:
                 step, failed = self._take_step(complete)
                 if step is None and failed is None:
                     break
+                if step is not None:
+                    # counted now, in the loop: the store thread makes the step's version visible (a pull answered,
+                    # then a status read) before this coroutine goes on after the apply
+                    self._stats.late_pushes += step.late
                 cfg = self.optimizer
                 if step is not None:
                     try:
@@ -375,7 +379,7 @@ class StepScheduler:
                     self._fail(e)
                     return
                 now = self._clock.now()
-                self._stats.count_step(step.late if step is not None else 0, now, now - t0, opened)
+                self._stats.count_step(now, now - t0, opened)
                 self.last_apply_s = now - t0
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step applied", extra={"version": version, "apply_ms": round(1e3 * (now - t0), 3),
