@@ -181,7 +181,7 @@ def _stall(samples: list[tuple[float, int]], t_from: float, t_to: float = float(
 def run(bed: Any, a: argparse.Namespace, minutes: float, churn: bool) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix=f"stella-soak-{'churn' if churn else 'ref'}-")
     job = Job(bed, a, workdir)
-    t0 = time.monotonic()
+    t0, t0_wall = time.monotonic(), time.time()
     events: list[tuple[float, str]] = []
     back: dict[int, tuple[float, int | None]] = {}
     turn, started = 0, None
@@ -246,11 +246,16 @@ def run(bed: Any, a: argparse.Namespace, minutes: float, churn: bool) -> dict[st
                 for x in f.read().splitlines():
                     if "Error" in x or "Traceback" in x or "WARNING" in x or "warning" in x.lower():
                         lines[f"worker: {x.strip()[:160]}"] += 1
+    clipped = []  # each clipped push: when (s into the run, as the events), whose, its norm against the bound
     for srv in job.servers:
         for rec in _json_lines(srv["proc"].logs()):
             if rec.get("level") in ("warning", "error", "critical"):
                 lines[f"server {rec.get('level')}: {rec.get('msg')}"] += 1
-    out.update(reconnects=reconnects, clean_exits=done, messages=dict(lines.most_common()),
+            if rec.get("msg") == "push clipped":
+                clipped.append({"t": round(rec.get("ts", t0_wall) - t0_wall, 1), "worker": rec.get("worker"),
+                                "norm": rec.get("norm"), "bound": rec.get("bound"), "limit": rec.get("limit"),
+                                "final": rec.get("final")})
+    out.update(reconnects=reconnects, clean_exits=done, messages=dict(lines.most_common()), clipped=clipped,
                servers=[{"lived_s": round(s["ended"] - s["started"], 1), "warm": s["warm"], "end": s["end"]}
                         for s in job.servers])
     longest = max(job.servers, key=lambda s: s["ended"] - s["started"] if s["warm"] and s["end"] else -1.0)
