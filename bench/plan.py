@@ -443,8 +443,9 @@ def pick_catalog_doc(rate: float = PICK_RATE, most: int = PICK_MOST) -> dict[str
 
 def own_pick(prof: Profile, workload: str, steps: int) -> tuple[Run, Prediction]:
     """``stella plan``'s fastest configuration for ``prof`` on :func:`pick_catalog_doc`, as a
-    run of the test bed (role "pick"), and the plan's prediction of it. A run of H > 1 takes
-    ``steps`` rounds' worth of iterations at least, so its pace is measured over rounds."""
+    run of the test bed (role "pick"), and the plan's prediction of it. The run takes ``steps``
+    iterations, and at least 16 rounds' worth at a large H, so that its pace is measured over
+    rounds."""
     cat = catalog_from_dict(pick_catalog_doc(), "test bed (the plan's own pick)")
     # what a user would give: iterations that fall with the global batch (else one site is always fastest),
     # and the byte LM's measured factors (bench/RESULTS.md), so the pick weighs H and density as measured
@@ -455,7 +456,7 @@ def own_pick(prof: Profile, workload: str, steps: int) -> tuple[Run, Prediction]
     best = plan(cat, prof, max_shards=1).rows[0]
     c = best.config
     run = Run("p1", workload, "pick", c.workers, PICK_RATE, PICK_RATE, c.density, c.coding, c.sync_every,
-              steps=max(steps, 4 * c.sync_every * 4), ps=PICK_RATE)
+              steps=max(steps, 16 * c.sync_every), ps=PICK_RATE)
     return run, best
 
 
@@ -908,7 +909,6 @@ def validate(a, log=print) -> dict[str, Any]:
             f"link x{c.link:.3f}, tail loss x{c.tail_loss:.2f} queue delays, {1e3 * c.round_s:.1f} ms per round, "
             f"jitter {c.jitter:.3f}, {1e3 * c.worker_round_s:.1f} ms of a worker's CPU per round ({c.runs} runs, "
             f"{c.exchange_runs} bound by their exchange)")
-    pick_pred = None
     if "bytelm" in profiles and (not a.only or "p1" in a.only.split(",")):
         old_pick = out.get("pick_run")
         if a.from_json and old_pick:  # the run as it was chosen then, whatever the plan says now

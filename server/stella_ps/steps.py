@@ -358,12 +358,11 @@ class StepScheduler:
                 step, failed = self._take_step(complete)
                 if step is None and failed is None:
                     break
+                cfg = self.optimizer
                 if step is not None:
                     # counted now, in the loop: the store thread makes the step's version visible (a pull answered,
                     # then a status read) before this coroutine goes on after the apply
                     self._stats.late_pushes += step.late
-                cfg = self.optimizer
-                if step is not None:
                     try:
                         cfg = self._for_step(step.hparams)
                     except Exception as e:  # a bug: each change was checked when its push arrived

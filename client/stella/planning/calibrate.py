@@ -161,8 +161,8 @@ def fit_many(runs: Sequence[tuple[Profile, Catalog, Observation]], source: str =
         return k, np.sum((k[:, which] * m - 1) ** 2, axis=1)
 
     busy = loads(0.0, 0.0)  # the load is linear in the background's share: busy + share x (its load at 1)
-    kappa, fixed, share, ld = 1.0, 0.0, 1.0, loads(0.0, 1.0)
-    shared = int((ld > 0).sum())
+    kappa, fixed, share, ld = 1.0, 0.0, 1.0, busy
+    shared = int((busy > 0).sum())  # a run on a shared host has a load, busy alone
     if shared >= HOST_RUNS:
         # runs on a shared host: the grids' best (host_load 0.2 .. 3, worker_round_s 0 .. 10 ms, the background's
         # share 0 .. 1.5)
