@@ -16,6 +16,7 @@ import pytest
 import zmq.auth
 from live import wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from zmq.utils import z85
 
 from stella import BadRequest, Client, Unauthorised, _session
 from stella.cli import main as stella_main
@@ -382,3 +383,58 @@ def test_a_keyless_client_whose_handshakes_are_closed_silently_is_told_the_serve
     h.address, h.keys, h._silent = "tcp://127.0.0.1:5555", None, 3
     assert "requires CurveZMQ keys, and this client has none" in h._silent_server()
     assert h._silent_server() == h._protocol(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+
+
+def test_the_zap_handler_answers_only_well_formed_curve_requests_for_its_domain(two_keys):
+    """RFC 27 by hand: 200 with the Z85 key as user id (the server reads it back as a
+    message's User-Id) for an allowed key; 400 for a refused key, another domain, another
+    mechanism, a malformed request; refusals counted."""
+    from stella_ps.security import ZAP_DOMAIN, Allowlist, Gatekeeper
+
+    refused: list[str] = []
+    gate = Gatekeeper(zmq.Context.instance(), Allowlist(two_keys.allowlist), refused.append)
+    a_public = zmq.auth.load_certificate(two_keys.client_secrets["a"])[0]
+    stranger = zmq.curve_keypair()[0]
+
+    def ask(*, domain=None, mechanism=b"CURVE", creds=None, version=b"1.0"):
+        creds = [z85.decode(a_public)] if creds is None else creds
+        domain = ZAP_DOMAIN.encode() if domain is None else domain
+        return gate.answer([version, b"id7", domain, b"127.0.0.1", b"", mechanism, *creds])
+
+    assert ask() == [b"1.0", b"id7", b"200", b"OK", a_public, b""]
+    assert ask(creds=[z85.decode(stranger)])[2:5] == [b"400", b"key refused", b""]
+    assert refused == ["not_allowed"]
+    assert ask(domain=b"other")[2] == b"400"
+    assert ask(mechanism=b"PLAIN", creds=[b"user", b"pw"])[2] == b"400"
+    assert ask(creds=[b"short"])[2] == b"400"
+    assert ask(version=b"2.0")[2] == b"400"
+    assert gate.answer([b"1.0"])[1:3] == [b"", b"400"]
+    assert refused == ["not_allowed"]  # only a key the allowlist refused counts as refused
+
+
+def test_a_server_stopped_in_the_loop_iteration_it_started_in_exits_cleanly(two_keys):
+    """A SIGTERM that arrives while stella-ps is still starting (CI: SIGSTOP right after the
+    ready-file, then SIGCONT + SIGTERM) stops it in the loop iteration whose callbacks add
+    the ZAP socket's reader. The reader must go before the socket closes: pyzmq's asyncio
+    authenticator left it queued, libzmq's reaper closed the descriptor, and uvloop aborted
+    the process (30 of these in one process aborted it every time in 5 runs)."""
+    script = f"""
+import asyncio, uvloop
+from stella_ps.daemon import parse_args
+from stella_ps.server import ParameterServer
+
+async def main():
+    for _ in range(30):
+        s = ParameterServer(parse_args(["--bind", "tcp://127.0.0.1:0", "--keys", {two_keys.server_secret!r},
+                                        "--allow", {two_keys.allowlist!r}]))
+        await s.start()
+        task = asyncio.ensure_future(s.serve())
+        s.stop()
+        await task
+    print("stopped 30 times")
+
+uvloop.run(main())
+"""
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "stopped 30 times" in done.stdout, done.stderr[-3000:]

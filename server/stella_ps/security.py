@@ -44,7 +44,6 @@ from typing import cast
 import zmq
 import zmq.asyncio
 import zmq.auth
-from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
@@ -234,18 +233,31 @@ class Allowlist:
 
 
 class Gatekeeper:
-    """The ZAP handler of one context: admits a CURVE client whose key is on the allowlist;
-    ``on_refused(reason)`` counts each refusal."""
+    """The ZAP handler of one context (RFC 27): admits a CURVE client whose key is on the
+    allowlist; ``on_refused(reason)`` counts each refusal.
 
-    def __init__(self, ctx: zmq.asyncio.Context, allowlist: Allowlist,
+    It owns its REP socket and the event loop's reader on that socket's descriptor, and
+    :meth:`stop` removes the reader before it closes the socket. (pyzmq's asyncio
+    authenticator wraps its socket anew for every poll and drops that reader only in
+    callbacks after the socket is closed; libzmq's reaper thread then closes the
+    descriptor while uvloop still has it queued for the kernel, and uvloop aborts the
+    process: a SIGTERM that arrived while the server was still starting did that, once
+    in CI and at will in a test.)"""
+
+    ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: libzmq asks whoever binds it
+    VERSION = b"1.0"
+
+    def __init__(self, ctx: zmq.Context, allowlist: Allowlist,
                  on_refused: Callable[[str], None] = lambda reason: None):
         self.allowlist = allowlist
         self._on_refused = on_refused
-        self._auth = AsyncioAuthenticator(ctx, log=logging.getLogger("stella_ps.zap"))
-        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
+        self._ctx = ctx
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
-        """Called by the ZAP handler for every new connection."""
+        """Whether the client whose public key is ``z85_key`` may connect."""
         key = z85_key.decode()
         why = self.allowlist.refusal(key)
         if why is not None:
@@ -254,11 +266,68 @@ class Gatekeeper:
             log.warning(f"connection refused: {what}", extra={"key_fingerprint": fingerprint(key)})
         return why is None
 
+    def answer(self, request: list[bytes]) -> list[bytes]:
+        """The ZAP reply to one request: 200 with the client's Z85 key as its user id (the
+        server reads it back as a message's ``User-Id``), or 400 with the reason."""
+        request_id = request[1] if len(request) > 1 else b""
+
+        def reply(code: bytes, text: bytes, user_id: bytes = b"") -> list[bytes]:
+            return [self.VERSION, request_id, code, text, user_id, b""]
+
+        if len(request) < 6 or request[0] != self.VERSION:
+            return reply(b"400", b"malformed ZAP request")
+        domain, mechanism, credentials = request[2], request[5], request[6:]
+        if domain != ZAP_DOMAIN.encode():
+            return reply(b"400", b"unknown domain")
+        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+            return reply(b"400", b"CURVE only")
+        key = z85.encode(credentials[0])
+        if not self.callback(domain.decode(), key):
+            return reply(b"400", b"key refused")
+        return reply(b"200", b"OK", key)
+
     def start(self) -> None:
-        self._auth.start()
+        """Bind the ZAP endpoint and answer its requests on the running loop."""
+        assert self._sock is None, "started already"
+        self._loop = asyncio.get_running_loop()
+        sock = zmq.Socket(self._ctx, zmq.REP)  # a plain socket: the loop watches its descriptor
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(self.ENDPOINT)
+            self._fd = int(sock.getsockopt(zmq.FD))
+            self._loop.add_reader(self._fd, self._drain)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+        self._drain()  # what was asked before the reader was added: the edge is gone
+
+    def _drain(self) -> None:
+        """Answer every queued request. The descriptor is edge-triggered: it signals again
+        only after a receive has found nothing (or ``EVENTS`` was read)."""
+        sock = self._sock
+        if sock is None:
+            return
+        while True:
+            try:
+                request = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = self.answer(request)
+            except Exception:  # never leave libzmq's handshake waiting on an answer
+                log.exception("ZAP request could not be answered; refused")
+                reply = [self.VERSION, request[1] if len(request) > 1 else b"", b"500", b"internal", b"", b""]
+            sock.send_multipart(reply)
 
     def stop(self) -> None:
-        self._auth.stop()
+        """Remove the reader, then close the socket; safe to call twice."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        sock.close(linger=0)
 
 
 class Connections:
