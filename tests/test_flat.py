@@ -460,3 +460,26 @@ def test_compressor_settings_are_checked():
     assert empty.sparse.count == 0 and not empty.dense.any()
     with pytest.raises(ValueError, match="native"):
         FlatCompressor(layout, backend="native", device="cuda")
+
+
+@pytest.mark.parametrize("dense_sparse", [False, True])
+def test_take_back_returns_what_the_server_scaled_off_to_the_residual(dense_sparse):
+    """PushOk's ``clipped``: over each range the push's values are scaled as the server
+    scales them (float64 times the factor, to float32) and the rest, ``sent - applied``,
+    goes back into the residual, sparse range and dense suffix alike; other ranges untouched."""
+    layout = FlatLayout((5000, 10, 6000, 20), 4096)  # sparse range 11,000, dense suffix 30
+    comp = FlatCompressor(layout, 0.01, "dense" if dense_sparse else "exact")
+    g = torch.Generator().manual_seed(3)
+    sent = comp.compress(torch.randn(layout.numel, generator=g))
+    before = comp.residual.clone()
+    s = layout.sparse_numel
+    clipped = [(0, 4096, 0.5), (8192, layout.numel, 0.25)]  # two shards' ranges clipped, the middle one not
+    applied = comp.take_back(sent, clipped)
+    whole, got = sent.to_dense(), applied.to_dense()
+    factor = np.ones(layout.numel)
+    factor[:4096], factor[8192:] = 0.5, 0.25
+    want = (whole.astype(np.float64) * factor).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal((comp.residual - before).numpy(), whole - want)
+    assert applied.sparse_numel == s and (applied.sparse.indices is None) == dense_sparse
+    assert comp.take_back(sent, []) is sent

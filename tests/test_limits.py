@@ -322,7 +322,8 @@ def test_push_norm_refuses_values_near_float32_max(make_server, make_client):
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_push_norm_clip(make_server, make_client, dtype):
     srv, c = _norm_server(make_server, make_client, "--push-norm-action", "clip")
-    c.push({"w": np.array([30.0, 40.0], np.float32)}, 0, value_dtype=dtype)  # norm 50: scaled by 1/10
+    ok = c.push({"w": np.array([30.0, 40.0], np.float32)}, 0, value_dtype=dtype)  # norm 50: scaled by 1/10
+    assert ok.clipped == [(0, 5, 0.1)]  # the server's range (w then b) and the factor kept: the worker's to resend
     d = c.pull(0, wait_for=1)
     assert d.version == 1
     np.testing.assert_allclose(d.tensors["w"][1], [-3.0, -4.0], rtol=1e-6)

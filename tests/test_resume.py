@@ -184,3 +184,47 @@ def test_close_pushes_the_whole_residual_unclipped(make_server):
         c.register({"weight": np.zeros((1, n), np.float32)})
         server_model = c.pull(None).tensors["weight"][1].reshape(-1)
     np.testing.assert_allclose(server_model, w, atol=1e-6)  # nothing the worker had was lost
+
+
+@pytest.mark.parametrize("mode", ["update", "gradient"])
+def test_a_clipped_push_loses_nothing_the_rest_goes_out_later(make_server, mode):
+    """Issue 45: the push-norm bound scales a push down. Before, the worker was not told,
+    and the part scaled off was lost (1,605 'push clipped' in the soak's hour). Now the
+    reply says where and by how much; the worker's residual takes it back and sends it in
+    later pushes, close() included. One worker under an absolute bound that clips most of
+    its pushes: the server's model ends where the unclipped sum of the steps puts it
+    (gradient mode: lr times the gradients' sum; update mode: the worker's own weights)."""
+    import numpy as np
+
+    from stella import Client
+
+    n = 400
+    bound = "0.3" if mode == "update" else "6"  # about half the usual push's norm: lr x gradient, or gradient
+    srv = make_server(1, ["--max-push-norm", bound, "--push-norm-action", "clip"], pull="exact")
+    model = torch.nn.Linear(n, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    lr = 0.05
+    if mode == "update":
+        kw = {"optimizer": torch.optim.SGD(model.parameters(), lr=lr)}
+    else:
+        kw = {"optimizer": {"name": "sgd", "lr": lr}, "mode": "gradient"}
+    opt = StellaOptimizer(model, srv.endpoint, compression=Compression(density=0.25, method="exact", value_dtype="f32"),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10), **kw)
+    g = torch.Generator().manual_seed(1)
+    total = torch.zeros(n)
+    for step in range(30):
+        opt.zero_grad()
+        grad = torch.randn(1, n, generator=g) if step < 10 else torch.zeros(1, n)  # then the residual drains
+        total += grad.reshape(-1)
+        model.weight.grad = grad
+        opt.step()
+    opt.close()
+    logs = srv.logs()
+    assert logs.count('"push clipped"') >= 5  # the bound was met again and again
+    with Client(srv.endpoint, timeout=10) as c:
+        c.register({"weight": np.zeros((1, n), np.float32)})
+        server_model = c.pull(None).tensors["weight"][1].reshape(-1)
+    expected = (-lr * total).numpy() if mode == "gradient" else model.weight.detach().reshape(-1).numpy()
+    np.testing.assert_allclose(server_model, expected, atol=2e-5)  # what was scaled off came later, whole
+    if mode == "update":
+        np.testing.assert_allclose(expected, (-lr * total).numpy(), atol=2e-5)

@@ -244,3 +244,20 @@ def test_a_pre_encoded_push_replays_and_a_pull_without_decoding_gives_the_versio
             v = d.version
         w = c.pull(None).tensors["w"][1]
         assert w[3] == -3.0 and w[7] == 6.0 and np.count_nonzero(w) == 2
+
+
+def test_a_sharded_push_ok_lists_the_range_each_shard_clipped(make_server):
+    """Each shard bounds its own part of a push; the reply names each range a shard scaled
+    down and the factor it kept, in the flat model's coordinates (the worker's residual
+    takes the rest back), and none for a shard that took its part whole."""
+    addrs = _shards(make_server, 2, 1, ["--max-push-norm", "5", "--push-norm-action", "clip"])
+    ranges = FlatLayout(tuple(LAYOUT.values()), 4096).shard_ranges(2)
+    with ShardedClient(addrs, timeout=30) as c:
+        c.register({k: np.zeros(n, np.float32) for k, n in LAYOUT.items()}, {"name": "sgd", "lr": 1.0})
+        v = c.pull(None).version
+        idx = np.arange(LAYOUT["v"] - 10, LAYOUT["v"], dtype=np.int32)  # the tail of v: shard 1's range
+        ok = c.push({"v": (idx, np.full(10, 10.0, np.float32)), "w": (np.array([3], np.int32), np.ones(1, np.float32))},
+                    v)
+    assert len(ok.clipped) == 1
+    start, stop, kept = ok.clipped[0]
+    assert (start, stop) == ranges[1] and kept == pytest.approx(5 / np.sqrt(1000.0), rel=1e-6)

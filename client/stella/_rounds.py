@@ -91,6 +91,11 @@ def as_update(push: FlatPush) -> FlatUpdate:
     return FlatUpdate(idx, sp.values, push.dense if push.dense.size else None)
 
 
+# close() pushes what was left unsent; a push the server's norm bound scaled down sends the rest
+# again, up to this many pushes in all (the first, the final one, is allowed 8 times the usual bound)
+FLUSH_PUSHES = 4
+
+
 class Rounds:
     """The background thread, the round in flight, the controller and what it measures.
 
@@ -180,8 +185,10 @@ class Rounds:
                            report=self.progress.report(), samples=samples, wait=False)
         pull = client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
         t_pull = time.perf_counter()  # queued behind the push: the server sees it once the push is in
-        push.result()
+        ok = push.result()
         t_ack = time.perf_counter()
+        # the server's push-norm bound scaled part of it off: back into the residual, and installed as applied
+        sent = self.compressor.take_back(sent, ok.clipped)
         first = pull.result()
         t2 = time.perf_counter()
         up1, down1 = client.bytes_pushed, client.bytes_pulled
@@ -267,8 +274,19 @@ class Rounds:
 
         def flush(client: AnyClient) -> None:
             rest = self.compressor.flush()
+            for _ in range(FLUSH_PUSHES):
+                if not rest.count:
+                    return
+                ok = client.push(as_update(rest), version, value_dtype="f32", final=True)
+                if not ok.clipped:
+                    return
+                # the push-norm bound scaled it down: what it scaled off goes out in the next push
+                self.compressor.take_back(rest, ok.clipped)
+                rest = self.compressor.flush()
             if rest.count:
-                client.push(as_update(rest), version, value_dtype="f32", final=True)
+                lost = float(np.linalg.norm(rest.to_dense().astype(np.float64)))
+                log.warning("close(): the server's push-norm bound scaled down %d pushes of what was left unsent; "
+                            "the rest (L2 norm %.4g) is dropped", FLUSH_PUSHES, lost)
 
         self.call(flush)
 

@@ -512,6 +512,36 @@ class FlatCompressor:
         return FlatPush(self._engine.flush(self._sparse), self._engine.flush(self._dense, whole=True).values,
                         "f32", "f32")
 
+    def take_back(self, sent: FlatPush, clipped: Sequence[tuple[int, int, float]]) -> FlatPush:
+        """The server scaled ``sent`` down over each range ``[start, stop)`` of the flat
+        model in ``clipped`` to the factor it kept (its push-norm bound,
+        :class:`~stella.protocol.PushOk`'s ``clipped``): what it scaled off goes back into
+        the residual, to go out with a later push, so nothing is lost. Returns the push as
+        the server applied it (its values scaled as the server scales them)."""
+        if not clipped:
+            return sent
+        s, idx = self.sparse_numel, sent.sparse.indices
+        sparse = np.array(sent.sparse.values, dtype=np.float32, copy=True)
+        dense = np.array(sent.dense, dtype=np.float32, copy=True)
+        for start, stop, kept in clipped:
+            if idx is None:
+                lo, hi = min(start, s), min(stop, s)
+            else:
+                lo, hi = (int(i) for i in np.searchsorted(idx, (start, stop)))
+            a, b = min(max(start - s, 0), dense.size), min(max(stop - s, 0), dense.size)
+            for vals, i, j in ((sparse, lo, hi), (dense, a, b)):
+                if j > i:  # float64 times the factor, as the server scales (aggregation.scaled)
+                    vals[i:j] = (vals[i:j].astype(np.float64) * kept).astype(np.float32)
+        res = self._residual
+        off = torch.from_numpy(np.subtract(sent.sparse.values, sparse, dtype=np.float32)).to(res.device)
+        if idx is None:
+            res[:s].add_(off)
+        elif idx.size:
+            res.index_add_(0, torch.from_numpy(idx).to(device=res.device, dtype=torch.long), off)
+        if dense.size:
+            res[s:].add_(torch.from_numpy(np.subtract(sent.dense, dense, dtype=np.float32)).to(res.device))
+        return FlatPush(SparseGrad(sent.sparse.numel, idx, sparse), dense, sent.value_dtype, sent.dense_dtype)
+
     def select_stats(self) -> dict[str, int] | None:
         """The C kernel's counters of the last selection (summed over the groups with
         ``group_quotas``), or None when it never ran. For benchmarks and tests."""

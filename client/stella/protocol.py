@@ -55,7 +55,7 @@ __all__ = [
     "check_payload",
 ]
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -379,9 +379,19 @@ class Registered(_Message, tag="registered", frozen=True):
     base: Version | None = None
 
 
+# a range ``[start, stop)`` of the flat model whose pushed values the server scaled down, and
+# the factor it kept (in [0, 1)): the push-norm bound (docs/security.md)
+Clip = tuple[Annotated[int, msgspec.Meta(ge=0, le=2**62)], Annotated[int, msgspec.Meta(ge=0, le=2**62)],
+             Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]]
+
+
 class PushOk(_Message, tag="push_ok", frozen=True):
     step: Version  # the step this push joined (counting this worker's queued pushes)
     version: Version  # the server's version now
+    # where the push-norm bound scaled this push down (one entry a server; a sharded client's
+    # reply lists its shards'): what was scaled off never reached the model, and is the
+    # worker's to send again (its error-feedback residual takes it back)
+    clipped: Annotated[list[Clip], msgspec.Meta(max_length=MAX_TENSORS)] = []
 
 
 class Delta(_Message, tag="delta", frozen=True):

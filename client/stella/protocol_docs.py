@@ -71,11 +71,14 @@ def tables() -> str:
 
 def _type_name(t: msgspec.inspect.Type) -> str:
     mi = msgspec.inspect
-    if isinstance(t, mi.IntType):
+    if isinstance(t, (mi.IntType, mi.FloatType)):
         bounds = [f">= {t.ge}" if t.ge is not None else "", f"< {t.lt}" if t.lt is not None else "",
                   f"<= {t.le}" if t.le is not None else ""]
         b = ", ".join(x for x in bounds if x)
-        return f"int ({b})" if b else "int"
+        name = "int" if isinstance(t, mi.IntType) else "float"
+        return f"{name} ({b})" if b else name
+    if isinstance(t, mi.TupleType):
+        return "array [" + ", ".join(_type_name(x) for x in t.item_types) + "]"
     if isinstance(t, mi.StrType):
         return f"str (<= {t.max_length} chars)" if t.max_length else "str"
     if isinstance(t, mi.BytesType):
@@ -93,7 +96,7 @@ def _type_name(t: msgspec.inspect.Type) -> str:
         return "map"
     if isinstance(t, mi.StructType):
         return f"`{t.cls.__name__}`"
-    simple = {mi.BoolType: "bool", mi.FloatType: "float", mi.NoneType: "nil", mi.AnyType: "any"}
+    simple = {mi.BoolType: "bool", mi.NoneType: "nil", mi.AnyType: "any"}
     return simple.get(type(t), type(t).__name__)
 
 

@@ -248,7 +248,8 @@ class ShardedClient:
         first = at[0]
 
         def combine(oks: list[PushOk]) -> PushOk:
-            return PushOk(req=oks[0].req, step=int(version) + oks[0].step - first, version=self._version)
+            return PushOk(req=oks[0].req, step=int(version) + oks[0].step - first, version=self._version,
+                          clipped=[c for ok in oks for c in ok.clipped])  # each shard clips its own range
 
         out = _AllOf(pendings, combine)
         return out.result() if wait else out

@@ -412,15 +412,17 @@ class PushNormBound:
         return bool(self.absolute or self.factor or self.model_change)
 
     def apply(self, worker: int, tensors: list[SparseTensor], sumsq: list[float] | None = None, *,
-              model_norm: float = 0.0, gain: float | None = None, final: bool = False) -> list[SparseTensor]:
-        """The push inside the bounds: as it is, refused (:class:`~stella.errors.BadValue`)
-        or scaled down (float32 copies). ``sumsq``: the sums of the squares of its
-        tensors' values, as the decoder found them (:func:`stella.payload.decode_tensors`);
-        None: computed here. ``model_norm`` and ``gain``: the model's norm and the
-        optimizer's gain in force (``--max-push-change``). ``final``: a worker's final push
-        (the class doc)."""
+              model_norm: float = 0.0, gain: float | None = None,
+              final: bool = False) -> tuple[list[SparseTensor], float]:
+        """The push inside the bounds, and the factor kept (1.0: as it is): refused
+        (:class:`~stella.errors.BadValue`) or scaled down (float32 copies; the server tells
+        the worker the factor, and the worker's residual takes back what was scaled off).
+        ``sumsq``: the sums of the squares of its tensors' values, as the decoder found them
+        (:func:`stella.payload.decode_tensors`); None: computed here. ``model_norm`` and
+        ``gain``: the model's norm and the optimizer's gain in force (``--max-push-change``).
+        ``final``: a worker's final push (the class doc)."""
         if not self.on:
-            return tensors
+            return tensors, 1.0
         norm = push_norm(tensors) if sumsq is None else math.sqrt(sum(sumsq))  # push_norm's order: its bits
         if log.isEnabledFor(logging.DEBUG):
             log.debug("push norm", extra={"worker": worker, "norm": norm})
@@ -437,11 +439,13 @@ class PushNormBound:
                             (self.model_limit(model_norm, gain, always=final), "--max-push-change")):
             if bound is not None and norm > bound and bound < limit:
                 limit, which = bound, flag
+        kept = 1.0
         if norm > limit:
             log.warning("push clipped", extra={"worker": worker, "norm": norm, "limit": which, "bound": limit,
                                                "final": final})
             self.clipped += 1
-            tensors, norm = scaled(tensors, limit / norm), limit
+            kept = limit / norm
+            tensors, norm = scaled(tensors, kept), limit
         if norm > 0 and not final:
             self._record(norm)
-        return tensors
+        return tensors, kept

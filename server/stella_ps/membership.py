@@ -56,6 +56,7 @@ class WorkerInfo:
     last_seen: float = field(default_factory=time.monotonic)  # any request or heartbeat
     last_request: float = field(default_factory=time.monotonic)  # a request on its own connection
     last_push_req: int = 0  # request id of the newest push taken (a re-sent push is not queued twice)
+    last_push_clipped: list[tuple[int, int, float]] = field(default_factory=list)  # its PushOk's, for a re-send
     gone_at: float | None = None
     refusal: str | None = None  # why its next request is refused (a push the server dropped)
     upload: Any = None  # the model's values coming in pieces (stella_ps.transfers.Upload), asked of it

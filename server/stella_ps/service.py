@@ -295,7 +295,8 @@ class Service:
         info = self._member(ident, msg.worker)
         if msg.req and msg.req <= info.last_push_req:  # re-sent after a reconnect: queued already
             self.stats.duplicate_pushes += 1
-            self._send(ident, PushOk(req=msg.req, step=self.store.version, version=self.store.version), ())
+            self._send(ident, PushOk(req=msg.req, step=self.store.version, version=self.store.version,
+                                     clipped=info.last_push_clipped), ())
             return
         if msg.upload is not None:  # its frames came ahead, in pieces
             up = info.upload
@@ -317,19 +318,27 @@ class Service:
             sumsq: list[float] = []
             optimizer = self.steps.optimizer
             final = msg.final and not info.final_pushed  # one per registration
-            tensors = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq,
-                                  model_norm=self.store.param_norm,
-                                  gain=optimizer.push_gain() if optimizer is not None else None, final=final)
+            tensors, kept = bound.apply(info.worker, decode_tensors(rx, self.store.layout, sumsq=sumsq), sumsq,
+                                        model_norm=self.store.param_norm,
+                                        gain=optimizer.push_gain() if optimizer is not None else None, final=final)
             info.final_pushed = info.final_pushed or final
         else:
-            tensors = decode_tensors(rx, self.store.layout)
+            tensors, kept = decode_tensors(rx, self.store.layout), 1.0
         queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
         info.last_push_req = msg.req
+        # what was scaled off is the worker's to send again: it is told where (this server's range) and how much
+        info.last_push_clipped = [] if kept >= 1.0 else [(*self._range(), kept)]
         info.pushes += 1
         if msg.report is not None:
             info.report = msg.report
         self.stats.pushes += 1
-        self._send(ident, PushOk(req=msg.req, step=self.store.version + queued, version=self.store.version), ())
+        self._send(ident, PushOk(req=msg.req, step=self.store.version + queued, version=self.store.version,
+                                 clipped=info.last_push_clipped), ())
+
+    def _range(self) -> tuple[int, int]:
+        """The range of the flat model this server holds."""
+        model = self.store.model
+        return (model.start, model.stop) if model is not None else (0, self.store.numel)
 
     def _pull(self, ident: bytes, msg: Pull) -> None:
         info = self._member(ident, msg.worker)
