@@ -39,6 +39,7 @@ from .wan.testbed import WanTestbed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "docker", "train", "train.py")
 STEP = re.compile(r"step (\d+) \| version (\d+)")
+STARTUP_S = 120.0  # the longest wait for both workers' first steps
 
 
 def scenario(kind: str, seconds: float, a: argparse.Namespace) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def scenario(kind: str, seconds: float, a: argparse.Namespace) -> dict[str, Any]
             lines[name].append((time.monotonic(), line.rstrip()))
 
     sites = {"ps": "1000/1000", "a": f"{a.rate}/{a.rate}", "b": f"{a.rate}/{a.rate}"}
-    with WanTestbed(sites, max_lifetime=a.before + seconds + a.after + 120) as bed:
+    with WanTestbed(sites, max_lifetime=STARTUP_S + a.before + seconds + a.after + 120) as bed:
         srv = ServerProcess(2, ["--liveness-timeout", str(a.liveness)], bind=f"tcp://{bed.address('ps')}:5555",
                             log_level="INFO", popen=functools.partial(bed.popen, "ps"), cwd=ROOT)
         env = {**os.environ, **srv.client_env(), "STELLA_SERVER": srv.endpoint, "PYTHONUNBUFFERED": "1",
@@ -60,6 +61,11 @@ def scenario(kind: str, seconds: float, a: argparse.Namespace) -> dict[str, Any]
                  for s in ("a", "b")}
         for s, p in procs.items():
             threading.Thread(target=read, args=(s, p), daemon=True).start()
+        # --before counts from both sites' first step, not from their start (imports and registration: a
+        # loaded machine took longer than 8 s once, the cut met a job that had not begun, and b could not step)
+        until = time.monotonic() + STARTUP_S
+        while time.monotonic() < until and not all(any(STEP.search(x) for _, x in lines[s]) for s in ("a", "b")):
+            time.sleep(0.2)
         time.sleep(a.before)
         t_cut = time.monotonic()
         if kind in ("cut", "forever"):

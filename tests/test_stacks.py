@@ -65,6 +65,8 @@ def test_lightning_module_trains_clips_schedules_and_resumes_against_a_new_serve
 
     resumed = run_example("lightning_module.py", "--steps", "45", "--resume", "--target", "0", *common)
     at40 = {f["rank"]: f for f in first}
+    saved = {r: torch.load(os.path.join(out, f"rank{r}", "checkpoint-40.ckpt"), map_location="cpu",
+                           weights_only=False)["optimizer_states"][0]["version"] for r in at40}
     for f in resumed:
         was = at40[f["rank"]]
         assert f["resumed_from"].endswith("checkpoint-40.ckpt") and f["steps"] == 45
@@ -72,12 +74,11 @@ def test_lightning_module_trains_clips_schedules_and_resumes_against_a_new_serve
         # the checkpoint's model, not the random one (5.5): the issue's bar, within 2%
         assert f["heldout_loss"] <= 1.02 * was["heldout_loss"]
         assert f["losses"]["41"] < 1.15 * was["train_loss"]
-        # the new server's count starts at the checkpoint's version (a new model would count from 0: 5 steps,
-        # at most 5 rounds); not above the first run's last version, which may lie a few rounds past the
-        # checkpoint's (update mode rounds as its exchanges come back, fewer a step on a loaded machine)
-        saved = torch.load(os.path.join(out, f"rank{f['rank']}", "checkpoint-40.ckpt"), map_location="cpu",
-                           weights_only=False)["optimizer_states"][0]["version"]
-        assert 10 < saved <= was["version"] and f["version"] >= saved, (saved, f["version"])
+        # the new server's count starts at the version of the checkpoint that created its model, one rank's (a
+        # new model would count from 0: 5 steps, at most 5 rounds); the ranks' may differ (update mode rounds as
+        # its exchanges come back, fewer a step on a loaded machine: 34 and 40 in one CI run), and neither is
+        # above its first run's last version, which may lie a few rounds past it
+        assert 10 < saved[f["rank"]] <= was["version"] and f["version"] >= min(saved.values()), (saved, f["version"])
         assert f["lr"] == pytest.approx(f["scheduled_lr"])  # (after load_state_dict too)
 
 
