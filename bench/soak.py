@@ -203,8 +203,8 @@ def run(bed: Any, a: argparse.Namespace, minutes: float, churn: bool) -> dict[st
                                                                              else ", a new worker")))
             if not churn or now < next_fault or back:
                 continue
-            kind = FAULTS[turn % len(FAULTS)]
-            r = (turn // len(FAULTS)) % a.workers
+            kind = a.faults[turn % len(a.faults)]
+            r = (turn // len(a.faults)) % a.workers
             turn += 1
             next_fault = now + a.every
             if kind == "restart a worker" or kind == "replace a worker":
@@ -273,7 +273,7 @@ def render(ref: dict[str, Any], soak: dict[str, Any], a: argparse.Namespace) -> 
         ("versions (undisturbed pace, churn pace)", f"{ref.get('pace') or 0:.2f}/s, {soak.get('pace') or 0:.2f}/s "
          f"({soak['versions']} in {soak['minutes']:g} min)", ""),
         ("faults", str(len([e for e in soak["events"] if "killed" in e[1] or "restarted the" in e[1]
-                            or "cut site" in e[1]])), f"one every {a.every:g} s, in turn: {', '.join(FAULTS)}"),
+                            or "cut site" in e[1]])), f"one every {a.every:g} s, in turn: {', '.join(a.faults)}"),
         ("steps lost (server restarts)", str(soak["steps_lost"]), ""),
         ("longest stall", f"{soak['longest_stall_s']} s", ""),
         ("server RSS, end / after warm-up (longest-lived)", f"{soak.get('server_rss_ratio', 'n/a')}",
@@ -288,6 +288,14 @@ def render(ref: dict[str, Any], soak: dict[str, Any], a: argparse.Namespace) -> 
     return "\n".join(out)
 
 
+def _faults(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in FAULTS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"faults are some of {', '.join(FAULTS)}; not {unknown or text!r}")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=60.0)
@@ -297,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=50.0, help="Mbit/s of each worker site, each way")
     p.add_argument("--ps-rate", type=float, default=1000.0)
     p.add_argument("--every", type=float, default=120.0, help="seconds between faults")
+    p.add_argument("--faults", type=_faults, default=FAULTS, help="the faults, in turn, comma-separated (default: "
+                   f"{','.join(FAULTS)}; without 'restart the server' one server lives the whole run)")
     p.add_argument("--back-after", type=float, default=5.0, help="a killed worker starts again this much later")
     p.add_argument("--cut", type=float, default=30.0, help="seconds a cut site is off")
     p.add_argument("--liveness", type=float, default=20.0)
