@@ -408,8 +408,10 @@ class Client:
         weights the pushes of a step by it (None: one unit; docs/optimizer.md).
         ``final``: this worker's last push, its whole error-feedback residual (close()): the
         server's push clip allows it more, once (docs/security.md).
-        Returns :class:`~stella.protocol.PushOk` (``step`` the push joined), or a
-        :class:`Pending` of it with ``wait=False``.
+        Returns :class:`~stella.protocol.PushOk` (``step`` the push joined; ``clipped``:
+        where the server's push-norm bound scaled the push down and the factor it kept, the
+        rest being the caller's to send again, as :class:`~stella.StellaOptimizer` does), or
+        a :class:`Pending` of it with ``wait=False``.
         """
         enc = grads if isinstance(grads, EncodedPush) else self.encode_push(grads, value_dtype=value_dtype,
                                                                              index_coding=index_coding)
