@@ -381,8 +381,7 @@ class Registered(_Message, tag="registered", frozen=True):
 
 # a range ``[start, stop)`` of the flat model whose pushed values the server scaled down, and
 # the factor it kept (in [0, 1)): the push-norm bound (docs/security.md)
-Clip = tuple[Annotated[int, msgspec.Meta(ge=0, le=2**62)], Annotated[int, msgspec.Meta(ge=0, le=2**62)],
-             Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]]
+Clip = tuple[Count, Count, Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]]
 
 
 class PushOk(_Message, tag="push_ok", frozen=True):

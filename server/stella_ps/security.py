@@ -256,9 +256,8 @@ class Gatekeeper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
 
-    def callback(self, domain: str, z85_key: bytes) -> bool:
-        """Whether the client whose public key is ``z85_key`` may connect."""
-        key = z85_key.decode()
+    def admits(self, key: str) -> bool:
+        """Whether the client whose public key is ``key`` (Z85) may connect."""
         why = self.allowlist.refusal(key)
         if why is not None:
             self._on_refused(why)
@@ -266,25 +265,25 @@ class Gatekeeper:
             log.warning(f"connection refused: {what}", extra={"key_fingerprint": fingerprint(key)})
         return why is None
 
+    @classmethod
+    def reply(cls, request: list[bytes], code: bytes, text: bytes, user_id: bytes = b"") -> list[bytes]:
+        """The ZAP reply frames to ``request`` (its id, when it has one)."""
+        return [cls.VERSION, request[1] if len(request) > 1 else b"", code, text, user_id, b""]
+
     def answer(self, request: list[bytes]) -> list[bytes]:
         """The ZAP reply to one request: 200 with the client's Z85 key as its user id (the
         server reads it back as a message's ``User-Id``), or 400 with the reason."""
-        request_id = request[1] if len(request) > 1 else b""
-
-        def reply(code: bytes, text: bytes, user_id: bytes = b"") -> list[bytes]:
-            return [self.VERSION, request_id, code, text, user_id, b""]
-
         if len(request) < 6 or request[0] != self.VERSION:
-            return reply(b"400", b"malformed ZAP request")
+            return self.reply(request, b"400", b"malformed ZAP request")
         domain, mechanism, credentials = request[2], request[5], request[6:]
         if domain != ZAP_DOMAIN.encode():
-            return reply(b"400", b"unknown domain")
+            return self.reply(request, b"400", b"unknown domain")
         if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
-            return reply(b"400", b"CURVE only")
+            return self.reply(request, b"400", b"CURVE only")
         key = z85.encode(credentials[0])
-        if not self.callback(domain.decode(), key):
-            return reply(b"400", b"key refused")
-        return reply(b"200", b"OK", key)
+        if not self.admits(key.decode()):
+            return self.reply(request, b"400", b"key refused")
+        return self.reply(request, b"200", b"OK", key)
 
     def start(self) -> None:
         """Bind the ZAP endpoint and answer its requests on the running loop."""
@@ -317,7 +316,7 @@ class Gatekeeper:
                 reply = self.answer(request)
             except Exception:  # never leave libzmq's handshake waiting on an answer
                 log.exception("ZAP request could not be answered; refused")
-                reply = [self.VERSION, request[1] if len(request) > 1 else b"", b"500", b"internal", b"", b""]
+                reply = self.reply(request, b"500", b"internal")
             sock.send_multipart(reply)
 
     def stop(self) -> None:
