@@ -218,7 +218,7 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
                 if m.any():
                     keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
             if keep:
-                st.apply(keep, step.scale, cfg, checked=False)
+                st.apply(keep, step.scale, cfg.for_pushes(len(step.contributors)), checked=False)
         out.append({**st.state_arrays(), **bcast})
         del st
     return out

@@ -16,10 +16,12 @@ from .errors import ConfigError
 __all__ = ["OptimizerConfig", "OptimizerLimits", "OPTIMIZERS", "MOMENTUM_MODES", "ConfigError"]
 
 # PyTorch's names and defaults (torch.optim.SGD / Adam / AdamW), plus Stella's
-# ``momentum_mode`` for SGD (see MOMENTUM_MODES).
+# ``momentum_mode`` for SGD (see MOMENTUM_MODES) and ``lr_worker_exponent`` (a step of K
+# pushes runs at lr * K ** lr_worker_exponent: 0, the mean; 0.5, update mode's outer step
+# over adaptive inner optimizers, docs/optimizer.md).
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
-            "momentum_mode": "fold"},
+            "momentum_mode": "fold", "lr_worker_exponent": 0.0},
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
 }
@@ -64,6 +66,7 @@ class OptimizerConfig:
 
     name: str
     hparams: dict[str, Any] = field(default_factory=dict)
+    _per_count: dict[int, OptimizerConfig] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_wire(cls, obj: Any) -> OptimizerConfig:
@@ -97,6 +100,7 @@ class OptimizerConfig:
             if hp["momentum_mode"] not in MOMENTUM_MODES:
                 raise ConfigError(f"momentum_mode must be one of {list(MOMENTUM_MODES)}, got {hp['momentum_mode']!r}")
             out["momentum_mode"] = hp["momentum_mode"]
+            out["lr_worker_exponent"] = _num("lr_worker_exponent", hp["lr_worker_exponent"], 0.0, 1.0)
             if f32(out["momentum"]) >= 1.0:
                 raise ConfigError(f"momentum={out['momentum']!r} is 1 in float32, the kernel's precision")
             lr = out["lr"]
@@ -128,6 +132,26 @@ class OptimizerConfig:
                 raise ConfigError(f"lr * weight_decay = {out['lr'] * out['weight_decay']} > 1 flips the "
                                   "parameters' sign at every step")
         return OptimizerConfig(self.name, out)
+
+    def for_pushes(self, count: int) -> OptimizerConfig:
+        """The configuration a step of ``count`` pushes runs: SGD's ``lr`` times
+        ``count ** lr_worker_exponent`` (itself when the exponent is 0 or ``count`` <= 1).
+        The same object for the same count, so the kernel keeps its converted copy.
+
+        In update mode the outer step averages K pseudo-gradients that adaptive inner
+        optimizers (Adam, AdamW) each normalised on their own share of the batch: their
+        noise shrinks in the mean by about sqrt(K), their signal does not, and the mean
+        moves the model about sqrt(K) times less than one dense Adam step on the whole
+        batch. An exponent of 0.5 gives that back (docs/optimizer.md, "The outer step's
+        scale"). The operator's ``--max-lr`` bounds ``lr`` as given, before the factor."""
+        exp = self.hparams.get("lr_worker_exponent", 0.0)
+        if not exp or count <= 1:
+            return self
+        done = self._per_count.get(count)
+        if done is None:
+            lr = self.hparams["lr"] * float(count) ** exp
+            done = self._per_count[count] = OptimizerConfig(self.name, {**self.hparams, "lr": lr})
+        return done
 
     def rule(self) -> OptimizerConfig:
         """The configuration the update rule really runs: SGD with ``momentum_mode="fold"``

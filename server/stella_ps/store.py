@@ -360,12 +360,13 @@ class ModelStore:
     def _apply(self, step: Step, cfg: OptimizerConfig) -> list[np.ndarray]:
         """Every tensor's part of ``step``, on the pool's threads; when one fails (a
         non-finite result: that tensor undid itself), the others are undone too."""
+        step_cfg = cfg.for_pushes(len(step.contributors))
 
         def one(t: int) -> np.ndarray:
             contributions = step.per_tensor[t]
             if not contributions:
                 return np.empty(0, np.int32)
-            return self.tensors[t].apply(contributions, step.scale, cfg, checked=False)
+            return self.tensors[t].apply(contributions, step.scale, step_cfg, checked=False)
 
         try:
             done = self._pool.map(one, [sum(p.values.size for p in c) for c in step.per_tensor])
