@@ -40,8 +40,8 @@ from bench.stella_e2e import run_stella
 class Variant:
     """One Stella configuration of the sweep, written ``PULL[:CODINGxFACTOR][@OUTER][/DENSITY]``:
     ``exact`` or ``broadcast`` pulls (with the broadcast's value coding and factor, else
-    the server's defaults), the outer step (``average``, ``nesterov`` or ``lrX``: plain
-    SGD with lr X on the mean change) and the pushes' density (else ``--density``)."""
+    the server's defaults), the outer step (``auto``, the default, ``average``, ``sqrt``,
+    ``nesterov`` or ``lrX``: plain SGD with lr X on the mean change) and the pushes' density (else ``--density``)."""
 
     spec: str
     server_args: tuple[str, ...]
@@ -61,7 +61,7 @@ class Variant:
             args += ["--broadcast-values", values, "--broadcast-factor", factor or "1"]
         if outer.startswith("lr"):
             outer = json.dumps({"name": "sgd", "lr": float(outer[2:])})
-        return cls(spec, tuple(args), outer or "average", density or None)
+        return cls(spec, tuple(args), outer or "auto", density or None)
 
 
 def _steps(res: dict[str, Any]) -> int | None:

@@ -186,7 +186,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                sites: list[str] | None = None, ps_site: str = "ps", seed: int = 0,
                eval_every: int | None = None, stop_at_target: bool = False, threads: int = 1,
                density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
-               sync_every: int = 1, value_dtype: str = "auto", outer: str = "average",
+               sync_every: int = 1, value_dtype: str = "auto", outer: str = "auto",
                server_args: tuple[str, ...] = (), site_size: int = 1, slowdown: float | list[float] = 1.0,
                max_sync_every: int = 0, max_accumulate: int = 0, per_tensor: bool = False,
                start_after: list[float] | None = None, expected: int | None = None,
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     w.add_argument("--mode", choices=("gradient", "update"), default="gradient")
     w.add_argument("--sync-every", type=int, default=1, help="0: the library's default (not passed)")
     w.add_argument("--value-dtype", default="auto", help='a wire dtype, "auto", or "default" (not passed)')
-    w.add_argument("--outer", default="average", help="a preset's name or the outer optimizer's config as JSON")
+    w.add_argument("--outer", default="auto", help="auto, a preset's name or the outer optimizer's config as JSON")
     w.add_argument("--stop-at-target", action="store_true")
     w.add_argument("--per-tensor", action="store_true", help="each large tensor its own share of a push")
     w.add_argument("--log-dir", required=True)
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("gradient", "update"), default="gradient")
     ap.add_argument("--sync-every", type=int, default=1)
     ap.add_argument("--value-dtype", default="f16")
-    ap.add_argument("--outer", default="average")
+    ap.add_argument("--outer", default="auto")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         return worker(a)

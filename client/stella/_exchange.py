@@ -40,16 +40,27 @@ from .protocol import ValueDtype
 __all__ = ["build_inner", "exchange_for"]
 
 _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+_SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent")  # a config's keys torch's optimizers do not take
 
 
 def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The torch optimizer a config mapping (the server's names: ``{"name": "adamw", "lr": ...}``)
-    describes, for update mode's local steps. ``momentum_mode`` (a server-side notion) is ignored."""
+    describes, for update mode's local steps. ``momentum_mode`` and ``lr_worker_exponent``
+    (server-side notions) are ignored."""
     name = str(config.get("name", "")).lower()
     if name not in _INNER:
         raise ValueError(f"unknown optimizer {config.get('name')!r}; known: {sorted(_INNER)}")
-    hp = {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k not in ("name", "momentum_mode")}
+    hp = {k: (tuple(v) if k == "betas" else v) for k, v in config.items() if k not in _SERVER_ONLY}
     return _INNER[name](params, **hp)
+
+
+def auto_outer(inner: torch.optim.Optimizer) -> str:
+    """The outer preset ``outer="auto"`` takes over ``inner``: "average" over SGD (the mean
+    of K workers' SGD steps is the dense step on their whole batch), "sqrt" over every
+    other optimizer (Adam, AdamW, and the other normalising ones: each worker's step is
+    about ``lr`` per coordinate whatever its batch, so the mean of K of them moves the
+    model about sqrt(K) times less than one dense step; docs/optimizer.md)."""
+    return "average" if isinstance(inner, torch.optim.SGD) else "sqrt"
 
 
 def load_in_place(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -240,8 +251,11 @@ class _UpdateExchange(_Exchange):
                       else build_inner(optimizer, list(params.values())))
         # the wrapper's groups are the inner optimizer's (schedulers built on either drive the local steps)
         self.groups = self.inner
+        if outer == "auto":
+            outer = auto_outer(self.inner)
         if isinstance(outer, str) and outer not in OUTER_PRESETS:
-            raise ValueError(f"outer must be one of {sorted(OUTER_PRESETS)} or a config mapping, got {outer!r}")
+            raise ValueError(f"outer must be 'auto', one of {sorted(OUTER_PRESETS)} or a config mapping, got "
+                             f"{outer!r}")
         self.server_config = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
         self.outer = self.server = self._mirror()  # `outer` mirrors the server's optimizer
         self.sync_every = sync.every

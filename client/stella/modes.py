@@ -11,20 +11,28 @@ from typing import Any
 
 from .protocol import TrainingMode
 
-__all__ = ["Mode", "MODES", "DEFAULT_MODE", "OUTER_PRESETS", "outer_preset"]
+__all__ = ["Mode", "MODES", "DEFAULT_MODE", "OUTER_PRESETS", "DEFAULT_OUTER", "outer_preset"]
 
 Mode = TrainingMode  # "update" or "gradient", declared once, with the wire schema
 MODES: tuple[Mode, ...] = ("update", "gradient")
 DEFAULT_MODE: Mode = "update"
 
 # The server's outer optimizer in update mode. "average": the new model is the mean of
-# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "nesterov": DiLoCo's
-# outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated where the mean
-# pseudo-gradient has coordinates, docs/optimizer.md).
+# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "sqrt": the mean
+# times sqrt(K), K the step's pushes (lr_worker_exponent 0.5): what the mean of K
+# adaptive inner optimizers' steps loses against one dense step on their whole batch.
+# "nesterov": DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated
+# where the mean pseudo-gradient has coordinates). "auto" (the default) is "sqrt" over
+# an adaptive inner optimizer (anything but SGD) and "average" over SGD, whose mean step
+# is the dense step (docs/optimizer.md, "The outer step's scale").
 OUTER_PRESETS: dict[str, dict[str, Any]] = {
     "average": {"name": "sgd", "lr": 1.0},
+    "sqrt": {"name": "sgd", "lr": 1.0, "lr_worker_exponent": 0.5},
     "nesterov": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"},
 }
+
+
+DEFAULT_OUTER = "auto"
 
 
 def outer_preset(config: Mapping[str, Any]) -> str | None:

@@ -117,7 +117,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     to build one. Gradient mode: the server's optimizer config (None: the server's
     default, ``stella-ps --optimizer``).
     ``mode``: "update" (default) or "gradient". ``outer``: update mode's server-side
-    optimizer, "average" (default), "nesterov" or a config mapping.
+    optimizer: "auto" (default: "sqrt" over an adaptive optimizer such as AdamW,
+    "average" over SGD), "average" (the mean of the workers' changes), "sqrt" (the mean
+    times the square root of the step's pushes), "nesterov" or a config mapping.
     ``sync``: when to exchange (:class:`~stella.options.Sync`: H, running on, staleness,
     batch size). ``compression``: how to compress (:class:`~stella.options.Compression`:
     density, method, wire coding). ``connection``: how to reach the server
@@ -142,7 +144,7 @@ class StellaOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, address: str | Sequence[str] | AnyClient, *,
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None, mode: Mode | None = None,
-                 outer: str | Mapping[str, Any] = "average", sync: Sync = Sync(),
+                 outer: str | Mapping[str, Any] = "auto", sync: Sync = Sync(),
                  compression: Compression = Compression(), connection: Connection = Connection(),
                  process_group: Any = "default", progress_every: int = 0):
         self._owner = self  # what a wrapper reading this optimizer's attributes acts on (_on_owner)
