@@ -7,6 +7,11 @@ deterministic by seed).
 * ``digits``   small CNN (~0.55M params) on scikit-learn's 8x8 digits; test accuracy
                on the demo's split (``stella.demo.load_digits_split``: 20% held out,
                stratified).
+* ``tinylm``   the same byte LM made small (d64, 2 layers, ~0.12M params) with
+               AdamW: a language model with Adam that trains in minutes on one
+               core (the update rules' sweeps, ``bench.sim_update``).
+* ``adamlp``   a small MLP (64-256-256-10) with AdamW on the same digits: an Adam
+               workload cheap enough to train at W = 8 inside the tests.
 * ``widemlp``  communication-bound MLP 64-3072-3072-10 (~9.7M params) on the
                same digits: a dense fp32 exchange at 100 Mbit/s costs ~50-100x
                its compute.
@@ -283,6 +288,15 @@ WORKLOADS: dict[str, Workload] = {
         metric="heldout_loss", higher_is_better=False, target=2.5,
         batch_size=8, lr=1e-3, warmup=20, weight_decay=0.01, optimizer="adamw", eval_every=10,
     ),
+    "tinylm": Workload(
+        name="tinylm",
+        description="byte-level Transformer LM (d64, 2 layers, ctx 128, 0.12M params) on the Python stdlib's "
+                    ".py sources",
+        build_model=lambda seed: _build_lm(seed, d_model=64, n_layers=2, n_heads=4),
+        batches=_lm_batches, loss=_lm_loss, evaluate=_lm_eval,
+        metric="heldout_loss", higher_is_better=False, target=2.6,
+        batch_size=8, lr=3e-3, warmup=20, weight_decay=0.01, optimizer="adamw", eval_every=10,
+    ),
     "digits": Workload(
         name="digits",
         description="small CNN (conv32-conv64-pool-fc512-fc10, 0.55M params) on sklearn digits (1438 train / 359 test)",
@@ -290,6 +304,14 @@ WORKLOADS: dict[str, Workload] = {
         batches=_digits_batches, loss=_cls_loss, evaluate=_digits_eval,
         metric="test_accuracy", higher_is_better=True, target=0.95,
         batch_size=32, lr=0.02, optimizer="sgd", eval_every=10,
+    ),
+    "adamlp": Workload(
+        name="adamlp",
+        description="MLP 64-256-256-10 (0.08M params) with AdamW on sklearn digits: the update rules' test at W = 8",
+        build_model=lambda seed: build_mlp((64, 256, 256, 10), seed),
+        batches=_digits_batches, loss=_cls_loss, evaluate=_digits_eval,
+        metric="test_accuracy", higher_is_better=True, target=0.95,
+        batch_size=16, lr=1e-3, weight_decay=0.01, optimizer="adamw", eval_every=5,
     ),
     "widemlp": Workload(
         name="widemlp",

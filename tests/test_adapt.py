@@ -244,6 +244,33 @@ def test_step_weights_pushes_by_their_samples_exactly(make_server, make_client):
     np.testing.assert_array_equal(d.tensors["w"][1], w1 - 0.5 * (va + vb))
 
 
+def test_the_outer_lr_grows_with_the_steps_pushes_by_lr_worker_exponent(make_server, make_client):
+    """``lr_worker_exponent`` 0.5: a step of 4 pushes runs at lr * 4 ** 0.5, so it applies
+    twice their mean, bit for bit (dyadic values); 0 (the default) is the plain mean; and
+    the exponent is bounded to [0, 1] like every other hyper-parameter."""
+    from stella import BadRequest
+
+    srv = make_server(4, ["--max-push-change", "0"], pull="exact")
+    cs = [make_client(srv.endpoint) for _ in range(4)]
+    w0 = np.arange(8, dtype=np.float32)
+    cs[0].register({"w": w0}, {**SGD1, "lr_worker_exponent": 0.5})
+    for c in cs[1:]:
+        c.register({"w": w0})
+    vs = [np.arange(8, dtype=np.float32) * (i + 1) / 8 for i in range(4)]
+    for c, v in zip(cs, vs):
+        c.push({"w": v}, 0)
+    d = cs[0].pull(0, wait_for=1)
+    mean = sum(vs) / 4
+    np.testing.assert_array_equal(d.tensors["w"][1], w0 - 2 * mean)
+    w1 = d.tensors["w"][1]
+    for c, v in zip(cs, vs):
+        c.push({"w": v}, 1, hparams={"lr_worker_exponent": 0.0} if c is cs[0] else None)
+    d = cs[0].pull(1, wait_for=2)
+    np.testing.assert_array_equal(d.tensors["w"][1], w1 - mean)
+    with pytest.raises(BadRequest, match="lr_worker_exponent"):
+        cs[1].set_optimizer(lr_worker_exponent=1.5)
+
+
 def test_a_push_claiming_many_samples_weighs_at_most_max_sample_ratio(make_server, make_client):
     srv = make_server(2, pull="exact")  # --max-sample-ratio 8 (the default)
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)

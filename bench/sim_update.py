@@ -1,0 +1,388 @@
+"""Same-process simulation of update mode, to choose its outer rule (issue 43): W
+workers, H local steps a round, top-k pushes of the weights' unsent change, the
+server's outer step, the compressed broadcast and one round of overlap, on the
+bench workloads, against dense training at the same global batch.
+
+    python -m bench.sim_update --workloads digits,tinylm --workers 2,8 --H 1,8 \\
+        --density 0.01 --rules avg,lr2,nesterov --seeds 0,1,2 --steps 300 [--json PATH]
+
+What it mirrors of the real system (docs/optimizer.md "Update mode", "The broadcast"):
+
+- **Worker** ``i``: weights ``w`` (its model), anchor ``a`` (its replica of the
+  broadcast model ``B``), its own inner optimizer (the workload's: AdamW with betas
+  (0.9, 0.95), or SGD with momentum 0.9, PyTorch's formulas on one flat vector) on its
+  share of the global batch. Every H-th step a round: merge the previous round
+  (``w <- w + (B - a) + c_prev``, ``a <- B``), then push ``c = C(a - w)``: the top
+  ``density`` of the large tensors' coordinates (exact top-k over the flat model, the
+  tensors under ``--dense-below`` whole), values rounded to f16 (``--push-values``).
+  What is not sent stays in ``a - w``.
+- **Server**: the step's mean pseudo-gradient (``avg``), the outer SGD on the
+  coordinates pushed (lazy momentum), ``R += dx``; the broadcast takes the top
+  ``factor x k`` of ``|R|`` on the large tensors and all of the small ones, coded q4
+  (f16 for the small ones) as ``stella.codec.quantise`` does, ``B += m``, ``R -= m``
+  (``--pull exact``: ``B = x``).
+- **Overlap**: a round's result reaches the workers at the next round's start, after
+  their next H steps (``Sync(staleness=1)``); every worker is as fast as the others.
+
+The rule (``--rules``, joined with ``+``): ``avg`` (lr 1: today's default), ``lrX``
+(outer lr X), ``lrpowP`` (lr W ** P: ``stella-ps``'s ``lr_worker_exponent``), ``lrsqrt``
+(lr sqrt(W), the "sqrt" preset), ``nesterov`` (lr 0.7, momentum 0.9) or
+``nestX:M`` (lr X, momentum M), ``count`` (each coordinate's sum divided by the
+pushes that carried it, not by W), ``eager`` (the worker keeps its own in-flight push
+at 1/W, as its share of the mean, instead of whole).
+
+Reported per configuration: ``ratio``, the iterations Stella needs against dense at
+the same global batch, from the held-out loss (cross-entropy on the test set for the
+digits workloads, the held-out bytes for the LMs) of worker 0's model (its replica
+with its own unsent progress, what ``bench.e2e`` evaluates; the server's model is in
+the JSON too), each curve taken as its running best. Stella's best at the end ``L_s``
+against dense's ``L_d``: if Stella reached ``L_d``, the step it did so over the run's
+length (<= 1); else the run's length over the step dense reached ``L_s`` (> 1); both
+interpolated between evaluations. The mean and the seeds' values are printed;
+``--json`` keeps the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench import workloads as WL
+from bench.harness import loadavg
+from stella.codec import quantise
+from stella_ps.config import ServerConfig
+
+DENSE_BELOW = ServerConfig().dense_below
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An outer rule of the sweep (see the module's text)."""
+
+    spec: str
+    lr: float = 1.0
+    lr_power: float = 0.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    count: bool = False
+    eager: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> Rule:
+        kw: dict = {}
+        for part in spec.split("+"):
+            if part == "avg":
+                continue
+            if part == "lrsqrt":
+                kw["lr_power"] = 0.5
+            elif part.startswith("lrpow"):
+                kw["lr_power"] = float(part[5:])
+            elif part.startswith("lr"):
+                kw["lr"] = float(part[2:])
+            elif part == "nesterov":
+                kw.update(lr=0.7, momentum=0.9, nesterov=True)
+            elif part.startswith("nest"):
+                lr, _, mom = part[4:].partition(":")
+                kw.update(lr=float(lr), momentum=float(mom or 0.9), nesterov=True)
+            elif part in ("count", "eager"):
+                kw[part] = True
+            else:
+                raise ValueError(f"unknown rule part {part!r} in {spec!r}")
+        return cls(spec, **kw)
+
+    def outer_lr(self, world: int) -> float:
+        return self.lr * world ** self.lr_power
+
+
+class Flat:
+    """The model's parameters as one flat vector: the large tensors first (the sparse
+    part, ``[0, ns)``), then those under the dense cut, as ``stella.layout`` lays
+    them out."""
+
+    def __init__(self, model: torch.nn.Module, dense_below: int):
+        params = list(model.parameters())
+        self.params = [p for p in params if p.numel() >= dense_below] + [p for p in params if p.numel() < dense_below]
+        self.ns = sum(p.numel() for p in self.params if p.numel() >= dense_below)
+        self.n = sum(p.numel() for p in self.params)
+
+    def get(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def grad(self) -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self.params])
+
+    def load(self, flat: torch.Tensor) -> None:
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+
+class Inner:
+    """The workload's optimizer on one flat vector (PyTorch's AdamW and SGD-momentum
+    formulas)."""
+
+    def __init__(self, wl: WL.Workload, n: int):
+        self.wl, self.t = wl, 0
+        self.m = torch.zeros(n)
+        self.v = torch.zeros(n) if wl.optimizer == "adamw" else None
+
+    def step(self, w: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        self.t += 1
+        wd = self.wl.weight_decay
+        if self.v is not None:
+            b1, b2, eps = 0.9, 0.95, 1e-8
+            w.mul_(1 - lr * wd)
+            self.m.mul_(b1).add_(g, alpha=1 - b1)
+            self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (self.v / (1 - b2 ** self.t)).sqrt_().add_(eps)
+            w.addcdiv_(self.m, denom, value=-lr / (1 - b1 ** self.t))
+        else:
+            if wd:
+                g = g + wd * w
+            if self.t == 1:
+                self.m.copy_(g)
+            else:
+                self.m.mul_(0.9).add_(g)
+            w.add_(self.m, alpha=-lr)
+
+
+def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    if dtype == "f32":
+        return x.clone()
+    if dtype == "f16":
+        return x.half().float()
+    if dtype == "bf16":
+        return x.bfloat16().float()
+    return torch.from_numpy(quantise(np.ascontiguousarray(x.numpy(), dtype=np.float32), dtype))
+
+
+def _sparse_send(vec: torch.Tensor, ns: int, k: int, dtype: str, small_dtype: str) -> torch.Tensor:
+    """What a receiver decodes of ``vec``: its top ``k`` magnitudes of ``[0, ns)``
+    (ascending index order, coded ``dtype``) and all of ``[ns, n)`` coded ``small_dtype``."""
+    out = torch.zeros_like(vec)
+    if k > 0 and ns > 0:
+        idx = torch.topk(vec[:ns].abs(), min(k, ns), sorted=False).indices.sort().values
+        out[idx] = _round(vec[idx], dtype)
+    out[ns:] = _round(vec[ns:], small_dtype)
+    return out
+
+
+def heldout_loss(wl: WL.Workload, model: torch.nn.Module) -> float:
+    """The workload's held-out cross-entropy (the LMs' own metric; the test set's for digits)."""
+    if wl.metric == "heldout_loss":
+        return wl.evaluate(model)
+    _, _, x, y = WL.digits_data()
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        val = float(F.cross_entropy(model(x), y))
+    model.train(was)
+    return val
+
+
+@dataclass
+class Config:
+    workload: str
+    world: int
+    H: int
+    density: float
+    rule: str
+    seed: int
+    steps: int
+    pull: str = "broadcast"
+    factor: float = 2.0
+    push_values: str = "f16"
+    bcast_values: str = "q4"
+    eval_every: int = 10
+
+
+@dataclass
+class Curve:
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)  # worker 0's model (what bench.e2e evaluates)
+    server: list[float] = field(default_factory=list)  # the server's exact model at the same steps
+
+    def best(self) -> list[float]:
+        return list(itertools.accumulate(self.loss, min))
+
+
+def _evaluate(wl, model, flat: Flat, vec: torch.Tensor, curve: Curve, step: int) -> None:
+    flat.load(vec)
+    curve.steps.append(step)
+    curve.loss.append(heldout_loss(wl, model))
+
+
+def run_dense(workload: str, world: int, seed: int, steps: int, eval_every: int, lr_mult: float = 1.0) -> Curve:
+    """Dense training at the global batch of ``world`` workers (what DDP computes), at
+    ``lr_mult`` times the workload's learning rate (a check that a rule's gain is not
+    only a larger step the workload's own rate would also give)."""
+    wl = WL.get(workload)
+    model = wl.build_model(seed)
+    flat = Flat(model, DENSE_BELOW)
+    w = flat.get()
+    opt = Inner(wl, flat.n)
+    batches = wl.batches(0, 1, wl.batch_size * world, seed)
+    curve = Curve()
+    _evaluate(wl, model, flat, w, curve, 0)
+    for t in range(steps):
+        flat.load(w)
+        model.zero_grad(set_to_none=True)
+        wl.loss(model, next(batches)).backward()
+        opt.step(w, flat.grad(), wl.lr_at(t) * lr_mult)
+        if (t + 1) % eval_every == 0:
+            _evaluate(wl, model, flat, w, curve, t + 1)
+    return curve
+
+
+def run_stella(cfg: Config) -> Curve:
+    wl = WL.get(cfg.workload)
+    rule = Rule.parse(cfg.rule)
+    W = cfg.world
+    model = wl.build_model(cfg.seed)
+    flat = Flat(model, DENSE_BELOW)
+    x = flat.get()                       # the server's exact model
+    B = x.clone()                        # the broadcast model every replica holds
+    R = torch.zeros_like(x)              # what the server owes the replicas
+    buf = torch.zeros_like(x) if rule.momentum else None
+    ws = [x.clone() for _ in range(W)]   # the workers' weights
+    anchors = [x.clone() for _ in range(W)]
+    inflight: list[torch.Tensor | None] = [None] * W
+    inner = [Inner(wl, flat.n) for _ in range(W)]
+    batches = [wl.batches(r, W, wl.batch_size, cfg.seed) for r in range(W)]
+    k = max(1, round(cfg.density * flat.ns))
+    kb = max(1, round(cfg.factor * k))
+    lr_out = rule.outer_lr(W)
+    curve = Curve()
+    _evaluate(wl, model, flat, x, curve, 0)
+    curve.server.append(curve.loss[0])
+    for t in range(cfg.steps + 1):
+        if t % cfg.H == 0 or t == cfg.steps:
+            pushes = []
+            for i in range(W):
+                c_prev = inflight[i]
+                if c_prev is not None:  # merge the previous round: w <- w + (B - a) + c_prev
+                    ws[i].add_(B - anchors[i])
+                    ws[i].add_(c_prev, alpha=1.0 / W if rule.eager else 1.0)
+                    anchors[i] = B.clone()
+                c = _sparse_send(anchors[i] - ws[i], flat.ns, k, cfg.push_values, "f16")
+                if rule.eager:  # the worker's own push counts at its share of the mean, at once
+                    ws[i].add_(c, alpha=1.0 - 1.0 / W)
+                inflight[i] = c
+                pushes.append(c)
+            total = torch.stack(pushes).sum(0)
+            carried = torch.stack([p != 0 for p in pushes]).sum(0)
+            touched = carried > 0
+            touched[flat.ns:] = True
+            g = total / carried.clamp(min=1) if rule.count else total / W
+            old = x.clone()
+            if buf is not None:
+                buf[touched] = rule.momentum * buf[touched] + g[touched]
+                d = g[touched] + rule.momentum * buf[touched] if rule.nesterov else buf[touched]
+                x[touched] -= lr_out * d
+            else:
+                x[touched] -= lr_out * g[touched]
+            if cfg.pull == "exact":
+                B = x.clone()
+            else:
+                R += x - old
+                m = _sparse_send(R, flat.ns, kb, cfg.bcast_values, "f16")
+                R -= m
+                B = B + m
+            if (t % cfg.eval_every == 0 and t) or t == cfg.steps:
+                _evaluate(wl, model, flat, ws[0], curve, t)
+                flat.load(x)
+                curve.server.append(heldout_loss(wl, model))
+        if t == cfg.steps:
+            break
+        for i in range(W):
+            flat.load(ws[i])
+            model.zero_grad(set_to_none=True)
+            wl.loss(model, next(batches[i])).backward()
+            inner[i].step(ws[i], flat.grad(), wl.lr_at(t))
+    return curve
+
+
+def _interp_step(curve_steps: list[int], best: list[float], level: float) -> float | None:
+    """The (interpolated) step a running-best curve first reaches ``level``."""
+    for j, v in enumerate(best):
+        if v <= level:
+            if j == 0:
+                return float(curve_steps[0])
+            s0, s1, v0 = curve_steps[j - 1], curve_steps[j], best[j - 1]
+            return s0 + (s1 - s0) * (v0 - level) / max(v0 - v, 1e-12)
+    return None
+
+
+def step_ratio(stella: Curve, dense: Curve) -> float:
+    """Iterations Stella needs against dense (see the module's text)."""
+    sb, db = stella.best(), dense.best()
+    T = stella.steps[-1]
+    reached = _interp_step(stella.steps, sb, db[-1])
+    if reached is not None:
+        return reached / dense.steps[-1]
+    td = _interp_step(dense.steps, db, sb[-1])
+    return T / td if td else math.inf
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="digits")
+    ap.add_argument("--workers", default="2,8")
+    ap.add_argument("--H", default="1")
+    ap.add_argument("--density", default="0.01")
+    ap.add_argument("--rules", default="avg,lr2,nesterov")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--pull", default="broadcast", choices=("broadcast", "exact"))
+    ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--push-values", default="f16")
+    ap.add_argument("--bcast-values", default="q4")
+    ap.add_argument("--dense-lr-mult", type=float, default=1.0,
+                    help="the dense reference at this multiple of the workload's learning rate")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    ints = lambda s: [int(v) for v in s.split(",")]
+    rows: list[dict] = []
+    print(f"# load {loadavg()}; dense at {a.dense_lr_mult}x the workload's lr", flush=True)
+    print(f"{'workload':8s} {'W':>3s} {'H':>3s} {'density':>7s} {'rule':16s} {'ratio':>6s}  seeds", flush=True)
+    for workload in a.workloads.split(","):
+        for W in ints(a.workers):
+            ev = a.eval_every
+            dense = {s: run_dense(workload, W, s, a.steps, ev, a.dense_lr_mult) for s in ints(a.seeds)}
+            for H, dens, rule in itertools.product(ints(a.H), [float(d) for d in a.density.split(",")],
+                                                   a.rules.split(",")):
+                t0 = time.time()
+                ratios, curves = [], []
+                for s in ints(a.seeds):
+                    cfg = Config(workload, W, H, dens, rule, s, a.steps, a.pull, a.factor, a.push_values,
+                                 a.bcast_values, ev if ev % H == 0 else H * max(1, round(ev / H)))
+                    c = run_stella(cfg)
+                    ratios.append(step_ratio(c, dense[s]))
+                    curves.append({"seed": s, "steps": c.steps, "loss": c.loss, "server_loss": c.server,
+                                   "dense_steps": dense[s].steps, "dense_loss": dense[s].loss})
+                mean = statistics.mean(ratios)
+                print(f"{workload:8s} {W:3d} {H:3d} {dens:7.4f} {rule:16s} {mean:6.3f}  "
+                      f"{' '.join(f'{r:.3f}' for r in ratios)}  ({time.time() - t0:.0f} s)", flush=True)
+                rows.append({"workload": workload, "W": W, "H": H, "density": dens, "rule": rule,
+                             "pull": a.pull, "steps": a.steps, "dense_lr_mult": a.dense_lr_mult, "ratio": mean,
+                             "ratios": ratios, "curves": curves})
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump({"argv": sys.argv[1:], "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()
