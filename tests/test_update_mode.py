@@ -261,6 +261,22 @@ def test_update_mode_refuses_what_it_cannot_do(server):
         build_inner({"name": "lion"}, list(model.parameters()))
 
 
+@pytest.mark.parametrize("inner,preset", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "average"),
+    (lambda ps: {"name": "sgd", "lr": 1.0}, "average"),
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "sqrt"),
+    (lambda ps: {"name": "adam", "lr": 1e-3}, "sqrt"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "sqrt"),
+])
+def test_the_default_outer_step_follows_the_inner_optimizer(server, inner, preset):
+    """outer="auto" (the default): the plain mean over SGD, the mean times sqrt(K) over
+    an adaptive optimizer; the mirror group carries the exponent the server will run."""
+    model = Toy()
+    opt = StellaOptimizer(model, server.endpoint, optimizer=inner(list(model.parameters())))
+    assert opt._exchange.server_config == OUTER_PRESETS[preset]
+    assert opt.outer.param_groups[0].get("lr_worker_exponent", 0.0) == (0.5 if preset == "sqrt" else 0.0)
+
+
 def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):
     model = Toy()
     inner = torch.optim.SGD(model.parameters(), lr=1.0)
