@@ -270,11 +270,17 @@ def test_update_mode_refuses_what_it_cannot_do(server):
 ])
 def test_the_default_outer_step_follows_the_inner_optimizer(server, inner, preset):
     """outer="auto" (the default): the plain mean over SGD, the mean times sqrt(K) over
-    an adaptive optimizer; the mirror group carries the exponent the server will run."""
+    an adaptive optimizer when the pushes are sparse (the adaptive density's ceiling, or
+    a pinned density, at most 10%), the plain mean over denser pushes; the mirror group
+    carries the exponent the server will run."""
     model = Toy()
-    opt = StellaOptimizer(model, server.endpoint, optimizer=inner(list(model.parameters())))
-    assert opt._exchange.server_config == OUTER_PRESETS[preset]
-    assert opt.outer.param_groups[0].get("lr_worker_exponent", 0.0) == (0.5 if preset == "sqrt" else 0.0)
+    for compression, dense in ((Compression(), False), (Compression(density=0.1), False),
+                               (Compression(density=0.5), True), (Compression(max_density=0.5), True)):
+        opt = StellaOptimizer(model, server.endpoint, optimizer=inner(list(model.parameters())),
+                              compression=compression)
+        expect = "average" if dense else preset
+        assert opt._exchange.server_config == OUTER_PRESETS[expect], compression
+        assert opt.outer.param_groups[0].get("lr_worker_exponent", 0.0) == (0.5 if expect == "sqrt" else 0.0)
 
 
 def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):

@@ -54,13 +54,22 @@ def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> 
     return _INNER[name](params, **hp)
 
 
-def auto_outer(inner: torch.optim.Optimizer) -> str:
+AUTO_SQRT_MAX_DENSITY = 0.1  # the densest pushes the "sqrt" outer step was measured to help at
+
+
+def auto_outer(inner: torch.optim.Optimizer, compression: Compression) -> str:
     """The outer preset ``outer="auto"`` takes over ``inner``: "average" over SGD (the mean
     of K workers' SGD steps is the dense step on their whole batch), "sqrt" over every
     other optimizer (Adam, AdamW, and the other normalising ones: each worker's step is
     about ``lr`` per coordinate whatever its batch, so the mean of K of them moves the
-    model about sqrt(K) times less than one dense step; docs/optimizer.md)."""
-    return "average" if isinstance(inner, torch.optim.SGD) else "sqrt"
+    model about sqrt(K) times less than one dense step), as long as the pushes are sparse
+    (at most ``AUTO_SQRT_MAX_DENSITY``, the adaptive density's ceiling included): whole
+    pseudo-gradients of several local steps overshoot with the factor
+    (docs/optimizer.md, "The outer step's scale")."""
+    densest = compression.max_density if compression.density == "auto" else compression.density
+    if isinstance(inner, torch.optim.SGD) or densest > AUTO_SQRT_MAX_DENSITY:
+        return "average"
+    return "sqrt"
 
 
 def load_in_place(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -252,7 +261,7 @@ class _UpdateExchange(_Exchange):
         # the wrapper's groups are the inner optimizer's (schedulers built on either drive the local steps)
         self.groups = self.inner
         if outer == "auto":
-            outer = auto_outer(self.inner)
+            outer = auto_outer(self.inner, compression)
         if isinstance(outer, str) and outer not in OUTER_PRESETS:
             raise ValueError(f"outer must be 'auto', one of {sorted(OUTER_PRESETS)} or a config mapping, got "
                              f"{outer!r}")
