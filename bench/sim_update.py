@@ -5,6 +5,7 @@ bench workloads, against dense training at the same global batch.
 
     python -m bench.sim_update --workloads digits,tinylm --workers 2,8 --H 1,8 \\
         --density 0.01 --rules avg,lr2,nesterov --seeds 0,1,2 --steps 300 [--json PATH]
+    python -m bench.sim_update --plot PNG --from a.json,b.json --rules avg,lrsqrt --H 1
 
 What it mirrors of the real system (docs/optimizer.md "Update mode", "The broadcast"):
 
@@ -335,6 +336,34 @@ def step_ratio(stella: Curve, dense: Curve) -> float:
     return T / td if td else math.inf
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Iterations against dense over W, one line per (workload, H, density, rule), with
+    each seed's value as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[tuple, list[dict]] = {}
+    for r in rows:
+        lines.setdefault((r["workload"], r["H"], r["density"], r["rule"]), []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (workload, H, density, rule), rs in sorted(lines.items()):
+        rs.sort(key=lambda r: r["W"])
+        ws = [r["W"] for r in rs]
+        (line,) = ax.plot(ws, [r["ratio"] for r in rs], marker="o",
+                          label=f"{workload} H={H} {density:g} {rule}")
+        for r in rs:
+            ax.scatter([r["W"]] * len(r["ratios"]), r["ratios"], s=8, color=line.get_color(), alpha=0.5)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers W")
+    ax.set_ylabel("iterations against dense at the same global batch")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="digits")
@@ -352,7 +381,16 @@ def main(argv=None) -> None:
     ap.add_argument("--dense-lr-mult", type=float, default=1.0,
                     help="the dense reference at this multiple of the workload's learning rate")
     ap.add_argument("--json")
+    ap.add_argument("--plot", metavar="PNG", help="with --from: plot the rows of these JSON files (those of --rules "
+                    "and --H) and stop")
+    ap.add_argument("--from", dest="sources", default="", help="comma-separated JSON files of earlier runs")
     a = ap.parse_args(argv)
+    if a.plot:
+        rules, hs = a.rules.split(","), [int(h) for h in a.H.split(",")]
+        rows = [r for src in a.sources.split(",") if src for r in json.load(open(src))["rows"]
+                if r["rule"] in rules and r["H"] in hs]
+        plot(rows, a.plot)
+        return
     torch.set_num_threads(1)
     ints = lambda s: [int(v) for v in s.split(",")]
     rows: list[dict] = []
