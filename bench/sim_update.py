@@ -387,8 +387,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.plot:
         rules, hs = a.rules.split(","), [int(h) for h in a.H.split(",")]
-        rows = [r for src in a.sources.split(",") if src for r in json.load(open(src))["rows"]
-                if r["rule"] in rules and r["H"] in hs]
+        rows = []
+        for src in filter(None, a.sources.split(",")):
+            with open(src) as f:
+                rows += [r for r in json.load(f)["rows"] if r["rule"] in rules and r["H"] in hs]
         plot(rows, a.plot)
         return
     torch.set_num_threads(1)
