@@ -387,11 +387,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.plot:
         rules, hs = a.rules.split(","), [int(h) for h in a.H.split(",")]
-        rows = []
+        shown: list[dict] = []
         for src in filter(None, a.sources.split(",")):
             with open(src) as f:
-                rows += [r for r in json.load(f)["rows"] if r["rule"] in rules and r["H"] in hs]
-        plot(rows, a.plot)
+                shown += [r for r in json.load(f)["rows"] if r["rule"] in rules and r["H"] in hs]
+        plot(shown, a.plot)
         return
     torch.set_num_threads(1)
     ints = lambda s: [int(v) for v in s.split(",")]
