@@ -75,3 +75,17 @@ def test_eight_adamw_workers_need_at_most_1_6x_dense_iterations_with_the_default
     print(f"W = {WORLD}, 1%: auto {auto:.2f}x, average {average:.2f}x dense's iterations")
     assert auto <= BOUND, f"default outer rule: {auto:.2f}x dense's iterations (bound {BOUND}x)"
     assert average > BOUND, f"the plain mean met the bound ({average:.2f}x): the test no longer tells the rules apart"
+
+
+def test_step_ratio_reads_both_sides_of_dense():
+    """Stella slower: the run's length over the step dense reached Stella's best;
+    faster: the step Stella reached dense's final over the run's length; both
+    interpolated between evaluations, on running bests."""
+    dense = Curve([0, 10, 20, 30, 40], [4.0, 3.0, 2.0, 1.5, 1.0])
+    slow = Curve([0, 10, 20, 30, 40], [4.0, 3.5, 3.0, 2.5, 2.0])
+    assert step_ratio(slow, dense) == pytest.approx(40 / 20)
+    slow_noisy = Curve([0, 10, 20, 30, 40], [4.0, 3.5, 2.5, 3.0, 2.6])  # its best, 2.5, at step 20
+    assert step_ratio(slow_noisy, dense) == pytest.approx(40 / 15)
+    fast = Curve([0, 10, 20, 30, 40], [4.0, 2.0, 1.0, 0.8, 0.7])
+    assert step_ratio(fast, dense) == pytest.approx(20 / 40)
+    assert step_ratio(dense, dense) == pytest.approx(1.0)
