@@ -22,9 +22,10 @@ DEFAULT_MODE: Mode = "update"
 # times sqrt(K), K the step's pushes (lr_worker_exponent 0.5): what the mean of K
 # adaptive inner optimizers' steps loses against one dense step on their whole batch.
 # "nesterov": DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated
-# where the mean pseudo-gradient has coordinates). "auto" (the default) is "sqrt" over
-# an adaptive inner optimizer (anything but SGD) and "average" over SGD, whose mean step
-# is the dense step (docs/optimizer.md, "The outer step's scale").
+# where the mean pseudo-gradient has coordinates). DEFAULT_OUTER, "auto", is "sqrt" over
+# an adaptive inner optimizer (anything but SGD) whose pushes are at most 10% dense, and
+# "average" over SGD, whose mean step is the dense step, or over denser pushes
+# (stella._exchange.auto_outer; docs/optimizer.md, "The outer step's scale").
 OUTER_PRESETS: dict[str, dict[str, Any]] = {
     "average": {"name": "sgd", "lr": 1.0},
     "sqrt": {"name": "sgd", "lr": 1.0, "lr_worker_exponent": 0.5},

@@ -72,7 +72,7 @@ from ._exchange import build_inner, exchange_for, load_in_place
 from ._rounds import Answer, PipelineStats, Rounds
 from .errors import PipelineError, StellaError, Stopped
 from .layout import FlatLayout
-from .modes import DEFAULT_MODE, MODES, OUTER_PRESETS, Mode
+from .modes import DEFAULT_MODE, DEFAULT_OUTER, MODES, OUTER_PRESETS, Mode
 from .options import Compression, Connection, Sync, removed_keyword
 from .shards import AnyClient
 from .site import site_for
@@ -118,8 +118,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     default, ``stella-ps --optimizer``).
     ``mode``: "update" (default) or "gradient". ``outer``: update mode's server-side
     optimizer: "auto" (default: "sqrt" over an adaptive optimizer such as AdamW with
-    pushes at most 10% dense, else "average"), "average" (the mean of the workers' changes), "sqrt" (the mean
-    times the square root of the step's pushes), "nesterov" or a config mapping.
+    pushes at most 10% dense, else "average"), "average" (the mean of the workers'
+    changes), "sqrt" (the mean times the square root of the step's pushes), "nesterov"
+    or a config mapping.
     ``sync``: when to exchange (:class:`~stella.options.Sync`: H, running on, staleness,
     batch size). ``compression``: how to compress (:class:`~stella.options.Compression`:
     density, method, wire coding). ``connection``: how to reach the server
@@ -144,7 +145,7 @@ class StellaOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, address: str | Sequence[str] | AnyClient, *,
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None, mode: Mode | None = None,
-                 outer: str | Mapping[str, Any] = "auto", sync: Sync = Sync(),
+                 outer: str | Mapping[str, Any] = DEFAULT_OUTER, sync: Sync = Sync(),
                  compression: Compression = Compression(), connection: Connection = Connection(),
                  process_group: Any = "default", progress_every: int = 0):
         self._owner = self  # what a wrapper reading this optimizer's attributes acts on (_on_owner)
