@@ -270,12 +270,13 @@ def test_update_mode_refuses_what_it_cannot_do(server):
 ])
 def test_the_default_outer_step_follows_the_inner_optimizer(server, inner, preset):
     """outer="auto" (the default): the plain mean over SGD, the mean times sqrt(K) over
-    an adaptive optimizer when the pushes are sparse (the adaptive density's ceiling, or
-    a pinned density, at most 10%), the plain mean over denser pushes; the mirror group
-    carries the exponent the server will run."""
+    an adaptive optimizer when the pushes are at most 1% dense (a pinned density, or the
+    adaptive density's ceiling), the plain mean over denser pushes (the adaptive
+    density's default range reaches 10%); the mirror group carries the exponent the
+    server will run."""
     model = Toy()
-    for compression, dense in ((Compression(), False), (Compression(density=0.1), False),
-                               (Compression(density=0.5), True), (Compression(max_density=0.5), True)):
+    for compression, dense in ((Compression(density=0.01), False), (Compression(max_density=0.01), False),
+                               (Compression(), True), (Compression(density=0.1), True)):
         opt = StellaOptimizer(model, server.endpoint, optimizer=inner(list(model.parameters())),
                               compression=compression)
         expect = "average" if dense else preset

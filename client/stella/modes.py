@@ -23,7 +23,7 @@ DEFAULT_MODE: Mode = "update"
 # adaptive inner optimizers' steps loses against one dense step on their whole batch.
 # "nesterov": DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated
 # where the mean pseudo-gradient has coordinates). DEFAULT_OUTER, "auto", is "sqrt" over
-# an adaptive inner optimizer (anything but SGD) whose pushes are at most 10% dense, and
+# an adaptive inner optimizer (anything but SGD) whose pushes are at most 1% dense, and
 # "average" over SGD, whose mean step is the dense step, or over denser pushes
 # (stella._exchange.auto_outer; docs/optimizer.md, "The outer step's scale").
 OUTER_PRESETS: dict[str, dict[str, Any]] = {

@@ -118,7 +118,7 @@ class StellaOptimizer(torch.optim.Optimizer):
     default, ``stella-ps --optimizer``).
     ``mode``: "update" (default) or "gradient". ``outer``: update mode's server-side
     optimizer: "auto" (default: "sqrt" over an adaptive optimizer such as AdamW with
-    pushes at most 10% dense, else "average"), "average" (the mean of the workers'
+    pushes at most 1% dense, else "average"), "average" (the mean of the workers'
     changes), "sqrt" (the mean times the square root of the step's pushes), "nesterov"
     or a config mapping.
     ``sync``: when to exchange (:class:`~stella.options.Sync`: H, running on, staleness,
