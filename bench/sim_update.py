@@ -130,32 +130,19 @@ class Flat:
 
 
 class Inner:
-    """The workload's optimizer on one flat vector (PyTorch's AdamW and SGD-momentum
-    formulas)."""
+    """The workload's own optimizer (``Workload.make_optimizer``, what every system of the
+    benchmarks runs) stepping the flat vector ``w`` in place, at ``lr_mult`` times the
+    workload's learning rate of each step."""
 
-    def __init__(self, wl: WL.Workload, n: int):
-        self.wl, self.t = wl, 0
-        self.m = torch.zeros(n)
-        self.v = torch.zeros(n) if wl.optimizer == "adamw" else None
+    def __init__(self, wl: WL.Workload, w: torch.Tensor, lr_mult: float = 1.0):
+        self.wl, self.w, self.lr_mult = wl, w, lr_mult
+        self.opt = wl.make_optimizer([w])
 
-    def step(self, w: torch.Tensor, g: torch.Tensor, lr: float) -> None:
-        self.t += 1
-        wd = self.wl.weight_decay
-        if self.v is not None:
-            b1, b2, eps = 0.9, 0.95, 1e-8
-            w.mul_(1 - lr * wd)
-            self.m.mul_(b1).add_(g, alpha=1 - b1)
-            self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (self.v / (1 - b2 ** self.t)).sqrt_().add_(eps)
-            w.addcdiv_(self.m, denom, value=-lr / (1 - b1 ** self.t))
-        else:
-            if wd:
-                g = g + wd * w
-            if self.t == 1:
-                self.m.copy_(g)
-            else:
-                self.m.mul_(0.9).add_(g)
-            w.add_(self.m, alpha=-lr)
+    def step(self, g: torch.Tensor, t: int) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = self.wl.lr_at(t) * self.lr_mult
+        self.w.grad = g
+        self.opt.step()
 
 
 def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -232,7 +219,7 @@ def run_dense(workload: str, world: int, seed: int, steps: int, eval_every: int,
     model = wl.build_model(seed)
     flat = Flat(model, DENSE_BELOW)
     w = flat.get()
-    opt = Inner(wl, flat.n)
+    opt = Inner(wl, w, lr_mult)
     batches = wl.batches(0, 1, wl.batch_size * world, seed)
     curve = Curve()
     _evaluate(wl, model, flat, w, curve, 0)
@@ -240,7 +227,7 @@ def run_dense(workload: str, world: int, seed: int, steps: int, eval_every: int,
         flat.load(w)
         model.zero_grad(set_to_none=True)
         wl.loss(model, next(batches)).backward()
-        opt.step(w, flat.grad(), wl.lr_at(t) * lr_mult)
+        opt.step(flat.grad(), t)
         if (t + 1) % eval_every == 0:
             _evaluate(wl, model, flat, w, curve, t + 1)
     return curve
@@ -259,7 +246,7 @@ def run_stella(cfg: Config) -> Curve:
     ws = [x.clone() for _ in range(W)]   # the workers' weights
     anchors = [x.clone() for _ in range(W)]
     inflight: list[torch.Tensor | None] = [None] * W
-    inner = [Inner(wl, flat.n) for _ in range(W)]
+    inner = [Inner(wl, w) for w in ws]
     batches = [wl.batches(r, W, wl.batch_size, cfg.seed) for r in range(W)]
     k = max(1, round(cfg.density * flat.ns))
     kb = max(1, round(cfg.factor * k))
@@ -310,7 +297,7 @@ def run_stella(cfg: Config) -> Curve:
             flat.load(ws[i])
             model.zero_grad(set_to_none=True)
             wl.loss(model, next(batches[i])).backward()
-            inner[i].step(ws[i], flat.grad(), wl.lr_at(t))
+            inner[i].step(flat.grad(), t)
     return curve
 
 
