@@ -115,12 +115,19 @@ def test_hf_trainer_trains_saves_evaluates_and_resumes_against_a_new_server(tmp_
         assert r["losses"]["5"] > r["losses"]["30"] + 1.0 and r["heldout_loss"] < 3.6  # it learns
         assert r["version"] >= 25
     assert all((tmp_path / f"rank{r}" / "checkpoint-20" / "optimizer.pt").exists() for r in (0, 1))
+    saved = {r: torch.load(tmp_path / f"rank{r}" / "checkpoint-20" / "optimizer.pt", map_location="cpu",
+                           weights_only=False)["version"] for r in (0, 1)}
     again = run_example("hf_trainer.py", *common, "--resume", "checkpoint-20", "--target", "3.6")
     for before, after in zip(first, again):
         at_n, resumed = before["losses"]["20"], after["losses"]["25"]
         assert resumed <= 1.02 * at_n, (before["losses"], after["losses"])
         assert abs(resumed - before["losses"]["25"]) <= 0.05 * before["losses"]["25"]
-        assert after["version"] >= 20 + 8  # the new server counted on from the checkpoint's version
+        # the new server counted on from the version of the checkpoint that created its model, one rank's (a new
+        # model would count from 0: 10 steps, about 10 rounds); the ranks' may differ (update mode rounds as its
+        # exchanges come back: the check against step 20 failed once in CI with a final version of 25, as the
+        # Lightning test's 34 and 40), and 8 of the 10 resumed steps' rounds come on top of it
+        assert 10 < saved[before["rank"]] <= before["version"], (saved, before["version"])
+        assert after["version"] >= min(saved.values()) + 8, (saved, after["version"])
         assert after["inner_lr"] == after["scheduled_lr"]  # the Trainer's schedule still drives the local steps
 
 
