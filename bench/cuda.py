@@ -83,14 +83,14 @@ def _configured(stella: Any, config: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
-            config: str, q: Any) -> None:
+            config: str, q: Any, workload: str = "bytelm") -> None:
     import torch
 
     import stella
     from bench import workloads as W
 
     torch.manual_seed(seed + rank)
-    wl = W.get("bytelm")
+    wl = W.get(workload)
     dev = torch.device(device)
     if dev.type == "cpu":  # the workers share the host's cores: torch's default (all of them each) oversubscribes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -112,13 +112,13 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
            "sync_every": st.sync_every, "density": st.density, "value_dtype": st.value_dtype})
 
 
-def dense(steps: int, seed: int, device: str) -> dict[str, Any]:
+def dense(steps: int, seed: int, device: str, workload: str = "bytelm") -> dict[str, Any]:
     import torch
 
     from bench import workloads as W
 
     torch.manual_seed(seed)
-    wl = W.get("bytelm")
+    wl = W.get(workload)
     dev = torch.device(device)
     model = wl.build_model(seed).to(dev)
     opt = wl.make_optimizer(model.parameters())
@@ -127,14 +127,15 @@ def dense(steps: int, seed: int, device: str) -> dict[str, Any]:
     return {"wall_s": wall, "s_per_step": wall / steps, "heldout_loss": wl.evaluate(model.cpu())}
 
 
-def stella_run(workers: int, steps: int, seed: int, device: str, config: str = "h1") -> dict[str, Any]:
+def stella_run(workers: int, steps: int, seed: int, device: str, config: str = "h1",
+               workload: str = "bytelm") -> dict[str, Any]:
     from stella_ps.process import ServerProcess
 
     ctx = mp.get_context("spawn")
     with ServerProcess(workers=workers) as ps:
         q = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, workers, ps.endpoint, ps.client_kwargs(), steps, seed, device,
-                                                   config, q))
+                                                   config, q, workload))
                  for r in range(workers)]
         for p in procs:
             p.start()
@@ -192,6 +193,8 @@ def main(argv=None) -> int:
                                                            "(bench.flat) on the GPU")
     ap.add_argument("--compressor-only", action="store_true", help="only the compressor part (2.)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the code paths
+    # the training part's model: bench.workloads' name (the dry run on a CPU takes "tinylm", the same LM at 0.12M)
+    ap.add_argument("--workload", default="bytelm", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
         a.steps = min(a.steps, 100)
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "device": torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,
                            "torch": torch.__version__,
-                           "steps": a.steps, "workers": a.workers}
+                           "steps": a.steps, "workers": a.workers, "workload": a.workload}
     print(f"bench.cuda: {out['started']}, {out['device']}, torch {out['torch']}", flush=True)
     if not a.compressor_only:
         train(out, a)
@@ -231,10 +234,10 @@ def main(argv=None) -> int:
 
 def train(out: dict[str, Any], a: argparse.Namespace) -> None:
     """Part 1 into ``out``: dense, then the Stella workers, and the check."""
-    out["dense"] = dense(a.steps, a.seed, a.device)
+    out["dense"] = dense(a.steps, a.seed, a.device, a.workload)
     print(f"dense, 1 process: held-out loss {out['dense']['heldout_loss']:.3f}, "
           f"{1e3 * out['dense']['s_per_step']:.1f} ms/step", flush=True)
-    out["stella"] = [stella_run(a.workers, a.steps, a.seed, a.device, c) for c in a.configs.split(",")]
+    out["stella"] = [stella_run(a.workers, a.steps, a.seed, a.device, c, a.workload) for c in a.configs.split(",")]
     for run in out["stella"]:
         for w in run["workers"]:
             print(f"stella {run['config']} worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, "
