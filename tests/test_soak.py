@@ -1,5 +1,5 @@
-"""The soak's 3-minute version (issue 45: bench.soak's hour, shortened for CI): three
-workers on the slow-link test bed, one fault every 30 s in turn (a worker restarted with
+"""The soak's 2-minute version (issue 45: bench.soak's hour, shortened for CI): three
+workers on the slow-link test bed, one fault every 20 s in turn (a worker restarted with
 its id, a worker replaced by a new one, the server killed and restarted from its
 checkpoint, a site cut for 10 s). The job must go on through each, lose at most a
 checkpoint interval of steps to the server's restart, leak no descriptors, log no error,
@@ -17,15 +17,17 @@ from bench.wan import netns_available
 
 @pytest.mark.slow
 @pytest.mark.testbed
-def test_two_minutes_of_churn_on_the_test_bed(tmp_path, capsys):
+def test_a_hundred_seconds_of_churn_on_the_test_bed(tmp_path, capsys):
     ok, why = netns_available()
     if not ok:
         pytest.skip(f"slow-link test bed unavailable: {why}")
     out = tmp_path / "soak.json"
     # 0.2 s of sleep a step stands for a GPU's compute: the workers leave the CPU to the tests beside this one
     # (with 0.05 s, three workers training flat out starved a CI run's other servers of their handshakes)
-    # each of the four faults in turn, one every 20 s: all four by 80 s of the two minutes (the hour is bench.soak's)
-    assert soak.main(["--minutes", "2", "--reference-minutes", "0.5", "--workers", "3", "--every", "20",
+    # each of the four faults in turn, one every 20 s from the first step (the first at the end of bench.soak's 20 s
+    # warm-up): all four by 80 s, the cut site back at 90 s, the run's end at 105 s (the hour is bench.soak's); the
+    # undisturbed run's pace is measured after its warm-up, as before
+    assert soak.main(["--minutes", "1.75", "--reference-minutes", "0.5", "--workers", "3", "--every", "20",
                       "--cut", "10", "--back-after", "3", "--checkpoint-every", "50", "--step-sleep", "0.2",
                       "--json", str(out)]) == 0
     with capsys.disabled():
