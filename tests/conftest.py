@@ -43,7 +43,7 @@ ZMQ_TERM_TIMEOUT_S = 10.0
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``/``test-fast``: ``-n 2 --dist loadgroup``), the tests
+    """Under pytest-xdist (``make test``/``test-fast``: ``-n 3 --dist loadgroup``), the tests
     of a module that share a module-scoped fixture (a server, a build, a set-up of seconds)
     run on one worker, so that it is made once, and the tests marked ``testbed`` run on one
     worker, one at a time; every other test goes wherever a worker is free. Everything else
