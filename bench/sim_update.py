@@ -30,7 +30,13 @@ The rule (``--rules``, joined with ``+``): ``avg`` (lr 1: today's default), ``lr
 (lr sqrt(W), the "sqrt" preset), ``nesterov`` (lr 0.7, momentum 0.9) or
 ``nestX:M`` (lr X, momentum M), ``count`` (each coordinate's sum divided by the
 pushes that carried it, not by W), ``eager`` (the worker keeps its own in-flight push
-at 1/W, as its share of the mean, instead of whole).
+at 1/W, as its share of the mean, instead of whole). Two estimates of the outer step's
+scale, between 1 and sqrt(W), each step (the multiplier's spread is printed):
+``norm`` (the mean brought to the pushes' RMS length: ``sqrt(W sum |p_i|^2) / |sum
+p_i|``; ``normemaB``, the same from an EMA of decay B of the steps before, as a server
+would have it) and ``adamv`` (the length of the step Adam would take on the whole batch
+against a worker's, from the workers' own moments: signal ``m^2`` less the momentum's
+share of the noise, noise ``v`` less the signal, divided by W on the whole batch).
 
 Reported per configuration: ``ratio``, the iterations Stella needs against dense at
 the same global batch, from the held-out loss (cross-entropy on the test set for the
@@ -76,6 +82,9 @@ class Rule:
     nesterov: bool = False
     count: bool = False
     eager: bool = False
+    norm: bool = False
+    norm_ema: float = 0.0
+    adamv: bool = False
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -94,7 +103,9 @@ class Rule:
             elif part.startswith("nest"):
                 lr, _, mom = part[4:].partition(":")
                 kw.update(lr=float(lr), momentum=float(mom or 0.9), nesterov=True)
-            elif part in ("count", "eager"):
+            elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
+                kw.update(norm=True, norm_ema=float(part[7:] or 0.9))
+            elif part in ("count", "eager", "norm", "adamv"):
                 kw[part] = True
             else:
                 raise ValueError(f"unknown rule part {part!r} in {spec!r}")
@@ -137,6 +148,27 @@ class Inner:
     def __init__(self, wl: WL.Workload, w: torch.Tensor, lr_mult: float = 1.0):
         self.wl, self.w, self.lr_mult = wl, w, lr_mult
         self.opt = wl.make_optimizer([w])
+
+    def dense_gain(self, world: int) -> tuple[float, float]:
+        """``(|u_dense|^2, |u|^2)``: the squared length of this worker's Adam step and of
+        the step Adam would take on ``world`` times the batch, both estimated from its own
+        moments (the signal ``m^2``, the noise ``v - m^2``, a batch ``world`` times larger
+        divides the noise by ``world``); ``(1, 1)`` for an optimizer without them."""
+        st = self.opt.state.get(self.w, {})
+        if "exp_avg_sq" not in st:
+            return 1.0, 1.0
+        b1, b2 = self.opt.param_groups[0]["betas"]
+        eps = self.opt.param_groups[0]["eps"]
+        n = float(st["step"])
+        m2 = (st["exp_avg"] / (1 - b1 ** n)).double().square()
+        v = (st["exp_avg_sq"] / (1 - b2 ** n)).double()
+        c = (1 - b1) / (1 + b1)  # the share of the gradient's noise variance the momentum keeps
+        signal = (m2 - c * (v - m2)).clamp(min=0)
+        noise = (v - signal).clamp(min=0)
+        weight = signal + c * noise / world  # the squared momentum of the whole batch: both steps' numerator
+        dense = weight / ((signal + noise / world).sqrt() + eps).square()
+        own = weight / (v.sqrt() + eps).square()
+        return float(dense.sum()), float(own.sum())
 
     def step(self, g: torch.Tensor, t: int) -> None:
         for group in self.opt.param_groups:
@@ -251,6 +283,8 @@ def run_stella(cfg: Config) -> Curve:
     k = max(1, round(cfg.density * flat.ns))
     kb = max(1, round(cfg.factor * k))
     lr_out = rule.outer_lr(W)
+    norms: list[float] = []
+    q_ema: float | None = None
     curve = Curve()
     _evaluate(wl, model, flat, x, curve, 0)
     curve.server.append(curve.loss[0])
@@ -273,6 +307,21 @@ def run_stella(cfg: Config) -> Curve:
             touched = carried > 0
             touched[flat.ns:] = True
             g = total / carried.clamp(min=1) if rule.count else total / W
+            if rule.norm:  # the mean's length brought to the pushes' RMS length, between 1x and sqrt(W)x
+                sumsq = sum(float(p.double().square().sum()) for p in pushes)
+                tot = float(total.double().square().sum())
+                q = min(float(W), max(1.0, W * sumsq / tot if tot > 0 else 1.0))
+                if rule.norm_ema:  # this step at the estimate of the steps before it, then the estimate updated
+                    q_used = q_ema if q_ema is not None else 1.0
+                    q_ema = q if q_ema is None else rule.norm_ema * q_ema + (1 - rule.norm_ema) * q
+                    q = q_used
+                lr_out = rule.lr * math.sqrt(q)
+                norms.append(lr_out / rule.lr)
+            if rule.adamv and t > 0:  # the mean's step scaled to the step Adam would take on the whole batch
+                gains = [inner[i].dense_gain(W) for i in range(W)]
+                q = sum(d for d, _ in gains) / max(sum(o for _, o in gains), 1e-30)
+                lr_out = rule.lr * min(math.sqrt(W), max(1.0, math.sqrt(q)))
+                norms.append(lr_out / rule.lr)
             old = x.clone()
             if buf is not None:
                 buf[touched] = rule.momentum * buf[touched] + g[touched]
@@ -298,6 +347,9 @@ def run_stella(cfg: Config) -> Curve:
             model.zero_grad(set_to_none=True)
             wl.loss(model, next(batches[i])).backward()
             inner[i].step(flat.grad(), t)
+    if norms:
+        qs = np.quantile(norms, [0.1, 0.5, 0.9])
+        print(f"#   norm multiplier (seed {cfg.seed}): p10 {qs[0]:.2f} median {qs[1]:.2f} p90 {qs[2]:.2f}", flush=True)
     return curve
 
 
