@@ -450,6 +450,8 @@ def main(argv=None) -> None:
                                  a.bcast_values, ev if ev % H == 0 else H * max(1, round(ev / H)))
                     c = run_stella(cfg)
                     ratios.append(step_ratio(c, dense[s]))
+                    print(f"#   {workload} W={W} H={H} {dens:g} {rule} seed {s}: {ratios[-1]:.3f} "
+                          f"({time.time() - t0:.0f} s so far)", flush=True)  # a long row's progress
                     curves.append({"seed": s, "steps": c.steps, "loss": c.loss, "server_loss": c.server,
                                    "dense_steps": dense[s].steps, "dense_loss": dense[s].loss})
                 mean = statistics.mean(ratios)
