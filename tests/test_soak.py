@@ -25,8 +25,8 @@ def test_a_hundred_seconds_of_churn_on_the_test_bed(tmp_path, capsys):
     # 0.2 s of sleep a step stands for a GPU's compute: the workers leave the CPU to the tests beside this one
     # (with 0.05 s, three workers training flat out starved a CI run's other servers of their handshakes)
     # each of the four faults in turn, one every 20 s from the first step (the first at the end of bench.soak's 20 s
-    # warm-up): all four by 80 s, the cut site back at 90 s, the run's end at 105 s (the hour is bench.soak's); the
-    # undisturbed run's pace is measured after its warm-up, as before
+    # warm-up): all four by 80 s, the cut site back at 90 s, the run's end 105 s after its first step (the hour is
+    # bench.soak's); the undisturbed run's pace is measured after its warm-up, as before
     assert soak.main(["--minutes", "1.75", "--reference-minutes", "0.5", "--workers", "3", "--every", "20",
                       "--cut", "10", "--back-after", "3", "--checkpoint-every", "50", "--step-sleep", "0.2",
                       "--json", str(out)]) == 0
