@@ -322,6 +322,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, help="override the per-workload step cap")
     ap.add_argument("--max-seconds", type=float, help="override the per-system training wall cap")
     ap.add_argument("--stop-at-target", action="store_true")
+    ap.add_argument("--eval-every", type=int, metavar="N",
+                    help="evaluate every N steps (default: the workload's, 5-10): the resolution of the iterations "
+                         "to the target")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--from-json", help="re-render table / RESULTS.md / plot from a saved --json file, run nothing")
@@ -362,7 +365,7 @@ def main(argv=None):
                     c = caps[wl]
                     spec = RunSpec(workload=wl, rate_mbit=rate, max_steps=a.steps or c["max_steps"],
                                    max_seconds=a.max_seconds or c["max_seconds"], seed=a.seed,
-                                   eval_every=c["eval_every"], stop_at_target=a.stop_at_target,
+                                   eval_every=a.eval_every or c["eval_every"], stop_at_target=a.stop_at_target,
                                    log_dir=log_root, calib=1 if a.quick else 3)
                     r = run_cell(system, spec, bed)
                     results.append(r)
