@@ -186,20 +186,23 @@ def run(bed: Any, a: argparse.Namespace, minutes: float, churn: bool) -> dict[st
     events: list[tuple[float, str]] = []
     back: dict[int, tuple[float, int | None]] = {}
     turn, started = 0, None
+    # the run's length counts from its first step, not from its start: on a loaded machine the
+    # workers' start (imports, handshakes) took more than 10 s, and a 30 s reference run then had
+    # no time left after its warm-up to measure a pace (CI, 2026-12-02)
+    stop_at = START_LIMIT_S  # seconds after t0: until the first step, the wait for it; then the run's end
     try:
-        # the run's length counts from its first step, not from its start: on a loaded machine the
-        # workers' start (imports, handshakes) took more than 10 s, and a 30 s reference run then had
-        # no time left after its warm-up to measure a pace (CI, 2026-12-02)
         while True:
             time.sleep(0.5)
             now = time.monotonic() - t0
-            if now >= (START_LIMIT_S if started is None else started + minutes * 60):
+            if now >= stop_at:
                 break
             job.sample_servers()
             if started is None:
                 first = next((t for t, v in _samples(job.vfile) if v >= 1), None)
                 started = None if first is None else first - t0
                 next_fault = (started or 0.0) + a.every
+                if started is not None:
+                    stop_at = started + minutes * 60
                 continue
             for r, (when, wid) in list(back.items()):
                 if now >= when:
@@ -209,7 +212,7 @@ def run(bed: Any, a: argparse.Namespace, minutes: float, churn: bool) -> dict[st
                                                                              else ", a new worker")))
             if not churn or now < next_fault or back:
                 continue
-            if now + a.every > started + minutes * 60:
+            if now + a.every > stop_at:
                 continue  # each fault has its interval to recover in before the run ends (a worker started
                 # again 2 s before the end was stopped by SIGTERM in its imports: no clean exit to count)
             kind = a.faults[turn % len(a.faults)]
