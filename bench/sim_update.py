@@ -37,6 +37,13 @@ p_i|``; ``normemaB``, the same from an EMA of decay B of the steps before, as a 
 would have it) and ``adamv`` (the length of the step Adam would take on the whole batch
 against a worker's, from the workers' own moments: signal ``m^2`` less the momentum's
 share of the noise, noise ``v`` less the signal, divided by W on the whole batch).
+Two per-coordinate forms of that estimate, on the workers: ``adamc`` (each worker's
+Adam step is taken with the second moment Adam would have on W times its batch,
+``mu^2 + s^2 / W`` for the signal ``mu^2`` and the noise ``s^2`` its moments give, so
+that the mean of W such steps is the whole batch's step) and ``adamcp`` (the worker's
+steps unchanged, the values it pushes multiplied by that ratio, ``sqrt(v / v')``, when
+sent). ``--staleness 0`` merges each round's result before the next local step (no
+overlap), to tell what the one round of delay costs.
 
 Reported per configuration: ``ratio``, the iterations Stella needs against dense at
 the same global batch, from the held-out loss (cross-entropy on the test set for the
@@ -85,6 +92,8 @@ class Rule:
     norm: bool = False
     norm_ema: float = 0.0
     adamv: bool = False
+    adamc: bool = False
+    adamcp: bool = False
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -105,7 +114,7 @@ class Rule:
                 kw.update(lr=float(lr), momentum=float(mom or 0.9), nesterov=True)
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
                 kw.update(norm=True, norm_ema=float(part[7:] or 0.9))
-            elif part in ("count", "eager", "norm", "adamv"):
+            elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp"):
                 kw[part] = True
             else:
                 raise ValueError(f"unknown rule part {part!r} in {spec!r}")
@@ -145,8 +154,8 @@ class Inner:
     benchmarks runs) stepping the flat vector ``w`` in place, at ``lr_mult`` times the
     workload's learning rate of each step."""
 
-    def __init__(self, wl: WL.Workload, w: torch.Tensor, lr_mult: float = 1.0):
-        self.wl, self.w, self.lr_mult = wl, w, lr_mult
+    def __init__(self, wl: WL.Workload, w: torch.Tensor, lr_mult: float = 1.0, batch_mult: int = 1):
+        self.wl, self.w, self.lr_mult, self.batch_mult = wl, w, lr_mult, batch_mult
         self.opt = wl.make_optimizer([w])
 
     def dense_gain(self, world: int) -> tuple[float, float]:
@@ -175,6 +184,49 @@ class Inner:
             group["lr"] = self.wl.lr_at(t) * self.lr_mult
         self.w.grad = g
         self.opt.step()
+        if self.batch_mult > 1:
+            self._batch_denominator()
+
+    def batch_gain(self, world: int) -> torch.Tensor | None:
+        """Per coordinate, how much longer the whole batch's Adam step is than this worker's
+        (``sqrt(v / v')``, see :meth:`_batch_denominator`; None before a step or without Adam)."""
+        st = self.opt.state.get(self.w, {})
+        if "exp_avg_sq" not in st:
+            return None
+        group = self.opt.param_groups[0]
+        b1, b2 = group["betas"]
+        eps, n = group["eps"], float(st["step"])
+        mh = st["exp_avg"] / (1 - b1 ** n)
+        vh = st["exp_avg_sq"] / (1 - b2 ** n)
+        c = (1 - b1) / (1 + b1)
+        m2 = mh.square()
+        noise = (vh - m2).clamp(min=0) / (1 - c)
+        signal = (m2 - c * noise).clamp(min=0)
+        vb = torch.minimum(signal + noise / world, vh)
+        return (vh.sqrt() + eps) / (vb.sqrt() + eps)
+
+    def _batch_denominator(self) -> None:
+        """``adamc``: this Adam step taken again with the second moment Adam would have on
+        ``batch_mult`` times the batch, per coordinate, from the worker's own moments (the
+        signal ``mu^2`` and the noise ``s^2`` of one gradient: ``m^2 = mu^2 + c s^2``, ``v =
+        mu^2 + s^2``, ``c`` the share of the noise's variance the momentum keeps; on ``W``
+        times the batch ``v' = mu^2 + s^2 / W``). The mean of ``W`` such steps is then the
+        whole batch's Adam step, where the mean of plain ones is shorter in the noise."""
+        st = self.opt.state[self.w]
+        if "exp_avg_sq" not in st:
+            return
+        group = self.opt.param_groups[0]
+        b1, b2 = group["betas"]
+        lr, eps, n = group["lr"], group["eps"], float(st["step"])
+        mh = st["exp_avg"] / (1 - b1 ** n)
+        vh = st["exp_avg_sq"] / (1 - b2 ** n)
+        c = (1 - b1) / (1 + b1)
+        m2 = mh.square()
+        noise = (vh - m2).clamp(min=0) / (1 - c)
+        signal = (m2 - c * noise).clamp(min=0)
+        vb = torch.minimum(signal + noise / self.batch_mult, vh)
+        # the step torch took was -lr mh / (sqrt(vh) + eps); take the difference to the one wanted
+        self.w.add_(lr * mh * (1 / (vh.sqrt() + eps) - 1 / (vb.sqrt() + eps)))
 
 
 def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -225,6 +277,7 @@ class Config:
     push_values: str = "f16"
     bcast_values: str = "q4"
     eval_every: int = 10
+    staleness: int = 1  # 0: each round's result is merged before the next local step (no overlap)
 
 
 @dataclass
@@ -278,7 +331,7 @@ def run_stella(cfg: Config) -> Curve:
     ws = [x.clone() for _ in range(W)]   # the workers' weights
     anchors = [x.clone() for _ in range(W)]
     inflight: list[torch.Tensor | None] = [None] * W
-    inner = [Inner(wl, w) for w in ws]
+    inner = [Inner(wl, w, batch_mult=W if rule.adamc else 1) for w in ws]
     batches = [wl.batches(r, W, wl.batch_size, cfg.seed) for r in range(W)]
     k = max(1, round(cfg.density * flat.ns))
     kb = max(1, round(cfg.factor * k))
@@ -301,7 +354,8 @@ def run_stella(cfg: Config) -> Curve:
                 if rule.eager:  # the worker's own push counts at its share of the mean, at once
                     ws[i].add_(c, alpha=1.0 - 1.0 / W)
                 inflight[i] = c
-                pushes.append(c)
+                gain = inner[i].batch_gain(W) if rule.adamcp else None
+                pushes.append(c if gain is None else c * gain)
             total = torch.stack(pushes).sum(0)
             carried = torch.stack([p != 0 for p in pushes]).sum(0)
             touched = carried > 0
@@ -336,6 +390,14 @@ def run_stella(cfg: Config) -> Curve:
                 m = _sparse_send(R, flat.ns, kb, cfg.bcast_values, "f16")
                 R -= m
                 B = B + m
+            if cfg.staleness == 0:  # merge this round now: w <- w + (B - a) + c, a <- B
+                for i in range(W):
+                    c_now = inflight[i]
+                    if c_now is not None:
+                        ws[i].add_(B - anchors[i])
+                        ws[i].add_(c_now, alpha=1.0 / W if rule.eager else 1.0)
+                        anchors[i] = B.clone()
+                        inflight[i] = None
             if (t % cfg.eval_every == 0 and t) or t == cfg.steps:
                 _evaluate(wl, model, flat, ws[0], curve, t)
                 flat.load(x)
@@ -415,6 +477,8 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--pull", default="broadcast", choices=("broadcast", "exact"))
     ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--staleness", type=int, default=1, choices=(0, 1),
+                    help="0: each round's result reaches the workers before their next local step")
     ap.add_argument("--push-values", default="f16")
     ap.add_argument("--bcast-values", default="q4")
     ap.add_argument("--dense-lr-mult", type=float, default=1.0,
@@ -447,7 +511,7 @@ def main(argv=None) -> None:
                 ratios, curves = [], []
                 for s in ints(a.seeds):
                     cfg = Config(workload, W, H, dens, rule, s, a.steps, a.pull, a.factor, a.push_values,
-                                 a.bcast_values, ev if ev % H == 0 else H * max(1, round(ev / H)))
+                                 a.bcast_values, ev if ev % H == 0 else H * max(1, round(ev / H)), a.staleness)
                     c = run_stella(cfg)
                     ratios.append(step_ratio(c, dense[s]))
                     print(f"#   {workload} W={W} H={H} {dens:g} {rule} seed {s}: {ratios[-1]:.3f} "
@@ -458,7 +522,8 @@ def main(argv=None) -> None:
                 print(f"{workload:8s} {W:3d} {H:3d} {dens:7.4f} {rule:16s} {mean:6.3f}  "
                       f"{' '.join(f'{r:.3f}' for r in ratios)}  ({time.time() - t0:.0f} s)", flush=True)
                 rows.append({"workload": workload, "W": W, "H": H, "density": dens, "rule": rule,
-                             "pull": a.pull, "steps": a.steps, "dense_lr_mult": a.dense_lr_mult, "ratio": mean,
+                             "pull": a.pull, "staleness": a.staleness, "steps": a.steps,
+                             "dense_lr_mult": a.dense_lr_mult, "ratio": mean,
                              "ratios": ratios, "curves": curves})
                 if a.json:
                     with open(a.json, "w") as f:

@@ -116,3 +116,31 @@ def test_the_simulations_adam_step_estimate_reads_signal_as_1_and_noise_as_w():
     sgd = Inner(WL.get("digits"), torch.zeros(4))
     sgd.step(torch.ones(4), 0)
     assert sgd.dense_gain(world) == (1.0, 1.0)  # no moments: the mean is SGD's dense step
+
+
+def test_the_simulations_per_coordinate_batch_denominator_lengthens_noise_and_keeps_signal():
+    """bench.sim_update's ``adamc``: per coordinate, a worker's Adam step is taken with the
+    second moment of W times its batch. A coordinate whose gradient is all signal gets
+    torch's own step (gain 1); one that is all noise a step about sqrt(W) longer (not
+    quite: the signal read off one worker's momentum is never below 0); the gain is
+    between 1 and sqrt(W) everywhere, and ``adamcp`` reads the same gain."""
+    from bench.sim_update import Inner, Rule
+
+    assert Rule.parse("adamc+lrsqrt") == Rule("adamc+lrsqrt", adamc=True, lr_power=0.5)
+    assert Rule.parse("adamcp").adamcp
+    wl = WL.get("adamlp")
+    gen = torch.Generator().manual_seed(0)
+    n, world = 20_000, 8
+    signal = torch.randn(n, generator=gen)
+    plain, corrected = Inner(wl, torch.zeros(n)), Inner(wl, torch.zeros(n), batch_mult=world)
+    noise = Inner(wl, torch.zeros(n))
+    for t in range(200):
+        plain.step(signal.clone(), t)
+        corrected.step(signal.clone(), t)
+        noise.step(torch.randn(n, generator=gen), t)
+    assert torch.allclose(corrected.w, plain.w, rtol=1e-4, atol=1e-6)  # all signal: the same steps
+    gain = noise.batch_gain(world)
+    assert gain is not None
+    assert float(gain.min()) >= 1.0 and float(gain.max()) <= world ** 0.5 * (1 + 1e-6)
+    assert 0.6 * world ** 0.5 < float(gain.median()) <= world ** 0.5
+    assert Inner(WL.get("digits"), torch.zeros(4)).batch_gain(world) is None  # SGD: no moments
