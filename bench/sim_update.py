@@ -158,19 +158,27 @@ class Inner:
         self.wl, self.w, self.lr_mult, self.batch_mult = wl, w, lr_mult, batch_mult
         self.opt = wl.make_optimizer([w])
 
+    def _moments(self) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+        """The bias-corrected moments ``(m, v)`` of the latest Adam step, with ``b1`` and
+        ``eps``; None before a step or for an optimizer without them."""
+        st = self.opt.state.get(self.w, {})
+        if "exp_avg_sq" not in st:
+            return None
+        group = self.opt.param_groups[0]
+        b1, b2 = group["betas"]
+        n = float(st["step"])
+        return st["exp_avg"] / (1 - b1 ** n), st["exp_avg_sq"] / (1 - b2 ** n), b1, group["eps"]
+
     def dense_gain(self, world: int) -> tuple[float, float]:
         """``(|u_dense|^2, |u|^2)``: the squared length of this worker's Adam step and of
         the step Adam would take on ``world`` times the batch, both estimated from its own
         moments (the signal ``m^2``, the noise ``v - m^2``, a batch ``world`` times larger
         divides the noise by ``world``); ``(1, 1)`` for an optimizer without them."""
-        st = self.opt.state.get(self.w, {})
-        if "exp_avg_sq" not in st:
+        moments = self._moments()
+        if moments is None:
             return 1.0, 1.0
-        b1, b2 = self.opt.param_groups[0]["betas"]
-        eps = self.opt.param_groups[0]["eps"]
-        n = float(st["step"])
-        m2 = (st["exp_avg"] / (1 - b1 ** n)).double().square()
-        v = (st["exp_avg_sq"] / (1 - b2 ** n)).double()
+        mh, vh, b1, eps = moments
+        m2, v = mh.double().square(), vh.double()
         c = (1 - b1) / (1 + b1)  # the share of the gradient's noise variance the momentum keeps
         signal = (m2 - c * (v - m2)).clamp(min=0)
         noise = (v - signal).clamp(min=0)
@@ -179,25 +187,16 @@ class Inner:
         own = weight / (v.sqrt() + eps).square()
         return float(dense.sum()), float(own.sum())
 
-    def step(self, g: torch.Tensor, t: int) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = self.wl.lr_at(t) * self.lr_mult
-        self.w.grad = g
-        self.opt.step()
-        if self.batch_mult > 1:
-            self._batch_denominator()
-
     def batch_gain(self, world: int) -> torch.Tensor | None:
-        """Per coordinate, how much longer the whole batch's Adam step is than this worker's
-        (``sqrt(v / v')``, see :meth:`_batch_denominator`; None before a step or without Adam)."""
-        st = self.opt.state.get(self.w, {})
-        if "exp_avg_sq" not in st:
+        """Per coordinate, how much longer Adam's step on ``world`` times the batch is than
+        this worker's, ``(sqrt(v) + eps) / (sqrt(v') + eps)`` in [1, sqrt(world)]: from the
+        signal ``mu^2`` and the noise ``s^2`` of one gradient that its moments give (``m^2 =
+        mu^2 + c s^2``, ``v = mu^2 + s^2``, ``c`` the share of the noise's variance the
+        momentum keeps), ``v' = mu^2 + s^2 / world``. None before a step or without Adam."""
+        moments = self._moments()
+        if moments is None:
             return None
-        group = self.opt.param_groups[0]
-        b1, b2 = group["betas"]
-        eps, n = group["eps"], float(st["step"])
-        mh = st["exp_avg"] / (1 - b1 ** n)
-        vh = st["exp_avg_sq"] / (1 - b2 ** n)
+        mh, vh, b1, eps = moments
         c = (1 - b1) / (1 + b1)
         m2 = mh.square()
         noise = (vh - m2).clamp(min=0) / (1 - c)
@@ -205,28 +204,17 @@ class Inner:
         vb = torch.minimum(signal + noise / world, vh)
         return (vh.sqrt() + eps) / (vb.sqrt() + eps)
 
-    def _batch_denominator(self) -> None:
-        """``adamc``: this Adam step taken again with the second moment Adam would have on
-        ``batch_mult`` times the batch, per coordinate, from the worker's own moments (the
-        signal ``mu^2`` and the noise ``s^2`` of one gradient: ``m^2 = mu^2 + c s^2``, ``v =
-        mu^2 + s^2``, ``c`` the share of the noise's variance the momentum keeps; on ``W``
-        times the batch ``v' = mu^2 + s^2 / W``). The mean of ``W`` such steps is then the
-        whole batch's Adam step, where the mean of plain ones is shorter in the noise."""
-        st = self.opt.state[self.w]
-        if "exp_avg_sq" not in st:
-            return
-        group = self.opt.param_groups[0]
-        b1, b2 = group["betas"]
-        lr, eps, n = group["lr"], group["eps"], float(st["step"])
-        mh = st["exp_avg"] / (1 - b1 ** n)
-        vh = st["exp_avg_sq"] / (1 - b2 ** n)
-        c = (1 - b1) / (1 + b1)
-        m2 = mh.square()
-        noise = (vh - m2).clamp(min=0) / (1 - c)
-        signal = (m2 - c * noise).clamp(min=0)
-        vb = torch.minimum(signal + noise / self.batch_mult, vh)
-        # the step torch took was -lr mh / (sqrt(vh) + eps); take the difference to the one wanted
-        self.w.add_(lr * mh * (1 / (vh.sqrt() + eps) - 1 / (vb.sqrt() + eps)))
+    def step(self, g: torch.Tensor, t: int) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = self.wl.lr_at(t) * self.lr_mult
+        self.w.grad = g
+        self.opt.step()
+        if self.batch_mult > 1:  # ``adamc``: the step taken again at the whole batch's length
+            moments, gain = self._moments(), self.batch_gain(self.batch_mult)
+            if moments is not None and gain is not None:
+                mh, vh, _, eps = moments
+                # torch moved w by -lr m / (sqrt(v) + eps); the step wanted is gain times that
+                self.w.sub_(self.opt.param_groups[0]["lr"] * mh / (vh.sqrt() + eps) * (gain - 1))
 
 
 def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
