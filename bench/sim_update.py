@@ -42,8 +42,13 @@ Adam step is taken with the second moment Adam would have on W times its batch,
 ``mu^2 + s^2 / W`` for the signal ``mu^2`` and the noise ``s^2`` its moments give, so
 that the mean of W such steps is the whole batch's step) and ``adamcp`` (the worker's
 steps unchanged, the values it pushes multiplied by that ratio, ``sqrt(v / v')``, when
-sent). ``--staleness 0`` merges each round's result before the next local step (no
-overlap), to tell what the one round of delay costs.
+sent). Three probes of the second moment, which a real job could not afford as they
+stand: ``vdense`` (an oracle: every worker steps with the second moment of the workers'
+mean gradient, what dense Adam keeps), ``vshare`` (every worker's second moment
+replaced by the workers' mean) and ``vmix`` (the whole batch's estimated from the
+workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``--staleness 0`` merges each
+round's result before the next local step (no overlap), to tell what the one round of
+delay costs.
 
 Reported per configuration: ``ratio``, the iterations Stella needs against dense at
 the same global batch, from the held-out loss (cross-entropy on the test set for the
@@ -94,6 +99,9 @@ class Rule:
     adamv: bool = False
     adamc: bool = False
     adamcp: bool = False
+    vshare: bool = False
+    vdense: bool = False
+    vmix: bool = False
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -114,7 +122,7 @@ class Rule:
                 kw.update(lr=float(lr), momentum=float(mom or 0.9), nesterov=True)
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
                 kw.update(norm=True, norm_ema=float(part[7:] or 0.9))
-            elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp"):
+            elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp", "vshare", "vdense", "vmix"):
                 kw[part] = True
             else:
                 raise ValueError(f"unknown rule part {part!r} in {spec!r}")
@@ -203,6 +211,13 @@ class Inner:
         signal = (m2 - c * noise).clamp(min=0)
         vb = torch.minimum(signal + noise / world, vh)
         return (vh.sqrt() + eps) / (vb.sqrt() + eps)
+
+    def take_denominator(self, v: torch.Tensor) -> None:
+        """The latest Adam step taken again with the bias-corrected second moment ``v``."""
+        moments = self._moments()
+        if moments is not None:
+            mh, vh, _, eps = moments
+            self.w.sub_(self.opt.param_groups[0]["lr"] * mh * (1 / (v.sqrt() + eps) - 1 / (vh.sqrt() + eps)))
 
     def step(self, g: torch.Tensor, t: int) -> None:
         for group in self.opt.param_groups:
@@ -325,6 +340,7 @@ def run_stella(cfg: Config) -> Curve:
     kb = max(1, round(cfg.factor * k))
     lr_out = rule.outer_lr(W)
     norms: list[float] = []
+    vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
     q_ema: float | None = None
     curve = Curve()
     _evaluate(wl, model, flat, x, curve, 0)
@@ -392,11 +408,33 @@ def run_stella(cfg: Config) -> Curve:
                 curve.server.append(heldout_loss(wl, model))
         if t == cfg.steps:
             break
+        grads = []
         for i in range(W):
             flat.load(ws[i])
             model.zero_grad(set_to_none=True)
             wl.loss(model, next(batches[i])).backward()
-            inner[i].step(flat.grad(), t)
+            grads.append(flat.grad())
+        if rule.vdense:  # the oracle: the second moment of the workers' mean gradient (a dense exchange a step)
+            b2 = inner[0].opt.param_groups[0]["betas"][1]
+            g_mean = torch.stack(grads).mean(0)
+            vd = g_mean.square().mul_(1 - b2) if vd is None else vd.mul_(b2).addcmul_(g_mean, g_mean, value=1 - b2)
+        for i in range(W):
+            inner[i].step(grads[i], t)
+            if rule.vdense:
+                inner[i].take_denominator(vd / (1 - b2 ** (t + 1)))
+        if rule.vmix:  # the whole batch's second moment from the workers' mean moments: v / W + (1 - 1/W) m^2
+            moments = [inner[i]._moments() for i in range(W)]
+            if all(mo is not None for mo in moments):
+                m_bar = torch.stack([mo[0] for mo in moments if mo is not None]).mean(0)
+                v_bar = torch.stack([mo[1] for mo in moments if mo is not None]).mean(0)
+                v_est = torch.minimum(v_bar / W + (1 - 1 / W) * m_bar.square(), v_bar)
+                for i in range(W):
+                    inner[i].take_denominator(v_est)
+        if rule.vshare:  # every worker's second moment becomes their mean (a probe: it would cost a dense exchange)
+            vs = [inner[i].opt.state[ws[i]]["exp_avg_sq"] for i in range(W)]
+            mean_v = torch.stack(vs).mean(0)
+            for v in vs:
+                v.copy_(mean_v)
     if norms:
         qs = np.quantile(norms, [0.1, 0.5, 0.9])
         print(f"#   norm multiplier (seed {cfg.seed}): p10 {qs[0]:.2f} median {qs[1]:.2f} p90 {qs[2]:.2f}", flush=True)
