@@ -46,7 +46,11 @@ sent). Three probes of the second moment, which a real job could not afford as t
 stand: ``vdense`` (an oracle: every worker steps with the second moment of the workers'
 mean gradient, what dense Adam keeps), ``vshare`` (every worker's second moment
 replaced by the workers' mean) and ``vmix`` (the whole batch's estimated from the
-workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``--staleness 0`` merges each
+workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``lendG``: a coordinate some but
+not all workers pushed is applied at the pushers' mean (the others' shares lent), later
+pushes that agree repay the loan instead of being applied again, pushes that disagree
+take it back, and a loan decays back by ``1 - G`` a step (:func:`_lend`: the sum of the
+means is kept). ``--staleness 0`` merges each
 round's result before the next local step (no overlap), to tell what the one round of
 delay costs.
 
@@ -102,6 +106,7 @@ class Rule:
     vshare: bool = False
     vdense: bool = False
     vmix: bool = False
+    lend: float = 0.0  # > 0: ``lendG``, lending at decay G (see the module's text)
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -120,6 +125,8 @@ class Rule:
             elif part.startswith("nest"):
                 lr, _, mom = part[4:].partition(":")
                 kw.update(lr=float(lr), momentum=float(mom or 0.9), nesterov=True)
+            elif part.startswith("lend"):
+                kw["lend"] = float(part[4:] or 0.9)
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
                 kw.update(norm=True, norm_ema=float(part[7:] or 0.9))
             elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp", "vshare", "vdense", "vmix"):
@@ -321,6 +328,29 @@ def run_dense(workload: str, world: int, seed: int, steps: int, eval_every: int,
     return curve
 
 
+def _lend(mean: torch.Tensor, total: torch.Tensor, carried: torch.Tensor, loan: torch.Tensor, world: int,
+          decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lend``: the step's pseudo-gradient from its mean, and the coordinates it moves.
+    Pushes that agree with a coordinate's outstanding loan repay it (their mean part is
+    not applied again, up to the loan); pushes that disagree take it back whole; a
+    coordinate some but not all workers pushed, with no loan, is lent the others' shares
+    (applied at the pushers' mean, not divided by W); every loan decays back by ``1 -
+    decay`` a step. What is applied in the end is the sum of the means."""
+    agree, disagree = mean * loan > 0, mean * loan < 0
+    repay = torch.where(agree, loan.sign() * torch.minimum(mean.abs(), loan.abs()), torch.zeros_like(loan))
+    g = mean - repay - torch.where(disagree, loan, torch.zeros_like(loan))
+    loan.sub_(repay)
+    loan[disagree] = 0.0
+    lent = (carried > 0) & (carried < world) & (loan == 0)
+    extra = torch.where(lent, total / carried.clamp(min=1) - mean, torch.zeros_like(loan))
+    g = g + extra
+    loan.add_(extra)
+    back = loan * (1.0 - decay)
+    g = g - back
+    loan.sub_(back)
+    return g, (loan != 0) | (back != 0) | disagree
+
+
 def run_stella(cfg: Config) -> Curve:
     wl = WL.get(cfg.workload)
     rule = Rule.parse(cfg.rule)
@@ -341,6 +371,7 @@ def run_stella(cfg: Config) -> Curve:
     lr_out = rule.outer_lr(W)
     norms: list[float] = []
     vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
+    loan = torch.zeros_like(x)  # ``lend``: what the outer step applied beyond the mean, per coordinate
     q_ema: float | None = None
     curve = Curve()
     _evaluate(wl, model, flat, x, curve, 0)
@@ -365,6 +396,9 @@ def run_stella(cfg: Config) -> Curve:
             touched = carried > 0
             touched[flat.ns:] = True
             g = total / carried.clamp(min=1) if rule.count else total / W
+            if rule.lend:  # lend a coordinate the shares of the workers that did not push it, take them back later
+                g, moved = _lend(g, total, carried, loan, W, rule.lend)
+                touched |= moved
             if rule.norm:  # the mean's length brought to the pushes' RMS length, between 1x and sqrt(W)x
                 sumsq = sum(float(p.double().square().sum()) for p in pushes)
                 tot = float(total.double().square().sum())

@@ -144,3 +144,33 @@ def test_the_simulations_per_coordinate_batch_denominator_lengthens_noise_and_ke
     assert float(gain.min()) >= 1.0 and float(gain.max()) <= world ** 0.5 * (1 + 1e-6)
     assert 0.6 * world ** 0.5 < float(gain.median()) <= world ** 0.5
     assert Inner(WL.get("digits"), torch.zeros(4)).batch_gain(world) is None  # SGD: no moments
+
+
+def test_the_simulations_lending_applies_the_sum_of_the_means_and_what_is_still_lent():
+    """bench.sim_update's ``lend``: over any sequence of sparse pushes, what the outer
+    step applied less the loans outstanding is the sum of the steps' means (nothing made
+    or lost, only moved earlier); a coordinate one of W workers pushed is applied whole at
+    once; pushes that disagree with a loan take it back."""
+    from bench.sim_update import _lend
+
+    gen = torch.Generator().manual_seed(1)
+    world, n = 8, 64
+    loan = torch.zeros(n, dtype=torch.float64)
+    applied = torch.zeros(n, dtype=torch.float64)
+    means = torch.zeros(n, dtype=torch.float64)
+    for _ in range(200):
+        pushes = torch.randn(world, n, generator=gen, dtype=torch.float64)
+        pushes *= torch.rand(world, n, generator=gen, dtype=torch.float64) < 0.1  # sparse pushes
+        total, carried = pushes.sum(0), (pushes != 0).sum(0)
+        g, _ = _lend(total / world, total, carried, loan, world, 0.9)
+        applied += g
+        means += total / world
+    assert torch.allclose(applied - loan, means)
+    assert bool((loan != 0).any())
+    loan = torch.zeros(3, dtype=torch.float64)
+    total, carried = torch.tensor([8.0, 0.0, 0.0], dtype=torch.float64), torch.tensor([1, 0, 0])
+    g, moved = _lend(total / world, total, carried, loan, world, 1.0)
+    assert g.tolist() == [8.0, 0.0, 0.0] and loan.tolist() == [7.0, 0.0, 0.0] and moved.tolist() == [True, False, False]
+    total = torch.tensor([-2.0, 0.0, 0.0], dtype=torch.float64)  # a later push against the loan
+    g, _ = _lend(total / world, total, carried, loan, world, 1.0)
+    assert g.tolist() == [-0.25 - 7.0 + (-2.0 + 0.25), 0.0, 0.0] and loan.tolist() == [-1.75, 0.0, 0.0]
