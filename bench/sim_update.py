@@ -164,6 +164,20 @@ class Flat:
                 off += p.numel()
 
 
+def _batch_second_moment(moments: tuple[torch.Tensor, torch.Tensor, float, float], world: int) -> torch.Tensor:
+    """The second moment Adam would have on ``world`` times the batch, per coordinate,
+    from one worker's bias-corrected ``(m, v, b1, eps)``: the signal ``mu^2`` and the noise
+    ``s^2`` of one gradient that its moments give (``m^2 = mu^2 + c s^2``, ``v = mu^2 + s^2``,
+    ``c`` the share of the noise's variance the momentum keeps), ``v' = mu^2 + s^2 / world``
+    (at most ``v``)."""
+    mh, vh, b1, _ = moments
+    c = (1 - b1) / (1 + b1)
+    m2 = mh.square()
+    noise = (vh - m2).clamp(min=0) / (1 - c)
+    signal = (m2 - c * noise).clamp(min=0)
+    return torch.minimum(signal + noise / world, vh)
+
+
 class Inner:
     """The workload's own optimizer (``Workload.make_optimizer``, what every system of the
     benchmarks runs) stepping the flat vector ``w`` in place, at ``lr_mult`` times the
@@ -204,24 +218,20 @@ class Inner:
 
     def batch_gain(self, world: int) -> torch.Tensor | None:
         """Per coordinate, how much longer Adam's step on ``world`` times the batch is than
-        this worker's, ``(sqrt(v) + eps) / (sqrt(v') + eps)`` in [1, sqrt(world)]: from the
-        signal ``mu^2`` and the noise ``s^2`` of one gradient that its moments give (``m^2 =
-        mu^2 + c s^2``, ``v = mu^2 + s^2``, ``c`` the share of the noise's variance the
-        momentum keeps), ``v' = mu^2 + s^2 / world``. None before a step or without Adam."""
+        this worker's, ``(sqrt(v) + eps) / (sqrt(v') + eps)`` in [1, sqrt(world)]
+        (:func:`_batch_second_moment`'s ``v'``). None before a step or without Adam."""
         moments = self._moments()
         if moments is None:
             return None
-        mh, vh, b1, eps = moments
-        c = (1 - b1) / (1 + b1)
-        m2 = mh.square()
-        noise = (vh - m2).clamp(min=0) / (1 - c)
-        signal = (m2 - c * noise).clamp(min=0)
-        vb = torch.minimum(signal + noise / world, vh)
-        return (vh.sqrt() + eps) / (vb.sqrt() + eps)
+        _, vh, _, eps = moments
+        return (vh.sqrt() + eps) / (_batch_second_moment(moments, world).sqrt() + eps)
 
-    def take_denominator(self, v: torch.Tensor) -> None:
-        """The latest Adam step taken again with the bias-corrected second moment ``v``."""
-        moments = self._moments()
+    def take_denominator(self, v: torch.Tensor,
+                         moments: tuple[torch.Tensor, torch.Tensor, float, float] | None = None) -> None:
+        """The latest Adam step taken again with the bias-corrected second moment ``v``
+        (``moments``: :meth:`_moments`, when the caller has them)."""
+        if moments is None:
+            moments = self._moments()
         if moments is not None:
             mh, vh, _, eps = moments
             self.w.sub_(self.opt.param_groups[0]["lr"] * mh * (1 / (v.sqrt() + eps) - 1 / (vh.sqrt() + eps)))
@@ -231,12 +241,10 @@ class Inner:
             group["lr"] = self.wl.lr_at(t) * self.lr_mult
         self.w.grad = g
         self.opt.step()
-        if self.batch_mult > 1:  # ``adamc``: the step taken again at the whole batch's length
-            moments, gain = self._moments(), self.batch_gain(self.batch_mult)
-            if moments is not None and gain is not None:
-                mh, vh, _, eps = moments
-                # torch moved w by -lr m / (sqrt(v) + eps); the step wanted is gain times that
-                self.w.sub_(self.opt.param_groups[0]["lr"] * mh / (vh.sqrt() + eps) * (gain - 1))
+        if self.batch_mult > 1:  # ``adamc``: the step taken again with the whole batch's second moment
+            moments = self._moments()
+            if moments is not None:
+                self.take_denominator(_batch_second_moment(moments, self.batch_mult), moments)
 
 
 def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -373,6 +381,17 @@ def run_stella(cfg: Config) -> Curve:
     vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
     loan = torch.zeros_like(x)  # ``lend``: what the outer step applied beyond the mean, per coordinate
     q_ema: float | None = None
+
+    def merge(i: int) -> None:
+        """Worker ``i`` installs the round its push in flight was in: ``w <- w + (B - a) + c``,
+        ``a <- B`` (nothing in flight: nothing to install)."""
+        c_sent = inflight[i]
+        if c_sent is not None:
+            ws[i].add_(B - anchors[i])
+            ws[i].add_(c_sent, alpha=1.0 / W if rule.eager else 1.0)
+            anchors[i] = B.clone()
+            inflight[i] = None
+
     curve = Curve()
     _evaluate(wl, model, flat, x, curve, 0)
     curve.server.append(curve.loss[0])
@@ -380,11 +399,7 @@ def run_stella(cfg: Config) -> Curve:
         if t % cfg.H == 0 or t == cfg.steps:
             pushes = []
             for i in range(W):
-                c_prev = inflight[i]
-                if c_prev is not None:  # merge the previous round: w <- w + (B - a) + c_prev
-                    ws[i].add_(B - anchors[i])
-                    ws[i].add_(c_prev, alpha=1.0 / W if rule.eager else 1.0)
-                    anchors[i] = B.clone()
+                merge(i)  # the previous round
                 c = _sparse_send(anchors[i] - ws[i], flat.ns, k, cfg.push_values, "f16")
                 if rule.eager:  # the worker's own push counts at its share of the mean, at once
                     ws[i].add_(c, alpha=1.0 - 1.0 / W)
@@ -428,14 +443,9 @@ def run_stella(cfg: Config) -> Curve:
                 m = _sparse_send(R, flat.ns, kb, cfg.bcast_values, "f16")
                 R -= m
                 B = B + m
-            if cfg.staleness == 0:  # merge this round now: w <- w + (B - a) + c, a <- B
+            if cfg.staleness == 0:  # this round, before the next local step
                 for i in range(W):
-                    c_now = inflight[i]
-                    if c_now is not None:
-                        ws[i].add_(B - anchors[i])
-                        ws[i].add_(c_now, alpha=1.0 / W if rule.eager else 1.0)
-                        anchors[i] = B.clone()
-                        inflight[i] = None
+                    merge(i)
             if (t % cfg.eval_every == 0 and t) or t == cfg.steps:
                 _evaluate(wl, model, flat, ws[0], curve, t)
                 flat.load(x)

@@ -91,6 +91,25 @@ def test_step_ratio_reads_both_sides_of_dense():
     assert step_ratio(dense, dense) == pytest.approx(1.0)
 
 
+def _adam_workers_on_signal_and_noise(batch_mults: list[int]):
+    """bench.sim_update's workers with adamlp's AdamW on 20,000 coordinates, stepped 200
+    times: one per entry of ``batch_mults`` (its ``Inner`` batch_mult) on one fixed
+    gradient, all signal, and one more on a fresh gradient of pure noise each step."""
+    from bench.sim_update import Inner
+
+    wl = WL.get("adamlp")
+    gen = torch.Generator().manual_seed(0)
+    n = 20_000
+    signal = torch.randn(n, generator=gen)
+    on_signal = [Inner(wl, torch.zeros(n), batch_mult=b) for b in batch_mults]
+    noisy = Inner(wl, torch.zeros(n))
+    for t in range(200):
+        for w in on_signal:
+            w.step(signal.clone(), t)
+        noisy.step(torch.randn(n, generator=gen), t)
+    return on_signal, noisy
+
+
 def test_the_simulations_adam_step_estimate_reads_signal_as_1_and_noise_as_w():
     """bench.sim_update's ``adamv`` estimate (dense Adam's step on W times the batch against
     a worker's, from the worker's own moments): a gradient without noise gives the same
@@ -101,14 +120,8 @@ def test_the_simulations_adam_step_estimate_reads_signal_as_1_and_noise_as_w():
 
     assert Rule.parse("normema0.8") == Rule("normema0.8", norm=True, norm_ema=0.8)
     assert Rule.parse("adamv").adamv
-    wl = WL.get("adamlp")
-    gen = torch.Generator().manual_seed(0)
-    n, world = 20_000, 8
-    signal = torch.randn(n, generator=gen)
-    clean, noisy = Inner(wl, torch.zeros(n)), Inner(wl, torch.zeros(n))
-    for t in range(200):
-        clean.step(signal.clone(), t)
-        noisy.step(torch.randn(n, generator=gen), t)
+    world = 8
+    (clean,), noisy = _adam_workers_on_signal_and_noise([1])
     dense, own = clean.dense_gain(world)
     assert dense / own == pytest.approx(1.0, rel=1e-3)
     dense, own = noisy.dense_gain(world)
@@ -128,16 +141,8 @@ def test_the_simulations_per_coordinate_batch_denominator_lengthens_noise_and_ke
 
     assert Rule.parse("adamc+lrsqrt") == Rule("adamc+lrsqrt", adamc=True, lr_power=0.5)
     assert Rule.parse("adamcp").adamcp
-    wl = WL.get("adamlp")
-    gen = torch.Generator().manual_seed(0)
-    n, world = 20_000, 8
-    signal = torch.randn(n, generator=gen)
-    plain, corrected = Inner(wl, torch.zeros(n)), Inner(wl, torch.zeros(n), batch_mult=world)
-    noise = Inner(wl, torch.zeros(n))
-    for t in range(200):
-        plain.step(signal.clone(), t)
-        corrected.step(signal.clone(), t)
-        noise.step(torch.randn(n, generator=gen), t)
+    world = 8
+    (plain, corrected), noise = _adam_workers_on_signal_and_noise([1, world])
     assert torch.allclose(corrected.w, plain.w, rtol=1e-4, atol=1e-6)  # all signal: the same steps
     gain = noise.batch_gain(world)
     assert gain is not None
