@@ -50,9 +50,18 @@ workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``lendG``: a coordinate some 
 not all workers pushed is applied at the pushers' mean (the others' shares lent), later
 pushes that agree repay the loan instead of being applied again, pushes that disagree
 take it back, and a loan decays back by ``1 - G`` a step (:func:`_lend`: the sum of the
-means is kept). ``--staleness 0`` merges each
-round's result before the next local step (no overlap), to tell what the one round of
-delay costs.
+means is kept). Three shared index sets, so that a coordinate is averaged over every
+worker's value instead of one worker's divided by W: ``gtopk`` (an oracle: every worker
+pushes its values at the top k of the workers' summed unsent change), ``cyclic`` (at the
+round's leader's own top k, the leader taking turns: ScaleCom's rule, here as if the
+indices reached the others before they push) and ``bidxF`` (its own top ``F x k``, and
+its values at the latest broadcast's indices, which every replica has: values only,
+no index bytes). ``heldF`` keeps each worker's unsent change apart and its model at
+``B - F x unsent`` (:func:`_hold`): ``held1`` is today's worker, whose model holds all
+of its own progress not yet in the broadcast, ``heldw`` F = 1 / W (its own share of a
+mean, as the other workers hold none of it). ``--staleness 0`` merges each round's
+result before the next local step (no overlap), to tell what the one round of delay
+costs.
 
 Reported per configuration: ``ratio``, the iterations Stella needs against dense at
 the same global batch, from the held-out loss (cross-entropy on the test set for the
@@ -107,6 +116,9 @@ class Rule:
     vdense: bool = False
     vmix: bool = False
     lend: float = 0.0  # > 0: ``lendG``, lending at decay G (see the module's text)
+    index: str = ""  # the pushes' shared index set: "" (each its own top-k), gtopk, cyclic, bidx
+    own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
+    held: float = 1.0  # ``heldF``: the weight of its own unsent change in a worker's model (-1: 1 / W)
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -125,6 +137,12 @@ class Rule:
             elif part.startswith("nest"):
                 lr, _, mom = part[4:].partition(":")
                 kw.update(lr=float(lr), momentum=float(mom or 0.9), nesterov=True)
+            elif part in ("gtopk", "cyclic"):
+                kw["index"] = part
+            elif part.startswith("bidx"):
+                kw.update(index="bidx", own=float(part[4:] or 1.0))
+            elif part.startswith("held"):
+                kw["held"] = -1.0 if part[4:] == "w" else float(part[4:])
             elif part.startswith("lend"):
                 kw["lend"] = float(part[4:] or 0.9)
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
@@ -137,6 +155,9 @@ class Rule:
 
     def outer_lr(self, world: int) -> float:
         return self.lr * world ** self.lr_power
+
+    def held_weight(self, world: int) -> float:
+        return 1.0 / world if self.held < 0 else self.held
 
 
 class Flat:
@@ -257,15 +278,46 @@ def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
     return torch.from_numpy(quantise(np.ascontiguousarray(x.numpy(), dtype=np.float32), dtype))
 
 
-def _sparse_send(vec: torch.Tensor, ns: int, k: int, dtype: str, small_dtype: str) -> torch.Tensor:
+def _top(vec: torch.Tensor, ns: int, k: int) -> torch.Tensor:
+    """The indices of ``vec``'s top ``k`` magnitudes in ``[0, ns)``, ascending."""
+    return torch.topk(vec[:ns].abs(), min(k, ns), sorted=False).indices.sort().values
+
+
+def _sparse_send(vec: torch.Tensor, ns: int, k: int, dtype: str, small_dtype: str,
+                 at: torch.Tensor | None = None) -> torch.Tensor:
     """What a receiver decodes of ``vec``: its top ``k`` magnitudes of ``[0, ns)``
-    (ascending index order, coded ``dtype``) and all of ``[ns, n)`` coded ``small_dtype``."""
+    (ascending index order, coded ``dtype``), its values at the indices ``at`` of
+    ``[0, ns)`` too (a set the receiver knows: values only), and all of ``[ns, n)`` coded
+    ``small_dtype``."""
     out = torch.zeros_like(vec)
-    if k > 0 and ns > 0:
-        idx = torch.topk(vec[:ns].abs(), min(k, ns), sorted=False).indices.sort().values
+    idx = _top(vec, ns, k) if k > 0 and ns > 0 else torch.zeros(0, dtype=torch.long)
+    if at is not None:
+        idx = torch.cat([idx, at]).unique()
+    if len(idx):
         out[idx] = _round(vec[idx], dtype)
     out[ns:] = _round(vec[ns:], small_dtype)
     return out
+
+
+def _push_indices(rule: Rule, unsent: list[torch.Tensor], ns: int, k: int, round_no: int,
+                  b_idx: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    """``(own_k, at)`` of the round's pushes (:func:`_sparse_send`): each worker's own top
+    ``own_k`` and its values at the shared indices ``at`` (the rule's ``index``)."""
+    if rule.index == "gtopk":  # an oracle: the top k of the workers' summed unsent change
+        return 0, _top(torch.stack(unsent).sum(0), ns, k)
+    if rule.index == "cyclic":  # the round's leader's own top k, known to all before they push
+        return 0, _top(unsent[round_no % len(unsent)], ns, k)
+    if rule.index == "bidx":  # the latest broadcast's indices, which every replica has
+        return max(1, round(rule.own * k)), b_idx
+    return k, None
+
+
+def _hold(w: torch.Tensor, w0: torch.Tensor, unsent: torch.Tensor, held: float) -> None:
+    """``heldF``: a local step from ``w0`` to ``w`` joins the worker's unsent change
+    (``a - w``'s sign) whole, and its model at ``F`` of it: ``w <- w0 + F (w - w0)``."""
+    step = w - w0
+    unsent.sub_(step)
+    w.copy_(torch.add(w0, step, alpha=held))
 
 
 def heldout_loss(wl: WL.Workload, model: torch.nn.Module) -> float:
@@ -381,14 +433,23 @@ def run_stella(cfg: Config) -> Curve:
     vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
     loan = torch.zeros_like(x)  # ``lend``: what the outer step applied beyond the mean, per coordinate
     q_ema: float | None = None
+    b_idx: torch.Tensor | None = None  # ``bidx``: the latest broadcast's indices of [0, ns) (every replica has them)
+    n_values: list[int] = []  # values of [0, ns) a push carries, for the bytes
+    held = rule.held_weight(W)
+    # ``heldF``: each worker's unsent change kept apart, its model the broadcast model less
+    # F times it (F = 1: today's worker, whose model holds all of its own unsent progress)
+    unsent_own = [torch.zeros_like(x) for _ in range(W)] if held != 1.0 else None
 
     def merge(i: int) -> None:
         """Worker ``i`` installs the round its push in flight was in: ``w <- w + (B - a) + c``,
         ``a <- B`` (nothing in flight: nothing to install)."""
         c_sent = inflight[i]
         if c_sent is not None:
-            ws[i].add_(B - anchors[i])
-            ws[i].add_(c_sent, alpha=1.0 / W if rule.eager else 1.0)
+            if unsent_own is not None:
+                ws[i].copy_(B - held * unsent_own[i])
+            else:
+                ws[i].add_(B - anchors[i])
+                ws[i].add_(c_sent, alpha=1.0 / W if rule.eager else 1.0)
             anchors[i] = B.clone()
             inflight[i] = None
 
@@ -400,7 +461,13 @@ def run_stella(cfg: Config) -> Curve:
             pushes = []
             for i in range(W):
                 merge(i)  # the previous round
-                c = _sparse_send(anchors[i] - ws[i], flat.ns, k, cfg.push_values, "f16")
+            unsent = unsent_own if unsent_own is not None else [anchors[i] - ws[i] for i in range(W)]
+            own_k, at = _push_indices(rule, unsent, flat.ns, k, t // cfg.H, b_idx)
+            for i in range(W):
+                c = _sparse_send(unsent[i], flat.ns, own_k, cfg.push_values, "f16", at)
+                n_values.append(int((c[:flat.ns] != 0).sum()))
+                if unsent_own is not None:
+                    unsent_own[i].sub_(c)
                 if rule.eager:  # the worker's own push counts at its share of the mean, at once
                     ws[i].add_(c, alpha=1.0 - 1.0 / W)
                 inflight[i] = c
@@ -442,6 +509,7 @@ def run_stella(cfg: Config) -> Curve:
                 R += x - old
                 m = _sparse_send(R, flat.ns, kb, cfg.bcast_values, "f16")
                 R -= m
+                b_idx = m[:flat.ns].nonzero().flatten()
                 B = B + m
             if cfg.staleness == 0:  # this round, before the next local step
                 for i in range(W):
@@ -452,6 +520,7 @@ def run_stella(cfg: Config) -> Curve:
                 curve.server.append(heldout_loss(wl, model))
         if t == cfg.steps:
             break
+        before = [w.clone() for w in ws] if unsent_own is not None else []
         grads = []
         for i in range(W):
             flat.load(ws[i])
@@ -479,6 +548,11 @@ def run_stella(cfg: Config) -> Curve:
             mean_v = torch.stack(vs).mean(0)
             for v in vs:
                 v.copy_(mean_v)
+        for i, w0 in enumerate(before):
+            assert unsent_own is not None
+            _hold(ws[i], w0, unsent_own[i], held)
+    if rule.index:
+        print(f"#   values a push carries (seed {cfg.seed}): {statistics.mean(n_values) / k:.2f} k", flush=True)
     if norms:
         qs = np.quantile(norms, [0.1, 0.5, 0.9])
         print(f"#   norm multiplier (seed {cfg.seed}): p10 {qs[0]:.2f} median {qs[1]:.2f} p90 {qs[2]:.2f}", flush=True)

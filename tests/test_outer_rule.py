@@ -179,3 +179,53 @@ def test_the_simulations_lending_applies_the_sum_of_the_means_and_what_is_still_
     total = torch.tensor([-2.0, 0.0, 0.0], dtype=torch.float64)  # a later push against the loan
     g, _ = _lend(total / world, total, carried, loan, world, 1.0)
     assert g.tolist() == [-0.25 - 7.0 + (-2.0 + 0.25), 0.0, 0.0] and loan.tolist() == [-1.75, 0.0, 0.0]
+
+
+def test_the_simulations_shared_index_sets_send_every_worker_at_the_same_coordinates():
+    """bench.sim_update's shared index sets: ``gtopk`` and ``cyclic`` make every worker
+    push at the same k coordinates (the top k of the summed unsent change, or of the
+    round's leader's), ``bidxF`` its own top F x k plus the broadcast's indices, and a
+    push decodes to the sender's values exactly there (f32) and zero elsewhere."""
+    from bench.sim_update import Rule, _push_indices, _sparse_send
+
+    assert Rule.parse("bidx0.5") == Rule("bidx0.5", index="bidx", own=0.5)
+    assert Rule.parse("gtopk+lrsqrt") == Rule("gtopk+lrsqrt", index="gtopk", lr_power=0.5)
+    gen = torch.Generator().manual_seed(2)
+    world, ns, n, k = 4, 200, 210, 10
+    unsent = [torch.randn(n, generator=gen) for _ in range(world)]
+    own_k, at = _push_indices(Rule.parse("gtopk"), unsent, ns, k, 0, None)
+    assert own_k == 0 and at is not None
+    assert at.tolist() == sorted(torch.stack(unsent).sum(0)[:ns].abs().topk(k).indices.tolist())
+    pushes = [_sparse_send(u, ns, own_k, "f32", "f32", at) for u in unsent]
+    for u, p in zip(unsent, pushes):
+        assert p[:ns].nonzero().flatten().tolist() == at.tolist()
+        assert torch.equal(p[at], u[at]) and torch.equal(p[ns:], u[ns:])
+    _, at = _push_indices(Rule.parse("cyclic"), unsent, ns, k, 5, None)  # round 5: worker 1 leads
+    assert at is not None and at.tolist() == sorted(unsent[1][:ns].abs().topk(k).indices.tolist())
+    b_idx = torch.tensor([0, 3, 199])
+    own_k, at = _push_indices(Rule.parse("bidx0.5"), unsent, ns, k, 0, b_idx)
+    assert own_k == 5 and at is b_idx
+    sent = _sparse_send(unsent[0], ns, own_k, "f32", "f32", at)[:ns].nonzero().flatten().tolist()
+    assert set(sent) == set(unsent[0][:ns].abs().topk(5).indices.tolist()) | {0, 3, 199}
+    assert _push_indices(Rule.parse("avg"), unsent, ns, k, 0, b_idx) == (k, None)
+
+
+def test_the_simulations_held_worker_keeps_its_whole_step_unsent_and_f_of_it_in_its_model():
+    """bench.sim_update's ``heldF``: a local step joins the worker's unsent change whole
+    and its model at F of it, so the model stays ``B - F x unsent`` between merges;
+    ``heldw`` is F = 1 / W and ``held1`` today's worker."""
+    from bench.sim_update import Rule, _hold
+
+    assert Rule.parse("heldw").held_weight(8) == 0.125 and Rule.parse("held0.5").held_weight(8) == 0.5
+    assert Rule.parse("avg").held_weight(8) == 1.0
+    B = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    for held in (1.0, 0.5, 0.125):
+        unsent = torch.tensor([0.5, -1.0, 0.0], dtype=torch.float64)
+        w = B - held * unsent
+        for step in (torch.tensor([-0.25, 0.5, 1.0]), torch.tensor([1.0, 0.0, -2.0])):
+            w0 = w.clone()
+            w = w0 + step.double()  # the inner optimizer's step
+            _hold(w, w0, unsent, held)
+            assert torch.allclose(w, w0 + held * step.double())
+            assert torch.allclose(w, B - held * unsent)
+    assert torch.allclose(unsent, torch.tensor([0.5 + 0.25 - 1.0, -1.0 - 0.5, 0.0 - 1.0 + 2.0], dtype=torch.float64))
