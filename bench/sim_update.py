@@ -25,11 +25,13 @@ What it mirrors of the real system (docs/optimizer.md "Update mode", "The broadc
 - **Overlap**: a round's result reaches the workers at the next round's start, after
   their next H steps (``Sync(staleness=1)``); every worker is as fast as the others.
 
-The rule (``--rules``, joined with ``+``): ``avg`` (lr 1: today's default), ``lrX``
+The rule (``--rules``, joined with ``+``): ``avg`` (lr 1: the plain mean), ``lrX``
 (outer lr X), ``lrpowP`` (lr W ** P: ``stella-ps``'s ``lr_worker_exponent``), ``lrsqrt``
 (lr sqrt(W), the "sqrt" preset), ``nesterov`` (lr 0.7, momentum 0.9) or
 ``nestX:M`` (lr X, momentum M), ``count`` (each coordinate's sum divided by the
-pushes that carried it, not by W), ``eager`` (the worker keeps its own in-flight push
+pushes that carried it, not by W), ``cpowP`` (the mean times ``(W / n) ** P`` at a
+coordinate n pushes carried: ``stella-ps``'s ``count_exponent``, ``cpow0.5`` the
+"count" preset), ``eager`` (the worker keeps its own in-flight push
 at 1/W, as its share of the mean, instead of whole). Two estimates of the outer step's
 scale, between 1 and sqrt(W), each step (the multiplier's spread is printed):
 ``norm`` (the mean brought to the pushes' RMS length: ``sqrt(W sum |p_i|^2) / |sum
@@ -118,6 +120,7 @@ class Rule:
     lend: float = 0.0  # > 0: ``lendG``, lending at decay G (see the module's text)
     index: str = ""  # the pushes' shared index set: "" (each its own top-k), gtopk, cyclic, bidx
     own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
+    count_power: float = 0.0  # ``cpowP``: the mean times (W / pushes carrying the coordinate) ** P
     held: float = 1.0  # ``heldF``: the weight of its own unsent change in a worker's model (-1: 1 / W)
 
     @classmethod
@@ -141,6 +144,8 @@ class Rule:
                 kw["index"] = part
             elif part.startswith("bidx"):
                 kw.update(index="bidx", own=float(part[4:] or 1.0))
+            elif part.startswith("cpow"):
+                kw["count_power"] = float(part[4:])
             elif part.startswith("held"):
                 kw["held"] = -1.0 if part[4:] == "w" else float(part[4:])
             elif part.startswith("lend"):
@@ -478,6 +483,8 @@ def run_stella(cfg: Config) -> Curve:
             touched = carried > 0
             touched[flat.ns:] = True
             g = total / carried.clamp(min=1) if rule.count else total / W
+            if rule.count_power:  # a coordinate few workers pushed scaled up, one all pushed left at the mean
+                g *= (W / carried.clamp(min=1)) ** rule.count_power
             if rule.lend:  # lend a coordinate the shares of the workers that did not push it, take them back later
                 g, moved = _lend(g, total, carried, loan, W, rule.lend)
                 touched |= moved
