@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "optim_internal.h"
+#include "stella_half.h"
 
 /* Union of two sorted unique lists; returns its length. */
 static int64_t union2(const int32_t *a, int64_t na, const int32_t *b, int64_t nb, int32_t *out) {
@@ -120,5 +121,58 @@ int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list
         stella_add_lists_below(dst, lists, nlists, cursor, hi);
     }
     free(cursor);
+    return STELLA_OK;
+}
+
+static inline float push_value(const stella_push *p, int64_t j) {
+    if (p->dtype == STELLA_VAL_F32) return ((const float *)p->val)[j];
+    const uint16_t h = ((const uint16_t *)p->val)[j];
+    return p->dtype == STELLA_VAL_F16 ? stella_half_to_float(h) : stella_bf16_to_float(h);
+}
+
+static inline int64_t carried(int64_t n, int32_t npush) { return n < 1 ? 1 : (n > npush ? npush : n); }
+
+/* Update mode's count_exponent (server/stella_ps/aggregation.py, count_scaled): three
+ * passes over the pushed entries, none over the tensor unless a push is dense: count
+ * the pushes carrying each coordinate, write each value times factor[n - 1] as float32
+ * (the product in double, rounded once), put the counters back to zero. */
+int stella_count_scale(const stella_push *pushes, int32_t npush, int64_t numel, uint16_t *counts,
+                       const double *factor, float *const *out) {
+    if (npush < 0 || npush > 65535 || numel < 0 || (npush > 0 && (!pushes || !factor || !out || !counts)))
+        return STELLA_E_ARG;
+    int32_t dense = 0;
+    for (int32_t w = 0; w < npush; w++) {
+        const stella_push *p = &pushes[w];
+        if (p->dtype < STELLA_VAL_F32 || p->dtype > STELLA_VAL_BF16 || p->n < 0 || (p->n > 0 && (!p->val || !out[w])))
+            return STELLA_E_ARG;
+        if (!p->idx) {
+            if (p->n != numel) return STELLA_E_ARG;
+            dense++;
+        } else if (!in_range(p->idx, p->n, numel)) {
+            return STELLA_E_RANGE;
+        }
+    }
+    for (int32_t w = 0; w < npush; w++) {
+        const stella_push *p = &pushes[w];
+        if (p->idx)
+            for (int64_t j = 0; j < p->n; j++) counts[p->idx[j]]++;
+    }
+    /* n in [1, npush] whatever the input (a repeated index would count twice) */
+#define FACTOR(c) factor[carried(dense + (int64_t)(c), npush) - 1]
+    for (int32_t w = 0; w < npush; w++) {
+        const stella_push *p = &pushes[w];
+        float *o = out[w];
+        if (p->idx) {
+            for (int64_t j = 0; j < p->n; j++) o[j] = (float)((double)push_value(p, j) * FACTOR(counts[p->idx[j]]));
+        } else {
+            for (int64_t j = 0; j < p->n; j++) o[j] = (float)((double)push_value(p, j) * FACTOR(counts[j]));
+        }
+    }
+#undef FACTOR
+    for (int32_t w = 0; w < npush; w++) {
+        const stella_push *p = &pushes[w];
+        if (p->idx)
+            for (int64_t j = 0; j < p->n; j++) counts[p->idx[j]] = 0;
+    }
     return STELLA_OK;
 }

@@ -271,6 +271,76 @@ def test_the_outer_lr_grows_with_the_steps_pushes_by_lr_worker_exponent(make_ser
         cs[1].set_optimizer(lr_worker_exponent=1.5)
 
 
+def test_count_exponent_scales_a_coordinate_by_the_pushes_that_carried_it(make_server, make_client):
+    """``count_exponent`` P: a coordinate that n of the step's K pushes carried enters the
+    mean times (K / n) ** P: with K = 4 and P = 0.5, a coordinate one push carried moves
+    by half that push's value (twice its share of the mean), one that every push carried
+    by the plain mean, one that two carried by sqrt(2) times their share (to float32
+    rounding); a dense small tensor is left at the mean. The exponent is bounded to
+    [0, 1], and with ``lr_worker_exponent`` to a sum of 1."""
+    from stella import BadRequest
+
+    srv = make_server(4, ["--max-push-change", "0"], pull="exact")
+    cs = [make_client(srv.endpoint) for _ in range(4)]
+    w0 = np.arange(8, dtype=np.float32)
+    b0 = np.ones(2, np.float32)
+    cs[0].register({"w": w0, "b": b0}, {**SGD1, "count_exponent": 0.5})
+    for c in cs[1:]:
+        c.register({"w": w0, "b": b0})
+    # coordinate 0: every push; 1: pushes 0 and 1; 2..5: one push each; 6, 7: none
+    idx = [np.array([0, 1, 2], np.int32), np.array([0, 1, 3], np.int32), np.array([0, 4], np.int32),
+           np.array([0, 5], np.int32)]
+    vals = [np.array([1.0, 2.0, 4.0], np.float32), np.array([3.0, 6.0, 8.0], np.float32),
+            np.array([5.0, 2.0], np.float32), np.array([7.0, -4.0], np.float32)]
+    bs = [np.array([1.0, 2.0], np.float32) * (i + 1) for i in range(4)]
+    for c, i, v, b in zip(cs, idx, vals, bs):
+        c.push({"w": (i, v), "b": b}, 0)
+    d = cs[0].pull(0, wait_for=1)
+    assert d.tensors["w"][0].tolist() == [0, 1, 2, 3, 4, 5]  # the coordinates the step changed
+    w = d.tensors["w"][1]
+    assert w[0] == w0[0] - (1 + 3 + 5 + 7) / 4
+    np.testing.assert_allclose(w[1], w0[1] - 2 ** 0.5 * (2 + 6) / 4, rtol=1e-6)
+    np.testing.assert_array_equal(w[2:6], w0[2:6] - np.array([4.0, 8.0, 2.0, -4.0]) / 2)
+    np.testing.assert_array_equal(d.tensors["b"][1], b0 - sum(bs) / 4)
+    with pytest.raises(BadRequest, match="count_exponent"):
+        cs[1].set_optimizer(count_exponent=1.5)
+    with pytest.raises(BadRequest, match="lr_worker_exponent \\+ count_exponent"):
+        cs[1].set_optimizer(lr_worker_exponent=0.75)
+
+
+def test_count_scaled_matches_a_dense_count_and_leaves_its_counters_clean():
+    """:func:`stella_ps.aggregation.count_scaled` against a brute-force count over dense
+    copies, with float16 and dense parts among sparse ones; its counters are all zero
+    after each call, so a later step of the same tensor counts from nothing."""
+    from stella.payload import SparseTensor
+    from stella_ps.aggregation import CountScratch, count_scaled
+
+    rng = np.random.default_rng(3)
+    numel, pushes = 1000, 6
+    scratch = CountScratch()
+    for trial in range(4):
+        parts = []
+        for i in range(pushes - (trial % 2)):  # odd trials: a push without this tensor
+            if i == 0 and trial >= 2:
+                parts.append(SparseTensor(0, None, rng.standard_normal(numel).astype(np.float32)))
+                continue
+            idx = np.sort(rng.choice(numel, size=50 + 10 * i, replace=False)).astype(np.int32)
+            v = rng.standard_normal(idx.size).astype(np.float16 if i % 2 else np.float32)
+            parts.append(SparseTensor(0, idx, v))
+        carried = np.zeros(numel, np.int64)
+        for p in parts:
+            carried[np.arange(numel) if p.indices is None else p.indices] += 1
+        out = count_scaled(parts, numel, pushes, 0.5, scratch)
+        for p, o in zip(parts, out):
+            at = np.arange(numel) if p.indices is None else p.indices
+            want = (p.values.astype(np.float64) * (pushes / carried[at]) ** 0.5).astype(np.float32)
+            assert o.values.dtype == np.float32 and o.indices is p.indices
+            np.testing.assert_array_equal(o.values, want)
+        assert not scratch.get(0, numel).any()
+    assert count_scaled(parts, numel, pushes, 0.0, scratch) is parts
+    assert count_scaled(parts[:1], numel, 1, 0.5, scratch) == parts[:1]
+
+
 def test_a_push_claiming_many_samples_weighs_at_most_max_sample_ratio(make_server, make_client):
     srv = make_server(2, pull="exact")  # --max-sample-ratio 8 (the default)
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)

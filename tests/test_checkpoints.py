@@ -198,7 +198,8 @@ def test_periodic_checkpoints_are_bounded_in_number(make_server, make_client, tm
 
 @pytest.mark.parametrize("pull", ["exact", "broadcast"])
 @pytest.mark.parametrize("opt", [{"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
-                                 {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}])
+                                 {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
+                                 {"name": "sgd", "lr": 1.0, "count_exponent": 0.5}])  # update mode's "count"
 def test_a_copy_in_slices_rolled_forward_equals_the_store_bit_for_bit(opt, pull):
     """A checkpoint copies the state a slice at a time while steps go on; the logged
     steps, applied to the slices copied before them, give exactly the store's state

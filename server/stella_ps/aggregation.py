@@ -43,8 +43,10 @@ from stella.errors import BadValue, ErrorCode, ServerError
 from stella.payload import SparseTensor
 
 from .errors import StepFailed
+from .kernel import count_scale
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "push_norm", "scaled", "weigh"]
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "CountScratch", "count_scaled",
+           "push_norm", "scaled", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
 
@@ -335,6 +337,39 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
         v = (to_float32(s.values).astype(np.float64) * factor).astype(np.float32)
         out.append(SparseTensor(s.tensor, s.indices, v))
     return out
+
+
+class CountScratch:
+    """Per-tensor counters for :func:`count_scaled`, kept between steps (all zero
+    between calls: a step resets what it counted), so that a step's cost follows what
+    was pushed, not the tensor's size: two bytes a coordinate, made on first use."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[int, int], np.ndarray] = {}
+
+    def get(self, tensor: int, numel: int) -> np.ndarray:
+        c = self._counts.get((tensor, numel))
+        if c is None:
+            c = self._counts[(tensor, numel)] = np.zeros(numel, np.uint16)
+        return c
+
+
+def count_scaled(parts: list[SparseTensor], numel: int, pushes: int, exponent: float,
+                 scratch: CountScratch | None = None) -> list[SparseTensor]:
+    """One tensor's parts of a step of ``pushes`` pushes, each value multiplied by
+    ``(pushes / n) ** exponent``, ``n`` the parts that carry its coordinate (update
+    mode's ``count_exponent``, docs/optimizer.md "The outer step per coordinate"): the
+    step's mean then takes a coordinate that every push carried as it is, and one that a
+    single push carried at ``pushes ** exponent`` times its share of the mean. Values
+    come back float32 (the product in float64, rounded once: :func:`scaled`'s rounding;
+    one C call, :func:`stella_ps.kernel.count_scale`). Indices are the wire decoder's
+    (sorted, unique, in range); ``numel`` is the tensor's size."""
+    if not exponent or pushes <= 1 or not parts:
+        return parts
+    counts = (scratch or CountScratch()).get(parts[0].tensor, numel)
+    factor = (pushes / np.arange(1, len(parts) + 1, dtype=np.float64)) ** exponent  # factor[n - 1]
+    values = count_scale(parts, numel, factor, counts)
+    return [SparseTensor(p.tensor, p.indices, v) for p, v in zip(parts, values)]
 
 
 FINAL_ALLOWANCE = 8.0  # a final push's relative bound, in the usual one's

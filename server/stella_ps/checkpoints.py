@@ -43,6 +43,7 @@ from stella.layout import FlatLayout
 from stella.payload import SparseTensor
 from stella.protocol import TensorSpec
 
+from .aggregation import count_scaled
 from .broadcast import replay
 from .config import Checkpoints
 from .kernel import KernelTensorState
@@ -217,8 +218,10 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
                 m = stale[np.searchsorted(starts, idx, side="right") - 1]
                 if m.any():
                     keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
-            if keep:
-                st.apply(keep, step.scale, cfg.for_pushes(len(step.contributors)), checked=False)
+            if keep:  # the counts of a coordinate are those of the whole step: the cut keeps or drops it whole
+                pushes = len(step.contributors)
+                keep = count_scaled(keep, st.numel, pushes, cfg.hparams.get("count_exponent", 0.0))
+                st.apply(keep, step.scale, cfg.for_pushes(pushes), checked=False)
         out.append({**st.state_arrays(), **bcast})
         del st
     return out

@@ -42,6 +42,7 @@ warn_isa_fallback(lib, "stella_ps._kernel")
 
 __all__ = [
     "KernelTensorState",
+    "count_scale",
     "KernelInputError",
     "KernelError",
     "set_num_threads",
@@ -180,6 +181,46 @@ def _value_code(vals: object, n: int, what: str) -> int:
     if vals.dtype == np.uint16 or vals.dtype.name == "bfloat16":  # bf16 as raw bit patterns
         return int(lib.STELLA_VAL_BF16)
     raise KernelInputError(f"{what}: values must be float32, float16 or bfloat16 (uint16 bits), got {vals.dtype}")
+
+
+def count_scale(parts: Sequence[SparseTensor], numel: int, factor: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """Each part's values times ``factor[n - 1]`` as float32 (the product in float64,
+    rounded once), ``n`` the parts that carry the coordinate (a dense part, indices
+    None, carries all ``numel``): one C call, three passes over the pushed entries
+    (``stella_count_scale``). ``counts`` is ``numel`` uint16 zeros, and zeros again
+    after the call; ``factor`` holds ``len(parts)`` float64s. Indices out of range raise
+    :class:`KernelInputError` and change nothing."""
+    w = len(parts)
+    if counts.dtype != np.uint16 or counts.shape != (numel,) or not counts.flags.c_contiguous:
+        raise KernelInputError(f"counts must be {numel} contiguous uint16")
+    factor = np.ascontiguousarray(factor, np.float64)
+    if factor.shape != (w,):
+        raise KernelInputError(f"factor must hold {w} values")
+    c_push = ffi.new("stella_push[]", max(w, 1))
+    outs = []
+    keep = []
+    c_out = ffi.new("float *[]", max(w, 1))
+    for k, p in enumerate(parts):
+        n = numel if p.indices is None else p.indices.shape[0]
+        if p.indices is None:
+            c_push[k].idx = ffi.NULL
+        else:
+            ib = ffi.from_buffer("int32_t[]", p.indices)
+            keep.append(ib)
+            c_push[k].idx = ib
+        c_push[k].dtype = _value_code(p.values, n, f"part {k}")
+        vb = ffi.from_buffer(p.values)
+        keep.append(vb)
+        c_push[k].val = vb
+        c_push[k].n = n
+        out = np.empty(n, F32)
+        outs.append(out)
+        c_out[k] = ffi.from_buffer("float[]", out, require_writable=True)
+    rc = lib.stella_count_scale(c_push, w, numel, ffi.from_buffer("uint16_t[]", counts, require_writable=True),
+                                ffi.from_buffer("double[]", factor), c_out)
+    check(lib, rc, "count_scale: an index outside the tensor" if rc == lib.STELLA_E_RANGE else "count_scale",
+          _INPUT_ERRORS)
+    return outs
 
 
 def _c_config(cfg: OptimizerConfig) -> object:

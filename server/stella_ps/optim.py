@@ -16,12 +16,14 @@ from .errors import ConfigError
 __all__ = ["OptimizerConfig", "OptimizerLimits", "OPTIMIZERS", "MOMENTUM_MODES", "ConfigError"]
 
 # PyTorch's names and defaults (torch.optim.SGD / Adam / AdamW), plus Stella's
-# ``momentum_mode`` for SGD (see MOMENTUM_MODES) and ``lr_worker_exponent`` (a step of K
-# pushes runs at lr * K ** lr_worker_exponent: 0, the mean; 0.5, update mode's outer step
-# over adaptive inner optimizers, docs/optimizer.md).
+# ``momentum_mode`` for SGD (see MOMENTUM_MODES), ``lr_worker_exponent`` (a step of K
+# pushes runs at lr * K ** lr_worker_exponent: 0, the mean; 0.5, update mode's "sqrt"
+# outer step over adaptive inner optimizers) and ``count_exponent`` (a coordinate n of
+# the K pushes carried enters the mean times (K / n) ** count_exponent: update mode's
+# "count" outer step; :func:`stella_ps.aggregation.count_scaled`; docs/optimizer.md).
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
-            "momentum_mode": "fold", "lr_worker_exponent": 0.0},
+            "momentum_mode": "fold", "lr_worker_exponent": 0.0, "count_exponent": 0.0},
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
 }
@@ -101,6 +103,12 @@ class OptimizerConfig:
                 raise ConfigError(f"momentum_mode must be one of {list(MOMENTUM_MODES)}, got {hp['momentum_mode']!r}")
             out["momentum_mode"] = hp["momentum_mode"]
             out["lr_worker_exponent"] = _num("lr_worker_exponent", hp["lr_worker_exponent"], 0.0, 1.0)
+            out["count_exponent"] = _num("count_exponent", hp["count_exponent"], 0.0, 1.0)
+            if out["lr_worker_exponent"] + out["count_exponent"] > 1.0:
+                # a lone push moves its coordinates by lr K ** (both - 1) times its value: at most lr
+                raise ConfigError(f"lr_worker_exponent + count_exponent = "
+                                  f"{out['lr_worker_exponent'] + out['count_exponent']:g} is above 1 (a push "
+                                  "alone would move the model further than lr times itself)")
             if f32(out["momentum"]) >= 1.0:
                 raise ConfigError(f"momentum={out['momentum']!r} is 1 in float32, the kernel's precision")
             lr = out["lr"]

@@ -33,7 +33,7 @@ from stella.layout import FlatLayout, Part
 from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
 from stella.protocol import PullCoding, PullMode, TensorEntry, TensorSpec
 
-from .aggregation import Step
+from .aggregation import CountScratch, Step, count_scaled
 from .broadcast import OWED_BYTES, Broadcast, StepLog
 from .config import Pulls
 from .errors import CopyAbandoned, ModelDamaged, NonFiniteStep, StepFailed
@@ -179,6 +179,7 @@ class ModelStore:
         self._redo: list[RedoEntry] | None = None
         self._copy_abandoned = False  # a step failed while a checkpoint's copy was logging (end_copy refuses it)
         self.damaged: str | None = None  # why the model may hold part of a step (ModelDamaged): nothing more applies
+        self._counts = CountScratch()  # ``count_exponent``'s per-coordinate counters (allocated on first use)
 
     @property
     def initialised(self) -> bool:
@@ -360,13 +361,17 @@ class ModelStore:
     def _apply(self, step: Step, cfg: OptimizerConfig) -> list[np.ndarray]:
         """Every tensor's part of ``step``, on the pool's threads; when one fails (a
         non-finite result: that tensor undid itself), the others are undone too."""
-        step_cfg = cfg.for_pushes(len(step.contributors))
+        pushes = len(step.contributors)
+        step_cfg = cfg.for_pushes(pushes)
+        count_exp = cfg.hparams.get("count_exponent", 0.0)
 
         def one(t: int) -> np.ndarray:
             contributions = step.per_tensor[t]
             if not contributions:
                 return np.empty(0, np.int32)
-            return self.tensors[t].apply(contributions, step.scale, step_cfg, checked=False)
+            state = self.tensors[t]
+            contributions = count_scaled(contributions, state.numel, pushes, count_exp, self._counts)
+            return state.apply(contributions, step.scale, step_cfg, checked=False)
 
         try:
             done = self._pool.map(one, [sum(p.values.size for p in c) for c in step.per_tensor])
