@@ -339,6 +339,11 @@ def test_count_scaled_matches_a_dense_count_and_leaves_its_counters_clean():
         assert not scratch.get(0, numel).any()
     assert count_scaled(parts, numel, pushes, 0.0, scratch) is parts
     assert count_scaled(parts[:1], numel, 1, 0.5, scratch) == parts[:1]
+    # 300 pushes: two-byte counters; coordinate 0 in every push, coordinate 1 + i in push i alone
+    many = [SparseTensor(0, np.array([0, 1 + i], np.int32), np.array([1.0, 1.0], np.float32)) for i in range(300)]
+    out = count_scaled(many, 400, 300, 1.0, scratch)
+    assert all(o.values.tolist() == [1.0, 300.0] for o in out)
+    assert not scratch.get(0, 400, 300).any() and scratch.get(0, 400, 300).dtype == np.uint16
 
 
 def test_a_push_claiming_many_samples_weighs_at_most_max_sample_ratio(make_server, make_client):

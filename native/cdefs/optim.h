@@ -75,9 +75,10 @@ int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const floa
  * dst (one sweep of its lines, not one random access per entry). */
 int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list *lists, int32_t nlists);
 /* out[w][j] = (float)((double)pushes[w].val[j] * factor[n - 1]), n the pushes (idx NULL: all
- * numel coordinates) that carry push w's j-th coordinate; counts: numel zeros, zero again on
- * return; factor: npush doubles; npush <= 65535; indices in [0, numel) (checked), unique. */
-int stella_count_scale(const stella_push *pushes, int32_t npush, int64_t numel, uint16_t *counts,
+ * numel coordinates) that carry push w's j-th coordinate; counts: numel zeros of `width` bytes
+ * (1: npush <= 255; 2: npush <= 65535), zero again on return; factor: npush doubles; indices
+ * in [0, numel) (checked), unique within a push. */
+int stella_count_scale(const stella_push *pushes, int32_t npush, int64_t numel, void *counts, int32_t width,
                        const double *factor, float *const *out);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
                              int32_t *out, int64_t out_cap);

@@ -342,15 +342,17 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
 class CountScratch:
     """Per-tensor counters for :func:`count_scaled`, kept between steps (all zero
     between calls: a step resets what it counted), so that a step's cost follows what
-    was pushed, not the tensor's size: two bytes a coordinate, made on first use."""
+    was pushed, not the tensor's size: one byte a coordinate for steps of up to 255
+    pushes (two beyond), made on first use."""
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[int, int], np.ndarray] = {}
+        self._counts: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def get(self, tensor: int, numel: int) -> np.ndarray:
-        c = self._counts.get((tensor, numel))
+    def get(self, tensor: int, numel: int, pushes: int = 1) -> np.ndarray:
+        width = 1 if pushes <= 255 else 2
+        c = self._counts.get((tensor, numel, width))
         if c is None:
-            c = self._counts[(tensor, numel)] = np.zeros(numel, np.uint16)
+            c = self._counts[(tensor, numel, width)] = np.zeros(numel, np.uint8 if width == 1 else np.uint16)
         return c
 
 
@@ -366,7 +368,7 @@ def count_scaled(parts: list[SparseTensor], numel: int, pushes: int, exponent: f
     (sorted, unique, in range); ``numel`` is the tensor's size."""
     if not exponent or pushes <= 1 or not parts:
         return parts
-    counts = (scratch or CountScratch()).get(parts[0].tensor, numel)
+    counts = (scratch or CountScratch()).get(parts[0].tensor, numel, len(parts))
     factor = (pushes / np.arange(1, len(parts) + 1, dtype=np.float64)) ** exponent  # factor[n - 1]
     values = count_scale(parts, numel, factor, counts)
     return [SparseTensor(p.tensor, p.indices, v) for p, v in zip(parts, values)]

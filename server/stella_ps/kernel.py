@@ -187,12 +187,15 @@ def count_scale(parts: Sequence[SparseTensor], numel: int, factor: np.ndarray, c
     """Each part's values times ``factor[n - 1]`` as float32 (the product in float64,
     rounded once), ``n`` the parts that carry the coordinate (a dense part, indices
     None, carries all ``numel``): one C call, three passes over the pushed entries
-    (``stella_count_scale``). ``counts`` is ``numel`` uint16 zeros, and zeros again
-    after the call; ``factor`` holds ``len(parts)`` float64s. Indices out of range raise
-    :class:`KernelInputError` and change nothing."""
+    (``stella_count_scale``). ``counts`` is ``numel`` zeros (uint8 for up to 255 parts,
+    uint16 for up to 65535), and zeros again after the call; ``factor`` holds
+    ``len(parts)`` float64s. Indices out of range raise :class:`KernelInputError` and
+    change nothing."""
     w = len(parts)
-    if counts.dtype != np.uint16 or counts.shape != (numel,) or not counts.flags.c_contiguous:
-        raise KernelInputError(f"counts must be {numel} contiguous uint16")
+    if counts.dtype not in (np.uint8, np.uint16) or counts.shape != (numel,) or not counts.flags.c_contiguous:
+        raise KernelInputError(f"counts must be {numel} contiguous uint8 or uint16")
+    if w > np.iinfo(counts.dtype).max:
+        raise KernelInputError(f"{w} parts overflow {counts.dtype} counters")
     factor = np.ascontiguousarray(factor, np.float64)
     if factor.shape != (w,):
         raise KernelInputError(f"factor must hold {w} values")
@@ -216,7 +219,7 @@ def count_scale(parts: Sequence[SparseTensor], numel: int, factor: np.ndarray, c
         out = np.empty(n, F32)
         outs.append(out)
         c_out[k] = ffi.from_buffer("float[]", out, require_writable=True)
-    rc = lib.stella_count_scale(c_push, w, numel, ffi.from_buffer("uint16_t[]", counts, require_writable=True),
+    rc = lib.stella_count_scale(c_push, w, numel, ffi.from_buffer(counts, require_writable=True), counts.itemsize,
                                 ffi.from_buffer("double[]", factor), c_out)
     check(lib, rc, "count_scale: an index outside the tensor" if rc == lib.STELLA_E_RANGE else "count_scale",
           _INPUT_ERRORS)
