@@ -174,7 +174,8 @@ def _children(pid: int) -> list[int]:
 def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str, shards: int = 1,
                    server_args: tuple[str, ...] = (), pin: bool = False, one_host: bool = False,
                    tensors: int = 1) -> dict:
-    opt = {"name": optimizer, "lr": 1e-3}
+    name, _, preset = optimizer.partition("+")  # "sgd+count": SGD with the "count" outer step's scaling
+    opt = {"name": name, "lr": 1e-3, **({"count_exponent": 0.5} if preset == "count" else {})}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     if "--max-workers-per-key" not in server_args:  # every light worker uses the one key
@@ -332,8 +333,8 @@ def kernel_cost(rows: list[dict]) -> None:
         key = (r["numel"], r["updates_per_push"], r["workers"], r["optimizer"])
         if key not in cache:
             got: list[dict] = []
-            run_case(got, r["optimizer"], r["numel"], r["updates_per_push"] / r["numel"], r["workers"], bw=float("nan"),
-                     reps=5, impls=("stella",))
+            run_case(got, r["optimizer"].partition("+")[0], r["numel"], r["updates_per_push"] / r["numel"],
+                     r["workers"], bw=float("nan"), reps=5, impls=("stella",))
             one = next(g for g in got if g["impl"] == "stella" and g["threads"] == 1)
             step_cpu_s = one["union"] / one["updates_per_cpu_s"]  # the kernel's CPU for one step's pushes
             cache[key] = 1e9 * step_cpu_s / (r["workers"] * r["updates_per_push"])
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--workers", default="2", help="worker counts, comma-separated (default 2)")
     p.add_argument("--shards", default="1,2,4", help="comma-separated shard counts to run (default 1,2,4)")
-    p.add_argument("--optimizers", default="sgd,adamw")
+    p.add_argument("--optimizers", default="sgd,adamw",
+                   help="comma-separated; sgd+count: SGD with count_exponent 0.5 (update mode's \"count\" outer step)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--server-args", default="", help="flags for stella-ps, e.g. '--push-norm-factor 0'")
     how = p.add_mutually_exclusive_group()
