@@ -1,8 +1,9 @@
 """Update mode's outer step at W = 8 through a real stella-ps (issue 43): eight AdamW
-workers at 1% pushes need at most 1.6x dense training's iterations with the default
-outer rule ("auto", here "sqrt": the mean times sqrt(8)), and the old default
-("average", the plain mean) does not meet that bound (bench.sim_update measures
-1.32x against 1.99x on this workload, mean of three seeds; docs/optimizer.md).
+workers pushing 3% need at most 1.4x dense training's iterations with the default outer
+rule ("auto", here "count": a coordinate that n of the K pushes carried enters the mean
+times (K / n) ** 0.5), and the rule "auto" took at that density before ("average", the
+plain mean) does not meet that bound (bench.sim_update measures 1.07x against 1.81x on
+this workload, mean of three seeds; docs/optimizer.md).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from stella import Compression, Connection, StellaOptimizer, Sync
 WORLD = 8
 STEPS = 150
 EVAL_EVERY = 5
-BOUND = 1.6
+DENSITY = 0.03
+BOUND = 1.4
 
 
 def train(endpoint: str, outer: str, seed: int = 0) -> Curve:
@@ -37,7 +39,7 @@ def train(endpoint: str, outer: str, seed: int = 0) -> Curve:
             model = models[rank]
             opt = StellaOptimizer(model, endpoint, optimizer=wl.make_optimizer(model.parameters()), outer=outer,
                                   sync=Sync(every=1, max_every=1),
-                                  compression=Compression(density=0.01, value_dtype="f16"),
+                                  compression=Compression(density=DENSITY, value_dtype="f16"),
                                   connection=Connection(timeout=120, worker_id=rank))
             batches = wl.batches(rank, WORLD, wl.batch_size, seed)
             for step in range(1, STEPS + 1):
@@ -68,11 +70,11 @@ def train(endpoint: str, outer: str, seed: int = 0) -> Curve:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_eight_adamw_workers_need_at_most_1_6x_dense_iterations_with_the_default_outer_rule(make_server):
+def test_eight_adamw_workers_need_at_most_1_4x_dense_iterations_with_the_default_outer_rule(make_server):
     dense = run_dense("adamlp", WORLD, 0, STEPS, EVAL_EVERY)
     auto = step_ratio(train(make_server(WORLD).endpoint, "auto"), dense)
     average = step_ratio(train(make_server(WORLD).endpoint, "average"), dense)
-    print(f"W = {WORLD}, 1%: auto {auto:.2f}x, average {average:.2f}x dense's iterations")
+    print(f"W = {WORLD}, {DENSITY:.0%}: auto {auto:.2f}x, average {average:.2f}x dense's iterations")
     assert auto <= BOUND, f"default outer rule: {auto:.2f}x dense's iterations (bound {BOUND}x)"
     assert average > BOUND, f"the plain mean met the bound ({average:.2f}x): the test no longer tells the rules apart"
 

@@ -40,13 +40,14 @@ from .protocol import ValueDtype
 __all__ = ["build_inner", "exchange_for"]
 
 _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-_SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent")  # a config's keys torch's optimizers do not take
+# a config's keys torch's optimizers do not take
+_SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent", "count_exponent")
 
 
 def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The torch optimizer a config mapping (the server's names: ``{"name": "adamw", "lr": ...}``)
-    describes, for update mode's local steps. ``momentum_mode`` and ``lr_worker_exponent``
-    (server-side notions) are ignored."""
+    describes, for update mode's local steps. ``momentum_mode``, ``lr_worker_exponent`` and
+    ``count_exponent`` (server-side notions) are ignored."""
     name = str(config.get("name", "")).lower()
     if name not in _INNER:
         raise ValueError(f"unknown optimizer {config.get('name')!r}; known: {sorted(_INNER)}")
@@ -54,22 +55,24 @@ def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> 
     return _INNER[name](params, **hp)
 
 
-AUTO_SQRT_MAX_DENSITY = 0.01  # the densest pushes the "sqrt" outer step helped at on every workload measured
+AUTO_COUNT_MAX_DENSITY = 0.03  # the densest pushes the "count" outer step helped at on every workload measured
 
 
 def auto_outer(inner: torch.optim.Optimizer, compression: Compression) -> str:
     """The outer preset ``outer="auto"`` takes over ``inner``: "average" over SGD (the mean
-    of K workers' SGD steps is the dense step on their whole batch), "sqrt" over every
-    other optimizer (Adam, AdamW, and the other normalising ones: each worker's step is
-    about ``lr`` per coordinate whatever its batch, so the mean of K of them moves the
-    model about sqrt(K) times less than one dense step), as long as the pushes are sparse
-    (at most ``AUTO_SQRT_MAX_DENSITY``, the adaptive density's ceiling included): whole
-    pseudo-gradients of several local steps overshoot with the factor
-    (docs/optimizer.md, "The outer step's scale")."""
+    of K workers' SGD steps is the dense step on their whole batch), "count" over every
+    other optimizer (Adam, AdamW, and the other normalising ones) as long as the pushes
+    are sparse (at most ``AUTO_COUNT_MAX_DENSITY``, the adaptive density's ceiling
+    included): each worker's step is about ``lr`` per coordinate whatever its batch, so
+    the mean of K of them moves the model less than one dense step, and most of a sparse
+    step's coordinates come from one push or a few, diluted by K in the mean; "count"
+    takes a coordinate n of the K pushes carried at ``(K / n) ** 0.5`` times the mean.
+    Denser pushes keep the mean: there the factor overshot on the byte LM
+    (docs/optimizer.md, "The outer step per coordinate")."""
     densest = compression.max_density if compression.density == "auto" else compression.density
-    if isinstance(inner, torch.optim.SGD) or densest > AUTO_SQRT_MAX_DENSITY:
+    if isinstance(inner, torch.optim.SGD) or densest > AUTO_COUNT_MAX_DENSITY:
         return "average"
-    return "sqrt"
+    return "count"
 
 
 def load_in_place(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:

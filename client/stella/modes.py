@@ -18,17 +18,20 @@ MODES: tuple[Mode, ...] = ("update", "gradient")
 DEFAULT_MODE: Mode = "update"
 
 # The server's outer optimizer in update mode. "average": the new model is the mean of
-# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "sqrt": the mean
-# times sqrt(K), K the step's pushes (lr_worker_exponent 0.5): what the mean of K
+# the workers' weights (SGD with lr 1 on the mean pseudo-gradient). "count": a coordinate
+# that n of the step's K pushes carried enters the mean times (K / n) ** 0.5
+# (count_exponent 0.5): every push carried it, the mean; one push alone, sqrt(K) times its
+# share. "sqrt": the whole mean times sqrt(K) (lr_worker_exponent 0.5): what the mean of K
 # adaptive inner optimizers' steps loses against one dense step on their whole batch.
 # "nesterov": DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated
-# where the mean pseudo-gradient has coordinates). DEFAULT_OUTER, "auto", is "sqrt" over
-# an adaptive inner optimizer (anything but SGD) whose pushes are at most 1% dense, and
+# where the mean pseudo-gradient has coordinates). DEFAULT_OUTER, "auto", is "count" over
+# an adaptive inner optimizer (anything but SGD) whose pushes are at most 3% dense, and
 # "average" over SGD, whose mean step is the dense step, or over denser pushes
-# (stella._exchange.auto_outer; docs/optimizer.md, "The outer step's scale").
+# (stella._exchange.auto_outer; docs/optimizer.md, "The outer step per coordinate").
 OUTER_PRESETS: dict[str, dict[str, Any]] = {
     "average": {"name": "sgd", "lr": 1.0},
     "sqrt": {"name": "sgd", "lr": 1.0, "lr_worker_exponent": 0.5},
+    "count": {"name": "sgd", "lr": 1.0, "count_exponent": 0.5},
     "nesterov": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"},
 }
 

@@ -117,10 +117,11 @@ class StellaOptimizer(torch.optim.Optimizer):
     to build one. Gradient mode: the server's optimizer config (None: the server's
     default, ``stella-ps --optimizer``).
     ``mode``: "update" (default) or "gradient". ``outer``: update mode's server-side
-    optimizer: "auto" (default: "sqrt" over an adaptive optimizer such as AdamW with
-    pushes at most 1% dense, else "average"), "average" (the mean of the workers'
-    changes), "sqrt" (the mean times the square root of the step's pushes), "nesterov"
-    or a config mapping.
+    optimizer: "auto" (default: "count" over an adaptive optimizer such as AdamW with
+    pushes at most 3% dense, else "average"), "average" (the mean of the workers'
+    changes), "count" (a coordinate that n of the step's K pushes carried at
+    ``(K / n) ** 0.5`` times the mean), "sqrt" (the mean times the square root of the
+    step's pushes), "nesterov" or a config mapping.
     ``sync``: when to exchange (:class:`~stella.options.Sync`: H, running on, staleness,
     batch size). ``compression``: how to compress (:class:`~stella.options.Compression`:
     density, method, wire coding). ``connection``: how to reach the server
