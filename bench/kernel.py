@@ -37,6 +37,7 @@ import torch
 from bench import _native_bench
 from bench.harness import loadavg
 from stella_ps import kernel
+from stella_ps.aggregation import count_table
 from stella_ps.kernel import KernelTensorState
 from stella_ps.optim import OptimizerConfig
 
@@ -242,6 +243,9 @@ def run_case(rows, name, numel, density, workers, bw, reps, torch_reps=2, seed=0
             kernel.set_num_threads(threads)
             row("stella", threads, run(lambda p: st.apply(p, scale, cfg), reps))
         kernel.set_num_threads(1)
+        if workers > 1:  # update mode's "count" outer step: each sum scaled by the pushes that carried it
+            cs = count_table(workers, 0.5, scale)
+            row("stella_count", 1, run(lambda p: st.apply(p, scale, cfg, count_scale=cs), reps))
         if workers > 1:  # the same steps as one push each, merged before the clock starts
             merged = {id(p): [premerge(p)] for p in sets}
             row("stella_merged", 1, run(lambda p: st.apply(merged[id(p)], scale, cfg), reps))

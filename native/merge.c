@@ -1,7 +1,9 @@
 /* Merge of the sorted pushes of one step into tiles of (coordinate, scaled sum):
  * the windowed scatter/sweep for several pushes, a plain copy for one. Values may
  * be float32, float16 or bfloat16 (converted by stella_half.h). The sum per
- * coordinate is taken in push order, as the reference (optim_ref.py) does. */
+ * coordinate is taken in push order, as the reference (optim_ref.py) does, and
+ * multiplied by one scale, or by cs[n] where n pushes carried the coordinate (update
+ * mode's count_exponent: the count is taken in the same pass as the sum). */
 #include <string.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -46,7 +48,8 @@ static inline void set_bits(uint64_t *bits, int64_t lo, int64_t hi) {
  * the reference's `acc[pos] += vals`. The window is sized from the push density
  * so that it holds a few hundred entries and fits L1/L2, and the sweep can stop
  * anywhere when the output tile is full. */
-static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint64_t *flag) {
+static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *acc, uint64_t *flag,
+                                  uint16_t *cnt) {
     if (!st->idx) { /* dense: every coordinate of the window, position == coordinate */
         int64_t e = lim < st->end ? lim : st->end;
         const int64_t p0 = st->pos;
@@ -69,6 +72,8 @@ static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *a
         }
         }
         set_bits(flag, p0 - a, e - a);
+        if (cnt)
+            for (int64_t j = 0; j < m; j++) cnt[p0 - a + j]++;
         st->pos = e;
         st->head = stream_head(st);
         return;
@@ -78,19 +83,28 @@ static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *a
     /* Either the rest of the stream lies in the window, or some entry ends the
      * loop: one compare per entry either way. */
     const int rest = (int64_t)ix[e - 1] < lim;
-#define SCATTER(LOAD)                                                                          \
+#define SCATTER_LOOP(LOAD, COUNT)                                                              \
     if (rest) {                                                                                \
         for (; p < e; p++) {                                                                   \
             const int64_t j = (int64_t)ix[p] - a;                                              \
             acc[j] += LOAD;                                                                    \
             flag[j >> 6] |= (uint64_t)1 << (j & 63);                                           \
+            COUNT;                                                                             \
         }                                                                                      \
     } else {                                                                                   \
         for (; (int64_t)ix[p] < lim; p++) {                                                    \
             const int64_t j = (int64_t)ix[p] - a;                                              \
             acc[j] += LOAD;                                                                    \
             flag[j >> 6] |= (uint64_t)1 << (j & 63);                                           \
+            COUNT;                                                                             \
         }                                                                                      \
+    }
+    /* the count's increment is its own loop copy: none where there is no count */
+#define SCATTER(LOAD)                                                                          \
+    if (cnt) {                                                                                 \
+        SCATTER_LOOP(LOAD, cnt[j]++)                                                           \
+    } else {                                                                                   \
+        SCATTER_LOOP(LOAD, (void)0)                                                            \
     }
     switch (st->dt) {
     case STELLA_VAL_F32: {
@@ -109,6 +123,7 @@ static inline void scatter_stream(stream_t *st, int64_t a, int64_t lim, float *a
     }
     }
 #undef SCATTER
+#undef SCATTER_LOOP
     st->pos = p;
     st->head = stream_head(st);
 }
@@ -122,7 +137,7 @@ static int window_fill(window_merge *wm) {
     int64_t lim = (int64_t)a + wm->B;
     if (lim > wm->hi) lim = wm->hi;
     for (int w = 0; w < wm->W; w++)
-        if (wm->s[w].head < lim) scatter_stream(&wm->s[w], a, lim, wm->acc, wm->flag);
+        if (wm->s[w].head < lim) scatter_stream(&wm->s[w], a, lim, wm->acc, wm->flag, wm->cs ? wm->cnt : NULL);
     wm->a = a;
     wm->len = (lim - a + 63) & ~(int64_t)63;
     wm->sweep = 0;
@@ -146,6 +161,18 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
         /* A few flags (most blocks at 1-5% density): a fixed number of slots without
          * branches; the slots past p repeat coordinate 63, which is unflagged or
          * already emitted and cleared, and land past the count. */
+        if (wm->cs) { /* cs[0] is read for a slot past p (its count is 0) and lands past the count too */
+            uint16_t *C = wm->cnt + off;
+            for (int e = 0; e < SWEEP_FEW; e++) {
+                const int j = __builtin_ctzll(m | ((uint64_t)1 << 63));
+                oi[e] = base + (uint32_t)j;
+                og[e] = A[j] * wm->cs[C[j]];
+                A[j] = 0.0f;
+                C[j] = 0;
+                m &= m - 1;
+            }
+            return p;
+        }
         const float sc = wm->scale;
         for (int e = 0; e < SWEEP_FEW; e++) {
             const int j = __builtin_ctzll(m | ((uint64_t)1 << 63));
@@ -160,9 +187,19 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
     const __m512 sc = _mm512_set1_ps(wm->scale);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int n = 0;
+    uint16_t *C = wm->cnt + off;
     for (int c = 0; c < 4; c++) {
         const __mmask16 k = (__mmask16)(m >> (16 * c));
-        const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(A + 16 * c), sc);
+        __m512 f = sc;
+        if (wm->cs) { /* each lane's cs[count] (cs[0] where nothing was pushed), then the counts cleared */
+            const __m512i n = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(C + 16 * c)));
+            /* up to 31 pushes a permute of two registers (a gather is a load a lane: 12 a
+             * pushed entry at W = 8 x 1%, +45% of the kernel's time) */
+            f = wm->ncs <= 32 ? _mm512_permutex2var_ps(_mm512_loadu_ps(wm->cs32), n, _mm512_loadu_ps(wm->cs32 + 16))
+                              : _mm512_i32gather_ps(n, wm->cs, 4);
+            _mm256_storeu_si256((__m256i *)(C + 16 * c), _mm256_setzero_si256());
+        }
+        const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(A + 16 * c), f);
         const __m512i ix = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(base + 16 * c)));
         _mm512_storeu_si512(oi + n, _mm512_maskz_compress_epi32(k, ix));
         _mm512_storeu_ps(og + n, _mm512_maskz_compress_ps(k, g));
@@ -172,10 +209,16 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
     return n;
 #else
     int n = 0;
+    uint16_t *C = wm->cnt + off;
     while (m) {
         const int j = __builtin_ctzll(m);
         oi[n] = base + (uint32_t)j;
-        og[n] = A[j] * wm->scale;
+        if (wm->cs) {
+            og[n] = A[j] * wm->cs[C[j]];
+            C[j] = 0;
+        } else {
+            og[n] = A[j] * wm->scale;
+        }
         A[j] = 0.0f;
         n++;
         m &= m - 1;
@@ -216,9 +259,9 @@ int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, floa
  * from the emit loop (11-14 ns per output here); this loop's only data-dependent
  * decisions are selects (2-3x faster, docs/optimizer.md). The sum is the reference's:
  * 0 + the first push's value, + the second's where both hold the coordinate, then
- * scaled. */
-int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale, uint32_t *oi, float *og, int cap,
-                                         const early_prefetch *ep) {
+ * scaled: by scale1 where one push carried it, scale2 where both did. */
+int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1, float scale2, uint32_t *oi, float *og,
+                                         int cap, const early_prefetch *ep) {
     const int32_t *ia = a->idx, *ib = b->idx;
     const void *va = a->val, *vb = b->val;
     const int32_t da = a->dt, db = b->dt;
@@ -234,8 +277,9 @@ int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale, 
         const float first = stella_bits_f32((stella_f32_bits(fx) & ma) | (stella_f32_bits(fy) & ~ma));
         const float s1 = 0.0f + first, s2 = s1 + fy;
         const float s = stella_bits_f32((stella_f32_bits(s2) & mboth) | (stella_f32_bits(s1) & ~mboth));
+        const float f = stella_bits_f32((stella_f32_bits(scale2) & mboth) | (stella_f32_bits(scale1) & ~mboth));
         oi[n] = (x & ma) | (y & ~ma);
-        og[n] = s * scale;
+        og[n] = s * f;
         pa += ta;
         pb += tb;
         n++;
@@ -246,7 +290,7 @@ int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale, 
     a->head = stream_head(a);
     b->head = stream_head(b);
     if (n < cap && (pa >= ea) != (pb >= eb)) /* one stream left: its entries as they are */
-        n += STELLA_ISA_FN(stella_merge_single_tile)(pa < ea ? a : b, scale, oi + n, og + n, cap - n, ep);
+        n += STELLA_ISA_FN(stella_merge_single_tile)(pa < ea ? a : b, scale1, oi + n, og + n, cap - n, ep);
     return n;
 }
 

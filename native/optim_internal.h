@@ -97,6 +97,10 @@ typedef struct {
     float *acc;    /* B floats, zero outside the current window's pending part */
     uint64_t *flag; /* B bits: coordinate a + j holds a sum; likewise zero outside */
     int few;        /* blocks hold few flags (sparse pushes): the sweep's scalar slots first */
+    const float *cs; /* NULL: every sum times scale; else times cs[n], n the streams that carried it */
+    uint16_t *cnt;   /* with cs: B counters, zero outside the current window's pending part */
+    int ncs;         /* cs's length (the pushes + 1) */
+    float cs32[32];  /* cs's first 32 values, zero beyond ncs: two registers for the vector sweep */
 } window_merge;
 
 /* Early prefetch of a tile's state records while it is merged; mem == NULL: off. */
@@ -110,9 +114,10 @@ typedef struct {
  * One copy per ISA level, called by the same level's stella_optim_apply (stella_isa.h). */
 int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, float *og, int cap,
                                             const early_prefetch *ep);
-/* The same for two sparse streams (a, then b, in push order): a comparison merge. */
-int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale, uint32_t *oi, float *og, int cap,
-                                         const early_prefetch *ep);
+/* The same for two sparse streams (a, then b, in push order): a comparison merge; a sum
+ * one stream carried is scaled by scale1, one both carried by scale2. */
+int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1, float scale2, uint32_t *oi, float *og,
+                                         int cap, const early_prefetch *ep);
 /* The same for one stream: no merge, values converted and scaled. */
 int STELLA_ISA_FN(stella_merge_single_tile)(stream_t *a, float scale, uint32_t *oi, float *og, int cap,
                                             const early_prefetch *ep);

@@ -4,7 +4,6 @@
 #include <string.h>
 
 #include "optim_internal.h"
-#include "stella_half.h"
 
 /* Union of two sorted unique lists; returns its length. */
 static int64_t union2(const int32_t *a, int64_t na, const int32_t *b, int64_t nb, int32_t *out) {
@@ -121,87 +120,5 @@ int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list
         stella_add_lists_below(dst, lists, nlists, cursor, hi);
     }
     free(cursor);
-    return STELLA_OK;
-}
-
-/* Values of one push at j, converted to float32 (the dtype's switch outside the loops). */
-#define FOR_VALUES(p, BODY)                                                        \
-    do {                                                                           \
-        if ((p)->dtype == STELLA_VAL_F32) {                                        \
-            const float *vf = (const float *)(p)->val;                             \
-            for (int64_t j = 0; j < (p)->n; j++) {                                 \
-                const float v = vf[j];                                             \
-                BODY;                                                              \
-            }                                                                      \
-        } else if ((p)->dtype == STELLA_VAL_F16) {                                 \
-            const uint16_t *vh = (const uint16_t *)(p)->val;                       \
-            for (int64_t j = 0; j < (p)->n; j++) {                                 \
-                const float v = stella_half_to_float(vh[j]);                       \
-                BODY;                                                              \
-            }                                                                      \
-        } else {                                                                   \
-            const uint16_t *vh = (const uint16_t *)(p)->val;                       \
-            for (int64_t j = 0; j < (p)->n; j++) {                                 \
-                const float v = stella_bf16_to_float(vh[j]);                       \
-                BODY;                                                              \
-            }                                                                      \
-        }                                                                          \
-    } while (0)
-
-static inline int64_t carried(int64_t n, int32_t npush) { return n < 1 ? 1 : (n > npush ? npush : n); }
-
-/* The three passes of stella_count_scale over counters of type T (one byte a coordinate
- * up to 255 pushes, two beyond). n is clamped to [1, npush] whatever the input (a
- * repeated index would count twice). */
-#define COUNT_SCALE(T)                                                                                 \
-    static void count_scale_##T(const stella_push *pushes, int32_t npush, int32_t dense, T *counts,     \
-                                const double *factor, float *const *out) {                               \
-        for (int32_t w = 0; w < npush; w++) {                                                          \
-            const stella_push *p = &pushes[w];                                                         \
-            if (p->idx)                                                                                \
-                for (int64_t j = 0; j < p->n; j++) counts[p->idx[j]]++;                                \
-        }                                                                                              \
-        for (int32_t w = 0; w < npush; w++) {                                                          \
-            const stella_push *p = &pushes[w];                                                         \
-            const int32_t *ix = p->idx;                                                                \
-            float *o = out[w];                                                                         \
-            FOR_VALUES(p, o[j] = (float)((double)v *                                                   \
-                                         factor[carried(dense + (int64_t)counts[ix ? ix[j] : j], npush) - 1])); \
-        }                                                                                              \
-        for (int32_t w = 0; w < npush; w++) {                                                          \
-            const stella_push *p = &pushes[w];                                                         \
-            if (p->idx)                                                                                \
-                for (int64_t j = 0; j < p->n; j++) counts[p->idx[j]] = 0;                              \
-        }                                                                                              \
-    }
-COUNT_SCALE(uint8_t)
-COUNT_SCALE(uint16_t)
-#undef COUNT_SCALE
-
-/* Update mode's count_exponent (server/stella_ps/aggregation.py, count_scaled): three
- * passes over the pushed entries, none over the tensor unless a push is dense: count
- * the pushes carrying each coordinate, write each value times factor[n - 1] as float32
- * (the product in double, rounded once), put the counters back to zero. */
-int stella_count_scale(const stella_push *pushes, int32_t npush, int64_t numel, void *counts, int32_t width,
-                       const double *factor, float *const *out) {
-    if (npush < 0 || numel < 0 || !(width == 1 || width == 2) || npush > (width == 1 ? 255 : 65535) ||
-        (npush > 0 && (!pushes || !factor || !out || !counts)))
-        return STELLA_E_ARG;
-    int32_t dense = 0;
-    for (int32_t w = 0; w < npush; w++) {
-        const stella_push *p = &pushes[w];
-        if (p->dtype < STELLA_VAL_F32 || p->dtype > STELLA_VAL_BF16 || p->n < 0 || (p->n > 0 && (!p->val || !out[w])))
-            return STELLA_E_ARG;
-        if (!p->idx) {
-            if (p->n != numel) return STELLA_E_ARG;
-            dense++;
-        } else if (!in_range(p->idx, p->n, numel)) {
-            return STELLA_E_RANGE;
-        }
-    }
-    if (width == 1)
-        count_scale_uint8_t(pushes, npush, dense, counts, factor, out);
-    else
-        count_scale_uint16_t(pushes, npush, dense, counts, factor, out);
     return STELLA_OK;
 }

@@ -155,6 +155,7 @@ typedef struct {
     const stella_push *pushes;
     int32_t npush;
     float scale;
+    const float *cs; /* NULL, or npush + 1 scales by the pushes that carried a coordinate */
     const stella_optim_cfg *cfg;
     int64_t lo, hi;
     uint32_t *out; /* this range's slice of the output */
@@ -213,7 +214,7 @@ static void run_range(range_job *job) {
     uint32_t(*ibuf)[TILE_BUF] = (uint32_t(*)[TILE_BUF])scratch;
     float(*gbuf)[TILE_BUF] = (float(*)[TILE_BUF])(scratch + sizeof(uint32_t[2][TILE_BUF]));
     float *abuf = (float *)(scratch + sizeof(uint32_t[2][TILE_BUF]) + sizeof(float[2][TILE_BUF]));
-    window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL, 0};
+    window_merge wm = {streams, live, job->scale, job->hi, 0, 0, 0, 0, NULL, NULL, 0, job->cs, NULL};
     int64_t pushed = 0;
     for (int w = 0; w < live; w++) pushed += streams[w].end - streams[w].pos;
     const double per_coord = job->hi > job->lo ? (double)pushed / (double)(job->hi - job->lo) : 0.0;
@@ -223,9 +224,10 @@ static void run_range(range_job *job) {
     for (int w = 0; w < live; w++) sparse &= streams[w].idx != NULL;
     /* Three or four sparse pushes, few entries a coordinate: the first W - 1 merged into
      * one float32 stream by chained two-way merges, in push order and unscaled (so the
-     * sums are the reference's bit for bit), then the last one as a two-way merge. */
+     * sums are the reference's bit for bit), then the last one as a two-way merge. Not
+     * with a scale by count: the chained stream would lose how many pushes it holds. */
     uint32_t *chain_buf = NULL;
-    if (live > 2 && live <= CHAIN_MAX && sparse && per_coord < CHAIN_BELOW) {
+    if (live > 2 && live <= CHAIN_MAX && sparse && per_coord < CHAIN_BELOW && !job->cs) {
         int64_t cap = 0;
         for (int w = 0; w < live - 1; w++) cap += streams[w].end - streams[w].pos;
         chain_buf = malloc((size_t)cap * 4 * sizeof(uint32_t));
@@ -240,7 +242,7 @@ static void run_range(range_job *job) {
             uint32_t *oi = chain_buf + (w & 1) * 2 * cap; /* the two halves take turns */
             float *og = (float *)(oi + cap);
             int64_t n = 0;
-            for (int got; (got = STELLA_ISA_FN(stella_merge_two_tile)(&acc, &streams[w], 1.0f, oi + n, og + n,
+            for (int got; (got = STELLA_ISA_FN(stella_merge_two_tile)(&acc, &streams[w], 1.0f, 1.0f, oi + n, og + n,
                                                                        TILE_MAX, &none)) > 0;)
                 n += got;
             acc = (stream_t){(const int32_t *)oi, og, 0, n, SENTINEL, STELLA_VAL_F32};
@@ -260,22 +262,32 @@ static void run_range(range_job *job) {
         const size_t flag_bytes = ((size_t)B / 8 + 63) & ~(size_t)63; /* B bits, whole cache lines */
         wm.acc = aligned_alloc(64, (size_t)B * sizeof(float));
         wm.flag = aligned_alloc(64, flag_bytes);
-        if (!wm.acc || !wm.flag) {
+        wm.cnt = job->cs ? aligned_alloc(64, (size_t)B * sizeof(uint16_t)) : NULL;
+        if (!wm.acc || !wm.flag || (job->cs && !wm.cnt)) {
             free(chain_buf);
             free(wm.acc);
             free(wm.flag);
+            free(wm.cnt);
             free(scratch);
             job->rc = STELLA_E_NOMEM;
             return;
         }
         memset(wm.acc, 0, (size_t)B * sizeof(float));
         memset(wm.flag, 0, flag_bytes);
+        if (wm.cnt) {
+            memset(wm.cnt, 0, (size_t)B * sizeof(uint16_t));
+            wm.ncs = W + 1;
+            memset(wm.cs32, 0, sizeof wm.cs32);
+            memcpy(wm.cs32, job->cs, (size_t)(wm.ncs < 32 ? wm.ncs : 32) * sizeof(float));
+        }
     }
     const early_prefetch ep = {TUNE_EARLY ? st->mem : NULL, st->nfields};
-#define NEXT_TILE(oi, og)                                                                                    \
-    (two        ? STELLA_ISA_FN(stella_merge_two_tile)(streams, streams + 1, job->scale, (oi), (og), tile, &ep) \
-     : live > 1 ? STELLA_ISA_FN(stella_merge_window_tile)(&wm, (oi), (og), tile, &ep)                          \
-     : live     ? STELLA_ISA_FN(stella_merge_single_tile)(streams, job->scale, (oi), (og), tile, &ep)          \
+    /* a sum that one push carried, and one that two did */
+    const float s1 = job->cs ? job->cs[1] : job->scale, s2 = job->cs && W >= 2 ? job->cs[2] : job->scale;
+#define NEXT_TILE(oi, og)                                                                                \
+    (two        ? STELLA_ISA_FN(stella_merge_two_tile)(streams, streams + 1, s1, s2, (oi), (og), tile, &ep) \
+     : live > 1 ? STELLA_ISA_FN(stella_merge_window_tile)(&wm, (oi), (og), tile, &ep)                      \
+     : live     ? STELLA_ISA_FN(stella_merge_single_tile)(streams, s1, (oi), (og), tile, &ep)              \
                 : 0)
     int cur = 0;
     int n = NEXT_TILE(ibuf[0], gbuf[0]);
@@ -309,6 +321,7 @@ static void run_range(range_job *job) {
     free(scratch);
     free(wm.acc);
     free(wm.flag);
+    free(wm.cnt);
     job->count = total;
     job->kmax = kmax;
     job->finite = finite;
@@ -327,9 +340,10 @@ static void *run_range_thread(void *arg) {
  * (merge.c: AVX-512 sweep, F16C loads) and Adam arithmetic (vectorised to its
  * width); all give the same bits (no FMA contraction in ISO C mode). */
 int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *pushes, int32_t npush,
-                                          float scale, const stella_optim_cfg *cfg, int32_t *out_idx,
-                                          int64_t out_cap, int32_t nthreads) {
+                                          float scale, const float *count_scale, const stella_optim_cfg *cfg,
+                                          int32_t *out_idx, int64_t out_cap, int32_t nthreads) {
     if (!st || npush < 0 || (npush > 0 && !pushes) || !cfg || cfg->kind != st->kind) return STELLA_E_ARG;
+    if (count_scale && npush > 65535) return STELLA_E_ARG; /* the window's counters are 16 bits */
     int64_t work = 0;
     int dense = 0, longest = -1;
     for (int w = 0; w < npush; w++) {
@@ -384,7 +398,7 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
             cnt += p->idx ? stella_lower_bound(p->idx, p->n, hi) - stella_lower_bound(p->idx, p->n, lo) : hi - lo;
         }
         if (cnt > hi - lo) cnt = hi - lo;
-        jobs[t] = (range_job){st, pushes, npush, scale, cfg, lo, hi, (uint32_t *)out_idx + off,
+        jobs[t] = (range_job){st, pushes, npush, scale, count_scale, cfg, lo, hi, (uint32_t *)out_idx + off,
                               st->undo + off * st->nfields, st->delta + off, 0, 0, 1, STELLA_OK};
         off += cnt;
     }
@@ -434,9 +448,10 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
 STELLA_ISA_VARIANTS(stella_optim_apply);
 
 int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
-                           const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
-                           int32_t nthreads) {
-    return STELLA_ISA_PICK(stella_optim_apply)(st, pushes, npush, scale, cfg, out_idx, out_cap, nthreads);
+                           const float *count_scale, const stella_optim_cfg *cfg, int32_t *out_idx,
+                           int64_t out_cap, int32_t nthreads) {
+    return STELLA_ISA_PICK(stella_optim_apply)(st, pushes, npush, scale, count_scale, cfg, out_idx, out_cap,
+                                               nthreads);
 }
 #endif
 

@@ -308,44 +308,6 @@ def test_count_exponent_scales_a_coordinate_by_the_pushes_that_carried_it(make_s
         cs[1].set_optimizer(lr_worker_exponent=0.75)
 
 
-def test_count_scaled_matches_a_dense_count_and_leaves_its_counters_clean():
-    """:func:`stella_ps.aggregation.count_scaled` against a brute-force count over dense
-    copies, with float16 and dense parts among sparse ones; its counters are all zero
-    after each call, so a later step of the same tensor counts from nothing."""
-    from stella.payload import SparseTensor
-    from stella_ps.aggregation import CountScratch, count_scaled
-
-    rng = np.random.default_rng(3)
-    numel, pushes = 1000, 6
-    scratch = CountScratch()
-    for trial in range(4):
-        parts = []
-        for i in range(pushes - (trial % 2)):  # odd trials: a push without this tensor
-            if i == 0 and trial >= 2:
-                parts.append(SparseTensor(0, None, rng.standard_normal(numel).astype(np.float32)))
-                continue
-            idx = np.sort(rng.choice(numel, size=50 + 10 * i, replace=False)).astype(np.int32)
-            v = rng.standard_normal(idx.size).astype(np.float16 if i % 2 else np.float32)
-            parts.append(SparseTensor(0, idx, v))
-        carried = np.zeros(numel, np.int64)
-        for p in parts:
-            carried[np.arange(numel) if p.indices is None else p.indices] += 1
-        out = count_scaled(parts, numel, pushes, 0.5, scratch)
-        for p, o in zip(parts, out):
-            at = np.arange(numel) if p.indices is None else p.indices
-            want = (p.values.astype(np.float64) * (pushes / carried[at]) ** 0.5).astype(np.float32)
-            assert o.values.dtype == np.float32 and o.indices is p.indices
-            np.testing.assert_array_equal(o.values, want)
-        assert not scratch.get(0, numel).any()
-    assert count_scaled(parts, numel, pushes, 0.0, scratch) is parts
-    assert count_scaled(parts[:1], numel, 1, 0.5, scratch) == parts[:1]
-    # 300 pushes: two-byte counters; coordinate 0 in every push, coordinate 1 + i in push i alone
-    many = [SparseTensor(0, np.array([0, 1 + i], np.int32), np.array([1.0, 1.0], np.float32)) for i in range(300)]
-    out = count_scaled(many, 400, 300, 1.0, scratch)
-    assert all(o.values.tolist() == [1.0, 300.0] for o in out)
-    assert not scratch.get(0, 400, 300).any() and scratch.get(0, 400, 300).dtype == np.uint16
-
-
 def test_a_push_claiming_many_samples_weighs_at_most_max_sample_ratio(make_server, make_client):
     srv = make_server(2, pull="exact")  # --max-sample-ratio 8 (the default)
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)

@@ -25,6 +25,7 @@ import pytest
 import stella
 from stella.native_errors import ISA_ENV, ISA_LEVELS
 from stella_ps import kernel
+from stella_ps.aggregation import count_table
 from stella_ps.optim import OptimizerConfig
 from stella_ps.optim_ref import RefTensorState
 
@@ -85,6 +86,22 @@ def _opt_pushes(step: int):
     if step == 1:  # a dense push as well
         pushes.append((None, rng.standard_normal(N_OPT).astype(F32)))
     return pushes
+
+
+def _count_pushes(step: int):
+    """A step scaled by count (update mode's count_exponent): even steps six sparse pushes
+    at 1% (the window's few-flag sweep), odd ones ``_opt_pushes`` (its vector sweep)."""
+    if step % 2:
+        return _opt_pushes(step)
+    rng = np.random.default_rng(200 + step)
+    return [(np.sort(rng.choice(N_OPT, N_OPT // 100, replace=False)).astype(np.int32),
+             rng.standard_normal(N_OPT // 100).astype(F32)) for _ in range(6)]
+
+
+def _count_scale(pushes) -> np.ndarray:
+    table = count_table(len(pushes), 0.5, 1.0 / len(pushes))
+    assert table is not None
+    return table
 
 
 def _as_ref(push):
@@ -210,6 +227,12 @@ def run_kernels(out: str) -> None:
             res_[f"{name}_touched{step}"] = st.apply(_opt_pushes(step), 0.25, cfg)
         for field, a in st.state_arrays().items():
             res_[f"{name}_{field}"] = a
+    cfg = OptimizerConfig.from_wire({"name": "sgd", "lr": 1.0})
+    st = kernel.KernelTensorState(np.linspace(-1, 1, N_OPT, dtype=F32), cfg)
+    for step in range(4):
+        pushes = _count_pushes(step)
+        st.apply(pushes, 1.0 / len(pushes), cfg, count_scale=_count_scale(pushes))
+    res_["count_param"] = st.state_arrays()["param"]
     res_["union"] = kernel.union_indices([p[0] for p in _opt_pushes(0)])
     _flat_ops(ffi, lib, _flat_parts(), res_)
     np.savez(out, **res_)
@@ -319,6 +342,12 @@ def test_results_match_the_references(runs):
         for field in ("param", "momentum_buf", "exp_avg", "exp_avg_sq", "step"):
             if f"{name}_{field}" in got:
                 assert got[f"{name}_{field}"].tobytes() == getattr(ref, field).tobytes(), (name, field)
+    cfg = OptimizerConfig.from_wire({"name": "sgd", "lr": 1.0})
+    ref = RefTensorState(np.linspace(-1, 1, N_OPT, dtype=F32), cfg)
+    for step in range(4):
+        pushes = _count_pushes(step)
+        ref.apply([_as_ref(p) for p in pushes], 1.0 / len(pushes), cfg, count_scale=_count_scale(pushes))
+    assert got["count_param"].tobytes() == ref.param.tobytes()
     assert got["union"].tobytes() == np.unique(np.concatenate([p[0] for p in _opt_pushes(0)])).tobytes()
     # the flat model's gather widens exactly, and its residual is anchor - w in float32
     parts = _flat_parts()

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stella_ps import kernel
+from stella_ps.aggregation import count_table
 from stella_ps.kernel import KernelTensorState, union_indices
 from stella_ps.optim import OptimizerConfig
 from stella_ps.optim_ref import RefTensorState
@@ -98,8 +99,11 @@ def assert_same_bits(k: KernelTensorState, r: RefTensorState):
     steps=st.integers(1, 50),
     seed=st.integers(0, 2**32 - 1),
     dense_prob=st.sampled_from([0.0, 0.1, 0.3]),
+    count=st.sampled_from([0.0, 0.5, 1.0]),
 )
-def test_matches_reference(cfg, numel, workers, steps, seed, dense_prob):
+def test_matches_reference(cfg, numel, workers, steps, seed, dense_prob, count):
+    """Random steps (a count exponent: each coordinate's sum scaled by the pushes that
+    carried it, update mode's count_exponent) equal the reference bit for bit."""
     rng = np.random.default_rng(seed)
     init = rng.standard_normal(numel).astype(F32)
     k, r = KernelTensorState(init, cfg), RefTensorState(init, cfg)
@@ -112,8 +116,9 @@ def test_matches_reference(cfg, numel, workers, steps, seed, dense_prob):
             make_push(rng, numel, density, rng.random() < dense_prob, str(rng.choice(["f32", "f16", "bf16"])))
             for _ in range(w)
         ]
-        got = k.apply(pushes, 1.0 / w, cfg)
-        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / w, cfg)
+        cs = count_table(w, count, 1.0 / w)
+        got = k.apply(pushes, 1.0 / w, cfg, count_scale=cs)
+        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / w, cfg, count_scale=cs)
         np.testing.assert_array_equal(got, want)
         assert got.dtype == np.int32
     assert_same_state(k, r)
@@ -158,7 +163,8 @@ def test_several_sparse_pushes_bit_identical(name, workers, threads):
     chained through two-way merges, the last merged into the tiles; with 6, the window)
     and at 1% (the window):
     every field equal bit for bit to the reference, with coordinates shared by some
-    pushes, negative zeros, mixed value codings, and pushes that end early."""
+    pushes, negative zeros, mixed value codings, and pushes that end early; odd steps
+    scaled by count (count_exponent 0.5: the window, never the chain)."""
     rng = np.random.default_rng(23 + workers)
     numel = 200_000
     cfg, k, r = _kernel_and_reference(name, numel, rng)
@@ -175,8 +181,9 @@ def test_several_sparse_pushes_bit_identical(name, workers, threads):
             vals = make_push(rng, idx.size, 1.0, True, dt)[1]
             _some_negative_zeros(rng, vals)
             pushes.append((idx, vals))
-        got = k.apply(pushes, 1.0 / workers, cfg)
-        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / workers, cfg)
+        cs = count_table(workers, 0.5, 1.0 / workers) if step % 2 else None
+        got = k.apply(pushes, 1.0 / workers, cfg, count_scale=cs)
+        want = r.apply([as_ref_push(p) for p in pushes], 1.0 / workers, cfg, count_scale=cs)
         np.testing.assert_array_equal(got, want)
     assert_same_bits(k, r)
 
@@ -188,7 +195,8 @@ def test_two_sparse_pushes_bit_identical(name, dtypes, threads):
     """Two sparse pushes below the comparison merge's density bound (merge.c: the
     two-way merge, not the window): every field equal bit for bit to the reference,
     over tiles, thread ranges, shared and one-sided coordinates, negative zeros, mixed
-    value codings, and a push that ends long before the tensor does."""
+    value codings, and a push that ends long before the tensor does; odd steps scaled by
+    count (count_exponent 0.5: a one-sided sum at sqrt(2) times a shared one's scale)."""
     rng = np.random.default_rng(11)
     numel = 300_000
     cfg, k, r = _kernel_and_reference(name, numel, rng)
@@ -203,10 +211,53 @@ def test_two_sparse_pushes_bit_identical(name, dtypes, threads):
         for vals in (a[1], bv):
             _some_negative_zeros(rng, vals)
         pushes = [a, (bi, bv)]
-        got = k.apply(pushes, 0.5, cfg)
-        want = r.apply([as_ref_push(p) for p in pushes], 0.5, cfg)
+        cs = count_table(2, 0.5, 0.5) if step % 2 else None
+        got = k.apply(pushes, 0.5, cfg, count_scale=cs)
+        want = r.apply([as_ref_push(p) for p in pushes], 0.5, cfg, count_scale=cs)
         np.testing.assert_array_equal(got, want)
     assert_same_bits(k, r)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_count_scale_against_a_brute_force_count(threads):
+    """The kernel's scale by count (update mode's count_exponent, counted in its merge):
+    the parameters after SGD at lr 1 equal a brute-force count's over dense copies,
+    ``sum / K * (K / n) ** 0.5``, with float16 and dense pushes among sparse ones, 300
+    pushes (coordinate 0 in every push, 1 + i in push i alone), and a later step that
+    counts from nothing; a table too short for the pushes is refused."""
+    kernel.set_num_threads(threads)  # the autouse fixture resets it
+    rng = np.random.default_rng(3)
+    numel, K = 100_000, 6
+    cfg = OptimizerConfig.from_wire({"name": "sgd", "lr": 1.0})
+    k = KernelTensorState(np.zeros(numel, F32), cfg)
+    p0 = np.zeros(numel, np.float64)
+    for trial in range(4):
+        pushes = []
+        for i in range(K - (trial % 2)):  # odd trials: a push without this tensor
+            if i == 0 and trial >= 2:
+                pushes.append((None, rng.standard_normal(numel).astype(F32)))
+                continue
+            idx = np.sort(rng.choice(numel, size=500 * (1 + i), replace=False)).astype(np.int32)
+            pushes.append((idx, rng.standard_normal(idx.size).astype(np.float16 if i % 2 else F32)))
+        total, carried = np.zeros(numel, np.float64), np.zeros(numel, np.int64)
+        for idx, v in pushes:
+            at = np.arange(numel) if idx is None else idx
+            total[at] += v.astype(np.float64)
+            carried[at] += 1
+        touched = k.apply(pushes, 1.0 / K, cfg, count_scale=count_table(K, 0.5, 1.0 / K))
+        np.testing.assert_array_equal(touched, np.flatnonzero(carried))
+        hit = carried > 0
+        p0[hit] -= total[hit] / K * (K / carried[hit]) ** 0.5
+        np.testing.assert_allclose(k.state_arrays()["param"], p0, rtol=1e-5, atol=1e-6)
+    many = [(np.array([0, 1 + i], np.int32), np.ones(2, F32)) for i in range(300)]
+    k = KernelTensorState(np.zeros(400, F32), cfg)
+    k.apply(many, 1.0 / 300, cfg, count_scale=count_table(300, 1.0, 1.0 / 300))
+    np.testing.assert_allclose(k.state_arrays()["param"][:301], -1.0, rtol=1e-6)
+    assert not k.state_arrays()["param"][301:].any()
+    assert count_table(1, 0.5, 1.0) is None and count_table(8, 0.0, 0.125) is None
+    with pytest.raises(kernel.KernelInputError, match="count_scale"):
+        k.apply(many, 1.0 / 300, cfg, count_scale=count_table(299, 1.0, 1.0 / 300))
+    np.testing.assert_allclose(k.state_arrays()["param"][:301], -1.0, rtol=1e-6)  # the refused step changed nothing
 
 
 def test_edge_cases():

@@ -56,10 +56,12 @@ int stella_optim_get_field(const stella_optim *st, int32_t field, void *dst, int
 int stella_optim_get_records(const stella_optim *st, void *dst, int64_t start, int64_t n);
 int stella_optim_set_records(stella_optim *st, const void *src, int64_t start, int64_t n);
 /* Returns the number of touched coordinates written to out_idx (sorted), or STELLA_E_*;
- * STELLA_E_NONFINITE when a value it would write is NaN or +-Inf: then nothing changed. */
+ * STELLA_E_NONFINITE when a value it would write is NaN or +-Inf: then nothing changed.
+ * A coordinate's sum (in push order) is multiplied by scale, or, when count_scale is not
+ * NULL (npush + 1 floats, npush <= 65535), by count_scale[n], n the pushes that carried it. */
 int64_t stella_optim_apply(stella_optim *st, const stella_push *pushes, int32_t npush, float scale,
-                           const stella_optim_cfg *cfg, int32_t *out_idx, int64_t out_cap,
-                           int32_t nthreads);
+                           const float *count_scale, const stella_optim_cfg *cfg, int32_t *out_idx,
+                           int64_t out_cap, int32_t nthreads);
 /* What the last successful apply did to the parameters at its out_idx (n: its count):
  * out[j] = p_now - p_before, float32, as the apply wrote it (a copy, no gather). */
 int stella_optim_last_changes(const stella_optim *st, int64_t n, float *out);
@@ -74,11 +76,5 @@ int stella_scatter_add(float *dst, int64_t numel, const int32_t *idx, const floa
  * in list order, as one stella_scatter_add per list would give them; done tile by tile over
  * dst (one sweep of its lines, not one random access per entry). */
 int stella_scatter_add_lists(float *dst, int64_t numel, const stella_sparse_list *lists, int32_t nlists);
-/* out[w][j] = (float)((double)pushes[w].val[j] * factor[n - 1]), n the pushes (idx NULL: all
- * numel coordinates) that carry push w's j-th coordinate; counts: numel zeros of `width` bytes
- * (1: npush <= 255; 2: npush <= 65535), zero again on return; factor: npush doubles; indices
- * in [0, numel) (checked), unique within a push. */
-int stella_count_scale(const stella_push *pushes, int32_t npush, int64_t numel, void *counts, int32_t width,
-                       const double *factor, float *const *out);
 int64_t stella_union_indices(const int32_t *const *lists, const int64_t *lens, int32_t k,
                              int32_t *out, int64_t out_cap);

@@ -43,9 +43,8 @@ from stella.errors import BadValue, ErrorCode, ServerError
 from stella.payload import SparseTensor
 
 from .errors import StepFailed
-from .kernel import count_scale
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "CountScratch", "count_scaled",
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "count_table",
            "push_norm", "scaled", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
@@ -339,39 +338,21 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
     return out
 
 
-class CountScratch:
-    """Per-tensor counters for :func:`count_scaled`, kept between steps (all zero
-    between calls: a step resets what it counted), so that a step's cost follows what
-    was pushed, not the tensor's size: one byte a coordinate for steps of up to 255
-    pushes (two beyond), made on first use."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[int, int, int], np.ndarray] = {}
-
-    def get(self, tensor: int, numel: int, pushes: int = 1) -> np.ndarray:
-        width = 1 if pushes <= 255 else 2
-        c = self._counts.get((tensor, numel, width))
-        if c is None:
-            c = self._counts[(tensor, numel, width)] = np.zeros(numel, np.uint8 if width == 1 else np.uint16)
-        return c
-
-
-def count_scaled(parts: list[SparseTensor], numel: int, pushes: int, exponent: float,
-                 scratch: CountScratch | None = None) -> list[SparseTensor]:
-    """One tensor's parts of a step of ``pushes`` pushes, each value multiplied by
-    ``(pushes / n) ** exponent``, ``n`` the parts that carry its coordinate (update
-    mode's ``count_exponent``, docs/optimizer.md "The outer step per coordinate"): the
-    step's mean then takes a coordinate that every push carried as it is, and one that a
-    single push carried at ``pushes ** exponent`` times its share of the mean. Values
-    come back float32 (the product in float64, rounded once: :func:`scaled`'s rounding;
-    one C call, :func:`stella_ps.kernel.count_scale`). Indices are the wire decoder's
-    (sorted, unique, in range); ``numel`` is the tensor's size."""
-    if not exponent or pushes <= 1 or not parts:
-        return parts
-    counts = (scratch or CountScratch()).get(parts[0].tensor, numel, len(parts))
-    factor = (pushes / np.arange(1, len(parts) + 1, dtype=np.float64)) ** exponent  # factor[n - 1]
-    values = count_scale(parts, numel, factor, counts)
-    return [SparseTensor(p.tensor, p.indices, v) for p, v in zip(parts, values)]
+def count_table(pushes: int, exponent: float, scale: float) -> np.ndarray | None:
+    """Update mode's ``count_exponent`` (docs/optimizer.md "The outer step per
+    coordinate") as the kernel's ``count_scale``: entry ``n`` is ``scale * (pushes / n)
+    ** exponent`` (float64, rounded once to float32), the multiplier of a sum that ``n``
+    of the step's ``pushes`` pushes carried, counted in the kernel's merge (entry 0 is
+    never used). So a coordinate every push carried takes the mean's ``scale`` bit for
+    bit, and one a single push carried ``pushes ** exponent`` times its share of the
+    mean. None when nothing is scaled by count (no exponent, one push)."""
+    if not exponent or pushes <= 1:
+        return None
+    n = np.arange(pushes + 1, dtype=np.float64)
+    n[0] = pushes
+    table = (scale * (pushes / n) ** exponent).astype(np.float32)
+    table[0] = 0.0
+    return table
 
 
 FINAL_ALLOWANCE = 8.0  # a final push's relative bound, in the usual one's

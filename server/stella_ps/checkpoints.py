@@ -43,7 +43,7 @@ from stella.layout import FlatLayout
 from stella.payload import SparseTensor
 from stella.protocol import TensorSpec
 
-from .aggregation import count_scaled
+from .aggregation import count_table
 from .broadcast import replay
 from .config import Checkpoints
 from .kernel import KernelTensorState
@@ -220,8 +220,8 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
                     keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
             if keep:  # the counts of a coordinate are those of the whole step: the cut keeps or drops it whole
                 pushes = len(step.contributors)
-                keep = count_scaled(keep, st.numel, pushes, cfg.hparams.get("count_exponent", 0.0))
-                st.apply(keep, step.scale, cfg.for_pushes(pushes), checked=False)
+                st.apply(keep, step.scale, cfg.for_pushes(pushes), checked=False,
+                         count_scale=count_table(pushes, cfg.hparams.get("count_exponent", 0.0), step.scale))
         out.append({**st.state_arrays(), **bcast})
         del st
     return out

@@ -42,7 +42,6 @@ warn_isa_fallback(lib, "stella_ps._kernel")
 
 __all__ = [
     "KernelTensorState",
-    "count_scale",
     "KernelInputError",
     "KernelError",
     "set_num_threads",
@@ -183,49 +182,6 @@ def _value_code(vals: object, n: int, what: str) -> int:
     raise KernelInputError(f"{what}: values must be float32, float16 or bfloat16 (uint16 bits), got {vals.dtype}")
 
 
-def count_scale(parts: Sequence[SparseTensor], numel: int, factor: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """Each part's values times ``factor[n - 1]`` as float32 (the product in float64,
-    rounded once), ``n`` the parts that carry the coordinate (a dense part, indices
-    None, carries all ``numel``): one C call, three passes over the pushed entries
-    (``stella_count_scale``). ``counts`` is ``numel`` zeros (uint8 for up to 255 parts,
-    uint16 for up to 65535), and zeros again after the call; ``factor`` holds
-    ``len(parts)`` float64s. Indices out of range raise :class:`KernelInputError` and
-    change nothing."""
-    w = len(parts)
-    if counts.dtype not in (np.uint8, np.uint16) or counts.shape != (numel,) or not counts.flags.c_contiguous:
-        raise KernelInputError(f"counts must be {numel} contiguous uint8 or uint16")
-    if w > np.iinfo(counts.dtype).max:
-        raise KernelInputError(f"{w} parts overflow {counts.dtype} counters")
-    factor = np.ascontiguousarray(factor, np.float64)
-    if factor.shape != (w,):
-        raise KernelInputError(f"factor must hold {w} values")
-    c_push = ffi.new("stella_push[]", max(w, 1))
-    outs = []
-    keep = []
-    c_out = ffi.new("float *[]", max(w, 1))
-    for k, p in enumerate(parts):
-        n = numel if p.indices is None else p.indices.shape[0]
-        if p.indices is None:
-            c_push[k].idx = ffi.NULL
-        else:
-            ib = ffi.from_buffer("int32_t[]", p.indices)
-            keep.append(ib)
-            c_push[k].idx = ib
-        c_push[k].dtype = _value_code(p.values, n, f"part {k}")
-        vb = ffi.from_buffer(p.values)
-        keep.append(vb)
-        c_push[k].val = vb
-        c_push[k].n = n
-        out = np.empty(n, F32)
-        outs.append(out)
-        c_out[k] = ffi.from_buffer("float[]", out, require_writable=True)
-    rc = lib.stella_count_scale(c_push, w, numel, ffi.from_buffer(counts, require_writable=True), counts.itemsize,
-                                ffi.from_buffer("double[]", factor), c_out)
-    check(lib, rc, "count_scale: an index outside the tensor" if rc == lib.STELLA_E_RANGE else "count_scale",
-          _INPUT_ERRORS)
-    return outs
-
-
 def _c_config(cfg: OptimizerConfig) -> object:
     """The hyper-parameters rounded to float32 by the same expressions as optim_ref."""
     cfg = cfg.rule()
@@ -300,8 +256,11 @@ class KernelTensorState:
         return self._cfg_c
 
     def apply(self, pushes: Sequence[SparseTensor | tuple[np.ndarray | None, np.ndarray]], scale: float,
-              cfg: OptimizerConfig, *, checked: bool = True) -> np.ndarray:
-        """Merge ``pushes``, apply ``scale`` times their sum with the lazy optimizer.
+              cfg: OptimizerConfig, *, checked: bool = True, count_scale: np.ndarray | None = None) -> np.ndarray:
+        """Merge ``pushes``, apply ``scale`` times their sum with the lazy optimizer;
+        with ``count_scale`` (float32, at least ``len(pushes) + 1`` values), a sum that
+        ``n`` pushes carried is multiplied by ``count_scale[n]`` instead (counted in the
+        merge: :func:`stella_ps.aggregation.count_table`).
 
         A push is the :class:`~stella.payload.SparseTensor` the wire decoder made (the
         server's path), or an ``(indices or None for dense, values)`` pair (tests, the
@@ -350,7 +309,14 @@ class KernelTensorState:
             total += n
         bound = min(total, self.numel)
         out = np.empty(bound, np.int32)
-        rc = lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cfg,
+        c_cs = ffi.NULL
+        if count_scale is not None:
+            if (count_scale.dtype != F32 or count_scale.ndim != 1 or count_scale.shape[0] < w + 1
+                    or not count_scale.flags.c_contiguous or w > 65535):
+                raise KernelInputError(f"count_scale must be {w + 1} or more contiguous float32 values "
+                                       f"(for up to 65535 pushes)")
+            c_cs = ffi.from_buffer("float[]", count_scale)
+        rc = lib.stella_optim_apply(self._st, c_push, w, float(scale), c_cs, c_cfg,
                                     ffi.from_buffer("int32_t[]", out, require_writable=True), bound, _num_threads)
         # an error code: the kernel changed nothing (it undid what it wrote)
         count = check(lib, rc, "apply: a result would be NaN or Inf, the step was undone" if

@@ -20,7 +20,7 @@ __all__ = ["OptimizerConfig", "OptimizerLimits", "OPTIMIZERS", "MOMENTUM_MODES",
 # pushes runs at lr * K ** lr_worker_exponent: 0, the mean; 0.5, update mode's "sqrt"
 # outer step over adaptive inner optimizers) and ``count_exponent`` (a coordinate n of
 # the K pushes carried enters the mean times (K / n) ** count_exponent: update mode's
-# "count" outer step; :func:`stella_ps.aggregation.count_scaled`; docs/optimizer.md).
+# "count" outer step; :func:`stella_ps.aggregation.count_table`; docs/optimizer.md).
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
             "momentum_mode": "fold", "lr_worker_exponent": 0.0, "count_exponent": 0.0},

@@ -22,19 +22,25 @@ Push = tuple[np.ndarray | None, np.ndarray]
 F32 = np.float32
 
 
-def merge_pushes(pushes: Sequence[Push], numel: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+def merge_pushes(pushes: Sequence[Push], numel: int, scale: float,
+                 count_scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Union of the pushes' indices and the scaled sum of their values there.
 
-    Values at a coordinate are summed in push order, then multiplied by ``scale``
-    (1 / number of contributing workers) once.
+    Values at a coordinate are summed in push order, then multiplied once by ``scale``
+    (1 / number of contributing workers), or, with ``count_scale``, by
+    ``count_scale[n]``, ``n`` the pushes that carry the coordinate.
     """
     idx_list = [np.arange(numel, dtype=np.int32) if i is None else i for i, _ in pushes]
     union = np.unique(np.concatenate(idx_list)) if idx_list else np.empty(0, np.int32)
     union = union.astype(np.int32, copy=False)
     acc = np.zeros(union.shape[0], dtype=F32)
+    carried = np.zeros(union.shape[0], dtype=np.int64)
     for idx, (_, vals) in zip(idx_list, pushes):
         pos = np.searchsorted(union, idx)
         acc[pos] += np.asarray(vals, dtype=F32)  # unique idx within one push: no lost adds
+        carried[pos] += 1
+    if count_scale is not None:
+        return union, acc * np.asarray(count_scale, F32)[carried]
     return union, acc * F32(scale)
 
 
@@ -61,9 +67,10 @@ class RefTensorState:
             self.exp_avg_sq = np.zeros(self.numel, F32)
             self.step = np.zeros(self.numel, np.uint32)
 
-    def apply(self, pushes: Sequence[Push], scale: float, cfg: OptimizerConfig) -> np.ndarray:
+    def apply(self, pushes: Sequence[Push], scale: float, cfg: OptimizerConfig, *,
+              count_scale: np.ndarray | None = None) -> np.ndarray:
         """Merge ``pushes``, apply the mean with the lazy optimizer; returns the touched indices."""
-        idx, g = merge_pushes(pushes, self.numel, scale)
+        idx, g = merge_pushes(pushes, self.numel, scale, count_scale)
         if idx.size:
             (self._sgd if cfg.name == "sgd" else self._adam)(idx, g, cfg)
         return idx

@@ -33,7 +33,7 @@ from stella.layout import FlatLayout, Part
 from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
 from stella.protocol import PullCoding, PullMode, TensorEntry, TensorSpec
 
-from .aggregation import CountScratch, Step, count_scaled
+from .aggregation import Step, count_table
 from .broadcast import OWED_BYTES, Broadcast, StepLog
 from .config import Pulls
 from .errors import CopyAbandoned, ModelDamaged, NonFiniteStep, StepFailed
@@ -179,7 +179,6 @@ class ModelStore:
         self._redo: list[RedoEntry] | None = None
         self._copy_abandoned = False  # a step failed while a checkpoint's copy was logging (end_copy refuses it)
         self.damaged: str | None = None  # why the model may hold part of a step (ModelDamaged): nothing more applies
-        self._counts = CountScratch()  # ``count_exponent``'s per-coordinate counters (allocated on first use)
 
     @property
     def initialised(self) -> bool:
@@ -363,15 +362,14 @@ class ModelStore:
         non-finite result: that tensor undid itself), the others are undone too."""
         pushes = len(step.contributors)
         step_cfg = cfg.for_pushes(pushes)
-        count_exp = cfg.hparams.get("count_exponent", 0.0)
+        counts = count_table(pushes, cfg.hparams.get("count_exponent", 0.0), step.scale)
 
         def one(t: int) -> np.ndarray:
             contributions = step.per_tensor[t]
             if not contributions:
                 return np.empty(0, np.int32)
             state = self.tensors[t]
-            contributions = count_scaled(contributions, state.numel, pushes, count_exp, self._counts)
-            return state.apply(contributions, step.scale, step_cfg, checked=False)
+            return state.apply(contributions, step.scale, step_cfg, checked=False, count_scale=counts)
 
         try:
             done = self._pool.map(one, [sum(p.values.size for p in c) for c in step.per_tensor])
