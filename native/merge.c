@@ -294,6 +294,73 @@ int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1,
     return n;
 }
 
+/* The rest of one stream of the counted two-way merge: its own counts (c: NULL, 1
+ * each), scaled by cs[count] (cs: NULL, written unscaled with their counts to oc). */
+static int count_tail(stream_t *s, const uint16_t *c, const float *cs, uint32_t *oi, float *og, uint16_t *oc,
+                      int cap) {
+    int64_t take = s->end - s->pos;
+    if (take > cap) take = cap;
+    for (int64_t j = 0; j < take; j++) {
+        const int64_t p = s->pos + j;
+        const uint32_t n = c ? c[p] : 1;
+        const float v = 0.0f + load_val(s->val, s->dt, p);
+        oi[j] = (uint32_t)s->idx[p];
+        if (cs) {
+            og[j] = v * cs[n];
+        } else {
+            og[j] = v;
+            oc[j] = (uint16_t)n;
+        }
+    }
+    s->pos += take;
+    s->head = stream_head(s);
+    return (int)take;
+}
+
+/* The two-way merge of the chain under a count (update.c): a's entries carry counts ca
+ * (NULL: 1 each; a chained stream's sums), b's count 1. Without cs it writes the sums
+ * unscaled with their counts to oc (a stage of the chain); with cs, each sum times
+ * cs[count] (the last stage; oc unused). Sums as stella_merge_two_tile's, branch-free
+ * in the same way (the cs and ca tests are the same for every entry). */
+int STELLA_ISA_FN(stella_merge_two_count_tile)(stream_t *a, const uint16_t *ca, stream_t *b, const float *cs,
+                                               uint32_t *oi, float *og, uint16_t *oc, int cap,
+                                               const early_prefetch *ep) {
+    const int32_t *ia = a->idx, *ib = b->idx;
+    const void *va = a->val, *vb = b->val;
+    const int32_t da = a->dt, db = b->dt;
+    int64_t pa = a->pos, pb = b->pos;
+    const int64_t ea = a->end, eb = b->end;
+    int n = 0;
+    while (pa < ea && pb < eb && n < cap) {
+        const uint32_t x = (uint32_t)ia[pa], y = (uint32_t)ib[pb];
+        const uint32_t ta = x <= y, tb = y <= x;
+        const uint32_t ma = 0u - ta, mboth = 0u - (ta & tb);
+        const float fx = load_val(va, da, pa), fy = load_val(vb, db, pb);
+        const float first = stella_bits_f32((stella_f32_bits(fx) & ma) | (stella_f32_bits(fy) & ~ma));
+        const float s1 = 0.0f + first, s2 = s1 + fy;
+        const float s = stella_bits_f32((stella_f32_bits(s2) & mboth) | (stella_f32_bits(s1) & ~mboth));
+        const uint32_t c = ((ca ? (uint32_t)ca[pa] : 1u) & ma) + tb;
+        oi[n] = (x & ma) | (y & ~ma);
+        if (cs) {
+            og[n] = s * cs[c];
+        } else {
+            og[n] = s;
+            oc[n] = (uint16_t)c;
+        }
+        pa += ta;
+        pb += tb;
+        n++;
+    }
+    a->pos = pa;
+    b->pos = pb;
+    a->head = stream_head(a);
+    b->head = stream_head(b);
+    if (n < cap && pa < ea) n += count_tail(a, ca, cs, oi + n, og + n, oc ? oc + n : NULL, cap - n);
+    if (n < cap && pb < eb) n += count_tail(b, NULL, cs, oi + n, og + n, oc ? oc + n : NULL, cap - n);
+    prefetch_new(ep, oi, 0, n);
+    return n;
+}
+
 /* One pushed stream: no merge at all, values converted and scaled. */
 int STELLA_ISA_FN(stella_merge_single_tile)(stream_t *a, float scale, uint32_t *oi, float *og, int cap,
                                             const early_prefetch *ep) {

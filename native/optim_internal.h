@@ -118,6 +118,12 @@ int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, floa
  * one stream carried is scaled by scale1, one both carried by scale2. */
 int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1, float scale2, uint32_t *oi, float *og,
                                          int cap, const early_prefetch *ep);
+/* The same for two sparse streams of a chain under a count: a's entries carry counts ca
+ * (NULL: 1 each), b's 1; with cs each sum times cs[count], without it the sums unscaled
+ * and their counts written to oc. */
+int STELLA_ISA_FN(stella_merge_two_count_tile)(stream_t *a, const uint16_t *ca, stream_t *b, const float *cs,
+                                               uint32_t *oi, float *og, uint16_t *oc, int cap,
+                                               const early_prefetch *ep);
 /* The same for one stream: no merge, values converted and scaled. */
 int STELLA_ISA_FN(stella_merge_single_tile)(stream_t *a, float scale, uint32_t *oi, float *og, int cap,
                                             const early_prefetch *ep);

@@ -224,13 +224,15 @@ static void run_range(range_job *job) {
     for (int w = 0; w < live; w++) sparse &= streams[w].idx != NULL;
     /* Three or four sparse pushes, few entries a coordinate: the first W - 1 merged into
      * one float32 stream by chained two-way merges, in push order and unscaled (so the
-     * sums are the reference's bit for bit), then the last one as a two-way merge. Not
-     * with a scale by count: the chained stream would lose how many pushes it holds. */
+     * sums are the reference's bit for bit), then the last one as a two-way merge. With a
+     * scale by count each chained entry carries how many pushes it holds (chain_c). */
     uint32_t *chain_buf = NULL;
-    if (live > 2 && live <= CHAIN_MAX && sparse && per_coord < CHAIN_BELOW && !job->cs) {
+    const uint16_t *chain_c = NULL;
+    if (live > 2 && live <= CHAIN_MAX && sparse && per_coord < CHAIN_BELOW) {
         int64_t cap = 0;
         for (int w = 0; w < live - 1; w++) cap += streams[w].end - streams[w].pos;
-        chain_buf = malloc((size_t)cap * 4 * sizeof(uint32_t));
+        const int64_t half = 3 * cap; /* 32-bit words a half: indices, sums, counts (16 bits, rounded up) */
+        chain_buf = malloc((size_t)half * 2 * sizeof(uint32_t));
         if (!chain_buf) {
             free(scratch);
             job->rc = STELLA_E_NOMEM;
@@ -239,14 +241,19 @@ static void run_range(range_job *job) {
         const early_prefetch none = {NULL, 0};
         stream_t acc = streams[0];
         for (int w = 1; w < live - 1; w++) {
-            uint32_t *oi = chain_buf + (w & 1) * 2 * cap; /* the two halves take turns */
+            uint32_t *oi = chain_buf + (w & 1) * half; /* the two halves take turns */
             float *og = (float *)(oi + cap);
+            uint16_t *oc = (uint16_t *)(og + cap);
             int64_t n = 0;
-            for (int got; (got = STELLA_ISA_FN(stella_merge_two_tile)(&acc, &streams[w], 1.0f, 1.0f, oi + n, og + n,
-                                                                       TILE_MAX, &none)) > 0;)
+            for (int got; (got = job->cs ? STELLA_ISA_FN(stella_merge_two_count_tile)(&acc, chain_c, &streams[w], NULL,
+                                                                                       oi + n, og + n, oc + n,
+                                                                                       TILE_MAX, &none)
+                                         : STELLA_ISA_FN(stella_merge_two_tile)(&acc, &streams[w], 1.0f, 1.0f, oi + n,
+                                                                                og + n, TILE_MAX, &none)) > 0;)
                 n += got;
             acc = (stream_t){(const int32_t *)oi, og, 0, n, SENTINEL, STELLA_VAL_F32};
             acc.head = stream_head(&acc);
+            if (job->cs) chain_c = oc;
         }
         streams[0] = acc;
         streams[1] = streams[live - 1];
@@ -285,7 +292,9 @@ static void run_range(range_job *job) {
     /* a sum that one push carried, and one that two did */
     const float s1 = job->cs ? job->cs[1] : job->scale, s2 = job->cs && W >= 2 ? job->cs[2] : job->scale;
 #define NEXT_TILE(oi, og)                                                                                \
-    (two        ? STELLA_ISA_FN(stella_merge_two_tile)(streams, streams + 1, s1, s2, (oi), (og), tile, &ep) \
+    (chain_c ? STELLA_ISA_FN(stella_merge_two_count_tile)(streams, chain_c, streams + 1, job->cs, (oi), (og),   \
+                                                          NULL, tile, &ep)                                     \
+     : two      ? STELLA_ISA_FN(stella_merge_two_tile)(streams, streams + 1, s1, s2, (oi), (og), tile, &ep) \
      : live > 1 ? STELLA_ISA_FN(stella_merge_window_tile)(&wm, (oi), (og), tile, &ep)                      \
      : live     ? STELLA_ISA_FN(stella_merge_single_tile)(streams, s1, (oi), (og), tile, &ep)              \
                 : 0)

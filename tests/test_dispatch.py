@@ -89,13 +89,15 @@ def _opt_pushes(step: int):
 
 
 def _count_pushes(step: int):
-    """A step scaled by count (update mode's count_exponent): even steps six sparse pushes
-    at 1% (the window's few-flag sweep), odd ones ``_opt_pushes`` (its vector sweep)."""
+    """A step scaled by count (update mode's count_exponent): step 0 six sparse pushes at 1%
+    (the window's few-flag sweep), step 2 four at 0.3% (the chain of two-way merges), odd
+    steps ``_opt_pushes`` (the window's vector sweep)."""
     if step % 2:
         return _opt_pushes(step)
     rng = np.random.default_rng(200 + step)
-    return [(np.sort(rng.choice(N_OPT, N_OPT // 100, replace=False)).astype(np.int32),
-             rng.standard_normal(N_OPT // 100).astype(F32)) for _ in range(6)]
+    w, n = (6, N_OPT // 100) if step == 0 else (4, N_OPT * 3 // 1000)
+    return [(np.sort(rng.choice(N_OPT, n, replace=False)).astype(np.int32),
+             rng.standard_normal(n).astype(F32)) for _ in range(w)]
 
 
 def _count_scale(pushes) -> np.ndarray:

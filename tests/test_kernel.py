@@ -164,7 +164,7 @@ def test_several_sparse_pushes_bit_identical(name, workers, threads):
     and at 1% (the window):
     every field equal bit for bit to the reference, with coordinates shared by some
     pushes, negative zeros, mixed value codings, and pushes that end early; odd steps
-    scaled by count (count_exponent 0.5: the window, never the chain)."""
+    scaled by count (count_exponent 0.5: the chain's entries carry their counts)."""
     rng = np.random.default_rng(23 + workers)
     numel = 200_000
     cfg, k, r = _kernel_and_reference(name, numel, rng)
