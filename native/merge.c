@@ -137,7 +137,7 @@ static int window_fill(window_merge *wm) {
     int64_t lim = (int64_t)a + wm->B;
     if (lim > wm->hi) lim = wm->hi;
     for (int w = 0; w < wm->W; w++)
-        if (wm->s[w].head < lim) scatter_stream(&wm->s[w], a, lim, wm->acc, wm->flag, wm->cs ? wm->cnt : NULL);
+        if (wm->s[w].head < lim) scatter_stream(&wm->s[w], a, lim, wm->acc, wm->flag, wm->cnt); /* cnt: NULL without a count */
     wm->a = a;
     wm->len = (lim - a + 63) & ~(int64_t)63;
     wm->sweep = 0;
@@ -187,7 +187,7 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
     const __m512 sc = _mm512_set1_ps(wm->scale);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int n = 0;
-    uint16_t *C = wm->cnt + off;
+    uint16_t *C = wm->cnt ? wm->cnt + off : NULL;
     for (int c = 0; c < 4; c++) {
         const __mmask16 k = (__mmask16)(m >> (16 * c));
         __m512 f = sc;
@@ -209,7 +209,7 @@ static inline int sweep_block(window_merge *wm, int64_t off, uint32_t *oi, float
     return n;
 #else
     int n = 0;
-    uint16_t *C = wm->cnt + off;
+    uint16_t *C = wm->cnt ? wm->cnt + off : NULL;
     while (m) {
         const int j = __builtin_ctzll(m);
         oi[n] = base + (uint32_t)j;
@@ -253,15 +253,44 @@ int STELLA_ISA_FN(stella_merge_window_tile)(window_merge *wm, uint32_t *oi, floa
     }
 }
 
+/* The rest of one stream of the counted two-way merge: its own counts (c: NULL, 1
+ * each), scaled by cs[count] (cs: NULL, written unscaled with their counts to oc). */
+static int count_tail(stream_t *s, const uint16_t *c, const float *cs, uint32_t *oi, float *og, uint16_t *oc,
+                      int cap, const early_prefetch *ep) {
+    int64_t take = s->end - s->pos;
+    if (take > cap) take = cap;
+    for (int64_t j = 0; j < take; j++) {
+        const int64_t p = s->pos + j;
+        const uint32_t n = c ? c[p] : 1;
+        const float v = 0.0f + load_val(s->val, s->dt, p);
+        oi[j] = (uint32_t)s->idx[p];
+        if (cs) {
+            og[j] = v * cs[n];
+        } else {
+            og[j] = v;
+            oc[j] = (uint16_t)n;
+        }
+    }
+    prefetch_new(ep, oi, 0, (int)take);
+    s->pos += take;
+    s->head = stream_head(s);
+    return (int)take;
+}
+
 /* Two sparse streams: a comparison merge, branch-free. With two pushes the union is
  * sparse at the densities pushes have (2% of the coordinates at 1% each), and the
  * window's sweep spends most of its time on empty blocks and on mispredicted exits
  * from the emit loop (11-14 ns per output here); this loop's only data-dependent
  * decisions are selects (2-3x faster, docs/optimizer.md). The sum is the reference's:
  * 0 + the first push's value, + the second's where both hold the coordinate, then
- * scaled: by scale1 where one push carried it, scale2 where both did. */
-int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1, float scale2, uint32_t *oi, float *og,
-                                         int cap, const early_prefetch *ep) {
+ * scaled. One body for both entry points below (`counted` is a constant in each):
+ * plain, by scale1 where one push carried the coordinate and scale2 where both did;
+ * counted, a's entries carrying counts ca (NULL: 1 each), b's 1, each sum times
+ * cs[count], or (cs NULL) written unscaled with its count to oc. */
+static inline __attribute__((always_inline)) int merge_two(stream_t *a, const uint16_t *ca, stream_t *b, float scale1,
+                                                           float scale2, const float *cs, uint32_t *oi, float *og,
+                                                           uint16_t *oc, int cap, const early_prefetch *ep,
+                                                           const int counted) {
     const int32_t *ia = a->idx, *ib = b->idx;
     const void *va = a->val, *vb = b->val;
     const int32_t da = a->dt, db = b->dt;
@@ -277,9 +306,18 @@ int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1,
         const float first = stella_bits_f32((stella_f32_bits(fx) & ma) | (stella_f32_bits(fy) & ~ma));
         const float s1 = 0.0f + first, s2 = s1 + fy;
         const float s = stella_bits_f32((stella_f32_bits(s2) & mboth) | (stella_f32_bits(s1) & ~mboth));
-        const float f = stella_bits_f32((stella_f32_bits(scale2) & mboth) | (stella_f32_bits(scale1) & ~mboth));
         oi[n] = (x & ma) | (y & ~ma);
-        og[n] = s * f;
+        if (!counted) {
+            og[n] = s * stella_bits_f32((stella_f32_bits(scale2) & mboth) | (stella_f32_bits(scale1) & ~mboth));
+        } else { /* the cs and ca tests are the same for every entry */
+            const uint32_t c = ((ca ? (uint32_t)ca[pa] : 1u) & ma) + tb;
+            if (cs) {
+                og[n] = s * cs[c];
+            } else {
+                og[n] = s;
+                oc[n] = (uint16_t)c;
+            }
+        }
         pa += ta;
         pb += tb;
         n++;
@@ -289,76 +327,25 @@ int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1,
     b->pos = pb;
     a->head = stream_head(a);
     b->head = stream_head(b);
-    if (n < cap && (pa >= ea) != (pb >= eb)) /* one stream left: its entries as they are */
-        n += STELLA_ISA_FN(stella_merge_single_tile)(pa < ea ? a : b, scale1, oi + n, og + n, cap - n, ep);
+    if (n < cap && (pa >= ea) != (pb >= eb)) { /* one stream left: its entries as they are */
+        stream_t *rest = pa < ea ? a : b;
+        n += counted ? count_tail(rest, rest == a ? ca : NULL, cs, oi + n, og + n, oc ? oc + n : NULL, cap - n, ep)
+                     : STELLA_ISA_FN(stella_merge_single_tile)(rest, scale1, oi + n, og + n, cap - n, ep);
+    }
     return n;
 }
 
-/* The rest of one stream of the counted two-way merge: its own counts (c: NULL, 1
- * each), scaled by cs[count] (cs: NULL, written unscaled with their counts to oc). */
-static int count_tail(stream_t *s, const uint16_t *c, const float *cs, uint32_t *oi, float *og, uint16_t *oc,
-                      int cap) {
-    int64_t take = s->end - s->pos;
-    if (take > cap) take = cap;
-    for (int64_t j = 0; j < take; j++) {
-        const int64_t p = s->pos + j;
-        const uint32_t n = c ? c[p] : 1;
-        const float v = 0.0f + load_val(s->val, s->dt, p);
-        oi[j] = (uint32_t)s->idx[p];
-        if (cs) {
-            og[j] = v * cs[n];
-        } else {
-            og[j] = v;
-            oc[j] = (uint16_t)n;
-        }
-    }
-    s->pos += take;
-    s->head = stream_head(s);
-    return (int)take;
+int STELLA_ISA_FN(stella_merge_two_tile)(stream_t *a, stream_t *b, float scale1, float scale2, uint32_t *oi, float *og,
+                                         int cap, const early_prefetch *ep) {
+    return merge_two(a, NULL, b, scale1, scale2, NULL, oi, og, NULL, cap, ep, 0);
 }
 
-/* The two-way merge of the chain under a count (update.c): a's entries carry counts ca
- * (NULL: 1 each; a chained stream's sums), b's count 1. Without cs it writes the sums
- * unscaled with their counts to oc (a stage of the chain); with cs, each sum times
- * cs[count] (the last stage; oc unused). Sums as stella_merge_two_tile's, branch-free
- * in the same way (the cs and ca tests are the same for every entry). */
+/* The two-way merge of the chain under a count (update.c): a stage of the chain
+ * (cs NULL: sums and counts out) or its last (each sum times cs[count]). */
 int STELLA_ISA_FN(stella_merge_two_count_tile)(stream_t *a, const uint16_t *ca, stream_t *b, const float *cs,
                                                uint32_t *oi, float *og, uint16_t *oc, int cap,
                                                const early_prefetch *ep) {
-    const int32_t *ia = a->idx, *ib = b->idx;
-    const void *va = a->val, *vb = b->val;
-    const int32_t da = a->dt, db = b->dt;
-    int64_t pa = a->pos, pb = b->pos;
-    const int64_t ea = a->end, eb = b->end;
-    int n = 0;
-    while (pa < ea && pb < eb && n < cap) {
-        const uint32_t x = (uint32_t)ia[pa], y = (uint32_t)ib[pb];
-        const uint32_t ta = x <= y, tb = y <= x;
-        const uint32_t ma = 0u - ta, mboth = 0u - (ta & tb);
-        const float fx = load_val(va, da, pa), fy = load_val(vb, db, pb);
-        const float first = stella_bits_f32((stella_f32_bits(fx) & ma) | (stella_f32_bits(fy) & ~ma));
-        const float s1 = 0.0f + first, s2 = s1 + fy;
-        const float s = stella_bits_f32((stella_f32_bits(s2) & mboth) | (stella_f32_bits(s1) & ~mboth));
-        const uint32_t c = ((ca ? (uint32_t)ca[pa] : 1u) & ma) + tb;
-        oi[n] = (x & ma) | (y & ~ma);
-        if (cs) {
-            og[n] = s * cs[c];
-        } else {
-            og[n] = s;
-            oc[n] = (uint16_t)c;
-        }
-        pa += ta;
-        pb += tb;
-        n++;
-    }
-    a->pos = pa;
-    b->pos = pb;
-    a->head = stream_head(a);
-    b->head = stream_head(b);
-    if (n < cap && pa < ea) n += count_tail(a, ca, cs, oi + n, og + n, oc ? oc + n : NULL, cap - n);
-    if (n < cap && pb < eb) n += count_tail(b, NULL, cs, oi + n, og + n, oc ? oc + n : NULL, cap - n);
-    prefetch_new(ep, oi, 0, n);
-    return n;
+    return merge_two(a, ca, b, 1.0f, 1.0f, cs, oi, og, oc, cap, ep, 1);
 }
 
 /* One pushed stream: no merge at all, values converted and scaled. */
