@@ -29,6 +29,13 @@ EVERY = 5  # a checkpoint every 5 steps
 SGD = {"name": "sgd", "lr": 0.01, "momentum": 0.9}
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def _mount(*args: str) -> None:
     r = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
@@ -186,7 +193,8 @@ def test_a_read_only_directory_fails_checkpoints_and_a_restart_resumes_from_the_
     v = train(c, 0, EVERY)
     wait_until(lambda: c.status().checkpoint_version == EVERY, 20, "the first checkpoint")
     (first, _), = checkpoints_of(ckdir).items()
-    crashed = ckfmt.temporary_name(ckfmt.file_name(4, 1), pid=1)  # a write a crash interrupted, not this server's
+    # a write a crash interrupted, not this server's: its writer is gone
+    crashed = ckfmt.temporary_name(ckfmt.file_name(4, 1), pid=dead_pid())
     (ckdir / crashed).write_bytes(b"partial")
     with read_only(ckdir):  # no write is in progress: the steps wait for this test
         v = train(c, v, 2 * EVERY)

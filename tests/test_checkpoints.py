@@ -125,6 +125,35 @@ def _two_checkpoints(directory: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def test_a_reader_leaves_the_temporary_file_of_a_write_in_progress_and_deletes_a_crashed_ones(tmp_path):
+    """newest_valid deletes a temporary file whose writer is gone (a crash's leftover),
+    never one whose writer still runs: a second process reading the directory (a test
+    polling for a checkpoint, an operator's tool) once deleted a running server's file
+    under it, and that server's write failed at its rename (ENOENT)."""
+    from stella_ps.checkpoints import newest_valid
+
+    _, newest = _two_checkpoints(tmp_path)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        names = {pid: ckfmt.temporary_name(ckfmt.file_name(30, 3), pid=pid)
+                 for pid in (gone.pid, running.pid, os.getpid())}
+        for n in names.values():
+            (tmp_path / n).write_bytes(b"partial")
+        path, ck = newest_valid(str(tmp_path))
+        assert path == str(newest) and ck.version == 20
+        assert not (tmp_path / names[gone.pid]).exists()
+        assert (tmp_path / names[running.pid]).exists() and (tmp_path / names[os.getpid()]).exists()
+        running.kill()
+        running.wait()
+        newest_valid(str(tmp_path))  # its writer gone too: a leftover now
+        assert not (tmp_path / names[running.pid]).exists() and (tmp_path / names[os.getpid()]).exists()
+    finally:
+        running.kill()
+        running.wait()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_a_value_bit", "flip_a_header_byte"])
 def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(make_server, make_client, tmp_path,
                                                                            damage):

@@ -253,13 +253,14 @@ def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
     of the way: it never counts towards ``--checkpoint-keep``, so pruning never deletes
     a valid checkpoint in its place). Temporary files of a write that a crash
     interrupted are deleted (where the directory is read-only, left with a warning:
-    they are never read, and the resume goes on)."""
+    they are never read, and the resume goes on); one whose writer still runs here
+    (:func:`_writer_alive`) is a write in progress, and left to it."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return None
     for n in names:
-        if ckpt_format.is_temporary(n):
+        if ckpt_format.is_temporary(n) and not _writer_alive(n):
             try:
                 os.unlink(os.path.join(directory, n))
             except FileNotFoundError:
@@ -279,6 +280,26 @@ def newest_valid(directory: str) -> tuple[str, Checkpoint] | None:
         log.error("checkpoint damaged, moved aside; trying the previous one",
                   extra={"path": path, "moved_to": aside, "reason": str(got)})
     return None
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that names temporary checkpoint file ``name`` (the pid after
+    its ``.tmp``) runs on this host: this one, or one that a signal 0 finds (a permission
+    error too: someone else's process). Its write may be in progress: a reader that
+    deleted the file under it (a second process reading the directory while a server
+    writes) would fail that write at its rename."""
+    pid = name.rpartition(".tmp")[2]
+    if not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError, ValueError):
+        return True
+    return True
 
 
 def write_and_prune(policy: CheckpointPolicy, ckpt: Checkpoint) -> tuple[str, int, float]:
