@@ -48,7 +48,10 @@ sent). Three probes of the second moment, which a real job could not afford as t
 stand: ``vdense`` (an oracle: every worker steps with the second moment of the workers'
 mean gradient, what dense Adam keeps), ``vshare`` (every worker's second moment
 replaced by the workers' mean) and ``vmix`` (the whole batch's estimated from the
-workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``lendG``: a coordinate some but
+workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``vsplit`` (what a real job can
+afford, :class:`stella.BatchNoise`): each worker measures its gradient's noise from the two
+halves of its batch, a running mean ``n`` of ``((g_a - g_b) / 2) ** 2``, and steps with
+``max(v - (1 - 1/W) n, v / W)``, the second moment Adam keeps on the whole batch. ``lendG``: a coordinate some but
 not all workers pushed is applied at the pushers' mean (the others' shares lent), later
 pushes that agree repay the loan instead of being applied again, pushes that disagree
 take it back, and a loan decays back by ``1 - G`` a step (:func:`_lend`: the sum of the
@@ -117,6 +120,7 @@ class Rule:
     vshare: bool = False
     vdense: bool = False
     vmix: bool = False
+    vsplit: bool = False
     lend: float = 0.0  # > 0: ``lendG``, lending at decay G (see the module's text)
     index: str = ""  # the pushes' shared index set: "" (each its own top-k), gtopk, cyclic, bidx
     own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
@@ -152,7 +156,8 @@ class Rule:
                 kw["lend"] = float(part[4:] or 0.9)
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
                 kw.update(norm=True, norm_ema=float(part[7:] or 0.9))
-            elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp", "vshare", "vdense", "vmix"):
+            elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp", "vshare", "vdense", "vmix",
+                          "vsplit"):
                 kw[part] = True
             else:
                 raise ValueError(f"unknown rule part {part!r} in {spec!r}")
@@ -271,6 +276,13 @@ class Inner:
             moments = self._moments()
             if moments is not None:
                 self.take_denominator(_batch_second_moment(moments, self.batch_mult), moments)
+
+
+def _halves(batch: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A batch's two halves (its first dimension split), for ``vsplit``."""
+    x, y = batch
+    h = x.shape[0] // 2
+    return [(x[:h], y[:h]), (x[h:], y[h:])]
 
 
 def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -436,6 +448,9 @@ def run_stella(cfg: Config) -> Curve:
     lr_out = rule.outer_lr(W)
     norms: list[float] = []
     vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
+    # ``vsplit``: each worker's running second moment of its gradient's noise, from its batch's two halves
+    split_noise: list[torch.Tensor | None] = [None] * W
+    b2s = inner[0].opt.param_groups[0]["betas"][1] if rule.vsplit else 0.0
     loan = torch.zeros_like(x)  # ``lend``: what the outer step applied beyond the mean, per coordinate
     q_ema: float | None = None
     b_idx: torch.Tensor | None = None  # ``bidx``: the latest broadcast's indices of [0, ns) (every replica has them)
@@ -531,8 +546,21 @@ def run_stella(cfg: Config) -> Curve:
         grads = []
         for i in range(W):
             flat.load(ws[i])
+            batch = next(batches[i])
+            if rule.vsplit:  # the gradient of each half of the batch: their mean, and the noise their difference shows
+                halves = []
+                for part in _halves(batch):
+                    model.zero_grad(set_to_none=True)
+                    wl.loss(model, part).backward()
+                    halves.append(flat.grad())
+                grads.append((halves[0] + halves[1]) / 2)
+                noise_sq = ((halves[0] - halves[1]) / 2).square()
+                running = split_noise[i]
+                split_noise[i] = (noise_sq * (1 - b2s) if running is None
+                                  else running.mul_(b2s).add_(noise_sq, alpha=1 - b2s))
+                continue
             model.zero_grad(set_to_none=True)
-            wl.loss(model, next(batches[i])).backward()
+            wl.loss(model, batch).backward()
             grads.append(flat.grad())
         if rule.vdense:  # the oracle: the second moment of the workers' mean gradient (a dense exchange a step)
             b2 = inner[0].opt.param_groups[0]["betas"][1]
@@ -542,6 +570,13 @@ def run_stella(cfg: Config) -> Curve:
             inner[i].step(grads[i], t)
             if rule.vdense:
                 inner[i].take_denominator(vd / (1 - b2 ** (t + 1)))
+            if rule.vsplit:  # the whole batch's second moment: the worker's, less (1 - 1/W) of its measured noise
+                mo = inner[i]._moments()
+                noise = split_noise[i]
+                if mo is not None and noise is not None:
+                    vh = mo[1]
+                    v_est = torch.maximum(vh - (1 - 1 / W) * noise / (1 - b2s ** (t + 1)), vh / W)
+                    inner[i].take_denominator(v_est, mo)
         if rule.vmix:  # the whole batch's second moment from the workers' mean moments: v / W + (1 - 1/W) m^2
             moments = [inner[i]._moments() for i in range(W)]
             if all(mo is not None for mo in moments):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from bench import workloads as WL
-from bench.sim_update import Curve, heldout_loss, run_dense, step_ratio
-from stella import Compression, Connection, StellaOptimizer, Sync
+from bench.sim_update import Curve, _halves, heldout_loss, run_dense, step_ratio
+from stella import BatchNoise, Compression, Connection, StellaOptimizer, Sync
 
 WORLD = 8
 STEPS = 150
@@ -23,9 +23,11 @@ DENSITY = 0.03
 BOUND = 1.4
 
 
-def train(endpoint: str, outer: str, seed: int = 0) -> Curve:
+def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, noise: bool = False) -> Curve:
     """WORLD workers in threads, each on its share of the global batch that dense
-    training takes whole; returns worker 0's held-out loss curve."""
+    training takes whole; returns worker 0's held-out loss curve. ``noise``: each worker
+    steps with the job's second moment (BatchNoise), its batch's halves one after the
+    other."""
     wl = WL.get("adamlp")
     models = [wl.build_model(seed) for _ in range(WORLD)]  # before the threads: torch's RNG is global
     curve = Curve()
@@ -39,12 +41,19 @@ def train(endpoint: str, outer: str, seed: int = 0) -> Curve:
             model = models[rank]
             opt = StellaOptimizer(model, endpoint, optimizer=wl.make_optimizer(model.parameters()), outer=outer,
                                   sync=Sync(every=1, max_every=1),
-                                  compression=Compression(density=DENSITY, value_dtype="f16"),
-                                  connection=Connection(timeout=120, worker_id=rank))
+                                  compression=Compression(density=density, value_dtype="f16"),
+                                  connection=Connection(timeout=120, worker_id=rank),
+                                  batch_noise=BatchNoise(WORLD) if noise else None)
             batches = wl.batches(rank, WORLD, wl.batch_size, seed)
             for step in range(1, STEPS + 1):
                 opt.zero_grad()
-                wl.loss(model, next(batches)).backward()
+                if noise:
+                    first, second = _halves(next(batches))
+                    (wl.loss(model, first) / 2).backward()
+                    opt.mark_half()
+                    (wl.loss(model, second) / 2).backward()
+                else:
+                    wl.loss(model, next(batches)).backward()
                 opt.step()
                 if rank == 0 and step % EVAL_EVERY == 0:
                     with lock:

@@ -38,6 +38,7 @@ Where each concern lives:
   (a tool beside the library, which never imports it).
 """
 from ._codec_native import native_isa
+from .batch_noise import BatchNoise
 from .client import Client, Pending, PullResult
 from .errors import (
     BadRequest,
@@ -58,6 +59,7 @@ from .errors import (
 )
 
 __all__ = [
+    "BatchNoise",
     "Client",
     "PullResult",
     "Pending",

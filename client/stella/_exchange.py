@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .batch_noise import BatchNoise
 from .client import PullResult
 from .codec import CODINGS
 from .flat import FlatCompressor, FlatParams, FlatPush
@@ -128,6 +129,7 @@ class _Exchange:
     groups: torch.optim.Optimizer  # the optimizer whose param_groups (and state) the wrapper shows
     server: torch.optim.Optimizer  # its one group mirrors the server's optimizer
     server_config: Mapping[str, Any] | None  # what to register with
+    noise: BatchNoise | None = None  # update mode: the local steps taken with the job's second moment
     flat: FlatParams
     compressor: FlatCompressor
 
@@ -287,6 +289,8 @@ class _UpdateExchange(_Exchange):
 
     def step(self, run_on: bool = False) -> bool:
         self.inner.step()  # the local step, dense, on this worker's gradient
+        if self.noise is not None:  # taken again with the whole job's second moment
+            self.noise.correct(self.inner)
         self.local_steps += 1
         if self.local_steps < self.sync_every or (run_on and self.local_steps < self.max_sync_every):
             return False

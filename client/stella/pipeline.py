@@ -70,6 +70,7 @@ import torch
 
 from ._exchange import build_inner, exchange_for, load_in_place
 from ._rounds import Answer, PipelineStats, Rounds
+from .batch_noise import BatchNoise
 from .errors import PipelineError, StellaError, Stopped
 from .layout import FlatLayout
 from .modes import DEFAULT_MODE, DEFAULT_OUTER, MODES, OUTER_PRESETS, Mode
@@ -134,6 +135,10 @@ class StellaOptimizer(torch.optim.Optimizer):
     Every rank calls the same methods in the same order, as with any collective.
     ``progress_every``: log a one-line summary every that many steps (0: none; see
     :mod:`stella.progress`). The timings travel with the pushes in any case.
+    ``batch_noise``: update mode with Adam or AdamW: each local step taken with the
+    second moment Adam would keep on the whole job's batch, from the noise between the
+    two halves of this worker's batch (:class:`~stella.BatchNoise`; the loop calls
+    :meth:`mark_half` between the halves' backward passes).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StellaOptimizer:
@@ -148,7 +153,7 @@ class StellaOptimizer(torch.optim.Optimizer):
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None, mode: Mode | None = None,
                  outer: str | Mapping[str, Any] = DEFAULT_OUTER, sync: Sync = Sync(),
                  compression: Compression = Compression(), connection: Connection = Connection(),
-                 process_group: Any = "default", progress_every: int = 0):
+                 process_group: Any = "default", progress_every: int = 0, batch_noise: BatchNoise | None = None):
         self._owner = self  # what a wrapper reading this optimizer's attributes acts on (_on_owner)
         # tensors without elements never change: nothing to exchange
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
@@ -159,6 +164,13 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.sync, self.compression = sync, compression
         self.site = site_for(process_group)
         self._exchange = exchange_for(self.mode, self.params, optimizer, outer, compression, sync, self.site)
+        if batch_noise is not None:
+            if self.mode != "update":
+                raise ValueError("batch_noise corrects the workers' own Adam steps: update mode only")
+            inner = self._exchange.inner
+            assert inner is not None  # update mode
+            BatchNoise.check(inner)
+            self._exchange.noise = batch_noise
         self.rounds = Rounds(self._exchange, compression, leads=self.site.leads, may_run_on=self.site.may_run_on,
                              progress_every=progress_every)
         self._address, self._connection = address, connection
@@ -364,6 +376,14 @@ class StellaOptimizer(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
+
+    def mark_half(self) -> None:
+        """With ``batch_noise``: the gradients hold the first half of this step's batch now
+        (each half's loss divided by 2, as for any accumulation of two micro-batches)."""
+        noise = self._exchange.noise
+        if noise is None:
+            raise PipelineError("mark_half() needs batch_noise=BatchNoise(world=...)")
+        noise.mark_half(list(self.params.values()))
 
     @torch.no_grad()
     def step(self, closure=None):

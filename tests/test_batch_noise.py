@@ -1,0 +1,118 @@
+"""BatchNoise (issue 43): a worker's Adam step taken with the second moment Adam would
+keep on the whole job's batch, from the noise between the two halves of its own batch.
+The step against its formula, computed here from scratch; what it refuses; through a
+real stella-ps, eight AdamW workers whose pushes carry every coordinate need dense
+training's iterations with it and far more without (the mean of eight Adam steps whose
+second moments each hold the noise of an eighth of the batch)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stella import BatchNoise, PipelineError, StellaOptimizer
+
+DIM, W = 6, 8
+
+
+def _halves_grads(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    signal = torch.linspace(-1.0, 1.0, DIM)
+    return signal + torch.randn(DIM, generator=g), signal + torch.randn(DIM, generator=g)
+
+
+def _reference(steps: int, world: int, lr: float, betas: tuple[float, float], eps: float,
+               wd: float) -> torch.Tensor:
+    """AdamW's step, written out in float64, with the second moment ``max(v - (1 - 1/W) n, v / W)``
+    (``n`` the running mean of ``((g_a - g_b) / 2) ** 2``), all bias-corrected."""
+    b1, b2 = betas
+    p = torch.arange(DIM, dtype=torch.float64) / DIM
+    m = torch.zeros(DIM, dtype=torch.float64)
+    v = torch.zeros(DIM, dtype=torch.float64)
+    n = torch.zeros(DIM, dtype=torch.float64)
+    for t in range(1, steps + 1):
+        ga, gb = (x.double() for x in _halves_grads(t))
+        g = (ga + gb) / 2
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        n = b2 * n + (1 - b2) * ((ga - gb) / 2) ** 2
+        vh, nh = v / (1 - b2 ** t), n / (1 - b2 ** t)
+        job = torch.maximum(vh - (1 - 1 / world) * nh, vh / world)
+        p = p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / (job.sqrt() + eps)
+    return p
+
+
+def _run(steps: int, noise: BatchNoise | None, opt_cls=torch.optim.AdamW, **kw) -> torch.Tensor:
+    p = torch.nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM)
+    opt = opt_cls([p], **kw)
+    for t in range(1, steps + 1):
+        ga, gb = _halves_grads(t)
+        p.grad = ga / 2
+        if noise is not None:
+            noise.mark_half([p])
+        p.grad = p.grad + gb / 2
+        opt.step()
+        if noise is not None:
+            noise.correct(opt)
+    return p.detach()
+
+
+def test_the_corrected_step_is_adams_with_the_jobs_second_moment():
+    kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    got = _run(12, BatchNoise(W), **kw)
+    want = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"])
+    assert torch.allclose(got.double(), want, rtol=0, atol=2e-6), (got, want)
+    plain = _run(12, None, **kw)
+    # the correction is not a rounding: every coordinate moved further than plain AdamW took it
+    assert (got - plain).abs().min() > 1e-4
+    # one worker: its own second moment is the job's
+    assert _reference(12, 1, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"]).sub(
+        _run(12, BatchNoise(1), **kw).double()).abs().max() < 2e-6
+
+
+def test_one_worker_is_plain_adam_bit_for_bit():
+    kw = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8)
+    assert torch.equal(_run(5, BatchNoise(1), torch.optim.Adam, **kw), _run(5, None, torch.optim.Adam, **kw))
+
+
+def test_what_it_refuses():
+    model = torch.nn.Linear(3, 2)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError):
+            BatchNoise(bad)
+    with pytest.raises(ValueError, match="Adam or AdamW"):
+        BatchNoise.check(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad"):
+        BatchNoise.check(torch.optim.AdamW(model.parameters(), amsgrad=True))
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(RuntimeError, match="mark_half"):  # a step whose halves were not marked
+        BatchNoise(4).correct(opt)
+    # the optimizer: gradient mode, or an optimizer it does not correct, refused when built (no server needed)
+    with pytest.raises(ValueError, match="update mode"):
+        StellaOptimizer(model, "tcp://127.0.0.1:9", mode="gradient", batch_noise=BatchNoise(2))
+    with pytest.raises(ValueError, match="Adam or AdamW"):
+        StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        batch_noise=BatchNoise(2))
+    opt2 = StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3})
+    with pytest.raises(PipelineError, match="batch_noise"):
+        opt2.mark_half()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_eight_adamw_workers_need_dense_iterations_with_the_jobs_second_moment(make_server):
+    """Pushes of every coordinate, so that what is left is the second moment alone: the
+    mean of eight Adam steps needs 1.74x dense's iterations in the simulation (1.89x
+    through stella-ps at seed 0), with BatchNoise 1.00x (1.035x)."""
+    from test_outer_rule import EVAL_EVERY, STEPS, WORLD, train
+
+    from bench.sim_update import run_dense, step_ratio
+
+    dense = run_dense("adamlp", WORLD, 0, STEPS, EVAL_EVERY)
+    with_noise = step_ratio(train(make_server(WORLD).endpoint, "auto", density=1.0, noise=True), dense)
+    without = step_ratio(train(make_server(WORLD).endpoint, "auto", density=1.0), dense)
+    print(f"W = {WORLD}, every coordinate: BatchNoise {with_noise:.2f}x, without {without:.2f}x dense's iterations")
+    assert with_noise <= 1.2, f"with BatchNoise: {with_noise:.2f}x dense's iterations (bound 1.2x)"
+    assert without > 1.5, f"without: {without:.2f}x (the test no longer tells them apart)"
