@@ -74,6 +74,42 @@ def test_one_worker_is_plain_adam_bit_for_bit():
     assert torch.equal(_run(5, BatchNoise(1), torch.optim.Adam, **kw), _run(5, None, torch.optim.Adam, **kw))
 
 
+def test_its_running_noise_goes_into_a_worker_checkpoint_and_comes_back():
+    """Three steps, a checkpoint of the optimizer and the noise, a new BatchNoise loaded
+    from it, three more: the parameter of six steps in one go, bit for bit; and the
+    optimizer's state_dict carries it."""
+    kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    whole = _run(6, BatchNoise(W), **kw)
+    p = torch.nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM)
+    opt, noise = torch.optim.AdamW([p], **kw), BatchNoise(W)
+    for t in range(1, 7):
+        if t == 4:  # the checkpoint, and a restart from it
+            saved, opt_state = noise.state({"p": p}), opt.state_dict()
+            assert set(saved["noise"]) == {"p"} and saved["noise"]["p"]["count"] == 3
+            opt, noise = torch.optim.AdamW([p], **kw), BatchNoise(W)
+            opt.load_state_dict(opt_state)
+            noise.load({"p": p}, saved)
+        ga, gb = _halves_grads(t)
+        p.grad = ga / 2
+        noise.mark_half([p])
+        p.grad = p.grad + gb / 2
+        opt.step()
+        noise.correct(opt)
+    assert torch.equal(p.detach(), whole)
+    with pytest.raises(ValueError, match="shape"):
+        BatchNoise(W).load({"p": torch.zeros(DIM + 1)}, saved)
+    model = torch.nn.Linear(3, 2)
+    wrapper = StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3},
+                              batch_noise=BatchNoise(2))
+    weight = {"weight": torch.full((2, 3), 0.5), "bias": torch.ones(2)}
+    state = wrapper.state_dict()  # before the start: as built, no noise yet
+    state["batch_noise"] = {"world": 2, "noise": {k: {"noise": v, "count": 4} for k, v in weight.items()}}
+    wrapper.load_state_dict(state)
+    back = wrapper.state_dict()["batch_noise"]["noise"]
+    assert {k: (torch.equal(v["noise"], weight[k]), v["count"]) for k, v in back.items()} == \
+        {"weight": (True, 4), "bias": (True, 4)}
+
+
 def test_what_it_refuses():
     model = torch.nn.Linear(3, 2)
     for bad in (0, -1, 2.0, True):

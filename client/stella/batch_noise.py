@@ -32,6 +32,9 @@ a few element-wise passes a step.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 __all__ = ["BatchNoise"]
@@ -77,6 +80,32 @@ class BatchNoise:
     def marked(self) -> bool:
         """Whether :meth:`mark_half` was called since the last :meth:`correct`."""
         return self._marked
+
+    def state(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The running noise of each of ``params`` (by name) and its count, for a worker
+        checkpoint (:meth:`load` takes it back)."""
+        noise = {}
+        for name, p in params.items():
+            got = self._noise.get(p)
+            if got is not None:
+                noise[name] = {"noise": got[0].detach().clone(), "count": got[1]}
+        return {"world": self.world, "noise": noise}
+
+    @torch.no_grad()
+    def load(self, params: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -> None:
+        """Take back :meth:`state`'s running noise for the parameters of the same names
+        (one of another shape is refused, and nothing is loaded)."""
+        loaded = {}
+        for name, entry in dict(state.get("noise", {})).items():
+            p = params.get(name)
+            if p is None:
+                continue
+            noise = torch.as_tensor(entry["noise"])
+            if noise.shape != p.shape:
+                raise ValueError(f"batch noise of {name!r}: shape {tuple(noise.shape)}, the parameter's "
+                                 f"{tuple(p.shape)}")
+            loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]))
+        self._noise.update(loaded)
 
     @torch.no_grad()
     def correct(self, optimizer: torch.optim.Optimizer) -> None:

@@ -431,8 +431,10 @@ class StellaOptimizer(torch.optim.Optimizer):
         Finishes the exchange in flight first, so nothing is half-merged. The weights
         themselves are ``model.state_dict()``'s. Before the start (nothing exchanged yet):
         the state as built, or as :meth:`load_state_dict` loaded it."""
-        head = {"mode": self.mode, "local_steps": self._exchange.local_steps,
+        head: dict[str, Any] = {"mode": self.mode, "local_steps": self._exchange.local_steps,
                 "density": self._exchange.compressor.density if self._started else None}
+        if self._exchange.noise is not None:  # the running noise of each parameter (BatchNoise)
+            head["batch_noise"] = self._exchange.noise.state(self.params)
         if not self._started:
             saved = self._saved
             return {**head, "version": None if saved is None else saved.get("version"),
@@ -463,6 +465,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         if state.get("mode") != self.mode:
             raise ValueError(f"a {state.get('mode')!r}-mode state cannot load into a {self.mode!r}-mode optimizer")
         self._exchange.local_steps = int(state.get("local_steps", 0))
+        if self._exchange.noise is not None and "batch_noise" in state:
+            self._exchange.noise.load(self.params, state["batch_noise"])
         if not self._started:
             if self._exchange.inner is not None and "inner" in state:
                 load_in_place(self._exchange.inner, state["inner"])  # the wrapper's groups stay the inner's
