@@ -21,9 +21,10 @@ def _halves_grads(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(steps: int, world: int, lr: float, betas: tuple[float, float], eps: float,
-               wd: float) -> torch.Tensor:
+               wd: float, clip: float | None = None) -> torch.Tensor:
     """AdamW's step, written out in float64, with the second moment ``max(v - (1 - 1/W) n, v / W)``
-    (``n`` the running mean of ``((g_a - g_b) / 2) ** 2``), all bias-corrected."""
+    (``n`` the running mean of ``((g_a - g_b) / 2) ** 2``), all bias-corrected; ``clip``: the gradient
+    scaled to at most that norm, the noise with it."""
     b1, b2 = betas
     p = torch.arange(DIM, dtype=torch.float64) / DIM
     m = torch.zeros(DIM, dtype=torch.float64)
@@ -32,24 +33,35 @@ def _reference(steps: int, world: int, lr: float, betas: tuple[float, float], ep
     for t in range(1, steps + 1):
         ga, gb = (x.double() for x in _halves_grads(t))
         g = (ga + gb) / 2
+        c = 1.0 if clip is None else min(1.0, clip / float(g.norm()))
+        g = c * g
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        n = b2 * n + (1 - b2) * ((ga - gb) / 2) ** 2
+        n = b2 * n + (1 - b2) * (c * (ga - gb) / 2) ** 2
         vh, nh = v / (1 - b2 ** t), n / (1 - b2 ** t)
         job = torch.maximum(vh - (1 - 1 / world) * nh, vh / world)
         p = p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / (job.sqrt() + eps)
     return p
 
 
-def _run(steps: int, noise: BatchNoise | None, opt_cls=torch.optim.AdamW, **kw) -> torch.Tensor:
+def _backward_halves(p: torch.Tensor, t: int, noise: BatchNoise | None) -> None:
+    """Step t's two halves through backward passes (their gradients ``_halves_grads(t)``), each at half weight."""
+    ga, gb = _halves_grads(t)
+    p.grad = None
+    (p * ga / 2).sum().backward()
+    if noise is not None:
+        noise.mark_half([p])
+    (p * gb / 2).sum().backward()
+
+
+def _run(steps: int, noise: BatchNoise | None, opt_cls=torch.optim.AdamW, clip: float | None = None,
+         **kw) -> torch.Tensor:
     p = torch.nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM)
     opt = opt_cls([p], **kw)
     for t in range(1, steps + 1):
-        ga, gb = _halves_grads(t)
-        p.grad = ga / 2
-        if noise is not None:
-            noise.mark_half([p])
-        p.grad = p.grad + gb / 2
+        _backward_halves(p, t, noise)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p], clip)
         opt.step()
         if noise is not None:
             noise.correct(opt)
@@ -67,6 +79,18 @@ def test_the_corrected_step_is_adams_with_the_jobs_second_moment():
     # one worker: its own second moment is the job's
     assert _reference(12, 1, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"]).sub(
         _run(12, BatchNoise(1), **kw).double()).abs().max() < 2e-6
+
+
+def test_a_clipped_gradient_is_corrected_with_the_noise_clipped_alike():
+    """A clip between the backward passes and the step (a Trainer's max_grad_norm) scales
+    what Adam sees; the noise of what it saw is scaled alike (the whole gradient's norm noted
+    by a hook after the backward passes, against the one at the step)."""
+    kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    got = _run(12, BatchNoise(W), clip=1.0, **kw)
+    want = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"], clip=1.0)
+    assert torch.allclose(got.double(), want, rtol=0, atol=2e-6), (got, want)
+    unclipped_noise = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"])
+    assert (got.double() - unclipped_noise).abs().max() > 1e-3  # the clip was at work
 
 
 def test_one_worker_is_plain_adam_bit_for_bit():
@@ -89,10 +113,7 @@ def test_its_running_noise_goes_into_a_worker_checkpoint_and_comes_back():
             opt, noise = torch.optim.AdamW([p], **kw), BatchNoise(W)
             opt.load_state_dict(opt_state)
             noise.load({"p": p}, saved)
-        ga, gb = _halves_grads(t)
-        p.grad = ga / 2
-        noise.mark_half([p])
-        p.grad = p.grad + gb / 2
+        _backward_halves(p, t, noise)
         opt.step()
         noise.correct(opt)
     assert torch.equal(p.detach(), whole)

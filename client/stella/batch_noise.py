@@ -26,9 +26,13 @@ than a momentum follows); the halves measure it on both.
 The training loop computes the two halves' gradients, one after the other, and says
 where the first ends: ``loss(first half) / 2``, ``backward()``, :meth:`mark_half`,
 ``loss(second half) / 2``, ``backward()``, ``step()`` (or any gradient accumulation of
-an even number of micro-batches, marked after the first half of them). The cost: two
-copies of the parameters' size (the first half's gradient, the noise's running mean) and
-a few element-wise passes a step.
+an even number of micro-batches, marked after the first half of them). A clip of the
+gradient between the backward passes and the step (``clip_grad_norm_``, a Trainer's
+``max_grad_norm``) scales what Adam sees, and the noise with it: a hook notes each
+parameter's whole gradient's norm after the backward passes, and the step reads the clip's
+factor off the norm it finds. The cost: two copies of the parameters' size (the first
+half's gradient, the noise's running mean), a norm per parameter per backward pass after
+the mark, and a few element-wise passes a step.
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ class BatchNoise:
         self.world = world
         self._half: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's gradient after the first half
         self._noise: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # running mean of the noise, its count
+        # each parameter's whole gradient's norm as the backward passes after the mark left it (a hook's), before
+        # anything scaled it: a clip between the backward and the step (the Trainer's max_grad_norm) is read off it
+        self._total_norm: dict[torch.Tensor, torch.Tensor] = {}
+        self._hooked: set[torch.Tensor] = set()
         self._marked = False
 
     @staticmethod
@@ -65,7 +73,11 @@ class BatchNoise:
     @torch.no_grad()
     def mark_half(self, params: list[torch.Tensor]) -> None:
         """The first half's gradients are in ``params``' ``.grad`` now: keep them."""
+        self._total_norm.clear()
         for p in params:
+            if p not in self._hooked and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._after_backward)
+                self._hooked.add(p)
             if p.grad is None:
                 self._half.pop(p, None)
                 continue
@@ -75,6 +87,12 @@ class BatchNoise:
             else:
                 kept.copy_(p.grad)
         self._marked = True
+
+    @torch.no_grad()
+    def _after_backward(self, p: torch.Tensor) -> None:
+        """A backward pass added to ``p.grad``: after the mark, note the whole gradient's norm."""
+        if self._marked and p.grad is not None:
+            self._total_norm[p] = torch.linalg.vector_norm(p.grad)
 
     @property
     def marked(self) -> bool:
@@ -120,16 +138,21 @@ class BatchNoise:
             b1, b2 = group["betas"]
             lr, eps = float(group["lr"]), group["eps"]
             for p in group["params"]:
-                half, st = self._half.get(p), optimizer.state.get(p)
-                if p.grad is None or half is None or not st or "exp_avg_sq" not in st:
+                half, st, total = self._half.get(p), optimizer.state.get(p), self._total_norm.get(p)
+                if p.grad is None or half is None or total is None or not st or "exp_avg_sq" not in st:
                     continue
-                # (g_a - g_b) / 2: the gradient holds (g_a + g_b) / 2, the kept first half g_a / 2
-                diff = half.mul_(2).sub_(p.grad)
+                # the step's gradient is the whole one times c (1, or a clip's factor): the noise of what Adam
+                # saw is c times that of the halves
+                now = torch.linalg.vector_norm(p.grad)
+                c = torch.where(total > 0, now / total, torch.ones_like(total))
+                # c (g_a - g_b) / 2: the gradient holds c (g_a + g_b) / 2, the kept first half g_a / 2
+                diff = half.mul_(2 * c).sub_(p.grad)
                 noise, count = self._noise.get(p, (None, 0))
                 if noise is None:
                     noise = torch.zeros_like(diff)
                 noise.mul_(b2).addcmul_(diff, diff, value=1 - b2)
                 count += 1
+                self._total_norm.pop(p)
                 self._noise[p] = (noise, count)
                 if self.world == 1:
                     continue
