@@ -102,21 +102,28 @@ def test_torchrun_site_of_two_gloo_ranks_is_one_worker(tmp_path):
 
 @pytest.mark.slow
 def test_hf_trainer_trains_saves_evaluates_and_resumes_against_a_new_server(tmp_path):
-    """Two Trainer workers (bf16, accumulation 2, a checkpoint at step 20, evaluation), then
-    both resumed from checkpoint-20 against a new stella-ps: the loss 5 steps after the
-    resume is no higher than at the checkpoint (within 2%; issue 46 saw it go back to the
-    random initialisation's) and follows the uninterrupted run's."""
+    """Two Trainer workers (bf16, accumulation 2 whose halves BatchNoise reads through a
+    callback, the Trainer's clip, a checkpoint at step 20, evaluation), then both resumed
+    from checkpoint-20 against a new stella-ps: the loss 5 steps after the resume is no
+    higher than at the checkpoint (within 2%; issue 46 saw it go back to the random
+    initialisation's) and follows the uninterrupted run's; the checkpoint holds the
+    running noise of every parameter, 20 steps' worth."""
     pytest.importorskip("transformers", reason="the Hugging Face stack is an extra: pip install 'stella[hf]'")
     common = ["--output-dir", str(tmp_path), "--steps", "30", "--save-steps", "20", "--log-steps", "5", "--bf16",
-              "--accumulate", "2"]
+              "--accumulate", "2", "--batch-noise"]
     first = run_example("hf_trainer.py", *common, "--target", "3.6")
     assert [r["rank"] for r in first] == [0, 1]
     for r in first:
         assert r["losses"]["5"] > r["losses"]["30"] + 1.0 and r["heldout_loss"] < 3.6  # it learns
         assert r["version"] >= 25
     assert all((tmp_path / f"rank{r}" / "checkpoint-20" / "optimizer.pt").exists() for r in (0, 1))
-    saved = {r: torch.load(tmp_path / f"rank{r}" / "checkpoint-20" / "optimizer.pt", map_location="cpu",
-                           weights_only=False)["version"] for r in (0, 1)}
+    states = {r: torch.load(tmp_path / f"rank{r}" / "checkpoint-20" / "optimizer.pt", map_location="cpu",
+                            weights_only=False) for r in (0, 1)}
+    saved = {r: st["version"] for r, st in states.items()}
+    for st in states.values():
+        noise = st["batch_noise"]["noise"]
+        assert noise and {e["count"] for e in noise.values()} == {20}, {k: e["count"] for k, e in noise.items()}
+        assert all(bool(torch.isfinite(e["noise"]).all()) and float(e["noise"].max()) > 0 for e in noise.values())
     again = run_example("hf_trainer.py", *common, "--resume", "checkpoint-20", "--target", "3.6")
     for before, after in zip(first, again):
         at_n, resumed = before["losses"]["20"], after["losses"]["25"]
