@@ -23,12 +23,13 @@ DENSITY = 0.03
 BOUND = 1.4
 
 
-def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, noise: bool = False) -> Curve:
+def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, noise: bool = False,
+          workload: str = "adamlp", steps: int = STEPS, eval_every: int = EVAL_EVERY) -> Curve:
     """WORLD workers in threads, each on its share of the global batch that dense
     training takes whole; returns worker 0's held-out loss curve. ``noise``: each worker
     steps with the job's second moment (BatchNoise), its batch's halves one after the
     other."""
-    wl = WL.get("adamlp")
+    wl = WL.get(workload)
     models = [wl.build_model(seed) for _ in range(WORLD)]  # before the threads: torch's RNG is global
     curve = Curve()
     curve.steps.append(0)
@@ -45,7 +46,8 @@ def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, no
                                   connection=Connection(timeout=120, worker_id=rank),
                                   batch_noise=BatchNoise(WORLD) if noise else None)
             batches = wl.batches(rank, WORLD, wl.batch_size, seed)
-            for step in range(1, STEPS + 1):
+            for step in range(1, steps + 1):
+                wl.set_lr(opt, step - 1)  # the workload's schedule (warm-up), as dense training's
                 opt.zero_grad()
                 if noise:
                     first, second = _halves(next(batches))
@@ -55,7 +57,7 @@ def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, no
                 else:
                     wl.loss(model, next(batches)).backward()
                 opt.step()
-                if rank == 0 and step % EVAL_EVERY == 0:
+                if rank == 0 and step % eval_every == 0:
                     with lock:
                         curve.steps.append(step)
                         curve.loss.append(heldout_loss(wl, model))
