@@ -13,7 +13,8 @@ Where each concern lives:
   leader; ``options.py`` its settings (:class:`Sync`, :class:`Compression`,
   :class:`Connection`); ``adapt.py`` the per-worker controller (density, coding);
   ``progress.py`` the timings pushes carry and the progress line; ``modes.py`` the modes
-  and outer presets (no torch);
+  and outer presets (no torch); ``batch_noise.py`` :class:`BatchNoise`, the workers' Adam
+  steps taken with the whole job's second moment;
 - compression: ``compress.py`` top-k with error feedback, one selector per method and
   backend, shared by the per-tensor compressor and the flat one (its ``Engine``);
   ``native_select.py`` the checked wrapper of the C selection (the client's through
@@ -38,7 +39,6 @@ Where each concern lives:
   (a tool beside the library, which never imports it).
 """
 from ._codec_native import native_isa
-from .batch_noise import BatchNoise
 from .client import Client, Pending, PullResult
 from .errors import (
     BadRequest,
@@ -91,6 +91,7 @@ __version__ = "0.1.0"
 # torch-dependent parts load on first use, so that importing the wire schema (as
 # stella-ps does) never imports torch.
 _LAZY = {
+    "BatchNoise": "batch_noise",
     "StellaOptimizer": "pipeline",
     "Compression": "options",
     "Sync": "options",
