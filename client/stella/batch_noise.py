@@ -94,11 +94,6 @@ class BatchNoise:
         if self._marked and p.grad is not None:
             self._total_norm[p] = torch.linalg.vector_norm(p.grad)
 
-    @property
-    def marked(self) -> bool:
-        """Whether :meth:`mark_half` was called since the last :meth:`correct`."""
-        return self._marked
-
     def state(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The running noise of each of ``params`` (by name) and its count, for a worker
         checkpoint (:meth:`load` takes it back)."""
