@@ -49,5 +49,12 @@ def reap(procs: list[subprocess.Popen], timeout: float = 120.0) -> list[int]:
     return codes
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def version_of(c: Client) -> int:
     return int(c.status().version)

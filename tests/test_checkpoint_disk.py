@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live import wait_until
+from live import dead_pid, wait_until
 
 from stella import Client
 from stella import checkpoint_file as ckfmt
@@ -27,13 +27,6 @@ from stella_ps.process import ServerProcess, free_port
 NUMEL = 100_000  # 4 arrays of 400 kB a checkpoint (SGD momentum, the broadcast's model and residual): 1.6 MB
 EVERY = 5  # a checkpoint every 5 steps
 SGD = {"name": "sgd", "lr": 0.01, "momentum": 0.9}
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
 
 
 def _mount(*args: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from live import ROOT, TARGET_ACCURACY, live_worker, log_lines, reap, version_of, wait_until
+from live import ROOT, TARGET_ACCURACY, dead_pid, live_worker, log_lines, reap, version_of, wait_until
 
 from stella import checkpoint_file as ckfmt
 from stella_ps.process import free_port
@@ -133,17 +133,16 @@ def test_a_reader_leaves_the_temporary_file_of_a_write_in_progress_and_deletes_a
     from stella_ps.checkpoints import newest_valid
 
     _, newest = _two_checkpoints(tmp_path)
-    gone = subprocess.Popen(["true"])
-    gone.wait()
+    gone = dead_pid()
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         names = {pid: ckfmt.temporary_name(ckfmt.file_name(30, 3), pid=pid)
-                 for pid in (gone.pid, running.pid, os.getpid())}
+                 for pid in (gone, running.pid, os.getpid())}
         for n in names.values():
             (tmp_path / n).write_bytes(b"partial")
         path, ck = newest_valid(str(tmp_path))
         assert path == str(newest) and ck.version == 20
-        assert not (tmp_path / names[gone.pid]).exists()
+        assert not (tmp_path / names[gone]).exists()
         assert (tmp_path / names[running.pid]).exists() and (tmp_path / names[os.getpid()]).exists()
         running.kill()
         running.wait()

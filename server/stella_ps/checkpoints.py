@@ -288,13 +288,14 @@ def _writer_alive(name: str) -> bool:
     error too: someone else's process). Its write may be in progress: a reader that
     deleted the file under it (a second process reading the directory while a server
     writes) would fail that write at its rename."""
-    pid = name.rpartition(".tmp")[2]
-    if not pid.isdigit():
+    digits = name.rpartition(".tmp")[2]
+    if not digits.isdigit():
         return False
-    if int(pid) == os.getpid():
+    pid = int(digits)
+    if pid == os.getpid():
         return True
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (OSError, OverflowError, ValueError):
