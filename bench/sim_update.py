@@ -51,7 +51,9 @@ replaced by the workers' mean) and ``vmix`` (the whole batch's estimated from th
 workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``vsplit`` (what a real job can
 afford, :class:`stella.BatchNoise`): each worker measures its gradient's noise from the two
 halves of its batch, a running mean ``n`` of ``((g_a - g_b) / 2) ** 2``, and steps with
-``max(v - (1 - 1/W) n, v / W)``, the second moment Adam keeps on the whole batch. ``lendG``: a coordinate some but
+``max(v - (1 - 1/W) n, v / W)``, the second moment Adam keeps on the whole batch; ``vdiff``
+the same from two successive steps' gradients, ``(g_t - g_{t-1}) ** 2 / 2`` (no halves;
+worse than none on the byte LM, whose gradient moves between steps). ``lendG``: a coordinate some but
 not all workers pushed is applied at the pushers' mean (the others' shares lent), later
 pushes that agree repay the loan instead of being applied again, pushes that disagree
 take it back, and a loan decays back by ``1 - G`` a step (:func:`_lend`: the sum of the
@@ -121,6 +123,7 @@ class Rule:
     vdense: bool = False
     vmix: bool = False
     vsplit: bool = False
+    vdiff: bool = False
     lend: float = 0.0  # > 0: ``lendG``, lending at decay G (see the module's text)
     index: str = ""  # the pushes' shared index set: "" (each its own top-k), gtopk, cyclic, bidx
     own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
@@ -157,7 +160,7 @@ class Rule:
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
                 kw.update(norm=True, norm_ema=float(part[7:] or 0.9))
             elif part in ("count", "eager", "norm", "adamv", "adamc", "adamcp", "vshare", "vdense", "vmix",
-                          "vsplit"):
+                          "vsplit", "vdiff"):
                 kw[part] = True
             else:
                 raise ValueError(f"unknown rule part {part!r} in {spec!r}")
@@ -450,7 +453,10 @@ def run_stella(cfg: Config) -> Curve:
     vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
     # ``vsplit``: each worker's running second moment of its gradient's noise, from its batch's two halves
     split_noise: list[torch.Tensor | None] = [None] * W
-    b2s = inner[0].opt.param_groups[0]["betas"][1] if rule.vsplit else 0.0
+    b2s = inner[0].opt.param_groups[0]["betas"][1] if rule.vsplit or rule.vdiff else 0.0
+    # ``vdiff``: the same noise from two successive steps' gradients, (g_t - g_t-1)^2 / 2 (no halves)
+    prev_grad: list[torch.Tensor | None] = [None] * W
+    diff_count = [0] * W
     loan = torch.zeros_like(x)  # ``lend``: what the outer step applied beyond the mean, per coordinate
     q_ema: float | None = None
     b_idx: torch.Tensor | None = None  # ``bidx``: the latest broadcast's indices of [0, ns) (every replica has them)
@@ -562,6 +568,15 @@ def run_stella(cfg: Config) -> Curve:
             model.zero_grad(set_to_none=True)
             wl.loss(model, batch).backward()
             grads.append(flat.grad())
+            if rule.vdiff:
+                prev = prev_grad[i]
+                if prev is not None:
+                    noise_sq = (grads[-1] - prev).square_().mul_(0.5)
+                    running = split_noise[i]
+                    split_noise[i] = (noise_sq * (1 - b2s) if running is None
+                                      else running.mul_(b2s).add_(noise_sq, alpha=1 - b2s))
+                    diff_count[i] += 1
+                prev_grad[i] = grads[-1].clone()
         if rule.vdense:  # the oracle: the second moment of the workers' mean gradient (a dense exchange a step)
             b2 = inner[0].opt.param_groups[0]["betas"][1]
             g_mean = torch.stack(grads).mean(0)
@@ -576,6 +591,13 @@ def run_stella(cfg: Config) -> Curve:
                 if mo is not None and noise is not None:
                     vh = mo[1]
                     v_est = torch.maximum(vh - (1 - 1 / W) * noise / (1 - b2s ** (t + 1)), vh / W)
+                    inner[i].take_denominator(v_est, mo)
+            if rule.vdiff:
+                mo = inner[i]._moments()
+                noise = split_noise[i]
+                if mo is not None and noise is not None:
+                    vh = mo[1]
+                    v_est = torch.maximum(vh - (1 - 1 / W) * noise / (1 - b2s ** diff_count[i]), vh / W)
                     inner[i].take_denominator(v_est, mo)
         if rule.vmix:  # the whole batch's second moment from the workers' mean moments: v / W + (1 - 1/W) m^2
             moments = [inner[i]._moments() for i in range(W)]
