@@ -2,7 +2,7 @@
 standard library's sources, each worker a ``Trainer`` of its own, all through one ``stella-ps``.
 
 What Stella adds to a Trainer script (the lines marked ``# stella``; ``--batch-noise`` adds
-``stella.BatchNoise``, a callback marking the middle of each step's accumulation)::
+``stella.BatchNoise``, which splits each step's gradient accumulation at its middle itself)::
 
     import stella
     opt = stella.StellaOptimizer(model, address, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -54,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accumulate", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--batch-noise", action="store_true",
                    help="each worker's AdamW step with the second moment of the whole job's batch, from the noise "
-                        "between the two halves of its accumulation (stella.BatchNoise; --accumulate even)")
+                        "between the two halves of its accumulation (stella.BatchNoise; --accumulate 2 or more)")
     p.add_argument("--target", type=float, default=TARGET, help="the held-out loss to reach (0: none)")
     a = p.parse_args(argv)
     if a.address is None:
         return launch(__file__, sys.argv[1:] if argv is None else argv)
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -74,29 +74,16 @@ def main(argv: list[str] | None = None) -> int:
                              eval_steps=max(a.steps // 2, 1), save_strategy="steps" if a.save_steps else "no",
                              save_steps=a.save_steps or 500, report_to="none", seed=a.rank,
                              dataloader_num_workers=0, disable_tqdm=True)
-    if a.batch_noise and (a.accumulate < 2 or a.accumulate % 2):
-        p.error("--batch-noise takes the halves of an even --accumulate")
+    if a.batch_noise and a.accumulate < 2:
+        p.error("--batch-noise takes the halves of an --accumulate of 2 or more")
     noise = stella.BatchNoise(world=a.world) if a.batch_noise else None  # stella (optional)
     opt = stella.StellaOptimizer(model, a.address,  # stella
                                  optimizer=torch.optim.AdamW(model.parameters(), lr=args.learning_rate),  # stella
                                  batch_noise=noise)  # stella (optional)
 
-    class MarkHalf(TrainerCallback):  # stella (optional): the first half of a step's micro-batches is in
-        def __init__(self) -> None:
-            self.substeps = 0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.substeps = 0
-
-        def on_substep_end(self, args, state, control, **kwargs):
-            self.substeps += 1
-            if self.substeps == args.gradient_accumulation_steps // 2:
-                opt.mark_half()
-
     train, held = Blocks(blocks("train", a.rank, a.world)), Blocks(blocks("heldout")[:256])
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
-                      optimizers=(opt, None),  # stella: the Trainer's schedule drives the optimizer's groups
-                      callbacks=[MarkHalf()] if noise is not None else None)
+                      optimizers=(opt, None))  # stella: the Trainer's schedule drives the optimizer's groups
     try:
         resume = a.resume if a.resume in (None, True) else os.path.join(out, a.resume)
         result = trainer.train(resume_from_checkpoint=resume)

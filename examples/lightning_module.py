@@ -43,9 +43,11 @@ import stella  # stella
 TARGET = 2.6  # held-out loss two workers reach in the default 100 steps: 2.44-2.47 here (ln 256 = 5.5 at the start)
 
 
-def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 10):  # -> L.LightningModule
+def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 10,
+                     batch_noise: int = 0):  # -> L.LightningModule
     """The module (its class made here so that the one-command launcher, which only starts
-    processes, does not import lightning)."""
+    processes, does not import lightning). ``batch_noise``: the job's workers, for
+    :class:`stella.BatchNoise` (0: none)."""
     import lightning as L
 
     class ByteLM(L.LightningModule):
@@ -67,7 +69,8 @@ def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 1
 
         def configure_optimizers(self) -> dict[str, Any]:
             inner = torch.optim.AdamW(self.parameters(), lr=lr)
-            opt = stella.StellaOptimizer(self, address, optimizer=inner)  # stella
+            noise = stella.BatchNoise(world=batch_noise) if batch_noise else None  # stella (optional)
+            opt = stella.StellaOptimizer(self, address, optimizer=inner, batch_noise=noise)  # stella
             # (a figure for this example's test: the gradient norm the inner AdamW steps with, after the clipping)
             inner.register_step_pre_hook(lambda o, args, kwargs: self.clipped.append(grad_norm(self)))
 
@@ -108,11 +111,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="resume from the newest checkpoint in --output-dir, or from the one named "
                         "(e.g. checkpoint-40.ckpt)")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--accumulate", type=int, default=1, help="the Trainer's accumulate_grad_batches")
+    p.add_argument("--batch-noise", action="store_true",
+                   help="each worker's AdamW step with the second moment of the whole job's batch, from the noise "
+                        "between the two halves of its accumulation (stella.BatchNoise; --accumulate 2 or more)")
     p.add_argument("--log-steps", type=int, default=10, help="report the training loss every that many steps")
     p.add_argument("--target", type=float, default=TARGET, help="the held-out loss to reach (0: none)")
     a = p.parse_args(argv)
     if a.address is None:
         return launch(__file__, sys.argv[1:] if argv is None else argv)
+    if a.batch_noise and a.accumulate < 2:
+        p.error("--batch-noise takes the halves of an --accumulate of 2 or more")
 
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -131,13 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         if ckpt_path is None or not os.path.exists(ckpt_path):
             print(f"no checkpoint to resume from in {out}", file=sys.stderr)
             return 1
-    lm = lightning_module(a.address, a.schedule_steps or a.steps)
+    lm = lightning_module(a.address, a.schedule_steps or a.steps, batch_noise=a.world if a.batch_noise else 0)
     train = torch.utils.data.DataLoader(blocks("train", a.rank, a.world), batch_size=a.batch_size, shuffle=True,
                                         generator=torch.Generator().manual_seed(a.rank))
     held = torch.utils.data.DataLoader(blocks("heldout")[:256], batch_size=64)
     callbacks = [ModelCheckpoint(dirpath=out, filename="checkpoint-{step}", auto_insert_metric_name=False,
                                  every_n_train_steps=a.save_steps, save_top_k=-1)] if a.save_steps else []
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, gradient_clip_val=1.0, logger=False,
+                        accumulate_grad_batches=a.accumulate,
                         enable_checkpointing=bool(a.save_steps), callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(lm, train, ckpt_path=ckpt_path)
@@ -150,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                           "losses": {s: lm.losses[s] for s in steps if s == steps[0] or s % a.log_steps == 0},
                           "steps": trainer.global_step, "resumed_from": ckpt_path, "version": opt.version,
                           "max_grad_norm_stepped": max(lm.clipped, default=0.0), "lr": opt.inner.param_groups[0]["lr"],
-                          "scheduled_lr": sched.get_last_lr()[0]}, a.target)
+                          "scheduled_lr": sched.get_last_lr()[0],
+                          "noise_counts": sorted({e["count"] for e in opt.state_dict().get("batch_noise", {}).get(
+                              "noise", {}).values()})}, a.target)
 
 
 if __name__ == "__main__":

@@ -21,24 +21,38 @@ def _halves_grads(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return signal + torch.randn(DIM, generator=g), signal + torch.randn(DIM, generator=g)
 
 
+def _micro_grads(step: int, k: int) -> list[torch.Tensor]:
+    """Step ``step``'s k micro-batch gradients (k = 2: the two halves)."""
+    if k == 2:
+        return list(_halves_grads(step))
+    g = torch.Generator().manual_seed(1000 * k + step)
+    signal = torch.linspace(-1.0, 1.0, DIM)
+    return [signal + torch.randn(DIM, generator=g) for _ in range(k)]
+
+
 def _reference(steps: int, world: int, lr: float, betas: tuple[float, float], eps: float,
-               wd: float, clip: float | None = None) -> torch.Tensor:
+               wd: float, clip: float | None = None, k: int = 2) -> torch.Tensor:
     """AdamW's step, written out in float64, with the second moment ``max(v - (1 - 1/W) n, v / W)``
-    (``n`` the running mean of ``((g_a - g_b) / 2) ** 2``), all bias-corrected; ``clip``: the gradient
-    scaled to at most that norm, the noise with it."""
+    (``n`` the running mean of the noise of the step's mean gradient, from the mean of its first a of k
+    micro-batches against the other b's: ``(g_a - g_b) ** 2 a b / k ** 2``, ``((g_a - g_b) / 2) ** 2`` for
+    two halves; a = 1 on the first step, k // 2 after), all bias-corrected; ``clip``: the gradient scaled to
+    at most that norm, the noise with it."""
     b1, b2 = betas
     p = torch.arange(DIM, dtype=torch.float64) / DIM
     m = torch.zeros(DIM, dtype=torch.float64)
     v = torch.zeros(DIM, dtype=torch.float64)
     n = torch.zeros(DIM, dtype=torch.float64)
     for t in range(1, steps + 1):
-        ga, gb = (x.double() for x in _halves_grads(t))
-        g = (ga + gb) / 2
+        gs = [x.double() for x in _micro_grads(t, k)]
+        a = 1 if t == 1 else k // 2
+        b = k - a
+        g = sum(gs) / k
         c = 1.0 if clip is None else min(1.0, clip / float(g.norm()))
         g = c * g
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        n = b2 * n + (1 - b2) * (c * (ga - gb) / 2) ** 2
+        gap = c * (sum(gs[:a]) / a - sum(gs[a:]) / b)
+        n = b2 * n + (1 - b2) * gap ** 2 * (a * b / k ** 2)
         vh, nh = v / (1 - b2 ** t), n / (1 - b2 ** t)
         job = torch.maximum(vh - (1 - 1 / world) * nh, vh / world)
         p = p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / (job.sqrt() + eps)
@@ -61,6 +75,26 @@ def _run(steps: int, noise: BatchNoise | None, opt_cls=torch.optim.AdamW, clip: 
     opt = opt_cls([p], **kw)
     for t in range(1, steps + 1):
         _backward_halves(p, t, noise)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p], clip)
+        opt.step()
+        if noise is not None:
+            noise.correct(opt)
+    return p.detach()
+
+
+def _run_accumulating(steps: int, noise: BatchNoise | None, k: int, clip: float | None = None,
+                      **kw) -> torch.Tensor:
+    """Each step's gradient accumulated over k backward passes (a loss divided by k each,
+    as a Trainer's accumulation does), no mark: the split is BatchNoise's own count."""
+    p = torch.nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM)
+    opt = torch.optim.AdamW([p], **kw)
+    if noise is not None:
+        noise.attach([p])
+    for t in range(1, steps + 1):
+        p.grad = None
+        for g in _micro_grads(t, k):
+            (p * g / k).sum().backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([p], clip)
         opt.step()
@@ -92,6 +126,31 @@ def test_a_clipped_gradient_is_corrected_with_the_noise_clipped_alike():
     assert torch.allclose(got.double(), want, rtol=0, atol=2e-6), (got, want)
     unclipped_noise = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"])
     assert (got.double() - unclipped_noise).abs().max() > 1e-3  # the clip was at work
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_an_accumulated_step_splits_itself_at_half_its_backward_passes(k):
+    """No mark_half: the hook counts k backward passes (a Trainer's, Lightning's or
+    Accelerate's accumulation) and keeps the gradient after k // 2 of them (1 on the first
+    step, before k is known); uneven splits (k = 3) weigh the two parts' gap by a b / k^2.
+    With k = 2 it is the marked halves' step bit for bit; a clip is read off as with a mark."""
+    kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for clip in (None, 1.0):
+        got = _run_accumulating(12, BatchNoise(W), k, clip=clip, **kw)
+        want = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"], clip=clip, k=k)
+        assert torch.allclose(got.double(), want, rtol=0, atol=2e-6), (k, clip, got, want)
+        assert (got - _run_accumulating(12, None, k, clip=clip, **kw)).abs().min() > 1e-4
+        if k == 2:
+            assert torch.equal(got, _run(12, BatchNoise(W), clip=clip, **kw))
+
+
+def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():
+    """Without accumulation or a mark there are no halves: the step is plain AdamW's (no
+    noise measured, nothing corrected), and the third such step in a row warns."""
+    kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    with pytest.warns(UserWarning, match="without halves"):
+        got = _run_accumulating(4, BatchNoise(W), 1, **kw)
+    assert torch.equal(got, _run_accumulating(4, None, 1, **kw))
 
 
 def test_one_worker_is_plain_adam_bit_for_bit():
@@ -141,12 +200,6 @@ def test_what_it_refuses():
         BatchNoise.check(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="amsgrad"):
         BatchNoise.check(torch.optim.AdamW(model.parameters(), amsgrad=True))
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p])
-    p.grad = torch.ones(3)
-    opt.step()
-    with pytest.raises(RuntimeError, match="mark_half"):  # a step whose halves were not marked
-        BatchNoise(4).correct(opt)
     # the optimizer: gradient mode, or an optimizer it does not correct, refused when built (no server needed)
     with pytest.raises(ValueError, match="update mode"):
         StellaOptimizer(model, "tcp://127.0.0.1:9", mode="gradient", batch_noise=BatchNoise(2))

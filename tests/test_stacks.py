@@ -46,21 +46,24 @@ def figures(out: str) -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 def test_lightning_module_trains_clips_schedules_and_resumes_against_a_new_server(tmp_path):
     """Two Lightning workers (configure_optimizers returns StellaOptimizer + a LambdaLR,
-    gradient_clip_val=1.0) train 40 steps with a checkpoint at 40; then two new workers
+    gradient_clip_val=1.0, accumulate_grad_batches=2 whose halves BatchNoise splits by
+    counting the backward passes) train 40 steps with a checkpoint at 40; then two new workers
     resume from it (trainer.fit(ckpt_path=...)) against a NEW stella-ps (each run of the
-    example starts its own) and train to 45. Measured here: held-out 2.74 at 40 (5.5 at the
-    start), 2.72-2.73 at 45; the first resumed step's training loss 2.74-2.95 against
-    2.84-2.93 at 40."""
+    example starts its own) and train to 45. Measured here (with the accumulation and
+    BatchNoise): held-out 2.71 at 40 (5.5 at the start), 2.70 at 45; the first resumed step's
+    training loss 2.75-2.86 against 2.89-2.91 at 40."""
     pytest.importorskip("lightning", reason="the Lightning example needs the extra stella[lightning]")
     pytest.importorskip("transformers", reason="the Lightning example's model needs transformers (stella[hf])")
     out = str(tmp_path / "ckpt")
-    common = ["--schedule-steps", "45", "--save-steps", "40", "--output-dir", out]
+    common = ["--schedule-steps", "45", "--save-steps", "40", "--output-dir", out, "--accumulate", "2",
+              "--batch-noise"]
     first = run_example("lightning_module.py", "--steps", "40", "--target", "3.0", *common)
     assert sorted(f["rank"] for f in first) == [0, 1]
     for f in first:
         assert f["steps"] == 40 and f["losses"]["1"] > 5.0 and f["heldout_loss"] < 3.0
         assert f["max_grad_norm_stepped"] <= 1.0 + 1e-4  # Lightning's clipping happened before the inner AdamW's step
         assert f["lr"] == pytest.approx(f["scheduled_lr"])  # the scheduler on the wrapper drives the inner AdamW
+        assert f["noise_counts"] == [40]  # a noise sample a step, every parameter (Lightning's accumulation split)
         assert os.path.exists(os.path.join(out, f"rank{f['rank']}", "checkpoint-40.ckpt"))
 
     resumed = run_example("lightning_module.py", "--steps", "45", "--resume", "--target", "0", *common)
@@ -80,6 +83,7 @@ def test_lightning_module_trains_clips_schedules_and_resumes_against_a_new_serve
         # above its first run's last version, which may lie a few rounds past it
         assert 10 < saved[f["rank"]] <= was["version"] and f["version"] >= min(saved.values()), (saved, f["version"])
         assert f["lr"] == pytest.approx(f["scheduled_lr"])  # (after load_state_dict too)
+        assert f["noise_counts"] == [45]  # the checkpoint's running noise came back, and five steps added to it
 
 
 @pytest.mark.slow
@@ -102,8 +106,8 @@ def test_torchrun_site_of_two_gloo_ranks_is_one_worker(tmp_path):
 
 @pytest.mark.slow
 def test_hf_trainer_trains_saves_evaluates_and_resumes_against_a_new_server(tmp_path):
-    """Two Trainer workers (bf16, accumulation 2 whose halves BatchNoise reads through a
-    callback, the Trainer's clip, a checkpoint at step 20, evaluation), then both resumed
+    """Two Trainer workers (bf16, accumulation 2 whose halves BatchNoise splits by counting
+    the backward passes, the Trainer's clip, a checkpoint at step 20, evaluation), then both resumed
     from checkpoint-20 against a new stella-ps: the loss 5 steps after the resume is no
     higher than at the checkpoint (within 2%; issue 46 saw it go back to the random
     initialisation's) and follows the uninterrupted run's; the checkpoint holds the
@@ -143,8 +147,9 @@ def test_accelerate_prepares_accumulates_and_trains_in_bf16():
     pytest.importorskip("accelerate", reason="the Accelerate stack is an extra: pip install 'stella[hf]'")
     pytest.importorskip("transformers", reason="the example's model is transformers' GPT-2: pip install 'stella[hf]'")
     for r in run_example("accelerate_loop.py", "--steps", "30", "--accumulate", "2", "--precision", "bf16",
-                         "--target", "3.6"):
+                         "--batch-noise", "--target", "3.6"):
         assert r["heldout_loss"] < r["heldout_first"] - 1.5
+        assert r["noise_counts"] == [30]  # BatchNoise split each step's two micro-batches (no mark in the loop)
         assert r["micro_batches"] == 60 and 15 <= r["rounds"] <= 30  # a step per two micro-batches, a round per step
         # or fewer (update mode runs on while an exchange is late)
 

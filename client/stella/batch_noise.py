@@ -23,20 +23,32 @@ step's running mean). Estimates of the noise read off the momenta, which need no
 worked on an MLP but not on the byte LM (its mean gradient moves from step to step more
 than a momentum follows); the halves measure it on both.
 
-The training loop computes the two halves' gradients, one after the other, and says
-where the first ends: ``loss(first half) / 2``, ``backward()``, :meth:`mark_half`,
-``loss(second half) / 2``, ``backward()``, ``step()`` (or any gradient accumulation of
-an even number of micro-batches, marked after the first half of them). A clip of the
-gradient between the backward passes and the step (``clip_grad_norm_``, a Trainer's
-``max_grad_norm``) scales what Adam sees, and the noise with it: a hook notes each
-parameter's whole gradient's norm after the backward passes, and the step reads the clip's
-factor off the norm it finds. The cost: two copies of the parameters' size (the first
-half's gradient, the noise's running mean), a norm per parameter per backward pass after
-the mark, and a few element-wise passes a step.
+Where the halves come from. A step whose gradient is accumulated over k >= 2 backward
+passes (a Trainer's, Lightning's or Accelerate's gradient accumulation, or any loop's)
+splits itself: a hook on each parameter counts its backward passes and keeps its
+gradient after the first ``a = k // 2`` of them (k read off the step before; ``a = 1``
+on the first). With ``H`` the kept gradient and ``G`` the whole one, the a passes' and
+the other ``b = k - a`` passes' means differ by noise alone, and ``(a / b) (H (a + b) / a
+- G) ** 2`` is an unbiased estimate of the noise variance of ``G`` (for ``a = b``:
+``(2 H - G) ** 2 = ((g_a - g_b) / 2) ** 2``), whatever the loss's scale. A loop of one
+backward pass a step splits its batch in two and says where the first half ends:
+``loss(first half) / 2``, ``backward()``, :meth:`mark_half`, ``loss(second half) / 2``,
+``backward()``, ``step()`` (a mark, when given, takes the place of the count: two equal
+halves). A step with neither takes no sample (its correction uses the running noise, when
+there is one); successive steps' gradients are no substitute: on the byte LM they differ
+by far more than the noise (bench/RESULTS.md).
+
+A clip of the gradient between the backward passes and the step (``clip_grad_norm_``, a
+Trainer's ``max_grad_norm``) scales what Adam sees, and the noise with it: the hook notes
+each parameter's gradient's norm after each backward pass past the split, and the step
+reads the clip's factor off the norm it finds. The cost: two copies of the parameters'
+size (the kept gradient, the noise's running mean), a norm per parameter per backward
+pass past the split, and a few element-wise passes a step.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -47,19 +59,28 @@ __all__ = ["BatchNoise"]
 class BatchNoise:
     """The correction of one worker's Adam step to the step Adam would take on ``world``
     times its batch (the module doc). ``world``: the Adam steps the server's mean
-    averages, the job's workers (each rank of a site counting as one)."""
+    averages, the job's workers (each rank of a site counting as one).
+
+    The optimizer wrapper (``StellaOptimizer(batch_noise=...)``) attaches it to its
+    parameters and calls :meth:`correct` after each local step; used on its own, call
+    :meth:`attach` before the first backward pass and :meth:`correct` after each
+    ``optimizer.step()``."""
 
     def __init__(self, world: int):
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ValueError(f"world must be an int >= 1, got {world!r}")
         self.world = world
-        self._half: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's gradient after the first half
+        self._passes: dict[torch.Tensor, int] = {}  # backward passes into each parameter's gradient this step
+        self._split: dict[torch.Tensor, int] = {}  # the pass after which each one's gradient is kept (k // 2)
+        self._half: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # that gradient, and the passes it holds
+        self._kept: set[torch.Tensor] = set()  # the parameters whose gradient was kept this step
         self._noise: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # running mean of the noise, its count
-        # each parameter's whole gradient's norm as the backward passes after the mark left it (a hook's), before
-        # anything scaled it: a clip between the backward and the step (the Trainer's max_grad_norm) is read off it
+        # each parameter's whole gradient's norm as the backward passes after the split left it (the hook's),
+        # before anything scaled it: a clip between the backward and the step is read off it
         self._total_norm: dict[torch.Tensor, torch.Tensor] = {}
         self._hooked: set[torch.Tensor] = set()
-        self._marked = False
+        self._marked = False  # mark_half() this step: two equal halves, the passes not counted
+        self._unsplit = 0  # steps in a row without halves (a warning after a few)
 
     @staticmethod
     def check(optimizer: torch.optim.Optimizer) -> None:
@@ -70,38 +91,63 @@ class BatchNoise:
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("BatchNoise: amsgrad and maximize are not supported")
 
-    @torch.no_grad()
-    def mark_half(self, params: list[torch.Tensor]) -> None:
-        """The first half's gradients are in ``params``' ``.grad`` now: keep them."""
-        self._total_norm.clear()
+    def attach(self, params: Iterable[torch.Tensor]) -> None:
+        """Count the backward passes into ``params``' gradients from now on (a hook on
+        each; attaching twice is once)."""
         for p in params:
             if p not in self._hooked and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._after_backward)
                 self._hooked.add(p)
+
+    @torch.no_grad()
+    def mark_half(self, params: list[torch.Tensor]) -> None:
+        """The first half's gradients are in ``params``' ``.grad`` now: keep them (this
+        step's split, in place of the count of backward passes)."""
+        self.attach(params)
+        self._total_norm.clear()
+        for p in params:
             if p.grad is None:
-                self._half.pop(p, None)
-                continue
-            kept = self._half.get(p)
-            if kept is None or kept.shape != p.grad.shape or kept.dtype != p.grad.dtype:
-                self._half[p] = p.grad.detach().clone()
+                self._kept.discard(p)
             else:
-                kept.copy_(p.grad)
+                self._keep(p, 1)
         self._marked = True
+
+    def _keep(self, p: torch.Tensor, passes: int) -> None:
+        """Keep ``p``'s gradient now, as the first ``passes`` passes' part of the step's."""
+        grad = p.grad
+        assert grad is not None
+        kept = self._half.get(p)
+        if kept is None or kept[0].shape != grad.shape or kept[0].dtype != grad.dtype:
+            self._half[p] = (grad.detach().clone(), passes)
+        else:
+            self._half[p] = (kept[0].copy_(grad), passes)
+        self._kept.add(p)
 
     @torch.no_grad()
     def _after_backward(self, p: torch.Tensor) -> None:
-        """A backward pass added to ``p.grad``: after the mark, note the whole gradient's norm."""
-        if self._marked and p.grad is not None:
+        """A backward pass added to ``p.grad``: count it, keep the gradient at the split,
+        note the whole gradient's norm after it."""
+        if p.grad is None:
+            return
+        if self._marked:
+            self._total_norm[p] = torch.linalg.vector_norm(p.grad)
+            return
+        n = self._passes.get(p, 0) + 1
+        self._passes[p] = n
+        a = self._split.get(p, 1)
+        if n == a:
+            self._keep(p, a)
+        elif n > a > 0:
             self._total_norm[p] = torch.linalg.vector_norm(p.grad)
 
     def state(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The running noise of each of ``params`` (by name) and its count, for a worker
-        checkpoint (:meth:`load` takes it back)."""
+        """The running noise of each of ``params`` (by name), its count and split, for a
+        worker checkpoint (:meth:`load` takes it back)."""
         noise = {}
         for name, p in params.items():
             got = self._noise.get(p)
             if got is not None:
-                noise[name] = {"noise": got[0].detach().clone(), "count": got[1]}
+                noise[name] = {"noise": got[0].detach().clone(), "count": got[1], "split": self._split.get(p, 1)}
         return {"world": self.world, "noise": noise}
 
     @torch.no_grad()
@@ -117,42 +163,59 @@ class BatchNoise:
             if noise.shape != p.shape:
                 raise ValueError(f"batch noise of {name!r}: shape {tuple(noise.shape)}, the parameter's "
                                  f"{tuple(p.shape)}")
-            loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]))
-        self._noise.update(loaded)
+            loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]), int(entry.get(
+                "split", 1)))
+        for p, (noise, count, split) in loaded.items():
+            self._noise[p] = (noise, count)
+            self._split[p] = split
 
     @torch.no_grad()
     def correct(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer.step()`` on the whole batch's gradient (both halves): add
-        the noise the halves show to its running mean and move each parameter as the step
-        with the job's second moment would have (the module doc)."""
-        if not self._marked:
-            raise RuntimeError("BatchNoise: call mark_half() between the two halves' backward passes")
-        self._marked = False
+        """After ``optimizer.step()`` on the whole batch's gradient: add the noise the
+        step's halves show to its running mean and move each parameter as the step with
+        the job's second moment would have (the module doc)."""
+        marked, self._marked = self._marked, False
+        self.attach(p for group in optimizer.param_groups for p in group["params"])  # (counted from the next step)
         keep = 1.0 - 1.0 / self.world
+        sampled = False
         for group in optimizer.param_groups:
             b1, b2 = group["betas"]
             lr, eps = float(group["lr"]), group["eps"]
             for p in group["params"]:
-                half, st, total = self._half.get(p), optimizer.state.get(p), self._total_norm.get(p)
-                if p.grad is None or half is None or total is None or not st or "exp_avg_sq" not in st:
+                passes = 2 if marked else self._passes.pop(p, 0)
+                half = self._half.get(p) if p in self._kept else None
+                total = self._total_norm.pop(p, None)
+                if not marked and p in self._hooked:
+                    self._split[p] = passes // 2  # next step's split (0: one pass, no halves)
+                st = optimizer.state.get(p)
+                if p.grad is None or not st or "exp_avg_sq" not in st:
                     continue
-                # the step's gradient is the whole one times c (1, or a clip's factor): the noise of what Adam
-                # saw is c times that of the halves
-                now = torch.linalg.vector_norm(p.grad)
-                c = torch.where(total > 0, now / total, torch.ones_like(total))
-                # c (g_a - g_b) / 2: the gradient holds c (g_a + g_b) / 2, the kept first half g_a / 2
-                diff = half.mul_(2 * c).sub_(p.grad)
                 noise, count = self._noise.get(p, (None, 0))
-                if noise is None:
-                    noise = torch.zeros_like(diff)
-                noise.mul_(b2).addcmul_(diff, diff, value=1 - b2)
-                count += 1
-                self._total_norm.pop(p)
-                self._noise[p] = (noise, count)
-                if self.world == 1:
+                a = 1 if marked or half is None else half[1]
+                b = 1 if marked else passes - a
+                if half is not None and total is not None and b > 0:
+                    # the step's gradient is the whole one times c (1, or a clip's factor): the noise of what Adam
+                    # saw is c times that of the halves; b (the a passes' mean less the other b's) = H (a + b) / a - G
+                    now = torch.linalg.vector_norm(p.grad)
+                    c = torch.where(total > 0, now / total, torch.ones_like(total))
+                    diff = half[0].mul_(c * ((a + b) / a)).sub_(p.grad)
+                    if noise is None:
+                        noise = torch.zeros_like(diff)
+                    noise.mul_(b2).addcmul_(diff, diff, value=(1 - b2) * (a / b))
+                    count += 1
+                    self._noise[p] = (noise, count)
+                    sampled = True
+                if self.world == 1 or noise is None:
                     continue
                 t = float(st["step"])
                 vh = st["exp_avg_sq"] / (1 - b2 ** t)
                 job = torch.maximum(vh - noise * (keep / (1 - b2 ** count)), vh / self.world)
                 more = (vh.sqrt_().add_(eps).reciprocal_()).sub_(job.sqrt_().add_(eps).reciprocal_())
                 p.add_(st["exp_avg"] * more, alpha=lr / (1 - b1 ** t))
+        self._kept.clear()
+        self._total_norm.clear()
+        self._unsplit = 0 if sampled else self._unsplit + 1
+        if self._unsplit == 3:
+            warnings.warn("BatchNoise: three steps without halves (one backward pass a step and no mark_half()): "
+                          "no noise measured, the steps are not corrected; accumulate the gradient over two or "
+                          "more backward passes, or call mark_half() between a batch's halves", stacklevel=3)

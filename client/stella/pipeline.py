@@ -137,8 +137,9 @@ class StellaOptimizer(torch.optim.Optimizer):
     :mod:`stella.progress`). The timings travel with the pushes in any case.
     ``batch_noise``: update mode with Adam or AdamW: each local step taken with the
     second moment Adam would keep on the whole job's batch, from the noise between the
-    two halves of this worker's batch (:class:`~stella.BatchNoise`; the loop calls
-    :meth:`mark_half` between the halves' backward passes).
+    two halves of this worker's batch (:class:`~stella.BatchNoise`): a step accumulated
+    over two or more backward passes splits itself at half of them; a loop of one pass a
+    step calls :meth:`mark_half` between its batch's halves' backward passes.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StellaOptimizer:
@@ -170,6 +171,7 @@ class StellaOptimizer(torch.optim.Optimizer):
             inner = self._exchange.inner
             assert inner is not None  # update mode
             BatchNoise.check(inner)
+            batch_noise.attach(self.params.values())  # counts the backward passes from the first
             self._exchange.noise = batch_noise
         self.rounds = Rounds(self._exchange, compression, leads=self.site.leads, may_run_on=self.site.may_run_on,
                              progress_every=progress_every)
@@ -379,7 +381,8 @@ class StellaOptimizer(torch.optim.Optimizer):
 
     def mark_half(self) -> None:
         """With ``batch_noise``: the gradients hold the first half of this step's batch now
-        (each half's loss divided by 2, as for any accumulation of two micro-batches)."""
+        (each half's loss divided by 2, as for any accumulation of two micro-batches). Not
+        needed where the step accumulates two or more backward passes: it splits itself."""
         noise = self._exchange.noise
         if noise is None:
             raise PipelineError("mark_half() needs batch_noise=BatchNoise(world=...)")
