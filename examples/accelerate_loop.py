@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True, mixed_precision=a.precision, gradient_accumulation_steps=a.accumulate)
     model = tiny_gpt2()
-    noise = stella.BatchNoise(world=a.world) if a.batch_noise else None  # stella (optional)
+    noise = stella.BatchNoise() if a.batch_noise else None  # stella (optional)
     ps = stella.StellaOptimizer(model, a.address,  # stella
                                 optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),  # stella
                                 batch_noise=noise)  # stella (optional)

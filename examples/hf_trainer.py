@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                              dataloader_num_workers=0, disable_tqdm=True)
     if a.batch_noise and a.accumulate < 2:
         p.error("--batch-noise takes the halves of an --accumulate of 2 or more")
-    noise = stella.BatchNoise(world=a.world) if a.batch_noise else None  # stella (optional)
+    noise = stella.BatchNoise() if a.batch_noise else None  # stella (optional)
     opt = stella.StellaOptimizer(model, a.address,  # stella
                                  optimizer=torch.optim.AdamW(model.parameters(), lr=args.learning_rate),  # stella
                                  batch_noise=noise)  # stella (optional)

@@ -44,10 +44,9 @@ TARGET = 2.6  # held-out loss two workers reach in the default 100 steps: 2.44-2
 
 
 def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 10,
-                     batch_noise: int = 0):  # -> L.LightningModule
+                     batch_noise: bool = False):  # -> L.LightningModule
     """The module (its class made here so that the one-command launcher, which only starts
-    processes, does not import lightning). ``batch_noise``: the job's workers, for
-    :class:`stella.BatchNoise` (0: none)."""
+    processes, does not import lightning). ``batch_noise``: with :class:`stella.BatchNoise`."""
     import lightning as L
 
     class ByteLM(L.LightningModule):
@@ -69,7 +68,7 @@ def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 1
 
         def configure_optimizers(self) -> dict[str, Any]:
             inner = torch.optim.AdamW(self.parameters(), lr=lr)
-            noise = stella.BatchNoise(world=batch_noise) if batch_noise else None  # stella (optional)
+            noise = stella.BatchNoise() if batch_noise else None  # stella (optional; its world the server's)
             opt = stella.StellaOptimizer(self, address, optimizer=inner, batch_noise=noise)  # stella
             # (a figure for this example's test: the gradient norm the inner AdamW steps with, after the clipping)
             inner.register_step_pre_hook(lambda o, args, kwargs: self.clipped.append(grad_norm(self)))
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if ckpt_path is None or not os.path.exists(ckpt_path):
             print(f"no checkpoint to resume from in {out}", file=sys.stderr)
             return 1
-    lm = lightning_module(a.address, a.schedule_steps or a.steps, batch_noise=a.world if a.batch_noise else 0)
+    lm = lightning_module(a.address, a.schedule_steps or a.steps, batch_noise=a.batch_noise)
     train = torch.utils.data.DataLoader(blocks("train", a.rank, a.world), batch_size=a.batch_size, shuffle=True,
                                         generator=torch.Generator().manual_seed(a.rank))
     held = torch.utils.data.DataLoader(blocks("heldout")[:256], batch_size=64)

@@ -27,14 +27,16 @@ def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, no
           workload: str = "adamlp", steps: int = STEPS, eval_every: int = EVAL_EVERY) -> Curve:
     """WORLD workers in threads, each on its share of the global batch that dense
     training takes whole; returns worker 0's held-out loss curve. ``noise``: each worker
-    steps with the job's second moment (BatchNoise), its batch's halves one after the
-    other."""
+    steps with the job's second moment (BatchNoise, its world the server's), its batch's
+    halves accumulated one after the other (two backward passes, which it splits itself;
+    asserted: at mid-run every worker's world is the server's count of pushes, WORLD)."""
     wl = WL.get(workload)
     models = [wl.build_model(seed) for _ in range(WORLD)]  # before the threads: torch's RNG is global
     curve = Curve()
     curve.steps.append(0)
     curve.loss.append(heldout_loss(wl, models[0]))
     errors: list[BaseException] = []
+    worlds: list[int] = []
     lock = threading.Lock()
 
     def worker(rank: int) -> None:
@@ -44,7 +46,7 @@ def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, no
                                   sync=Sync(every=1, max_every=1),
                                   compression=Compression(density=density, value_dtype="f16"),
                                   connection=Connection(timeout=120, worker_id=rank),
-                                  batch_noise=BatchNoise(WORLD) if noise else None)
+                                  batch_noise=BatchNoise() if noise else None)
             batches = wl.batches(rank, WORLD, wl.batch_size, seed)
             for step in range(1, steps + 1):
                 wl.set_lr(opt, step - 1)  # the workload's schedule (warm-up), as dense training's
@@ -52,11 +54,13 @@ def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, no
                 if noise:
                     first, second = _halves(next(batches))
                     (wl.loss(model, first) / 2).backward()
-                    opt.mark_half()
                     (wl.loss(model, second) / 2).backward()
                 else:
                     wl.loss(model, next(batches)).backward()
                 opt.step()
+                if noise and step == steps // 2:
+                    with lock:
+                        worlds.append(opt.batch_noise.world)  # type: ignore[union-attr]
                 if rank == 0 and step % eval_every == 0:
                     with lock:
                         curve.steps.append(step)
@@ -76,6 +80,7 @@ def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, no
     finally:
         torch.set_num_threads(threads_before)
     assert not errors, errors
+    assert not noise or worlds == [WORLD] * WORLD, worlds
     return curve
 
 

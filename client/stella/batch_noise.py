@@ -59,17 +59,21 @@ __all__ = ["BatchNoise"]
 class BatchNoise:
     """The correction of one worker's Adam step to the step Adam would take on ``world``
     times its batch (the module doc). ``world``: the Adam steps the server's mean
-    averages, the job's workers (each rank of a site counting as one).
+    averages, the job's workers (each rank of a site counting as one); None: read off the
+    server, the pushes its latest step combined times the site's ranks, as each round's
+    answer tells it (1, no correction, until the first answer; a job whose workers come
+    and go follows them).
 
     The optimizer wrapper (``StellaOptimizer(batch_noise=...)``) attaches it to its
     parameters and calls :meth:`correct` after each local step; used on its own, call
     :meth:`attach` before the first backward pass and :meth:`correct` after each
     ``optimizer.step()``."""
 
-    def __init__(self, world: int):
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"world must be an int >= 1, got {world!r}")
-        self.world = world
+    def __init__(self, world: int | None = None):
+        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+            raise ValueError(f"world must be an int >= 1 or None (the server's), got {world!r}")
+        self.world = 1 if world is None else world
+        self.follows_server = world is None
         self._passes: dict[torch.Tensor, int] = {}  # backward passes into each parameter's gradient this step
         self._split: dict[torch.Tensor, int] = {}  # the pass after which each one's gradient is kept (k // 2)
         self._half: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # that gradient, and the passes it holds
@@ -90,6 +94,12 @@ class BatchNoise:
         for group in optimizer.param_groups:
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("BatchNoise: amsgrad and maximize are not supported")
+
+    def job_size(self, workers: int) -> None:
+        """The server's latest step combined the steps of ``workers`` ranks: the world,
+        when it follows the server (0: not said, nothing changes)."""
+        if self.follows_server and workers >= 1:
+            self.world = int(workers)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Count the backward passes into ``params``' gradients from now on (a hook on

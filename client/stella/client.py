@@ -134,6 +134,7 @@ class PullResult:
     steps: list[list[FlatValues]] = field(default_factory=list)
     held_s: float = 0.0
     step_s: float = 0.0  # the server's time applying its latest step
+    pushes: int = 0  # the pushes the server's latest step combined (0: not said)
     layout: FlatLayout | None = None  # the model's (for the per-tensor views)
     names: tuple[str, ...] = ()  # its tensors' names, by tensor number
 
@@ -509,9 +510,10 @@ class Client:
         rebased = self._session.was_rebased(delta.req)
         held, step = delta.held_ms / 1e3, delta.step_ms / 1e3
         if not decode:  # the version only
-            return PullResult(delta.version, delta.full, rebased=rebased, held_s=held, step_s=step)
+            return PullResult(delta.version, delta.full, rebased=rebased, held_s=held, step_s=step,
+                              pushes=delta.pushes)
         decoded = [self._flat_values(s) for s in decode_tensors(rx, self._part_specs, float32=True)]
-        kw = dict(rebased=rebased, held_s=held, step_s=step, layout=self.flat,
+        kw = dict(rebased=rebased, held_s=held, step_s=step, pushes=delta.pushes, layout=self.flat,
                   names=tuple(s.name for s in self.layout))
         if not delta.add:
             return PullResult(delta.version, delta.full, decoded, **kw)  # type: ignore[arg-type]

@@ -354,6 +354,8 @@ class StellaOptimizer(torch.optim.Optimizer):
         delta, sent = answer
         self._exchange.install(delta, sent)
         self.version = delta.version
+        if self._exchange.noise is not None:  # BatchNoise(world=None): the job's size, as the server saw it
+            self._exchange.noise.job_size(delta.pushes * self.site.size)
 
     def _start_round(self, computed_on: int) -> None:
         """Install the round in flight, adapt, and start the next one."""
@@ -378,6 +380,11 @@ class StellaOptimizer(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
+
+    @property
+    def batch_noise(self) -> BatchNoise | None:
+        """The :class:`~stella.BatchNoise` this optimizer's local steps are corrected by (None: none)."""
+        return self._exchange.noise
 
     def mark_half(self) -> None:
         """With ``batch_noise``: the gradients hold the first half of this step's batch now

@@ -55,7 +55,7 @@ __all__ = [
     "check_payload",
 ]
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -415,6 +415,9 @@ class Delta(_Message, tag="delta", frozen=True):
     held_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
     # milliseconds the server's latest step took to apply (its share of a round that grows with the pushes)
     step_ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
+    # the pushes the server's latest step combined (0: no step yet): the workers whose steps its mean
+    # averages (stella.BatchNoise's world)
+    pushes: Count = 0
 
 
 class StatusReply(_Message, tag="status", frozen=True):

@@ -293,6 +293,7 @@ class ShardedClient:
         return PullResult(version, True, [v for r in results for v in r.values],
                           rebased=any(r.rebased for r in results),
                           held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results),
+                          pushes=max(r.pushes for r in results),
                           layout=self.flat, names=results[0].names)
 
     def _rounds_after(self, since: int, at: list[int], results: list[PullResult]) -> PullResult:
@@ -315,6 +316,7 @@ class ShardedClient:
             self._record(since + n, [v + n for v in at])
         return PullResult(since + n, False, rebased=any(r.rebased for r in results), steps=steps,
                           held_s=min(r.held_s for r in results), step_s=max(r.step_s for r in results),
+                          pushes=max(r.pushes for r in results),
                           layout=self.flat, names=results[0].names)
 
     # ------------------------------------------------------------------ the rest of the API

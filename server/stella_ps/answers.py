@@ -24,19 +24,22 @@ __all__ = ["PullAnswers"]
 
 class PullAnswers:
     """Answers pulls from ``store``: ``send(ident, msg, frames)`` sends a reply,
-    ``refuse(ident, req, exc)`` an error; ``step_ms()`` is the last step's apply time,
-    which every answer carries. An answer larger than its pull's ``chunk_bytes`` is held
-    in ``transfers`` and answered ``chunked`` (fetched in pieces)."""
+    ``refuse(ident, req, exc)`` an error; ``step_ms()`` is the last step's apply time
+    and ``pushes()`` the pushes it combined, which every answer carries. An answer
+    larger than its pull's ``chunk_bytes`` is held in ``transfers`` and answered
+    ``chunked`` (fetched in pieces)."""
 
     def __init__(self, store: ModelStore, store_thread: StoreThread, tasks: Tasks,
                  send: Callable[[bytes, Any, Sequence[Any]], None], refuse: Callable[[bytes, int, BaseException], None],
-                 step_ms: Callable[[], float], transfers: Transfers | None = None):
+                 step_ms: Callable[[], float], transfers: Transfers | None = None,
+                 pushes: Callable[[], int] = lambda: 0):
         self.store = store
         self.store_thread = store_thread
         self.tasks = tasks
         self._send = send
         self._refuse = refuse
         self._step_ms = step_ms
+        self._pushes = pushes
         self.transfers = Transfers() if transfers is None else transfers
         self._due: list[tuple[bytes, Pull, float]] = []  # pulls ready to be answered
         self._answering = False  # a task is answering them
@@ -80,7 +83,8 @@ class PullAnswers:
         held_ms = min(1e9, 1e3 * (now - arrived))  # the worker's measure of its link leaves it out
         try:
             delta = Delta(req=msg.req, version=enc.version, full=enc.full, tensors=enc.entries, add=enc.add,
-                          parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, self._step_ms()))
+                          parts=enc.parts, held_ms=held_ms, step_ms=min(1e9, self._step_ms()),
+                          pushes=self._pushes())
             if msg.chunk_bytes and enc.nbytes > msg.chunk_bytes:  # over a slow link: fetched in pieces
                 transfer, sizes = self.transfers.offer(msg.worker, encode_header(delta), enc.frames)
                 self._send(ident, Chunked(req=msg.req, transfer=transfer, sizes=sizes), ())

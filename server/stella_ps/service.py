@@ -125,7 +125,8 @@ class Service:
         self._sweeper: Timer | None = None
         self.transfers = Transfers(self.clock.now, max_total=limits.max_workers)  # large answers, in pieces
         self.answers = PullAnswers(self.store, self.store_thread, self.tasks, self._send, self.refuse,
-                                   lambda: 1e3 * self.steps.last_apply_s, self.transfers)
+                                   lambda: 1e3 * self.steps.last_apply_s, self.transfers,
+                                   pushes=lambda: self.steps.last_pushes)
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager

@@ -93,6 +93,7 @@ class StepScheduler:
                               clock=clock.now, max_sample_ratio=limits.max_sample_ratio)
         self.optimizer: OptimizerConfig | None = None  # in force; set when the model is initialised
         self.last_apply_s = 0.0  # the latest step's time on the store thread (pulls tell workers)
+        self.last_pushes = 0  # the pushes the latest step that had any combined (pulls tell workers)
         self._listeners: list[StepListener] = []
         self._failure_listeners: list[FailureListener] = []
         self.failed: BaseException | None = None  # why no step can close any more (on_failure)
@@ -380,6 +381,8 @@ class StepScheduler:
                 now = self._clock.now()
                 self._stats.count_step(now, now - t0, opened)
                 self.last_apply_s = now - t0
+                if step is not None and step.contributors:
+                    self.last_pushes = len(set(step.contributors))
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step applied", extra={"version": version, "apply_ms": round(1e3 * (now - t0), 3),
                                                      "contributors": len(step.contributors) if step else 0})
