@@ -38,25 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--precision", default="bf16", choices=["no", "bf16"], help="Accelerate's mixed_precision")
-    p.add_argument("--batch-noise", action="store_true",
-                   help="each worker's AdamW step with the second moment of the whole job's batch, from the noise "
-                        "between the two halves of its accumulation (stella.BatchNoise; --accumulate 2 or more)")
     p.add_argument("--target", type=float, default=TARGET, help="the held-out loss to reach (0: none)")
     a = p.parse_args(argv)
     if a.address is None:
         return launch(__file__, sys.argv[1:] if argv is None else argv)
-    if a.batch_noise and a.accumulate < 2:
-        p.error("--batch-noise takes the halves of an --accumulate of 2 or more")
 
     from accelerate import Accelerator
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True, mixed_precision=a.precision, gradient_accumulation_steps=a.accumulate)
     model = tiny_gpt2()
-    noise = stella.BatchNoise() if a.batch_noise else None  # stella (optional)
     ps = stella.StellaOptimizer(model, a.address,  # stella
-                                optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),  # stella
-                                batch_noise=noise)  # stella (optional)
+                                optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))  # stella
     sched = torch.optim.lr_scheduler.LambdaLR(ps, lambda s: min(1.0, (s + 1) / 10)
                                               * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)))
     data = blocks("train", a.rank, a.world)

@@ -1,8 +1,9 @@
 """Hugging Face ``Trainer`` through Stella: a small GPT-2-style model learns bytes of the
 standard library's sources, each worker a ``Trainer`` of its own, all through one ``stella-ps``.
 
-What Stella adds to a Trainer script (the lines marked ``# stella``; ``--batch-noise`` adds
-``stella.BatchNoise``, which splits each step's gradient accumulation at its middle itself)::
+What Stella adds to a Trainer script (the lines marked ``# stella``; with ``--accumulate`` 2 or
+more, the optimizer's default ``stella.BatchNoise`` reads the noise between the two halves of
+each step's accumulation)::
 
     import stella
     opt = stella.StellaOptimizer(model, address, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -52,9 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-steps", type=int, default=10, help="log the training loss every that many steps")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--accumulate", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--batch-noise", action="store_true",
-                   help="each worker's AdamW step with the second moment of the whole job's batch, from the noise "
-                        "between the two halves of its accumulation (stella.BatchNoise; --accumulate 2 or more)")
     p.add_argument("--target", type=float, default=TARGET, help="the held-out loss to reach (0: none)")
     a = p.parse_args(argv)
     if a.address is None:
@@ -74,12 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                              eval_steps=max(a.steps // 2, 1), save_strategy="steps" if a.save_steps else "no",
                              save_steps=a.save_steps or 500, report_to="none", seed=a.rank,
                              dataloader_num_workers=0, disable_tqdm=True)
-    if a.batch_noise and a.accumulate < 2:
-        p.error("--batch-noise takes the halves of an --accumulate of 2 or more")
-    noise = stella.BatchNoise() if a.batch_noise else None  # stella (optional)
     opt = stella.StellaOptimizer(model, a.address,  # stella
-                                 optimizer=torch.optim.AdamW(model.parameters(), lr=args.learning_rate),  # stella
-                                 batch_noise=noise)  # stella (optional)
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=args.learning_rate))  # stella
 
     train, held = Blocks(blocks("train", a.rank, a.world)), Blocks(blocks("heldout")[:256])
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,

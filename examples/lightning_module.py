@@ -43,10 +43,9 @@ import stella  # stella
 TARGET = 2.6  # held-out loss two workers reach in the default 100 steps: 2.44-2.47 here (ln 256 = 5.5 at the start)
 
 
-def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 10,
-                     batch_noise: bool = False):  # -> L.LightningModule
+def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 10):  # -> L.LightningModule
     """The module (its class made here so that the one-command launcher, which only starts
-    processes, does not import lightning). ``batch_noise``: with :class:`stella.BatchNoise`."""
+    processes, does not import lightning)."""
     import lightning as L
 
     class ByteLM(L.LightningModule):
@@ -68,8 +67,7 @@ def lightning_module(address: str, steps: int, lr: float = 3e-3, warmup: int = 1
 
         def configure_optimizers(self) -> dict[str, Any]:
             inner = torch.optim.AdamW(self.parameters(), lr=lr)
-            noise = stella.BatchNoise() if batch_noise else None  # stella (optional; its world the server's)
-            opt = stella.StellaOptimizer(self, address, optimizer=inner, batch_noise=noise)  # stella
+            opt = stella.StellaOptimizer(self, address, optimizer=inner)  # stella
             # (a figure for this example's test: the gradient norm the inner AdamW steps with, after the clipping)
             inner.register_step_pre_hook(lambda o, args, kwargs: self.clipped.append(grad_norm(self)))
 
@@ -111,16 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. checkpoint-40.ckpt)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=1, help="the Trainer's accumulate_grad_batches")
-    p.add_argument("--batch-noise", action="store_true",
-                   help="each worker's AdamW step with the second moment of the whole job's batch, from the noise "
-                        "between the two halves of its accumulation (stella.BatchNoise; --accumulate 2 or more)")
     p.add_argument("--log-steps", type=int, default=10, help="report the training loss every that many steps")
     p.add_argument("--target", type=float, default=TARGET, help="the held-out loss to reach (0: none)")
     a = p.parse_args(argv)
     if a.address is None:
         return launch(__file__, sys.argv[1:] if argv is None else argv)
-    if a.batch_noise and a.accumulate < 2:
-        p.error("--batch-noise takes the halves of an --accumulate of 2 or more")
 
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -139,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         if ckpt_path is None or not os.path.exists(ckpt_path):
             print(f"no checkpoint to resume from in {out}", file=sys.stderr)
             return 1
-    lm = lightning_module(a.address, a.schedule_steps or a.steps, batch_noise=a.batch_noise)
+    lm = lightning_module(a.address, a.schedule_steps or a.steps)
     train = torch.utils.data.DataLoader(blocks("train", a.rank, a.world), batch_size=a.batch_size, shuffle=True,
                                         generator=torch.Generator().manual_seed(a.rank))
     held = torch.utils.data.DataLoader(blocks("heldout")[:256], batch_size=64)

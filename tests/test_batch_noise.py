@@ -7,10 +7,12 @@ second moments each hold the noise of an eighth of the batch), and eight byte-LM
 pushing 1% need fewer with it than the outer rule alone could give."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from stella import BatchNoise, PipelineError, StellaOptimizer
+from stella import BatchNoise, Compression, PipelineError, StellaOptimizer, Sync
 
 DIM, W = 6, 8
 
@@ -31,30 +33,34 @@ def _micro_grads(step: int, k: int) -> list[torch.Tensor]:
 
 
 def _reference(steps: int, world: int, lr: float, betas: tuple[float, float], eps: float,
-               wd: float, clip: float | None = None, k: int = 2) -> torch.Tensor:
+               wd: float, clip: float | None = None, k: int = 2, first: bool = True) -> torch.Tensor:
     """AdamW's step, written out in float64, with the second moment ``max(v - (1 - 1/W) n, v / W)``
     (``n`` the running mean of the noise of the step's mean gradient, from the mean of its first a of k
     micro-batches against the other b's: ``(g_a - g_b) ** 2 a b / k ** 2``, ``((g_a - g_b) / 2) ** 2`` for
-    two halves; a = 1 on the first step, k // 2 after), all bias-corrected; ``clip``: the gradient scaled to
-    at most that norm, the noise with it."""
+    two halves; a = k // 2), all bias-corrected by their counts; ``first``: the first step takes a sample
+    (marked halves; an accumulation's split is known from the second step on, the first is plain AdamW's);
+    ``clip``: the gradient scaled to at most that norm, the noise with it."""
     b1, b2 = betas
     p = torch.arange(DIM, dtype=torch.float64) / DIM
     m = torch.zeros(DIM, dtype=torch.float64)
     v = torch.zeros(DIM, dtype=torch.float64)
     n = torch.zeros(DIM, dtype=torch.float64)
+    count = 0
     for t in range(1, steps + 1):
         gs = [x.double() for x in _micro_grads(t, k)]
-        a = 1 if t == 1 else k // 2
+        a = k // 2
         b = k - a
         g = sum(gs) / k
         c = 1.0 if clip is None else min(1.0, clip / float(g.norm()))
         g = c * g
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        gap = c * (sum(gs[:a]) / a - sum(gs[a:]) / b)
-        n = b2 * n + (1 - b2) * gap ** 2 * (a * b / k ** 2)
-        vh, nh = v / (1 - b2 ** t), n / (1 - b2 ** t)
-        job = torch.maximum(vh - (1 - 1 / world) * nh, vh / world)
+        if first or t > 1:
+            gap = c * (sum(gs[:a]) / a - sum(gs[a:]) / b)
+            n = b2 * n + (1 - b2) * gap ** 2 * (a * b / k ** 2)
+            count += 1
+        vh = v / (1 - b2 ** t)
+        job = vh if count == 0 else torch.maximum(vh - (1 - 1 / world) * n / (1 - b2 ** count), vh / world)
         p = p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / (job.sqrt() + eps)
     return p
 
@@ -70,11 +76,12 @@ def _backward_halves(p: torch.Tensor, t: int, noise: BatchNoise | None) -> None:
 
 
 def _run(steps: int, noise: BatchNoise | None, opt_cls=torch.optim.AdamW, clip: float | None = None,
-         **kw) -> torch.Tensor:
+         first: bool = True, **kw) -> torch.Tensor:
+    """``first`` False: the first step's halves not marked (no sample then)."""
     p = torch.nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM)
     opt = opt_cls([p], **kw)
     for t in range(1, steps + 1):
-        _backward_halves(p, t, noise)
+        _backward_halves(p, t, noise if first or t > 1 else None)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([p], clip)
         opt.step()
@@ -131,17 +138,17 @@ def test_a_clipped_gradient_is_corrected_with_the_noise_clipped_alike():
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_an_accumulated_step_splits_itself_at_half_its_backward_passes(k):
     """No mark_half: the hook counts k backward passes (a Trainer's, Lightning's or
-    Accelerate's accumulation) and keeps the gradient after k // 2 of them (1 on the first
+    Accelerate's accumulation) and keeps the gradient after k // 2 of them (none on the first
     step, before k is known); uneven splits (k = 3) weigh the two parts' gap by a b / k^2.
     With k = 2 it is the marked halves' step bit for bit; a clip is read off as with a mark."""
     kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for clip in (None, 1.0):
         got = _run_accumulating(12, BatchNoise(W), k, clip=clip, **kw)
-        want = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"], clip=clip, k=k)
+        want = _reference(12, W, kw["lr"], kw["betas"], kw["eps"], kw["weight_decay"], clip=clip, k=k, first=False)
         assert torch.allclose(got.double(), want, rtol=0, atol=2e-6), (k, clip, got, want)
         assert (got - _run_accumulating(12, None, k, clip=clip, **kw)).abs().min() > 1e-4
         if k == 2:
-            assert torch.equal(got, _run(12, BatchNoise(W), clip=clip, **kw))
+            assert torch.equal(got, _run(12, BatchNoise(W), clip=clip, first=False, **kw))
 
 
 def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():
@@ -206,6 +213,52 @@ def test_its_world_follows_the_servers_count_unless_fixed():
     assert torch.equal(_run(5, BatchNoise(), **kw), _run(5, BatchNoise(1), **kw))
 
 
+def _update_worker(endpoint: str, passes: int, **kw) -> tuple[torch.Tensor, StellaOptimizer]:
+    """One AdamW worker in update mode, 4 steps of ``passes`` backward passes each, through
+    ``endpoint`` (exact pulls); its weights and optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                          sync=Sync(every=1, max_every=1), compression=Compression(density=1.0), **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        opt.zero_grad()
+        for _ in range(passes):
+            x = torch.randn(16, 8, generator=g)
+            (model(x).square().mean() / passes).backward()
+        opt.step()
+    opt.close(flush=False)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt
+
+
+def test_the_optimizer_corrects_by_default_where_it_applies_and_costs_nothing_without_halves(make_server):
+    """``StellaOptimizer``'s default (``batch_noise="auto"``): a ``BatchNoise()`` in update
+    mode over Adam/AdamW, none over SGD. Through a real stella-ps, a loop of one backward
+    pass a step trains bit for bit as without it, keeps no copy of a gradient and says
+    nothing; one that accumulates two passes is corrected (from the second step) and holds
+    its running noise."""
+    model = torch.nn.Linear(3, 2)
+    auto = StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3})
+    assert isinstance(auto.batch_noise, BatchNoise) and auto.batch_noise.follows_server
+    assert StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3},
+                           batch_noise=None).batch_noise is None
+    assert StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+                           ).batch_noise is None
+    with pytest.raises(ValueError, match="auto"):
+        StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3}, batch_noise="on")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain, opt = _update_worker(make_server(1, pull="exact").endpoint, 1)
+    assert opt.batch_noise is not None and not opt.batch_noise._half and not opt.batch_noise._noise
+    off, _ = _update_worker(make_server(1, pull="exact").endpoint, 1, batch_noise=None)
+    assert torch.equal(plain, off)
+    two, opt = _update_worker(make_server(1, pull="exact").endpoint, 2)
+    two_off, _ = _update_worker(make_server(1, pull="exact").endpoint, 2, batch_noise=None)
+    assert {count for _, count in opt.batch_noise._noise.values()} == {3}  # type: ignore[union-attr]
+    # one worker: the server's world is 1, the job's batch is its own: corrected by nothing
+    assert torch.equal(two, two_off)
+
+
 def test_what_it_refuses():
     model = torch.nn.Linear(3, 2)
     for bad in (0, -1, 2.0, True):
@@ -221,7 +274,7 @@ def test_what_it_refuses():
     with pytest.raises(ValueError, match="Adam or AdamW"):
         StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                         batch_noise=BatchNoise(2))
-    opt2 = StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3})
+    opt2 = StellaOptimizer(model, "tcp://127.0.0.1:9", optimizer={"name": "adamw", "lr": 1e-3}, batch_noise=None)
     with pytest.raises(PipelineError, match="batch_noise"):
         opt2.mark_half()
 

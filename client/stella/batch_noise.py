@@ -26,8 +26,9 @@ than a momentum follows); the halves measure it on both.
 Where the halves come from. A step whose gradient is accumulated over k >= 2 backward
 passes (a Trainer's, Lightning's or Accelerate's gradient accumulation, or any loop's)
 splits itself: a hook on each parameter counts its backward passes and keeps its
-gradient after the first ``a = k // 2`` of them (k read off the step before; ``a = 1``
-on the first). With ``H`` the kept gradient and ``G`` the whole one, the a passes' and
+gradient after the first ``a = k // 2`` of them (k read off the step before: the first
+step keeps nothing and takes no sample, and a loop of one backward pass a step never
+keeps a copy). With ``H`` the kept gradient and ``G`` the whole one, the a passes' and
 the other ``b = k - a`` passes' means differ by noise alone, and ``(a / b) (H (a + b) / a
 - G) ** 2`` is an unbiased estimate of the noise variance of ``G`` (for ``a = b``:
 ``(2 H - G) ** 2 = ((g_a - g_b) / 2) ** 2``), whatever the loss's scale. A loop of one
@@ -62,14 +63,15 @@ class BatchNoise:
     averages, the job's workers (each rank of a site counting as one); None: read off the
     server, the pushes its latest step combined times the site's ranks, as each round's
     answer tells it (1, no correction, until the first answer; a job whose workers come
-    and go follows them).
+    and go follows them). ``warn``: say so when three steps in a row had no halves (the
+    optimizer's default BatchNoise does not: a loop without them simply goes uncorrected).
 
     The optimizer wrapper (``StellaOptimizer(batch_noise=...)``) attaches it to its
     parameters and calls :meth:`correct` after each local step; used on its own, call
     :meth:`attach` before the first backward pass and :meth:`correct` after each
     ``optimizer.step()``."""
 
-    def __init__(self, world: int | None = None):
+    def __init__(self, world: int | None = None, *, warn: bool = True):
         if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
             raise ValueError(f"world must be an int >= 1 or None (the server's), got {world!r}")
         self.world = 1 if world is None else world
@@ -84,7 +86,17 @@ class BatchNoise:
         self._total_norm: dict[torch.Tensor, torch.Tensor] = {}
         self._hooked: set[torch.Tensor] = set()
         self._marked = False  # mark_half() this step: two equal halves, the passes not counted
-        self._unsplit = 0  # steps in a row without halves (a warning after a few)
+        self._unsplit = 0  # steps in a row without halves (a warning after a few, when ``warn``)
+        self.warn = warn
+
+    @staticmethod
+    def fits(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s step is one this corrects (:meth:`check` without the error)."""
+        try:
+            BatchNoise.check(optimizer)
+        except ValueError:
+            return False
+        return True
 
     @staticmethod
     def check(optimizer: torch.optim.Optimizer) -> None:
@@ -144,7 +156,7 @@ class BatchNoise:
             return
         n = self._passes.get(p, 0) + 1
         self._passes[p] = n
-        a = self._split.get(p, 1)
+        a = self._split.get(p, 0)
         if n == a:
             self._keep(p, a)
         elif n > a > 0:
@@ -157,7 +169,7 @@ class BatchNoise:
         for name, p in params.items():
             got = self._noise.get(p)
             if got is not None:
-                noise[name] = {"noise": got[0].detach().clone(), "count": got[1], "split": self._split.get(p, 1)}
+                noise[name] = {"noise": got[0].detach().clone(), "count": got[1], "split": self._split.get(p, 0)}
         return {"world": self.world, "noise": noise}
 
     @torch.no_grad()
@@ -174,7 +186,7 @@ class BatchNoise:
                 raise ValueError(f"batch noise of {name!r}: shape {tuple(noise.shape)}, the parameter's "
                                  f"{tuple(p.shape)}")
             loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]), int(entry.get(
-                "split", 1)))
+                "split", 0)))
         for p, (noise, count, split) in loaded.items():
             self._noise[p] = (noise, count)
             self._split[p] = split
@@ -186,6 +198,13 @@ class BatchNoise:
         the job's second moment would have (the module doc)."""
         marked, self._marked = self._marked, False
         self.attach(p for group in optimizer.param_groups for p in group["params"])  # (counted from the next step)
+        if not marked and not self._kept and not self._noise:  # nothing kept, nothing measured yet: the splits
+            self._split.update((p, n // 2) for p, n in self._passes.items())  # (a loop of one pass: no per-
+            self._passes.clear()  # parameter work beyond this)
+            self._half.clear()
+            self._total_norm.clear()
+            self._note_unsplit(False)
+            return
         keep = 1.0 - 1.0 / self.world
         sampled = False
         for group in optimizer.param_groups:
@@ -197,6 +216,8 @@ class BatchNoise:
                 total = self._total_norm.pop(p, None)
                 if not marked and p in self._hooked:
                     self._split[p] = passes // 2  # next step's split (0: one pass, no halves)
+                    if passes < 2:
+                        self._half.pop(p, None)  # (a loop without halves holds no copy)
                 st = optimizer.state.get(p)
                 if p.grad is None or not st or "exp_avg_sq" not in st:
                     continue
@@ -224,8 +245,11 @@ class BatchNoise:
                 p.add_(st["exp_avg"] * more, alpha=lr / (1 - b1 ** t))
         self._kept.clear()
         self._total_norm.clear()
+        self._note_unsplit(sampled)
+
+    def _note_unsplit(self, sampled: bool) -> None:
         self._unsplit = 0 if sampled else self._unsplit + 1
-        if self._unsplit == 3:
+        if self._unsplit == 3 and self.warn:
             warnings.warn("BatchNoise: three steps without halves (one backward pass a step and no mark_half()): "
                           "no noise measured, the steps are not corrected; accumulate the gradient over two or "
                           "more backward passes, or call mark_half() between a batch's halves", stacklevel=3)

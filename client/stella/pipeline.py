@@ -64,7 +64,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -139,7 +139,10 @@ class StellaOptimizer(torch.optim.Optimizer):
     second moment Adam would keep on the whole job's batch, from the noise between the
     two halves of this worker's batch (:class:`~stella.BatchNoise`): a step accumulated
     over two or more backward passes splits itself at half of them; a loop of one pass a
-    step calls :meth:`mark_half` between its batch's halves' backward passes.
+    step calls :meth:`mark_half` between its batch's halves' backward passes. ``"auto"``
+    (the default): a ``BatchNoise()`` (its world the server's) wherever it applies (update
+    mode, Adam or AdamW), silent where the loop has no halves; None: none (plain Adam
+    steps, and no copies: it keeps two of the parameters' size once it has halves).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StellaOptimizer:
@@ -154,7 +157,8 @@ class StellaOptimizer(torch.optim.Optimizer):
                  optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None, mode: Mode | None = None,
                  outer: str | Mapping[str, Any] = DEFAULT_OUTER, sync: Sync = Sync(),
                  compression: Compression = Compression(), connection: Connection = Connection(),
-                 process_group: Any = "default", progress_every: int = 0, batch_noise: BatchNoise | None = None):
+                 process_group: Any = "default", progress_every: int = 0,
+                 batch_noise: BatchNoise | Literal["auto"] | None = "auto"):
         self._owner = self  # what a wrapper reading this optimizer's attributes acts on (_on_owner)
         # tensors without elements never change: nothing to exchange
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0}
@@ -165,6 +169,12 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.sync, self.compression = sync, compression
         self.site = site_for(process_group)
         self._exchange = exchange_for(self.mode, self.params, optimizer, outer, compression, sync, self.site)
+        if isinstance(batch_noise, str):
+            if batch_noise != "auto":
+                raise ValueError(f"batch_noise must be a BatchNoise, 'auto' or None, got {batch_noise!r}")
+            inner = self._exchange.inner
+            fits = self.mode == "update" and inner is not None and BatchNoise.fits(inner)
+            batch_noise = BatchNoise(warn=False) if fits else None
         if batch_noise is not None:
             if self.mode != "update":
                 raise ValueError("batch_noise corrects the workers' own Adam steps: update mode only")
@@ -392,7 +402,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         needed where the step accumulates two or more backward passes: it splits itself."""
         noise = self._exchange.noise
         if noise is None:
-            raise PipelineError("mark_half() needs batch_noise=BatchNoise(world=...)")
+            raise PipelineError("mark_half() needs a batch_noise (update mode over Adam or AdamW; not None)")
         noise.mark_half(list(self.params.values()))
 
     @torch.no_grad()
