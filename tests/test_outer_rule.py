@@ -7,14 +7,12 @@ this workload, mean of three seeds; docs/optimizer.md).
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
+from bench import sim_real
 from bench import workloads as WL
-from bench.sim_update import Curve, _halves, heldout_loss, run_dense, step_ratio
-from stella import BatchNoise, Compression, Connection, StellaOptimizer, Sync
+from bench.sim_update import Curve, run_dense, step_ratio
 
 WORLD = 8
 STEPS = 150
@@ -25,63 +23,11 @@ BOUND = 1.4
 
 def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, noise: bool = False,
           workload: str = "adamlp", steps: int = STEPS, eval_every: int = EVAL_EVERY) -> Curve:
-    """WORLD workers in threads, each on its share of the global batch that dense
-    training takes whole; returns worker 0's held-out loss curve. ``noise``: each worker
-    steps with the job's second moment (BatchNoise, its world the server's), its batch's
-    halves accumulated one after the other (two backward passes, which it splits itself;
-    asserted: at mid-run every worker's world is the server's count of pushes, WORLD)."""
-    wl = WL.get(workload)
-    models = [wl.build_model(seed) for _ in range(WORLD)]  # before the threads: torch's RNG is global
-    curve = Curve()
-    curve.steps.append(0)
-    curve.loss.append(heldout_loss(wl, models[0]))
-    errors: list[BaseException] = []
-    worlds: list[int] = []
-    lock = threading.Lock()
-
-    def worker(rank: int) -> None:
-        try:
-            model = models[rank]
-            opt = StellaOptimizer(model, endpoint, optimizer=wl.make_optimizer(model.parameters()), outer=outer,
-                                  sync=Sync(every=1, max_every=1),
-                                  compression=Compression(density=density, value_dtype="f16"),
-                                  connection=Connection(timeout=120, worker_id=rank),
-                                  batch_noise=BatchNoise() if noise else None)
-            batches = wl.batches(rank, WORLD, wl.batch_size, seed)
-            for step in range(1, steps + 1):
-                wl.set_lr(opt, step - 1)  # the workload's schedule (warm-up), as dense training's
-                opt.zero_grad()
-                if noise:
-                    first, second = _halves(next(batches))
-                    (wl.loss(model, first) / 2).backward()
-                    (wl.loss(model, second) / 2).backward()
-                else:
-                    wl.loss(model, next(batches)).backward()
-                opt.step()
-                if noise and step == steps // 2:
-                    with lock:
-                        worlds.append(opt.batch_noise.world)  # type: ignore[union-attr]
-                if rank == 0 and step % eval_every == 0:
-                    with lock:
-                        curve.steps.append(step)
-                        curve.loss.append(heldout_loss(wl, model))
-            opt.close(flush=False)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-    finally:
-        torch.set_num_threads(threads_before)
-    assert not errors, errors
-    assert not noise or worlds == [WORLD] * WORLD, worlds
-    return curve
+    """WORLD workers in threads through the server at ``endpoint`` (:func:`bench.sim_real.train`:
+    ``noise``, each batch's halves accumulated, the default BatchNoise at the server's world;
+    else ``batch_noise=None``); worker 0's held-out loss curve."""
+    return sim_real.train(endpoint, outer, world=WORLD, seed=seed, density=density, noise=noise,
+                          workload=workload, steps=steps, eval_every=eval_every)
 
 
 @pytest.mark.slow
