@@ -151,6 +151,33 @@ def test_an_accumulated_step_splits_itself_at_half_its_backward_passes(k):
             assert torch.equal(got, _run(12, BatchNoise(W), clip=clip, first=False, **kw))
 
 
+def test_a_step_skipped_without_correct_costs_samples_not_a_finite_model():
+    """GradScaler skips the step whose gradient overflowed: no optimizer step, no correct(),
+    the gradients zeroed. Its passes and its kept (overflowed) first half must not make the
+    next step's sample: that step is twice as long as the one before, takes none, and so
+    does the one after (its length differs from the long one's); the model stays finite and
+    the noise counts the steps that had halves of their own."""
+    kw = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    p = torch.nn.Parameter(torch.arange(DIM, dtype=torch.float32) / DIM)
+    opt, noise = torch.optim.AdamW([p], **kw), BatchNoise(W)
+    noise.attach([p])
+    for t in range(1, 9):
+        p.grad = None
+        gs = _micro_grads(t, 2)
+        if t == 4:
+            gs[0] = torch.full((DIM,), float("inf"))
+        for g in gs:
+            (p * g / 2).sum().backward()
+        if t == 4:  # overflowed: skipped, as GradScaler does
+            continue
+        opt.step()
+        noise.correct(opt)
+    assert bool(torch.isfinite(p).all())
+    noise_now, count = noise._noise[p]
+    assert bool(torch.isfinite(noise_now).all())
+    assert count == 4  # steps 2, 3, 7, 8 (1: k not known yet; 4 skipped; 5 ran on from it; 6 after the long one)
+
+
 def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():
     """Without accumulation or a mark there are no halves: the step is plain AdamW's (no
     noise measured, nothing corrected), and the third such step in a row warns."""

@@ -28,8 +28,11 @@ passes (a Trainer's, Lightning's or Accelerate's gradient accumulation, or any l
 splits itself: a hook on each parameter counts its backward passes and keeps its
 gradient after the first ``a = k // 2`` of them (k read off the step before: the first
 step keeps nothing and takes no sample, and a loop of one backward pass a step never
-keeps a copy). With ``H`` the kept gradient and ``G`` the whole one, the a passes' and
-the other ``b = k - a`` passes' means differ by noise alone, and ``(a / b) (H (a + b) / a
+keeps a copy). A step takes a sample only when it is as long as the one before: one that
+ran on from a step skipped without :meth:`correct` (GradScaler's, when the gradient
+overflowed: its passes and kept gradient would count into the next) does not. With
+``H`` the kept gradient and ``G`` the whole one, the a passes' and the other ``b = k - a``
+passes' means differ by noise alone, and ``(a / b) (H (a + b) / a
 - G) ** 2`` is an unbiased estimate of the noise variance of ``G`` (for ``a = b``:
 ``(2 H - G) ** 2 = ((g_a - g_b) / 2) ** 2``), whatever the loss's scale. A loop of one
 backward pass a step splits its batch in two and says where the first half ends:
@@ -78,6 +81,7 @@ class BatchNoise:
         self.follows_server = world is None
         self._passes: dict[torch.Tensor, int] = {}  # backward passes into each parameter's gradient this step
         self._split: dict[torch.Tensor, int] = {}  # the pass after which each one's gradient is kept (k // 2)
+        self._length: dict[torch.Tensor, int] = {}  # each one's backward passes in the step before
         self._half: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # that gradient, and the passes it holds
         self._kept: set[torch.Tensor] = set()  # the parameters whose gradient was kept this step
         self._noise: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # running mean of the noise, its count
@@ -163,13 +167,14 @@ class BatchNoise:
             self._total_norm[p] = torch.linalg.vector_norm(p.grad)
 
     def state(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The running noise of each of ``params`` (by name), its count and split, for a
-        worker checkpoint (:meth:`load` takes it back)."""
+        """The running noise of each of ``params`` (by name), its count, split and step
+        length, for a worker checkpoint (:meth:`load` takes it back)."""
         noise = {}
         for name, p in params.items():
             got = self._noise.get(p)
             if got is not None:
-                noise[name] = {"noise": got[0].detach().clone(), "count": got[1], "split": self._split.get(p, 0)}
+                noise[name] = {"noise": got[0].detach().clone(), "count": got[1], "split": self._split.get(p, 0),
+                               "length": self._length.get(p, 0)}
         return {"world": self.world, "noise": noise}
 
     @torch.no_grad()
@@ -185,11 +190,12 @@ class BatchNoise:
             if noise.shape != p.shape:
                 raise ValueError(f"batch noise of {name!r}: shape {tuple(noise.shape)}, the parameter's "
                                  f"{tuple(p.shape)}")
-            loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]), int(entry.get(
-                "split", 0)))
-        for p, (noise, count, split) in loaded.items():
+            loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]),
+                         int(entry.get("split", 0)), int(entry.get("length", 0)))
+        for p, (noise, count, split, length) in loaded.items():
             self._noise[p] = (noise, count)
             self._split[p] = split
+            self._length[p] = length
 
     @torch.no_grad()
     def correct(self, optimizer: torch.optim.Optimizer) -> None:
@@ -200,7 +206,8 @@ class BatchNoise:
         self.attach(p for group in optimizer.param_groups for p in group["params"])  # (counted from the next step)
         if not marked and not self._kept and not self._noise:  # nothing kept, nothing measured yet: the splits
             self._split.update((p, n // 2) for p, n in self._passes.items())  # (a loop of one pass: no per-
-            self._passes.clear()  # parameter work beyond this)
+            self._length.update(self._passes)  # parameter work beyond this)
+            self._passes.clear()
             self._half.clear()
             self._total_norm.clear()
             self._note_unsplit(False)
@@ -215,6 +222,12 @@ class BatchNoise:
                 half = self._half.get(p) if p in self._kept else None
                 total = self._total_norm.pop(p, None)
                 if not marked and p in self._hooked:
+                    # a step as long as the one before: its count starts where that step's correct() ended it.
+                    # One that is not (a step skipped without correct(), as GradScaler skips one whose gradient
+                    # overflowed, so that its passes and its kept gradient ran on into this one) takes no sample
+                    if passes != self._length.get(p):
+                        half = None
+                    self._length[p] = passes
                     self._split[p] = passes // 2  # next step's split (0: one pass, no halves)
                     if passes < 2:
                         self._half.pop(p, None)  # (a loop without halves holds no copy)
