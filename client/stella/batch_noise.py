@@ -60,6 +60,12 @@ import torch
 __all__ = ["BatchNoise"]
 
 
+def _noise_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The running noise's dtype: at least float32 (in bf16 or f16, ``beta2`` = 0.999 times a
+    value rounds back to the value, and an EMA never moves)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class BatchNoise:
     """The correction of one worker's Adam step to the step Adam would take on ``world``
     times its batch (the module doc). ``world``: the Adam steps the server's mean
@@ -190,7 +196,7 @@ class BatchNoise:
             if noise.shape != p.shape:
                 raise ValueError(f"batch noise of {name!r}: shape {tuple(noise.shape)}, the parameter's "
                                  f"{tuple(p.shape)}")
-            loaded[p] = (noise.to(device=p.device, dtype=p.dtype).clone(), int(entry["count"]),
+            loaded[p] = (noise.to(device=p.device, dtype=_noise_dtype(p.dtype)).clone(), int(entry["count"]),
                          int(entry.get("split", 0)), int(entry.get("length", 0)))
         for p, (noise, count, split, length) in loaded.items():
             self._noise[p] = (noise, count)
@@ -244,7 +250,7 @@ class BatchNoise:
                     c = torch.where(total > 0, now / total, torch.ones_like(total))
                     diff = half[0].mul_(c * ((a + b) / a)).sub_(p.grad)
                     if noise is None:
-                        noise = torch.zeros_like(diff)
+                        noise = torch.zeros_like(diff, dtype=_noise_dtype(diff.dtype))
                     noise.mul_(b2).addcmul_(diff, diff, value=(1 - b2) * (a / b))
                     count += 1
                     self._noise[p] = (noise, count)
