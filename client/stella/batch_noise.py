@@ -223,6 +223,22 @@ class BatchNoise:
         for group in optimizer.param_groups:
             b1, b2 = group["betas"]
             lr, eps = float(group["lr"]), group["eps"]
+            # what the group's parameters take, in lists for torch's multi-tensor (foreach) ops: a handful of
+            # kernels a step for the whole group instead of a dozen a parameter (the launches, on a GPU, would
+            # be the step's cost); the arithmetic is the one the module doc gives, parameter by parameter
+            s_half: list[torch.Tensor] = []  # sampled: the kept gradient, the whole one, its norm then,
+            s_grad: list[torch.Tensor] = []  # the running noise, (a + b) / a and (1 - b2) a / b
+            s_total: list[torch.Tensor] = []
+            s_noise: list[torch.Tensor] = []
+            s_ab: list[float] = []
+            s_w: list[float] = []
+            c_p: list[torch.Tensor] = []  # corrected: the parameter, Adam's moments, the running noise,
+            c_m: list[torch.Tensor] = []  # 1 - b2^t, keep / (1 - b2^count), lr / (1 - b1^t)
+            c_v: list[torch.Tensor] = []
+            c_noise: list[torch.Tensor] = []
+            c_bc2: list[float] = []
+            c_keep: list[float] = []
+            c_lr: list[float] = []
             for p in group["params"]:
                 passes = 2 if marked else self._passes.pop(p, 0)
                 half = self._half.get(p) if p in self._kept else None
@@ -244,24 +260,51 @@ class BatchNoise:
                 a = 1 if marked or half is None else half[1]
                 b = 1 if marked else passes - a
                 if half is not None and total is not None and b > 0:
-                    # the step's gradient is the whole one times c (1, or a clip's factor): the noise of what Adam
-                    # saw is c times that of the halves; b (the a passes' mean less the other b's) = H (a + b) / a - G
-                    now = torch.linalg.vector_norm(p.grad)
-                    c = torch.where(total > 0, now / total, torch.ones_like(total))
-                    diff = half[0].mul_(c * ((a + b) / a)).sub_(p.grad)
                     if noise is None:
-                        noise = torch.zeros_like(diff, dtype=_noise_dtype(diff.dtype))
-                    noise.mul_(b2).addcmul_(diff, diff, value=(1 - b2) * (a / b))
+                        noise = torch.zeros_like(p.grad, dtype=_noise_dtype(p.grad.dtype))
                     count += 1
                     self._noise[p] = (noise, count)
-                    sampled = True
+                    s_half.append(half[0])
+                    s_grad.append(p.grad)
+                    s_total.append(total)
+                    s_noise.append(noise)
+                    s_ab.append((a + b) / a)
+                    s_w.append((1 - b2) * (a / b))
                 if self.world == 1 or noise is None:
                     continue
                 t = float(st["step"])
-                vh = st["exp_avg_sq"] / (1 - b2 ** t)
-                job = torch.maximum(vh - noise * (keep / (1 - b2 ** count)), vh / self.world)
-                more = (vh.sqrt_().add_(eps).reciprocal_()).sub_(job.sqrt_().add_(eps).reciprocal_())
-                p.add_(st["exp_avg"] * more, alpha=lr / (1 - b1 ** t))
+                c_p.append(p)
+                c_m.append(st["exp_avg"])
+                c_v.append(st["exp_avg_sq"])
+                c_noise.append(noise)
+                c_bc2.append(1 - b2 ** t)
+                c_keep.append(keep / (1 - b2 ** count))
+                c_lr.append(lr / (1 - b1 ** t))
+            if s_half:
+                sampled = True
+                # the step's gradient is the whole one times c (1, or a clip's factor): the noise of what Adam
+                # saw is c times that of the halves; b (the a passes' mean less the other b's) = c H (a + b) / a - G
+                scale = torch._foreach_div(torch._foreach_norm(s_grad), torch._foreach_clamp_min(s_total, 1e-30))
+                torch._foreach_mul_(scale, s_ab)
+                torch._foreach_mul_(s_half, scale)
+                torch._foreach_sub_(s_half, s_grad)
+                torch._foreach_mul_(s_noise, b2)
+                torch._foreach_addcmul_(s_noise, s_half, s_half, s_w)
+            if c_p:
+                vh = torch._foreach_div(c_v, c_bc2)
+                less = list(torch._foreach_mul(c_noise, c_keep))
+                if any(x.dtype != v.dtype for x, v in zip(less, vh)):  # (a low-precision model's noise: float32)
+                    less = [x.to(v.dtype) for x, v in zip(less, vh)]
+                job = torch._foreach_sub(vh, less)
+                torch._foreach_maximum_(job, torch._foreach_div(vh, float(self.world)))
+                for x in (vh, job):  # 1 / (sqrt(.) + eps)
+                    torch._foreach_sqrt_(x)
+                    torch._foreach_add_(x, eps)
+                    torch._foreach_reciprocal_(x)
+                torch._foreach_sub_(vh, job)  # how much further the job's step goes, per unit of m
+                torch._foreach_mul_(vh, c_m)
+                torch._foreach_mul_(vh, c_lr)
+                torch._foreach_add_(c_p, vh)
         self._kept.clear()
         self._total_norm.clear()
         self._note_unsplit(sampled)
