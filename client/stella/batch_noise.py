@@ -46,8 +46,9 @@ A clip of the gradient between the backward passes and the step (``clip_grad_nor
 Trainer's ``max_grad_norm``) scales what Adam sees, and the noise with it: the hook notes
 each parameter's gradient's norm after each backward pass past the split, and the step
 reads the clip's factor off the norm it finds. The cost: two copies of the parameters'
-size (the kept gradient, the noise's running mean), a norm per parameter per backward
-pass past the split, and a few element-wise passes a step.
+size (the kept gradient, the noise's running mean); at the end of a backward pass (the
+autograd engine's queued callback) one multi-tensor copy or norm of the gradients due;
+a few multi-tensor element-wise passes a step.
 """
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ class BatchNoise:
         self._hooked: set[torch.Tensor] = set()
         self._marked = False  # mark_half() this step: two equal halves, the passes not counted
         self._unsplit = 0  # steps in a row without halves (a warning after a few, when ``warn``)
+        # what the backward pass under way owes its end (_end_of_pass): gradients to keep, norms to note
+        self._due_keep: list[tuple[torch.Tensor, int]] = []
+        self._due_norm: list[torch.Tensor] = []
+        self._queued = False
         self.warn = warn
 
     @staticmethod
@@ -155,22 +160,53 @@ class BatchNoise:
             self._half[p] = (kept[0].copy_(grad), passes)
         self._kept.add(p)
 
-    @torch.no_grad()
     def _after_backward(self, p: torch.Tensor) -> None:
-        """A backward pass added to ``p.grad``: count it, keep the gradient at the split,
-        note the whole gradient's norm after it."""
+        """A backward pass added to ``p.grad``: count it; at the split its gradient is to
+        be kept, after it its norm noted, both at the end of the pass (:meth:`_end_of_pass`)."""
         if p.grad is None:
             return
         if self._marked:
-            self._total_norm[p] = torch.linalg.vector_norm(p.grad)
-            return
-        n = self._passes.get(p, 0) + 1
-        self._passes[p] = n
-        a = self._split.get(p, 0)
-        if n == a:
-            self._keep(p, a)
-        elif n > a > 0:
-            self._total_norm[p] = torch.linalg.vector_norm(p.grad)
+            self._due_norm.append(p)
+        else:
+            n = self._passes.get(p, 0) + 1
+            self._passes[p] = n
+            a = self._split.get(p, 0)
+            if n == a:
+                self._due_keep.append((p, a))
+            elif n > a > 0:
+                self._due_norm.append(p)
+            else:
+                return
+        if not self._queued:  # once a pass: the engine calls it when the pass is done
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+
+    @torch.no_grad()
+    def _end_of_pass(self) -> None:
+        """The backward pass is done: keep the gradients due (one multi-tensor copy) and note
+        the norms due (one multi-tensor norm), for every parameter at once."""
+        self._queued = False
+        due_keep, self._due_keep = self._due_keep, []
+        due_norm, self._due_norm = self._due_norm, []
+        dst, src = [], []
+        for p, passes in due_keep:
+            grad = p.grad
+            if grad is None:
+                continue
+            kept = self._half.get(p)
+            if kept is None or kept[0].shape != grad.shape or kept[0].dtype != grad.dtype:
+                self._half[p] = (grad.detach().clone(), passes)
+            else:
+                self._half[p] = (kept[0], passes)
+                dst.append(kept[0])
+                src.append(grad)
+            self._kept.add(p)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        grads = [(p, p.grad) for p in due_norm if p.grad is not None]
+        if grads:
+            for (p, _), norm in zip(grads, torch._foreach_norm([g for _, g in grads])):
+                self._total_norm[p] = norm
 
     def state(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The running noise of each of ``params`` (by name), its count, split and step
