@@ -228,6 +228,18 @@ def test_a_bf16_parameters_running_noise_is_kept_in_float32():
     assert est[torch.float32] == pytest.approx(0.5, rel=0.1)
 
 
+def test_a_hook_called_where_no_pass_takes_callbacks_does_its_work_at_once():
+    """The gradients are kept at the end of the backward pass (a callback the autograd
+    engine runs); where there is none to queue on (the hook called outside the engine,
+    as another engine might), the work is done at once."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    noise = BatchNoise(W)
+    noise._split[p] = 1
+    noise._after_backward(p)
+    assert p in noise._kept and torch.equal(noise._half[p][0], torch.ones(3)) and not noise._queued
+
+
 def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():
     """Without accumulation or a mark there are no halves: the step is plain AdamW's (no
     noise measured, nothing corrected), and the third such step in a row warns."""

@@ -178,8 +178,11 @@ class BatchNoise:
             else:
                 return
         if not self._queued:  # once a pass: the engine calls it when the pass is done
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+                self._queued = True
+            except RuntimeError:  # no pass to queue on (an engine that takes no callbacks): now
+                self._end_of_pass()
 
     @torch.no_grad()
     def _end_of_pass(self) -> None:
