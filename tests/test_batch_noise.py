@@ -231,13 +231,21 @@ def test_a_bf16_parameters_running_noise_is_kept_in_float32():
 def test_a_hook_called_where_no_pass_takes_callbacks_does_its_work_at_once():
     """The gradients are kept at the end of the backward pass (a callback the autograd
     engine runs); where there is none to queue on (the hook called outside the engine,
-    as another engine might), the work is done at once."""
+    as another engine might), the work is done at once; a pass that never reached its end
+    leaves nothing behind."""
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
     noise = BatchNoise(W)
     noise._split[p] = 1
     noise._after_backward(p)
     assert p in noise._kept and torch.equal(noise._half[p][0], torch.ones(3)) and not noise._queued
+    # a pass that raised before its end: the next step's correct() leaves nothing of it behind (else no pass
+    # would queue its callback again, and what it owed would pile up)
+    noise._queued, noise._due_norm = True, [p]
+    opt = torch.optim.AdamW([p])
+    opt.step()
+    noise.correct(opt)
+    assert not noise._queued and not noise._due_norm and not noise._due_keep
 
 
 def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():

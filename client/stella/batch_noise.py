@@ -248,6 +248,10 @@ class BatchNoise:
         step's halves show to its running mean and move each parameter as the step with
         the job's second moment would have (the module doc)."""
         marked, self._marked = self._marked, False
+        # a pass whose end never came (it raised before the engine ran its callback) leaves nothing behind
+        self._queued = False
+        self._due_keep.clear()
+        self._due_norm.clear()
         self.attach(p for group in optimizer.param_groups for p in group["params"])  # (counted from the next step)
         if not marked and not self._kept and not self._noise:  # nothing kept, nothing measured yet: the splits
             self._split.update((p, n // 2) for p, n in self._passes.items())  # (a loop of one pass: no per-
