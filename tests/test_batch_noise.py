@@ -248,6 +248,36 @@ def test_a_hook_called_where_no_pass_takes_callbacks_does_its_work_at_once():
     assert not noise._queued and not noise._due_norm and not noise._due_keep
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["checkpoint", "reentrant-checkpoint"])
+def test_activation_checkpointing_changes_nothing(reentrant):
+    """A block under torch.utils.checkpoint (its backward a recomputation, with reentrant
+    checkpointing a backward pass of its own inside the outer one, whose end runs the
+    queued callback early): the same steps, bit for bit, as the plain model's."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(ckpt: bool) -> tuple[torch.Tensor, set[int]]:
+        torch.manual_seed(0)
+        l1, l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        params = [*l1.parameters(), *l2.parameters()]
+        opt, noise = torch.optim.AdamW(params, lr=0.01), BatchNoise(W)
+        noise.attach(params)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            for p in params:
+                p.grad = None
+            for _ in range(2):
+                x = torch.randn(32, 8, generator=g).requires_grad_(reentrant)  # (reentrant: an input needs grad)
+                h = checkpoint(lambda z: torch.tanh(l1(z)), x, use_reentrant=reentrant) if ckpt else torch.tanh(l1(x))
+                (l2(h).square().mean() / 2).backward()
+            opt.step()
+            noise.correct(opt)
+        return torch.cat([p.detach().reshape(-1) for p in params]), {c for _, c in noise._noise.values()}
+
+    plain, counts = run(False)
+    got, got_counts = run(True)
+    assert counts == got_counts == {7} and torch.equal(got, plain)
+
+
 def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():
     """Without accumulation or a mark there are no halves: the step is plain AdamW's (no
     noise measured, nothing corrected), and the third such step in a row warns."""
