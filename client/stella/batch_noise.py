@@ -145,20 +145,27 @@ class BatchNoise:
         for p in params:
             if p.grad is None:
                 self._kept.discard(p)
-            else:
-                self._keep(p, 1)
+        self._keep([(p, 1) for p in params])
         self._marked = True
 
-    def _keep(self, p: torch.Tensor, passes: int) -> None:
-        """Keep ``p``'s gradient now, as the first ``passes`` passes' part of the step's."""
-        grad = p.grad
-        assert grad is not None
-        kept = self._half.get(p)
-        if kept is None or kept[0].shape != grad.shape or kept[0].dtype != grad.dtype:
-            self._half[p] = (grad.detach().clone(), passes)
-        else:
-            self._half[p] = (kept[0].copy_(grad), passes)
-        self._kept.add(p)
+    def _keep(self, due: list[tuple[torch.Tensor, int]]) -> None:
+        """Keep each ``(p, passes)``'s gradient now (one multi-tensor copy into the buffers
+        kept before), as the first ``passes`` passes' part of the step's."""
+        dst, src = [], []
+        for p, passes in due:
+            grad = p.grad
+            if grad is None:
+                continue
+            kept = self._half.get(p)
+            if kept is None or kept[0].shape != grad.shape or kept[0].dtype != grad.dtype:
+                self._half[p] = (grad.detach().clone(), passes)
+            else:
+                self._half[p] = (kept[0], passes)
+                dst.append(kept[0])
+                src.append(grad)
+            self._kept.add(p)
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def _after_backward(self, p: torch.Tensor) -> None:
         """A backward pass added to ``p.grad``: count it; at the split its gradient is to
@@ -191,21 +198,7 @@ class BatchNoise:
         self._queued = False
         due_keep, self._due_keep = self._due_keep, []
         due_norm, self._due_norm = self._due_norm, []
-        dst, src = [], []
-        for p, passes in due_keep:
-            grad = p.grad
-            if grad is None:
-                continue
-            kept = self._half.get(p)
-            if kept is None or kept[0].shape != grad.shape or kept[0].dtype != grad.dtype:
-                self._half[p] = (grad.detach().clone(), passes)
-            else:
-                self._half[p] = (kept[0], passes)
-                dst.append(kept[0])
-                src.append(grad)
-            self._kept.add(p)
-        if dst:
-            torch._foreach_copy_(dst, src)
+        self._keep(due_keep)
         grads = [(p, p.grad) for p in due_norm if p.grad is not None]
         if grads:
             for (p, _), norm in zip(grads, torch._foreach_norm([g for _, g in grads])):
