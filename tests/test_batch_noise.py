@@ -7,6 +7,7 @@ second moments each hold the noise of an eighth of the batch), and eight byte-LM
 pushing 1% need fewer with it than the outer rule alone could give."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -276,6 +277,42 @@ def test_activation_checkpointing_changes_nothing(reentrant):
     plain, counts = run(False)
     got, got_counts = run(True)
     assert counts == got_counts == {7} and torch.equal(got, plain)
+
+
+def test_under_compiled_autograd_it_measures_from_its_second_step_as_eager_does():
+    """Compiled autograd (Dynamo compiling the backward pass, which calls the hooks from its
+    graph and runs no queued callback): the first step traces the hooks, which do nothing
+    there, and the hooks are put back as ones Dynamo leaves out of its graphs. After a
+    first step of one backward pass (which eager BatchNoise does not sample either) the
+    steps, samples and running noise are eager's, bit for bit (Dynamo's ``eager`` backend:
+    the same kernels)."""
+    import torch._dynamo
+    from torch._dynamo import compiled_autograd
+
+    def run(compiled: bool) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
+        torch.manual_seed(0)
+        l1, l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        params = [*l1.parameters(), *l2.parameters()]
+        opt, noise = torch.optim.AdamW(params, lr=0.01), BatchNoise(W)
+        noise.attach(params)
+        g = torch.Generator().manual_seed(1)
+        torch._dynamo.reset()
+        with compiled_autograd._enable(torch.compile(backend="eager")) if compiled else contextlib.nullcontext():
+            for step in range(8):
+                for p in params:
+                    p.grad = None
+                for _ in range(1 if step == 0 else 2):
+                    x = torch.randn(32, 8, generator=g)
+                    (l2(torch.tanh(l1(x))).square().mean() / 2).backward()
+                opt.step()
+                noise.correct(opt)
+        return (torch.cat([p.detach().reshape(-1) for p in params]),
+                torch.cat([n.reshape(-1) for n, _ in noise._noise.values()]), {c for _, c in noise._noise.values()})
+
+    plain, plain_noise, counts = run(False)
+    got, got_noise, got_counts = run(True)
+    assert counts == got_counts == {6}
+    assert torch.equal(got_noise, plain_noise) and torch.equal(got, plain)
 
 
 def test_a_step_of_one_backward_pass_takes_no_sample_and_a_warning_says_so():

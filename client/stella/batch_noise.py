@@ -52,6 +52,7 @@ a few multi-tensor element-wise passes a step.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -65,6 +66,15 @@ def _noise_dtype(dtype: torch.dtype) -> torch.dtype:
     """The running noise's dtype: at least float32 (in bf16 or f16, ``beta2`` = 0.999 times a
     value rounds back to the value, and an EMA never moves)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)  # (torch >= 2.3)
+
+
+def _in_compiled_backward() -> bool:
+    """Whether compiled autograd is running a backward pass (its graph calls the hooks)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.in_compiled_autograd_region)
 
 
 class BatchNoise:
@@ -95,7 +105,11 @@ class BatchNoise:
         # each parameter's whole gradient's norm as the backward passes after the split left it (the hook's),
         # before anything scaled it: a clip between the backward and the step is read off it
         self._total_norm: dict[torch.Tensor, torch.Tensor] = {}
-        self._hooked: set[torch.Tensor] = set()
+        self._hooked: dict[torch.Tensor, Any] = {}  # each parameter's hook's handle
+        # compiled autograd traced the hooks (Dynamo compiling the backward pass): they did nothing there, and
+        # correct() puts hooks Dynamo leaves out of its graphs in their place (_compiled)
+        self._traced = False
+        self._compiled = False
         self._marked = False  # mark_half() this step: two equal halves, the passes not counted
         self._unsplit = 0  # steps in a row without halves (a warning after a few, when ``warn``)
         # what the backward pass under way owes its end (_end_of_pass): gradients to keep, norms to note
@@ -133,8 +147,27 @@ class BatchNoise:
         each; attaching twice is once)."""
         for p in params:
             if p not in self._hooked and p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._after_backward)
-                self._hooked.add(p)
+                self._hooked[p] = p.register_post_accumulate_grad_hook(self._hook())
+
+    def _hook(self) -> Any:
+        """The hook on each parameter: :meth:`_after_backward`, or once compiled autograd
+        traced it, the same kept out of Dynamo's graphs (run as it is, in the graph's
+        place: compiled autograd calls a parameter's hooks from its graph)."""
+        if not self._compiled:
+            return self._after_backward
+        import torch._dynamo  # (imported already: compiled autograd traced the hooks)
+
+        return torch._dynamo.disable(self._after_backward)
+
+    def _retrace(self) -> None:
+        """Compiled autograd traced the hooks: hook each parameter again with the hook it
+        leaves out of its graphs (the step traced went unmeasured)."""
+        self._traced = False
+        self._compiled = True
+        hook = self._hook()
+        for p, handle in self._hooked.items():
+            handle.remove()
+            self._hooked[p] = p.register_post_accumulate_grad_hook(hook)
 
     @torch.no_grad()
     def mark_half(self, params: list[torch.Tensor]) -> None:
@@ -170,6 +203,9 @@ class BatchNoise:
     def _after_backward(self, p: torch.Tensor) -> None:
         """A backward pass added to ``p.grad``: count it; at the split its gradient is to
         be kept, after it its norm noted, both at the end of the pass (:meth:`_end_of_pass`)."""
+        if _is_compiling():  # traced into a compiled backward pass: nothing here would run there
+            self._traced = True
+            return
         if p.grad is None:
             return
         if self._marked:
@@ -185,6 +221,9 @@ class BatchNoise:
             else:
                 return
         if not self._queued:  # once a pass: the engine calls it when the pass is done
+            if _in_compiled_backward():  # compiled autograd's pass runs no queued callback: now
+                self._end_of_pass()
+                return
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
                 self._queued = True
@@ -241,6 +280,8 @@ class BatchNoise:
         step's halves show to its running mean and move each parameter as the step with
         the job's second moment would have (the module doc)."""
         marked, self._marked = self._marked, False
+        if self._traced:
+            self._retrace()
         # a pass whose end never came (it raised before the engine ran its callback) leaves nothing behind
         self._queued = False
         self._due_keep.clear()
