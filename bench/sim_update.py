@@ -66,7 +66,9 @@ its values at the latest broadcast's indices, which every replica has: values on
 no index bytes). ``heldF`` keeps each worker's unsent change apart and its model at
 ``B - F x unsent`` (:func:`_hold`): ``held1`` is today's worker, whose model holds all
 of its own progress not yet in the broadcast, ``heldw`` F = 1 / W (its own share of a
-mean, as the other workers hold none of it). ``--staleness 0`` merges each round's
+mean, as the other workers hold none of it). ``dwarmN``: the pushes' density (and the
+broadcast's budget with it) warms up, falling geometrically from 10x the run's at step 0
+to the run's at step N (deep gradient compression's sparsity warm-up). ``--staleness 0`` merges each round's
 result before the next local step (no overlap), to tell what the one round of delay
 costs.
 
@@ -129,6 +131,7 @@ class Rule:
     own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
     count_power: float = 0.0  # ``cpowP``: the mean times (W / pushes carrying the coordinate) ** P
     held: float = 1.0  # ``heldF``: the weight of its own unsent change in a worker's model (-1: 1 / W)
+    warm: int = 0  # ``dwarmN``: the density falls geometrically from 10x to the run's over the first N steps
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -155,6 +158,8 @@ class Rule:
                 kw["count_power"] = float(part[4:])
             elif part.startswith("held"):
                 kw["held"] = -1.0 if part[4:] == "w" else float(part[4:])
+            elif part.startswith("dwarm"):
+                kw["warm"] = int(part[5:])
             elif part.startswith("lend"):
                 kw["lend"] = float(part[4:] or 0.9)
             elif part.startswith("normema"):  # norm, from an EMA of the earlier steps' (the server's way)
@@ -488,7 +493,11 @@ def run_stella(cfg: Config) -> Curve:
             for i in range(W):
                 merge(i)  # the previous round
             unsent = unsent_own if unsent_own is not None else [anchors[i] - ws[i] for i in range(W)]
-            own_k, at = _push_indices(rule, unsent, flat.ns, k, t // cfg.H, b_idx)
+            k_t = k
+            if rule.warm and t < rule.warm:  # density warm-up: 10x the run's at step 0, the run's at step N
+                k_t = min(flat.ns, round(k * 10 ** (1 - t / rule.warm)))
+            kb = max(1, round(cfg.factor * k_t))
+            own_k, at = _push_indices(rule, unsent, flat.ns, k_t, t // cfg.H, b_idx)
             for i in range(W):
                 c = _sparse_send(unsent[i], flat.ns, own_k, cfg.push_values, "f16", at)
                 n_values.append(int((c[:flat.ns] != 0).sum()))
