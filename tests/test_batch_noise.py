@@ -8,6 +8,7 @@ pushing 1% need fewer with it than the outer rule alone could give."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -277,6 +278,44 @@ def test_activation_checkpointing_changes_nothing(reentrant):
     plain, counts = run(False)
     got, got_counts = run(True)
     assert counts == got_counts == {7} and torch.equal(got, plain)
+
+
+def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeypatch):
+    """A fused (or capturable) Adam keeps its step count on the parameters' device, where
+    reading it each step would wait for the GPU once a parameter: it is read once, then
+    counted, and read again after a load_state_dict (new tensors) even one that took the
+    count back. Here fused AdamW on the CPU, its count taken for a device's: the same
+    steps, bit for bit, as reading it every time."""
+    import stella.batch_noise as bn
+
+    def run(count: bool) -> tuple[torch.Tensor, list[tuple[float, float]]]:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 4)
+        params = list(lin.parameters())
+        opt, noise = torch.optim.AdamW(params, lr=0.01, fused=True), BatchNoise(W)
+        noise.attach(params)
+        g = torch.Generator().manual_seed(1)
+        counts, saved = [], None
+        for step in range(10):
+            if step == 4:
+                saved = copy.deepcopy(opt.state_dict())
+            if step == 7:  # back to step 4's optimizer state: the count goes back with it
+                opt.load_state_dict(saved)
+            for p in params:
+                p.grad = None
+            for _ in range(2):
+                lin(torch.randn(16, 8, generator=g)).square().mean().div(2).backward()
+            opt.step()
+            noise.correct(opt)
+            if count and step >= 2:  # (corrected from the step after the first sample)
+                counts += [(noise._device_steps[p][1], float(opt.state[p]["step"])) for p in params]
+        return torch.cat([p.detach().reshape(-1) for p in params]), counts
+
+    read = run(False)[0]
+    monkeypatch.setattr(bn, "_on_host", lambda t: False)
+    got, counts = run(True)
+    assert torch.equal(got, read)
+    assert [c for c, _ in counts] == [t for _, t in counts] and counts[-1][1] == 7.0  # 10 steps, 3 taken back
 
 
 def test_under_compiled_autograd_it_measures_from_its_second_step_as_eager_does():

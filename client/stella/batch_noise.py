@@ -71,6 +71,11 @@ def _noise_dtype(dtype: torch.dtype) -> torch.dtype:
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)  # (torch >= 2.3)
 
 
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` costs no wait for a device."""
+    return t.device.type == "cpu"
+
+
 def _in_compiled_backward() -> bool:
     """Whether compiled autograd is running a backward pass (its graph calls the hooks)."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
@@ -116,6 +121,9 @@ class BatchNoise:
         self._due_keep: list[tuple[torch.Tensor, int]] = []
         self._due_norm: list[torch.Tensor] = []
         self._queued = False
+        # Adam's step count for the parameters whose count lives on a device (fused, capturable): the tensor
+        # it was read off, and the count (_step_of)
+        self._device_steps: dict[torch.Tensor, tuple[torch.Tensor, float]] = {}
         self.warn = warn
 
     @staticmethod
@@ -349,7 +357,7 @@ class BatchNoise:
                     s_w.append((1 - b2) * (a / b))
                 if self.world == 1 or noise is None:
                     continue
-                t = float(st["step"])
+                t = self._step_of(p, st["step"])
                 c_p.append(p)
                 c_m.append(st["exp_avg"])
                 c_v.append(st["exp_avg_sq"])
@@ -385,6 +393,20 @@ class BatchNoise:
         self._kept.clear()
         self._total_norm.clear()
         self._note_unsplit(sampled)
+
+    def _step_of(self, p: torch.Tensor, step: Any) -> float:
+        """Adam's step count for ``p`` (after the step just taken), read without waiting for
+        the device: a fused or capturable optimizer keeps it on the parameters' device, where
+        reading it would wait for the GPU, once a parameter a step. There it is read once and
+        then counted (Adam advanced it by one for every step it took on ``p``, and every such
+        step is followed by this one's correction); a state loaded since (a new tensor) is
+        read again."""
+        if not isinstance(step, torch.Tensor) or _on_host(step):
+            return float(step)
+        seen = self._device_steps.get(p)
+        t = float(step) if seen is None or seen[0] is not step else seen[1] + 1.0
+        self._device_steps[p] = (step, t)
+        return t
 
     def _note_unsplit(self, sampled: bool) -> None:
         self._unsplit = 0 if sampled else self._unsplit + 1
