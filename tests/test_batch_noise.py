@@ -283,8 +283,8 @@ def test_activation_checkpointing_changes_nothing(reentrant):
 def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeypatch):
     """A fused (or capturable) Adam keeps its step count on the parameters' device, where
     reading it each step would wait for the GPU once a parameter: it is read once, then
-    counted, and read again after a load_state_dict (new tensors) even one that took the
-    count back. Here fused AdamW on the CPU, its count taken for a device's: the same
+    counted (also on steps a world of one leaves uncorrected), and read again after a
+    load_state_dict (new tensors) even one that took the count back. Here fused AdamW on the CPU, its count taken for a device's: the same
     steps, bit for bit, as reading it every time."""
     import stella.batch_noise as bn
 
@@ -301,6 +301,7 @@ def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeyp
                 saved = copy.deepcopy(opt.state_dict())
             if step == 7:  # back to step 4's optimizer state: the count goes back with it
                 opt.load_state_dict(saved)
+            noise.world = 1 if step in (5, 6) else W  # (a job of one worker for two steps: none corrected)
             for p in params:
                 p.grad = None
             for _ in range(2):

@@ -355,9 +355,11 @@ class BatchNoise:
                     s_noise.append(noise)
                     s_ab.append((a + b) / a)
                     s_w.append((1 - b2) * (a / b))
-                if self.world == 1 or noise is None:
+                if noise is None:
                     continue
-                t = self._step_of(p, st["step"])
+                t = self._step_of(p, st["step"])  # (counted on every step Adam took since it was read)
+                if self.world == 1:
+                    continue
                 c_p.append(p)
                 c_m.append(st["exp_avg"])
                 c_v.append(st["exp_avg_sq"])
