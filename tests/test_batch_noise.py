@@ -284,8 +284,8 @@ def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeyp
     """A fused (or capturable) Adam keeps its step count on the parameters' device, where
     reading it each step would wait for the GPU once a parameter: it is read once, then
     counted (also on steps a world of one leaves uncorrected), and read again after a
-    load_state_dict (new tensors) even one that took the count back. Here fused AdamW on the CPU, its count taken for a device's: the same
-    steps, bit for bit, as reading it every time."""
+    load_state_dict (new tensors) even one that took the count back. Here fused AdamW on the
+    CPU, its count taken for a device's: the same steps, bit for bit, as reading it every time."""
     import stella.batch_noise as bn
 
     def run(count: bool) -> tuple[torch.Tensor, list[tuple[float, float]]]:
