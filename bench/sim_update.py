@@ -51,7 +51,8 @@ replaced by the workers' mean) and ``vmix`` (the whole batch's estimated from th
 workers' mean moments, ``v / W + (1 - 1/W) m^2``). ``vsplit`` (what a real job can
 afford, :class:`stella.BatchNoise`): each worker measures its gradient's noise from the two
 halves of its batch, a running mean ``n`` of ``((g_a - g_b) / 2) ** 2``, and steps with
-``max(v - (1 - 1/W) n, v / W)``, the second moment Adam keeps on the whole batch; ``vdiff``
+``max(v - (1 - 1/W) n, v / W)``, the second moment Adam keeps on the whole batch
+(``vsplitwE``: with W ** E in place of W, a probe of a world over- or under-stated); ``vdiff``
 the same from two successive steps' gradients, ``(g_t - g_{t-1}) ** 2 / 2`` (no halves;
 worse than none on the byte LM, whose gradient moves between steps). ``lendG``: a coordinate some but
 not all workers pushed is applied at the pushers' mean (the others' shares lent), later
@@ -131,6 +132,7 @@ class Rule:
     own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
     count_power: float = 0.0  # ``cpowP``: the mean times (W / pushes carrying the coordinate) ** P
     held: float = 1.0  # ``heldF``: the weight of its own unsent change in a worker's model (-1: 1 / W)
+    vworld: float = 1.0  # ``vsplitwE``: vsplit's world taken as W ** E
     warm: int = 0  # ``dwarmN``: the density falls geometrically from 10x to the run's over the first N steps
 
     @classmethod
@@ -158,6 +160,8 @@ class Rule:
                 kw["count_power"] = float(part[4:])
             elif part.startswith("held"):
                 kw["held"] = -1.0 if part[4:] == "w" else float(part[4:])
+            elif part.startswith("vsplitw"):
+                kw.update(vsplit=True, vworld=float(part[7:]))
             elif part.startswith("dwarm"):
                 kw["warm"] = int(part[5:])
             elif part.startswith("lend"):
@@ -599,7 +603,8 @@ def run_stella(cfg: Config) -> Curve:
                 noise = split_noise[i]
                 if mo is not None and noise is not None:
                     vh = mo[1]
-                    v_est = torch.maximum(vh - (1 - 1 / W) * noise / (1 - b2s ** (t + 1)), vh / W)
+                    We = W ** rule.vworld
+                    v_est = torch.maximum(vh - (1 - 1 / We) * noise / (1 - b2s ** (t + 1)), vh / We)
                     inner[i].take_denominator(v_est, mo)
             if rule.vdiff:
                 mo = inner[i]._moments()
