@@ -319,6 +319,44 @@ def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeyp
     assert [c for c, _ in counts] == [t for _, t in counts] and counts[-1][1] == 7.0  # 10 steps, 3 taken back
 
 
+class _Unread(torch.Tensor):
+    """A learning rate that BatchNoise must not read (AdamW's own item() may)."""
+
+    def __float__(self) -> float:
+        raise AssertionError("read the learning rate")
+
+
+def test_a_learning_rate_tensor_on_the_device_is_not_read(monkeypatch):
+    """A learning rate kept as a tensor (a compiled optimizer step's, with a scheduler that
+    changes it in place) on the device multiplies the correction there instead of being
+    read each step: the same steps as a float's, to rounding."""
+    import stella.batch_noise as bn
+
+    def run(lr_tensor: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 4)
+        params = list(lin.parameters())
+        opt = torch.optim.AdamW(params, lr=torch.tensor(0.01).as_subclass(_Unread) if lr_tensor else 0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.05 * s)
+        noise = BatchNoise(W)
+        noise.attach(params)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            for p in params:
+                p.grad = None
+            for _ in range(2):
+                lin(torch.randn(16, 8, generator=g)).square().mean().div(2).backward()
+            opt.step()
+            noise.correct(opt)
+            sched.step()
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    want = run(False)
+    monkeypatch.setattr(bn, "_on_host", lambda t: False)  # every tensor a device's
+    got = run(True)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
 def test_under_compiled_autograd_it_measures_from_its_second_step_as_eager_does():
     """Compiled autograd (Dynamo compiling the backward pass, which calls the hooks from its
     graph and runs no queued callback): the first step traces the hooks, which do nothing

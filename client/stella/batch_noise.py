@@ -307,7 +307,11 @@ class BatchNoise:
         sampled = False
         for group in optimizer.param_groups:
             b1, b2 = group["betas"]
-            lr, eps = float(group["lr"]), group["eps"]
+            eps = group["eps"]
+            # a learning rate kept as a tensor on the device (a compiled optimizer step's, a capturable one's)
+            # multiplies the correction there: reading it would wait for the GPU
+            lr_dev = group["lr"] if isinstance(group["lr"], torch.Tensor) and not _on_host(group["lr"]) else None
+            lr = 1.0 if lr_dev is not None else float(group["lr"])
             # what the group's parameters take, in lists for torch's multi-tensor (foreach) ops: a handful of
             # kernels a step for the whole group instead of a dozen a parameter (the launches, on a GPU, would
             # be the step's cost); the arithmetic is the one the module doc gives, parameter by parameter
@@ -391,6 +395,8 @@ class BatchNoise:
                 torch._foreach_sub_(vh, job)  # how much further the job's step goes, per unit of m
                 torch._foreach_mul_(vh, c_m)
                 torch._foreach_mul_(vh, c_lr)
+                if lr_dev is not None:
+                    torch._foreach_mul_(vh, lr_dev)
                 torch._foreach_add_(c_p, vh)
         self._kept.clear()
         self._total_norm.clear()
