@@ -452,7 +452,8 @@ def own_pick(prof: Profile, workload: str, steps: int) -> tuple[Run, Prediction]
     prof = dataclasses.replace(
         prof, dense_iterations=2000, target_batch=prof.batch_size, critical_batch=64 * prof.batch_size,
         target_source="assumed for the pick: 2,000 iterations at one site's batch, falling with the global batch",
-        factors=tuple((f["density"], f["coding"], f["H"], f["factor"], f["source"]) for f in FACTORS["lm"]))
+        factors=tuple((f["density"], f["coding"], f["H"], f["factor"], f["source"], f.get("workers"))
+                      for f in FACTORS["lm"]))
     best = plan(cat, prof, max_shards=1).rows[0]
     c = best.config
     run = Run("p1", workload, "pick", c.workers, PICK_RATE, PICK_RATE, c.density, c.coding, c.sync_every,

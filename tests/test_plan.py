@@ -280,6 +280,34 @@ def test_iterations_factor_table(profile):
     assert profile_from_dict(profile_doc(factors=[])).factor(0.01, "f16", 1)[0] == 1.0
 
 
+def test_iterations_factor_by_the_number_of_workers(catalog):
+    """Entries measured at a number of workers: more workers is harsher (issue 43: the
+    iterations grow with W), so an entry at W = 8 bounds W = 4 from above and nothing bounds
+    W = 16; an entry that does not say its workers stands for any number, after one at the
+    very workers. The plan's rows take the factor of their own number of machines."""
+    doc = profile_doc(factors=[{"density": 0.01, "coding": "f16", "H": 1, "factor": 1.0, "workers": 2,
+                                "source": "w2"},
+                               {"density": 0.01, "coding": "f16", "H": 1, "factor": 1.3, "workers": 8,
+                                "source": "w8"}])
+    prof = profile_from_dict(doc)
+    assert prof.factor(0.01, "f16", 1, 2) == (1.0, "w2") and prof.factor(0.01, "f16", 1, 8) == (1.3, "w8")
+    f, src = prof.factor(0.01, "f16", 1, 4)
+    assert f == 1.3 and "at most" in src and "W=8" in src and not prof.factor_measured(0.01, "f16", 1, 4)
+    f, src = prof.factor(0.01, "f16", 1, 16)
+    assert f == math.inf and "more workers" in src
+    assert prof.factor(0.03, "f16", 1, 2)[0] == 1.0  # milder on density: the W = 2 entry bounds it
+    two = predict(prof, catalog, config(catalog, ("cloud", "ondemand", 2)))
+    four = predict(prof, catalog, config(catalog, ("cloud", "ondemand", 4)))
+    assert (two.factor, two.factor_measured, four.factor, four.factor_measured) == (1.0, True, 1.3, False)
+    assert four.iterations == pytest.approx(10_000 * 1.3) and "W=8" in four.factor_source
+    anyw = profile_from_dict(profile_doc(factors=[*doc["factors"], {"density": 0.01, "coding": "f16", "H": 1,
+                                                                    "factor": 1.1, "source": "any"}]))
+    assert anyw.factor(0.01, "f16", 1, 16) == (1.1, "any") and anyw.factor(0.01, "f16", 1, 8) == (1.3, "w8")
+    with pytest.raises(ProfileError, match="workers"):
+        profile_from_dict(profile_doc(factors=[{"density": 0.01, "coding": "f16", "H": 1, "factor": 1.0,
+                                                "workers": 0}]))
+
+
 def test_time_to_target_and_critical_batch(catalog, profile):
     p = predict(profile, catalog, config(catalog, ("cloud", "ondemand", 2)))
     assert p.iterations == pytest.approx(10_000 * 1.1)

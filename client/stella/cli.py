@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="iterations scale as 1 + B_crit/B with the global batch B (0: constant iterations)")
     pr.add_argument("--target-source", default="", help="where the target iterations come from (a label)")
     pr.add_argument("--factors", metavar="FILE", help="a TOML or JSON table of iterations factors against dense "
-                    "training: [[factors]] density, coding, H, factor")
+                    "training: [[factors]] density, coding, H, factor (workers: optional)")
     pr.add_argument("--samples", type=int, default=3, help="with --from: status replies to read")
     pr.add_argument("--batch-size", type=int, default=0, help="with --from: the workers' batch size")
     pl = sub.add_parser("plan", help="predict time and cost of a job on a catalog of machines, and pick one")

@@ -291,14 +291,14 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
     its_per_s = samples / round_s / batch
     # iterations to the target: dense training's at this batch x the configuration's factor (at the H the
     # fastest machines make)
+    # and the mix's number of workers
     h_eff = steps.max(axis=1)
     factor = np.empty_like(round_s)
+    workers = np.broadcast_to(w, round_s.shape)[:, 0].astype(int)
     for j, (dj, cj, hj, _) in enumerate(settings):
-        factor[:, j] = profile.factor(dj, cj, hj)[0]
-        col = h_eff[:, j]
-        if (col > hj).any():
-            for x in np.unique(col[col > hj]):
-                factor[col == x, j] = profile.factor(dj, cj, int(x))[0]
+        col = np.maximum(h_eff[:, j], hj).astype(int)
+        for wx, hx in set(zip(workers.tolist(), col.tolist())):
+            factor[(workers == wx) & (col == hx), j] = profile.factor(dj, cj, hx, wx)[0]
     dense = profile.dense_iterations * (1 + profile.critical_batch / batch) / \
         (1 + profile.critical_batch / profile.target_batch)
     iterations = dense * factor
@@ -457,7 +457,7 @@ def predict(profile: Profile, catalog: Catalog, config: Config, checkpoint_every
 def prediction(profile: Profile, config: Config, r: Mapping[str, Any], i: int) -> Prediction:
     v = {k: a[i, 0] for k, a in r.items()}
     h_factor = max(config.sync_every, int(v["h_eff"]))
-    source = profile.factor(config.density, config.coding, h_factor)[1]
+    source = profile.factor(config.density, config.coding, h_factor, config.workers)[1]
     return Prediction(config=config, s_per_it=float(v["s_per_it"]), round_s=float(v["round_s"]),
                       compute_s=float(v["compute_s"]), exchange_s=float(v["exchange_s"]),
                       link_s=float(v["link_s"]), server_s=float(v["server_s"]), bound=BOUNDS[int(v["bound"])],
@@ -465,7 +465,8 @@ def prediction(profile: Profile, config: Config, r: Mapping[str, Any], i: int) -
                       iterations=float(v["iterations"]), factor=float(v["factor"]), factor_source=source,
                       time_s=float(v["time_s"]), revocations=float(v["revocations"]), cost=float(v["cost"]),
                       revocation_cost=float(v["revocation_cost"]),
-                      factor_measured=profile.factor_measured(config.density, config.coding, h_factor),
+                      factor_measured=profile.factor_measured(config.density, config.coding, h_factor,
+                                                              config.workers),
                       compress_s=float(v["compress_s"]), push_s=float(v["push_s"]), pull_s=float(v["pull_s"]),
                       duplex_s=float(v["duplex_s"]), tail_s=float(v["tail_s"]), rtt_s=float(v["rtt_s"]),
                       fixed_s=float(v["fixed_s"]),

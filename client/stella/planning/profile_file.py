@@ -79,7 +79,10 @@ TEST_BED_FIT = Calibration(
 # With no factors table, one assumed entry: Stella's reference setting (1% f16, H = 1) costs dense training's
 # iterations. Unverified, and the conservative rule (Profile.factor) then considers nothing harsher than it
 NO_TABLE_ENTRY = (0.01, "f16", 1, 1.0, "no factors table: assumed equal to dense training at 1% f16 H = 1 "
-                                       "(unverified; give stella profile --factors)")
+                                       "(unverified; give stella profile --factors)", None)
+# a factors entry: (density, coding, H, factor, source, workers: the Stella workers it was measured with, None: not
+# said, and then it stands for any number)
+FactorEntry = tuple[float, str, int, float, str, "int | None"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class Profile:
     target_batch: int  # the global batch those iterations were measured at
     critical_batch: float  # iterations scale as (1 + critical_batch / B)
     target_source: str
-    factors: tuple[tuple[float, str, int, float, str], ...]  # (density, coding, H, factor, source)
+    factors: tuple[FactorEntry, ...]  # (density, coding, H, factor, source, workers)
     calibration: Calibration = field(default_factory=Calibration)
     stall_s: float = STALL_S
     device: str = ""
@@ -144,22 +147,24 @@ class Profile:
         a, b = _line([(coded(d), y) for d, y in self.pull])
         return a + b * coded(density)
 
-    def factor(self, density: float, coding: str, h: int) -> tuple[float, str]:
-        """Iterations to target against dense training for a configuration, with its source.
+    def factor(self, density: float, coding: str, h: int, workers: int | None = None) -> tuple[float, str]:
+        """Iterations to target against dense training for a configuration of ``workers``
+        Stella workers (None: any), with its source.
 
         The table's entry when there is one. Otherwise the bound monotonicity gives, and
         never less: a configuration *harsher* on every axis (lower density, a coarser
-        coding, more local steps) needs at least as many iterations, so the smallest factor
-        of the entries at least as harsh as this one bounds it from above, and that bound
-        is the estimate (or the largest factor of the milder entries, if the measurements
-        disagree with monotonicity and it is larger). A configuration that no entry is at
-        least as harsh as (it has a larger H, a lower density or a coarser coding than
-        everything measured that bounds it) is beyond the table: infinite (not considered).
-        With no table, :data:`NO_TABLE_ENTRY` is the table."""
+        coding, more local steps, more workers) needs at least as many iterations, so the
+        smallest factor of the entries at least as harsh as this one bounds it from above,
+        and that bound is the estimate (or the largest factor of the milder entries, if the
+        measurements disagree with monotonicity and it is larger). A configuration that no
+        entry is at least as harsh as (it has a larger H, a lower density, a coarser coding
+        or more workers than everything measured that bounds it) is beyond the table:
+        infinite (not considered). An entry that does not say its workers stands for any
+        number of them. With no table, :data:`NO_TABLE_ENTRY` is the table."""
         table = self.factors or (NO_TABLE_ENTRY,)
-        q = (density, _CODING_RANK.get(coding, 2), h)
-        for e in table:
-            if abs(e[0] - density) <= 1e-9 * density and e[1] == coding and e[2] == h:
+        q = (density, _CODING_RANK.get(coding, 2), h, workers)
+        for e in sorted(table, key=lambda e: e[5] is None):  # an entry at these very workers before one for any
+            if _same(e, density, coding, h, workers):
                 return e[3], e[4]
         milder = [e for e in table if _harsher(q, _axes(e))]
         harsher = [e for e in table if _harsher(_axes(e), q)]
@@ -167,14 +172,14 @@ class Profile:
         hi = min(harsher, key=lambda e: e[3]) if harsher else None
         if hi is None:  # nothing measured bounds it: no estimate; such configurations are not considered
             return math.inf, ("beyond the factors table (no entry is at least as harsh: lower density, coarser "
-                              "coding, more local steps): not considered; add an entry measured there")
+                              "coding, more local steps, more workers): not considered; add an entry measured there")
         if lo is not None and lo[3] > hi[3]:  # the table is not monotone here: the larger of the two
             return lo[3], f"at least {_entry(lo)} (the table is not monotone: at most {_entry(hi)})"
         return hi[3], f"at most {_entry(hi)} (the bound; not measured here)"
 
-    def factor_measured(self, density: float, coding: str, h: int) -> bool:
+    def factor_measured(self, density: float, coding: str, h: int, workers: int | None = None) -> bool:
         """Whether the table has this very configuration (not a bound, not assumed)."""
-        return any(abs(e[0] - density) <= 1e-9 * density and e[1] == coding and e[2] == h for e in self.factors)
+        return any(_same(e, density, coding, h, workers) for e in self.factors)
 
 
 # a coding's harshness: its place among the codings by bits a value, the coarsest last (equal bits: one rank)
@@ -182,17 +187,34 @@ _BY_BITS = sorted(VALUE_BITS, key=lambda c: -VALUE_BITS[c])
 _CODING_RANK = {c: min(i for i, d in enumerate(_BY_BITS) if VALUE_BITS[d] == VALUE_BITS[c]) for c in _BY_BITS}
 
 
-def _axes(e: tuple[float, str, int, float, str]) -> tuple[float, int, int]:
-    return e[0], _CODING_RANK.get(e[1], 2), e[2]
+def _same(e: FactorEntry, density: float, coding: str, h: int, workers: int | None) -> bool:
+    """Entry ``e`` was measured at this configuration (an entry or a query without workers: any)."""
+    return (abs(e[0] - density) <= 1e-9 * density and e[1] == coding and e[2] == h
+            and (e[5] is None or workers is None or e[5] == workers))
 
 
-def _harsher(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
-    """Configuration ``a`` (density, coding rank, H) is at least as harsh as ``b`` on every axis."""
-    return a[0] <= b[0] * (1 + 1e-9) and a[1] >= b[1] and a[2] >= b[2]
+def _axes(e: FactorEntry) -> tuple[float, int, int, int | None]:
+    return e[0], _CODING_RANK.get(e[1], 2), e[2], e[5]
 
 
-def _entry(e: tuple[float, str, int, float, str]) -> str:
-    return f"{e[0]:.2%}/{e[1]}/H={e[2]} x{e[3]:.2f} ({e[4]})"
+def _harsher(a: tuple[float, int, int, int | None], b: tuple[float, int, int, int | None]) -> bool:
+    """Configuration ``a`` (density, coding rank, H, workers) is at least as harsh as ``b`` on
+    every axis (workers not said on either side: that axis left out)."""
+    return (a[0] <= b[0] * (1 + 1e-9) and a[1] >= b[1] and a[2] >= b[2]
+            and (a[3] is None or b[3] is None or a[3] >= b[3]))
+
+
+def _entry(e: FactorEntry) -> str:
+    at = "" if e[5] is None else f"/W={e[5]}"
+    return f"{e[0]:.2%}/{e[1]}/H={e[2]}{at} x{e[3]:.2f} ({e[4]})"
+
+
+def _workers(e: Mapping[str, Any], where: str) -> int | None:
+    """A factors entry's optional ``workers`` (a count >= 1)."""
+    w = e.get("workers")
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+        raise ProfileError(f"{where}: field 'workers' must be a count >= 1, got {w!r}")
+    return w
 
 
 def _line(pts: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -278,7 +300,8 @@ def profile_from_dict(doc: Mapping[str, Any], path: str = "<profile>") -> Profil
     target = _req(doc, "target", where, dict)
     factors = tuple((float(_req(e, "density", f"{where}: factors")), str(_req(e, "coding", f"{where}: factors", str)),
                      int(_req(e, "H", f"{where}: factors", int)), float(_req(e, "factor", f"{where}: factors")),
-                     str(e.get("source", target.get("source", "")))) for e in doc.get("factors", []))
+                     str(e.get("source", target.get("source", ""))), _workers(e, f"{where}: factors"))
+                    for e in doc.get("factors", []))
     cal_t = doc.get("calibration") or {}
     cal = Calibration(**{k: cal_t[k] for k in (f.name for f in dataclasses.fields(Calibration)) if k in cal_t})
     rev = doc.get("revocation") or {}
@@ -353,6 +376,7 @@ def read_factors(path: str) -> list[dict[str, Any]]:
         missing = [k for k in ("density", "coding", "H", "factor") if k not in r]
         if missing:
             raise ProfileError(f"{path}: factors entry {i}: missing {', '.join(missing)}")
+        _workers(r, f"{path}: factors entry {i}")
         out.append({**r, "source": r.get("source", f"user table {path}")})
     return out
 
