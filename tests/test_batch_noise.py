@@ -501,6 +501,27 @@ def test_the_optimizer_corrects_by_default_where_it_applies_and_costs_nothing_wi
     assert torch.equal(two, two_off)
 
 
+def test_a_ddp_model_is_warned_of_and_gets_no_default_batch_noise(tmp_path):
+    """DDP's gradients are its ranks' mean after the last backward pass and a rank's own
+    before: halves mixed so would over-state the noise. A model handed over wrapped is
+    warned of (the site averages already) and the default BatchNoise stays off; unwrapped,
+    the same model gets it. No server is reached: the optimizer joins at its first step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        lin = torch.nn.Linear(4, 2)
+        ddp = torch.nn.parallel.DistributedDataParallel(lin)
+        with pytest.warns(UserWarning, match="DistributedDataParallel"):
+            wrapped = StellaOptimizer(ddp, "tcp://127.0.0.1:9", optimizer=torch.optim.AdamW(ddp.parameters()))
+        plain = StellaOptimizer(lin, "tcp://127.0.0.1:9", optimizer=torch.optim.AdamW(lin.parameters()))
+        assert wrapped.batch_noise is None and isinstance(plain.batch_noise, BatchNoise)
+        wrapped.close()
+        plain.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_what_it_refuses():
     model = torch.nn.Linear(3, 2)
     for bad in (0, -1, 2.0, True):

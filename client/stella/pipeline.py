@@ -62,6 +62,7 @@ import functools
 import inspect
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, cast
@@ -168,12 +169,22 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.mode: Mode = mode or DEFAULT_MODE
         self.sync, self.compression = sync, compression
         self.site = site_for(process_group)
+        # a model under DistributedDataParallel: its gradients are averaged over DDP's ranks every backward pass,
+        # and the site averages them again; the default BatchNoise's halves would mix a rank's own gradient (kept
+        # after the first passes) with the ranks' mean (the last pass's), over-stating the noise
+        wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if wrapped:
+            warnings.warn("StellaOptimizer was given a DistributedDataParallel model: DDP averages the gradients "
+                          "every backward pass, and the ranks of a site average already (update mode: the weights "
+                          "each round; gradient mode: the gradients each step). Give it the module itself "
+                          "(ddp.module, unwrapped) and leave the averaging to the site; the default BatchNoise is "
+                          "off for this one (docs/integrations.md, torchrun)", stacklevel=2)
         self._exchange = exchange_for(self.mode, self.params, optimizer, outer, compression, sync, self.site)
         if isinstance(batch_noise, str):
             if batch_noise != "auto":
                 raise ValueError(f"batch_noise must be a BatchNoise, 'auto' or None, got {batch_noise!r}")
             inner = self._exchange.inner
-            fits = self.mode == "update" and inner is not None and BatchNoise.fits(inner)
+            fits = self.mode == "update" and inner is not None and BatchNoise.fits(inner) and not wrapped
             batch_noise = BatchNoise(warn=False) if fits else None
         if batch_noise is not None:
             if self.mode != "update":
