@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -280,6 +281,31 @@ def test_activation_checkpointing_changes_nothing(reentrant):
     assert counts == got_counts == {7} and torch.equal(got, plain)
 
 
+def _two_pass_steps(steps: int, make_opt: Any, before: Any = None, after: Any = None) -> torch.Tensor:
+    """A Linear(8, 4) trained ``steps`` steps of two backward passes each, the optimizer
+    ``make_opt(params)`` makes corrected by ``BatchNoise(W)``; ``before(step, opt, noise)``
+    runs before a step's passes, ``after(step, opt, noise)`` after its correction. Returns
+    the parameters."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    params = list(lin.parameters())
+    opt, noise = make_opt(params), BatchNoise(W)
+    noise.attach(params)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if before is not None:
+            before(step, opt, noise)
+        for p in params:
+            p.grad = None
+        for _ in range(2):
+            lin(torch.randn(16, 8, generator=g)).square().mean().div(2).backward()
+        opt.step()
+        noise.correct(opt)
+        if after is not None:
+            after(step, opt, noise)
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
 def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeypatch):
     """A fused (or capturable) Adam keeps its step count on the parameters' device, where
     reading it each step would wait for the GPU once a parameter: it is read once, then
@@ -288,33 +314,27 @@ def test_a_step_count_on_the_device_is_read_once_and_counted_bit_for_bit(monkeyp
     CPU, its count taken for a device's: the same steps, bit for bit, as reading it every time."""
     import stella.batch_noise as bn
 
-    def run(count: bool) -> tuple[torch.Tensor, list[tuple[float, float]]]:
-        torch.manual_seed(0)
-        lin = torch.nn.Linear(8, 4)
-        params = list(lin.parameters())
-        opt, noise = torch.optim.AdamW(params, lr=0.01, fused=True), BatchNoise(W)
-        noise.attach(params)
-        g = torch.Generator().manual_seed(1)
-        counts, saved = [], None
-        for step in range(10):
-            if step == 4:
-                saved = copy.deepcopy(opt.state_dict())
-            if step == 7:  # back to step 4's optimizer state: the count goes back with it
-                opt.load_state_dict(saved)
-            noise.world = 1 if step in (5, 6) else W  # (a job of one worker for two steps: none corrected)
-            for p in params:
-                p.grad = None
-            for _ in range(2):
-                lin(torch.randn(16, 8, generator=g)).square().mean().div(2).backward()
-            opt.step()
-            noise.correct(opt)
-            if count and step >= 2:  # (corrected from the step after the first sample)
-                counts += [(noise._device_steps[p][1], float(opt.state[p]["step"])) for p in params]
-        return torch.cat([p.detach().reshape(-1) for p in params]), counts
+    saved: list[Any] = []
+    counts: list[tuple[float, float]] = []
 
-    read = run(False)[0]
+    def before(step: int, opt: torch.optim.Optimizer, noise: BatchNoise) -> None:
+        if step == 4:
+            saved.append(copy.deepcopy(opt.state_dict()))
+        if step == 7:  # back to step 4's optimizer state: the count goes back with it
+            opt.load_state_dict(saved[-1])
+        noise.world = 1 if step in (5, 6) else W  # (a job of one worker for two steps: none corrected)
+
+    def after(step: int, opt: torch.optim.Optimizer, noise: BatchNoise) -> None:
+        if step >= 2:  # (corrected from the step after the first sample)
+            counts.extend((noise._device_steps[p][1], float(opt.state[p]["step"]))
+                          for p in opt.param_groups[0]["params"])
+
+    def fused(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=0.01, fused=True)
+
+    read = _two_pass_steps(10, fused, before)
     monkeypatch.setattr(bn, "_on_host", lambda t: False)
-    got, counts = run(True)
+    got = _two_pass_steps(10, fused, before, after)
     assert torch.equal(got, read)
     assert [c for c, _ in counts] == [t for _, t in counts] and counts[-1][1] == 7.0  # 10 steps, 3 taken back
 
@@ -332,28 +352,21 @@ def test_a_learning_rate_tensor_on_the_device_is_not_read(monkeypatch):
     read each step: the same steps as a float's, to rounding."""
     import stella.batch_noise as bn
 
-    def run(lr_tensor: bool) -> torch.Tensor:
-        torch.manual_seed(0)
-        lin = torch.nn.Linear(8, 4)
-        params = list(lin.parameters())
-        opt = torch.optim.AdamW(params, lr=torch.tensor(0.01).as_subclass(_Unread) if lr_tensor else 0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.05 * s)
-        noise = BatchNoise(W)
-        noise.attach(params)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(8):
-            for p in params:
-                p.grad = None
-            for _ in range(2):
-                lin(torch.randn(16, 8, generator=g)).square().mean().div(2).backward()
-            opt.step()
-            noise.correct(opt)
-            sched.step()
-        return torch.cat([p.detach().reshape(-1) for p in params])
+    def scheduled(lr: Any) -> tuple[Any, Any]:
+        scheds: list[Any] = []
 
-    want = run(False)
+        def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+            opt = torch.optim.AdamW(params, lr=lr)
+            scheds.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.05 * s))
+            return opt
+
+        return make, lambda step, opt, noise: scheds[-1].step()
+
+    make, step_lr = scheduled(0.01)
+    want = _two_pass_steps(8, make, after=step_lr)
     monkeypatch.setattr(bn, "_on_host", lambda t: False)  # every tensor a device's
-    got = run(True)
+    make, step_lr = scheduled(torch.tensor(0.01).as_subclass(_Unread))
+    got = _two_pass_steps(8, make, after=step_lr)
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
 
 
