@@ -290,8 +290,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
     batch = mix.gpus_total * bs  # the job's global batch per iteration
     its_per_s = samples / round_s / batch
     # iterations to the target: dense training's at this batch x the configuration's factor (at the H the
-    # fastest machines make)
-    # and the mix's number of workers
+    # fastest machines make and the mix's number of workers)
     h_eff = steps.max(axis=1)
     factor = np.empty_like(round_s)
     workers = np.broadcast_to(w, round_s.shape)[:, 0].astype(int)
