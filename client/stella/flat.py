@@ -205,7 +205,7 @@ class FlatParams:
             return
         self._check_buffer(anchor, anchor.numel(), "anchor")
         _check_indices(idx, vals, min(self.numel - start, anchor.numel()))
-        at = torch.from_numpy(idx.astype(np.int64)).to(self.device)
+        at = self._device_index(idx)
         v = torch.from_numpy(_host_f32(vals, writable=True)).to(self.device)
         before = anchor.index_select(0, at)
         if add:
@@ -214,7 +214,7 @@ class FlatParams:
         else:
             change = v - before
             anchor.index_copy_(0, at, v)
-        self._torch_sparse(idx, change, start, add=True)
+        self._torch_sparse(idx, change, start, add=True, at=at)
 
     @torch.no_grad()
     def merge_range(self, vals: torch.Tensor | np.ndarray, anchor: torch.Tensor, start: int, *,
@@ -340,43 +340,61 @@ class FlatParams:
             else:
                 torch._foreach_copy_(dst, srcs)
 
-    def _torch_sparse(self, idx: np.ndarray, vals: np.ndarray | torch.Tensor, start: int, *, add: bool) -> None:
+    def _device_index(self, idx: np.ndarray) -> torch.Tensor:
+        """Host int32 indices as int64 on the device: copied over as they are (half the bytes
+        of int64), widened there."""
+        return torch.from_numpy(idx if idx.flags.writeable else idx.copy()).to(self.device).long()
+
+    def _torch_sparse(self, idx: np.ndarray, vals: np.ndarray | torch.Tensor, start: int, *, add: bool,
+                      at: torch.Tensor | None = None) -> None:
         """``add_at``/``set_at`` as torch ops: per dtype group, its parameters staged in one
         buffer, one ``index_add_``/``index_copy_``, copied back (module doc). ``vals``: host
-        floats, or float32 on the device."""
+        floats, or float32 on the device; ``at``: ``idx`` on the device already (merge_at's,
+        checked there)."""
         if not 0 <= start <= self.numel:
             raise ValueError(f"start {start} outside [0, {self.numel}]")
-        _check_indices(idx, vals, self.numel - start)
+        if at is None:
+            _check_indices(idx, vals, self.numel - start)
         if not idx.size:
             return
-        pos = idx.astype(np.int64) + start
         v = vals if isinstance(vals, torch.Tensor) else torch.from_numpy(_host_f32(vals, writable=True))
-        part = np.searchsorted(np.asarray(self._fstarts, np.int64), pos, side="right") - 1
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, w in enumerate(self._flat):
             by_dtype.setdefault(w.dtype, []).append(i)
+        if len(by_dtype) == 1:  # one group: the flat vector itself, at the indices as they are
+            ((dtype, members),) = by_dtype.items()
+            dev = self._device_index(idx) if at is None else at
+            self._scatter(members, dev + start if start else dev, v.to(self.device, dtype), add)
+            return
+        pos = idx.astype(np.int64) + start
+        # each entry's parameter: the indices are sorted, so each parameter's entries are the run from
+        # the first at or past its start (one search per parameter, not one per entry)
+        fstarts = np.asarray(self._fstarts, np.int64)
+        cuts = np.searchsorted(pos, fstarts, side="left")
+        part = np.repeat(np.arange(len(fstarts)), np.diff(cuts, append=pos.size))
         for dtype, members in by_dtype.items():
-            if len(by_dtype) == 1:
-                local, sel = pos, None  # one group: the flat vector itself
-            else:
-                # group-local coordinates: each parameter's start within its group's buffer
-                gstart = np.zeros(len(self._flat), np.int64)
-                gstart[members] = np.cumsum([0, *(self._sizes[i] for i in members[:-1])])
-                mine = np.zeros(len(self._flat), bool)
-                mine[members] = True
-                sel = mine[part]
-                if not sel.any():
-                    continue
-                local = pos[sel] - np.asarray(self._fstarts, np.int64)[part[sel]] + gstart[part[sel]]
-            views = [self._flat[i] for i in members]
-            at = torch.from_numpy(local).to(self.device)
-            src = (v if sel is None else v[torch.from_numpy(sel).to(v.device)]).to(self.device, dtype)
-            staged = torch.cat(views)
-            if add:
-                staged.index_add_(0, at, src)
-            else:
-                staged.index_copy_(0, at, src)
-            torch._foreach_copy_(views, list(staged.split([self._sizes[i] for i in members])))
+            # group-local coordinates: each parameter's start within its group's buffer
+            gstart = np.zeros(len(self._flat), np.int64)
+            gstart[members] = np.cumsum([0, *(self._sizes[i] for i in members[:-1])])
+            mine = np.zeros(len(self._flat), bool)
+            mine[members] = True
+            sel = mine[part]
+            if not sel.any():
+                continue
+            local = pos[sel] - fstarts[part[sel]] + gstart[part[sel]]
+            src = v[torch.from_numpy(sel).to(v.device)].to(self.device, dtype)
+            self._scatter(members, torch.from_numpy(local).to(self.device), src, add)
+
+    def _scatter(self, members: list[int], at: torch.Tensor, src: torch.Tensor, add: bool) -> None:
+        """One dtype group's ``index_add_``/``index_copy_`` at group-local ``at``: its
+        parameters staged in one buffer and copied back."""
+        views = [self._flat[i] for i in members]
+        staged = torch.cat(views)
+        if add:
+            staged.index_add_(0, at, src)
+        else:
+            staged.index_copy_(0, at, src)
+        torch._foreach_copy_(views, list(staged.split([self._sizes[i] for i in members])))
 
 
 @dataclass
