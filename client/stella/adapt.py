@@ -123,6 +123,9 @@ class _Cost:
         self._lines: deque[float] = deque(maxlen=2)  # the intercepts of the latest two surprises
         self._before: tuple[float, float] | None = None  # the fastest round before the latest change
         self._after: list[tuple[float, float]] = []  # the rounds since, until a window is full
+        # (fixed, per unit, the fastest round's seconds per unit) of the window as it stands: the
+        # controller predicts every candidate from them each round (None: not worked out since add())
+        self._parts: tuple[float, float, float] | None = None
 
     @property
     def measured(self) -> bool:
@@ -134,6 +137,7 @@ class _Cost:
         return max((x / t for _, x, t in self.recent if t > 0.0), default=0.0)
 
     def add(self, candidate: int, size: float, seconds: float) -> None:
+        self._parts = None
         if self.recent and self.recent[-1][0] != candidate:
             old = self.recent[-1][0]
             self._before = min(((x, t) for c, x, t in self.recent if c == old), key=lambda xt: xt[1])
@@ -156,21 +160,27 @@ class _Cost:
             self._lines.append(max(0.0, (t2 * x1 - t1 * x2) / (x1 - x2)))
             self._fixed = min(self._lines) if len(self._lines) == 2 else 0.0
 
+    def _model(self) -> tuple[float, float, float]:
+        if self._parts is None:
+            if not self.recent:
+                self._parts = (0.0, 0.0, 0.0)
+            else:
+                fixed = min(self._fixed, min(t for _, _, t in self.recent))
+                self._parts = (fixed, min(((t - fixed) / x for _, x, t in self.recent if x > 0.0), default=0.0),
+                               min((t / x for _, x, t in self.recent if x > 0.0), default=0.0))
+        return self._parts
+
     def parts(self) -> tuple[float, float]:
         """``(fixed seconds, seconds per unit of size)``."""
-        if not self.recent:
-            return 0.0, 0.0
-        fixed = min(self._fixed, min(t for _, _, t in self.recent))
-        return fixed, min(((t - fixed) / x for _, x, t in self.recent if x > 0.0), default=0.0)
+        fixed, per_unit, _ = self._model()
+        return fixed, per_unit
 
     def predict(self, size: float, cautious: bool = False) -> float:
         """``cautious``: at least the fastest recent round's time per unit of size (the
         proportional model), which only ever raises a larger size's prediction."""
-        fixed, per_unit = self.parts()
+        fixed, per_unit, proportional = self._model()
         secs = fixed + per_unit * size
-        if cautious:
-            secs = max(secs, size * min((t / x for _, x, t in self.recent if x > 0.0), default=0.0))
-        return secs
+        return max(secs, size * proportional) if cautious else secs
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,7 @@ class Controller:
         self._server = _Cost(window)  # density -> the server's step, seconds
         self._compute: deque[float] = deque(maxlen=window)
         self._compress: deque[float] = deque(maxlen=window)
+        self._compress_s = 0.0  # their median, for every candidate's prediction
         self._bytes_per_bit = 0.0  # push bytes per coded bit, at the latest candidate measured
         self._pull_per_bit = 0.0  # the latest pull's bytes per coded bit (pull_bits)
         # the server's broadcast, from its answer to the registration (None: exact pulls)
@@ -262,12 +273,13 @@ class Controller:
         d, c = self.candidates[i]
         push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c), cautious)
         pull = self._down.predict(self._pull_per_bit * pull_bits(d, self.broadcast), cautious)
-        return statistics.median(self._compress) + push + self._server.predict(d, cautious) + pull
+        return self._compress_s + push + self._server.predict(d, cautious) + pull
 
     def observe(self, m: RoundMeasure) -> Decision:
         """Learn from one round, measured at the current candidate; returns the next push's."""
         self._compute.append(m.compute_s)
         self._compress.append(m.compress_s)
+        self._compress_s = statistics.median(self._compress)
         self._since_change += 1
         i, (d, c) = self.current, self.candidates[self.current]
         if m.push_bytes > 0 and m.push_s > 0.0:
