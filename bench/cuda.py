@@ -86,7 +86,7 @@ def _configured(stella: Any, config: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
-            config: str, q: Any, workload: str = "bytelm") -> None:
+            config: str, q: Any, workload: str = "bytelm", cprofile: str | None = None) -> None:
     import torch
 
     import stella
@@ -105,14 +105,29 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
                                  **_configured(stella, config))
     opt.start()  # the registration before the clock
     batches = wl.batches(rank, world, wl.batch_size, seed)
-    wall = _train(wl, model, opt, batches, steps, dev)
+    if cprofile and rank == 0:  # where the training thread's time goes (the exchange's thread shows as its wait)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        wall = prof.runcall(_train, wl, model, opt, batches, steps, dev)
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+        with open(f"{cprofile}.{config}.txt", "w") as f:
+            f.write(f"{config}: {steps} steps, {wall:.2f} s under cProfile\n{text.getvalue()}")
+    else:
+        wall = _train(wl, model, opt, batches, steps, dev)
     moved = {"bytes_pushed": opt.bytes_pushed, "bytes_pulled": opt.bytes_pulled}
     opt.close()  # pushes what is left and installs the last pull
     st = opt.stats
     q.put({"rank": rank, "wall_s": wall, "s_per_step": wall / steps, "compute_s_per_step": compute,
            "x_compute": wall / steps / compute, "heldout_loss": wl.evaluate(model.cpu()),
            **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled,
-           "sync_every": st.sync_every, "density": st.density, "value_dtype": st.value_dtype})
+           "sync_every": st.sync_every, "density": st.density, "value_dtype": st.value_dtype,
+           # where a step's time beyond compute goes: blocked on the previous exchange, compressing (both in step())
+           "rounds": st.rounds, "wait_s_per_step": st.wait_s / steps, "compress_s_per_step": st.compress_s / steps})
 
 
 def dense(steps: int, seed: int, device: str, workload: str = "bytelm") -> dict[str, Any]:
@@ -131,14 +146,14 @@ def dense(steps: int, seed: int, device: str, workload: str = "bytelm") -> dict[
 
 
 def stella_run(workers: int, steps: int, seed: int, device: str, config: str = "h1",
-               workload: str = "bytelm") -> dict[str, Any]:
+               workload: str = "bytelm", cprofile: str | None = None) -> dict[str, Any]:
     from stella_ps.process import ServerProcess
 
     ctx = mp.get_context("spawn")
     with ServerProcess(workers=workers) as ps:
         q = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, workers, ps.endpoint, ps.client_kwargs(), steps, seed, device,
-                                                   config, q, workload))
+                                                   config, q, workload, cprofile))
                  for r in range(workers)]
         for p in procs:
             p.start()
@@ -195,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--flat", action="store_true", help="also the flat model's compressor, operations and round "
                                                            "(bench.flat) on the GPU")
     ap.add_argument("--compressor-only", action="store_true", help="only the compressor part (2.)")
+    ap.add_argument("--cprofile", metavar="PREFIX", help="worker 0 of each configuration trains under cProfile (so "
+                    "slower) and writes its top functions to PREFIX.CONFIG.txt")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the code paths
     # the training part's model: bench.workloads' name (the dry run on a CPU takes "tinylm", the same LM at 0.12M)
     ap.add_argument("--workload", default="bytelm", help=argparse.SUPPRESS)
@@ -213,8 +230,14 @@ def main(argv=None) -> int:
                            "torch": torch.__version__,
                            "steps": a.steps, "workers": a.workers, "workload": a.workload}
     print(f"bench.cuda: {out['started']}, {out['device']}, torch {out['torch']}", flush=True)
+    def save() -> None:  # after each part: a run cut short (a device lease's end) keeps what it measured
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+
     if not a.compressor_only:
         train(out, a)
+        save()
     model = W.get("bytelm").build_model(0)
     out["compressor"] = compressor({n: tuple(p.shape) for n, p in model.named_parameters()}, a.device,
                                    big=100_000_000 if a.device == "cuda" else 1_000_000)
@@ -222,16 +245,16 @@ def main(argv=None) -> int:
     for r in out["compressor"]:
         print(f"| {r['tensors']} | {r['numel']:,} | {r['density']:.1%} | {r['ms_per_round']:.2f} | "
               f"{r['ns_per_coordinate']:.3f} |", flush=True)
+    save()
     if a.flat:
         from bench import flat as F
 
         out["flat"] = F.device_rows(a.device, [0.01, 0.001], steps=10)
         F.print_tables(out["flat"])
+        save()
     if a.profile and not a.compressor_only:
         profile(out, a)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save()
     return 0 if out.get("passed", True) else 1
 
 
@@ -240,13 +263,16 @@ def train(out: dict[str, Any], a: argparse.Namespace) -> None:
     out["dense"] = dense(a.steps, a.seed, a.device, a.workload)
     print(f"dense, 1 process: held-out loss {out['dense']['heldout_loss']:.3f}, "
           f"{1e3 * out['dense']['s_per_step']:.1f} ms/step", flush=True)
-    out["stella"] = [stella_run(a.workers, a.steps, a.seed, a.device, c, a.workload) for c in a.configs.split(",")]
+    out["stella"] = [stella_run(a.workers, a.steps, a.seed, a.device, c, a.workload, a.cprofile)
+                     for c in a.configs.split(",")]
     for run in out["stella"]:
         for w in run["workers"]:
             print(f"stella {run['config']} worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, "
                   f"{1e3 * w['s_per_step']:.1f} ms/step against its own compute {1e3 * w['compute_s_per_step']:.1f} "
                   f"({w['x_compute']:.2f}x; last round H = {w['sync_every']}, {w['density']:.2%} {w['value_dtype']}), "
-                  f"{w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled", flush=True)
+                  f"{w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled; "
+                  f"{w['rounds']} rounds, a step waited {1e3 * w['wait_s_per_step']:.1f} ms and compressed "
+                  f"{1e3 * w['compress_s_per_step']:.1f} ms", flush=True)
     worst = max(w["heldout_loss"] for run in out["stella"] for w in run["workers"])
     out["passed"] = worst <= TARGET_REL * out["dense"]["heldout_loss"]
     print(f"training check: worst Stella worker {worst:.3f} against dense {out['dense']['heldout_loss']:.3f} "

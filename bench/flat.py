@@ -231,7 +231,7 @@ class FlatRound:
 
     def __init__(self, params: list[torch.Tensor], layout: FlatLayout, density: float):
         self.flat = FlatParams(params, layout)
-        self.compressor = FlatCompressor(layout, density, value_dtype=VALUE_DTYPE)
+        self.compressor = FlatCompressor(layout, density, value_dtype=VALUE_DTYPE, device=self.flat.device)
         self.anchor = torch.empty(layout.numel, device=self.flat.device)
         self.flat.gather_into(self.anchor)
         self.s = layout.sparse_numel

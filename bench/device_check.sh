@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call of the `device` tool (a lent GPU host): issue 44's GPU rows and the many-core shard scaling,
+# as one prepared script (the lease is minutes; see /work/.library/device/METHOD.md in the workplace).
+#
+# Prepared here, on the developer's machine (the device host has no package registry and Python 3.12):
+#   .whl/       pyzmq, msgspec, cffi and pycparser cp312 manylinux wheels (`pip download --python-version 3.12 ...`)
+#   .devbuild/  _native.abi3.so and _kernel.abi3.so built by a Python 3.12 with STELLA_NATIVE_ARCH=x86-64-v2
+#               (portable; the AVX2 and AVX-512 paths come from the run-time dispatch)
+# and run as:  run(command="bash bench/device_check.sh", carry=[".whl", ".devbuild"], timeout_s=...)
+# Environment: PARTS (default "server cuda pin"), CONFIGS and CUDA_ARGS (bench.cuda's), the parts' time limits.
+# Everything lands in $OUT: each bench's log and --json, the machine's description, the profile.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+t0=$(date +%s)
+say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheels did not install"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD/client:$PWD/server:$PWD
+cp .devbuild/_native.abi3.so client/stella/ && cp .devbuild/_kernel.abi3.so server/stella_ps/
+{
+  python3 -c "import sys, torch, stella, stella_ps._kernel as k, stella._native as n; \
+print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
+torch.cuda.get_device_name() if torch.cuda.is_available() else '-'); \
+print('isa', n.ffi.string(n.lib.stella_native_isa()).decode() if hasattr(n.lib, 'stella_native_isa') else '?')"
+  nproc; grep -m1 'model name' /proc/cpuinfo; free -g | head -2; uptime; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+} 2>&1 | tee "$OUT/machine.txt"
+
+PARTS=${PARTS:-server cuda pin}  # which of the three parts below run
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+
+has server && {
+say "bench.server: shards 1, 2, 4, 8 by one command, W = 8, 10M, AdamW, the kernel alone beside it"
+timeout "${SERVER_S:-150}" python3 -m bench.server --one-host --workers 8 --shards 1,2,4,8 --optimizers adamw --kernel ${SERVER_EXTRA:-} \
+  --json "$OUT/server.json" > "$OUT/server.log" 2>&1
+say "bench.server rc $?"; grep -A6 '^tensors' "$OUT/server.log"
+}
+
+has cuda && {
+say "bench.cuda: dense, ${CONFIGS:=h1,defaults}, 2 workers, 300 steps, ${CUDA_ARGS:=--flat --profile $OUT/profile.json}"
+timeout "${CUDA_S:-330}" python3 -m bench.cuda --steps 300 --workers 2 --configs "$CONFIGS" \
+  ${CUDA_ARGS:---flat --profile $OUT/profile.json} --json "$OUT/cuda.json" > "$OUT/cuda.log" 2>&1
+say "bench.cuda rc $?"; tail -60 "$OUT/cuda.log"
+}
+
+if has pin && [ $(( $(date +%s) - t0 )) -lt "${MORE_BEFORE_S:-380}" ]; then
+  say "bench.server: one shard pinned to a core, W = 2 and 32, 10M, AdamW: the server over its kernel with cores to spare"
+  timeout "${MORE_S:-100}" python3 -m bench.server --pin --workers 2,32 --shards 1 --optimizers adamw --kernel \
+    --json "$OUT/server_pin.json" > "$OUT/server_pin.log" 2>&1
+  say "bench.server rc $?"; grep -A4 '^tensors' "$OUT/server_pin.log"
+fi
+say "done"
