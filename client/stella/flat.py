@@ -84,7 +84,9 @@ class FlatParams:
         self.device = self._check()
         if backend == "native" and self.device.type != "cpu":
             raise ValueError(f"backend='native' needs CPU parameters, these are on {self.device}")
-        self.backend = "native" if backend == "auto" and self.device.type == "cpu" else backend
+        if backend == "auto":  # the one that ran, never "auto": a caller (bench.flat's table, a test) reads it
+            backend = "native" if self.device.type == "cpu" else "torch"
+        self.backend = backend
         self.numel = layout.numel
         self.sparse_numel = layout.sparse_numel
         self._order = list(layout.order)  # flat position -> tensor number
