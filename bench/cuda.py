@@ -82,7 +82,9 @@ def _configured(stella: Any, config: str) -> dict[str, Any]:
                 "compression": stella.Compression(density=0.01, value_dtype="f16")}
     if config == "defaults":
         return {}  # the library's own: H, density and coding chosen by the controller
-    raise ValueError(f"unknown config {config!r} (h1, defaults)")
+    if config == "nobn":  # the defaults without BatchNoise: what its hooks and correction cost a step
+        return {"batch_noise": None}
+    raise ValueError(f"unknown config {config!r} (h1, defaults, nobn)")
 
 
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--configs", default="h1,defaults",
                     help="Stella configurations to train, comma-separated: h1 (H = 1, 1%% f16), defaults (the "
-                         "library's own)")
+                         "library's own), nobn (the defaults without BatchNoise)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="100 steps")
