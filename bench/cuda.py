@@ -84,7 +84,9 @@ def _configured(stella: Any, config: str) -> dict[str, Any]:
         return {}  # the library's own: H, density and coding chosen by the controller
     if config == "nobn":  # the defaults without BatchNoise: what its hooks and correction cost a step
         return {"batch_noise": None}
-    raise ValueError(f"unknown config {config!r} (h1, defaults, nobn)")
+    if config == "fused":  # the defaults over a fused AdamW (its step count kept on the device; _worker builds it)
+        return {}
+    raise ValueError(f"unknown config {config!r} (h1, defaults, nobn, fused)")
 
 
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,
@@ -103,6 +105,10 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     # a short run (the tests') times 3 steps of its own compute after the warm-up; a real one a tenth of its steps
     compute = _own_compute(wl, model, rank, world, seed, max(10, steps // 10) if steps >= 100 else 3, dev)
     inner = wl.make_optimizer(model.parameters())
+    if config == "fused":  # HF Trainer's adamw_torch_fused: one kernel a step, the step count a device tensor
+        d = inner.defaults
+        inner = torch.optim.AdamW(model.parameters(), lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                                  weight_decay=d["weight_decay"], fused=True)
     opt = stella.StellaOptimizer(model, address, optimizer=inner, connection=stella.Connection(**keys),
                                  **_configured(stella, config))
     opt.start()  # the registration before the clock
@@ -204,7 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--configs", default="h1,defaults",
                     help="Stella configurations to train, comma-separated: h1 (H = 1, 1%% f16), defaults (the "
-                         "library's own), nobn (the defaults without BatchNoise)")
+                         "library's own), nobn (the defaults without BatchNoise), fused (the defaults over a fused "
+                         "AdamW)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="100 steps")
