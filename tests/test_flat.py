@@ -20,6 +20,9 @@ CUDA = torch.cuda.is_available()
 no_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here (torch.cuda.is_available() is False)")
 # (backend, device): the C walk, the torch ops on CPU, and the torch ops on a GPU
 BACKENDS = [("native", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks=no_cuda)]
+# FlatParams' also "torch-scatter": the torch ops with no staging of a dtype group (stage_max_numel 0: what a
+# model past STAGE_MAX_NUMEL gets, an index_add_ a parameter)
+PARAM_BACKENDS = [*BACKENDS, ("torch-scatter", "cpu"), pytest.param("torch-scatter", "cuda", marks=no_cuda)]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_BELOW = 1000
 
@@ -31,6 +34,13 @@ def _model(seed: int = 0, dtypes=DTYPES, device: str = "cpu", shapes=SHAPES) -> 
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(s, generator=g) * 10.0 ** (i % 3 - 1)).to(device, dtypes[i % len(dtypes)])
             for i, s in enumerate(shapes)]
+
+
+def _flat_params(params, layout: FlatLayout, backend: str) -> FlatParams:
+    flat = FlatParams(params, layout, backend="torch" if backend == "torch-scatter" else backend)
+    if backend == "torch-scatter":
+        flat.stage_max_numel = 0
+    return flat
 
 
 def _layout(params, dense_below: int = DENSE_BELOW) -> FlatLayout:
@@ -82,11 +92,11 @@ def _per_tensor(layout, params, pos, fn):
 # ------------------------------------------------------------------------------ FlatParams
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", PARAM_BACKENDS)
 def test_gather_and_residual_over_any_range(backend, device):
     params = _model(1, device=device)
     layout = _layout(params)
-    flat = FlatParams(params, layout, backend=backend)
+    flat = _flat_params(params, layout, backend)
     ref = _flat_ref(layout, params).to(device)
     out = torch.full((layout.numel,), float("nan"), device=device)
     flat.gather_into(out)
@@ -108,14 +118,14 @@ def test_gather_and_residual_over_any_range(backend, device):
         assert _bits_equal(part, anchor[lo:lo + n] - ref[lo:lo + n]), (lo, n)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", PARAM_BACKENDS)
 def test_gather_grads_missing_ones_are_zeros(backend, device):
     params = _model(4, device=device)
     layout = _layout(params)
     for i, p in enumerate(params):
         p.grad = None if i % 3 == 1 else torch.randn(p.shape, device=device).to(p.dtype)
     params[2].grad = torch.randn(300, 7, device=device).to(params[2].dtype).t()  # not contiguous
-    flat = FlatParams(params, layout, backend=backend)
+    flat = _flat_params(params, layout, backend)
     out = torch.full((layout.numel,), float("nan"), device=device)
     flat.gather_grads_into(out)
     ref = _flat_ref(layout, [p.grad if p.grad is not None else torch.zeros(p.shape) for p in params])
@@ -127,14 +137,14 @@ def test_gather_grads_missing_ones_are_zeros(backend, device):
     assert _bits_equal(out, ref.to(device))
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", PARAM_BACKENDS)
 @pytest.mark.parametrize("op", ("add", "set"))
 def test_sparse_install_matches_index_add(backend, device, op):
     """add_at is w.index_add_(0, idx, vals.to(w.dtype)) per tensor, set_at index_copy_: bit for bit."""
     params = _model(5, device=device)
     layout = _layout(params)
     ref = [p.clone() for p in params]
-    flat = FlatParams(params, layout, backend=backend)
+    flat = _flat_params(params, layout, backend)
     rng = np.random.default_rng(6)
     for step, (start, density) in enumerate([(0, 0.05), (0, 0.5), (700, 0.1), (0, 1.0)]):
         n = layout.numel - start
@@ -152,13 +162,13 @@ def test_sparse_install_matches_index_add(backend, device, op):
         _assert_same_params(params, ref)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", PARAM_BACKENDS)
 @pytest.mark.parametrize("op", ("add", "set"))
 def test_dense_range_matches_add_and_copy(backend, device, op):
     params = _model(7, device=device)
     layout = _layout(params)
     ref = [p.clone() for p in params]
-    flat = FlatParams(params, layout, backend=backend)
+    flat = _flat_params(params, layout, backend)
     rng = np.random.default_rng(8)
     for lo, hi in [(layout.sparse_numel, layout.numel), (0, layout.numel), (13, 5000), (2999, 3001)]:
         vals = _values(rng, hi - lo)
@@ -173,7 +183,7 @@ def test_dense_range_matches_add_and_copy(backend, device, op):
         _assert_same_params(params, ref)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", PARAM_BACKENDS)
 @pytest.mark.parametrize("add", (True, False), ids=("broadcast", "exact"))
 def test_merge_is_the_update_modes_install(backend, device, add):
     """merge_at / merge_range are _exchange.py's install, per tensor, bit for bit: the
@@ -182,7 +192,7 @@ def test_merge_is_the_update_modes_install(backend, device, add):
     params = _model(12, device=device)
     layout = _layout(params)
     ref = [p.clone() for p in params]
-    flat = FlatParams(params, layout, backend=backend)
+    flat = _flat_params(params, layout, backend)
     g = torch.Generator().manual_seed(13)
     anchor = (_flat_ref(layout, params) + torch.randn(layout.numel, generator=g) * 1e-2).to(device)
     ref_anchor = anchor.clone()
@@ -240,26 +250,30 @@ def test_native_and_torch_backends_agree(sizes, seed, dense_below, density):
     b = [p.clone() for p in a]
     layout = _layout(a, dense_below)
     fa, fb = FlatParams(a, layout, backend="native"), FlatParams(b, layout, backend="torch")
+    fc = _flat_params(c := [p.clone() for p in a], layout, "torch-scatter")
     rng = np.random.default_rng(seed)
     idx = _sorted_indices(rng, layout.numel, int(density * layout.numel))
     vals = _values(rng, idx.size)
     fa.add_at(idx, vals)
     fb.add_at(idx, vals)
+    fc.add_at(idx, vals)
     dense = _values(rng, layout.numel - layout.sparse_numel)
     fa.add_range(dense, layout.sparse_numel)
     fb.add_range(dense, layout.sparse_numel)
+    fc.add_range(dense, layout.sparse_numel)
     _assert_same_params(a, b)
+    _assert_same_params(a, c)
     oa, ob = torch.empty(layout.numel), torch.empty(layout.numel)
     fa.gather_into(oa)
     fb.gather_into(ob)
     assert _bits_equal(oa, ob)
 
 
-@pytest.mark.parametrize("backend", ("native", "torch"))
+@pytest.mark.parametrize("backend", ("native", "torch", "torch-scatter"))
 def test_bad_indices_are_refused_and_change_nothing(backend):
     params = _model(9)
     layout = _layout(params)
-    flat = FlatParams(params, layout, backend=backend)
+    flat = _flat_params(params, layout, backend)
     before = [p.clone() for p in params]
     v = np.ones(3, np.float32)
     for idx, start in [([5, 3, 9], 0), ([1, 1, 2], 0), ([0, 1, layout.numel], 0), ([-1, 0, 1], 0),

@@ -16,12 +16,15 @@ into ``native/flat.c`` (a table of pointers, dtypes and flat starts walked in C,
 released; :mod:`stella._flat_native`). On CUDA (or with ``backend="torch"``) each is a
 fixed handful of torch ops whatever the number of tensors: multi-tensor ``_foreach_*``
 ops over the parameters and views of the flat buffer, one group per parameter dtype. The
-sparse forms there (``add_at``, ``set_at``) stage the group's parameters in one
-buffer (``torch.cat``), index into it once and copy it back (``_foreach_copy_``): a pass
-over the parameters (~8 bytes moved a bf16 coordinate: tens of µs for 10.8M at a GPU's
-bandwidth, an estimate until ``bench.cuda --flat`` has run) in place of a launch or three
-per tensor; aliasing the parameters' memory would avoid the pass, at the price of
-pointer arithmetic on memory torch does not know is shared. Update mode's install
+sparse forms there (``add_at``, ``set_at``) stage a group of up to ``STAGE_MAX_NUMEL``
+(32M) coordinates in one buffer (``torch.cat``), index into it once and copy it back
+(``_foreach_copy_``): four passes over the group (on an H200, bench.cuda --flat, a sparse
+add of 1% into the byte LM's 10.8M took 1.35 ms, most of it the host side and the copy of
+the entries) in place of a launch per tensor. A larger group takes an ``index_add_`` per
+parameter on its slice of the entries (found on the host), since its passes would grow
+with the model (16 GB a call for 1B float32 parameters) while the launches grow only with
+the tensors; aliasing the parameters' memory would avoid both, at the price of pointer
+arithmetic on memory torch does not know is shared. Update mode's install
 (:meth:`FlatParams.merge_at`) moves the anchor and the weights in the same call.
 
 Rounding is torch's everywhere: writes into f16/bf16 parameters round to nearest even,
@@ -54,6 +57,10 @@ __all__ = ["FlatParams", "FlatCompressor", "FlatPush", "PARAM_DTYPES"]
 
 PARAM_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 """The parameter dtypes :class:`FlatParams` takes, and their names in C (``_flat_native.DTYPES``)."""
+# the torch backend's sparse add or set stages a dtype group in one buffer up to this many coordinates
+# (FlatParams._scatter): on a GPU its four passes over 32M float32 coordinates cost 0.1-0.5 ms, about what a
+# few hundred launches take
+STAGE_MAX_NUMEL = 1 << 25
 
 
 class FlatParams:
@@ -95,6 +102,9 @@ class FlatParams:
         self._ptrs: list[int] | None = None  # the parameters' addresses as last seen
         self._flat: list[torch.Tensor] = []  # torch backend: flat views of the parameters, by flat position
         self._plans: dict[tuple[int, int], _Plan] = {}
+        # torch backend: a sparse add or set stages a dtype group's parameters in one buffer up to this
+        # many coordinates, and scatters into each parameter past it (_scatter)
+        self.stage_max_numel = STAGE_MAX_NUMEL
         if self.backend == "native":
             from ._flat_native import PartTable
 
@@ -366,7 +376,7 @@ class FlatParams:
         if len(by_dtype) == 1:  # one group: the flat vector itself, at the indices as they are
             ((dtype, members),) = by_dtype.items()
             dev = self._device_index(idx) if at is None else at
-            self._scatter(members, dev + start if start else dev, v.to(self.device, dtype), add)
+            self._scatter(members, dev + start if start else dev, v.to(self.device, dtype), add, idx, start)
             return
         pos = idx.astype(np.int64) + start
         # each entry's parameter: the indices are sorted, so each parameter's entries are the run from
@@ -385,12 +395,30 @@ class FlatParams:
                 continue
             local = pos[sel] - fstarts[part[sel]] + gstart[part[sel]]
             src = v[torch.from_numpy(sel).to(v.device)].to(self.device, dtype)
-            self._scatter(members, torch.from_numpy(local).to(self.device), src, add)
+            self._scatter(members, torch.from_numpy(local).to(self.device), src, add, local, 0)
 
-    def _scatter(self, members: list[int], at: torch.Tensor, src: torch.Tensor, add: bool) -> None:
-        """One dtype group's ``index_add_``/``index_copy_`` at group-local ``at``: its
-        parameters staged in one buffer and copied back."""
+    def _scatter(self, members: list[int], at: torch.Tensor, src: torch.Tensor, add: bool, host: np.ndarray,
+                 offset: int) -> None:
+        """One dtype group's ``index_add_``/``index_copy_`` at group-local ``at`` (sorted;
+        ``host + offset`` the same on the host). Up to :attr:`stage_max_numel` coordinates
+        the group's parameters are staged in one buffer and copied back: two launches and
+        four passes over the group; past that, one ``index_add_`` a parameter that has
+        entries, each on its own slice of ``at``: a launch a tensor, but no pass over the
+        model (a 1B-parameter model's staging would move 16 GB a call)."""
         views = [self._flat[i] for i in members]
+        sizes = [self._sizes[i] for i in members]
+        if sum(sizes) > self.stage_max_numel:
+            starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+            cuts = [*np.searchsorted(host, starts - offset, side="left").tolist(), at.numel()]
+            for j, w in enumerate(views):
+                a, b = cuts[j], cuts[j + 1]
+                if a < b:
+                    seg = at[a:b] - int(starts[j]) if starts[j] else at[a:b]
+                    if add:
+                        w.index_add_(0, seg, src[a:b])
+                    else:
+                        w.index_copy_(0, seg, src[a:b])
+            return
         staged = torch.cat(views)
         if add:
             staged.index_add_(0, at, src)
