@@ -31,6 +31,7 @@
  * step-to-step drift.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -525,31 +526,139 @@ static inline __attribute__((always_inline)) void pass16_impl(
  * (AVX-512): measured crossover 0.3-0.4% on 1.25M coordinates (Sapphire Rapids class). */
 #define FLAT_FROM (1.0 / 300.0)
 
+/* unit 1's pass over [lo, hi) of res (the adds' entries there; the gradient's), the
+ * candidates into idx/val (room for cap) as pass1_impl writes them: what the pass over
+ * the whole does in that range. */
+static void pass1_range(float *res, const float *grad, const adds_t *ad, int64_t lo, int64_t hi, float thr, float tz,
+                        int32_t *idx, float *val, int64_t cap, int truncate, int flat, pass_t *p) {
+    if (ad) { /* each tile's adds (stella_native.h), then the pass over it while its lines are in L1, instead
+               * of a scatter over the whole tensor and a pass that reads its lines again from memory */
+        int64_t j[STELLA_TOPK_MAX_ADDS] = {0};
+        for (int32_t l = 0; l < ad->nlists; l++)
+            j[l] = lo ? stella_lower_bound(ad->list[l].idx, ad->list[l].n, lo) : 0;
+        stella_prefetch_lines(res, lo, STELLA_ADD_TILE, hi);
+        for (int64_t a = lo; a < hi; a += STELLA_ADD_TILE) {
+            const int64_t b = hi - a < STELLA_ADD_TILE ? hi : a + STELLA_ADD_TILE;
+            stella_add_lists_below(res, ad->list, ad->nlists, j, b);
+            for (int64_t s = a; s < b; s += STELLA_ADD_STEP) { /* the next tile's lines asked for as it goes */
+                stella_prefetch_lines(res, s + STELLA_ADD_TILE, STELLA_ADD_STEP, hi);
+                pass1_impl(res, NULL, 0, s, b - s < STELLA_ADD_STEP ? b : s + STELLA_ADD_STEP, thr, tz, idx, val, cap,
+                           truncate, flat, p);
+            }
+        }
+    } else if (grad) {
+        pass1_impl(res, grad, 1, lo, hi, thr, tz, idx, val, cap, truncate, flat, p);
+    } else {
+        pass1_impl(res, NULL, 0, lo, hi, thr, tz, idx, val, cap, truncate, flat, p);
+    }
+}
+
+/* unit 1's pass on several threads: at least this many coordinates a thread (a thread's start costs
+ * tens of microseconds, the pass about a third of a nanosecond a coordinate) */
+#define PASS_MIN_PER_THREAD (INT64_C(1) << 20)
+#define PASS_MAX_THREADS 16
+
+typedef struct {
+    float *res;
+    const float *grad;
+    const adds_t *ad;
+    int64_t lo, hi;
+    float thr, tz;
+    int32_t *idx;
+    float *val;
+    int64_t cap;
+    int truncate, flat;
+    pass_t p;
+} pass_job;
+
+static void *pass_job_run(void *arg) {
+    pass_job *J = (pass_job *)arg;
+    pass1_range(J->res, J->grad, J->ad, J->lo, J->hi, J->thr, J->tz, J->idx, J->val, J->cap, J->truncate, J->flat,
+                &J->p);
+    return NULL;
+}
+
+/* The pass over [0, n) as T ranges (whole tiles) on T threads, each into candidate buffers of its own, then
+ * joined in range order: the same residual and candidates as one pass, bit for bit (every coordinate's work
+ * is its own), and the same overflow: more than cap candidates in all is an overflow (truncate: the first
+ * cap, the rest given back to the residual, as one pass would have left them). Returns 0, or -1 when the
+ * buffers or threads could not be had (nothing done: the caller runs the one pass). */
+static int pass1_threads(float *res, const float *grad, const adds_t *ad, int64_t n, int T, float thr, float tz,
+                         int32_t *idx, float *val, int64_t cap, int truncate, int flat, pass_t *p) {
+    pass_job jobs[PASS_MAX_THREADS];
+    float *bufv = malloc((size_t)(T - 1) * (size_t)cap * sizeof(float));
+    int32_t *bufi = malloc((size_t)(T - 1) * (size_t)cap * sizeof(int32_t));
+    if (!bufv || !bufi) {
+        free(bufv);
+        free(bufi);
+        return -1;
+    }
+    const int64_t tiles = (n + STELLA_ADD_TILE - 1) / STELLA_ADD_TILE;
+    for (int t = 0; t < T; t++) {
+        pass_job *J = &jobs[t];
+        J->res = res;
+        J->grad = grad;
+        J->ad = ad;
+        J->lo = tiles * t / T * STELLA_ADD_TILE;
+        J->hi = t == T - 1 ? n : tiles * (t + 1) / T * STELLA_ADD_TILE;
+        J->thr = thr;
+        J->tz = tz;
+        J->idx = t == 0 ? idx : bufi + (size_t)(t - 1) * (size_t)cap;
+        J->val = t == 0 ? val : bufv + (size_t)(t - 1) * (size_t)cap;
+        J->cap = cap;
+        J->truncate = truncate;
+        J->flat = flat;
+        pass_t z = {0, 0, 0, 0};
+        J->p = z;
+    }
+    pthread_t tid[PASS_MAX_THREADS];
+    int started[PASS_MAX_THREADS] = {0};
+    for (int t = 1; t < T; t++) started[t] = pthread_create(&tid[t], NULL, pass_job_run, &jobs[t]) == 0;
+    pass_job_run(&jobs[0]);
+    for (int t = 1; t < T; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            pass_job_run(&jobs[t]); /* no thread to be had: this range here */
+    }
+    pass_t q = {0, 0, 0, 0};
+    int64_t all = 0;
+    for (int t = 0; t < T; t++) {
+        q.total += jobs[t].p.total;
+        q.overflow |= jobs[t].p.overflow;
+        all += jobs[t].p.units;
+    }
+    if (!truncate && all > cap) q.overflow = 1; /* one pass would have run out of room: it gives all back */
+    for (int t = 0; t < T; t++) {
+        const pass_job *J = &jobs[t];
+        const int64_t m = J->p.units;
+        const int64_t take = q.overflow ? 0 : (cap - q.units < m ? cap - q.units : m);
+        if (t > 0 && take > 0) {
+            memmove(idx + q.units, J->idx, (size_t)take * sizeof(int32_t));
+            memmove(val + q.units, J->val, (size_t)take * sizeof(float));
+        }
+        for (int64_t u = take; u < m; u++) res[J->idx[u]] = J->val[u]; /* not kept: back into the residual */
+        q.units += take;
+    }
+    q.elems = q.units;
+    *p = q;
+    free(bufv);
+    free(bufi);
+    return 0;
+}
+
 static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t n, int unit, float thr,
-                       float tz, int32_t *idx, float *val, float *score, int64_t cap, int truncate, double aim) {
+                       float tz, int32_t *idx, float *val, float *score, int64_t cap, int truncate, double aim,
+                       int threads) {
     pass_t p = {0, 0, 0, 0};
     if (tz < thr) tz = thr;
-    if (unit == 1) {
-        const int flat = aim >= FLAT_FROM * (double)n;
-        if (ad) { /* unit 1, no gradient (the caller checked): each tile's adds (stella_native.h), then the
-                   * pass over it while its lines are in L1, instead of a scatter over the whole tensor and a
-                   * pass that reads its lines again from memory */
-            int64_t j[STELLA_TOPK_MAX_ADDS] = {0};
-            stella_prefetch_lines(res, 0, STELLA_ADD_TILE, n);
-            for (int64_t lo = 0; lo < n; lo += STELLA_ADD_TILE) {
-                const int64_t hi = n - lo < STELLA_ADD_TILE ? n : lo + STELLA_ADD_TILE;
-                stella_add_lists_below(res, ad->list, ad->nlists, j, hi);
-                for (int64_t s = lo; s < hi; s += STELLA_ADD_STEP) { /* the next tile's lines asked for as it goes */
-                    stella_prefetch_lines(res, s + STELLA_ADD_TILE, STELLA_ADD_STEP, n);
-                    pass1_impl(res, NULL, 0, s, hi - s < STELLA_ADD_STEP ? hi : s + STELLA_ADD_STEP, thr, tz, idx,
-                               val, cap, truncate, flat, &p);
-                }
-            }
-        } else if (grad) {
-            pass1_impl(res, grad, 1, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
-        } else {
-            pass1_impl(res, NULL, 0, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
-        }
+    int T = threads < PASS_MAX_THREADS ? threads : PASS_MAX_THREADS;
+    if (T > n / PASS_MIN_PER_THREAD) T = (int)(n / PASS_MIN_PER_THREAD);
+    if (unit == 1 && T > 1 &&
+        pass1_threads(res, grad, ad, n, T, thr, tz, idx, val, cap, truncate, aim >= FLAT_FROM * (double)n, &p) == 0)
+        return p; /* (an overflow was given back there) */
+    if (unit == 1) { /* (the adds: unit 1, no gradient, the caller checked) */
+        pass1_range(res, grad, ad, 0, n, thr, tz, idx, val, cap, truncate, aim >= FLAT_FROM * (double)n, &p);
         p.elems = p.units;
     } else {
         if (grad)
@@ -771,7 +880,8 @@ static int64_t ef_topk(float *res, const float *grad, const adds_t *ad, int64_t 
             exact = 1;
             st.exact_fallback = 1;
         }
-        p = run_pass(res, g, ad, n, unit, thr, tz, idx, val, score, cap_units, truncate, AIM * (double)k);
+        p = run_pass(res, g, ad, n, unit, thr, tz, idx, val, score, cap_units, truncate, AIM * (double)k,
+                     args->threads);
         g = NULL; /* the gradient (or the adds) is in the residual from now on */
         ad = NULL;
         st.passes++;

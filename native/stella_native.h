@@ -13,7 +13,7 @@
 /* Bumped whenever a signature or a struct in native/cdefs changes; the Python
  * wrappers (stella.native_errors.require_abi) assert it at import so a stale build
  * fails loudly. */
-#define STELLA_ABI_VERSION 12
+#define STELLA_ABI_VERSION 13
 
 /* Return codes shared by all kernels (0 = ok, negative = error); stella_strerror()
  * has their text. */

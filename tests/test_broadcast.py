@@ -262,6 +262,32 @@ def test_dense_steps_select_with_one_pass_and_then_rebuild_the_index():
     assert b.full_passes == [3] and b.index_passes == [1] and log.sent[0].size == 20
 
 
+def test_a_pool_of_threads_passes_over_the_residual_in_ranges_with_the_same_bits():
+    """A store with PASS_THREADS_FROM threads or more splits the streaming pass over a large residual (here
+    2.1M coordinates, 2% touched a step: the pass, not the index) into ranges: the messages and R as with one."""
+    from stella_ps.runtime import TensorPool
+
+    n = 2_100_000
+    logs, residuals = [], []
+    for threads in (1, bmod.PASS_THREADS_FROM):
+        pool = TensorPool(threads)
+        b = Broadcast([TensorSpec("big", (n,), "float32")], [np.zeros(n, np.float32)], _info("q4", 1.0), 64,
+                      whole=[False])
+        rng = np.random.default_rng(5)
+        got = []
+        for step in range(1, 5):
+            idx = np.sort(rng.choice(n, n // 50, replace=False)).astype(np.int32)
+            log = b.step(step, [idx], [(rng.standard_normal(idx.size) * 1e-3).astype(np.float32)], [n / 100],
+                         pool=pool)
+            got.append((log.sent[0].copy(), log.values[0].tobytes()))
+        pool.close()
+        assert b.full_passes == [4]
+        logs.append(got)
+        residuals.append(b.residual[0].tobytes())
+    assert all(np.array_equal(a[0], c[0]) and a[1] == c[1] for a, c in zip(*logs, strict=True))
+    assert residuals[0] == residuals[1]
+
+
 def test_bench_broadcast_runs_both_on_the_same_steps():
     from bench.broadcast import run
 

@@ -251,3 +251,49 @@ def test_a_bad_sparse_change_is_refused_before_anything_is_written():
         with pytest.raises(ValueError, match="unit 1 and no grad"):
             select.ef_select(res, grad, 100, unit, select.state(), 4096, 1, adds=[(good_idx, good_val)])
         assert _same_bits(res, before)
+
+
+# ------------------------------------------------------------------------------ the selection's pass on threads
+
+def _selection_run(threads: int, n: int, k: int, steps: int, seed: int, case: str):
+    """``steps`` selections over one residual (the broadcast's: adds, no gradient; or the
+    compressor's: a gradient), carrying the state; every output and the residual after each."""
+    from stella_ps.topk import SELECT
+
+    rng = np.random.default_rng(seed)
+    res = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    if case == "ties":  # every magnitude equal: no threshold between 0 and all; the exact fallback, truncated
+        res[:] = np.float32(1.0)
+    state, out = SELECT.state(), []
+    for step in range(steps):
+        stats = SELECT.stats()
+        if case == "grad":
+            g = (rng.standard_normal(n) * 10.0 ** (step % 3 - 3)).astype(np.float32)
+            idx, val = SELECT.ef_select(res, g, k, 1, state, 4096, seed + step, stats, threads=threads)
+        else:
+            adds = []
+            if case != "ties":
+                for _ in range(2):
+                    i = np.sort(rng.choice(n, n // 50, replace=False)).astype(np.int32)
+                    adds.append((i, (rng.standard_normal(i.size) * 10.0 ** (step % 3 - 2)).astype(np.float32)))
+            idx, val = SELECT.ef_select(res, None, k, 1, state, 4096, seed + step, stats, adds=adds, threads=threads)
+        out.append((idx.copy(), val.copy(), res.copy(), state.last_threshold, stats.as_dict()))
+    return out
+
+
+@pytest.mark.parametrize("case", ["adds", "grad", "ties"])
+def test_the_selections_pass_on_threads_gives_the_same_bits(case):
+    """ef_select's unit-1 pass split over threads (ranges of whole tiles, each into its own buffers, joined in
+    order): the same indices, values, residual and carried state as one pass, through estimates, give-backs
+    of an overflow (the first steps' thresholds), and the exact fallback's truncated pass (ties)."""
+    n, k = 2_500_000 + 4321, 25_000  # 2 ranges at 1M a thread at least (3 asked)
+    one = _selection_run(1, n, k, 4 if case != "ties" else 1, 7, case)
+    three = _selection_run(3, n, k, 4 if case != "ties" else 1, 7, case)
+    seen = set()
+    for a, b in zip(one, three, strict=True):
+        assert np.array_equal(a[0], b[0]) and a[1].tobytes() == b[1].tobytes()
+        assert a[2].tobytes() == b[2].tobytes()
+        assert a[3] == b[3] and a[4] == b[4]
+        seen |= {name for name, v in a[4].items() if v and name in ("givebacks", "exact_fallback")}
+    if case == "ties":
+        assert "exact_fallback" in seen  # the truncated pass ran

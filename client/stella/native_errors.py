@@ -33,7 +33,7 @@ from cffi import FFI
 __all__ = ["ABI_VERSION", "require_abi", "strerror", "check", "ISA_ENV", "NativeIsa", "isa_info",
            "warn_isa_fallback", "sparse_lists"]
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 """The ``STELLA_ABI_VERSION`` these wrappers were written against (native/stella_native.h);
 bumped together with it."""
 

@@ -94,7 +94,8 @@ class Selection:
         return SelectStats(self._ffi.new("stella_topk_stats *"))
 
     def ef_select(self, res, grad, k_units: int, unit: int, state: TopkState, nsample: int, seed: int,
-                  stats: SelectStats | None = None, adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()):
+                  stats: SelectStats | None = None, adds: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+                  threads: int = 1):
         """``res += grad`` (grad may be None); select about ``k_units`` units of largest
         magnitude (``unit`` 1: floats by ``|res|``; ``block``: whole blocks by squared
         norm), returned as sorted element indices; zero them in res. ``nsample`` units are
@@ -105,6 +106,9 @@ class Selection:
         float32 values; unit 1, no ``grad``). The result is the same, bit for bit, as
         ``res[indices] += values`` for each and then the call without them; the first pass
         adds them a tile at a time as it goes.
+
+        ``threads``: unit 1's pass runs on up to this many threads (ranges of at least 1M
+        coordinates each), with the same result bit for bit.
 
         Returns (indices int32, values float32).
         """
@@ -126,7 +130,7 @@ class Selection:
         val = np.empty(cap * unit, dtype=np.float32)
         score = np.empty(cap if unit != 1 else 1, dtype=np.float32)
         args = ffi.new("stella_topk_args *", {"k_units": k_units, "unit": unit, "nsample": int(nsample),
-                                              "seed": int(seed) & (2**64 - 1)})
+                                              "seed": int(seed) & (2**64 - 1), "threads": max(1, int(threads))})
         bufs = (ffi.from_buffer("int32_t[]", idx, require_writable=True),
                 ffi.from_buffer("float[]", val, require_writable=True),
                 ffi.from_buffer("float[]", score, require_writable=True))

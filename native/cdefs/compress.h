@@ -14,6 +14,7 @@ typedef struct {
     int32_t unit;    /* 1 ("threshold") or STELLA_BLOCK ("block") */
     int64_t nsample; /* floats (unit 1) or blocks (unit STELLA_BLOCK) to sample */
     uint64_t seed;
+    int32_t threads; /* unit 1's pass over the residual on up to this many threads (0 or 1: this one) */
 } stella_topk_args;
 
 /* Where the selection goes: room for cap_units * unit indices and values (sorted

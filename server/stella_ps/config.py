@@ -377,8 +377,9 @@ class ServerConfig:
                                               "'adamw:lr=0.001,weight_decay=0.01' or JSON (update-mode workers "
                                               "always name their outer step)")
     threads: int = setting(0, check=at_least(0),
-                           help="threads for a step's per-tensor work (apply, the broadcast's selection and coding): "
-                                "0 takes the cores this process may use, up to 8; 1 does it all on the store thread")
+                           help="threads for a step's work (apply, the broadcast's selection and coding; from 4, "
+                                "the broadcast's pass over a large residual in ranges too): 0 takes the cores this "
+                                "process may use, up to 8; 1 does it all on the store thread")
     dense_below: int = setting(4096, check=at_least(0),
                                help="tensors with fewer elements (biases, norms) travel whole, in pushes and in the "
                                     "broadcast: the model is laid out flat with them last (stella.layout); workers "

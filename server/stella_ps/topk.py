@@ -34,17 +34,18 @@ class Selector:
         in magnitude (0.0 when it took every nonzero)."""
         return self._state.last_threshold
 
-    def take(self, residual: np.ndarray, k: int,
-             adds: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def take(self, residual: np.ndarray, k: int, adds: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+             threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The sorted indices (int32) and values (float32) of about ``k`` of ``residual``'s
         largest magnitudes (within 10%, fewer when fewer are nonzero); they become zero
         in ``residual`` (a contiguous 1-D float32 array, changed in place). ``adds``
         (each sorted unique int32 indices and float32 values) are added to ``residual``
         first, in the same pass: the result is that of ``residual[i] += v`` for each, in
-        order, and then ``take``."""
+        order, and then ``take``. ``threads``: the pass over ``residual`` on up to this many
+        threads, the same result bit for bit."""
         n = residual.shape[0]
         k = max(1, min(int(k), n))
         self._calls += 1
         seed = (self._seed * 0x9E3779B97F4A7C15 + self._calls) & 0xFFFFFFFFFFFFFFFF
         sample = min(n, max(4096, min(65536, 400 * n // k)))
-        return SELECT.ef_select(residual, None, k, 1, self._state, sample, seed, adds=adds)
+        return SELECT.ef_select(residual, None, k, 1, self._state, sample, seed, adds=adds, threads=threads)
