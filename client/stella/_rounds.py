@@ -49,6 +49,7 @@ class PipelineStats:
     iterations: int = 0  # step() calls
     rounds: int = 0  # exchanges started: one per step in gradient mode, one per H steps in update mode
     wait_s: float = 0.0  # time step() spent blocked on the previous exchange
+    install_s: float = 0.0  # time step() spent installing the server's answers (the training thread)
     compress_s: float = 0.0
     exchange_s: float = 0.0  # push + waiting for the step + pull, in the background
     values_pushed: int = 0

@@ -373,7 +373,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.stats.wait_s += time.perf_counter() - t0
         assert answer is not None
         delta, sent = answer
+        t1 = time.perf_counter()
         self._exchange.install(delta, sent)
+        self.stats.install_s += time.perf_counter() - t1
         self.version = delta.version
         if self._exchange.noise is not None:  # BatchNoise(world=None): the job's size, as the server saw it
             self._exchange.noise.job_size(delta.pushes * self.site.size)
