@@ -19,8 +19,8 @@ ops over the parameters and views of the flat buffer, one group per parameter dt
 sparse forms there (``add_at``, ``set_at``) stage a group of up to ``STAGE_MAX_NUMEL``
 (32M) coordinates in one buffer (``torch.cat``), index into it once and copy it back
 (``_foreach_copy_``): four passes over the group (on an H200, bench.cuda --flat, a sparse
-add of 1% into the byte LM's 10.8M took 1.35 ms, most of it the host side and the copy of
-the entries) in place of a launch per tensor. A larger group takes an ``index_add_`` per
+add of 1% into the byte LM's 10.8M took 1.35 ms, the entries' copy to the device included)
+in place of a launch per tensor. A larger group takes an ``index_add_`` per
 parameter on its slice of the entries (found on the host), since its passes would grow
 with the model (16 GB a call for 1B float32 parameters) while the launches grow only with
 the tensors; aliasing the parameters' memory would avoid both, at the price of pointer
@@ -58,8 +58,8 @@ __all__ = ["FlatParams", "FlatCompressor", "FlatPush", "PARAM_DTYPES"]
 PARAM_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 """The parameter dtypes :class:`FlatParams` takes, and their names in C (``_flat_native.DTYPES``)."""
 # the torch backend's sparse add or set stages a dtype group in one buffer up to this many coordinates
-# (FlatParams._scatter): on a GPU its four passes over 32M float32 coordinates cost 0.1-0.5 ms, about what a
-# few hundred launches take
+# (FlatParams._scatter): on a GPU its four passes over 32M float32 coordinates (512 MB) would take 0.1-0.5 ms at
+# 1-4 TB/s, about what a few hundred launches take (an estimate; the per-parameter path is not timed on a GPU)
 STAGE_MAX_NUMEL = 1 << 25
 
 
