@@ -31,7 +31,6 @@
  * step-to-step drift.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -582,7 +581,7 @@ static void *pass_job_run(void *arg) {
  * joined in range order: the same residual and candidates as one pass, bit for bit (every coordinate's work
  * is its own), and the same overflow: more than cap candidates in all is an overflow (truncate: the first
  * cap, the rest given back to the residual, as one pass would have left them). Returns 0, or -1 when the
- * buffers or threads could not be had (nothing done: the caller runs the one pass). */
+ * buffers could not be had (nothing done: the caller runs the one pass). */
 static int pass1_threads(float *res, const float *grad, const adds_t *ad, int64_t n, int T, float thr, float tz,
                          int32_t *idx, float *val, int64_t cap, int truncate, int flat, pass_t *p) {
     pass_job jobs[PASS_MAX_THREADS];
@@ -611,16 +610,7 @@ static int pass1_threads(float *res, const float *grad, const adds_t *ad, int64_
         pass_t z = {0, 0, 0, 0};
         J->p = z;
     }
-    pthread_t tid[PASS_MAX_THREADS];
-    int started[PASS_MAX_THREADS] = {0};
-    for (int t = 1; t < T; t++) started[t] = pthread_create(&tid[t], NULL, pass_job_run, &jobs[t]) == 0;
-    pass_job_run(&jobs[0]);
-    for (int t = 1; t < T; t++) {
-        if (started[t])
-            pthread_join(tid[t], NULL);
-        else
-            pass_job_run(&jobs[t]); /* no thread to be had: this range here */
-    }
+    stella_run_jobs(pass_job_run, jobs, sizeof jobs[0], T);
     pass_t q = {0, 0, 0, 0};
     int64_t all = 0;
     for (int t = 0; t < T; t++) {

@@ -4,6 +4,7 @@
 #ifndef STELLA_NATIVE_H
 #define STELLA_NATIVE_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -145,6 +146,27 @@ static inline void stella_add_lists_below(float *a, const stella_sparse_list *li
         int64_t j = cursor[l];
         for (; j < nl && il[j] < hi; j++) a[il[j]] += vl[j];
         cursor[l] = j;
+    }
+}
+
+/* The most threads one stella_run_jobs call runs on. */
+#define STELLA_MAX_JOBS 64
+
+/* fn(job t) for the T jobs of the array at jobs (each size bytes): jobs 1.. on threads of their own, job 0 on
+ * the caller's, and a job whose thread could not be started on the caller's too, after job 0; returns when
+ * every one is done. The kernels' ranges (an apply, a gather, the selection's pass) each run this way. */
+static inline void stella_run_jobs(void *(*fn)(void *), void *jobs, size_t size, int T) {
+    pthread_t tid[STELLA_MAX_JOBS];
+    int started[STELLA_MAX_JOBS] = {0};
+    char *base = (char *)jobs;
+    if (T > STELLA_MAX_JOBS) T = STELLA_MAX_JOBS;
+    for (int t = 1; t < T; t++) started[t] = pthread_create(&tid[t], NULL, fn, base + (size_t)t * size) == 0;
+    fn(base);
+    for (int t = 1; t < T; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            fn(base + (size_t)t * size);
     }
 }
 

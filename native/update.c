@@ -21,7 +21,6 @@
 #define _GNU_SOURCE
 #include <float.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -411,16 +410,7 @@ int64_t STELLA_ISA_FN(stella_optim_apply)(stella_optim *st, const stella_push *p
                               st->undo + off * st->nfields, st->delta + off, 0, 0, 1, STELLA_OK};
         off += cnt;
     }
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 1; t < T; t++) started[t] = pthread_create(&tid[t], NULL, run_range_thread, &jobs[t]) == 0;
-    run_range(&jobs[0]);
-    for (int t = 1; t < T; t++) {
-        if (started[t])
-            pthread_join(tid[t], NULL);
-        else
-            run_range(&jobs[t]); /* could not start a thread: do its range here */
-    }
+    stella_run_jobs(run_range_thread, jobs, sizeof jobs[0], T);
     const int64_t nf = st->nfields;
     int failed = 0;
     int rc = STELLA_OK;
@@ -506,22 +496,14 @@ int stella_optim_gather(const stella_optim *st, const int32_t *idx, int64_t n, f
     int T = nthreads < 1 ? 1 : (nthreads > MAX_THREADS ? MAX_THREADS : nthreads);
     if (n < PARALLEL_MIN_WORK * T) T = (int)(n / PARALLEL_MIN_WORK) > 1 ? (int)(n / PARALLEL_MIN_WORK) : 1;
     gather_job jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int t = 0; t < T; t++) {
         int64_t lo = n * t / T, hi = n * (t + 1) / T;
         jobs[t] = (gather_job){st, idx + lo, hi - lo, out + lo, STELLA_OK};
     }
-    for (int t = 1; t < T; t++) started[t] = pthread_create(&tid[t], NULL, run_gather_thread, &jobs[t]) == 0;
-    run_gather(&jobs[0]);
-    int rc = jobs[0].rc;
-    for (int t = 1; t < T; t++) {
-        if (started[t])
-            pthread_join(tid[t], NULL);
-        else
-            run_gather(&jobs[t]);
+    stella_run_jobs(run_gather_thread, jobs, sizeof jobs[0], T);
+    int rc = STELLA_OK;
+    for (int t = 0; t < T; t++)
         if (jobs[t].rc != STELLA_OK) rc = jobs[t].rc;
-    }
     return rc;
 }
 #endif
