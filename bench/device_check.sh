@@ -7,7 +7,8 @@
 #   .devbuild/  _native.abi3.so and _kernel.abi3.so built by a Python 3.12 with STELLA_NATIVE_ARCH=x86-64-v2
 #               (portable; the AVX2 and AVX-512 paths come from the run-time dispatch)
 # and run as:  run(command="bash bench/device_check.sh", carry=[".whl", ".devbuild"], timeout_s=...)
-# Environment: PARTS (default "server cuda pin"), CONFIGS and CUDA_ARGS (bench.cuda's), the parts' time limits.
+# Environment: PARTS (default "server cuda pin"; also "threads"), CONFIGS and CUDA_ARGS (bench.cuda's), the parts'
+# time limits. Not yet run on a device: PARTS=threads, and CONFIGS with h4 (both written after the budget ran out).
 # Everything lands in $OUT: each bench's log and --json, the machine's description, the profile.
 set -u
 export PYTHONUNBUFFERED=1
@@ -43,6 +44,15 @@ say "bench.cuda: dense, ${CONFIGS:=h1,defaults}, 2 workers, 300 steps, ${CUDA_AR
 timeout "${CUDA_S:-330}" python3 -m bench.cuda --steps 300 --workers 2 --configs "$CONFIGS" \
   ${CUDA_ARGS:---flat --profile $OUT/profile.json} --json "$OUT/cuda.json" > "$OUT/cuda.log" 2>&1
 say "bench.cuda rc $?"; tail -60 "$OUT/cuda.log"
+}
+
+has threads && {
+say "bench.server: one shard, its step on 1, 4 and 8 threads (--threads: the apply, and the broadcast's pass in ranges)"
+for th in 1 4 8; do
+  timeout "${THREADS_S:-60}" python3 -m bench.server --workers 8 --shards 1 --optimizers adamw --steps 150 \
+    --server-args "--threads $th" > "$OUT/server_threads$th.log" 2>&1
+  say "threads $th rc $?"; grep -A1 '^tensors' "$OUT/server_threads$th.log" | tail -1
+done
 }
 
 if has pin && [ $(( $(date +%s) - t0 )) -lt "${MORE_BEFORE_S:-380}" ]; then
