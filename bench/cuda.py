@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--configs", default="h1,defaults",
                     help="Stella configurations to train, comma-separated: h1 (H = 1, 1%% f16), defaults (the "
-                         "library's own), h4 (the defaults at H = 4), nobn (the defaults without BatchNoise), fused (the "
-                         "defaults over a fused AdamW)")
+                         "library's own), h4 (the defaults at H = 4), nobn (the defaults without BatchNoise), "
+                         "fused (the defaults over a fused AdamW)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="100 steps")
