@@ -585,26 +585,33 @@ static void *pass_job_run(void *arg) {
 static int pass1_threads(float *res, const float *grad, const adds_t *ad, int64_t n, int T, float thr, float tz,
                          int32_t *idx, float *val, int64_t cap, int truncate, int flat, pass_t *p) {
     pass_job jobs[PASS_MAX_THREADS];
-    float *bufv = malloc((size_t)(T - 1) * (size_t)cap * sizeof(float));
-    int32_t *bufi = malloc((size_t)(T - 1) * (size_t)cap * sizeof(int32_t));
+    const int64_t tiles = (n + STELLA_ADD_TILE - 1) / STELLA_ADD_TILE;
+    int64_t room = 0; /* the other ranges' buffers: each the least of cap and its range */
+    for (int t = 0; t < T; t++) {
+        pass_job *J = &jobs[t];
+        J->lo = tiles * t / T * STELLA_ADD_TILE;
+        J->hi = t == T - 1 ? n : tiles * (t + 1) / T * STELLA_ADD_TILE;
+        J->cap = t == 0 ? cap : (cap < J->hi - J->lo ? cap : J->hi - J->lo);
+        if (t > 0) room += J->cap;
+    }
+    float *bufv = malloc((size_t)room * sizeof(float));
+    int32_t *bufi = malloc((size_t)room * sizeof(int32_t));
     if (!bufv || !bufi) {
         free(bufv);
         free(bufi);
         return -1;
     }
-    const int64_t tiles = (n + STELLA_ADD_TILE - 1) / STELLA_ADD_TILE;
+    int64_t off = 0;
     for (int t = 0; t < T; t++) {
         pass_job *J = &jobs[t];
         J->res = res;
         J->grad = grad;
         J->ad = ad;
-        J->lo = tiles * t / T * STELLA_ADD_TILE;
-        J->hi = t == T - 1 ? n : tiles * (t + 1) / T * STELLA_ADD_TILE;
         J->thr = thr;
         J->tz = tz;
-        J->idx = t == 0 ? idx : bufi + (size_t)(t - 1) * (size_t)cap;
-        J->val = t == 0 ? val : bufv + (size_t)(t - 1) * (size_t)cap;
-        J->cap = cap;
+        J->idx = t == 0 ? idx : bufi + off;
+        J->val = t == 0 ? val : bufv + off;
+        if (t > 0) off += J->cap;
         J->truncate = truncate;
         J->flat = flat;
         pass_t z = {0, 0, 0, 0};
