@@ -2,10 +2,8 @@
 # One call of the `device` tool (a lent GPU host): issue 44's GPU rows and the many-core shard scaling,
 # as one prepared script (the lease is minutes; see /work/.library/device/METHOD.md in the workplace).
 #
-# Prepared here, on the developer's machine (the device host has no package registry and Python 3.12):
-#   .whl/       pyzmq, msgspec, cffi and pycparser cp312 manylinux wheels (`pip download --python-version 3.12 ...`)
-#   .devbuild/  _native.abi3.so and _kernel.abi3.so built by a Python 3.12 with STELLA_NATIVE_ARCH=x86-64-v2
-#               (portable; the AVX2 and AVX-512 paths come from the run-time dispatch)
+# Prepared here, on the developer's machine, by `bash bench/device_prep.sh` (the device host has no package
+# registry and Python 3.12): .whl/ (cp312 wheels) and .devbuild/ (the native modules for Python 3.12, portable),
 # and run as:  run(command="bash bench/device_check.sh", carry=[".whl", ".devbuild"], timeout_s=...)
 # Environment: PARTS (default "server cuda pin"; also "threads"), CONFIGS and CUDA_ARGS (bench.cuda's), the parts'
 # time limits. Not yet run on a device: PARTS=threads, and CONFIGS with h4 (both written after the budget ran out).
