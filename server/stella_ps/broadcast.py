@@ -75,8 +75,8 @@ _Coded = tuple[list[TensorEntry], list[Any]]  # one tensor's part of a message: 
 _SERIAL = TensorPool(1)
 # A step's streaming pass over a large residual (the broadcast's selection above the index's share) runs on the
 # store's threads from this many: the pass is bound by memory bandwidth, which a server's cores share out many
-# ways and two vCPUs of a small VM do not (on the 2-vCPU Zen 4 VM, 10M coordinates at 2% touched: 4.7-5.1 ms on
-# one thread, 4.5-4.7 ms of wall and 6.5-6.7 ms of CPU on two)
+# ways and two vCPUs of a small VM do not (on the 2-vCPU Zen 4 VM, 10M coordinates at 2% touched: 4.7-5.3 ms on
+# one thread, 4.5-5.0 ms of wall and 6.5-7.4 ms of CPU on two; bench/RESULTS.md)
 PASS_THREADS_FROM = 4
 _FINITE = {"f16": 65504.0, "bf16": 3.3895313892515355e38}  # the largest finite value of each coding
 
