@@ -162,12 +162,20 @@ def op_rows(params: list[tuple[str, torch.Tensor]], layout: FlatLayout, density:
         ("add_range suffix", lambda: flat.add_range(dense, s), n - s),
         ("add_range all", lambda: flat.add_range(anchor, 0), n),
     ]
+    backends = [flat.backend] * len(ops)
+    if flat.backend == "torch":  # the sparse writes as a model past STAGE_MAX_NUMEL takes them: a parameter at a time
+        each = FlatParams(tensors, layout)
+        each.stage_max_numel = 0
+        ops += [(f"add_at {density:.1%}", lambda: each.add_at(idx, vals), idx.size),
+                (f"set_at {density:.1%}", lambda: each.set_at(idx, vals), idx.size),
+                (f"merge_at {density:.1%}", lambda: each.merge_at(idx, vals, anchor2), idx.size)]
+        backends += ["torch/param"] * 3
     rows: list[dict[str, Any]] = []
-    for name, fn, count in ops:
+    for (name, fn, count), backend in zip(ops, backends, strict=True):
         fn()
         best = min(_time(fn, device) for _ in range(steps))
         rows.append(dict(kind="op", device=str(device), op=name, dtype=str(tensors[0].dtype).removeprefix("torch."),
-                         backend=flat.backend,
+                         backend=backend,
                          count=count, numel=n, ms=1e3 * best, ns_per_coordinate=1e9 * best / n,
                          ns_per_entry=1e9 * best / max(1, count)))
     for p in tensors:
@@ -353,9 +361,9 @@ def print_tables(rows: list[dict], out=sys.stdout) -> None:
         print(file=out)
     ops = [r for r in rows if r["kind"] == "op"]
     if ops:
-        print(f"{'FlatParams op':20} {'dtype':8} {'backend':7} {'ms':>8} {'ns/coord':>9} {'ns/entry':>9}", file=out)
+        print(f"{'FlatParams op':20} {'dtype':8} {'backend':11} {'ms':>8} {'ns/coord':>9} {'ns/entry':>9}", file=out)
         for r in ops:
-            print(f"{r['op']:20} {r['dtype']:8} {r['backend']:7} {r['ms']:8.3f} {r['ns_per_coordinate']:9.3f} "
+            print(f"{r['op']:20} {r['dtype']:8} {r['backend']:11} {r['ms']:8.3f} {r['ns_per_coordinate']:9.3f} "
                   f"{r['ns_per_entry']:9.2f}", file=out)
         print(file=out)
     rnd = [r for r in rows if r["kind"] == "round"]
