@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
                                  **_configured(stella, config))
     opt.start()  # the registration before the clock
     batches = wl.batches(rank, world, wl.batch_size, seed)
-    if cprofile and rank == 0:  # where the training thread's time goes (the exchange's thread shows as its wait)
+    if cprofile and rank == 0:  # where the training thread's time goes (Python 3.12's profiler sees every thread)
         import cProfile
         import io
         import pstats
@@ -136,7 +136,8 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
            "x_compute": wall / steps / compute, "heldout_loss": wl.evaluate(model.cpu()),
            **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled,
            "sync_every": st.sync_every, "density": st.density, "value_dtype": st.value_dtype,
-           # where a step's time beyond compute goes: blocked on the previous exchange, compressing (both in step())
+           # where a step's time beyond compute goes: blocked on the previous exchange and installing its answer
+           # (the training thread), compressing (the exchange's thread)
            "rounds": st.rounds, "wait_s_per_step": st.wait_s / steps, "compress_s_per_step": st.compress_s / steps,
            "install_s_per_step": st.install_s / steps})
 
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
                            "torch": torch.__version__,
                            "steps": a.steps, "workers": a.workers, "workload": a.workload}
     print(f"bench.cuda: {out['started']}, {out['device']}, torch {out['torch']}", flush=True)
+
     def save() -> None:  # after each part: a run cut short (a device lease's end) keeps what it measured
         if a.json:
             with open(a.json, "w") as f:
