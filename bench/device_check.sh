@@ -5,9 +5,11 @@
 # Prepared here, on the developer's machine, by `bash bench/device_prep.sh` (the device host has no package
 # registry and Python 3.12): .whl/ (cp312 wheels) and .devbuild/ (the native modules for Python 3.12, portable),
 # and run as:  run(command="bash bench/device_check.sh", carry=[".whl", ".devbuild"], timeout_s=...)
-# Environment: PARTS (default "server cuda pin"; also "threads"), CONFIGS and CUDA_ARGS (bench.cuda's), the parts'
-# time limits. Not yet run on a device: PARTS=threads, and CONFIGS with h4 (both written after the budget ran out).
-# Everything lands in $OUT: each bench's log and --json, the machine's description, the profile.
+# Environment: PARTS (default "server threads cuda pin"), CONFIGS (default h1,defaults,h4) and CUDA_ARGS
+# (bench.cuda's), the parts' time limits: all of it about 7 minutes on the H200 host. Not yet run on a device: the
+# threads part and h4 (written after the budget ran out).
+# Everything lands in $OUT (8 files at most come back): the logs, bench.server's and bench.cuda's --json, the
+# machine's description, the profile.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device-out}
@@ -27,7 +29,7 @@ print('isa', n.ffi.string(n.lib.stella_native_isa()).decode() if hasattr(n.lib, 
   nproc; grep -m1 'model name' /proc/cpuinfo; free -g | head -2; uptime; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 } 2>&1 | tee "$OUT/machine.txt"
 
-PARTS=${PARTS:-server cuda pin}  # which of the three parts below run
+PARTS=${PARTS:-server threads cuda pin}  # which of the parts below run
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 has server && {
@@ -38,7 +40,7 @@ say "bench.server rc $?"; grep -A6 '^tensors' "$OUT/server.log"
 }
 
 has cuda && {
-say "bench.cuda: dense, ${CONFIGS:=h1,defaults}, 2 workers, 300 steps, ${CUDA_ARGS:=--flat --profile $OUT/profile.json}"
+say "bench.cuda: dense, ${CONFIGS:=h1,defaults,h4}, 2 workers, 300 steps, ${CUDA_ARGS:=--flat --profile $OUT/profile.json}"
 timeout "${CUDA_S:-330}" python3 -m bench.cuda --steps 300 --workers 2 --configs "$CONFIGS" \
   ${CUDA_ARGS:---flat --profile $OUT/profile.json} --json "$OUT/cuda.json" > "$OUT/cuda.log" 2>&1
 say "bench.cuda rc $?"; tail -60 "$OUT/cuda.log"
@@ -48,15 +50,16 @@ has threads && {
 say "bench.server: one shard, its step on 1, 4 and 8 threads (--threads: the apply, and the broadcast's pass in ranges)"
 for th in 1 4 8; do
   timeout "${THREADS_S:-60}" python3 -m bench.server --workers 8 --shards 1 --optimizers adamw --steps 150 \
-    --server-args "--threads $th" > "$OUT/server_threads$th.log" 2>&1
-  say "threads $th rc $?"; grep -A1 '^tensors' "$OUT/server_threads$th.log" | tail -1
+    --server-args "--threads $th" > "$OUT/t.log" 2>&1
+  say "threads $th rc $?"; { echo "--threads $th"; cat "$OUT/t.log"; } >> "$OUT/server_threads.log"
+  grep -A1 '^tensors' "$OUT/t.log" | tail -1; rm -f "$OUT/t.log"
 done
 }
 
-if has pin && [ $(( $(date +%s) - t0 )) -lt "${MORE_BEFORE_S:-380}" ]; then
+if has pin && [ $(( $(date +%s) - t0 )) -lt "${MORE_BEFORE_S:-500}" ]; then
   say "bench.server: one shard pinned to a core, W = 2 and 32, 10M, AdamW: the server over its kernel with cores to spare"
   timeout "${MORE_S:-100}" python3 -m bench.server --pin --workers 2,32 --shards 1 --optimizers adamw --kernel \
-    --json "$OUT/server_pin.json" > "$OUT/server_pin.log" 2>&1
+    > "$OUT/server_pin.log" 2>&1
   say "bench.server rc $?"; grep -A4 '^tensors' "$OUT/server_pin.log"
 fi
 say "done"
