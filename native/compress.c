@@ -649,13 +649,13 @@ static pass_t run_pass(float *res, const float *grad, const adds_t *ad, int64_t 
                        int threads) {
     pass_t p = {0, 0, 0, 0};
     if (tz < thr) tz = thr;
-    int T = threads < PASS_MAX_THREADS ? threads : PASS_MAX_THREADS;
-    if (T > n / PASS_MIN_PER_THREAD) T = (int)(n / PASS_MIN_PER_THREAD);
-    if (unit == 1 && T > 1 &&
-        pass1_threads(res, grad, ad, n, T, thr, tz, idx, val, cap, truncate, aim >= FLAT_FROM * (double)n, &p) == 0)
-        return p; /* (an overflow was given back there) */
     if (unit == 1) { /* (the adds: unit 1, no gradient, the caller checked) */
-        pass1_range(res, grad, ad, 0, n, thr, tz, idx, val, cap, truncate, aim >= FLAT_FROM * (double)n, &p);
+        const int flat = aim >= FLAT_FROM * (double)n;
+        int T = threads < PASS_MAX_THREADS ? threads : PASS_MAX_THREADS;
+        if (T > n / PASS_MIN_PER_THREAD) T = (int)(n / PASS_MIN_PER_THREAD);
+        if (T > 1 && pass1_threads(res, grad, ad, n, T, thr, tz, idx, val, cap, truncate, flat, &p) == 0)
+            return p; /* (an overflow was given back there) */
+        pass1_range(res, grad, ad, 0, n, thr, tz, idx, val, cap, truncate, flat, &p);
         p.elems = p.units;
     } else {
         if (grad)
