@@ -10,7 +10,9 @@ import torch
 from stella import Compression, Connection, StellaOptimizer
 from stella.demo import accuracy, build_mlp, load_digits_split
 
-TARGET = 0.95
+# 0.93, not 0.95: on this split the MLP plateaus at 0.93-0.96, so the step where a curve first holds 0.95 is
+# noise (dense: 360-420 of 500 steps on this VM, never in one CI run); 0.93 lies on the slope (dense 190-290).
+TARGET = 0.93
 EVAL_EVERY = 10
 MAX_STEPS = 500
 LR = 0.05
@@ -75,12 +77,19 @@ def test_one_percent_reaches_dense_accuracy_within_1_3x_steps(make_server, metho
 
 
 if __name__ == "__main__":  # print both curves (python tests/test_convergence.py [LR ...])
+    import os
     import sys
+    import tempfile
 
     from stella_ps.process import ServerProcess
+    from stella_ps.security import write_keyset
+
+    keys = write_keyset(tempfile.mkdtemp(), clients=("client",))  # the suite's CurveZMQ set-up (conftest.curve_keys)
+    os.environ.update({"STELLA_PS_KEYS": keys.server_secret, "STELLA_PS_ALLOW": keys.allowlist,
+                       "STELLA_SERVER_KEY": keys.server_public, "STELLA_CLIENT_KEY": keys.client_secrets["client"]})
 
     for lr in map(float, sys.argv[1:] or [LR]):
         for density, method in ((1.0, "dense"), (0.01, "threshold")):
             with ServerProcess(2) as srv:
                 c = train(srv.endpoint, density, method, lr)
-            print(lr, density, method, {t: steps_to(c, t) for t in (0.9, 0.93, 0.95)}, flush=True)
+            print(lr, density, method, {t: steps_to(c, t) for t in (0.9, TARGET, 0.95)}, flush=True)
