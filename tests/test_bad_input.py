@@ -76,6 +76,10 @@ def push_hdr(env, tensors, version=0, **over):
     return {"type": "push", "worker": env["wid"], "version": version, "tensors": tensors, **over}
 
 
+def pull_hdr(env, **over):
+    return {"type": "pull", "proto": PROTOCOL_VERSION, "req": 7, "worker": env["wid"], "since": 0, **over}
+
+
 def snapshot(env):
     full = env["good"].pull(None)
     return full.version, {k: v[1].copy() for k, v in full.tensors.items()}
@@ -252,6 +256,15 @@ CASES = {
                                  "momentum=1 is outside [0, 1)"),
     "set_optimizer hparams a list": (lambda e: ({"type": "set_optimizer", "worker": e["wid"], "hparams": [1]},
                                                 [], None), "protocol", "at `$.hparams`"),
+    # the round's pull riding on a push (protocol 15): checked before anything is queued
+    "push's pull of another worker": (lambda e: (push_hdr(e, [], pull=pull_hdr(e, worker=e["wid"] + 1)), [], None),
+                                      "protocol", "its pull is worker"),
+    "push's pull of another protocol": (lambda e: (push_hdr(e, [], pull=pull_hdr(e, proto=PROTOCOL_VERSION - 1)),
+                                                   [], None), "protocol", "its pull's protocol version"),
+    "push's pull from the future": (lambda e: (push_hdr(e, [e_(0, 1)], pull=pull_hdr(e, since=10**6)),
+                                               [i32(0), f32(1.0)], None), "version", "from the future"),
+    "push's pull not a pull": (lambda e: (push_hdr(e, [], pull={"type": "status", "proto": PROTOCOL_VERSION}),
+                                          [], None), "protocol", "`$.pull.type`"),
 }
 e_ = e
 

@@ -181,11 +181,12 @@ class Rounds:
         client = self.client
         assert client is not None
         up0, down0 = client.bytes_pushed, client.bytes_pulled
-        push = client.push(as_update(sent), version, value_dtype=sent.value_dtype,
-                           index_coding=self.compression.index_coding, hparams=hparams or None,
-                           report=self.progress.report(), samples=samples, wait=False)
-        pull = client.pull(since, wait_for=since + 1, index_coding=self.pull_coding, wait=False)
-        t_pull = time.perf_counter()  # queued behind the push: the server sees it once the push is in
+        # the pull rides on the push (one message): the server sees it once the push is in
+        push, pull = client.push_pull(as_update(sent), version, since, wait_for=since + 1,
+                                      value_dtype=sent.value_dtype, index_coding=self.compression.index_coding,
+                                      pull_coding=self.pull_coding, hparams=hparams or None,
+                                      report=self.progress.report(), samples=samples)
+        t_pull = time.perf_counter()
         ok = push.result()
         t_ack = time.perf_counter()
         # the server's push-norm bound scaled part of it off: back into the residual, and installed as applied

@@ -491,6 +491,7 @@ class Session:
         self._req = itertools.count(1)
         self._replies: dict[int, Received] = {}
         self._outstanding: set[int] = set()
+        self._pairs: dict[int, int] = {}  # a push sent with its pull (send_pair) -> the pull's id
         self._assemblies: dict[int, _Assembly] = {}  # requests whose chunked answers are being fetched
         self._registered: Registered | None = None  # the last registration's reply
         self._transfers_lost: dict[int, int] = {}  # requests sent again because the server lost their transfer
@@ -769,6 +770,27 @@ class Session:
             self._sent[req] = (msg, frames, timeout)
         return req
 
+    def send_pair(self, push: Push, frames: Iterable[Any], pull: Pull, timeout: float | None = None
+                  ) -> tuple[int, int]:
+        """Send a push and the round's pull as one message (the pull rides on the push,
+        ``Push.pull``): two requests, each answered under its own id; returns both ids for
+        :meth:`wait`. A refusal of the push fails the pull with it. When the socket does
+        not take the message at once they go as two (:meth:`send`, which waits for the
+        socket and reconnects), and a reconnect re-sends them as two as well."""
+        if self._sock.closed:
+            raise ServerUnavailable("client is closed")
+        frames = list(frames)
+        a, b = next(self._req), next(self._req)
+        both = msgspec.structs.replace(push, req=a, pull=msgspec.structs.replace(pull, req=b))
+        if not self._transmit(both, frames, wait=False):
+            return self.send(push, frames, timeout), self.send(pull, (), timeout)
+        for req, msg, parts in ((a, push, frames), (b, pull, [])):
+            self._outstanding.add(req)
+            if self._resilient(msg):
+                self._sent[req] = (msg, parts, timeout)
+        self._pairs[a] = b
+        return a, b
+
     def _writable(self, t: float) -> bool:
         """Whether the socket can send within ``t`` seconds; a handshake the server refuses
         raises :class:`Unauthorised` as soon as it fails."""
@@ -804,6 +826,7 @@ class Session:
             if self._stopped_since(started):
                 self._outstanding.discard(req)
                 self._sent.pop(req, None)
+                self._pairs.pop(req, None)
                 raise Stopped(f"stopped while waiting for stella-ps at {self.address} to answer")
             left = deadline - time.monotonic()
             if left <= 0:
@@ -811,6 +834,7 @@ class Session:
                     raise _Lost(f"no reply within {t:.1f}s")
                 self._outstanding.discard(req)
                 self._rebased.discard(req)
+                self._pairs.pop(req, None)
                 raise self._unavailable("no reply from", t)
             # a reply already queued is read at once: a receive that finds a message costs no system
             # call (a poll, or asking for EVENTS, would); one that finds none, then the poll
@@ -838,6 +862,7 @@ class Session:
             rx = decode_reply(parts)
             if rx.msg.req in self._outstanding:
                 self._replies[rx.msg.req] = rx
+                self._paired_reply(rx)
             else:  # a reply to a request given up on (timed out) is dropped
                 log.debug("dropped a reply to an abandoned request", extra={"req": rx.msg.req})
         self._outstanding.discard(req)
@@ -853,6 +878,13 @@ class Session:
         if isinstance(rx.msg, Chunked):  # its fetches, not the request, are re-sent after a reconnect
             self._assemblies[req] = _Assembly(rx.msg.transfer, list(rx.msg.sizes), entry)
         return rx
+
+    def _paired_reply(self, rx: Received) -> None:
+        """A reply to a push that carried its pull: a refusal is the pull's too (the server
+        refuses both, but one that could not read the message knows only the push's id)."""
+        pull = self._pairs.pop(rx.msg.req, None)
+        if pull is not None and isinstance(rx.msg, Error) and pull in self._outstanding and pull not in self._replies:
+            self._replies[pull] = Received(msgspec.structs.replace(rx.msg, req=pull), ())
 
     def _assemble(self, req: int, timeout: float | None) -> Received | None:
         """Fetch the rest of ``req``'s chunked answer, ``FETCH_WINDOW`` pieces in flight, and
@@ -975,6 +1007,7 @@ class Session:
         self._handshakes.close()  # first: see _Handshakes.close
         self._sock.close(0)
         self._replies.clear()
+        self._pairs.clear()  # what is re-sent goes as separate messages
         self._sock, self._handshakes = self._new_socket()
         self._arm_finalizer()
         self._live.last_ok = time.monotonic()

@@ -414,16 +414,25 @@ class Client:
         rest being the caller's to send again, as :class:`~stella.StellaOptimizer` does), or
         a :class:`Pending` of it with ``wait=False``.
         """
-        enc = grads if isinstance(grads, EncodedPush) else self.encode_push(grads, value_dtype=value_dtype,
-                                                                             index_coding=index_coding)
-        entries, frames = enc.entries, enc.frames
+        msg, frames = self._push_message(grads, version, value_dtype, index_coding, hparams, report, samples, final,
+                                         timeout)
         s = self._session
-        msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=entries,
-                   hparams=dict(hparams) if hparams else None, report=report, samples=samples, final=final)
-        if sum(memoryview(f).nbytes for f in frames) > CHUNK_ABOVE:  # over a slow link: in pieces first
-            msg, frames = s.staged(msg, list(frames), timeout), []
         pending = Pending(s, s.send(msg, frames, timeout), self._push_ok, timeout)
         return pending if not wait else pending.result()
+
+    def _push_message(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int,
+                      value_dtype: ValueDtype, index_coding: IndexCoding, hparams: Mapping[str, Any] | None,
+                      report: WorkerReport | None, samples: int | None, final: bool, timeout: float | None
+                      ) -> tuple[Push, list[Any]]:
+        enc = grads if isinstance(grads, EncodedPush) else self.encode_push(grads, value_dtype=value_dtype,
+                                                                             index_coding=index_coding)
+        frames = list(enc.frames)
+        s = self._session
+        msg = Push(worker=s.worker(), version=s.push_version(int(version)), tensors=enc.entries,
+                   hparams=dict(hparams) if hparams else None, report=report, samples=samples, final=final)
+        if sum(memoryview(f).nbytes for f in frames) > CHUNK_ABOVE:  # over a slow link: in pieces first
+            msg, frames = s.staged(msg, frames, timeout), []
+        return msg, frames
 
     @overload
     def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
@@ -453,6 +462,13 @@ class Client:
         light client); a replica must decode every answer.
         """
         s = self._session
+        msg, parse = self._pull_message(since, wait_for, index_coding, timeout, decode)
+        pending = Pending(s, s.send(msg, (), timeout), parse, timeout)
+        return pending if not wait else pending.result()
+
+    def _pull_message(self, since: int | None, wait_for: int | None, index_coding: PullCoding,
+                      timeout: float | None, decode: bool) -> tuple[Pull, Callable[[Received], PullResult]]:
+        s = self._session
         t = s.timeout if timeout is None else timeout
         if s.need_snapshot and since is not None:
             since, wait_for = None, None  # the replica is of a history the server lost: its snapshot
@@ -460,9 +476,27 @@ class Client:
                    wait_for=None if wait_for is None else int(wait_for),
                    timeout_ms=int(t * 1000 * 0.9),  # the server answers before we give up
                    chunk_bytes=CHUNK_ABOVE)  # a larger answer (a snapshot) comes in pieces
-        parse = self._pull_result if decode else functools.partial(self._pull_result, decode=False)
-        pending = Pending(s, s.send(msg, (), timeout), parse, timeout)
-        return pending if not wait else pending.result()
+        return msg, (self._pull_result if decode else functools.partial(self._pull_result, decode=False))
+
+    def push_pull(self, grads: Mapping[str, Any] | FlatUpdate | EncodedPush, version: int, since: int | None, *,
+                  wait_for: int | None = None, value_dtype: ValueDtype = "f32", index_coding: IndexCoding = "rice",
+                  pull_coding: PullCoding = "rice", hparams: Mapping[str, Any] | None = None,
+                  report: WorkerReport | None = None, samples: int | None = None, timeout: float | None = None,
+                  decode: bool = True) -> tuple[Pending[PushOk], Pending[PullResult]]:
+        """One round's :meth:`push` and :meth:`pull` (``wait=False`` both, the pull after the
+        push) in one message: the server handles the pull once the push is queued and
+        answers each on its own, so the two :class:`Pending` results are those of the two
+        calls, at one message a round instead of two (docs/protocol.md, ``push``). A push
+        that goes up in pieces (over a slow link) and its pull go as two messages."""
+        msg, frames = self._push_message(grads, version, value_dtype, index_coding, hparams, report, samples,
+                                         False, timeout)
+        pull, parse = self._pull_message(since, wait_for, pull_coding, timeout, decode)
+        s = self._session
+        if msg.upload is not None:
+            a, b = s.send(msg, frames, timeout), s.send(pull, (), timeout)
+        else:
+            a, b = s.send_pair(msg, frames, pull, timeout)
+        return Pending(s, a, self._push_ok, timeout), Pending(s, b, parse, timeout)
 
     def flatten(self, grads: Mapping[str, Any]) -> FlatUpdate:
         """Per-tensor updates (as :meth:`push` takes them) as one update of the flat model."""

@@ -55,7 +55,7 @@ __all__ = [
     "check_payload",
 ]
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -273,6 +273,10 @@ class Push(_Message, tag="push", frozen=True):
     # the payload frames are this worker's finished ``upload`` of that id (a push larger than a
     # few MiB over a slow link: close()'s residual), and none follows
     upload: TransferId | None = None
+    # the pull of the same round, riding on this push (one message a round, not two): the server
+    # handles it once the push is queued and answers it as it would the pull sent alone (its own
+    # ``req``); a push it refuses takes the pull with it, unhandled
+    pull: Pull | None = None
 
 
 class Pull(_Message, tag="pull", frozen=True):
@@ -667,6 +671,14 @@ def tag_of(msg: Any) -> str:
 
 
 def _check_frames(msg: Any, payload: tuple[memoryview, ...]) -> None:
+    if isinstance(msg, Push) and msg.pull is not None:
+        pull = msg.pull
+        if pull.proto != PROTOCOL_VERSION or type(pull.proto) is not int:
+            raise ProtocolError(f"push: its pull's protocol version {pull.proto!r} is not the push's")
+        if pull.worker != msg.worker:
+            raise ProtocolError(f"push: its pull is worker {pull.worker}'s, the push worker {msg.worker}'s")
+        if pull.req == msg.req:
+            raise ProtocolError("push: its pull needs a request id of its own")
     if isinstance(msg, Push) and msg.upload is not None:  # checked with the upload's frames (check_payload)
         if payload:
             raise ProtocolError("push: the payload is the upload's; no payload frame may follow")

@@ -239,20 +239,50 @@ class ShardedClient:
              ) -> PushOk | _AllOf[PushOk]:
         """Push one round's update, computed on round ``version``: each shard gets the
         part in its range (possibly nothing), on its own version."""
+        at = self._pushed_at(version)
+        update = grads if isinstance(grads, FlatUpdate) else self.shards[0].flatten(grads)
+        out = _AllOf([c.push(update, v, wait=False, **kw) for c, v in zip(self.shards, at)],
+                      functools.partial(self._push_ok, int(version), at[0]))
+        return out.result() if wait else out
+
+    def _pushed_at(self, version: int) -> list[int]:
+        """Each shard's version of round ``version``."""
         at = self._rounds.get(int(version))
         if at is None:
             raise StellaError(f"round {version} is not one this client pulled (it knows "
                               f"{min(self._rounds, default=None)}..{self._version})")
+        return at
+
+    def _push_ok(self, version: int, first: int, oks: list[PushOk]) -> PushOk:
+        return PushOk(req=oks[0].req, step=version + oks[0].step - first, version=self._version,
+                      clipped=[c for ok in oks for c in ok.clipped])  # each shard clips its own range
+
+    def push_pull(self, grads: Mapping[str, Any] | FlatUpdate, version: int, since: int | None, *,
+                  wait_for: int | None = None, pull_coding: PullCoding = "rice", timeout: float | None = None,
+                  **kw: Any) -> tuple[_AllOf[PushOk], _AllOf[PullResult]]:
+        """:meth:`push` and :meth:`pull` (``wait=False``) of one round, one message to
+        each shard (:meth:`stella.Client.push_pull`); a pull of a snapshot goes after the
+        pushes, on its own."""
+        at = self._pushed_at(version)
         update = grads if isinstance(grads, FlatUpdate) else self.shards[0].flatten(grads)
-        pendings = [c.push(update, v, wait=False, **kw) for c, v in zip(self.shards, at)]
-        first = at[0]
+        since_at = None if since is None else self._rounds.get(int(since))
+        if since_at is None:
+            pushes = _AllOf([c.push(update, v, wait=False, timeout=timeout, **kw) for c, v in zip(self.shards, at)],
+                            functools.partial(self._push_ok, int(version), at[0]))
+            return pushes, self.pull(since, wait_for=wait_for, index_coding=pull_coding, timeout=timeout, wait=False)
+        assert since is not None
+        pairs = [c.push_pull(update, v, p, wait_for=w, pull_coding=pull_coding, timeout=timeout, **kw)
+                 for c, v, (p, w) in zip(self.shards, at, self._pulled_at(since, since_at, wait_for))]
+        return (_AllOf([a for a, _ in pairs], functools.partial(self._push_ok, int(version), at[0])),
+                _AllOf([b for _, b in pairs], functools.partial(self._rounds_after, since, since_at)))
 
-        def combine(oks: list[PushOk]) -> PushOk:
-            return PushOk(req=oks[0].req, step=int(version) + oks[0].step - first, version=self._version,
-                          clipped=[c for ok in oks for c in ok.clipped])  # each shard clips its own range
-
-        out = _AllOf(pendings, combine)
-        return out.result() if wait else out
+    def _pulled_at(self, since: int, at: list[int], wait_for: int | None) -> list[tuple[int, int | None]]:
+        """Each shard's ``(since, wait_for)`` of a pull of the rounds after round ``since``
+        (the shard's versions ``at``): past the steps a shard gave ahead of the others."""
+        out = []
+        for v, n in zip(at, (len(a) for a in self._ahead)):
+            out.append((v + n, None if wait_for is None or wait_for - since <= n else v + (wait_for - since)))
+        return out
 
     @overload
     def pull(self, since: int | None = ..., *, wait_for: int | None = ..., index_coding: PullCoding = ...,
@@ -269,11 +299,8 @@ class ShardedClient:
         if at is None:
             return self._snapshot(since, index_coding, timeout, wait)
         assert since is not None
-        ahead = [len(a) for a in self._ahead]
-        pendings = []
-        for c, v, n in zip(self.shards, at, ahead):
-            w = None if wait_for is None or wait_for - since <= n else v + (wait_for - since)
-            pendings.append(c.pull(v + n, wait_for=w, index_coding=index_coding, timeout=timeout, wait=False))
+        pendings = [c.pull(p, wait_for=w, index_coding=index_coding, timeout=timeout, wait=False)
+                    for c, (p, w) in zip(self.shards, self._pulled_at(since, at, wait_for))]
         out = _AllOf(pendings, functools.partial(self._rounds_after, since, at))
         return out.result() if wait else out
 

@@ -218,6 +218,8 @@ class Service:
     def handle(self, ident: bytes, rx: Received, peer: Peer) -> None:
         """Serve one request from ``peer``; raises a :class:`StellaError` to refuse it."""
         match rx.msg:
+            case Push() as msg if msg.pull is not None:
+                self._push_and_pull(ident, msg, msg.pull, rx)
             case Push() as msg:
                 self._push(ident, msg, rx)
             case Pull() as msg:
@@ -341,16 +343,39 @@ class Service:
         model = self.store.model
         return (model.start, model.stop) if model is not None else (0, self.store.numel)
 
-    def _pull(self, ident: bytes, msg: Pull) -> None:
-        info = self._member(ident, msg.worker)
-        info.pulls += 1
+    def _push_and_pull(self, ident: bytes, msg: Push, pull: Pull, rx: Received) -> None:
+        """A push with the round's pull riding on it: the push as :meth:`_push` takes it,
+        then the pull as :meth:`_pull` would have taken it in a message of its own, each
+        answered under its own ``req``. The pull is checked first, so that a refusal of
+        either changes nothing; a refused push refuses its pull too."""
+        arrived = time.monotonic()  # the pull's hold starts with the message, the push's decoding included
+        try:
+            self._check_pull(pull)
+            self._push(ident, msg, rx)
+        except Exception as e:
+            self.refuse(ident, pull.req, e)
+            raise  # the push's own refusal
+        try:
+            self._pull(ident, pull, arrived)
+        except Exception as e:  # e.g. too many waiting pulls: the push stays queued
+            self.refuse(ident, pull.req, e)
+
+    def _check_pull(self, msg: Pull) -> None:
         v = self.store.version
         if msg.since > v:
             raise VersionError(f"pull since version {msg.since}, but the server is at {v} (from the future)")
         wait_for = msg.wait_for or 0
         if wait_for > v + MAX_WAIT_AHEAD:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
-        arrived = time.monotonic()
+
+    def _pull(self, ident: bytes, msg: Pull, arrived: float | None = None) -> None:
+        info = self._member(ident, msg.worker)
+        info.pulls += 1
+        self._check_pull(msg)
+        wait_for = msg.wait_for or 0
+        v = self.store.version
+        if arrived is None:
+            arrived = time.monotonic()
         if wait_for <= v:
             self.answers.answer(ident, msg, arrived)
         else:

@@ -159,18 +159,24 @@ def measure_bytes(update: Mapping[str, Any], densities: Sequence[float] = DEFAUL
 
 
 def replay(clients: Sequence[Client], pushes: Sequence[Sequence[EncodedPush]], versions: Sequence[int],
-           steps: int) -> tuple[list[int], list[float]]:
+           steps: int, separate: bool = False) -> tuple[list[int], list[float]]:
     """``steps`` steps of pre-encoded pushes, as fast as the server answers: each step every
     client pushes its push of ``pushes[step % len(pushes)]`` and pulls the step's answer
-    without decoding it, all sent at once; the step ends when every answer is in. Returns
+    without decoding it, all sent at once (in one message, as a worker's round sends them;
+    ``separate``: two); the step ends when every answer is in. Returns
     the clients' versions after the last step and each step's seconds (sent to answered).
     :func:`measure_server` and ``bench.server`` time the server with it."""
     versions = list(versions)
     seconds = []
     for s in range(steps):
         t0 = time.perf_counter()
-        sent = [c.push(e, v, wait=False) for c, e, v in zip(clients, pushes[s % len(pushes)], versions)]
-        pulls = [c.pull(v, wait_for=v + 1, decode=False, wait=False) for c, v in zip(clients, versions)]
+        if separate:  # the push and the pull as two messages, as before protocol 15
+            sent = [c.push(e, v, wait=False) for c, e, v in zip(clients, pushes[s % len(pushes)], versions)]
+            pulls = [c.pull(v, wait_for=v + 1, decode=False, wait=False) for c, v in zip(clients, versions)]
+        else:  # one message: what a worker's round sends
+            pairs = [c.push_pull(e, v, v, wait_for=v + 1, decode=False)
+                     for c, e, v in zip(clients, pushes[s % len(pushes)], versions)]
+            sent, pulls = [a for a, _ in pairs], [b for _, b in pairs]
         for p in sent:
             p.result()
         versions = [p.result().version for p in pulls]
