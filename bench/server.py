@@ -15,7 +15,8 @@ shards), pushed updates/s (coordinates), MB/s into and out of the servers (their
 byte counters), the step latency seen by a worker (push sent to the step's answer from
 every shard; p50 and p99), the servers' CPU per step and peak RSS (all shards together,
 from /proc; ``ms/wkr/step``: that CPU over the workers, the per-message cost's measure, since each
-worker sends a push and a pull a step and gets their replies; ``wkr ms/step``: one light worker's
+worker sends a push and a pull a step, in one message (``--messages 2``: two, as before protocol 15),
+and gets their replies; ``wkr ms/step``: one light worker's
 CPU a step, all its threads), and, in this process, the cost of decoding and validating one push header
 and of the work the server's event loop does on each push of the run (header, indices
 and value checks, the push-norm bound's sum of squares).
@@ -91,7 +92,7 @@ def _layout(numel: int, tensors: int) -> dict[str, np.ndarray]:
 
 
 def _worker(endpoints: list[str], rank: int, numel: int, tensors: int, density: float, steps: int, optimizer: dict,
-            out, keys: dict, cpus: list[int] | None = None) -> None:
+            out, keys: dict, cpus: list[int] | None = None, separate: bool = False) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     rng = np.random.default_rng(rank)
@@ -120,7 +121,7 @@ def _worker(endpoints: list[str], rank: int, numel: int, tensors: int, density: 
     out.put(("ready", rank))
     pushed0, pulled0 = c.bytes_pushed, c.bytes_pulled  # the timed loop's bytes only
     t0, c0 = time.perf_counter(), time.process_time()
-    _, latencies = replay(clients, encoded, versions, steps)  # stella profile's loop: one implementation
+    _, latencies = replay(clients, encoded, versions, steps, separate)  # stella profile's loop: one implementation
     out.put(("done", rank, time.perf_counter() - t0, c.bytes_pushed - pushed0, c.bytes_pulled - pulled0,
              latencies, time.process_time() - c0, count))
     c.close()
@@ -173,7 +174,7 @@ def _children(pid: int) -> list[int]:
 
 def run_throughput(numel: int, density: float, workers: int, steps: int, optimizer: str, shards: int = 1,
                    server_args: tuple[str, ...] = (), pin: bool = False, one_host: bool = False,
-                   tensors: int = 1) -> dict:
+                   tensors: int = 1, messages: int = 1) -> dict:
     name, _, preset = optimizer.partition("+")  # "sgd+count": SGD with the "count" outer step's scaling
     opt = {"name": name, "lr": 1e-3, **({"count_exponent": 0.5} if preset == "count" else {})}
     ctx = mp.get_context("spawn")
@@ -202,7 +203,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
                 _pin(s.pid, {cpus[i % len(cpus)]})
         keys, endpoints = servers[0].client_kwargs(), [s.endpoint for s in servers]
         procs = [ctx.Process(target=_worker, args=(endpoints, r, numel, tensors, density, steps, opt, out, keys,
-                                                              worker_cpus))
+                                                              worker_cpus, messages == 2))
                  for r in range(workers)]
         for p in procs:
             p.start()
@@ -223,7 +224,7 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     mb_out = sum(b.bytes_out - a.bytes_out for a, b in zip(st0, st1)) / 1e6
     return {
         "numel": numel, "tensors": tensors, "density": density, "workers": workers, "shards": shards, "steps": steps,
-        "optimizer": optimizer, "pinned": pin, "one_host": one_host, "server_cpus": server_cpus,
+        "optimizer": optimizer, "messages": messages, "pinned": pin, "one_host": one_host, "server_cpus": server_cpus,
         "wall_s": round(wall, 3),
         "steps_per_s": round(steps / wall, 2),
         "pushes_per_s": round(steps * workers / wall, 1),
@@ -232,7 +233,8 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
         "step_latency_ms_p50": round(1e3 * float(np.percentile(lat, 50)), 3),
         "step_latency_ms_p99": round(1e3 * float(np.percentile(lat, 99)), 3),
         "server_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
-        # the per-message cost's measure: each worker sends a push and a pull a step (and gets their replies)
+        # the per-message cost's measure: each worker sends a push and a pull a step (in one message, or two with
+        # --messages 2) and gets their two replies
         "server_cpu_ms_per_worker_step": round(1e3 * cpu / (steps * workers), 4),
         "server_cores_busy": round(cpu / wall, 3),
         "worker_cores_busy": round(sum(d[6] for d in done) / wall, 3),  # their CPU, all threads
@@ -362,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", default="1",
                    help="model layouts, comma-separated tensor counts (default 1; 76: the byte LM's count, 300: a 1B "
                         "transformer's, shapes scaled to --numel, see model_sizes)")
+    p.add_argument("--messages", default="1",
+                   help="messages a worker sends a step, comma-separated: 1 (the push carrying its pull, protocol 15, "
+                        "what a worker's round sends), 2 (push and pull apart, as before); '1,2': both, side by side")
     p.add_argument("--kernel", action="store_true",
                    help="also time the kernel alone (bench.kernel, one thread) on each case's pushes, in this run: "
                         "the server's CPU per pushed update over the kernel's")
@@ -373,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = a.steps or (40 if a.quick else 100)
     server_args = tuple(a.server_args.split())
     load = loadavg()
-    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin, a.one_host, int(t))
+    rows = [run_throughput(numel, a.density, w, steps, opt, int(n), server_args, a.pin, a.one_host, int(t), int(m))
             for t in a.tensors.split(",") for w in workers for n in a.shards.split(",")
-            for opt in a.optimizers.split(",")]
+            for opt in a.optimizers.split(",") for m in a.messages.split(",")]
     if a.kernel:
         kernel_cost(rows)
     load_end = loadavg()
@@ -386,17 +391,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{', shards pinned to a core each' if a.pin else ''}"
           f"{', shards from one command (stella-ps --shards N, pinned by it)' if a.one_host else ''}"
           f" (load at start: {load}; at end: {load_end})")
-    print(f"{'tensors':>7} {'W':>3} {'shards':>6} {'optimizer':<9} {'steps/s':>8} {'pushes/s':>9} {'M upd/s':>8} "
-          f"{'x 1 shard':>9} "
+    print(f"{'tensors':>7} {'W':>3} {'shards':>6} {'optimizer':<9} {'msgs':>4} {'steps/s':>8} {'pushes/s':>9} "
+          f"{'M upd/s':>8} {'x 1 shard':>9} "
           f"{'MB/s in':>8} {'MB/s out':>9} {'p50 ms':>7} {'p99 ms':>7} {'srv ms/step':>12} {'ms/wkr/step':>11} "
           f"{'srv cores':>9} {'wkr cores':>9} {'wkr ms/step':>12} {'RSS MB':>7} {'srv ns/upd':>10} {'kern ns/upd':>11} "
           f"{'x kernel':>8}")
-    one = {(r["tensors"], r["workers"], r["optimizer"]): r["updates_per_s"] for r in rows if r["shards"] == 1}
+    one = {(r["tensors"], r["workers"], r["optimizer"], r["messages"]): r["updates_per_s"]
+           for r in rows if r["shards"] == 1}
     for r in rows:
-        base = one.get((r["tensors"], r["workers"], r["optimizer"]))
+        base = one.get((r["tensors"], r["workers"], r["optimizer"], r["messages"]))
         r["x_one_shard"] = round(r["updates_per_s"] / base, 3) if base else None
         kern = r.get("kernel_cpu_ns_per_update", float("nan"))
-        print(f"{r['tensors']:>7} {r['workers']:>3} {r['shards']:>6} {r['optimizer']:<9} {r['steps_per_s']:>8.1f} "
+        print(f"{r['tensors']:>7} {r['workers']:>3} {r['shards']:>6} {r['optimizer']:<9} {r['messages']:>4} "
+              f"{r['steps_per_s']:>8.1f} "
               f"{r['pushes_per_s']:>9.1f} {r['updates_per_s'] / 1e6:>8.2f} {r['x_one_shard'] or float('nan'):>9.2f} "
               f"{r['mb_in_per_s']:>8.2f} "
               f"{r['mb_out_per_s']:>9.2f} {r['step_latency_ms_p50']:>7.1f} {r['step_latency_ms_p99']:>7.1f} "
