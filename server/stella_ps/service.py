@@ -348,7 +348,6 @@ class Service:
         then the pull as :meth:`_pull` would have taken it in a message of its own, each
         answered under its own ``req``. The pull is checked first, so that a refusal of
         either changes nothing; a refused push refuses its pull too."""
-        arrived = time.monotonic()  # the pull's hold starts with the message, the push's decoding included
         try:
             self._check_pull(pull)
             self._push(ident, msg, rx)
@@ -356,7 +355,10 @@ class Service:
             self.refuse(ident, pull.req, e)
             raise  # the push's own refusal
         try:
-            self._pull(ident, pull, arrived)
+            # the pull's hold starts now, once the push is taken and acknowledged, as when it came on its own
+            # after the push: a worker takes the time from the acknowledgement to the answer, less the hold, as
+            # the answer's link time
+            self._pull(ident, pull)
         except Exception as e:  # e.g. too many waiting pulls: the push stays queued
             self.refuse(ident, pull.req, e)
 
@@ -368,14 +370,13 @@ class Service:
         if wait_for > v + MAX_WAIT_AHEAD:
             raise VersionError(f"pull waits for version {wait_for}, more than {MAX_WAIT_AHEAD} ahead of {v}")
 
-    def _pull(self, ident: bytes, msg: Pull, arrived: float | None = None) -> None:
+    def _pull(self, ident: bytes, msg: Pull) -> None:
         info = self._member(ident, msg.worker)
         info.pulls += 1
         self._check_pull(msg)
         wait_for = msg.wait_for or 0
         v = self.store.version
-        if arrived is None:
-            arrived = time.monotonic()
+        arrived = time.monotonic()
         if wait_for <= v:
             self.answers.answer(ident, msg, arrived)
         else:
