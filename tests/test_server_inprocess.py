@@ -63,10 +63,15 @@ def test_round_trip_and_clean_stop(inproc):
     assert len(service.waiters) == 0 and not service.steps.agg.has_pending()
 
 
-def test_set_optimizer_during_an_apply_is_not_lost(inproc):
+def test_set_optimizer_during_an_apply_is_not_lost(inproc, monkeypatch):
     """A learning-rate change that arrives while a step is being applied on the store
     thread holds after that step: the store never writes the configuration back (it
-    used to write the step's old configuration over the new one)."""
+    used to write the step's old configuration over the new one). (Every step on the
+    store thread: a light one would be applied on the loop, which no request can
+    interrupt.)"""
+    from stella_ps import steps as steps_mod
+
+    monkeypatch.setattr(steps_mod, "LIGHT_STEP_VALUES", -1)
     srv = inproc()
     store = srv.server.service.store
     entered, release = threading.Event(), threading.Event()
@@ -94,3 +99,42 @@ def test_set_optimizer_during_an_apply_is_not_lost(inproc):
         b.push({"w": np.ones(4, np.float32)}, 1)
         d = a.pull(1, wait_for=2)
         np.testing.assert_array_equal(d.tensors["w"][1], [-1.125] * 4)  # step 1 at the new lr
+
+
+def _steps_on_threads(inproc, monkeypatch, light: int) -> tuple[list[str], np.ndarray]:
+    """Six AdamW steps of one worker, pushes of 10 to 3,000 values, with ``LIGHT_STEP_VALUES``
+    at ``light``: the thread each step was applied on, and the model after them."""
+    from stella_ps import steps as steps_mod
+
+    monkeypatch.setattr(steps_mod, "LIGHT_STEP_VALUES", light)
+    threads: list[str] = []
+    apply_whole = steps_mod.StepScheduler._apply_whole
+
+    def recorded(self, *args):
+        threads.append(threading.current_thread().name)
+        return apply_whole(self, *args)
+
+    monkeypatch.setattr(steps_mod.StepScheduler, "_apply_whole", recorded)
+    srv = inproc()
+    rng = np.random.default_rng(0)
+    n = 20_000
+    with Client(srv.endpoint, timeout=10) as c:
+        c.register({"w": rng.standard_normal(n).astype(np.float32)}, {"name": "adamw", "lr": 0.01})
+        for v, k in enumerate((10, 3000, 10, 3000, 500, 10)):
+            idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int32)
+            c.push({"w": (idx, rng.standard_normal(k).astype(np.float32))}, v)
+            assert c.pull(v, wait_for=v + 1).version == v + 1
+        model = c.pull(None).tensors["w"][1].copy()
+    return threads, model
+
+
+def test_a_light_step_applies_on_the_loop_and_a_heavy_one_on_the_store_thread(inproc, monkeypatch):
+    """Steps of few values skip the hop to the store thread (when it is idle); larger ones
+    take it; the model is the same bit for bit either way."""
+    mixed, model = _steps_on_threads(inproc, monkeypatch, 1000)
+    loop = mixed[0]
+    assert loop != "stella-store_0"
+    assert mixed == [loop, "stella-store_0", loop, "stella-store_0", loop, loop]
+    every, reference = _steps_on_threads(inproc, monkeypatch, -1)
+    assert every == ["stella-store_0"] * 6
+    assert model.tobytes() == reference.tobytes()

@@ -57,6 +57,11 @@ from .store import ModelStore
 
 __all__ = ["StepScheduler", "Room", "SILENT_BEATS"]
 
+# A step of at most this many pushed values, on a model of at most this many coordinates, is applied on the
+# event loop when the store thread is idle (see _apply_ready).
+LIGHT_STEP_VALUES = 16_384
+LIGHT_STEP_NUMEL = 1 << 22
+
 log = logging.getLogger("stella_ps.steps")
 SILENT_BEATS = 1.5  # a worker not heard from for this many heartbeat intervals is silent
 
@@ -266,6 +271,16 @@ class StepScheduler:
         except StepFailed as e:  # undone: the model is as before the step
             return self._close_empty(step.contributors, cfg, e)
 
+    def _light(self, step: Step | None) -> bool:
+        """Whether ``step`` is light enough to apply on the event loop: few pushed values, on a
+        model small enough that the step's heaviest work (the broadcast's pass over its
+        residual, when it cannot use its index) takes about a millisecond."""
+        if self.store.numel > LIGHT_STEP_NUMEL:
+            return False
+        if step is None:
+            return True
+        return sum(p.values.size for parts in step.per_tensor for p in parts) <= LIGHT_STEP_VALUES
+
     def _close_empty(self, dropped: Sequence[int], cfg: OptimizerConfig, error: StepFailed) -> int:
         """On the store thread, after a step failed and changed nothing (:class:`StepFailed`):
         it closes empty (the version moves on, so that every pull waiting for it is
@@ -374,7 +389,12 @@ class StepScheduler:
                 t0 = self._clock.now()
                 opened, self._opened = self._opened, (t0 if self.agg.has_pending() else None)
                 try:
-                    version = await self._store_thread.run(self._apply_whole, step, cfg, failed)
+                    if self._light(step) and self._store_thread.idle:
+                        # on the loop: nothing else holds the store, and the hop to its thread and back (two
+                        # wake-ups, the GIL passed twice) would cost more than the step
+                        version = self._apply_whole(step, cfg, failed)
+                    else:
+                        version = await self._store_thread.run(self._apply_whole, step, cfg, failed)
                 except Exception as e:  # neither whole nor closed empty: no step can close after it
                     self._fail(e)
                     return
