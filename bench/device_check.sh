@@ -8,6 +8,8 @@
 # Environment: PARTS (default "server threads cuda pin"), CONFIGS (default h1,defaults,h4) and CUDA_ARGS
 # (bench.cuda's), the parts' time limits: all of it about 7 minutes on the H200 host. Not yet run on a device: the
 # threads part and h4 (written after the budget ran out).
+# The shard part's workers send one message a round (the push carrying its pull, protocol 15, not yet run on a
+# device); SERVER_EXTRA="--messages 1,2" SERVER_S=300 runs the two apart beside it, for what it saves 8 shards.
 # Everything lands in $OUT (8 files at most come back): the logs, bench.server's and bench.cuda's --json, the
 # machine's description, the profile.
 set -u
