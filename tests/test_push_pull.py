@@ -145,3 +145,27 @@ def test_a_pair_in_flight_through_a_reconnect_is_sent_again_apart(make_server, m
     st = c.status()
     assert st.pushes == 1 and st.version == 1
     np.testing.assert_array_equal(_replica(c)[_update(0)["w"][0]], -_update(0)["w"][1])
+
+
+def test_a_snapshot_riding_on_a_push_comes_in_pieces(make_server, make_client, monkeypatch):
+    """A round's pull becomes a snapshot when the replica's history is lost (a server
+    restarted from an older checkpoint); on a push, its answer larger than a message
+    (4 MiB: 1.2M coordinates) still comes as a transfer fetched in pieces."""
+    from stella._session import Session
+
+    assembled = []
+    assemble = Session._assemble
+    monkeypatch.setattr(Session, "_assemble", lambda self, req, t: assembled.append(req) or assemble(self, req, t))
+    srv = make_server(1, pull="exact")
+    c = make_client(srv.endpoint, timeout=30)
+    n = 1_200_000
+    values = np.arange(n, dtype=np.float32) / n
+    c.register({"w": values}, SGD)
+    idx = np.array([0, n // 2, n - 1], np.int32)
+    push, pull = c.push_pull({"w": (idx, np.ones(3, np.float32))}, 0, None)
+    assert push.result().step == 0
+    snap = pull.result()
+    assert snap.full and snap.version in (0, 1) and assembled == [pull.req]
+    if snap.version == 1:  # the step the push closed (one worker) was applied before the snapshot was taken
+        values[idx] -= 1.0
+    np.testing.assert_array_equal(snap.tensors["w"][1], values)
