@@ -6,9 +6,10 @@ the link rate in both directions; site ``ps`` for a parameter server).
   python -m bench.e2e                               # full (long)
   python -m bench.e2e --workload widemlp --rate 100 --system ddp --system powersgd --json out.json
 
-Writes a table to stdout, ``--json PATH``, ``bench/RESULTS.md`` (table, machine,
-command) and ``bench/e2e_heldout.png`` (held-out metric against training wall
-time, one panel per workload x rate).
+Writes a table to stdout, ``--json PATH``, its block of ``bench/RESULTS.md`` (table,
+machine, command: between its marker lines, the rest of the file kept; ``--results-md ''``:
+none) and ``bench/e2e_heldout.png`` (held-out metric against training wall time, one
+panel per workload x rate; ``--plot ''``: none).
 
 Systems are pluggable (see :data:`SYSTEMS` and :func:`register_system`): the DDP
 baselines (``bench.baselines``) and Stella (``bench.stella_e2e``) are registered
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import platform
@@ -286,29 +288,56 @@ def goals_section(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+# bench.e2e's block of RESULTS.md lies between these lines; everything else in the file is other runs' and is kept
+BLOCK_BEGIN = "<!-- bench.e2e's block: written by python -m bench.e2e from here to its end line -->"
+BLOCK_END = "<!-- end of bench.e2e's block -->"
+
+
 def write_results_md(results: list[dict], path: str, command: str, png: str, links: dict, started: str,
                      loads: str = ""):
-    with open(path, "w") as f:
-        f.write("# End-to-end results (bench.e2e)\n\n")
-        f.write(f"Command: `{command}`  \nStarted: {started} UTC  \nMachine: {machine()}  \n"
-                f"CPU contention: {loads} (the 2 cores are shared with other jobs: compute times are inflated "
-                f"accordingly)\n\n")
-        f.write("Per cell: 2 workers in sites `a`, `b` (uplink = downlink = the rate), `ps` site at "
-                f"{links['ps']} Mbit/s. Delivered TCP goodput on these links is ~95.6% of the tbf rate "
-                "(header overhead; see docs/testbed.md).\n\n")
-        f.write("Columns: median time per iteration after 2 warm-up iterations (rank 0); compute = forward + "
-                "backward (no-communication calibration) + optimizer; net wait = share of iteration time not "
-                "explained by compute (*for fp16/PowerSGD this includes the hooks' compression work); "
-                "MB/it = bytes through each worker site's veth per iteration (kernel "
-                "counters, median over iterations, mean over workers); to target = first evaluation at or past "
-                "the workload's target (iterations / training wall seconds, evaluation time excluded).\n\n")
-        f.write(table(results) + "\n\n")
-        tg = {n: f"{w.metric} {'>=' if w.higher_is_better else '<='} {w.target}" for n, w in W.WORKLOADS.items()}
-        f.write("Targets: " + "; ".join(f"{k}: {v}" for k, v in tg.items()) + "\n\n")
-        f.write("Stella against the goals (ratios from the table above):\n\n" + goals_section(results) + "\n\n")
-        f.write("What these numbers mean, and how they carry over to GPU workers: docs/results-notes.md.\n\n")
-        if png:
-            f.write(f"![held-out metric vs wall time]({os.path.basename(png)})\n")
+    """The run's block of ``path`` (RESULTS.md): written between :data:`BLOCK_BEGIN` and
+    :data:`BLOCK_END` in place of the previous run's, the rest of the file kept (the other
+    benchmarks' sections); a file without the block gets it at its top."""
+    f = io.StringIO()
+    _write_block(f, results, command, png, links, started, loads)
+    block = f"{BLOCK_BEGIN}\n{f.getvalue()}{BLOCK_END}\n"
+    try:
+        with open(path) as old:
+            text = old.read()
+    except FileNotFoundError:
+        text = ""
+    if BLOCK_BEGIN in text and BLOCK_END in text.split(BLOCK_BEGIN, 1)[1]:
+        before, rest = text.split(BLOCK_BEGIN, 1)
+        after = rest.split(BLOCK_END, 1)[1].lstrip("\n")
+        text = before + block + ("\n" + after if after else "")
+    else:
+        text = block + ("\n" + text if text else "")
+    with open(path, "w") as out:
+        out.write(text)
+
+
+def _write_block(f: io.StringIO, results: list[dict], command: str, png: str, links: dict, started: str,
+                 loads: str) -> None:
+    f.write("# End-to-end results (bench.e2e)\n\n")
+    f.write(f"Command: `{command}`  \nStarted: {started} UTC  \nMachine: {machine()}  \n"
+            f"CPU contention: {loads} (the 2 cores are shared with other jobs: compute times are inflated "
+            f"accordingly)\n\n")
+    f.write("Per cell: 2 workers in sites `a`, `b` (uplink = downlink = the rate), `ps` site at "
+            f"{links['ps']} Mbit/s. Delivered TCP goodput on these links is ~95.6% of the tbf rate "
+            "(header overhead; see docs/testbed.md).\n\n")
+    f.write("Columns: median time per iteration after 2 warm-up iterations (rank 0); compute = forward + "
+            "backward (no-communication calibration) + optimizer; net wait = share of iteration time not "
+            "explained by compute (*for fp16/PowerSGD this includes the hooks' compression work); "
+            "MB/it = bytes through each worker site's veth per iteration (kernel "
+            "counters, median over iterations, mean over workers); to target = first evaluation at or past "
+            "the workload's target (iterations / training wall seconds, evaluation time excluded).\n\n")
+    f.write(table(results) + "\n\n")
+    tg = {n: f"{w.metric} {'>=' if w.higher_is_better else '<='} {w.target}" for n, w in W.WORKLOADS.items()}
+    f.write("Targets: " + "; ".join(f"{k}: {v}" for k, v in tg.items()) + "\n\n")
+    f.write("Stella against the goals (ratios from the table above):\n\n" + goals_section(results) + "\n\n")
+    f.write("What these numbers mean, and how they carry over to GPU workers: docs/results-notes.md.\n\n")
+    if png:
+        f.write(f"![held-out metric vs wall time]({os.path.basename(png)})\n")
 
 
 def main(argv=None):

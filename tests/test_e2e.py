@@ -72,3 +72,21 @@ def test_goal_ratios_are_computed_from_the_rows():
     assert sync["speedup"] == {"ddp": None, "powersgd": None, "fp16": None} and sync["iterations_vs_ddp"] is None
     assert sync["of_ideal"] is None
     assert "1/100" in e2e.goals_section(rows)
+
+
+def test_a_run_replaces_its_block_of_results_md_and_keeps_the_rest(tmp_path, monkeypatch):
+    """RESULTS.md holds every benchmark's sections; a bench.e2e run rewrites only its own
+    block (it used to write the whole file, and a one-system run wiped the rest)."""
+    monkeypatch.setattr(e2e, "_write_block", lambda f, results, *a: f.write(f"# e2e run {results}\n"))
+    path = tmp_path / "RESULTS.md"
+    path.write_text("## bench.server, an older section\n\nits table\n")
+    e2e.write_results_md(["first"], str(path), "cmd", "", {"ps": 1000.0}, "now")
+    assert path.read_text() == (f"{e2e.BLOCK_BEGIN}\n# e2e run ['first']\n{e2e.BLOCK_END}\n\n"
+                                "## bench.server, an older section\n\nits table\n")
+    path.write_text(path.read_text() + "\n## added later\n")
+    e2e.write_results_md(["second"], str(path), "cmd", "", {"ps": 1000.0}, "now")
+    assert path.read_text() == (f"{e2e.BLOCK_BEGIN}\n# e2e run ['second']\n{e2e.BLOCK_END}\n\n"
+                                "## bench.server, an older section\n\nits table\n\n## added later\n")
+    fresh = tmp_path / "new.md"
+    e2e.write_results_md(["third"], str(fresh), "cmd", "", {"ps": 1000.0}, "now")
+    assert fresh.read_text() == f"{e2e.BLOCK_BEGIN}\n# e2e run ['third']\n{e2e.BLOCK_END}\n"
