@@ -218,10 +218,10 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ the finite-step guard
     def _apply_guarded(self, step: Step, cfg: OptimizerConfig) -> int:
-        """On the store thread, after ``step`` was undone for a non-finite result: the
-        pushes that are non-finite alone (at the step's scale) are the offenders; the
-        step is applied without them, or, if that is not finite either, as an empty
-        step (the version moves on, the model does not). Offenders' next request is
+        """On the store thread (a light step: on the loop), after ``step`` was undone for a
+        non-finite result: the pushes that are non-finite alone (at the step's scale) are
+        the offenders; the step is applied without them, or, if that is not finite either,
+        as an empty step (the version moves on, the model does not). Offenders' next request is
         refused (:meth:`Membership.refuse_next`)."""
         offenders = [w for w in step.contributors if not self.store.finite_alone(step.only(w), cfg)]
         # marked before the version moves on: a request of theirs that sees the new version is refused
@@ -256,9 +256,9 @@ class StepScheduler:
                                     f"({type(e).__name__}: {e})")
 
     def _apply_whole(self, step: Step | None, cfg: OptimizerConfig, failed: StepFailed | None) -> int:
-        """On the store thread: ``step`` applied whole, or not at all and closed empty
-        (:meth:`_close_empty`); ``step`` None: it could not be built (``failed``), and
-        closes empty. Raises (:class:`ModelDamaged`, or the empty step's own failure)
+        """On the store thread (a light step: on the loop, :meth:`_light`): ``step`` applied
+        whole, or not at all and closed empty (:meth:`_close_empty`); ``step`` None: it
+        could not be built (``failed``), and closes empty. Raises (:class:`ModelDamaged`, or the empty step's own failure)
         only when the step can be neither: the caller stops the server."""
         if step is None:
             assert failed is not None
@@ -282,8 +282,8 @@ class StepScheduler:
         return sum(p.values.size for parts in step.per_tensor for p in parts) <= LIGHT_STEP_VALUES
 
     def _close_empty(self, dropped: Sequence[int], cfg: OptimizerConfig, error: StepFailed) -> int:
-        """On the store thread, after a step failed and changed nothing (:class:`StepFailed`):
-        it closes empty (the version moves on, so that every pull waiting for it is
+        """On the store thread (or the loop), after a step failed and changed nothing
+        (:class:`StepFailed`): it closes empty (the version moves on, so that every pull waiting for it is
         answered; the model does not), and its pushes (of ``dropped``) are dropped, as a
         non-finite step's are when nothing else is left."""
         version = self.store.apply_step(Step.empty(len(self.store.layout)), cfg)
