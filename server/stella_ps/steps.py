@@ -258,8 +258,9 @@ class StepScheduler:
     def _apply_whole(self, step: Step | None, cfg: OptimizerConfig, failed: StepFailed | None) -> int:
         """On the store thread (a light step: on the loop, :meth:`_light`): ``step`` applied
         whole, or not at all and closed empty (:meth:`_close_empty`); ``step`` None: it
-        could not be built (``failed``), and closes empty. Raises (:class:`ModelDamaged`, or the empty step's own failure)
-        only when the step can be neither: the caller stops the server."""
+        could not be built (``failed``), and closes empty. Raises (:class:`ModelDamaged`,
+        or the empty step's own failure) only when the step can be neither: the caller
+        stops the server."""
         if step is None:
             assert failed is not None
             return self._close_empty(failed.workers, cfg, failed)
