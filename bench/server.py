@@ -247,6 +247,30 @@ def run_throughput(numel: int, density: float, workers: int, steps: int, optimiz
     }
 
 
+def per_worker_costs(rows: list[dict]) -> list[dict]:
+    """For each (tensors, optimizer, messages) run at two or more worker counts on one shard:
+    the least-squares line ``server CPU a step = a + b W`` (the mean of a configuration's
+    repeated rows first). ``b`` is the per-message cost proper, a worker's round (its request
+    and the two replies) as the server pays it; ``a`` is the step's own work, which
+    ``ms/wkr/step`` divides among the workers too."""
+    groups: dict[tuple, dict[int, list[float]]] = {}
+    for r in rows:
+        if r["shards"] == 1:
+            key = (r["tensors"], r["optimizer"], r.get("messages", 1))
+            groups.setdefault(key, {}).setdefault(r["workers"], []).append(r["server_cpu_ms_per_step"])
+    out = []
+    for (tensors, optimizer, messages), by_w in groups.items():
+        if len(by_w) < 2:
+            continue
+        ws = np.array(sorted(by_w), dtype=float)
+        ys = np.array([np.mean(by_w[int(w)]) for w in ws])
+        b, a = np.polyfit(ws, ys, 1)
+        out.append({"tensors": tensors, "optimizer": optimizer, "messages": messages,
+                    "workers": ",".join(str(int(w)) for w in ws),
+                    "fixed_ms_per_step": round(float(a), 4), "ms_per_added_worker": round(float(b), 4)})
+    return out
+
+
 def _plot(rows: list[dict], pin: bool, path: str) -> None:
     import matplotlib
 
@@ -411,6 +435,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['server_cores_busy']:>9.2f} {r['worker_cores_busy']:>9.2f} {r['worker_cpu_ms_per_step']:>12.3f} "
               f"{r['server_peak_rss_mb']:>7.0f} {r['server_cpu_ns_per_update']:>10.1f} {kern:>11.1f} "
               f"{r.get('x_kernel', float('nan')):>8.2f}")
+    marginal = per_worker_costs(rows)
+    if marginal:
+        print("\nserver CPU a step as a + b W over the worker counts run (one shard): b, what each added worker's "
+              "messages cost a step, and a, the step's own")
+        print(f"{'tensors':>7} {'optimizer':<9} {'msgs':>4} {'W':>9} {'a ms/step':>10} {'b ms/wkr':>9}")
+        for m in marginal:
+            print(f"{m['tensors']:>7} {m['optimizer']:<9} {m['messages']:>4} {m['workers']:>9} "
+                  f"{m['fixed_ms_per_step']:>10.3f} {m['ms_per_added_worker']:>9.3f}")
     print("\npush header decode + validation (this process)")
     print(f"{'tensors':>8} {'header B':>9} {'us':>8}")
     for d in dec:
@@ -423,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"load_at_start": load, "load_at_end": load_end, "throughput": rows, "header_decode": dec,
-                       "push_decode": push}, f, indent=2)
+                       "push_decode": push, "per_worker": marginal}, f, indent=2)
     if a.plot:
         _plot(rows, a.pin, a.plot)
     return 0

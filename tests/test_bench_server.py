@@ -72,3 +72,24 @@ def test_one_host_runs_the_shards_through_the_supervisor():
     shares = [CPUS[:half], CPUS[half:]]
     assert r["server_cpus"] == [CPUS, *shares]  # the supervisor, then each shard on its share
     assert r["steps_per_s"] > 0 and r["bytes_pushed_per_step"] > 0 and r["bytes_pulled_per_step"] > 0
+
+
+def test_per_worker_costs_fit_a_line_through_each_configurations_worker_counts():
+    """b is what each added worker costs a step, a the step's own; repeats are averaged
+    first; configurations run at one worker count, or on several shards, give no line."""
+    from bench.server import per_worker_costs
+
+    def row(w, ms, **kw):
+        return {"shards": 1, "tensors": 1, "optimizer": "sgd", "messages": 1, "workers": w,
+                "server_cpu_ms_per_step": ms, **kw}
+
+    rows = [row(2, 0.6), row(8, 1.9), row(2, 0.8), row(32, 6.7),  # 0.3 + 0.2 W, W = 2 twice (0.6, 0.8: 0.7)
+            row(2, 0.9, messages=2), row(8, 2.1, messages=2),
+            row(2, 1.0, optimizer="adamw"), row(2, 3.0, shards=2), row(8, 9.0, shards=2)]
+    got = {(m["optimizer"], m["messages"]): m for m in per_worker_costs(rows)}
+    assert set(got) == {("sgd", 1), ("sgd", 2)}
+    assert got["sgd", 1]["workers"] == "2,8,32"
+    assert got["sgd", 1]["ms_per_added_worker"] == pytest.approx(0.2, abs=1e-3)
+    assert got["sgd", 1]["fixed_ms_per_step"] == pytest.approx(0.3, abs=1e-3)
+    assert got["sgd", 2]["ms_per_added_worker"] == pytest.approx(0.2) and got["sgd", 2]["fixed_ms_per_step"] == \
+        pytest.approx(0.5)
