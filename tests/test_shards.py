@@ -261,3 +261,23 @@ def test_a_sharded_push_ok_lists_the_range_each_shard_clipped(make_server):
     assert len(ok.clipped) == 1
     start, stop, kept = ok.clipped[0]
     assert (start, stop) == ranges[1] and kept == pytest.approx(5 / np.sqrt(1000.0), rel=1e-6)
+
+
+def test_a_round_in_one_message_to_each_shard_and_its_snapshot_fallback(make_server):
+    """push_pull sends each shard its push with the pull riding on it and answers as push
+    and pull did; a pull of a round this client does not map (None: a snapshot) goes after
+    the pushes on its own, and still answers."""
+    addrs = _shards(make_server, 2, 1)
+    init = {k: np.zeros(n, np.float32) for k, n in LAYOUT.items()}
+    rng = np.random.default_rng(0)
+    with ShardedClient(addrs, timeout=30) as c:
+        c.register(init, {"name": "sgd", "lr": 1.0})
+        v = c.pull(None).version
+        push, pull = c.push_pull(_update(rng, init), v, v, wait_for=v + 1)
+        assert push.result().step == v
+        d = pull.result()
+        assert d.version == v + 1 and len(d.steps) == 1 and set(d.per_name(d.steps[0])) == set(LAYOUT)
+        push, pull = c.push_pull(_update(rng, init), v + 1, None)
+        assert push.result().step == v + 1
+        snap = pull.result()
+        assert snap.full and snap.version >= v + 1 and set(snap.tensors) == set(LAYOUT)

@@ -267,9 +267,8 @@ class ShardedClient:
         update = grads if isinstance(grads, FlatUpdate) else self.shards[0].flatten(grads)
         since_at = None if since is None else self._rounds.get(int(since))
         if since_at is None:
-            pushes = _AllOf([c.push(update, v, wait=False, timeout=timeout, **kw) for c, v in zip(self.shards, at)],
-                            functools.partial(self._push_ok, int(version), at[0]))
-            return pushes, self.pull(since, wait_for=wait_for, index_coding=pull_coding, timeout=timeout, wait=False)
+            return (self.push(update, version, wait=False, timeout=timeout, **kw),
+                    self.pull(since, wait_for=wait_for, index_coding=pull_coding, timeout=timeout, wait=False))
         assert since is not None
         pairs = [c.push_pull(update, v, p, wait_for=w, pull_coding=pull_coding, timeout=timeout, **kw)
                  for c, v, (p, w) in zip(self.shards, at, self._pulled_at(since, since_at, wait_for))]
