@@ -3,7 +3,7 @@
 Production ``stella_ps._kernel`` compiles the kernel's tuning (prefetch distance,
 merge tile, prefetch kind) as constants and has no probe. This module compiles the
 same kernel sources with ``-DSTELLA_TUNABLE`` plus ``native/bench/`` (the tuning
-knobs and ``stella_probe_random_rmw``) into ``build/native_bench/<hash>/`` on first
+knobs, ``stella_probe_random_rmw`` and ``stella_probe_layout``) into ``build/native_bench/<hash>/`` on first
 use, with the builder of ``native/build_cffi.py``, and serves ``bench/kernel.py``
 and the tuning test of ``tests/test_kernel.py``. A change of any native source
 gives a new hash, hence a rebuild.
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "native"
 MODULE = "_stella_kernel_bench"
 
-__all__ = ["load", "state_class", "default_tuning", "set_tuning", "probe_random_rmw"]
+__all__ = ["load", "state_class", "default_tuning", "set_tuning", "probe_random_rmw", "probe_layout"]
 
 
 def _module_from(name: str, path: pathlib.Path, register: bool = False) -> types.ModuleType:
@@ -116,4 +116,30 @@ def probe_random_rmw(buf: np.ndarray, idx: np.ndarray, stride: int, prefetch_dis
     rc = lib.stella_probe_random_rmw(ffi.from_buffer("float[]", buf, require_writable=True), buf.shape[0],
                                      ffi.from_buffer("int32_t[]", idx), idx.shape[0], int(stride),
                                      int(prefetch_distance))
+    check(lib, rc, "probe", ValueError)
+
+
+def probe_layout(mem: np.ndarray, numel: int, layout: int, phase: int, idx: np.ndarray, g: np.ndarray,
+                 prefetch_distance: int = 16) -> None:
+    """The memory of a server step at ``idx`` (sorted) with the broadcast's ``R`` and ``B``
+    beside the AdamW record (``layout`` 0: ``mem`` holds ``6 numel`` floats, the records then
+    R then B) or inside it (1: ``8 numel``, one 32-byte record a coordinate), or the records
+    alone (2: the first ``4 numel``, phase 0 only): ``phase`` 0 the apply (record updated
+    from ``g``, its change added to R), 1 the selection (R read and zeroed, B gains it).
+    bench/layouts.py times it (native/bench/probe.c)."""
+    from stella.native_errors import check
+
+    need = numel * {0: 6, 1: 8}.get(layout, 4)
+    if not isinstance(mem, np.ndarray) or mem.dtype != np.float32 or mem.ndim != 1 or not mem.flags.c_contiguous \
+            or mem.shape[0] < need:
+        raise ValueError(f"probe memory must be a contiguous 1-D float32 array of at least {need} floats")
+    for name, a, dt in (("indices", idx, np.int32), ("values", g, np.float32)):
+        if not isinstance(a, np.ndarray) or a.dtype != dt or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError(f"probe {name} must be a contiguous 1-D {np.dtype(dt).name} array")
+    if g.shape[0] != idx.shape[0]:
+        raise ValueError("probe indices and values differ in length")
+    ffi, lib = load()
+    rc = lib.stella_probe_layout(ffi.from_buffer("float[]", mem, require_writable=True), int(numel), int(layout),
+                                 int(phase), ffi.from_buffer("int32_t[]", idx), ffi.from_buffer("float[]", g),
+                                 idx.shape[0], int(prefetch_distance))
     check(lib, rc, "probe", ValueError)

@@ -20,6 +20,8 @@ extern int stella_tune_prefetch, stella_tune_tile, stella_tune_prefetch_kind, st
 void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mode);
 int64_t stella_probe_random_rmw(float *buf, int64_t numel, const int32_t *idx, int64_t n, int32_t stride,
                                 int32_t prefetch_distance);
+int64_t stella_probe_layout(float *mem, int64_t numel, int32_t layout, int32_t phase, const int32_t *idx,
+                            const float *g, int64_t n, int32_t prefetch_distance);
 #define TUNE_PREFETCH stella_tune_prefetch
 #define TUNE_TILE stella_tune_tile
 #define TUNE_PREFETCH_KIND stella_tune_prefetch_kind
