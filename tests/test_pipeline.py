@@ -142,16 +142,22 @@ def test_auto_compression_keeps_the_ceiling_while_compute_hides_the_exchange(ser
                           compression=Compression(min_density=0.01, max_density=0.05),
                           sync=Sync(max_accumulate=1), connection=Connection(timeout=10))
     assert (opt.stats.density, opt.stats.value_dtype) == (0.05, "f16")
-    for t in range(12):
-        (model.w * grad_at(t, n)).sum().backward()
+    # 12 rounds; on loopback the pull's answer comes about a millisecond after the push's
+    # acknowledgement, and a round measures the downlink only when the exchange thread read the
+    # acknowledgement before the answer came (the training thread holds the GIL for some of that:
+    # about half the rounds here, fewer under load), so the job runs on, up to 36 rounds, until it did
+    rounds = 0
+    while rounds < 12 or (opt.stats.down_mbps == 0 and rounds < 36):
+        (model.w * grad_at(rounds, n)).sum().backward()
         # "compute": 50x the 2 ms that a 50k-coordinate exchange takes on loopback (the fastest of the
         # controller's five rounds), so that a busy machine does not make it look slow
         time.sleep(0.1)
         opt.step()
+        rounds += 1
     opt.synchronize()
-    # each of the 12 rounds pushed 5% of the coordinates (counted as its exchange completes, in the
+    # each round pushed 5% of the coordinates (counted as its exchange completes, in the
     # background: which step() sees it is a race, under load one step early or two late)
-    assert opt.stats.rounds == 12 and opt.stats.values_pushed == pytest.approx(12 * 0.05 * n, rel=0.2)
+    assert opt.stats.rounds == rounds and opt.stats.values_pushed == pytest.approx(rounds * 0.05 * n, rel=0.2)
     opt.close()
     assert (opt.stats.density, opt.stats.value_dtype, opt.stats.decisions) == (0.05, "f16", 0)
     assert opt.stats.up_mbps > 0 and opt.stats.down_mbps > 0
