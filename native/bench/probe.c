@@ -29,8 +29,7 @@ int64_t stella_probe_random_rmw(float *buf, int64_t numel, const int32_t *idx, i
 int64_t stella_probe_layout(float *mem, int64_t numel, int32_t layout, int32_t phase, const int32_t *idx,
                             const float *g, int64_t n, int32_t prefetch_distance) {
     if (!mem || (n > 0 && (!idx || !g)) || numel < 0 || layout < 0 || layout > 2 || (phase != 0 && phase != 1) ||
-        (layout == 2 && phase != 0) ||
-        prefetch_distance < 0)
+        (layout == 2 && phase != 0) || prefetch_distance < 0)
         return STELLA_E_ARG;
     for (int64_t j = 0; j < n; j++)
         if (idx[j] < 0 || idx[j] >= numel) return STELLA_E_RANGE;

@@ -13,6 +13,7 @@ void stella_optim_set_tuning(int32_t prefetch_distance, int32_t tile, int32_t mo
 int64_t stella_probe_random_rmw(float *buf, int64_t numel, const int32_t *idx, int64_t n, int32_t stride,
                                 int32_t prefetch_distance);
 /* The memory of a server step's apply (phase 0) and selection (phase 1) at idx with R and
- * B beside the optimizer's record (layout 0) or inside it (layout 1); native/bench/probe.c. */
+ * B beside the optimizer's record (layout 0) or inside it (layout 1), or the records alone
+ * (layout 2, phase 0); native/bench/probe.c. */
 int64_t stella_probe_layout(float *mem, int64_t numel, int32_t layout, int32_t phase, const int32_t *idx,
                             const float *g, int64_t n, int32_t prefetch_distance);
