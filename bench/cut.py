@@ -101,11 +101,14 @@ def scenario(kind: str, seconds: float, a: argparse.Namespace) -> dict[str, Any]
     after_a = [t for t in sa if t >= t_up]
     gaps_b = [y - x for x, y in itertools.pairwise(sb) if t_cut <= y <= t_up + 1]
     deadline = [line for line in log.splitlines() if "step deadline passed" in line]
+    # the liveness sweep's own line (a refusal's text may also say "declared gone": a worker id in use
+    # "is freed when that connection is declared gone")
+    gone = [line for line in log.splitlines() if "workers declared gone" in line]
     waits = [t for t, line in ((_ts(x), x) for x in log.splitlines()) if "step deadline passed" in line]
     return {"scenario": f"{kind} {seconds:g} s" if kind != "forever" else f"cut for good ({seconds:g} s watched)",
             "b_steps_during": len(during_b),
             "b_longest_gap_s": round(max(gaps_b, default=float("nan")), 2),
-            "steps_waiting_the_deadline": len(deadline), "a_declared_gone": "declared gone" in log,
+            "steps_waiting_the_deadline": len(deadline), "a_declared_gone": bool(gone), "gone_lines": gone[:3],
             "a_back_after_s": round(after_a[0] - t_up, 2) if after_a else None,
             "a_reconnects": sum("reconnecting" in line for _, line in lines["a"]),
             "exit": codes, "a_steps_after": len(after_a),
