@@ -5,7 +5,8 @@
 # Prepared here, on the developer's machine, by `bash bench/device_prep.sh` (the device host has no package
 # registry and Python 3.12): .whl/ (cp312 wheels) and .devbuild/ (the native modules for Python 3.12, portable),
 # and run as:  run(command="bash bench/device_check.sh", carry=[".whl", ".devbuild"], timeout_s=...)
-# Environment: PARTS (default "server threads cuda pin"), CONFIGS (default h1,defaults,h4) and CUDA_ARGS
+# Environment: PARTS (default "server threads cuda pin"; "layouts" adds bench.layouts, the floor under the server's
+# CPU over its kernel's on that host's memory), CONFIGS (default h1,defaults,h4) and CUDA_ARGS
 # (bench.cuda's), the parts' time limits: all of it about 7 minutes on the H200 host. Not yet run on a device: the
 # threads part and h4 (written after the budget ran out).
 # The shard part's workers send one message a round (the push carrying its pull, protocol 15, not yet run on a
@@ -64,4 +65,9 @@ if has pin && [ $(( $(date +%s) - t0 )) -lt "${MORE_BEFORE_S:-500}" ]; then
     > "$OUT/server_pin.log" 2>&1
   say "bench.server rc $?"; grep -A4 '^tensors' "$OUT/server_pin.log"
 fi
+has layouts && {  # not in the default PARTS: the bench-only build compiles on first use (a C compiler, cffi)
+say "bench.layouts: the memory a server step touches per pushed coordinate, today's layout and the fused record"
+timeout "${LAYOUTS_S:-120}" python3 -m bench.layouts --json "$OUT/layouts.json" > "$OUT/layouts.log" 2>&1
+say "bench.layouts rc $?"; tail -9 "$OUT/layouts.log"
+}
 say "done"
