@@ -44,6 +44,7 @@ def _train(endpoint: str, rank: int, world: int, mode: str, site: bool) -> dict:
     out = {"weights": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
            "bytes": (opt.bytes_pushed, opt.bytes_pulled), "version": opt.version}
     opt.close(flush=False)
+    out["released"] = getattr(opt.site, "group", None) is None  # closed: nothing here keeps the group alive
     return out
 
 
@@ -88,6 +89,7 @@ def test_a_site_of_two_gloo_ranks_is_one_worker_and_matches_the_flat_run(make_se
     for p in procs:
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
+    assert got[0]["released"] and got[1]["released"]  # destroy_process_group() then frees the group at once
     for n, w in got[0]["weights"].items():  # the ranks stay identical: one worker
         assert np.array_equal(w, got[1]["weights"][n]), n
     assert got[1]["bytes"] == (0, 0) and got[0]["bytes"][0] > 0  # only the leader speaks to the server

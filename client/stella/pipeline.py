@@ -559,6 +559,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         finally:
             self.rounds.close()
             self._exchange.close()
+            self.site.release()  # the process group is the user's to destroy, not ours to keep alive
 
     def __enter__(self) -> StellaOptimizer:
         return self

@@ -63,6 +63,9 @@ class Solo:
     def from_leader(self, fn: Callable[[], T]) -> T:
         return fn()
 
+    def release(self) -> None:
+        pass
+
 
 class _Failed:
     """What the other ranks get when the leader's call raised: its words (an exception
@@ -88,6 +91,13 @@ class Site:
     def leads(self) -> bool:
         """This rank speaks to the server."""
         return self.rank == 0
+
+    def release(self) -> None:
+        """Let go of the group (the optimizer closed): a reference kept here would keep the
+        group alive past the user's ``destroy_process_group()``, to be destroyed when the
+        optimizer is collected, at worst while the interpreter shuts down, where gloo's
+        teardown can abort the process ("terminate called without an active exception")."""
+        self.group = None
 
     def average(self, tensors: Iterable[torch.Tensor]) -> None:
         """Every rank's tensors become the mean over the ranks (in place; one all-reduce
