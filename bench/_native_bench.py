@@ -100,6 +100,12 @@ def set_tuning(prefetch_distance: int = -1, tile: int = -1, mode: int = -1) -> N
     lib.stella_optim_set_tuning(int(prefetch_distance), int(tile), int(mode))
 
 
+def _flat(a: np.ndarray, dtype: type, what: str) -> None:
+    """A probe's array argument: a contiguous 1-D array of ``dtype``, else ValueError."""
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError(f"probe {what} must be a contiguous 1-D {np.dtype(dtype).name} array")
+
+
 def probe_random_rmw(buf: np.ndarray, idx: np.ndarray, stride: int, prefetch_distance: int = 16) -> None:
     """Roofline: ``buf[idx * stride] = buf[idx * stride] * 0.5 + 1`` in C, prefetched.
 
@@ -108,10 +114,8 @@ def probe_random_rmw(buf: np.ndarray, idx: np.ndarray, stride: int, prefetch_dis
     """
     from stella.native_errors import check
 
-    if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 or not buf.flags.c_contiguous:
-        raise ValueError("probe buffer must be a contiguous 1-D float32 array")
-    if not isinstance(idx, np.ndarray) or idx.dtype != np.int32 or idx.ndim != 1 or not idx.flags.c_contiguous:
-        raise ValueError("probe indices must be a contiguous 1-D int32 array")
+    _flat(buf, np.float32, "buffer")
+    _flat(idx, np.int32, "indices")
     ffi, lib = load()
     rc = lib.stella_probe_random_rmw(ffi.from_buffer("float[]", buf, require_writable=True), buf.shape[0],
                                      ffi.from_buffer("int32_t[]", idx), idx.shape[0], int(stride),
@@ -130,12 +134,11 @@ def probe_layout(mem: np.ndarray, numel: int, layout: int, phase: int, idx: np.n
     from stella.native_errors import check
 
     need = numel * {0: 6, 1: 8}.get(layout, 4)
-    if not isinstance(mem, np.ndarray) or mem.dtype != np.float32 or mem.ndim != 1 or not mem.flags.c_contiguous \
-            or mem.shape[0] < need:
-        raise ValueError(f"probe memory must be a contiguous 1-D float32 array of at least {need} floats")
-    for name, a, dt in (("indices", idx, np.int32), ("values", g, np.float32)):
-        if not isinstance(a, np.ndarray) or a.dtype != dt or a.ndim != 1 or not a.flags.c_contiguous:
-            raise ValueError(f"probe {name} must be a contiguous 1-D {np.dtype(dt).name} array")
+    _flat(mem, np.float32, "memory")
+    if mem.shape[0] < need:
+        raise ValueError(f"probe memory must hold at least {need} floats")
+    _flat(idx, np.int32, "indices")
+    _flat(g, np.float32, "values")
     if g.shape[0] != idx.shape[0]:
         raise ValueError("probe indices and values differ in length")
     ffi, lib = load()
