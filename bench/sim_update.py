@@ -31,7 +31,9 @@ The rule (``--rules``, joined with ``+``): ``avg`` (lr 1: the plain mean), ``lrX
 ``nestX:M`` (lr X, momentum M), ``count`` (each coordinate's sum divided by the
 pushes that carried it, not by W), ``cpowP`` (the mean times ``(W / n) ** P`` at a
 coordinate n pushes carried: ``stella-ps``'s ``count_exponent``, ``cpow0.5`` the
-"count" preset), ``eager`` (the worker keeps its own in-flight push
+"count" preset; ``ctaper``: ``cpow0.5`` at steps of at most 3% pushes, the mean from 10%,
+the exponent tapering in log density between, the "tapered" preset; ``ctaperF:T``, from F
+to T), ``eager`` (the worker keeps its own in-flight push
 at 1/W, as its share of the mean, instead of whole). Two estimates of the outer step's
 scale, between 1 and sqrt(W), each step (the multiplier's spread is printed):
 ``norm`` (the mean brought to the pushes' RMS length: ``sqrt(W sum |p_i|^2) / |sum
@@ -101,6 +103,8 @@ import torch.nn.functional as F
 from bench import workloads as WL
 from bench.harness import loadavg
 from stella.codec import quantise
+from stella.modes import OUTER_PRESETS
+from stella_ps.aggregation import count_exponent_at
 from stella_ps.config import ServerConfig
 
 DENSE_BELOW = ServerConfig().dense_below
@@ -131,6 +135,7 @@ class Rule:
     index: str = ""  # the pushes' shared index set: "" (each its own top-k), gtopk, cyclic, bidx
     own: float = 1.0  # with ``bidx``: the share of k each worker still picks by its own top-k
     count_power: float = 0.0  # ``cpowP``: the mean times (W / pushes carrying the coordinate) ** P
+    taper: tuple[float, float] | None = None  # ``ctaper[F:T]``: ``cpow0.5`` tapered to the mean from F to T
     held: float = 1.0  # ``heldF``: the weight of its own unsent change in a worker's model (-1: 1 / W)
     vworld: float = 1.0  # ``vsplitwE``: vsplit's world taken as W ** E
     warm: int = 0  # ``dwarmN``: the density falls geometrically from 10x to the run's over the first N steps
@@ -156,6 +161,11 @@ class Rule:
                 kw["index"] = part
             elif part.startswith("bidx"):
                 kw.update(index="bidx", own=float(part[4:] or 1.0))
+            elif part.startswith("ctaper"):
+                lo, _, hi = part[6:].partition(":")
+                preset = OUTER_PRESETS["tapered"]
+                kw.update(count_power=0.5, taper=(float(lo) if lo else preset["count_taper_from"],
+                                                  float(hi) if hi else preset["count_taper_to"]))
             elif part.startswith("cpow"):
                 kw["count_power"] = float(part[4:])
             elif part.startswith("held"):
@@ -517,8 +527,12 @@ def run_stella(cfg: Config) -> Curve:
             touched = carried > 0
             touched[flat.ns:] = True
             g = total / carried.clamp(min=1) if rule.count else total / W
-            if rule.count_power:  # a coordinate few workers pushed scaled up, one all pushed left at the mean
-                g *= (W / carried.clamp(min=1)) ** rule.count_power
+            power = rule.count_power
+            if rule.taper:  # the exponent at the step's density, as stella-ps's "tapered" outer step takes it
+                power = count_exponent_at({"count_exponent": power, "count_taper_from": rule.taper[0],
+                                           "count_taper_to": rule.taper[1]}, sum(n_values[-W:]) / (W * flat.ns))
+            if power:  # a coordinate few workers pushed scaled up, one all pushed left at the mean
+                g *= (W / carried.clamp(min=1)) ** power
             if rule.lend:  # lend a coordinate the shares of the workers that did not push it, take them back later
                 g, moved = _lend(g, total, carried, loan, W, rule.lend)
                 touched |= moved

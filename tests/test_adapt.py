@@ -308,6 +308,48 @@ def test_count_exponent_scales_a_coordinate_by_the_pushes_that_carried_it(make_s
         cs[1].set_optimizer(lr_worker_exponent=0.75)
 
 
+def test_the_tapered_count_follows_each_steps_density(make_server, make_client):
+    """``count_taper_from`` / ``count_taper_to`` (update mode's "tapered" outer step): the
+    server measures each step's density over the tensors it does not send whole and takes
+    the full ``count_exponent`` up to the first, none (the plain mean) from the second,
+    and in between the exponent times log(to / d) / log(to / from). Four workers push
+    disjoint coordinates, so each coordinate one push carried moves by its value times
+    4 ** P / 4, P the exponent that step's density takes; the small tensor pushed whole
+    does not count in the density."""
+    from stella import BadRequest
+    from stella_ps.aggregation import count_exponent_at
+
+    taper = {"count_exponent": 0.5, "count_taper_from": 0.03, "count_taper_to": 0.1}
+    srv = make_server(4, ["--max-push-change", "0", "--dense-below", "64"], pull="exact")
+    cs = [make_client(srv.endpoint) for _ in range(4)]
+    n = 1000
+    w = np.zeros(n, np.float32)
+    b0 = np.ones(2, np.float32)
+    cs[0].register({"w": w, "b": b0}, {**SGD1, **taper})
+    for c in cs[1:]:
+        c.register({"w": w, "b": b0})
+    rng = np.random.default_rng(5)
+    for version, per_push in enumerate((20, 200, 55)):  # 2%: P = 0.5; 20%: the mean; 5.5%: P about 0.248
+        order = rng.permutation(n)
+        idx = [np.sort(order[i * per_push:(i + 1) * per_push]).astype(np.int32) for i in range(4)]
+        vals = [rng.standard_normal(per_push).astype(np.float32) for _ in range(4)]
+        for c, i, v in zip(cs, idx, vals):
+            c.push({"w": (i, v), "b": np.full(2, 8.0, np.float32)}, version)
+        d = cs[0].pull(version, wait_for=version + 1)
+        p = count_exponent_at(taper, per_push / n)
+        assert p == {20: 0.5, 200: 0.0}.get(per_push, p) and (per_push != 55 or 0.24 < p < 0.26)
+        factor = np.float32(0.25 * 4.0 ** p)
+        got = dict(zip(d.tensors["w"][0].tolist(), d.tensors["w"][1].tolist()))
+        for i, v in zip(idx, vals):
+            np.testing.assert_allclose([got[j] for j in i.tolist()], w[i] - factor * v, rtol=1e-6, atol=1e-7)
+            w[i] -= factor * v
+        np.testing.assert_array_equal(d.tensors["b"][1], b0 - 8.0 * (version + 1))  # every push: the mean
+    for bad in ({"count_taper_from": 0.1, "count_taper_to": 0.03}, {"count_taper_from": 0.05, "count_taper_to": 0.0},
+                {"count_taper_to": 1.5}):
+        with pytest.raises(BadRequest, match="count_taper"):
+            cs[1].set_optimizer(**bad)
+
+
 def test_a_push_claiming_many_samples_weighs_at_most_max_sample_ratio(make_server, make_client):
     srv = make_server(2, pull="exact")  # --max-sample-ratio 8 (the default)
     a, b = make_client(srv.endpoint), make_client(srv.endpoint)

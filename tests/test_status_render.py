@@ -21,7 +21,8 @@ from stella.status import rates, render, render_shards, watch
 def sgd(**hp) -> dict:
     """An SGD config as the server answers it: every hyper-parameter filled in, in its order."""
     full = {"lr": 0.001, "weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
-            "momentum_mode": "fold", "lr_worker_exponent": 0.0, "count_exponent": 0.0, **hp}
+            "momentum_mode": "fold", "lr_worker_exponent": 0.0, "count_exponent": 0.0, "count_taper_from": 0.0,
+            "count_taper_to": 0.0, **hp}
     return {"name": "sgd", **full}
 
 
@@ -29,6 +30,7 @@ AVERAGE = sgd(**{k: v for k, v in OUTER_PRESETS["average"].items() if k != "name
 NESTEROV = sgd(**{k: v for k, v in OUTER_PRESETS["nesterov"].items() if k != "name"})
 SQRT = sgd(**{k: v for k, v in OUTER_PRESETS["sqrt"].items() if k != "name"})
 COUNT = sgd(**{k: v for k, v in OUTER_PRESETS["count"].items() if k != "name"})
+TAPERED = sgd(**{k: v for k, v in OUTER_PRESETS["tapered"].items() if k != "name"})
 ADAMW = {"name": "adamw", "lr": 0.001, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-08}
 
 
@@ -48,6 +50,8 @@ def job(st: StatusReply) -> str:
     (NESTEROV, "update", "mode update, outer nesterov(lr 0.7, momentum 0.9)"),
     (SQRT, "update", "mode update, outer sqrt(lr 1, lr_worker_exponent 0.5)"),
     (COUNT, "update", "mode update, outer count(lr 1, count_exponent 0.5)"),
+    (TAPERED, "update", "mode update, outer tapered(lr 1, count_exponent 0.5, count_taper_from 0.03, "
+                        "count_taper_to 0.1)"),
     # any other outer config: its name and the hyper-parameters that are not off
     ({**NESTEROV, "lr": 0.35}, "update", "mode update, outer sgd(lr 0.35, momentum 0.9, nesterov True, "
                                          "momentum_mode lazy)"),

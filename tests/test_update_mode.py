@@ -264,25 +264,25 @@ def test_update_mode_refuses_what_it_cannot_do(server):
 @pytest.mark.parametrize("inner,preset", [
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "average"),
     (lambda ps: {"name": "sgd", "lr": 1.0}, "average"),
-    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "count"),
-    (lambda ps: {"name": "adam", "lr": 1e-3}, "count"),
-    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "count"),
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "tapered"),
+    (lambda ps: {"name": "adam", "lr": 1e-3}, "tapered"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "tapered"),
 ])
 def test_the_default_outer_step_follows_the_inner_optimizer(server, inner, preset):
-    """outer="auto" (the default): the plain mean over SGD, the mean with each coordinate
-    scaled by the pushes that carried it ("count") over an adaptive optimizer when the
-    pushes are at most 3% dense (a pinned density, or the adaptive density's ceiling),
-    the plain mean over denser pushes (the adaptive density's default range reaches
-    10%); the mirror group carries the exponent the server will run."""
+    """outer="auto" (the default): the plain mean over SGD; over an adaptive optimizer
+    "tapered" (the count up to 3% pushes, the mean from 10%, decided by the server step by
+    step from the density it sees), whatever the density pinned or its adaptive range; the
+    mirror group carries the hyper-parameters the server will run."""
     model = Toy()
-    for compression, dense in ((Compression(density=0.01), False), (Compression(max_density=0.01), False),
-                               (Compression(density=0.03), False), (Compression(max_density=0.05), True),
-                               (Compression(), True), (Compression(density=0.1), True)):
+    for compression in (Compression(density=0.01), Compression(max_density=0.01), Compression(max_density=0.05),
+                        Compression(), Compression(density=0.1)):
         opt = StellaOptimizer(model, server.endpoint, optimizer=inner(list(model.parameters())),
                               compression=compression)
-        expect = "average" if dense else preset
-        assert opt._exchange.server_config == OUTER_PRESETS[expect], compression
-        assert opt.outer.param_groups[0].get("count_exponent", 0.0) == (0.5 if expect == "count" else 0.0)
+        assert opt._exchange.server_config == OUTER_PRESETS[preset], compression
+        group = opt.outer.param_groups[0]
+        assert group.get("count_exponent", 0.0) == (0.5 if preset == "tapered" else 0.0)
+        assert (group.get("count_taper_from", 0.0), group.get("count_taper_to", 0.0)) == \
+            ((0.03, 0.1) if preset == "tapered" else (0.0, 0.0))
 
 
 def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):

@@ -42,13 +42,13 @@ __all__ = ["build_inner", "exchange_for"]
 
 _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 # a config's keys torch's optimizers do not take
-_SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent", "count_exponent")
+_SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent", "count_exponent", "count_taper_from", "count_taper_to")
 
 
 def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The torch optimizer a config mapping (the server's names: ``{"name": "adamw", "lr": ...}``)
     describes, for update mode's local steps. ``momentum_mode``, ``lr_worker_exponent`` and
-    ``count_exponent`` (server-side notions) are ignored."""
+    the ``count_*`` keys (server-side notions) are ignored."""
     name = str(config.get("name", "")).lower()
     if name not in _INNER:
         raise ValueError(f"unknown optimizer {config.get('name')!r}; known: {sorted(_INNER)}")
@@ -56,24 +56,19 @@ def build_inner(config: Mapping[str, Any], params: list[torch.nn.Parameter]) -> 
     return _INNER[name](params, **hp)
 
 
-AUTO_COUNT_MAX_DENSITY = 0.03  # the densest pushes the "count" outer step helped at on every workload measured
-
-
-def auto_outer(inner: torch.optim.Optimizer, compression: Compression) -> str:
+def auto_outer(inner: torch.optim.Optimizer) -> str:
     """The outer preset ``outer="auto"`` takes over ``inner``: "average" over SGD (the mean
-    of K workers' SGD steps is the dense step on their whole batch), "count" over every
-    other optimizer (Adam, AdamW, and the other normalising ones) as long as the pushes
-    are sparse (at most ``AUTO_COUNT_MAX_DENSITY``, the adaptive density's ceiling
-    included): each worker's step is about ``lr`` per coordinate whatever its batch, so
-    the mean of K of them moves the model less than one dense step, and most of a sparse
-    step's coordinates come from one push or a few, diluted by K in the mean; "count"
-    takes a coordinate n of the K pushes carried at ``(K / n) ** 0.5`` times the mean.
-    Denser pushes keep the mean: there the factor overshot on the byte LM
-    (docs/optimizer.md, "The outer step per coordinate")."""
-    densest = compression.max_density if compression.density == "auto" else compression.density
-    if isinstance(inner, torch.optim.SGD) or densest > AUTO_COUNT_MAX_DENSITY:
-        return "average"
-    return "count"
+    of K workers' SGD steps is the dense step on their whole batch), "tapered" over every
+    other optimizer (Adam, AdamW, and the other normalising ones). Each such worker's step
+    is about ``lr`` per coordinate whatever its batch, so the mean of K of them moves the
+    model less than one dense step, and most of a sparse step's coordinates come from one
+    push or a few, diluted by K in the mean: "count" takes a coordinate n of the K pushes
+    carried at ``(K / n) ** 0.5`` times the mean. It overshot on the byte LM at 10% pushes,
+    where the mean is the better rule, so "tapered" is "count" on steps whose pushes are at
+    most 3% dense, the mean from 10%, and in between the exponent tapers with the density
+    the server sees in each step: the rule follows what the adaptive density picks, step by
+    step (docs/optimizer.md, "The outer step follows the density")."""
+    return "average" if isinstance(inner, torch.optim.SGD) else "tapered"
 
 
 def load_in_place(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -266,7 +261,7 @@ class _UpdateExchange(_Exchange):
         # the wrapper's groups are the inner optimizer's (schedulers built on either drive the local steps)
         self.groups = self.inner
         if outer == "auto":
-            outer = auto_outer(self.inner, compression)
+            outer = auto_outer(self.inner)
         if isinstance(outer, str) and outer not in OUTER_PRESETS:
             raise ValueError(f"outer must be 'auto', one of {sorted(OUTER_PRESETS)} or a config mapping, got "
                              f"{outer!r}")

@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,8 @@ from stella.payload import SparseTensor
 
 from .errors import StepFailed
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "count_table",
-           "push_norm", "scaled", "weigh"]
+__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "count_exponent_at", "count_table",
+           "push_norm", "scaled", "step_count_table", "step_density", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
 
@@ -336,6 +336,45 @@ def scaled(tensors: list[SparseTensor], factor: float) -> list[SparseTensor]:
         v = (to_float32(s.values).astype(np.float64) * factor).astype(np.float32)
         out.append(SparseTensor(s.tensor, s.indices, v))
     return out
+
+
+def count_exponent_at(hparams: dict[str, Any], density: float) -> float:
+    """The ``count_exponent`` a step whose pushes are ``density`` dense takes: the
+    configured one up to ``count_taper_from``, none (the plain mean) from
+    ``count_taper_to`` on, and in between the configured one times ``log(to / density) /
+    log(to / from)`` (linear in log density). Both 0 (the default): the configured
+    exponent at every density. ``outer="tapered"`` (the default over adaptive inner
+    optimizers) tapers it from 3% to 10%: the count is the better rule up to 3%, the
+    mean at 10% (docs/optimizer.md, "The outer step follows the density")."""
+    p = float(hparams.get("count_exponent", 0.0))
+    lo, hi = float(hparams.get("count_taper_from", 0.0)), float(hparams.get("count_taper_to", 0.0))
+    if not p or not hi or density <= lo:
+        return p
+    if density >= hi:
+        return 0.0
+    return p * math.log(hi / density) / math.log(hi / lo)
+
+
+def step_density(step: Step, sparse: Sequence[int]) -> float:
+    """The mean density of ``step``'s pushes over the tensors whose numels ``sparse``
+    maps (index: numel, 0 for a tensor sent whole): the values they carried there over
+    the pushes times those tensors' coordinates (1 when there are none)."""
+    numel = sum(sparse)
+    pushes = len(step.contributors)
+    if not numel or not pushes:
+        return 1.0
+    values = sum(p.values.size for n, parts in zip(sparse, step.per_tensor) if n for p in parts)
+    return min(1.0, values / (pushes * numel))
+
+
+def step_count_table(step: Step, hparams: dict[str, Any], sparse: Sequence[int]) -> np.ndarray | None:
+    """:func:`count_table` for ``step`` at the exponent its density takes
+    (:func:`count_exponent_at`); the store's apply and a checkpoint's roll-forward both
+    make it so, from the same step."""
+    exponent = float(hparams.get("count_exponent", 0.0))
+    if exponent and hparams.get("count_taper_to", 0.0):
+        exponent = count_exponent_at(hparams, step_density(step, sparse))
+    return count_table(len(step.contributors), exponent, step.scale)
 
 
 def count_table(pushes: int, exponent: float, scale: float) -> np.ndarray | None:

@@ -43,7 +43,7 @@ from stella.layout import FlatLayout
 from stella.payload import SparseTensor
 from stella.protocol import TensorSpec
 
-from .aggregation import count_table
+from .aggregation import step_count_table
 from .broadcast import replay
 from .config import Checkpoints
 from .kernel import KernelTensorState
@@ -179,14 +179,16 @@ def restore(store: ModelStore, ck: Checkpoint) -> OptimizerConfig:
 
 
 def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[RecordCopy]],
-                 redo: list[RedoEntry]) -> list[dict[str, np.ndarray]]:
+                 redo: list[RedoEntry], sparse: list[int] | None = None) -> list[dict[str, np.ndarray]]:
     """The state arrays of every tensor at the version of the last ``redo`` step (or
     of the copies, if none): each slice, copied at its own version, gets the logged
     steps after that version applied to its coordinates only. The lazy optimizers
     are per coordinate (each coordinate's parameter, moments and step count change
     only with the contributions to that coordinate, merged in the same order), so
     this gives bit for bit the state the store itself reached. Runs on the
-    checkpoint writer's thread, on a scratch state; ``kind`` names the optimizer."""
+    checkpoint writer's thread, on a scratch state; ``kind`` names the optimizer.
+    ``sparse``: the store's :meth:`~stella_ps.store.ModelStore.sparse_numels` (a step's
+    count table follows its density there; None: every tensor sparse)."""
     out = []
     for t, (numel, slices) in enumerate(zip(numels, copies, strict=True)):
         bcast = _rolled_broadcast(t, numel, slices, redo)
@@ -219,9 +221,8 @@ def roll_forward(kind: OptimizerConfig, numels: list[int], copies: list[list[Rec
                 if m.any():
                     keep.append(SparseTensor(t, np.ascontiguousarray(idx[m]), np.ascontiguousarray(vals[m])))
             if keep:  # the counts of a coordinate are those of the whole step: the cut keeps or drops it whole
-                pushes = len(step.contributors)
-                st.apply(keep, step.scale, cfg.for_pushes(pushes), checked=False,
-                         count_scale=count_table(pushes, cfg.hparams.get("count_exponent", 0.0), step.scale))
+                st.apply(keep, step.scale, cfg.for_pushes(len(step.contributors)), checked=False,
+                         count_scale=step_count_table(step, cfg.hparams, numels if sparse is None else sparse))
         out.append({**st.state_arrays(), **bcast})
         del st
     return out
@@ -421,11 +422,11 @@ class Checkpointer:
             self._stats.checkpoint_stall_s = max(self._stats.checkpoint_stall_s, copy.stall_s)
             kind = OptimizerConfig.from_wire({"name": self.store.tensors[0].name if self.store.tensors
                                               else optimizer.name})
-            numels = [s.numel for s in self.store.layout]
+            numels, sparse = [s.numel for s in self.store.layout], self.store.sparse_numels()
             layout, opt, model = ckpt_format.layout_of(self.store.layout), optimizer.to_wire(), model_of(self.store)
 
             def build_and_write() -> tuple[str, int, float]:
-                arrays = roll_forward(kind, numels, copy.copies, copy.redo)
+                arrays = roll_forward(kind, numels, copy.copies, copy.redo, sparse)
                 return write_and_prune(cp, Checkpoint(copy.version, layout, opt, arrays, time.time(), model))
 
             # the schedule moves on whether the write succeeds or not: a failed one is retried when the next is due

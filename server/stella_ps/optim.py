@@ -20,10 +20,14 @@ __all__ = ["OptimizerConfig", "OptimizerLimits", "OPTIMIZERS", "MOMENTUM_MODES",
 # pushes runs at lr * K ** lr_worker_exponent: 0, the mean; 0.5, update mode's "sqrt"
 # outer step over adaptive inner optimizers) and ``count_exponent`` (a coordinate n of
 # the K pushes carried enters the mean times (K / n) ** count_exponent: update mode's
-# "count" outer step; :func:`stella_ps.aggregation.count_table`; docs/optimizer.md).
+# "count" outer step; :func:`stella_ps.aggregation.count_table`; docs/optimizer.md), which
+# ``count_taper_from`` and ``count_taper_to`` taper to 0 as the step's pushes grow denser
+# between the two densities (both 0: no taper; update mode's "tapered" outer step;
+# :func:`stella_ps.aggregation.count_exponent_at`).
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
-            "momentum_mode": "fold", "lr_worker_exponent": 0.0, "count_exponent": 0.0},
+            "momentum_mode": "fold", "lr_worker_exponent": 0.0, "count_exponent": 0.0,
+            "count_taper_from": 0.0, "count_taper_to": 0.0},
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
 }
@@ -109,6 +113,11 @@ class OptimizerConfig:
                 raise ConfigError(f"lr_worker_exponent + count_exponent = "
                                   f"{out['lr_worker_exponent'] + out['count_exponent']:g} is above 1 (a push "
                                   "alone would move the model further than lr times itself)")
+            lo = out["count_taper_from"] = _num("count_taper_from", hp["count_taper_from"], 0.0, 1.0)
+            hi = out["count_taper_to"] = _num("count_taper_to", hp["count_taper_to"], 0.0, 1.0)
+            if (lo or hi) and not 0.0 < lo < hi:
+                raise ConfigError(f"count_taper_from={lo:g} and count_taper_to={hi:g}: need 0 < from < to <= 1, "
+                                  "or both 0 (no taper)")
             if f32(out["momentum"]) >= 1.0:
                 raise ConfigError(f"momentum={out['momentum']!r} is 1 in float32, the kernel's precision")
             lr = out["lr"]

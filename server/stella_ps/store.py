@@ -33,7 +33,7 @@ from stella.layout import FlatLayout, Part
 from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
 from stella.protocol import PullCoding, PullMode, TensorEntry, TensorSpec
 
-from .aggregation import Step, count_table
+from .aggregation import Step, step_count_table
 from .broadcast import OWED_BYTES, Broadcast, StepLog
 from .config import Pulls
 from .errors import CopyAbandoned, ModelDamaged, NonFiniteStep, StepFailed
@@ -199,6 +199,11 @@ class ModelStore:
         """Which tensors the broadcast sends whole: a model's dense part."""
         return [p.whole for p in self.model.parts] if self.model is not None else [False] * len(self.layout)
 
+    def sparse_numels(self) -> list[int]:
+        """Each tensor's numel, 0 for one sent whole (the model's dense part): where a step's
+        density is measured (:func:`stella_ps.aggregation.step_density`)."""
+        return [0 if whole else s.numel for s, whole in zip(self.layout, self._whole())]
+
     def initialise(self, layout: list[TensorSpec] | None, values: list[np.ndarray], cfg: OptimizerConfig, *,
                    model: ModelRange | None = None, version: int = 0) -> None:
         """Create the tensors (``layout``, or ``model``'s parts) with initial float32
@@ -362,7 +367,7 @@ class ModelStore:
         non-finite result: that tensor undid itself), the others are undone too."""
         pushes = len(step.contributors)
         step_cfg = cfg.for_pushes(pushes)
-        counts = count_table(pushes, cfg.hparams.get("count_exponent", 0.0), step.scale)
+        counts = step_count_table(step, cfg.hparams, self.sparse_numels())
 
         def one(t: int) -> np.ndarray:
             contributions = step.per_tensor[t]
