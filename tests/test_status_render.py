@@ -50,7 +50,7 @@ def job(st: StatusReply) -> str:
     (NESTEROV, "update", "mode update, outer nesterov(lr 0.7, momentum 0.9)"),
     (SQRT, "update", "mode update, outer sqrt(lr 1, lr_worker_exponent 0.5)"),
     (COUNT, "update", "mode update, outer count(lr 1, count_exponent 0.5)"),
-    (TAPERED, "update", "mode update, outer tapered(lr 1, count_exponent 0.5, count_taper_from 0.03, "
+    (TAPERED, "update", "mode update, outer tapered(lr 1, count_exponent 0.5, count_taper_from 0.02, "
                         "count_taper_to 0.1)"),
     # any other outer config: its name and the hyper-parameters that are not off
     ({**NESTEROV, "lr": 0.35}, "update", "mode update, outer sgd(lr 0.35, momentum 0.9, nesterov True, "

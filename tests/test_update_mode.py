@@ -282,7 +282,7 @@ def test_the_default_outer_step_follows_the_inner_optimizer(server, inner, prese
         group = opt.outer.param_groups[0]
         assert group.get("count_exponent", 0.0) == (0.5 if preset == "tapered" else 0.0)
         assert (group.get("count_taper_from", 0.0), group.get("count_taper_to", 0.0)) == \
-            ((0.03, 0.1) if preset == "tapered" else (0.0, 0.0))
+            ((0.02, 0.1) if preset == "tapered" else (0.0, 0.0))
 
 
 def test_schedules_drive_the_inner_and_the_outer_learning_rate(server):

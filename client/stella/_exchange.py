@@ -63,9 +63,9 @@ def auto_outer(inner: torch.optim.Optimizer) -> str:
     is about ``lr`` per coordinate whatever its batch, so the mean of K of them moves the
     model less than one dense step, and most of a sparse step's coordinates come from one
     push or a few, diluted by K in the mean: "count" takes a coordinate n of the K pushes
-    carried at ``(K / n) ** 0.5`` times the mean. It overshot on the byte LM at 10% pushes,
+    carried at ``(K / n) ** 0.5`` times the mean. It overshot on the byte LM from 5% pushes,
     where the mean is the better rule, so "tapered" is "count" on steps whose pushes are at
-    most 3% dense, the mean from 10%, and in between the exponent tapers with the density
+    most 2% dense, the mean from 10%, and in between the exponent tapers with the density
     the server sees in each step: the rule follows what the adaptive density picks, step by
     step (docs/optimizer.md, "The outer step follows the density")."""
     return "average" if isinstance(inner, torch.optim.SGD) else "tapered"

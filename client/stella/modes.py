@@ -23,7 +23,7 @@ DEFAULT_MODE: Mode = "update"
 # (count_exponent 0.5): every push carried it, the mean; one push alone, sqrt(K) times its
 # share. "sqrt": the whole mean times sqrt(K) (lr_worker_exponent 0.5): what the mean of K
 # adaptive inner optimizers' steps loses against one dense step on their whole batch.
-# "tapered": "count" on a step whose pushes are at most 3% dense, the mean from 10%, the
+# "tapered": "count" on a step whose pushes are at most 2% dense, the mean from 10%, the
 # exponent tapering in log density between (count_taper_from, count_taper_to): the server
 # measures each step's density, so the rule follows what the adaptive density picks.
 # "nesterov": DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9; the buffer is updated
@@ -35,7 +35,7 @@ OUTER_PRESETS: dict[str, dict[str, Any]] = {
     "average": {"name": "sgd", "lr": 1.0},
     "sqrt": {"name": "sgd", "lr": 1.0, "lr_worker_exponent": 0.5},
     "count": {"name": "sgd", "lr": 1.0, "count_exponent": 0.5},
-    "tapered": {"name": "sgd", "lr": 1.0, "count_exponent": 0.5, "count_taper_from": 0.03, "count_taper_to": 0.1},
+    "tapered": {"name": "sgd", "lr": 1.0, "count_exponent": 0.5, "count_taper_from": 0.02, "count_taper_to": 0.1},
     "nesterov": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "momentum_mode": "lazy"},
 }
 

@@ -344,8 +344,9 @@ def count_exponent_at(hparams: dict[str, Any], density: float) -> float:
     ``count_taper_to`` on, and in between the configured one times ``log(to / density) /
     log(to / from)`` (linear in log density). Both 0 (the default): the configured
     exponent at every density. ``outer="tapered"`` (the default over adaptive inner
-    optimizers) tapers it from 3% to 10%: the count is the better rule up to 3%, the
-    mean at 10% (docs/optimizer.md, "The outer step follows the density")."""
+    optimizers) tapers it from 2% to 10%: the count is the better rule at 1%, the mean at
+    10%, the taper better than either between (docs/optimizer.md, "The outer step follows
+    the density")."""
     p = float(hparams.get("count_exponent", 0.0))
     lo, hi = float(hparams.get("count_taper_from", 0.0)), float(hparams.get("count_taper_to", 0.0))
     if not p or not hi or density <= lo:
