@@ -191,7 +191,7 @@ def test_the_wrapper_mirrors_the_hyper_parameters_the_server_names(server):
 def test_compression_settings_are_checked():
     from stella import Compression
 
-    assert Compression() == Compression(density="auto", min_density=0.001, max_density=0.05, method="threshold",
+    assert Compression() == Compression(density="auto", min_density=0.001, max_density=0.1, method="threshold",
                                         value_dtype="auto", index_coding="rice")
     for bad in ({"density": "fast"}, {"density": 0.0}, {"density": 1.5}, {"density": float("nan")},
                 {"min_density": 0.2}, {"max_density": 0.0}, {"method": "nope"},

@@ -26,9 +26,8 @@ class Compression:
     ``density``: the fraction of each tensor pushed per exchange, or ``"auto"``
     (default): chosen each round by the worker's :class:`~stella.adapt.Controller`
     between ``min_density`` and ``max_density``, so that the exchange hides behind the
-    computation. The default ceiling, 5%, is where denser pushes stop buying iterations
-    (docs/optimizer.md, "The outer step follows the density"). ``method`` ("threshold",
-    "block", "exact" or "dense"): the compressor, :mod:`stella.compress`. Which small tensors go whole is the server's
+    computation. ``method`` ("threshold", "block", "exact" or "dense"): the compressor,
+    :mod:`stella.compress`. Which small tensors go whole is the server's
     (``stella-ps --dense-below``: the model's flat layout, :mod:`stella.layout`).
     ``value_dtype``: the wire coding of pushed values, or ``"auto"`` (default): the
     controller picks among f16, q4 and q2 (4.5 or 2.5 bits a value, the quantisation
@@ -40,7 +39,7 @@ class Compression:
 
     density: float | Literal["auto"] = "auto"
     min_density: float = 0.001
-    max_density: float = 0.05
+    max_density: float = 0.1
     method: str = "threshold"
     value_dtype: ValueDtype | Literal["auto"] = "auto"
     index_coding: IndexCoding = "rice"
