@@ -31,7 +31,7 @@ The rule (``--rules``, joined with ``+``): ``avg`` (lr 1: the plain mean), ``lrX
 ``nestX:M`` (lr X, momentum M), ``count`` (each coordinate's sum divided by the
 pushes that carried it, not by W), ``cpowP`` (the mean times ``(W / n) ** P`` at a
 coordinate n pushes carried: ``stella-ps``'s ``count_exponent``, ``cpow0.5`` the
-"count" preset; ``ctaper``: ``cpow0.5`` at steps of at most 3% pushes, the mean from 10%,
+"count" preset; ``ctaper``: ``cpow0.5`` at steps of at most 2% pushes, the mean from 10%,
 the exponent tapering in log density between, the "tapered" preset; ``ctaperF:T``, from F
 to T), ``eager`` (the worker keeps its own in-flight push
 at 1/W, as its share of the mean, instead of whole). Two estimates of the outer step's

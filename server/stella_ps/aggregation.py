@@ -372,10 +372,7 @@ def step_count_table(step: Step, hparams: dict[str, Any], sparse: Sequence[int])
     """:func:`count_table` for ``step`` at the exponent its density takes
     (:func:`count_exponent_at`); the store's apply and a checkpoint's roll-forward both
     make it so, from the same step."""
-    exponent = float(hparams.get("count_exponent", 0.0))
-    if exponent and hparams.get("count_taper_to", 0.0):
-        exponent = count_exponent_at(hparams, step_density(step, sparse))
-    return count_table(len(step.contributors), exponent, step.scale)
+    return count_table(len(step.contributors), count_exponent_at(hparams, step_density(step, sparse)), step.scale)
 
 
 def count_table(pushes: int, exponent: float, scale: float) -> np.ndarray | None:
