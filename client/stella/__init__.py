@@ -38,6 +38,8 @@ Where each concern lives:
   demo and the benchmarks' data; ``planning/`` ``stella plan`` and ``stella profile``
   (a tool beside the library, which never imports it).
 """
+import sys
+
 from ._codec_native import native_isa
 from .client import Client, Pending, PullResult
 from .errors import (
@@ -99,6 +101,10 @@ _LAZY = {
     "ErrorFeedbackCompressor": "compress",
     "SparseGrad": "compress",
 }
+
+if "torch" in sys.modules:  # a training script, which imported torch first: torch costs nothing more here
+    # and the site's module is loaded before the script's init_process_group can run (site.py says why that matters)
+    from . import site as _site  # noqa: F401
 
 
 def __getattr__(name: str):

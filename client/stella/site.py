@@ -25,6 +25,15 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .errors import PipelineError
 
+if dist.is_available():
+    # torch.distributed.nn.functional evaluates ``group=group.WORLD`` into its functions' defaults when it is
+    # imported, and torch imports it lazily: the first optimizer built (torch._dynamo's import) does. Imported after
+    # the user's init_process_group, it holds the default group for good, so destroy_process_group cannot join gloo's
+    # threads, and one of them, letting go of a finished collective's tensor while the interpreter shuts down, aborts
+    # the process ("terminate called without an active exception"). So it is imported here, and stella's import
+    # loads this module when torch is already loaded: before the script's init_process_group.
+    import torch.distributed.nn.functional
+
 __all__ = ["Site", "Solo", "site_for", "resolve_group"]
 
 DEFAULT = "default"
@@ -94,9 +103,8 @@ class Site:
 
     def release(self) -> None:
         """Let go of the group (the optimizer closed): a reference kept here would keep the
-        group alive past the user's ``destroy_process_group()``, to be destroyed when the
-        optimizer is collected, at worst while the interpreter shuts down, where gloo's
-        teardown can abort the process ("terminate called without an active exception")."""
+        group, and gloo's threads, alive past the user's ``destroy_process_group()`` (see the
+        import of ``torch.distributed.nn.functional`` above for why that aborts at exit)."""
         self.group = None
 
     def average(self, tensors: Iterable[torch.Tensor]) -> None:
