@@ -103,3 +103,27 @@ def test_dropped_without_close_is_reaped_by_the_finalizer():
 def test_process_module_imports_neither_torch_nor_numpy():
     code = "import sys, stella_ps.process; sys.exit(bool({'torch', 'numpy'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def _io_thread_policies(pid: int) -> dict[str, int]:
+    """The scheduling policy of each ZeroMQ I/O thread of process ``pid`` (/proc's stat, field 41)."""
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/comm") as f:
+            comm = f.read().strip()
+        if comm.startswith("ZMQbg/IO"):
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                out[comm] = int(f.read().rsplit(")", 1)[1].split()[38])
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH and /proc are Linux's")
+def test_zeromqs_io_thread_runs_under_sched_batch_unless_told_not_to(make_server, make_client):
+    """A woken SCHED_BATCH thread does not preempt the event loop that woke it with a reply
+    (bench/RESULTS.md: 29 context switches a step fell to 10 at 100k parameters, W = 8);
+    ``--no-io-batch`` leaves the I/O thread an ordinary one. Either way the server serves."""
+    for args, policy in (([], os.SCHED_BATCH), (["--no-io-batch"], os.SCHED_OTHER)):
+        srv = make_server(1, args)
+        assert make_client(srv.endpoint).status().version == 0
+        policies = _io_thread_policies(srv.pid)
+        assert policies and set(policies.values()) == {policy}, (args, policies)
