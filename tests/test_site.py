@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -116,6 +118,7 @@ print(len(os.listdir("/proc/self/task")) - before)
 """
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the process's threads in /proc")
 @pytest.mark.parametrize("imports", ["import torch\nimport stella", "import torch"])
 def test_destroy_process_group_joins_gloos_threads_when_the_script_imported_stella(imports):
     """torch.distributed.nn binds the default group into its functions' defaults when it is imported,
@@ -123,15 +126,12 @@ def test_destroy_process_group_joins_gloos_threads_when_the_script_imported_stel
     so destroy_process_group cannot join gloo's threads, and one of them aborted torchrun ranks at exit
     ("terminate called without an active exception": stella's torchrun site test, 3 runs in 10). A
     script that imports torch then stella keeps no thread past destroy_process_group; torch alone
-    (the control) keeps gloo's."""
-    import subprocess
-    import sys
-
+    (the control) keeps gloo's, in the torch of this writing."""
     code = _GLOO_EXIT.format(imports=imports, port=free_port())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     left = int(r.stdout.split()[-1])
     if "stella" in imports:
         assert left == 0, r.stdout
-    else:
-        assert left > 0, r.stdout  # the mechanism this guards against is still torch's: else the test proves nothing
+    elif left == 0:
+        pytest.skip("this torch no longer pins the default group: site.py's early import is moot")
