@@ -120,7 +120,7 @@ def _io_thread_policies(pid: int) -> dict[str, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH and /proc are Linux's")
 def test_zeromqs_io_thread_runs_under_sched_batch_unless_told_not_to(make_server, make_client):
     """A woken SCHED_BATCH thread does not preempt the event loop that woke it with a reply
-    (bench/RESULTS.md: 29 context switches a step fell to 10 at 100k parameters, W = 8);
+    (bench/RESULTS.md: 27-28 context switches a step fell to 10-11 at 100k parameters, W = 8);
     ``--no-io-batch`` leaves the I/O thread an ordinary one. Either way the server serves."""
     for args, policy in (([], os.SCHED_BATCH), (["--no-io-batch"], os.SCHED_OTHER)):
         srv = make_server(1, args)

@@ -64,8 +64,8 @@ def batch_io_threads(ctx: zmq.Context) -> bool:
     core: two context switches a message, before the loop reads the next one. A woken batch
     thread does not preempt; it runs when the loop waits (or on another core), and sends what
     is queued by then (bench/RESULTS.md, "ZeroMQ's I/O thread under SCHED_BATCH": 100k
-    parameters, W = 8, 29 context switches a step fell to 10). The policy is tried on a thread
-    of our own first: libzmq aborts the process when it cannot set what it was asked to."""
+    parameters, W = 8, 27-28 context switches a step fell to 10-11). The policy is tried on a
+    thread of our own first: libzmq aborts the process when it cannot set what it was asked to."""
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is None:
         return False
