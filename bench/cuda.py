@@ -82,13 +82,15 @@ def _configured(stella: Any, config: str) -> dict[str, Any]:
                 "compression": stella.Compression(density=0.01, value_dtype="f16")}
     if config == "defaults":
         return {}  # the library's own: H, density and coding chosen by the controller
+    if config == "auto":  # the defaults with the least H chosen by what a round costs (Sync(every="auto"))
+        return {"sync": stella.Sync(every="auto")}
     if config == "h4":  # the defaults at H = 4: rounds a quarter as often, their fixed costs hidden behind 4 steps
         return {"sync": stella.Sync(every=4, max_every=4)}
     if config == "nobn":  # the defaults without BatchNoise: what its hooks and correction cost a step
         return {"batch_noise": None}
     if config == "fused":  # the defaults over a fused AdamW (its step count kept on the device; _worker builds it)
         return {}
-    raise ValueError(f"unknown config {config!r} (h1, defaults, h4, nobn, fused)")
+    raise ValueError(f"unknown config {config!r} (h1, defaults, auto, h4, nobn, fused)")
 
 
 def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: int, seed: int, device: str,

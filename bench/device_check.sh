@@ -6,7 +6,7 @@
 # registry and Python 3.12): .whl/ (cp312 wheels) and .devbuild/ (the native modules for Python 3.12, portable),
 # and run as:  run(command="bash bench/device_check.sh", carry=[".whl", ".devbuild"], timeout_s=...)
 # Environment: PARTS (default "server threads cuda pin"; "layouts" adds bench.layouts, the floor under the server's
-# CPU over its kernel's on that host's memory), CONFIGS (default h1,defaults,h4) and CUDA_ARGS
+# CPU over its kernel's on that host's memory), CONFIGS (default h1,defaults,auto,h4) and CUDA_ARGS
 # (bench.cuda's), the parts' time limits: all of it about 7 minutes on the H200 host. Not yet run on a device: the
 # threads part and h4 (written after the budget ran out).
 # The shard part's workers send one message a round (the push carrying its pull, protocol 15, not yet run on a
@@ -43,7 +43,7 @@ say "bench.server rc $?"; grep -A6 '^tensors' "$OUT/server.log"
 }
 
 has cuda && {
-say "bench.cuda: dense, ${CONFIGS:=h1,defaults,h4}, 2 workers, 300 steps, ${CUDA_ARGS:=--flat --profile $OUT/profile.json}"
+say "bench.cuda: dense, ${CONFIGS:=h1,defaults,auto,h4}, 2 workers, 300 steps, ${CUDA_ARGS:=--flat --profile $OUT/profile.json}"
 timeout "${CUDA_S:-330}" python3 -m bench.cuda --steps 300 --workers 2 --configs "$CONFIGS" \
   ${CUDA_ARGS:---flat --profile $OUT/profile.json} --json "$OUT/cuda.json" > "$OUT/cuda.log" 2>&1
 say "bench.cuda rc $?"; tail -60 "$OUT/cuda.log"

@@ -14,7 +14,7 @@ import torch
 
 from stella import Compression, Connection, StellaOptimizer, Sync
 from stella._rounds import Rounds
-from stella.adapt import Controller, RoundMeasure, densities, pull_bits
+from stella.adapt import LOCAL_STEP_COST, Controller, RoundMeasure, densities, local_steps, pull_bits
 from stella.codec import CODINGS, coordinate_bits
 from stella.protocol import BroadcastInfo
 
@@ -439,3 +439,82 @@ def test_gradient_mode_accumulates_micro_batches_into_one_mean_push(exact_server
     with pytest.raises(ValueError, match="max_accumulate"):
         StellaOptimizer(Toy(8), exact_server.endpoint, optimizer={"name": "sgd", "lr": 1.0},
                         sync=Sync(max_accumulate=2))
+
+
+# ---------------------------------------------------------------- Sync(every="auto"): the least H
+
+
+def test_local_steps_weighs_a_rounds_cost_against_the_iterations_a_local_step_costs():
+    """The H minimising (1 + a (H - 1)) (c + O / H), a = LOCAL_STEP_COST (1 - 1/W): one
+    worker (a = 0) takes the most whenever a round costs something; a round costing a tenth
+    of a step keeps 1 at any W; a round costing a step takes 4 at W = 2 and fewer as W
+    grows (each local step costs more iterations there)."""
+    c = 0.010
+    assert local_steps(c, 0.002, 1, 1, 4, 1) == 4
+    assert local_steps(c, 0.0, 1, 1, 4, 1) == 1  # a free round: nothing to save
+    for w in (2, 8, 32):
+        assert local_steps(c, 0.1 * c, w, 1, 4, 1) == 1
+    assert local_steps(c, c, 2, 1, 8, 1) == 4
+    assert local_steps(c, c, 8, 1, 8, 1) == 3
+    assert local_steps(c, 0.5 * c, 8, 1, 8, 1) == 2
+    assert local_steps(c, 0.3 * c, 8, 1, 8, 1) == 1  # H = 2 would save 2%
+    # at W = 2 a round of c: 1.06 * 1.5 c at H = 2, 1.12 * 4/3 c at 3, 1.18 * 1.25 c at 4 (the least)
+    a = LOCAL_STEP_COST / 2
+    times = {h: (1 + a * (h - 1)) * (1 + 1 / h) for h in range(1, 9)}
+    assert min(times, key=times.__getitem__) == 4
+    # bounds: never under the least or over the most
+    assert local_steps(c, 10 * c, 2, 1, 2, 1) == 2
+    assert local_steps(c, 0.0, 2, 3, 6, 1) == 3
+
+
+def test_local_steps_moves_only_for_a_gain():
+    """Within LOCAL_STEPS_GAIN (5%) of the current H's predicted time the choice stays, so
+    the medians' noise does not move H every round: at W = 2 and a round of a step, H = 3
+    is within 1.2% of the best (4) and stays; H = 1 (35% slower) moves."""
+    c = 0.010
+    assert local_steps(c, c, 2, 1, 8, 3) == 3
+    assert local_steps(c, c, 2, 1, 8, 1) == 4
+    assert local_steps(c, c, 2, 1, 8, 8) == 4  # 8: 1.42 * 1.125 c, 8% slower than 4
+
+
+def test_sync_every_auto_is_update_modes_and_checked():
+    assert Sync(every="auto").every == "auto"
+    assert Sync(every="auto", max_every=8).max_every == 8
+    with pytest.raises(ValueError, match="auto"):
+        Sync(every="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_every"):
+        Sync(every="auto", max_every=0)
+    with pytest.raises(ValueError, match="for update mode"):  # gradient mode exchanges every step
+        StellaOptimizer(torch.nn.Linear(2, 2), "tcp://127.0.0.1:1", mode="gradient",
+                        optimizer={"name": "sgd", "lr": 0.1}, sync=Sync(every="auto"))
+
+
+def _wide_round_job(endpoint: str, sync: Sync, steps: int = 40) -> tuple[int, int, int]:
+    """One worker training a 0.3M-parameter MLP on a batch of 4 (a step costs about what its
+    round does: installing the answer, loading the residual, compressing); its stats' least
+    H, rounds and last round's H."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10))
+    opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), sync=sync,
+                          connection=Connection(timeout=10))
+    x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    st = opt.stats
+    least, rounds = st.least_every, st.rounds
+    opt.close()
+    return least, rounds, st.sync_every
+
+
+def test_sync_every_auto_takes_the_most_local_steps_for_one_worker_whose_round_costs(make_server):
+    """Through a real stella-ps: one worker (a local step more costs it no iterations, its
+    model being the job's) whose round costs a good part of its step takes the most local
+    steps a round may make (4) once three rounds are measured, so it starts a quarter of the
+    rounds; the default (every=1) keeps the least at 1."""
+    least, rounds, _ = _wide_round_job(make_server(1).endpoint, Sync(every="auto"))
+    assert least == 4
+    assert rounds <= 3 + (40 - 3) // 4 + 1
+    least, rounds, _ = _wide_round_job(make_server(1).endpoint, Sync())
+    assert least == 1

@@ -129,6 +129,8 @@ class _Exchange:
     compressor: FlatCompressor
 
     sync_every = 1  # the least local steps a round makes (update mode's H)
+    max_sync_every = 1  # the most a round runs on to
+    auto_every = False  # Sync(every="auto"): the rounds choose sync_every
     codings: tuple[ValueDtype, ...]  # the codings the controller may give its pushes, best first
     # how much of a step the exchange in flight must still take for a round to run on (Rounds.runs_on)
     run_on_margin: float
@@ -267,9 +269,12 @@ class _UpdateExchange(_Exchange):
                              f"{outer!r}")
         self.server_config = OUTER_PRESETS[outer] if isinstance(outer, str) else outer
         self.outer = self.server = self._mirror()  # `outer` mirrors the server's optimizer
-        self.sync_every = sync.every
-        self.max_sync_every = 4 * sync.every if sync.max_every is None else sync.max_every
-        self.round_steps = sync.every
+        # Sync(every="auto"): the least H is the rounds' to choose (stella._rounds), from 1
+        self.auto_every = sync.every == "auto"
+        least = 1 if sync.every == "auto" else sync.every
+        self.sync_every = least
+        self.max_sync_every = 4 * least if sync.max_every is None else sync.max_every
+        self.round_steps = least
 
     def attach(self, server_optimizer: Mapping[str, Any], layout: FlatLayout) -> None:
         super().attach(server_optimizer, layout)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .adapt import Controller, RoundMeasure
+from .adapt import Controller, RoundMeasure, local_steps
 from .client import Client, PullResult
 from .errors import PipelineError, Stopped
 from .flat import FlatPush
@@ -57,6 +57,7 @@ class PipelineStats:
     density: float = 0.0  # the compressor's density for the latest push
     value_dtype: str = "f16"  # the coding of the latest push's values
     sync_every: int = 1  # the local steps the latest round made (update mode; 1 in gradient mode)
+    least_every: int = 1  # the least local steps the next round makes (Sync.every, or its choice under "auto")
     accumulate: int = 1  # the micro-batches the latest round's gradient summed (gradient mode; 1 in update mode)
     up_mbps: float = 0.0  # the controller's estimates of the link, Mbit/s (0: not measured yet)
     down_mbps: float = 0.0
@@ -121,6 +122,14 @@ class Rounds:
         self.client: AnyClient | None = None  # the leader's (a site's other ranks never connect)
         self._step_compute: deque[float] = deque(maxlen=8)  # per step(), the computation before it
         self._exchange_times: deque[float] = deque(maxlen=8)  # whole rounds, start to answer
+        # Sync(every="auto")'s inputs: per round, the training thread's work ending one round and starting the
+        # next (not its waits) and the compression (the exchange's thread, on the model's device); per step, the
+        # computation without the round's work (``_unpaid``: the latest round's, in the interval on_step measures)
+        self._round_work: deque[float] = deque(maxlen=8)
+        self._compress_times: deque[float] = deque(maxlen=8)
+        self._own_compute: deque[float] = deque(maxlen=8)
+        self._unpaid = 0.0
+        self.job_size = 1  # the pushes of the latest step installed: the workers whose models the job averages
         self._measure: RoundMeasure | None = None  # the latest finished round's, for the controller
         self._inflight: Future[Answer] | None = None
         self._inflight_since = 0.0
@@ -201,6 +210,7 @@ class Rounds:
         self._measure = RoundMeasure(compute_s=0.0, compress_s=t1 - t0, push_bytes=up1 - up0, push_s=t_ack - t1,
                                      pull_bytes=down1 - down0, pull_s=max(0.0, pull_s), server_s=first.step_s)
         self.stats.compress_s += t1 - t0
+        self._compress_times.append(t1 - t0)
         t3 = time.perf_counter()
         self.stats.exchange_s += t3 - t1
         self._exchange_times.append(t3 - t0)
@@ -215,6 +225,14 @@ class Rounds:
         report = self.progress.on_step(self.stats, self.client)  # timings for the next push, the progress line
         if report is not None:
             self._step_compute.append(report.compute_s)
+            self._own_compute.append(max(0.0, report.compute_s - self._unpaid))
+        self._unpaid = 0.0
+
+    def note_round(self, work_s: float) -> None:
+        """The training thread's work of the round just started: installing the previous
+        answer, adapting, loading what to push, handing it over (its waits not counted)."""
+        self._round_work.append(work_s)
+        self._unpaid += work_s
 
     def runs_on(self) -> bool:
         """Should the round run on (another local step, or micro-batch) instead of waiting?
@@ -264,9 +282,28 @@ class Rounds:
             s = self.stats
             s.up_mbps, s.down_mbps = 8e-6 * self.controller.up_bps, 8e-6 * self.controller.down_bps
             s.decisions = self.controller.decisions
+        self._choose_local_steps()
         s = self.stats
         s.density, s.value_dtype = self.compressor.density, self.compressor.value_dtype
         s.sync_every, s.accumulate = self.exchange.round_steps, self.exchange.round_batches
+        s.least_every = self.exchange.sync_every
+
+    def _choose_local_steps(self) -> None:
+        """``Sync(every="auto")``: the least local steps of the next rounds, from what a round
+        costs this worker against a step's own compute (:func:`stella.adapt.local_steps`).
+        A site of several ranks keeps its H (its ranks would have to agree on each)."""
+        ex = self.exchange
+        if not (ex.auto_every and self.may_run_on) or len(self._round_work) < 3 or not self._own_compute:
+            return
+        work = statistics.median(self._round_work)
+        compress = statistics.median(self._compress_times) if self._compress_times else 0.0
+        compute = statistics.median(self._own_compute)
+        h = local_steps(compute, work + compress, self.job_size, 1, ex.max_sync_every, ex.sync_every)
+        if h != ex.sync_every:
+            log.info("stella: local steps a round %d -> %d (a round costs %.2f ms of work and %.2f ms of compression "
+                     "against %.2f ms of compute a step, %d workers)", ex.sync_every, h, 1e3 * work, 1e3 * compress,
+                     1e3 * compute, self.job_size)
+            ex.sync_every = h
 
     # ------------------------------------------------------------------ the end
     def flush(self, version: int) -> None:

@@ -65,6 +65,20 @@ flight at the end of a round keeps computing (update mode: more local steps, up 
 ``max_sync_every``; gradient mode, when ``max_accumulate`` turns it on: more
 micro-batches accumulated) and the server weights each push by the samples it carries. That
 is also what makes workers of different speeds take rounds of the same wall time.
+
+The least local steps a round makes (update mode, ``Sync(every="auto")``). A round also
+costs the worker work that does not hide: on the training thread, installing the previous
+round's answer and starting the next (the residual loaded, the push handed over), and
+the compression, which runs on the device the model trains on (its cores, or its
+stream). Per step that is ``O / H`` for a round's cost ``O``, so a model whose step is
+short against its round (a GPU's step, a large model with a small batch) spends most of
+its time there at H = 1. More local steps amortise it but cost iterations: by the
+sweeps of bench.sim_update (bench/RESULTS.md) a local step more costs about
+``LOCAL_STEP_COST * (1 - 1/W)`` more iterations to the target (nothing with one worker,
+whose model is the job's). :func:`local_steps` takes the H in the allowed range that
+minimises the time to the target, ``(1 + a (H - 1)) (c + O / H)``, from the medians of
+the recent steps' own compute ``c`` and rounds' cost ``O``, and moves only for a
+predicted gain of :data:`LOCAL_STEPS_GAIN`.
 """
 from __future__ import annotations
 
@@ -77,7 +91,7 @@ from dataclasses import dataclass
 from .codec import CODINGS, VALUE_BITS, coordinate_bits
 from .protocol import BroadcastInfo, ValueDtype
 
-__all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits"]
+__all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits", "local_steps"]
 
 log = logging.getLogger("stella.adapt")
 
@@ -103,6 +117,31 @@ def densities(floor: float, ceiling: float) -> list[float]:
     if out[-1] != floor:
         out.append(floor)
     return out
+
+
+# The iterations a local step more costs at W workers, LOCAL_STEP_COST * (1 - 1/W) of them: from bench.sim_update's
+# sweeps (bench/RESULTS.md): the byte LM at W = 2 needed 1.3-1.5x dense's iterations at H = 8 (0.04-0.07 a step),
+# at W = 8 2.38x against 1.53x at H = 1 (0.08 a step); adamlp at W = 8 0.07 a step at H = 8 and 0.2 at H = 4
+LOCAL_STEP_COST = 0.12
+LOCAL_STEPS_GAIN = 0.05  # the least predicted saving of time to the target that changes H
+
+
+def local_steps(compute_s: float, round_s: float, workers: int, least: int, most: int, current: int) -> int:
+    """The least local steps of the next rounds (``Sync(every="auto")``, module doc): the H
+    in ``[least, most]`` minimising ``(1 + a (H - 1)) (compute_s + round_s / H)`` with
+    ``a = LOCAL_STEP_COST * (1 - 1 / workers)``, or ``current`` when that saves less than
+    :data:`LOCAL_STEPS_GAIN` of its predicted time."""
+    a = LOCAL_STEP_COST * (1.0 - 1.0 / max(1, workers))
+    c, o = max(0.0, compute_s), max(0.0, round_s)
+
+    def time_to_target(h: int) -> float:
+        return (1.0 + a * (h - 1)) * (c + o / h)
+
+    current = min(most, max(least, current))
+    best = min(range(least, most + 1), key=time_to_target)
+    if time_to_target(best) > (1.0 - LOCAL_STEPS_GAIN) * time_to_target(current):
+        return current
+    return best
 
 
 SURPRISE = 1.25  # a change of candidate whose cost differs more than this from the prediction teaches ``fixed``

@@ -66,8 +66,11 @@ class Sync:
     """When a worker exchanges (``docs/optimizer.md``).
 
     ``every``: update mode's local steps per exchange (H; 1 = every step): the least a
-    round makes. ``max_every`` (update mode; None: ``4 * every``): while the exchange in
-    flight is not done, a round runs on with more local steps, up to this many, instead
+    round makes. ``"auto"``: the worker chooses that least, from 1 to ``max_every``, by
+    what a round costs it against a step's compute and what a local step more costs in
+    iterations (:func:`stella.adapt.local_steps`; a site of several ranks keeps 1).
+    ``max_every`` (update mode; None: ``4 * every``, 4 for ``"auto"``): while the exchange
+    in flight is not done, a round runs on with more local steps, up to this many, instead
     of waiting; ``= every`` pins H. ``max_accumulate`` (gradient mode; 1, off by
     default): the same with micro-batches, whose gradients are averaged into one push (a
     larger batch). Off by default because the server's optimizer then takes fewer steps
@@ -83,16 +86,19 @@ class Sync:
     non-overlapped baseline).
     """
 
-    every: int = 1
+    every: int | Literal["auto"] = 1
     max_every: int | None = None
     max_accumulate: int = 1
     batch_size: int | None = None
     staleness: int = 1
 
     def __post_init__(self) -> None:
-        _count("every", self.every, 1)
+        if isinstance(self.every, str) and self.every != "auto":
+            raise ValueError(f"every must be an integer >= 1 or 'auto', got {self.every!r}")
+        if self.every != "auto":
+            _count("every", self.every, 1)
         if self.max_every is not None:
-            _count("max_every", self.max_every, self.every)
+            _count("max_every", self.max_every, 1 if self.every == "auto" else self.every)
         _count("max_accumulate", self.max_accumulate, 1)
         if self.batch_size is not None:
             _count("batch_size", self.batch_size, 1)

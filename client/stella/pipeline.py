@@ -377,11 +377,14 @@ class StellaOptimizer(torch.optim.Optimizer):
         self._exchange.install(delta, sent)
         self.stats.install_s += time.perf_counter() - t1
         self.version = delta.version
+        if delta.pushes:  # 0: not said (a snapshot)
+            self.rounds.job_size = delta.pushes
         if self._exchange.noise is not None:  # BatchNoise(world=None): the job's size, as the server saw it
             self._exchange.noise.job_size(delta.pushes * self.site.size)
 
     def _start_round(self, computed_on: int) -> None:
         """Install the round in flight, adapt, and start the next one."""
+        t0, waited = time.perf_counter(), self.stats.wait_s
         self._finish_round()
         self.rounds.adapt()
         self._exchange.average_round(self.site)
@@ -392,6 +395,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         samples = (self.sync.batch_size or 1) * self._exchange.round_steps * self._exchange.round_batches
         self.rounds.start(grads, computed_on, self.version, changed, samples)
         self._pending = True
+        self.rounds.note_round(time.perf_counter() - t0 - (self.stats.wait_s - waited))
         if self.sync.staleness == 0:
             self._finish_round()
 
