@@ -60,6 +60,11 @@ STOP_AHEAD = 3  # rounds: a worker is at most one round ahead of another in sync
 STAT_FIELDS = ("value_dtype", "sync_every", "accumulate", "up_mbps", "down_mbps", "exchange_s", "compress_s")
 
 
+def _every(v: str) -> int | str:
+    """``--sync-every``: a count, or "auto"."""
+    return v if v == "auto" else int(v)
+
+
 def sync_kwargs(a) -> dict:
     """``stella.Sync``'s ``every``, ``max_every`` and ``max_accumulate``: the nonzero ones
     (0: the library's default), and the staleness."""
@@ -186,7 +191,7 @@ def run_stella(workload: str, *, world: int = 2, steps: int = 50, max_seconds: f
                sites: list[str] | None = None, ps_site: str = "ps", seed: int = 0,
                eval_every: int | None = None, stop_at_target: bool = False, threads: int = 1,
                density="auto", staleness: int = 1, log_dir: str | None = None, mode: str = "gradient",
-               sync_every: int = 1, value_dtype: str = "auto", outer: str = "auto",
+               sync_every: int | str = 1, value_dtype: str = "auto", outer: str = "auto",
                server_args: tuple[str, ...] = (), site_size: int = 1, slowdown: float | list[float] = 1.0,
                max_sync_every: int = 0, max_accumulate: int = 0, per_tensor: bool = False,
                start_after: list[float] | None = None, expected: int | None = None,
@@ -304,6 +309,8 @@ SYSTEMS: dict[str, dict[str, Any]] = {
                         "max_sync_every": 8, "outer": "nesterov"},
     # one top-k over the flat model (stella_f16) against a quota per tensor: whether per-tensor fairness matters
     "stella_f16_per_tensor": {"mode": "update", "value_dtype": "f16", "max_sync_every": 1, "per_tensor": True},
+    # the defaults with the least H chosen by what a round costs against a step (Sync(every="auto"))
+    "stella_auto": {"mode": "update", "sync_every": "auto"},
     "stella_grad": {"mode": "gradient"},  # StellaTrain's gradient mode, one step stale
     "stella_grad_sync": {"mode": "gradient", "staleness": 0},  # gradient mode without overlap
 }
@@ -326,7 +333,8 @@ def main(argv=None) -> int:
     w.add_argument("--staleness", type=int, default=1)
     w.add_argument("--batch-size", type=int, default=0)
     w.add_argument("--mode", choices=("gradient", "update"), default="gradient")
-    w.add_argument("--sync-every", type=int, default=1, help="0: the library's default (not passed)")
+    w.add_argument("--sync-every", type=_every, default=1,
+                   help="0: the library's default (not passed); auto: Sync(every='auto')")
     w.add_argument("--value-dtype", default="auto", help='a wire dtype, "auto", or "default" (not passed)')
     w.add_argument("--outer", default="auto", help="auto, a preset's name or the outer optimizer's config as JSON")
     w.add_argument("--stop-at-target", action="store_true")
