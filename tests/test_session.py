@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from stella_ps.process import free_port
 
 from stella._session import rebase
 from stella.protocol import (
@@ -69,6 +70,19 @@ def test_rebase(before, server_version, need_snapshot, after):
     assert type(got) is type(after)
 
 
+def test_rebase_on_the_same_server_keeps_a_pulls_wait():
+    """The server gave the session back (it did not restart): a waiting pull keeps its
+    wait (the push its step takes is still queued there); the other rules stand."""
+    waiting = Pull(worker=OLD, since=6, wait_for=7, timeout_ms=5000, coding="rice")
+    assert rebase(waiting, 7, False, NEW, same_server=True) == Pull(worker=NEW, since=6, wait_for=7,
+                                                                     timeout_ms=5000, coding="rice")
+    assert rebase(waiting, 7, False, NEW) == Pull(worker=NEW, since=6, wait_for=None, timeout_ms=5000, coding="rice")
+    assert rebase(Pull(worker=OLD, since=12, wait_for=13), 7, False, NEW, same_server=True) == \
+        Pull(worker=NEW, since=-1, wait_for=None)
+    assert rebase(Push(worker=OLD, version=12, tensors=[]), 7, False, NEW, same_server=True) == \
+        Push(worker=NEW, version=7, tensors=[])
+
+
 def test_rebase_is_pure():
     msg = Pull(worker=OLD, since=12, wait_for=13, req=5)
     got = rebase(msg, 7, True, NEW)
@@ -78,26 +92,61 @@ def test_rebase_is_pure():
 
 
 # --------------------------------------------------------------------------- against a real server
-def test_a_pull_waiting_through_a_reconnect_is_answered_at_once_and_says_so(make_server, make_client):
-    """The server stops answering while a pull waits for a step that cannot come (no
-    push); the client reconnects when it is back, and the re-sent pull, its wait
-    dropped, is answered at once, marked ``rebased``. A pull made afterwards is not."""
-    srv = make_server(1, ["--liveness-timeout", "1"])
+def test_a_pull_waiting_through_a_restart_is_answered_at_once_and_says_so(make_server, make_client):
+    """The server restarts (killed, a new one on the same port, no checkpoint) while a pull
+    waits for a step that cannot come; the client reconnects to the new server (which does
+    not know its session) and the re-sent pull, its wait dropped, is answered at once,
+    marked ``rebased``: the push that step would take may have been lost with the server.
+    A pull made afterwards is not."""
+    port = free_port()
+    srv = make_server(1, ["--liveness-timeout", "1"], bind=f"tcp://127.0.0.1:{port}")
     c = make_client(srv.endpoint, timeout=120)
     c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
     assert not c.pull(None).rebased
     pending = c.pull(0, wait_for=1, wait=False)
+    srv.kill()
+    srv.wait(10)
+    t0 = time.monotonic()
+    make_server(1, ["--liveness-timeout", "1"], bind=f"tcp://127.0.0.1:{port}")
+    delta = pending.result()
+    assert delta.rebased and delta.version == 0 and c.reconnects >= 1
+    assert time.monotonic() - t0 < 60  # a few seconds: not held until the pull's 108 s wait expired
+    assert not c.pull(0).rebased
+
+
+def test_a_pull_waiting_through_a_reconnect_to_the_same_server_keeps_waiting_for_its_step(make_server, make_client):
+    """The server stops answering (stopped for 2.5 s) while worker a's pull waits for the
+    step its acknowledged push is queued for; a reconnects when the server is back, which
+    gives its session back: it did not restart and still holds a's push. So the re-sent
+    pull keeps its wait and is answered by the step once b pushes: version 1, not
+    rebased. (Answered at once, it ended the pipeline's round and the worker pushed again
+    into the queue of a step that could not close: tests/test_liveness.py's stalled
+    worker under load.)"""
+    srv = make_server(2, ["--liveness-timeout", "1"])
+    a = make_client(srv.endpoint, timeout=120)
+    b = make_client(srv.endpoint, timeout=120)
+    a.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    b.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    a.push({"w": np.ones(4, np.float32)}, 0)
+    pending = a.pull(0, wait_for=1, wait=False)
     srv.kill(signal.SIGSTOP)
     resume = threading.Timer(2.5, srv.kill, (signal.SIGCONT,))
     resume.start()
-    try:
-        t0 = time.monotonic()
-        delta = pending.result()
-    finally:
-        resume.join()
-    assert delta.rebased and delta.version == 0 and c.reconnects >= 1
-    assert time.monotonic() - t0 < 60  # ~3 s: not held until the pull's 108 s wait expired
-    assert not c.pull(0).rebased
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(pending.result()))  # its wait reconnects, as a round's does
+    waiter.start()
+    resume.join()
+    deadline = time.monotonic() + 60
+    while a.reconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.reconnects >= 1
+    time.sleep(0.5)
+    assert not got  # still waiting: the step waits for b (before, answered at once: version 0, rebased)
+    b.push({"w": np.ones(4, np.float32)}, 0)
+    waiter.join(60)
+    (delta,) = got
+    assert delta.version == 1 and not delta.rebased
+    np.testing.assert_array_equal(b.pull(None).tensors["w"][1], np.full(4, -1.0, np.float32))  # both pushes, once
 
 
 def test_a_connection_dropped_after_its_monitor_closed_leaves_the_process_able_to_connect(make_server, make_client):

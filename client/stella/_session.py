@@ -141,7 +141,7 @@ def default_reconnect() -> float:
     return _env_seconds(ENV_RECONNECT, 300.0)
 
 
-def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int) -> M:
+def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int, same_server: bool = False) -> M:
     """A request made before a reconnect, as it is sent after it: the server may have
     restarted, from a checkpoint older than what this worker saw. Pure; the rules:
 
@@ -152,7 +152,11 @@ def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int) -> M:
       holds a history the server lost), becomes a full snapshot, answered at once;
     - a pull that waited for a step (``wait_for``) is answered at once: the push that
       step would take may have been lost with the server (acknowledged, then the server
-      restarted), and the step would wait for this worker while it waits for the step;
+      restarted), and the step would wait for this worker while it waits for the step.
+      Unless ``same_server``: the join found this worker's session, so the server did not
+      restart and holds every push it acknowledged (a re-sent one is not queued twice);
+      answered at once, the pull would end the round and the worker push again into the
+      queue of a step that cannot close yet;
     - every request that names a worker names ``worker``, the id the new connection has.
 
     Anything else (status; join, register and heartbeats, which a reconnect redoes
@@ -164,7 +168,7 @@ def rebase(msg: M, server_version: int, need_snapshot: bool, worker: int) -> M:
     if isinstance(msg, Pull):
         if msg.since > server_version or (need_snapshot and msg.since >= 0):
             return replace(msg, worker=worker, since=-1, wait_for=None)
-        return replace(msg, worker=worker, wait_for=None)
+        return replace(msg, worker=worker, wait_for=msg.wait_for if same_server else None)
     if isinstance(msg, (SetOptimizer, Leave, Fetch)):
         return replace(msg, worker=worker)
     return msg
@@ -962,9 +966,9 @@ class Session:
         return expect(self.wait_resilient(self.send(msg, frames, timeout), timeout), reply)
 
     # ------------------------------------------------------------------ reconnect
-    def _rebase(self, msg: Any) -> tuple[Any, bool]:
+    def _rebase(self, msg: Any, same_server: bool = False) -> tuple[Any, bool]:
         """:func:`rebase` on this session's state; whether a pull's answer is now rebased."""
-        new = rebase(msg, self.server_version, self.need_snapshot, self.worker())
+        new = rebase(msg, self.server_version, self.need_snapshot, self.worker(), same_server)
         return new, isinstance(msg, Pull) and (new.since, new.wait_for) != (msg.since, msg.wait_for)
 
     def _reconnect(self, why: str) -> None:
@@ -1011,7 +1015,8 @@ class Session:
         self._sock, self._handshakes = self._new_socket()
         self._arm_finalizer()
         self._live.last_ok = time.monotonic()
-        join = Join(worker=self.worker_id, name=self.name, session=self._live.session or None,
+        session = self._live.session
+        join = Join(worker=self.worker_id, name=self.name, session=session or None,
                     version=self._seen_version or None)
         try:
             joined = expect(self.wait(self.send(join, (), t), t), Joined)
@@ -1022,6 +1027,8 @@ class Session:
             # gone, and this session is not known there: take a new id
             joined = expect(self.wait(self.send(Join(name=self.name), (), t), t), Joined)
         self.worker_id = joined.worker
+        # the server gave this session back: it has not restarted since, and holds what it acknowledged
+        same_server = bool(session) and joined.session == session
         self._start_heartbeats(joined)
         self.server_version = joined.version
         seeded = False
@@ -1045,7 +1052,7 @@ class Session:
         self._seen_since_reconnect = v
         for req in sorted(self._sent):
             msg, frames, timeout = self._sent[req]
-            msg, rebased = self._rebase(msg)
+            msg, rebased = self._rebase(msg, same_server and not self.need_snapshot)
             if rebased:
                 self._rebased.add(req)
             self._sent[req] = (msg, frames, timeout)
