@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-from stella_ps.process import free_port
 
 from stella._session import rebase
 from stella.protocol import (
@@ -23,6 +22,7 @@ from stella.protocol import (
     Status,
     TensorSpec,
 )
+from stella_ps.process import free_port
 
 OLD, NEW = 3, 9  # the worker id before the reconnect and after it
 REG = Register(worker=OLD, tensors=[TensorSpec("w", (4,), "float32")], optimizer={}, values=False)
