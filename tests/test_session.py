@@ -118,10 +118,9 @@ def test_a_pull_waiting_through_a_reconnect_to_the_same_server_keeps_waiting_for
     """The server stops answering (stopped for 2.5 s) while worker a's pull waits for the
     step its acknowledged push is queued for; a reconnects when the server is back, which
     gives its session back: it did not restart and still holds a's push. So the re-sent
-    pull keeps its wait and is answered by the step once b pushes: version 1, not
-    rebased. (Answered at once, it ended the pipeline's round and the worker pushed again
-    into the queue of a step that could not close: tests/test_liveness.py's stalled
-    worker under load.)"""
+    pull keeps its wait and is answered by the step: version 1, not rebased. (Answered
+    at once, it ended the pipeline's round and the worker pushed again into the queue of
+    a step that could not close: tests/test_liveness.py's stalled worker under load.)"""
     srv = make_server(2, ["--liveness-timeout", "1"])
     a = make_client(srv.endpoint, timeout=120)
     b = make_client(srv.endpoint, timeout=120)
@@ -140,13 +139,14 @@ def test_a_pull_waiting_through_a_reconnect_to_the_same_server_keeps_waiting_for
     while a.reconnects == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.reconnects >= 1
-    time.sleep(0.5)
-    assert not got  # still waiting: the step waits for b (before, answered at once: version 0, rebased)
+    # the step waits for b, unless the server, back from its stop, found b silent for longer than the
+    # liveness timeout first and closed the step with a's push alone (a race of the stop's length)
     b.push({"w": np.ones(4, np.float32)}, 0)
     waiter.join(60)
     (delta,) = got
+    # the step's answer; before, the re-sent pull was answered at once, marked rebased (version 0, or 1 if
+    # the step had closed meanwhile)
     assert delta.version == 1 and not delta.rebased
-    np.testing.assert_array_equal(b.pull(None).tensors["w"][1], np.full(4, -1.0, np.float32))  # both pushes, once
 
 
 def test_a_connection_dropped_after_its_monitor_closed_leaves_the_process_able_to_connect(make_server, make_client):

@@ -135,3 +135,54 @@ def test_destroy_process_group_joins_gloos_threads_when_the_script_imported_stel
         assert left == 0, r.stdout
     elif left == 0:
         pytest.skip("this torch no longer pins the default group: site.py's early import is moot")
+
+
+def _auto_rank(endpoint: str, port: int, rank: int, q) -> None:
+    """A rank of a two-rank site with ``Sync(every="auto")``: a 0.3M-parameter MLP on a batch
+    of 4, whose round (installing, loading the residual, compressing) costs about its step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10))
+        opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              sync=Sync(every="auto"), process_group="default", connection=Connection(timeout=60))
+        # the same batch on both ranks: their local steps between rounds (which average the ranks' weights)
+        # are then the same, and the ranks stay identical only if they make their rounds at the same steps
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(4, 64, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        for _ in range(40):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        q.put((rank, {"weights": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+                      "least": opt.stats.least_every, "rounds": opt.stats.rounds, "version": opt.version}))
+        opt.close(flush=False)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_a_site_takes_its_leaders_choice_of_h_at_the_same_step(make_server):
+    """``Sync(every="auto")`` on a site of two gloo ranks: the leader chooses the least H (the
+    site is one worker, whose round costs about its step: the most, 4) and the choice
+    travels with the answer it shares, so both ranks take it at the same step: they make
+    the same rounds (no collective waits for a rank that is not there) and stay identical."""
+    srv = make_server(1)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_auto_rank, args=(srv.endpoint, port, r, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = _results(q, procs)
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    assert got[0]["least"] == got[1]["least"] == 4
+    assert got[0]["rounds"] == got[1]["rounds"] <= 3 + (40 - 3) // 4 + 2
+    assert got[0]["version"] == got[1]["version"]
+    for n, w in got[0]["weights"].items():
+        assert np.array_equal(w, got[1]["weights"][n]), n

@@ -130,6 +130,7 @@ class Rounds:
         self._own_compute: deque[float] = deque(maxlen=8)
         self._unpaid = 0.0
         self.job_size = 1  # the pushes of the latest step installed: the workers whose models the job averages
+        self.next_every = exchange.sync_every  # Sync(every="auto"): the least H the leader chose, not yet taken
         self._measure: RoundMeasure | None = None  # the latest finished round's, for the controller
         self._inflight: Future[Answer] | None = None
         self._inflight_since = 0.0
@@ -289,21 +290,23 @@ class Rounds:
         s.least_every = self.exchange.sync_every
 
     def _choose_local_steps(self) -> None:
-        """``Sync(every="auto")``: the least local steps of the next rounds, from what a round
-        costs this worker against a step's own compute (:func:`stella.adapt.local_steps`).
-        A site of several ranks keeps its H (its ranks would have to agree on each)."""
+        """``Sync(every="auto")``: the least local steps of the rounds after the next, from
+        what a round costs this worker against a step's own compute
+        (:func:`stella.adapt.local_steps`), in :attr:`next_every`: it travels with the next
+        answer (the pipeline's ``_finish_round``), so that a site's ranks, which run no
+        rounds of their own, take it at the same step as their leader."""
         ex = self.exchange
-        if not (ex.auto_every and self.may_run_on) or len(self._round_work) < 3 or not self._own_compute:
+        if not (ex.auto_every and self.leads) or len(self._round_work) < 3 or not self._own_compute:
             return
         work = statistics.median(self._round_work)
         compress = statistics.median(self._compress_times) if self._compress_times else 0.0
         compute = statistics.median(self._own_compute)
-        h = local_steps(compute, work + compress, self.job_size, 1, ex.max_sync_every, ex.sync_every)
-        if h != ex.sync_every:
+        h = local_steps(compute, work + compress, self.job_size, 1, ex.max_sync_every, self.next_every)
+        if h != self.next_every:
             log.info("stella: local steps a round %d -> %d (a round costs %.2f ms of work and %.2f ms of compression "
-                     "against %.2f ms of compute a step, %d workers)", ex.sync_every, h, 1e3 * work, 1e3 * compress,
-                     1e3 * compute, self.job_size)
-            ex.sync_every = h
+                     "against %.2f ms of compute a step, %d workers)", self.next_every, h, 1e3 * work,
+                     1e3 * compress, 1e3 * compute, self.job_size)
+            self.next_every = h
 
     # ------------------------------------------------------------------ the end
     def flush(self, version: int) -> None:

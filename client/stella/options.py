@@ -68,7 +68,7 @@ class Sync:
     ``every``: update mode's local steps per exchange (H; 1 = every step): the least a
     round makes. ``"auto"``: the worker chooses that least, from 1 to ``max_every``, by
     what a round costs it against a step's compute and what a local step more costs in
-    iterations (:func:`stella.adapt.local_steps`; a site of several ranks keeps 1).
+    iterations (:func:`stella.adapt.local_steps`; a site's leader chooses for its ranks).
     ``max_every`` (update mode; None: ``4 * every``, 4 for ``"auto"``): while the exchange
     in flight is not done, a round runs on with more local steps, up to this many, instead
     of waiting; ``= every`` pins H. ``max_accumulate`` (gradient mode; 1, off by

@@ -70,7 +70,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 
 from ._exchange import build_inner, exchange_for, load_in_place
-from ._rounds import Answer, PipelineStats, Rounds
+from ._rounds import PipelineStats, Rounds
 from .batch_noise import BatchNoise
 from .errors import PipelineError, StellaError, Stopped
 from .layout import FlatLayout
@@ -369,9 +369,12 @@ class StellaOptimizer(torch.optim.Optimizer):
             return
         self._pending = False
         t0 = time.perf_counter()
-        answer: Answer | None = self.site.from_leader(self.rounds.finish)
+        # the answer, and the least H the leader chose since (Sync(every="auto")): every rank of a site takes
+        # it here, at the same step
+        answer, every = self.site.from_leader(lambda: (self.rounds.finish(), self.rounds.next_every))
         self.stats.wait_s += time.perf_counter() - t0
         assert answer is not None
+        self._exchange.sync_every = every
         delta, sent = answer
         t1 = time.perf_counter()
         self._exchange.install(delta, sent)
