@@ -24,6 +24,9 @@ the dense suffix), one thread, every system in the same run, back to back:
    ``residual_into`` + ``compress(None)`` + ``merge_at``/``merge_range`` (the broadcast)
    and ``add_at``/``add_range`` (what was sent). ms per round,
    median of ``--steps``, per phase.
+4. **host blocking** (CUDA only, through bench.cuda's ``--flat``): whether an install's
+   ``merge_at``, and the copy of its indices to the device, hold the host while a
+   training step's kernels are queued (:func:`host_block_rows`).
 
 The load average is printed at the start and the end (DESIGN.md: timings on a 2-core
 machine measure contention when anything else runs); ``--quiet-below`` waits (up to 10
@@ -332,6 +335,67 @@ def _per_tensor_message(layout: FlatLayout, names: list[str], idx: np.ndarray, v
     return out
 
 
+# ------------------------------------------------------------------------------ 4. does an install block the host?
+
+
+def host_block_rows(params: list[tuple[str, torch.Tensor]], layout: FlatLayout, density: float,
+                    steps: int) -> list[dict]:
+    """On CUDA only (bench.cuda's ``--flat``): the host time of an install's ``merge_at``,
+    and of the host-to-device copy of its indices, made while about 20 ms of kernels are
+    queued on the stream (a training step's, in life), against the queue's own time. A
+    copy from pageable memory waits for the queue to drain: the host cannot queue the next
+    step meanwhile. The last row is the same copy from pinned memory with
+    ``non_blocking=True``, which need not wait (what an install could do)."""
+    tensors = [p for _, p in params]
+    device = tensors[0].device
+    if device.type != "cuda":
+        return []
+    flat = FlatParams(tensors, layout)
+    n = layout.numel
+    rng = np.random.default_rng(0)
+    idx = np.sort(rng.choice(n, max(1, int(density * n)), replace=False)).astype(np.int32)
+    vals = (rng.standard_normal(idx.size) * 1e-4).astype(np.float32)
+    anchor = torch.randn(n).to(device)
+    m = torch.randn(2048, 2048, device=device)
+
+    def queue() -> None:  # kernels queued, not waited for
+        for _ in range(reps):
+            torch.mm(m, m)
+
+    reps = 1
+    queue()
+    _sync(device)
+    while _time(queue, device) < 0.02 and reps < 4096:  # about 20 ms of queued kernels
+        reps *= 2
+    queued = statistics.median(_time(queue, device) for _ in range(3))
+
+    def pinned_copy() -> None:
+        staged = torch.empty(idx.size, dtype=torch.int32, pin_memory=True)
+        staged.numpy()[:] = idx
+        staged.to(device, non_blocking=True)
+
+    ops: list[tuple[str, Callable[[], Any]]] = [
+        (f"merge_at {density:.1%}", lambda: flat.merge_at(idx, vals, anchor)),
+        ("indices to device, pageable", lambda: torch.from_numpy(idx.copy()).to(device)),
+        ("indices to device, pinned non-blocking", pinned_copy),
+    ]
+    rows: list[dict[str, Any]] = []
+    for name, fn in ops:
+        fn()
+        host = []
+        for _ in range(steps):
+            _sync(device)
+            queue()
+            t = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t)
+            _sync(device)
+        h = statistics.median(host)
+        rows.append(dict(kind="host", device=str(device), op=name, dtype=str(tensors[0].dtype).removeprefix("torch."),
+                         count=int(idx.size), queued_ms=1e3 * queued, host_ms=1e3 * h, waits=h > 0.5 * queued))
+    return rows
+
+
 # ------------------------------------------------------------------------------ the run
 
 
@@ -347,6 +411,7 @@ def device_rows(device: str, densities: list[float], steps: int, dtypes: tuple[s
         params, _ = model_params(DTYPES[dt], workload, device)
         rows.extend(op_rows(params, layout, densities[0], steps))
         rows.extend(r for d in densities for r in round_rows(params, layout, d, steps))
+        rows.extend(host_block_rows(params, layout, densities[0], steps))
     return rows
 
 
@@ -365,6 +430,12 @@ def print_tables(rows: list[dict], out=sys.stdout) -> None:
         for r in ops:
             print(f"{r['op']:20} {r['dtype']:8} {r['backend']:11} {r['ms']:8.3f} {r['ns_per_coordinate']:9.3f} "
                   f"{r['ns_per_entry']:9.2f}", file=out)
+        print(file=out)
+    host = [r for r in rows if r["kind"] == "host"]
+    if host:
+        print(f"{'with kernels queued':40} {'dtype':8} {'queued ms':>9} {'host ms':>8} waits", file=out)
+        for r in host:
+            print(f"{r['op']:40} {r['dtype']:8} {r['queued_ms']:9.2f} {r['host_ms']:8.2f} {r['waits']}", file=out)
         print(file=out)
     rnd = [r for r in rows if r["kind"] == "round"]
     if rnd:
