@@ -27,10 +27,10 @@ def test_the_training_part_runs_both_configurations_and_reports_each_workers_own
     # both configurations on the same LM at 0.12M parameters (tinylm; the 10.8M one is the GPU's: on this CPU it
     # was the suite's longest test, 157 s with both)
     r = subprocess.run([sys.executable, "-m", "bench.cuda", "--device", "cpu", "--workload", "tinylm", "--steps", "6",
-                        "--workers", "2", "--configs", "h1,defaults", "--json", str(out)],
+                        "--workers", "2", "--configs", "h1,defaults,auto", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     doc = json.loads(out.read_text())  # written whether or not the loss check passed on 6 steps
-    assert doc["workload"] == "tinylm" and [run["config"] for run in doc["stella"]] == ["h1", "defaults"], \
+    assert doc["workload"] == "tinylm" and [run["config"] for run in doc["stella"]] == ["h1", "defaults", "auto"], \
         r.stdout + r.stderr
     for run in doc["stella"]:
         assert len(run["workers"]) == 2
