@@ -489,10 +489,10 @@ def test_sync_every_auto_is_update_modes_and_checked():
                         optimizer={"name": "sgd", "lr": 0.1}, sync=Sync(every="auto"))
 
 
-def _wide_round_job(endpoint: str, sync: Sync, steps: int = 40) -> tuple[int, int, int]:
+def _wide_round_job(endpoint: str, sync: Sync, steps: int = 40) -> tuple[int, int]:
     """One worker training a 0.3M-parameter MLP on a batch of 4 (a step costs about what its
     round does: installing the answer, loading the residual, compressing); its stats' least
-    H, rounds and last round's H."""
+    H and rounds."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10))
     opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), sync=sync,
@@ -502,10 +502,9 @@ def _wide_round_job(endpoint: str, sync: Sync, steps: int = 40) -> tuple[int, in
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    st = opt.stats
-    least, rounds = st.least_every, st.rounds
+    least, rounds = opt.stats.least_every, opt.stats.rounds
     opt.close()
-    return least, rounds, st.sync_every
+    return least, rounds
 
 
 def test_sync_every_auto_takes_the_most_local_steps_for_one_worker_whose_round_costs(make_server):
@@ -513,8 +512,8 @@ def test_sync_every_auto_takes_the_most_local_steps_for_one_worker_whose_round_c
     model being the job's) whose round costs a good part of its step takes the most local
     steps a round may make (4) once three rounds are measured, so it starts a quarter of the
     rounds; the default (every=1) keeps the least at 1."""
-    least, rounds, _ = _wide_round_job(make_server(1).endpoint, Sync(every="auto"))
+    least, rounds = _wide_round_job(make_server(1).endpoint, Sync(every="auto"))
     assert least == 4
     assert rounds <= 3 + (40 - 3) // 4 + 1
-    least, rounds, _ = _wide_round_job(make_server(1).endpoint, Sync())
+    least, rounds = _wide_round_job(make_server(1).endpoint, Sync())
     assert least == 1

@@ -129,7 +129,6 @@ class _Exchange:
     compressor: FlatCompressor
 
     sync_every = 1  # the least local steps a round makes (update mode's H)
-    max_sync_every = 1  # the most a round runs on to
     auto_every = False  # Sync(every="auto"): the rounds choose sync_every
     codings: tuple[ValueDtype, ...]  # the codings the controller may give its pushes, best first
     # how much of a step the exchange in flight must still take for a round to run on (Rounds.runs_on)

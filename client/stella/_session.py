@@ -1052,7 +1052,7 @@ class Session:
         self._seen_since_reconnect = v
         for req in sorted(self._sent):
             msg, frames, timeout = self._sent[req]
-            msg, rebased = self._rebase(msg, same_server and not self.need_snapshot)
+            msg, rebased = self._rebase(msg, same_server)
             if rebased:
                 self._rebased.add(req)
             self._sent[req] = (msg, frames, timeout)
