@@ -100,6 +100,10 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     import stella
     from bench import workloads as W
 
+    if os.environ.get("STELLA_BENCH_LOG"):  # the library's decisions (the controller's, H's) on stderr
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"worker {rank} %(relativeCreated)6.0f ms %(message)s")
     torch.manual_seed(seed + rank)
     wl = W.get(workload)
     dev = torch.device(device)
@@ -137,7 +141,7 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     q.put({"rank": rank, "wall_s": wall, "s_per_step": wall / steps, "compute_s_per_step": compute,
            "x_compute": wall / steps / compute, "heldout_loss": wl.evaluate(model.cpu()),
            **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled,
-           "sync_every": st.sync_every, "density": st.density, "value_dtype": st.value_dtype,
+           "sync_every": st.sync_every, "density": st.density, "max_density": st.max_density, "value_dtype": st.value_dtype,
            # where a step's time beyond compute goes: blocked on the previous exchange and installing its answer
            # (the training thread), compressing (the exchange's thread)
            "rounds": st.rounds, "wait_s_per_step": st.wait_s / steps, "compress_s_per_step": st.compress_s / steps,
@@ -285,7 +289,8 @@ def train(out: dict[str, Any], a: argparse.Namespace) -> None:
         for w in run["workers"]:
             print(f"stella {run['config']} worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, "
                   f"{1e3 * w['s_per_step']:.1f} ms/step against its own compute {1e3 * w['compute_s_per_step']:.1f} "
-                  f"({w['x_compute']:.2f}x; last round H = {w['sync_every']}, {w['density']:.2%} {w['value_dtype']}), "
+                  f"({w['x_compute']:.2f}x; last round H = {w['sync_every']}, {w['density']:.2%} {w['value_dtype']}, "
+                  f"at most {w.get('max_density', 0):.2%}), "
                   f"{w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled; "
                   f"{w['rounds']} rounds, a step waited {1e3 * w['wait_s_per_step']:.1f} ms, installed "
                   f"{1e3 * w['install_s_per_step']:.1f} ms and compressed {1e3 * w['compress_s_per_step']:.1f} ms "

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,7 +16,8 @@ import torch
 
 from stella import Compression, Connection, StellaOptimizer, Sync
 from stella._rounds import Rounds
-from stella.adapt import LOCAL_STEP_COST, Controller, RoundMeasure, densities, local_steps, pull_bits
+from stella.adapt import (DENSITY_GAIN, DENSITY_VALUE, LOCAL_STEP_COST, Controller, RoundMeasure, densest_worth,
+                          densities, local_steps, pull_bits)
 from stella.codec import CODINGS, coordinate_bits
 from stella.protocol import BroadcastInfo
 
@@ -517,3 +520,102 @@ def test_sync_every_auto_takes_the_most_local_steps_for_one_worker_whose_round_c
     assert rounds <= 3 + (40 - 3) // 4 + 1
     least, rounds = _wide_round_job(make_server(1).endpoint, Sync())
     assert least == 1
+
+
+# ---------------------------------------------------------------- the density worth the worker's own work
+
+
+def test_densest_worth_weighs_the_workers_work_against_the_iterations_density_saves():
+    """The density minimising (1 + a log10(ceiling / d)) (c + work(d)), a = DENSITY_VALUE
+    (1 - 1/W): work that does not grow with the density keeps the ceiling; work that grows
+    in proportion takes a lower density, lower with fewer workers (one worker's pushes cost
+    it no iterations); within DENSITY_GAIN of the current choice nothing moves."""
+    ladder = densities(0.001, 0.1)
+    c = 0.010
+    assert densest_worth(ladder, c, lambda d: 0.0, 8, 0) == 0
+    assert densest_worth(ladder, c, lambda d: 0.5 * c, 8, 0) == 0  # the same at every density
+    assert densest_worth(ladder, c, lambda d: 0.01 * c * d / 0.1, 8, 0) == 0  # 1% of a step at the ceiling
+
+    def proportional(d: float) -> float:  # the ceiling's work is a step's compute
+        return c * d / 0.1
+
+    a = DENSITY_VALUE * (1 - 1 / 8)
+    times = [(1 + a * math.log10(0.1 / d)) * (c + proportional(d)) for d in ladder]
+    best = min(range(len(ladder)), key=times.__getitem__)
+    assert 0 < best < len(ladder) - 1  # an interior optimum at W = 8
+    assert densest_worth(ladder, c, proportional, 8, 0) == best
+    assert densest_worth(ladder, c, proportional, 1, 0) == len(ladder) - 1  # one worker: the least work
+    assert ladder[densest_worth(ladder, c, proportional, 2, 0)] < ladder[best]
+    # a neighbour of the best is within 5% of it: it stays
+    assert times[best + 1] < (1 + DENSITY_GAIN) * times[best]
+    assert densest_worth(ladder, c, proportional, 8, best + 1) == best + 1
+
+
+def _work_rounds(c: Controller, rounds: int, install_at: Callable[[float], float], compress_s: float = 0.002,
+                 workers: int = 8) -> list[float]:
+    """Rounds on a fast link (every candidate hides) whose install takes ``install_at(density)``;
+    the densities the controller took."""
+    out = []
+    for _ in range(rounds):
+        m = dataclasses.replace(link_round(c, 10_000.0), install_s=install_at(c.density), compress_s=compress_s,
+                                own_compute_s=COMPUTE, workers=workers)
+        c.observe(m)
+        out.append(c.density)
+    return out
+
+
+def test_the_cap_keeps_the_ceiling_while_the_workers_work_is_cheap_and_lowers_it_when_not():
+    """A fast link alone would keep the ceiling (10%). An install that costs 2% of a round's
+    compute at the ceiling leaves it there; one that costs the whole compute there (a GPU's
+    short step against a 10% answer's walk) brings the density down, a decade at a time
+    on the proportional guess, then along the line the rounds measured, to where a lower
+    density would save less than its iterations cost."""
+    c = adaptive()
+    assert set(_work_rounds(c, 40, lambda d: 0.02 * COMPUTE * d / 0.1)) == {0.1}
+    assert c.max_density == 0.1
+    c = adaptive()
+    taken = _work_rounds(c, 80, lambda d: COMPUTE * d / 0.1)
+    assert taken[0] == 0.1 and taken[-1] < 0.02 and c.max_density == taken[-1]
+    assert min(taken) >= 0.001 * 1.25  # the floor costs iterations the last of the work does not pay for
+    assert len(set(taken[-20:])) == 1  # settled
+
+
+def test_work_that_does_not_grow_with_the_density_brings_the_cap_back():
+    """An install of fixed cost (a small model's per-message overhead) looks, at one density,
+    as if it grew in proportion: the cap tries a decade lower, the rounds there cost the
+    same, and the line through both brings the cap back to the ceiling; the link's room
+    then takes the density back up."""
+    c = adaptive()
+    taken = _work_rounds(c, 80, lambda d: 0.3 * COMPUTE)
+    assert min(taken) >= 0.01 - 1e-9  # no further than a decade on the guess
+    assert c.max_density == 0.1 and taken[-1] == 0.1
+
+
+def _capped_job(endpoint: str, pause_s: float, steps: int) -> tuple[float, float]:
+    """One worker training a 4M-parameter layer on a batch of 2 with SGD (a step of a few
+    milliseconds; a 10% round's answer installs 1.2M entries), pausing ``pause_s`` a step
+    (compute the round's work is small against); its cap and density at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048)
+    opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                          connection=Connection(timeout=10))
+    x = torch.randn(2, 2048)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        time.sleep(pause_s)
+        opt.step()
+    out = opt.stats.max_density, opt.stats.density
+    opt.close()
+    return out
+
+
+def test_a_worker_whose_rounds_work_is_its_step_lowers_its_cap_and_one_with_compute_to_spare_keeps_it(make_server):
+    """Through a real stella-ps on loopback (a link with room for the ceiling): a worker
+    whose own work a round (installing a 10% answer, compressing) is a good part of its
+    step lowers the densest push it takes; the same worker with 100 ms more compute a step
+    keeps the ceiling (10%)."""
+    cap, density = _capped_job(make_server(1).endpoint, 0.0, 60)
+    assert cap < 0.1 and density <= cap
+    cap, density = _capped_job(make_server(1).endpoint, 0.1, 25)
+    assert cap == 0.1

@@ -55,6 +55,7 @@ class PipelineStats:
     values_pushed: int = 0
     values_pulled: int = 0
     density: float = 0.0  # the compressor's density for the latest push
+    max_density: float = 0.0  # the densest push worth the worker's own work a round (the controller's cap)
     value_dtype: str = "f16"  # the coding of the latest push's values
     sync_every: int = 1  # the local steps the latest round made (update mode; 1 in gradient mode)
     least_every: int = 1  # the least local steps the next round makes (Sync.every, or its choice under "auto")
@@ -116,7 +117,8 @@ class Rounds:
         # block16 codes only whole blocks, which the broadcast or the union a pull returns need not be
         self.pull_coding: PullCoding = "rice" if c.index_coding == "block16" else c.index_coding
         self.leads, self.may_run_on = leads, may_run_on
-        self.stats = PipelineStats(density=self.controller.density, value_dtype=self.controller.value_dtype)
+        self.stats = PipelineStats(density=self.controller.density, max_density=self.controller.max_density,
+                                   value_dtype=self.controller.value_dtype)
         self._compressor: Any = None  # the exchange's, once attached
         self.progress = Progress(progress_every)
         self.client: AnyClient | None = None  # the leader's (a site's other ranks never connect)
@@ -235,6 +237,12 @@ class Rounds:
         self._round_work.append(work_s)
         self._unpaid += work_s
 
+    def note_install(self, seconds: float) -> None:
+        """The training thread installed the answer of the round just finished in
+        ``seconds``, for the controller."""
+        if self._measure is not None:
+            self._measure = dataclasses.replace(self._measure, install_s=seconds)
+
     def runs_on(self) -> bool:
         """Should the round run on (another local step, or micro-batch) instead of waiting?
         While the exchange in flight is not done and is expected (by the median of recent
@@ -275,14 +283,17 @@ class Rounds:
         m, self._measure = self._measure, None
         if m is not None and self._step_compute:
             # the computation a round offers at the least H (a round that ran on offered more)
-            compute = statistics.median(self._step_compute) * self.exchange.sync_every
-            d = self.controller.observe(dataclasses.replace(m, compute_s=compute))
+            every = self.exchange.sync_every
+            compute = statistics.median(self._step_compute) * every
+            own = statistics.median(self._own_compute) * every if self._own_compute else 0.0
+            d = self.controller.observe(dataclasses.replace(m, compute_s=compute, own_compute_s=own,
+                                                            workers=self.job_size))
             if d.density != self.compressor.density:
                 self.compressor.set_density(d.density)
             self.compressor.value_dtype = d.value_dtype
             s = self.stats
             s.up_mbps, s.down_mbps = 8e-6 * self.controller.up_bps, 8e-6 * self.controller.down_bps
-            s.decisions = self.controller.decisions
+            s.decisions, s.max_density = self.controller.decisions, self.controller.max_density
         self._choose_local_steps()
         s = self.stats
         s.density, s.value_dtype = self.compressor.density, self.compressor.value_dtype

@@ -60,6 +60,25 @@ moved during a change cannot make a large push look cheap (without this, one of 
 runs on the test bed's fluctuating links rose to 5% and stalled a round 4 s). A pinned knob (a number for
 the density, a coding for the values) leaves one candidate on its axis.
 
+What a density costs the worker. A denser round also costs the worker work that no
+overlap hides: installing the answer (a walk over the entries it pulled and pushed, on
+the training thread) and compressing (on the device the model trains on). On a fast
+link the candidates above all hide, and the link alone would take the ceiling, whatever
+that work costs; on a GPU the install of a 10% answer can take longer than a step. And
+density buys fewer iterations than its bytes suggest: by the sweeps of bench.sim_update
+(bench/RESULTS.md) a decade more of it saves about ``DENSITY_VALUE * (1 - 1/W)`` of the
+iterations to the target (the byte LM at W = 8: 1.29x dense at 1%, 1.15x at 10%, 0.99x
+with every coordinate; adamlp 1.13x, 1.06x, 1.00x; one worker's model is its own, whose
+pushes cost it nothing). So the controller keeps a cap on the density
+(:func:`densest_worth`): the density of the ladder that minimises the predicted time to
+the target, ``(1 + a log10(ceiling / d)) (c + work(d))``, ``c`` the round's own compute
+and ``work(d)`` the install (seconds per entry, measured each round, times the entries a
+round at ``d`` installs: its push and its pull, as :func:`pull_bits` sizes it) plus the
+compression (a line through the medians measured at the densities it ran at; the same
+at every density until it ran at two). The cap moves only for a predicted gain of
+:data:`DENSITY_GAIN`; no candidate above it is taken, and a current one above it moves
+down at once. Until the first install is measured the cap is the ceiling.
+
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
 ``max_sync_every``; gradient mode, when ``max_accumulate`` turns it on: more
@@ -83,15 +102,16 @@ predicted gain of :data:`LOCAL_STEPS_GAIN`.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .codec import CODINGS, VALUE_BITS, coordinate_bits
 from .protocol import BroadcastInfo, ValueDtype
 
-__all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits", "local_steps"]
+__all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits", "local_steps", "densest_worth"]
 
 log = logging.getLogger("stella.adapt")
 
@@ -142,6 +162,97 @@ def local_steps(compute_s: float, round_s: float, workers: int, least: int, most
     if time_to_target(best) > (1.0 - LOCAL_STEPS_GAIN) * time_to_target(current):
         return current
     return best
+
+
+# The iterations to the target a decade more density saves at W workers, DENSITY_VALUE * (1 - 1/W) of them: from
+# bench.sim_update's sweeps (bench/RESULTS.md, BatchNoise on): the byte LM at W = 8 1.29x dense's iterations at 1%,
+# 1.15x at 10% (0.14 a decade), 0.99x at 100%; adamlp at W = 8 1.13x, 1.06x, 1.00x (0.07); widemlp about none
+DENSITY_VALUE = 0.12
+DENSITY_GAIN = 0.05  # the least predicted saving of time to the target that moves the density's cap
+
+
+def densest_worth(ladder: Sequence[float], compute_s: float, work_s: Callable[[float], float], workers: int,
+                  current: int) -> int:
+    """The index in ``ladder`` (densest first) of the density worth the worker's own work a
+    round (module doc): the one minimising ``(1 + a log10(ladder[0] / d)) (compute_s + work_s(d))``
+    with ``a = DENSITY_VALUE * (1 - 1 / workers)``, or ``current`` when that saves less than
+    :data:`DENSITY_GAIN` of its predicted time."""
+    a = DENSITY_VALUE * (1.0 - 1.0 / max(1, workers))
+    top, c = ladder[0], max(0.0, compute_s)
+
+    def time_to_target(i: int) -> float:
+        return (1.0 + a * math.log10(top / ladder[i])) * (c + max(0.0, work_s(ladder[i])))
+
+    current = min(len(ladder) - 1, max(0, current))
+    best = min(range(len(ladder)), key=time_to_target)
+    if time_to_target(best) > (1.0 - DENSITY_GAIN) * time_to_target(current):
+        return current
+    return best
+
+
+class _Work:
+    """The worker's own work a round (the install and the compression) as a function of
+    the density (module doc). Each density the rounds ran at keeps its latest ``window``
+    rounds (from the third round of the run on: the first ones pay for allocations); one
+    with three is a point, the medians of its install and compression. Two points whose
+    densities differ by 2x or more: a least-squares line through the points' totals, rising
+    with the density or flat. Else, from the latest point: the install in proportion to the
+    entries a round installs (its push and its pull), the compression the same at every
+    density."""
+
+    WARMUP = 2  # rounds of the run not measured
+    LEAST = 3  # rounds at a density that make it a point
+
+    def __init__(self, window: int):
+        self.window = window
+        self._at: dict[float, deque[tuple[float, float]]] = {}  # density -> (install, compression) seconds
+        self._latest = 0.0
+        self._rounds = 0
+
+    def add(self, d: float, install_s: float, compress_s: float) -> None:
+        self._rounds += 1
+        if self._rounds > self.WARMUP:
+            self._at.setdefault(d, deque(maxlen=self.window)).append((install_s, compress_s))
+            self._latest = d
+
+    def _points(self) -> dict[float, tuple[float, float]]:
+        return {d: (statistics.median(i for i, _ in q), statistics.median(c for _, c in q))
+                for d, q in self._at.items() if len(q) >= self.LEAST}
+
+    @property
+    def measured(self) -> bool:
+        return any(len(q) >= self.LEAST for q in self._at.values())
+
+    @staticmethod
+    def units(d: float, broadcast: BroadcastInfo | None, workers: int) -> float:
+        """A round's installed entries at density ``d``, per model coordinate: its push and
+        the pull's (the broadcast's factor times a push's, or the union of the workers' pushes)."""
+        pull = min(1.0, broadcast.factor * d) if broadcast is not None else min(1.0, max(1, workers) * d)
+        return d + pull
+
+    def spread(self) -> float:
+        """The least density the model predicts from what it measured: the line's every
+        one, a decade below the latest point without (a step, not a leap, on a guess)."""
+        points = self._points()
+        if self._has_line(points):
+            return 0.0
+        return (self._latest if self._latest in points else next(iter(points), 0.0)) / 10.0
+
+    @staticmethod
+    def _has_line(points: dict[float, tuple[float, float]]) -> bool:
+        return len(points) >= 2 and max(points) >= 2.0 * min(points)
+
+    def predict(self, d: float, broadcast: BroadcastInfo | None, workers: int) -> float:
+        points = self._points()
+        if not points:
+            return 0.0
+        if self._has_line(points):
+            xs, ys = list(points), [i + c for i, c in points.values()]
+            slope = max(0.0, statistics.linear_regression(xs, ys).slope)
+            return max(0.0, statistics.fmean(ys) + slope * (d - statistics.fmean(xs)))
+        d0 = self._latest if self._latest in points else next(iter(points))
+        install, compress = points[d0]
+        return compress + install * self.units(d, broadcast, workers) / self.units(d0, broadcast, workers)
 
 
 SURPRISE = 1.25  # a change of candidate whose cost differs more than this from the prediction teaches ``fixed``
@@ -233,6 +344,11 @@ class RoundMeasure:
     pull_bytes: int
     pull_s: float  # request to answer, minus the time the server held it (<= 0: not measured)
     server_s: float = 0.0  # the server's time applying the round's step
+    # the worker's own work (module doc, "What a density costs the worker"): installing the round's answer, the
+    # round's compute without that work, and the job's workers
+    install_s: float = 0.0
+    own_compute_s: float = 0.0  # 0: not measured
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -259,6 +375,10 @@ class Controller:
             raise ValueError("need 0 < raise_fill < fill <= 1, 0 < slack <= 1 and window >= 1")
         ladder = [density] if density is not None else densities(floor, ceiling)
         self.candidates: list[tuple[float, ValueDtype]] = [(d, c) for d in ladder for c in codings]
+        self.ladder = ladder
+        self.cap = 0  # the densest density of the ladder worth the worker's work a round (densest_worth)
+        self._work = _Work(window)
+        self._workers = 1
         self.fill, self.raise_fill = fill, raise_fill
         self.slack = slack
         # start at the best candidate: a link too slow for it shows in the first round
@@ -276,6 +396,7 @@ class Controller:
         self.decisions = 0  # changes made
         self.window = window
         self._since_change = 0  # rounds observed since the latest change
+        self._since_cap = window  # rounds observed since the cap moved (it may move once it has a measurement)
 
     @property
     def pinned(self) -> bool:
@@ -288,6 +409,15 @@ class Controller:
     @property
     def value_dtype(self) -> ValueDtype:
         return self.candidates[self.current][1]
+
+    @property
+    def max_density(self) -> float:
+        """The densest push worth the worker's own work a round (module doc)."""
+        return self.ladder[self.cap]
+
+    def worker_work_s(self, density: float) -> float:
+        """The worker's own work a round at ``density``, as the model predicts it (0: not measured)."""
+        return self._work.predict(density, self.broadcast, self._workers) if self._work.measured else 0.0
 
     @property
     def fixed_s(self) -> float:
@@ -328,6 +458,9 @@ class Controller:
         if m.pull_s > 0.0 and m.pull_bytes > 0:
             self._down.add(i, m.pull_bytes, m.pull_s)
             self._pull_per_bit = m.pull_bytes / pull_bits(d, self.broadcast)
+        self._workers = max(1, m.workers)
+        self._work.add(d, m.install_s, m.compress_s)
+        cap_moved = self._move_cap(m)
         if self.pinned or not self._up.measured:
             return Decision(self.density, self.value_dtype, self.predict(self.current), "pinned" if self.pinned
                             else "no measurement yet")
@@ -335,21 +468,24 @@ class Controller:
         # while some push hides, a larger one is predicted cautiously (``fixed`` learnt on a link
         # whose rate moved could make it look cheap); when none does, ``fixed`` is most of every
         # round, and the larger push costs what the model says
-        predicted = [self.predict(j, cautious=True) for j in range(len(self.candidates))]
+        # a candidate denser than the cap is never taken (its prediction: infinite)
+        worth = [d_j <= self.max_density * (1 + 1e-9) for d_j, _ in self.candidates]
+        predicted = [self.predict(j, cautious=True) if worth[j] else math.inf for j in range(len(self.candidates))]
         fits = any(p <= self.fill * budget for p in predicted)
         if not fits:
-            predicted = [self.predict(j) for j in range(len(self.candidates))]
+            predicted = [self.predict(j) if worth[j] else math.inf for j in range(len(self.candidates))]
         now = predicted[i]
         best = i
         # what a round can reach: within the margin of the compute if any candidate fits; else the
         # least any candidate predicts, give or take ``slack`` of the compute (the pipeline absorbs
         # the rest: a cheaper push would cost convergence to save little time)
         reach = self.fill * budget if fits else min(predicted) + self.slack * budget
-        if now > reach:  # too slow: the best candidate that reaches, at once
+        if now > reach:  # too slow, or above the cap: the best candidate that reaches, at once
             best = next(j for j, p in enumerate(predicted) if p <= reach)
-            why = ("the exchange would not hide behind the computation" if fits else
+            why = ("the worker's own work a round (install, compression) costs more than the density saves"
+                   if not worth[i] else "the exchange would not hide behind the computation" if fits else
                    "no push hides behind the computation: the best that saves nearly all a cheaper one would")
-        elif self._since_change >= self.window:  # reaches: a better candidate only with room to spare
+        elif self._since_change >= self.window or cap_moved:  # reaches: a better one only with room to spare
             room = self.raise_fill * budget if fits else min(predicted) + self.slack * budget / 2
             best = next(j for j, p in enumerate(predicted[:i + 1]) if p <= room or j == i)
             why = "the link has room for more" if fits else "a cheaper push saves little time"
@@ -364,3 +500,23 @@ class Controller:
                      8e-6 * self.down_bps, 1e3 * self.fixed_s)
             return Decision(self.density, self.value_dtype, predicted[best], why)
         return Decision(self.density, self.value_dtype, now, "unchanged")
+
+    def _move_cap(self, m: RoundMeasure) -> bool:
+        """Set :attr:`cap` from the round's own compute and the worker's work a round
+        (:func:`densest_worth`); whether it moved."""
+        self._since_cap += 1
+        if len(self.ladder) == 1 or not self._work.measured or m.own_compute_s <= 0.0 \
+                or self._since_cap < self.window:
+            return False
+        # without a line through two densities, no further than the model's guess reaches
+        reach = self._work.spread() * (1 - 1e-9)
+        ladder = [d for d in self.ladder if d >= reach] or self.ladder[:1]
+        cap = densest_worth(ladder, m.own_compute_s, self.worker_work_s, self._workers, self.cap)
+        if cap == self.cap:
+            return False
+        log.info("stella adapt: the densest push worth its work %.3g%% -> %.3g%% (predicted work a round %.2f ms "
+                 "against %.2f ms there, %.2f ms of compute, %d workers)", 100 * self.ladder[self.cap],
+                 100 * self.ladder[cap], 1e3 * self.worker_work_s(self.ladder[cap]),
+                 1e3 * self.worker_work_s(self.ladder[self.cap]), 1e3 * m.own_compute_s, self._workers)
+        self.cap, self._since_cap = cap, 0
+        return True

@@ -378,7 +378,9 @@ class StellaOptimizer(torch.optim.Optimizer):
         delta, sent = answer
         t1 = time.perf_counter()
         self._exchange.install(delta, sent)
-        self.stats.install_s += time.perf_counter() - t1
+        installed = time.perf_counter() - t1
+        self.stats.install_s += installed
+        self.rounds.note_install(installed)
         self.version = delta.version
         if delta.pushes:  # 0: not said (a snapshot)
             self.rounds.job_size = delta.pushes
