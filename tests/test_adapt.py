@@ -16,8 +16,17 @@ import torch
 
 from stella import Compression, Connection, StellaOptimizer, Sync
 from stella._rounds import Rounds
-from stella.adapt import (DENSITY_GAIN, DENSITY_VALUE, LOCAL_STEP_COST, Controller, RoundMeasure, densest_worth,
-                          densities, local_steps, pull_bits)
+from stella.adapt import (
+    DENSITY_GAIN,
+    DENSITY_VALUE,
+    LOCAL_STEP_COST,
+    Controller,
+    RoundMeasure,
+    densest_worth,
+    densities,
+    local_steps,
+    pull_bits,
+)
 from stella.codec import CODINGS, coordinate_bits
 from stella.protocol import BroadcastInfo
 
