@@ -141,7 +141,8 @@ def _worker(rank: int, world: int, address: str, keys: dict[str, str], steps: in
     q.put({"rank": rank, "wall_s": wall, "s_per_step": wall / steps, "compute_s_per_step": compute,
            "x_compute": wall / steps / compute, "heldout_loss": wl.evaluate(model.cpu()),
            **moved, "values_pushed": st.values_pushed, "values_pulled": st.values_pulled,
-           "sync_every": st.sync_every, "density": st.density, "max_density": st.max_density, "value_dtype": st.value_dtype,
+           "sync_every": st.sync_every, "density": st.density, "max_density": st.max_density,
+           "value_dtype": st.value_dtype,
            # where a step's time beyond compute goes: blocked on the previous exchange and installing its answer
            # (the training thread), compressing (the exchange's thread)
            "rounds": st.rounds, "wait_s_per_step": st.wait_s / steps, "compress_s_per_step": st.compress_s / steps,
