@@ -70,14 +70,18 @@ density buys fewer iterations than its bytes suggest: by the sweeps of bench.sim
 iterations to the target (the byte LM at W = 8: 1.29x dense at 1%, 1.15x at 10%, 0.99x
 with every coordinate; adamlp 1.13x, 1.06x, 1.00x; one worker's model is its own, whose
 pushes cost it nothing). So the controller keeps a cap on the density
-(:func:`densest_worth`): the density of the ladder that minimises the predicted time to
-the target, ``(1 + a log10(ceiling / d)) (c + work(d))``, ``c`` the round's own compute
-and ``work(d)`` the install (seconds per entry, measured each round, times the entries a
-round at ``d`` installs: its push and its pull, as :func:`pull_bits` sizes it) plus the
-compression (a line through the medians measured at the densities it ran at; the same
-at every density until it ran at two). The cap moves only for a predicted gain of
-:data:`DENSITY_GAIN`; no candidate above it is taken, and a current one above it moves
-down at once. Until the first install is measured the cap is the ceiling.
+(:func:`densest_worth`): the densest of the ladder whose predicted time to the target,
+``(1 + a log10(ceiling / d)) (c + work(d))``, is within :data:`DENSITY_GAIN` of the
+least (near its least the time is flat, and a lower density would cost iterations the
+model is not sure to win back), ``c`` the round's own compute and ``work(d)`` the
+install plus the compression, learnt per density from the rounds after the first
+``window`` (which pay for allocations and start together): two densities 2x apart or
+more give a line through what each cost; before that the install is taken in
+proportion to the entries a round installs (its push and its pull, the pull as
+:func:`pull_bits` sizes it) and the compression as the same at every density, and the
+cap moves at most a decade below what was measured. It moves at most once a ``window``
+of rounds; no candidate above it is taken, and a current one above it moves down at
+once. Until a density has three rounds measured the cap is the ceiling.
 
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
@@ -168,39 +172,32 @@ def local_steps(compute_s: float, round_s: float, workers: int, least: int, most
 # bench.sim_update's sweeps (bench/RESULTS.md, BatchNoise on): the byte LM at W = 8 1.29x dense's iterations at 1%,
 # 1.15x at 10% (0.14 a decade), 0.99x at 100%; adamlp at W = 8 1.13x, 1.06x, 1.00x (0.07); widemlp about none
 DENSITY_VALUE = 0.12
-DENSITY_GAIN = 0.05  # the least predicted saving of time to the target that moves the density's cap
+DENSITY_GAIN = 0.05  # the cap: the densest density predicted within this of the least time to the target
 
 
-def densest_worth(ladder: Sequence[float], compute_s: float, work_s: Callable[[float], float], workers: int,
-                  current: int) -> int:
+def densest_worth(ladder: Sequence[float], compute_s: float, work_s: Callable[[float], float], workers: int) -> int:
     """The index in ``ladder`` (densest first) of the density worth the worker's own work a
-    round (module doc): the one minimising ``(1 + a log10(ladder[0] / d)) (compute_s + work_s(d))``
-    with ``a = DENSITY_VALUE * (1 - 1 / workers)``, or ``current`` when that saves less than
-    :data:`DENSITY_GAIN` of its predicted time."""
+    round (module doc): the densest whose predicted time to the target,
+    ``(1 + a log10(ladder[0] / d)) (compute_s + work_s(d))`` with ``a = DENSITY_VALUE (1 - 1/workers)``,
+    is within :data:`DENSITY_GAIN` of the least (the time is flat near its least: a lower
+    density there would cost iterations the model is not sure to win back)."""
     a = DENSITY_VALUE * (1.0 - 1.0 / max(1, workers))
     top, c = ladder[0], max(0.0, compute_s)
-
-    def time_to_target(i: int) -> float:
-        return (1.0 + a * math.log10(top / ladder[i])) * (c + max(0.0, work_s(ladder[i])))
-
-    current = min(len(ladder) - 1, max(0, current))
-    best = min(range(len(ladder)), key=time_to_target)
-    if time_to_target(best) > (1.0 - DENSITY_GAIN) * time_to_target(current):
-        return current
-    return best
+    times = [(1.0 + a * math.log10(top / d)) * (c + max(0.0, work_s(d))) for d in ladder]
+    least = min(times)
+    return next(i for i, t in enumerate(times) if t <= (1.0 + DENSITY_GAIN) * least)
 
 
 class _Work:
     """The worker's own work a round (the install and the compression) as a function of
     the density (module doc). Each density the rounds ran at keeps its latest ``window``
-    rounds (from the third round of the run on: the first ones pay for allocations); one
+    rounds (after the first ``window`` of the run: they pay for allocations); one
     with three is a point, the medians of its install and compression. Two points whose
     densities differ by 2x or more: a least-squares line through the points' totals, rising
     with the density or flat. Else, from the latest point: the install in proportion to the
     entries a round installs (its push and its pull), the compression the same at every
     density."""
 
-    WARMUP = 2  # rounds of the run not measured
     LEAST = 3  # rounds at a density that make it a point
 
     def __init__(self, window: int):
@@ -211,7 +208,7 @@ class _Work:
 
     def add(self, d: float, install_s: float, compress_s: float) -> None:
         self._rounds += 1
-        if self._rounds > self.WARMUP:
+        if self._rounds > self.window:
             self._at.setdefault(d, deque(maxlen=self.window)).append((install_s, compress_s))
             self._latest = d
 
@@ -511,7 +508,7 @@ class Controller:
         # without a line through two densities, no further than the model's guess reaches
         reach = self._work.spread() * (1 - 1e-9)
         ladder = [d for d in self.ladder if d >= reach] or self.ladder[:1]
-        cap = densest_worth(ladder, m.own_compute_s, self.worker_work_s, self._workers, self.cap)
+        cap = densest_worth(ladder, m.own_compute_s, self.worker_work_s, self._workers)
         if cap == self.cap:
             return False
         log.info("stella adapt: the densest push worth its work %.3g%% -> %.3g%% (predicted work a round %.2f ms "
