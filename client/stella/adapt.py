@@ -227,7 +227,7 @@ class _Work:
         pull = min(1.0, broadcast.factor * d) if broadcast is not None else min(1.0, max(1, workers) * d)
         return d + pull
 
-    def spread(self) -> float:
+    def lowest(self) -> float:
         """The least density the model predicts from what it measured: the line's every
         one, a decade below the latest point without (a step, not a leap, on a guess)."""
         points = self._points()
@@ -506,8 +506,8 @@ class Controller:
                 or self._since_cap < self.window:
             return False
         # without a line through two densities, no further than the model's guess reaches
-        reach = self._work.spread() * (1 - 1e-9)
-        ladder = [d for d in self.ladder if d >= reach] or self.ladder[:1]
+        lowest = self._work.lowest() * (1 - 1e-9)
+        ladder = [d for d in self.ladder if d >= lowest] or self.ladder[:1]
         cap = densest_worth(ladder, m.own_compute_s, self.worker_work_s, self._workers)
         if cap == self.cap:
             return False
