@@ -601,12 +601,11 @@ def test_work_that_does_not_grow_with_the_density_brings_the_cap_back():
     assert c.max_density == 0.1 and taken[-1] == 0.1
 
 
-def _capped_job(endpoint: str, pause_s: float, steps: int) -> tuple[float, float]:
-    """One worker training a 4M-parameter layer on a batch of 2 with SGD (a step of a few
-    milliseconds; a 10% round's answer installs 1.2M entries), pausing ``pause_s`` a step
-    (compute the round's work is small against); its cap and density at the end."""
+def _capped_job(endpoint: str, width: int, pause_s: float, steps: int) -> tuple[float, float]:
+    """One worker training a ``width`` x 2048 layer on a batch of 2 with SGD, pausing
+    ``pause_s`` a step; its cap and density at the end."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(2048, 2048)
+    model = torch.nn.Linear(2048, width)
     opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                           connection=Connection(timeout=10))
     x = torch.randn(2, 2048)
@@ -622,10 +621,13 @@ def _capped_job(endpoint: str, pause_s: float, steps: int) -> tuple[float, float
 
 def test_a_worker_whose_rounds_work_is_its_step_lowers_its_cap_and_one_with_compute_to_spare_keeps_it(make_server):
     """Through a real stella-ps on loopback (a link with room for the ceiling): a worker
-    whose own work a round (installing a 10% answer, compressing) is a good part of its
-    step lowers the densest push it takes; the same worker with 100 ms more compute a step
-    keeps the ceiling (10%)."""
-    cap, density = _capped_job(make_server(1).endpoint, 0.0, 60)
+    whose own work a round is a good part of its step (a 4M-parameter layer on a batch of
+    2: a step of a few milliseconds, a 10% answer's 1.2M entries to install, a 4M-entry
+    residual to compress) lowers the densest push it takes; one whose work is a sliver of
+    its step (a 0.03M-parameter layer, 50 ms of compute a step) keeps the ceiling (10%).
+    (One worker's pushes cost it no iterations, so any work worth 5% of its round moves
+    it: under a loaded host the 4M layer's work with 100 ms of compute a step did.)"""
+    cap, density = _capped_job(make_server(1).endpoint, 2048, 0.0, 60)
     assert cap < 0.1 and density <= cap
-    cap, density = _capped_job(make_server(1).endpoint, 0.1, 25)
+    cap, density = _capped_job(make_server(1).endpoint, 16, 0.05, 25)
     assert cap == 0.1
