@@ -75,7 +75,7 @@ def test_metrics_in_process_show_the_whole_job(inproc):
             c.register({"w": np.zeros(8, np.float32)}, {"name": "sgd", "lr": 1.0})
             rep = WorkerReport(step=7, compute_s=0.05, exchange_s=0.02, wait_s=0.01, density=0.25,
                                bytes_pushed=123, bytes_pulled=456, value_dtype="q4", local_steps=3, accumulate=1,
-                               up_bps=12.5e6, down_bps=25e6)
+                               up_bps=12.5e6, down_bps=25e6, max_density=0.5)
             c.push({"w": (np.array([1, 3], np.int32), np.array([1.0, 2.0], np.float32))}, 0, report=rep)
             c.pull(0, wait_for=1)
             with pytest.raises(VersionError):  # a refused request shows under its code
@@ -98,6 +98,7 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     assert value(fams, "stella_pushes_total", worker=w, name="site-a") == 1
     assert value(fams, "stella_pulls_total", worker=w, name="site-a") >= 1
     assert value(fams, "stella_worker_density", worker=w) == 0.25
+    assert value(fams, "stella_worker_max_density", worker=w) == 0.5  # the controller's cap
     assert value(fams, "stella_worker_compute_seconds", worker=w) == pytest.approx(0.05)
     assert value(fams, "stella_worker_exchange_seconds", worker=w) == pytest.approx(0.02)
     assert value(fams, "stella_worker_wait_seconds", worker=w) == pytest.approx(0.01)
@@ -114,7 +115,7 @@ def test_metrics_in_process_show_the_whole_job(inproc):
     table = render(st, rates(st, None, None), srv.endpoint)
     assert "version 1" in table and "checkpoint none" in table
     row = next(line for line in table.splitlines() if "site-a" in line)
-    assert "25.00%" in row and "0.060" in row and "17" in row  # density, s/it, wait %
+    assert "25.00% (max 50.00%)" in row and "0.060" in row and "17" in row  # density (its cap), s/it, wait %
     # what the worker's controller chose and measured: coding, H, batch, Mbit/s up and down
     assert " q4 " in row and " 3 " in row and " 100 " in row and " 200" in row
     assert value(fams, "stella_worker_value_bits", worker=w, name="site-a") == 4.5
@@ -198,6 +199,7 @@ def test_optimizer_reports_its_timings_and_logs_progress(inproc, caplog):
     finally:
         opt.close()
     assert report is not None and report.step == 5 and report.density == 0.5
+    assert report.max_density == 0.5  # a pinned density: no ladder, the cap is the density
     assert live.name == "reporter" and live.report is not None and live.report.step >= 2
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert [line.split(" |")[0] for line in lines] == ["stella step 2", "stella step 4"]

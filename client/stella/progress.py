@@ -81,7 +81,7 @@ class Progress:
                 density=min(1.0, max(0.0, float(stats.density))), bytes_pushed=int(pushed),
                 bytes_pulled=int(pulled), value_dtype=stats.value_dtype, local_steps=stats.sync_every,
                 accumulate=stats.accumulate, up_bps=min(1e13, stats.up_mbps * 1e6 / 8),
-                down_bps=min(1e13, stats.down_mbps * 1e6 / 8))
+                down_bps=min(1e13, stats.down_mbps * 1e6 / 8), max_density=min(1.0, max(0.0, float(stats.max_density))))
         self._last_end, self._last_wait, self._last_exchange = now, stats.wait_s, exchanged
         if not self.every:
             return report

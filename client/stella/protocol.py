@@ -55,7 +55,7 @@ __all__ = [
     "check_payload",
 ]
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 MAX_HEADER_BYTES = 1 << 20  # headers are small maps; anything bigger is refused
 MAX_TENSORS = 65536  # tensors in a model, entries in a push or delta
 MAX_NAME_BYTES = 1024  # tensor and worker names
@@ -179,6 +179,8 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     accumulate: Count = 0  # micro-batches per step (gradient accumulation)
     up_bps: Annotated[float, msgspec.Meta(ge=0.0, le=1e13)] = 0.0  # measured uplink, bytes/s (0: not yet)
     down_bps: Annotated[float, msgspec.Meta(ge=0.0, le=1e13)] = 0.0
+    # the densest push worth the worker's own work a round (the controller's cap; 0: not said)
+    max_density: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

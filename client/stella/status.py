@@ -107,12 +107,14 @@ def _mbit(bps: float) -> str:
 
 
 def _cells(rep: WorkerReport | None) -> tuple[str, ...]:
-    """A worker's report as the table shows it: what its controller chose (density,
-    coding, local steps H, micro-batches per step) and the rates it measured."""
+    """A worker's report as the table shows it: what its controller chose (density, and
+    the densest worth its own work, coding, local steps H, micro-batches per step) and the
+    rates it measured."""
     if rep is None:
         return ("-",) * 9
     it = rep.compute_s + rep.wait_s
-    return (str(rep.step), f"{rep.density:.2%}", rep.value_dtype or "-", str(rep.local_steps or "-"),
+    density = f"{rep.density:.2%}" + (f" (max {rep.max_density:.2%})" if rep.max_density else "")
+    return (str(rep.step), density, rep.value_dtype or "-", str(rep.local_steps or "-"),
             str(rep.accumulate or "-"), f"{it:.3f}", f"{100 * rep.wait_s / it:.0f}" if it > 0 else "0",
             _mbit(rep.up_bps), _mbit(rep.down_bps))
 

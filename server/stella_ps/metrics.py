@@ -45,6 +45,7 @@ Series (all prefixed ``stella_``; per-worker series carry ``worker`` and ``name`
 ``errors_total``                   counter  refused requests, label ``code``
 ``worker_last_seen_seconds``       gauge    since the worker's last push or pull
 ``worker_density``                 gauge    the fraction its latest push carried
+``worker_max_density``             gauge    the densest push worth its own work (its controller's cap)
 ``worker_compute_seconds``         gauge    its latest iteration's computation
 ``worker_exchange_seconds``        gauge    its latest exchange (background)
 ``worker_wait_seconds``            gauge    its latest wait for the exchange in ``step()``
@@ -151,6 +152,8 @@ class JobCollector(Collector):
             "pulls": CounterMetricFamily("stella_pulls", "pulls per worker", labels=labels),
             "seen": GaugeMetricFamily("stella_worker_last_seen_seconds", "seconds since its latest push or pull",
                                       labels=labels),
+            "max_density": GaugeMetricFamily("stella_worker_max_density", "the densest push worth its own work a "
+                                             "round (its controller's cap)", labels=labels),
             "density": GaugeMetricFamily("stella_worker_density", "fraction of each tensor its latest push carried",
                                          labels=labels),
             "compute": GaugeMetricFamily("stella_worker_compute_seconds", "its latest iteration's computation",
@@ -179,6 +182,8 @@ class JobCollector(Collector):
             r = ws.report
             if r is not None:
                 fams["density"].add_metric(lv, r.density)
+                if r.max_density:
+                    fams["max_density"].add_metric(lv, r.max_density)
                 fams["compute"].add_metric(lv, r.compute_s)
                 fams["exchange"].add_metric(lv, r.exchange_s)
                 fams["wait"].add_metric(lv, r.wait_s)
