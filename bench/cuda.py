@@ -291,7 +291,7 @@ def train(out: dict[str, Any], a: argparse.Namespace) -> None:
             print(f"stella {run['config']} worker {w['rank']}: held-out loss {w['heldout_loss']:.3f}, "
                   f"{1e3 * w['s_per_step']:.1f} ms/step against its own compute {1e3 * w['compute_s_per_step']:.1f} "
                   f"({w['x_compute']:.2f}x; last round H = {w['sync_every']}, {w['density']:.2%} {w['value_dtype']}, "
-                  f"at most {w.get('max_density', 0):.2%}), "
+                  f"at most {w['max_density']:.2%}), "
                   f"{w['bytes_pushed'] / 1e6:.1f} MB pushed, {w['bytes_pulled'] / 1e6:.1f} MB pulled; "
                   f"{w['rounds']} rounds, a step waited {1e3 * w['wait_s_per_step']:.1f} ms, installed "
                   f"{1e3 * w['install_s_per_step']:.1f} ms and compressed {1e3 * w['compress_s_per_step']:.1f} ms "

@@ -39,6 +39,11 @@ def log_to_stderr() -> None:
     log.setLevel(logging.INFO)
 
 
+def _fraction(x: float) -> float:
+    """A density as the report's bounds take it, in [0, 1]."""
+    return min(1.0, max(0.0, float(x)))
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -78,10 +83,10 @@ class Progress:
             self._report = report = WorkerReport(
                 step=stats.iterations, compute_s=max(0.0, now - self._last_end - wait),
                 exchange_s=max(0.0, exchanged - self._last_exchange), wait_s=wait,
-                density=min(1.0, max(0.0, float(stats.density))), bytes_pushed=int(pushed),
+                density=_fraction(stats.density), bytes_pushed=int(pushed),
                 bytes_pulled=int(pulled), value_dtype=stats.value_dtype, local_steps=stats.sync_every,
                 accumulate=stats.accumulate, up_bps=min(1e13, stats.up_mbps * 1e6 / 8),
-                down_bps=min(1e13, stats.down_mbps * 1e6 / 8), max_density=min(1.0, max(0.0, float(stats.max_density))))
+                down_bps=min(1e13, stats.down_mbps * 1e6 / 8), max_density=_fraction(stats.max_density))
         self._last_end, self._last_wait, self._last_exchange = now, stats.wait_s, exchanged
         if not self.every:
             return report
