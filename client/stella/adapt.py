@@ -205,20 +205,32 @@ class _Work:
         self._at: dict[float, deque[tuple[float, float]]] = {}  # density -> (install, compression) seconds
         self._latest = 0.0
         self._rounds = 0
+        # the points and, through two of them 2x apart, the line (mean density, mean seconds, slope), worked out
+        # once per round measured: the controller predicts every density of its ladder from them
+        self._fit: tuple[dict[float, tuple[float, float]], tuple[float, float, float] | None] | None = None
 
     def add(self, d: float, install_s: float, compress_s: float) -> None:
         self._rounds += 1
         if self._rounds > self.window:
             self._at.setdefault(d, deque(maxlen=self.window)).append((install_s, compress_s))
             self._latest = d
+            self._fit = None
 
-    def _points(self) -> dict[float, tuple[float, float]]:
-        return {d: (statistics.median(i for i, _ in q), statistics.median(c for _, c in q))
-                for d, q in self._at.items() if len(q) >= self.LEAST}
+    def _model(self) -> tuple[dict[float, tuple[float, float]], tuple[float, float, float] | None]:
+        if self._fit is None:
+            points = {d: (statistics.median(i for i, _ in q), statistics.median(c for _, c in q))
+                      for d, q in self._at.items() if len(q) >= self.LEAST}
+            line = None
+            if len(points) >= 2 and max(points) >= 2.0 * min(points):
+                xs, ys = list(points), [i + c for i, c in points.values()]
+                slope = max(0.0, statistics.linear_regression(xs, ys).slope)
+                line = (statistics.fmean(xs), statistics.fmean(ys), slope)
+            self._fit = points, line
+        return self._fit
 
     @property
     def measured(self) -> bool:
-        return any(len(q) >= self.LEAST for q in self._at.values())
+        return bool(self._model()[0])
 
     @staticmethod
     def units(d: float, broadcast: BroadcastInfo | None, workers: int) -> float:
@@ -227,27 +239,25 @@ class _Work:
         pull = min(1.0, broadcast.factor * d) if broadcast is not None else min(1.0, max(1, workers) * d)
         return d + pull
 
+    def _latest_point(self, points: dict[float, tuple[float, float]]) -> float:
+        return self._latest if self._latest in points else next(iter(points))
+
     def lowest(self) -> float:
         """The least density the model predicts from what it measured: the line's every
         one, a decade below the latest point without (a step, not a leap, on a guess)."""
-        points = self._points()
-        if self._has_line(points):
+        points, line = self._model()
+        if line is not None or not points:
             return 0.0
-        return (self._latest if self._latest in points else next(iter(points), 0.0)) / 10.0
-
-    @staticmethod
-    def _has_line(points: dict[float, tuple[float, float]]) -> bool:
-        return len(points) >= 2 and max(points) >= 2.0 * min(points)
+        return self._latest_point(points) / 10.0
 
     def predict(self, d: float, broadcast: BroadcastInfo | None, workers: int) -> float:
-        points = self._points()
+        points, line = self._model()
         if not points:
             return 0.0
-        if self._has_line(points):
-            xs, ys = list(points), [i + c for i, c in points.values()]
-            slope = max(0.0, statistics.linear_regression(xs, ys).slope)
-            return max(0.0, statistics.fmean(ys) + slope * (d - statistics.fmean(xs)))
-        d0 = self._latest if self._latest in points else next(iter(points))
+        if line is not None:
+            mean_d, mean_s, slope = line
+            return max(0.0, mean_s + slope * (d - mean_d))
+        d0 = self._latest_point(points)
         install, compress = points[d0]
         return compress + install * self.units(d, broadcast, workers) / self.units(d0, broadcast, workers)
 
