@@ -138,3 +138,37 @@ def test_a_light_step_applies_on_the_loop_and_a_heavy_one_on_the_store_thread(in
     every, reference = _steps_on_threads(inproc, monkeypatch, -1)
     assert every == ["stella-store_0"] * 6
     assert model.tobytes() == reference.tobytes()
+
+
+
+
+def test_a_reply_sent_just_before_the_stop_reaches_its_peer(inproc, monkeypatch):
+    """The server stops in the moment it sends a reply (as the daemon does when the step
+    a push closed cannot be undone: that push's acknowledgement goes out, then the
+    server stops): the reply still reaches the client whole. Closed at once (no
+    ``FLUSH_GRACE_S``, no linger), 8 MiB were lost in most runs: the TCP connection was
+    reset under them."""
+    from stella import client as client_mod
+    from stella_ps import server as server_mod
+
+    monkeypatch.setattr(client_mod, "CHUNK_ABOVE", 1 << 30)  # the answer in one message, not fetched in pieces
+    numel = 1 << 21  # 8 MiB of model: still on its way when the server stops
+    init = {"w": np.arange(numel, dtype=np.float32)}
+    send, armed = server_mod.ParameterServer._send, threading.Event()
+
+    def send_then_stop(self, ident, msg, frames):
+        send(self, ident, msg, frames)
+        if armed.is_set() and sum(memoryview(f).nbytes for f in frames) >= 4 * numel:
+            self.stop()
+
+    monkeypatch.setattr(server_mod.ParameterServer, "_send", send_then_stop)
+    srv = inproc()
+    c = Client(srv.endpoint, timeout=3, reconnect=0)
+    try:
+        c.register(init, {"name": "sgd", "lr": 1.0})
+        armed.set()
+        full = c.pull()
+    finally:
+        c.close(timeout=0.3)
+    np.testing.assert_array_equal(full.tensors["w"][1], init["w"])
+    assert srv.serving.result(5) is None  # it stopped

@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,6 +50,10 @@ log = logging.getLogger("stella_ps.server")
 CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (command, nonce, MAC)
 DRAIN = 64  # messages read per wake-up of the receive loop, at most, before the loop's other work
 HANG_UP_DELAY_S = 0.2  # from an oversized message's refusal to cutting its host's connections
+# a stopping server's replies: sent within the last FLUSH_GRACE_S, it waits that long (reading no more requests)
+# for the I/O threads on both ends to carry them over, then ZeroMQ has FLUSH_ON_CLOSE_MS for what it still holds
+FLUSH_GRACE_S = 0.2
+FLUSH_ON_CLOSE_MS = 1000
 # plain ints: pyzmq's enum.Flag arithmetic costs a microsecond an operation
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
@@ -104,6 +109,7 @@ class ParameterServer:
         self.endpoint: str | None = None
         self._sock: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_sent = -1e9  # time.monotonic() of the last reply sent
         self._pumping = False  # the receive pump runs: it reads until nothing is queued before it returns
         self._pump_due = False  # a run of the pump is scheduled
         self._peers: dict[str, Peer] = {}  # admitted keys seen, each one's Peer (made once)
@@ -190,7 +196,7 @@ class ParameterServer:
             sock.bind(bind)
             yield sock
         finally:
-            sock.close(linger=0)
+            sock.close(linger=FLUSH_ON_CLOSE_MS)
 
     def _secure(self, sock: zmq.Socket) -> None:
         if not (self.config.keys and self.config.allow):
@@ -225,6 +231,10 @@ class ParameterServer:
             await self._stop.wait()
         finally:
             loop.remove_reader(fd)
+            if time.monotonic() - self._last_sent < FLUSH_GRACE_S:
+                # a reply just sent (the push whose step then failed, a SIGTERM's last answers) still reaches its
+                # peer: a TCP connection closed with its bytes in flight can be reset under them
+                await asyncio.sleep(FLUSH_GRACE_S)
             await self.close()
 
     def _pump(self) -> None:
@@ -343,6 +353,7 @@ class ParameterServer:
         except zmq.ZMQError as e:  # the socket is closing: nothing to do
             log.debug("send failed", extra={"error": str(e)})
         self.stats.bytes_out += out
+        self._last_sent = time.monotonic()
         if not self._pumping:
             self._schedule_pump()  # the send may have taken the descriptor's edge from under the reader
 
