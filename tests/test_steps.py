@@ -474,6 +474,97 @@ def test_a_worker_asked_for_the_models_values_is_kept_alive_by_its_heartbeats_me
     assert up.worker in m.live and waiting.worker in m.live
 
 
+
+def test_the_workers_steps_wait_for_follow_every_change_of_the_live_set():
+    """``Membership.waited`` is kept between changes (a push must not walk the live
+    workers): after each way a worker comes, goes, registers or pushes, it is what a
+    fresh walk of the live workers gives."""
+    m = Membership(expected=2)
+
+    def fresh() -> tuple[int, ...]:
+        return tuple(w for w, i in m.live.items() if i.waited)
+
+    seen = []
+
+    def check() -> None:
+        assert m.waited() == fresh()
+        seen.append(m.waited())
+
+    a, b = m.join(b"conn-a", None), m.join(b"conn-b", None)
+    check()  # joined, not registered: not waited
+    m.register(a)
+    m.register(b)
+    check()
+    m.stepped = True
+    late = m.join(b"conn-late", None)
+    m.register(late)  # after the first step: waited from its first push on
+    check()
+    m.pushed(late.worker)
+    check()
+    m.leave(b.worker)
+    check()
+    now = time.monotonic()
+    a.last_seen = now + 10
+    assert m.sweep(1.0, now + 5) == [late.worker]
+    check()
+    assert m.revive(b"conn-late", late.worker) is late
+    check()
+    assert m.sweep(1.0, now + 5) == [late.worker]
+    info, revived = m.heartbeat(late.worker, late.session, "")
+    assert info is late
+    assert revived
+    check()
+    assert m.sweep(1.0, now + 5) == [late.worker]
+    assert m.join(b"conn-late2", late.worker, session=late.session) is late  # back from gone with its token
+    check()
+    keyed = m.join(b"conn-k", None, key="k")
+    m.register(keyed)
+    m.pushed(keyed.worker)
+    check()
+    assert m.drop_key("k") == [keyed.worker]
+    check()
+    assert seen == [(), (a.worker, b.worker), (a.worker, b.worker), (a.worker, b.worker, late.worker),
+                    (a.worker, late.worker), (a.worker,), (a.worker, late.worker), (a.worker, late.worker),
+                    (a.worker, late.worker), (a.worker, late.worker, keyed.worker), (a.worker, late.worker)]
+
+
+def test_a_push_does_not_walk_the_live_workers():
+    """What a push's check of "does the step close" reads does not grow with the
+    workers: over a step of 64 workers' pushes it visits at most 3 x 64 of them (the
+    last push's walk and the one list of who is waited), where a walk per push visits
+    64 x 65 / 2 or more."""
+    async def main() -> None:
+        n = 64
+        job = Job(n)
+        visited = [0]
+        live = job.members.live
+
+        class Counting(dict):
+            def items(self):  # the walk of waited()
+                for kv in super().items():
+                    visited[0] += 1
+                    yield kv
+
+        job.members.live = Counting(live)
+        waited = job.members.waited
+
+        class CountingTuple(tuple):
+            def __iter__(self):  # the walk of should_close
+                for w in super().__iter__():
+                    visited[0] += 1
+                    yield w
+
+        job.members.waited = lambda: CountingTuple(waited())  # type: ignore[method-assign]
+        for w in range(n):
+            job.push(w)
+        await job.settle()
+        assert job.store.version == 1 and job.applied == [1]
+        assert visited[0] <= 3 * n, visited[0]
+        await job.close()
+
+    run(main)
+
+
 # ------------------------------------------------------------------ a step that fails part way
 class _Fault(Exception):
     pass

@@ -247,11 +247,14 @@ class Aggregator:
 
     def should_close(self, live: Collection[int], started: bool) -> bool:
         """Does the open step close now: some push pending and every live worker's in
-        (with no live worker left, whatever is pending closes)? (Asked on every push:
-        it stops at the first worker missing.)"""
+        (with no live worker left, whatever is pending closes)? (Asked on every push: the
+        counts answer no in O(1) until enough workers are in; then it stops at the first
+        worker missing.)"""
         if not started or not self.has_pending():
             return False
         pending, behind = self._pending, self._behind
+        if len(pending) + len(behind) < len(live):  # each waited worker is in one of the two (they may hold others)
+            return False
         return all(pending.get(w) or w in behind for w in live)
 
     def deadline(self, started: bool) -> float | None:

@@ -76,6 +76,10 @@ class Membership:
         self.started = False  # set once `expected` workers have been registered and live together
         self.stepped = False  # a step has closed (since start, or the job resumed from a checkpoint)
         self._next_id = 0
+        self._waited: tuple[int, ...] | None = None  # waited()'s answer until the live set or a flag changes
+
+    def _changed(self) -> None:
+        self._waited = None
 
     def ids(self) -> list[int]:
         return sorted(self.live)
@@ -110,6 +114,7 @@ class Membership:
                 old.routing_id, old.gone_at = routing_id, None
                 old.last_seen = old.last_request = self._clock()
                 self.live[want] = old
+                self._changed()
                 return old
         if len(self.live) >= self.max_workers:
             raise ServerError(f"join refused: {len(self.live)} live workers, the server's limit "
@@ -130,28 +135,36 @@ class Membership:
         info.last_seen = info.last_request = self._clock()
         self.gone.pop(wid, None)
         self.live[wid] = info
+        self._changed()
         return info
 
     def register(self, info: WorkerInfo) -> None:
         """``info``'s worker registered the model: it takes part, and is waited for at once
         if the job's first step has not closed yet."""
         info.registered = True
-        info.waited = info.waited or not self.stepped
+        if not info.waited and not self.stepped:
+            info.waited = True
+            self._changed()
         if sum(i.registered for i in self.live.values()) >= self.expected:
             self.started = True
 
     def pushed(self, worker: int) -> None:
         """A push of ``worker`` arrived: from now on steps wait for it."""
         info = self.live.get(worker)
-        if info is not None:
+        if info is not None and not info.waited:
             info.waited = True
+            self._changed()
 
-    def waited(self) -> list[int]:
-        """The live workers steps wait for."""
-        return [w for w, i in self.live.items() if i.waited]
+    def waited(self) -> tuple[int, ...]:
+        """The live workers steps wait for (asked on every push: kept until the live set
+        or a worker's flag changes, so a push does not walk the live workers)."""
+        if self._waited is None:
+            self._waited = tuple(w for w, i in self.live.items() if i.waited)
+        return self._waited
 
     def leave(self, worker: int) -> None:
-        self.live.pop(worker, None)
+        if self.live.pop(worker, None) is not None:
+            self._changed()
 
     def sweep(self, timeout: float, now: float | None = None) -> list[int]:
         """Declare gone the live workers not heard from for ``timeout`` seconds (and
@@ -167,6 +180,8 @@ class Membership:
             info.gone_at = now
             self.gone[w] = info
             self.gone.move_to_end(w)
+        if out:
+            self._changed()
         while len(self.gone) > self.max_workers:
             self.gone.popitem(last=False)
         return out
@@ -181,6 +196,7 @@ class Membership:
         info.gone_at = None
         info.last_seen = info.last_request = self._clock()
         self.live[worker] = info
+        self._changed()
         return info
 
     def heartbeat(self, worker: int, session: int, key: str) -> tuple[WorkerInfo, bool]:
@@ -195,6 +211,7 @@ class Membership:
                 del self.gone[worker]
                 old.gone_at = None
                 self.live[worker] = info = old
+                self._changed()
                 revived = True
         if info is None or info.session != session or info.key != key:
             raise NotRegistered(f"worker {worker} with this session is not known to the server (restarted, or "
@@ -221,6 +238,8 @@ class Membership:
         gone = [w for w, i in self.live.items() if i.key == key]
         for w in gone:
             del self.live[w]
+        if gone:
+            self._changed()
         return gone
 
     def check(self, routing_id: bytes, worker: int, *, registered: bool = True) -> WorkerInfo:
