@@ -126,6 +126,28 @@ def test_rising_rate_is_followed_within_a_few_rounds():
     assert exchange_s(c, 300.0) <= 0.8 * COMPUTE
 
 
+def test_the_first_push_is_the_cheapest_and_the_first_measured_round_rises_to_what_the_link_carries():
+    """Nothing measured the link before the first push: it is the cheapest candidate (a
+    ceiling push over a slow link stalled the first round 0.9-1.3 s, bench.adaptive), and
+    the first measured round already rises to what hides: the ceiling on a LAN, and on a
+    30 Mbit/s link a candidate that hides there, above the floor."""
+    for rate, expect in ((1e5, (0.1, "f16")), (30.0, None)):
+        c = adaptive()
+        d = c.first()
+        assert (d.density, d.value_dtype) == (c.density, c.value_dtype) == (0.001, "q2")
+        c.observe(link_round(c, rate))
+        if expect is not None:
+            assert (c.density, c.value_dtype) == expect
+        else:
+            assert c.density > 0.001 and exchange_s(c, rate) <= 0.8 * COMPUTE
+    c = adaptive()
+    run(c, [100.0] * 3)
+    taken = (c.density, c.value_dtype)
+    assert c.first().reason == "unchanged" and (c.density, c.value_dtype) == taken  # measured: no prior
+    pinned = Controller(density=0.05, floor=0.05, ceiling=0.05, codings=("f16",))
+    assert pinned.first().reason == "unchanged" and pinned.density == 0.05
+
+
 def test_the_servers_step_counts_and_shrinks_with_the_density():
     """A server that takes 0.1 s per step at the ceiling (it grows with the coordinates
     pushed) leaves less of the compute for the link: a lower density than on the same
@@ -622,6 +644,35 @@ def _capped_job(endpoint: str, width: int, pause_s: float, steps: int) -> tuple[
     out = opt.stats.max_density, opt.stats.density
     opt.close()
     return out
+
+
+def test_a_workers_first_push_is_the_cheapest_and_loopback_takes_it_up_to_the_ceiling(make_server):
+    """Through a real stella-ps on loopback: the first push of a worker with the library's
+    defaults is the floor's (0.1%: a few kB of a 0.26M-parameter layer, not the ceiling's
+    10%), and once rounds measured the link's room the density is back at the ceiling."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    opt = StellaOptimizer(model, make_server(1).endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                          connection=Connection(timeout=10))
+    x = torch.randn(4, 512)
+    opt.synchronize()  # registered: what the client sent so far is the registration
+    client = opt.rounds.client
+    assert client is not None
+    registered = client.bytes_pushed
+    densities_seen, first_bytes = [], 0
+    for i in range(30):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        time.sleep(0.02)
+        opt.step()
+        densities_seen.append(opt.stats.density)
+        if i == 0:
+            opt.synchronize()  # the first round done: its push sent
+            first_bytes = client.bytes_pushed - registered
+    opt.close()
+    assert densities_seen[0] == 0.001, densities_seen
+    assert 0 < first_bytes < 0.01 * 4 * 512 * 512, first_bytes  # 1% of the float32 model
+    assert densities_seen[-1] == 0.1, densities_seen
 
 
 def test_a_worker_whose_rounds_work_is_its_step_lowers_its_cap_and_one_with_compute_to_spare_keeps_it(make_server):

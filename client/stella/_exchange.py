@@ -138,7 +138,8 @@ class _Exchange:
         self.params = params
         self._names = list(params)
         c = compression
-        # the controller's first candidate (stella.adapt): the density pinned or its ceiling, the best coding;
+        # the compressor's density and coding until the first push (stella.adapt's Controller.first moves an
+        # adaptive one to its cheapest candidate then): the density pinned or its ceiling, the best coding;
         # values are rounded to the wire coding inside the compressor, the rounding error kept in the residual
         self._first = (c.max_density if c.density == "auto" else float(c.density), c.method,
                        self.codings[0] if c.value_dtype == "auto" else c.value_dtype)

@@ -281,7 +281,13 @@ class Rounds:
         """Feed the controller the round just finished and set the next push's density
         and coding (the thread is idle now), then note the round about to start."""
         m, self._measure = self._measure, None
-        if m is not None and self._step_compute:
+        if m is None and self.leads and self.stats.rounds == 0:
+            # the first push: nothing measured the link yet (stella.adapt, "The first push")
+            d = self.controller.first()
+            if d.density != self.compressor.density:
+                self.compressor.set_density(d.density)
+            self.compressor.value_dtype = d.value_dtype
+        elif m is not None and self._step_compute:
             # the computation a round offers at the least H (a round that ran on offered more)
             every = self.exchange.sync_every
             compute = statistics.median(self._step_compute) * every

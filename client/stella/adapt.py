@@ -83,6 +83,15 @@ cap moves at most a decade below what was measured. It moves at most once a ``wi
 of rounds; no candidate above it is taken, and a current one above it moves down at
 once. Until a density has three rounds measured the cap is the ceiling.
 
+The first push. Before any round is measured nothing says what the link carries, and a
+push at the ceiling over a slow link stalls the first round for many steps (a 9.7M-parameter
+model's 10% in f16, 2.5 MB up and 1.6 MB down, waited 0.9-1.3 s at the test bed's 30-300
+Mbit/s against a 0.07 s step: bench.adaptive, 2026-12-05), and the first step's compute is not
+known either (the first push follows the first step). So the first push
+(:meth:`Controller.first`) is the cheapest candidate, and the first measured round may already
+rise to what the link has room for (a small push's latency makes the link look slower than it
+is, so that rise errs low; the rounds after it rise further as above).
+
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
 ``max_sync_every``; gradient mode, when ``max_accumulate`` turns it on: more
@@ -450,6 +459,16 @@ class Controller:
         push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c), cautious)
         pull = self._down.predict(self._pull_per_bit * pull_bits(d, self.broadcast), cautious)
         return self._compress_s + push + self._server.predict(d, cautious) + pull
+
+    def first(self) -> Decision:
+        """The first push's candidate, before any round is measured (module doc): the
+        cheapest, and the first measured round may already rise. No change once a round
+        was measured, or pinned."""
+        if self.pinned or self._up.measured:
+            return Decision(self.density, self.value_dtype, self.predict(self.current), "unchanged")
+        self.current = len(self.candidates) - 1
+        self._since_change = self.window  # from the first measurement a better candidate may be taken
+        return Decision(self.density, self.value_dtype, 0.0, "nothing measured yet: the cheapest push")
 
     def observe(self, m: RoundMeasure) -> Decision:
         """Learn from one round, measured at the current candidate; returns the next push's."""
