@@ -117,6 +117,18 @@ def test_falling_rate_is_followed_within_a_few_rounds():
     assert c.candidates.index((c.density, c.value_dtype)) > c.candidates.index(fast)
 
 
+def test_a_link_that_falls_several_fold_is_followed_after_two_rounds():
+    """Two rounds in a row at a third of what the window predicted are a fall, not a slow
+    acknowledgement: the rounds before it are forgotten and the next push hides on the
+    slower link (without it the fastest of the window held the old rate for five rounds).
+    On a steady link single rounds at 30% do not trigger it (the test above)."""
+    c = adaptive()
+    run(c, [300.0] * 10)
+    history = run(c, [30.0] * 2)
+    assert exchange_s(c, 30.0) <= 0.8 * COMPUTE, history
+    assert c.up_bps == pytest.approx(30e6 / 8, rel=0.05)
+
+
 def test_rising_rate_is_followed_within_a_few_rounds():
     c = adaptive()
     run(c, [30.0] * 10)

@@ -61,3 +61,20 @@ def test_slow_scenario_machinery_on_loopback(tmp_path):
     assert "adaptive_slow" in text and "bound" in text
     A.plot({"slow": out}, str(tmp_path / "adaptive.png"))
     assert (tmp_path / "adaptive.png").stat().st_size > 10_000
+
+
+def test_adapt_links_fall_detection_waits_less_on_the_fluctuating_links_and_not_more_on_a_steady_one(tmp_path):
+    """bench.adapt_links (the controller alone over simulated rounds on this bench's link
+    schedules): with its fall detection the controller waits less on the fluctuating links,
+    and a steady link that rounds measure at 30-100% of changes its choice no more often."""
+    import json
+
+    from bench import adapt_links
+
+    out = tmp_path / "links.json"
+    assert adapt_links.main(["--seeds", "3", "--rounds", "300", "--json", str(out)]) == 0
+    rows = {(r["rounds measure"], r["fall detection"]): r for r in json.loads(out.read_text())["rows"]}
+    for measure in ("30-100% of the link", "all of the link"):
+        off, on = rows[measure, False], rows[measure, True]
+        assert on["waited"] < 0.8 * off["waited"], (off, on)
+        assert on["steady changes in 60"] <= off["steady changes in 60"]

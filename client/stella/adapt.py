@@ -16,7 +16,14 @@ answers late), which only ever makes a measurement slower than the link: on the 
 bed at a steady 115 Mbit/s single rounds measured 30 to 110. The fastest of five
 follows a rise at once and a fall in five rounds; against rounds that measure
 uniformly 30-100% of the link it changes its choice about twice in 60 rounds, the
-second fastest about six times, the median more (tests/test_adapt.py). A candidate
+second fastest about six times, the median more (tests/test_adapt.py). A fall of
+:data:`FALL` (3) times or more is followed in :data:`FALL_ROUNDS` (2): when that many
+rounds in a row each took more than three times what the window predicted, the window
+keeps only them (a late acknowledgement is one round; the test bed's links drop 2-10x at
+once, and each drop cost up to five rounds of waiting: over simulated rounds on its
+schedules, ``python -m bench.adapt_links``, the share of time waited 0.23 -> 0.10 with
+exact rounds, 0.38 -> 0.25 with rounds measuring 30-100% of the link, and no more changes
+on a steady one). A candidate
 ``(density, coding)`` would take ``compress + push' + server' + pull'``. Each of the
 last three is ``fixed + per_unit * size``: the push's size is its bytes, scaled from
 those measured at the current candidate by the coded size of a coordinate (value bits
@@ -272,6 +279,9 @@ class _Work:
 
 
 SURPRISE = 1.25  # a change of candidate whose cost differs more than this from the prediction teaches ``fixed``
+# a fall: this many rounds in a row, each slower than FALL times what the window predicted, and the window keeps only
+# them (on a steady link single rounds measure 30-110% of its rate; the test bed's drops are 2-10x)
+FALL, FALL_ROUNDS = 3.0, 2
 
 
 class _Cost:
@@ -286,6 +296,7 @@ class _Cost:
     def __init__(self, window: int):
         self.recent: deque[tuple[int, float, float]] = deque(maxlen=window)  # (candidate, size, seconds)
         self._fixed = 0.0
+        self._slow = 0  # the latest rounds in a row that took FALL times their prediction or more
         self._lines: deque[float] = deque(maxlen=2)  # the intercepts of the latest two surprises
         self._before: tuple[float, float] | None = None  # the fastest round before the latest change
         self._after: list[tuple[float, float]] = []  # the rounds since, until a window is full
@@ -303,12 +314,20 @@ class _Cost:
         return max((x / t for _, x, t in self.recent if t > 0.0), default=0.0)
 
     def add(self, candidate: int, size: float, seconds: float) -> None:
+        if self.recent and seconds > FALL * self.predict(size):
+            self._slow += 1
+        else:
+            self._slow = 0
         self._parts = None
         if self.recent and self.recent[-1][0] != candidate:
             old = self.recent[-1][0]
             self._before = min(((x, t) for c, x, t in self.recent if c == old), key=lambda xt: xt[1])
             self._after = []
         self.recent.append((candidate, size, seconds))
+        if self._slow >= FALL_ROUNDS:  # the link fell: what it carried before no longer says what it carries
+            while len(self.recent) > FALL_ROUNDS:
+                self.recent.popleft()
+            self._before = None  # nor does a change of candidate across the fall teach ``fixed``
         if self._before is None:
             return
         self._after.append((size, seconds))
