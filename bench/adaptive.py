@@ -27,6 +27,9 @@ Time to target is rank 0's training clock (from its first step, evaluations left
 lag`` is how long after the first worker began training the last one did (a worker that pulls
 the model as a snapshot over its link starts that much later, and the others' first steps wait
 for it), and ``from the first start`` is the time to target from the first worker's start.
+``wait`` is each worker's share of its time spent waiting for its exchange; in brackets the same
+over its iterations clear of worker 0's evaluations (while worker 0 evaluates, the others finish
+their step and wait for its push: with 0.1% pushes that alone was 13-19% of worker 1's time).
 
 Output: a table per scenario on stdout, ``--json PATH`` (every per-iteration record of
 every worker, the link schedules and ``bed.rate_log``, machine and load average) and
@@ -51,13 +54,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench import workloads as W
-from bench.harness import REPO, WARMUP_ITERS, collect_ranks, loadavg
+from bench.harness import REPO, WARMUP_ITERS, clear_of, collect_ranks, evaluation_stalls, loadavg
 
 SCENARIOS = ("fluctuating", "slow", "steady")
 PS_RATE = 1000.0
 PIN_H = 1  # the pinned systems' local steps per round (bench.e2e's "stella": H = 1)
 LO, HI = 30.0, 300.0  # the fluctuating links' range, Mbit/s
 MEANS = {"a": 130.0, "b": 100.0}  # ... and their means (overall ~115)
+SETTLE_ITERS = 2  # iterations after one of worker 0's evaluations before the workers are in step again
 SLOW_RATE, STEADY_RATE = 115.0, 100.0
 
 # run_stella keywords: the library's defaults (nothing passed) ...
@@ -262,17 +266,26 @@ def _steady(iters: list[dict]) -> list[dict]:
     return iters[min(WARMUP_ITERS, max(0, len(iters) - 1)):]
 
 
+def _share(waits: list[dict]) -> float | None:
+    return sum(x["net_wait"] for x in waits) / sum(x["iter"] for x in waits) if waits else None
+
+
 def stats_of(res: dict) -> dict:
-    """The table's figures from a run's records (per worker where it says so)."""
+    """The table's figures from a run's records (per worker where it says so). ``wait_share``
+    counts every steady iteration; ``link_wait_share`` those clear of worker 0's evaluations
+    (:func:`bench.harness.evaluation_stalls`, settling for two iterations after each): a wait
+    there is the job's stall for the evaluation, not the exchange's."""
     ranks = [r for r in res.get("ranks") or [] if r]
     per: list[dict[str, Any]] = []
+    med = [statistics.median(x["iter"] for x in _steady(r["iters"])) for r in ranks if r["iters"]]
+    stalls = evaluation_stalls(ranks[0], SETTLE_ITERS * max(med)) if ranks and med else []
     for r in ranks:
         it = _steady(r["iters"])
         if not it:
             per.append({})
             continue
-        d = {"s_per_it": statistics.median(x["iter"] for x in it),
-             "wait_share": sum(x["net_wait"] for x in it) / max(1e-12, sum(x["iter"] for x in it)),
+        d = {"s_per_it": statistics.median(x["iter"] for x in it), "wait_share": _share(it),
+             "link_wait_share": _share([x for x in it if "t_epoch" in x and clear_of(x, stalls)]),
              "compute": statistics.median(x["compute"] for x in it), "steps": r.get("steps"),
              "rounds": r.get("rounds", r.get("steps"))}
         if "bytes_up" in it[0]:  # veth bytes both ways over the rounds those iterations started
@@ -348,7 +361,7 @@ def _fmt(v, spec=".2f", none="-"):
 
 def table(scenario: str, results: list[dict]) -> str:
     lines = [f"## {scenario}",
-             "| system | time to target (s) | it to target | s/it w0 / w1 | wait w0 / w1 | kB/round | "
+             "| system | time to target (s) | it to target | s/it w0 / w1 | wait w0 / w1 (clear of evals) | kB/round | "
              "density final w0,w1; median | codings | H range (acc) | final metric | start lag (s) | "
              "from the first start (s) |",
              "|" + "---|" * 12]
@@ -360,7 +373,11 @@ def table(scenario: str, results: list[dict]) -> str:
         s = r["stats"]
         pw = s["per_worker"] + [{}] * (2 - len(s["per_worker"]))
         spi = " / ".join(_fmt(w.get("s_per_it"), ".3f") for w in pw)
-        wait = " / ".join(_fmt(100 * w["wait_share"], ".0f") + "%" if "wait_share" in w else "-" for w in pw)
+        wait = " / ".join(_fmt(100 * w["wait_share"], ".0f") + "%" if w.get("wait_share") is not None else "-"
+                          for w in pw)
+        clear = [w.get("link_wait_share") for w in pw]
+        if any(v is not None for v in clear):
+            wait += " (" + " / ".join("-" if v is None else f"{100 * v:.0f}%" for v in clear) + ")"
         bpr = _fmt(s["bytes_per_round"] / 1e3, ".0f") if s.get("bytes_per_round") is not None else "-"
         if "density_median" in s:
             dens = ",".join(_fmt(w.get("density_final"), ".3g") for w in pw) + f"; {s['density_median']:.3g}"

@@ -18,12 +18,13 @@ their numbers are taken the same way:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue as queues
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["REPO", "veth_counters", "site_iface", "IterRecorder", "TrainClock", "launch_workers", "wait_workers",
@@ -118,6 +119,23 @@ class TrainClock:
         if self.reached is None and self.wl.reached(m):
             self.reached = {"step": step, "wall": self.evals[-1]["wall"]}
         return m
+
+
+def evaluation_stalls(rank0: Mapping[str, Any], settle_s: float) -> list[tuple[float, float]]:
+    """The epoch spans in which worker 0 held the job up to evaluate (between the step it
+    evaluated after and its next one), each stretched by ``settle_s`` after its end: while
+    worker 0 evaluates the others finish the step in hand, push, and wait for its push, so a
+    wait there is the benchmark's, not the link's."""
+    evals = {e["step"] for e in rank0.get("evals", [])}
+    its = rank0.get("iters") or []
+    return [(a["t_epoch"], b["t_epoch"] - b["iter"] + settle_s) for a, b in itertools.pairwise(its)
+            if a["step"] in evals]
+
+
+def clear_of(x: Mapping[str, Any], stalls: Sequence[tuple[float, float]]) -> bool:
+    """Whether iteration record ``x`` (its ``t_epoch`` end and ``iter`` length) overlaps none of ``stalls``."""
+    lo, hi = x["t_epoch"] - x["iter"], x["t_epoch"]
+    return not any(lo < end and hi > begin for begin, end in stalls)
 
 
 # ============================================================ the launcher side

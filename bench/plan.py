@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.harness import REPO, loadavg
+from bench.harness import REPO, clear_of, evaluation_stalls, loadavg
 from bench.wan import TBF_QUEUE_MS, tbf_burst_bytes
 from stella.codec import coordinate_bits
 from stella.planning.calibrate import fit_many, observation
@@ -540,15 +540,8 @@ def clean_measure(ranks: Sequence[Mapping[str, Any]], h: int, skewed: bool = Fal
 
     per_round = [steps_per_round(i, w) for i, w in enumerate(warm)]
     settle = SETTLE_ROUNDS * max(statistics.median(x["iter"] for x in w) * pr for w, pr in zip(warm, per_round))
-    evals = {e["step"] for e in ranks[0].get("evals", [])}
-    its0 = ranks[0]["iters"]
-    stalls = [(a["t_epoch"], epoch_span(b)[0] + settle) for a, b in itertools.pairwise(its0) if a["step"] in evals]
-
-    def clear(x: Mapping[str, Any]) -> bool:
-        lo, hi = epoch_span(x)
-        return not any(lo < end and hi > begin for begin, end in stalls)
-
-    clean = [[x for x in w if clear(x)] for w in warm]
+    stalls = evaluation_stalls(ranks[0], settle)
+    clean = [[x for x in w if clear_of(x, stalls)] for w in warm]
     clean = [c if len(c) >= 3 else w for c, w in zip(clean, warm)]  # too few: the warm iterations, stalls and all
     paces = [statistics.mean(x["iter"] for x in c) * pr for c, pr in zip(clean, per_round)]
     slow = max(range(len(ranks)), key=lambda i: statistics.mean(x["compute"] for x in clean[i]))

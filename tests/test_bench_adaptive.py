@@ -78,3 +78,26 @@ def test_adapt_links_fall_detection_waits_less_on_the_fluctuating_links_and_not_
         off, on = rows[measure, False], rows[measure, True]
         assert on["waited"] < 0.8 * off["waited"], (off, on)
         assert on["steady changes in 60"] <= off["steady changes in 60"]
+
+
+def test_a_workers_wait_for_worker_0s_evaluation_is_not_counted_as_the_links():
+    """Worker 0 evaluates between two of its steps and worker 1 waits for it: the table's
+    wait counts that stall, the wait clear of evaluations does not; a wait elsewhere counts
+    in both."""
+
+    def it(step, end, iter_s, wait):
+        return {"step": step, "t_epoch": end, "iter": iter_s, "net_wait": wait, "compute": iter_s - wait,
+                "rounds": step, "density": 0.01}
+
+    # worker 0: steps of 0.1 s; after step 10 it evaluates for 1 s
+    w0 = [it(s, 0.1 * s + (1.0 if s > 10 else 0.0), 0.1, 0.0) for s in range(1, 31)]
+    # worker 1: waits 1 s at step 11 (the stall) and 0.05 s at step 25 (the link)
+    w1 = [it(s, 0.1 * s + (1.0 if s > 10 else 0.0) + (0.05 if s >= 25 else 0.0),
+             0.1 + (1.0 if s == 11 else 0.05 if s == 25 else 0.0), 1.0 if s == 11 else 0.05 if s == 25 else 0.0)
+          for s in range(1, 31)]
+    ranks = [{"iters": w0, "evals": [{"step": 10, "wall": 1.0, "metric": 0.5}]}, {"iters": w1, "evals": []}]
+    s = A.stats_of({"ranks": ranks, "reached": None})
+    one = s["per_worker"][1]
+    assert one["wait_share"] > 0.25  # the stall and the link
+    assert 0.0 < one["link_wait_share"] < 0.03  # the link's 0.05 s alone
+    assert s["per_worker"][0]["link_wait_share"] == 0.0
