@@ -30,6 +30,7 @@ from typing import Any
 
 import stella.adapt as adapt
 from bench.adaptive import rate_schedule
+from bench.harness import loadavg
 from stella.adapt import Controller, RoundMeasure, pull_bits
 from stella.codec import coordinate_bits
 from stella.protocol import BroadcastInfo
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--period", type=float, default=20.0, help="rounds a link level holds, on average")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
+    load = loadavg()
     rows: list[dict[str, Any]] = []
     for noise in (0.7, 0.0):
         for on in (False, True):
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                          **{k: statistics.mean(r[k] for r in runs) for k in runs[0]},
                          "steady changes in 60": statistics.mean(steady), "steady max": max(steady)})
     print(f"# python -m bench.adapt_links {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
-    print(f"# {a.seeds} seeds x {a.rounds} rounds, {a.compute} s of compute a round, a level every {a.period} rounds")
+    print(f"# {a.seeds} seeds x {a.rounds} rounds, {a.compute} s of compute a round, a level every {a.period} rounds;"
+          f" load average at start {load}")
     print("| rounds measure | fall detection | waited | mean density | decisions | steady: changes in 60 (max) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['steady max']}) |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(a), "load_at_start": load, "rows": rows}, f, indent=1)
     return 0
 
 

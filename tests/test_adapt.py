@@ -22,6 +22,7 @@ from stella.adapt import (
     LOCAL_STEP_COST,
     Controller,
     RoundMeasure,
+    _Cost,
     densest_worth,
     densities,
     local_steps,
@@ -127,6 +128,16 @@ def test_a_link_that_falls_several_fold_is_followed_after_two_rounds():
     history = run(c, [30.0] * 2)
     assert exchange_s(c, 30.0) <= 0.8 * COMPUTE, history
     assert c.up_bps == pytest.approx(30e6 / 8, rel=0.05)
+    # a push 100x smaller that takes as long (a round trip's worth) is the fixed part's test, not a fall
+    cost = _Cost(5)
+    for _ in range(5):
+        cost.add(0, 1e6, 0.2)
+    cost.add(9, 1e4, 0.19)
+    cost.add(9, 1e4, 0.19)
+    assert len(cost.recent) == 5
+    for _ in range(2):  # the same candidate's rounds 10x slower: a fall
+        cost.add(9, 1e4, 1.9)
+    assert [t for _, _, t in cost.recent] == [1.9, 1.9]
 
 
 def test_rising_rate_is_followed_within_a_few_rounds():

@@ -18,8 +18,9 @@ follows a rise at once and a fall in five rounds; against rounds that measure
 uniformly 30-100% of the link it changes its choice about twice in 60 rounds, the
 second fastest about six times, the median more (tests/test_adapt.py). A fall of
 :data:`FALL` (3) times or more is followed in :data:`FALL_ROUNDS` (2): when that many
-rounds in a row each took more than three times what the window predicted, the window
-keeps only them (a late acknowledgement is one round; the test bed's links drop 2-10x at
+rounds in a row at one candidate each took more than three times what the window predicted,
+the window keeps only them (a late acknowledgement is one round; a change of candidate is
+the test of ``fixed`` below, not of the link; the test bed's links drop 2-10x at
 once, and each drop cost up to five rounds of waiting: over simulated rounds on its
 schedules, ``python -m bench.adapt_links``, the share of time waited 0.23 -> 0.10 with
 exact rounds, 0.38 -> 0.25 with rounds measuring 30-100% of the link, and no more changes
@@ -279,8 +280,8 @@ class _Work:
 
 
 SURPRISE = 1.25  # a change of candidate whose cost differs more than this from the prediction teaches ``fixed``
-# a fall: this many rounds in a row, each slower than FALL times what the window predicted, and the window keeps only
-# them (on a steady link single rounds measure 30-110% of its rate; the test bed's drops are 2-10x)
+# a fall: this many rounds in a row at one candidate, each slower than FALL times what the window predicted, and the
+# window keeps only them (on a steady link single rounds measure 30-110% of its rate; the test bed's drops are 2-10x)
 FALL, FALL_ROUNDS = 3.0, 2
 
 
@@ -314,7 +315,9 @@ class _Cost:
         return max((x / t for _, x, t in self.recent if t > 0.0), default=0.0)
 
     def add(self, candidate: int, size: float, seconds: float) -> None:
-        if self.recent and seconds > FALL * self.predict(size):
+        # at the candidate of the round before only: a change of candidate is the fixed part's test (a smaller push
+        # over a link whose round trip dominates takes far more than its share), not the link's
+        if self.recent and self.recent[-1][0] == candidate and seconds > FALL * self.predict(size):
             self._slow += 1
         else:
             self._slow = 0
