@@ -27,8 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["REPO", "veth_counters", "site_iface", "IterRecorder", "TrainClock", "launch_workers", "wait_workers",
-           "collect_ranks", "log_tails", "summarize", "fmt_summary"]
+__all__ = ["REPO", "veth_counters", "site_iface", "IterRecorder", "TrainClock", "evaluation_stalls", "clear_of",
+           "launch_workers", "wait_workers", "collect_ranks", "log_tails", "summarize", "fmt_summary"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cwd of every child: `-m bench.X` resolves
 WARMUP_ITERS = 2  # left out of the medians (DDP bucket rebuild, PowerSGD start, first pulls)
