@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .adapt import Controller, RoundMeasure, local_steps
+from .adapt import Controller, Decision, RoundMeasure, local_steps
 from .client import Client, PullResult
 from .errors import PipelineError, Stopped
 from .flat import FlatPush
@@ -283,20 +283,14 @@ class Rounds:
         m, self._measure = self._measure, None
         if m is None and self.leads and self.stats.rounds == 0:
             # the first push: nothing measured the link yet (stella.adapt, "The first push")
-            d = self.controller.first()
-            if d.density != self.compressor.density:
-                self.compressor.set_density(d.density)
-            self.compressor.value_dtype = d.value_dtype
+            self._take(self.controller.first())
         elif m is not None and self._step_compute:
             # the computation a round offers at the least H (a round that ran on offered more)
             every = self.exchange.sync_every
             compute = statistics.median(self._step_compute) * every
             own = statistics.median(self._own_compute) * every if self._own_compute else 0.0
-            d = self.controller.observe(dataclasses.replace(m, compute_s=compute, own_compute_s=own,
-                                                            workers=self.job_size))
-            if d.density != self.compressor.density:
-                self.compressor.set_density(d.density)
-            self.compressor.value_dtype = d.value_dtype
+            self._take(self.controller.observe(dataclasses.replace(m, compute_s=compute, own_compute_s=own,
+                                                                   workers=self.job_size)))
             s = self.stats
             s.up_mbps, s.down_mbps = 8e-6 * self.controller.up_bps, 8e-6 * self.controller.down_bps
             s.decisions, s.max_density = self.controller.decisions, self.controller.max_density
@@ -305,6 +299,12 @@ class Rounds:
         s.density, s.value_dtype = self.compressor.density, self.compressor.value_dtype
         s.sync_every, s.accumulate = self.exchange.round_steps, self.exchange.round_batches
         s.least_every = self.exchange.sync_every
+
+    def _take(self, d: Decision) -> None:
+        """Give the compressor the controller's choice for the next push."""
+        if d.density != self.compressor.density:
+            self.compressor.set_density(d.density)
+        self.compressor.value_dtype = d.value_dtype
 
     def _choose_local_steps(self) -> None:
         """``Sync(every="auto")``: the least local steps of the rounds after the next, from

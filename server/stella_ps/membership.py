@@ -81,6 +81,10 @@ class Membership:
     def _changed(self) -> None:
         self._waited = None
 
+    def _put_live(self, worker: int, info: WorkerInfo) -> None:
+        self.live[worker] = info
+        self._changed()
+
     def ids(self) -> list[int]:
         return sorted(self.live)
 
@@ -113,8 +117,7 @@ class Membership:
                 del self.gone[want]  # the same client back: its state (push dedup) goes on
                 old.routing_id, old.gone_at = routing_id, None
                 old.last_seen = old.last_request = self._clock()
-                self.live[want] = old
-                self._changed()
+                self._put_live(want, old)
                 return old
         if len(self.live) >= self.max_workers:
             raise ServerError(f"join refused: {len(self.live)} live workers, the server's limit "
@@ -134,8 +137,7 @@ class Membership:
         info = WorkerInfo(wid, routing_id, name, key, fingerprint)
         info.last_seen = info.last_request = self._clock()
         self.gone.pop(wid, None)
-        self.live[wid] = info
-        self._changed()
+        self._put_live(wid, info)
         return info
 
     def register(self, info: WorkerInfo) -> None:
@@ -195,8 +197,7 @@ class Membership:
         del self.gone[worker]
         info.gone_at = None
         info.last_seen = info.last_request = self._clock()
-        self.live[worker] = info
-        self._changed()
+        self._put_live(worker, info)
         return info
 
     def heartbeat(self, worker: int, session: int, key: str) -> tuple[WorkerInfo, bool]:
@@ -210,8 +211,8 @@ class Membership:
             if old is not None and old.session == session and old.key == key and (old.registered or old.registering):
                 del self.gone[worker]
                 old.gone_at = None
-                self.live[worker] = info = old
-                self._changed()
+                self._put_live(worker, old)
+                info = old
                 revived = True
         if info is None or info.session != session or info.key != key:
             raise NotRegistered(f"worker {worker} with this session is not known to the server (restarted, or "
