@@ -267,7 +267,7 @@ def _steady(iters: list[dict]) -> list[dict]:
 
 
 def _share(waits: list[dict]) -> float | None:
-    return sum(x["net_wait"] for x in waits) / sum(x["iter"] for x in waits) if waits else None
+    return sum(x["net_wait"] for x in waits) / max(1e-12, sum(x["iter"] for x in waits)) if waits else None
 
 
 def stats_of(res: dict) -> dict:
