@@ -4,10 +4,11 @@ bench.sim_update's workers), a server of its own per run, worker 0's held-out lo
 against dense's (issue 43: "show that the two agree").
 
     python -m bench.sim_real --workload tinylm --workers 8 --density 0.1 --seeds 0,1,2 \\
-        --steps 300 --batch-noise both [--outer auto] [--json PATH]
+        --steps 300 --batch-noise both [--outer auto] [--moment-power auto|P] [--json PATH]
 
 Each worker is a ``StellaOptimizer`` with the workload's inner optimizer, H = 1, f16
-pushes at ``--density`` (pinned), the server's default broadcast, CurveZMQ on loopback.
+pushes at ``--density`` (pinned; ranked by ``Compression(moment_power=...)``, ``--moment-power``,
+the default ``auto``), the server's default broadcast, CurveZMQ on loopback.
 ``--batch-noise``: ``on`` (each batch's halves accumulated as two backward passes, which
 the optimizer's default ``BatchNoise`` splits; its world the server's), ``off``
 (``batch_noise=None``: plain Adam steps, one backward pass) or ``both``. The figure is
@@ -38,13 +39,14 @@ __all__ = ["train", "main"]
 
 def train(endpoint: str, outer: str, *, world: int = 8, seed: int = 0, density: float = 0.03, noise: bool = False,
           workload: str = "adamlp", steps: int = 150, eval_every: int = 5,
-          keys: dict[str, str] | None = None) -> Curve:
+          keys: dict[str, str] | None = None, moment_power: float | str = "auto") -> Curve:
     """``world`` workers in threads through the server at ``endpoint``; worker 0's held-out
     loss curve. ``noise``: each worker's batch halves accumulated one after the other (two
     backward passes, which the optimizer's default BatchNoise splits itself; its world read
     off the server: at mid-run every worker's must be ``world``, else RuntimeError);
     otherwise one backward pass and ``batch_noise=None``. ``keys``: the CurveZMQ keys
-    (``ServerProcess.client_kwargs()``; None: the environment's)."""
+    (``ServerProcess.client_kwargs()``; None: the environment's). ``moment_power``: the
+    pushes' ``Compression(moment_power=...)``."""
     wl = WL.get(workload)
     models = [wl.build_model(seed) for _ in range(world)]  # before the threads: torch's RNG is global
     curve = Curve()
@@ -59,7 +61,8 @@ def train(endpoint: str, outer: str, *, world: int = 8, seed: int = 0, density: 
             model = models[rank]
             opt = StellaOptimizer(model, endpoint, optimizer=wl.make_optimizer(model.parameters()), outer=outer,
                                   sync=Sync(every=1, max_every=1),
-                                  compression=Compression(density=density, value_dtype="f16"),
+                                  compression=Compression(density=density, value_dtype="f16",
+                                                          moment_power=moment_power),
                                   connection=Connection(timeout=120, worker_id=rank, **(keys or {})),
                                   **({} if noise else {"batch_noise": None}))
             batches = wl.batches(rank, world, wl.batch_size, seed)
@@ -111,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--batch-noise", default="both", choices=("on", "off", "both"))
+    ap.add_argument("--moment-power", default="auto", help="the pushes' Compression(moment_power=...): auto or P")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from stella_ps.process import ServerProcess
 
     seeds = [int(s) for s in a.seeds.split(",")]
+    power: float | str = a.moment_power if a.moment_power == "auto" else float(a.moment_power)
     modes = {"on": [True], "off": [False], "both": [False, True]}[a.batch_noise]
     rows: list[dict[str, Any]] = []
-    print(f"{'workload':9} {'W':>3} {'density':>8} {'outer':8} {'BatchNoise':10} {'ratio':>6}  seeds", flush=True)
+    print(f"{'workload':9} {'W':>3} {'density':>8} {'outer':8} {'moment':>6} {'BatchNoise':10} {'ratio':>6}  seeds",
+          flush=True)
     for noise in modes:
         ratios = []
         t0 = time.time()
@@ -126,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
             dense = run_dense(a.workload, a.workers, seed, a.steps, a.eval_every)
             with ServerProcess(a.workers) as srv:
                 curve = train(srv.endpoint, a.outer, world=a.workers, seed=seed, density=a.density, noise=noise,
-                              workload=a.workload, steps=a.steps, eval_every=a.eval_every, keys=srv.client_kwargs())
+                              workload=a.workload, steps=a.steps, eval_every=a.eval_every, keys=srv.client_kwargs(),
+                              moment_power=power)
             ratios.append(step_ratio(curve, dense))
             print(f"#   seed {seed}: {ratios[-1]:.3f} ({time.time() - t0:.0f} s so far)", flush=True)
         mean = statistics.mean(ratios)
         rows.append({"workload": a.workload, "W": a.workers, "density": a.density, "outer": a.outer,
-                     "batch_noise": noise, "seeds": seeds, "ratios": ratios, "mean": mean})
-        print(f"{a.workload:9} {a.workers:>3} {a.density:>8.4f} {a.outer:8} {'on' if noise else 'off':10} "
+                     "moment_power": power, "batch_noise": noise, "seeds": seeds, "ratios": ratios, "mean": mean})
+        print(f"{a.workload:9} {a.workers:>3} {a.density:>8.4f} {a.outer:8} {a.moment_power:>6} "
+              f"{'on' if noise else 'off':10} "
               f"{mean:>6.3f}  {' '.join(f'{r:.3f}' for r in ratios)}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -71,7 +71,10 @@ no index bytes). ``heldF`` keeps each worker's unsent change apart and its model
 of its own progress not yet in the broadcast, ``heldw`` F = 1 / W (its own share of a
 mean, as the other workers hold none of it). ``dwarmN``: the pushes' density (and the
 broadcast's budget with it) warms up, falling geometrically from 10x the run's at step 0
-to the run's at step N (deep gradient compression's sparsity warm-up). ``--staleness 0`` merges each round's
+to the run's at step N (deep gradient compression's sparsity warm-up). ``selvP``: a worker's
+push takes the top k of ``|unsent| x (v + 1e-30) ** P``, ``v`` its Adam ``exp_avg_sq`` (the
+worker's ``Compression(moment_power=P)``, which adds ``eps^2`` instead: the same ranking wherever a
+gradient passes 1e-8), its values unweighted. ``--staleness 0`` merges each round's
 result before the next local step (no overlap), to tell what the one round of delay
 costs.
 
@@ -139,6 +142,7 @@ class Rule:
     held: float = 1.0  # ``heldF``: the weight of its own unsent change in a worker's model (-1: 1 / W)
     vworld: float = 1.0  # ``vsplitwE``: vsplit's world taken as W ** E
     warm: int = 0  # ``dwarmN``: the density falls geometrically from 10x to the run's over the first N steps
+    selv: float = 0.0  # ``selvP``: a push's top k by |unsent| x v ** P (v: the worker's Adam second moment)
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -172,6 +176,8 @@ class Rule:
                 kw["held"] = -1.0 if part[4:] == "w" else float(part[4:])
             elif part.startswith("vsplitw"):
                 kw.update(vsplit=True, vworld=float(part[7:]))
+            elif part.startswith("selv"):
+                kw["selv"] = float(part[4:] or 0.5)
             elif part.startswith("dwarm"):
                 kw["warm"] = int(part[5:])
             elif part.startswith("lend"):
@@ -513,7 +519,13 @@ def run_stella(cfg: Config) -> Curve:
             kb = max(1, round(cfg.factor * k_t))
             own_k, at = _push_indices(rule, unsent, flat.ns, k_t, t // cfg.H, b_idx)
             for i in range(W):
-                c = _sparse_send(unsent[i], flat.ns, own_k, cfg.push_values, "f16", at)
+                vi = inner[i].opt.state.get(inner[i].w, {}).get("exp_avg_sq") if rule.selv else None
+                if vi is not None and at is None:  # the top k by |unsent| weighted by the gradient's scale
+                    score = unsent[i][:flat.ns].abs() * (vi[:flat.ns] + 1e-30).pow(rule.selv)
+                    sel = torch.topk(score, min(own_k, flat.ns), sorted=False).indices.sort().values
+                    c = _sparse_send(unsent[i], flat.ns, 0, cfg.push_values, "f16", sel)
+                else:
+                    c = _sparse_send(unsent[i], flat.ns, own_k, cfg.push_values, "f16", at)
                 n_values.append(int((c[:flat.ns] != 0).sum()))
                 if unsent_own is not None:
                     unsent_own[i].sub_(c)

@@ -432,6 +432,53 @@ def test_residual_given_or_added_is_the_same():
         assert torch.equal(a.residual, b.residual)
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("per_tensor", (False, True))
+@pytest.mark.parametrize("value_dtype", ("f32", "f16", "q4"))
+def test_a_weighted_residual_is_ranked_by_its_weight_and_sent_unweighted(backend, device, per_tensor, value_dtype):
+    """``weight`` (the update mode's ``moment_power``): the residual's sparse range holds
+    ``r x u``; the push takes the top k of ``|r| u`` (exact: no coordinate left behind
+    outranks one sent), carries ``r`` there (to a float32 rounding of the division, then the
+    coding's), and leaves ``(r - sent) u`` behind; the dense suffix is untouched."""
+    layout = _layout([torch.empty(s) for s in FLAT_SHAPES])
+    s = layout.sparse_numel
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(layout.numel, generator=g)
+    u = torch.rand(s, generator=g) ** 4 + 1e-3  # weights over three decades: the ranking by |r| alone differs
+    comp = FlatCompressor(layout, 0.03, "exact", device=device, backend=backend, value_dtype=value_dtype,
+                          group_quotas=per_tensor)
+    comp.residual.copy_(r.to(device))
+    comp.residual[:s].mul_(u.to(device))
+    comp.weight = u.to(device)
+    push = comp.compress(None)
+    idx = push.sparse.indices.astype(np.int64)
+    score = (r[:s].abs() * u).numpy()
+    left = np.ones(s, bool)
+    left[idx] = False
+    for _, a, b in (layout.spans() if per_tensor else [(0, 0, s)]):
+        if b <= s:
+            mine = (idx >= a) & (idx < b)
+            assert score[idx[mine]].min() >= score[a:b][left[a:b]].max()
+    plain = set(np.argsort(-r[:s].abs().numpy())[: idx.size].tolist())
+    assert len(plain & set(idx.tolist())) < 0.5 * idx.size  # not the plain magnitudes' choice
+    rv = r[:s].numpy()[idx]
+    if value_dtype == "f32":
+        np.testing.assert_allclose(push.sparse.values, rv, rtol=3e-7, atol=0)
+    else:
+        rtol, atol = {"f16": (1e-3, 0.0), "q4": (0.0, 0.25 * np.abs(rv).max())}[value_dtype]
+        np.testing.assert_allclose(push.sparse.values, rv, rtol=rtol, atol=atol)
+    res = comp.residual.cpu().double().numpy()
+    expect = (r[:s].double() * u.double()).numpy()
+    expect[idx] = (rv.astype(np.float64) - push.sparse.values) * u.double().numpy()[idx]
+    np.testing.assert_allclose(res[:s], expect, rtol=1e-5, atol=1e-6 * np.abs(expect).max())
+    np.testing.assert_allclose(push.dense, r[s:].numpy(), rtol=1e-3, atol=0)  # its own coding, never weighted
+    # the server's push-norm bound kept half of it: the other half goes back, weighted like the rest
+    applied = comp.take_back(push, [(0, s, 0.5)])
+    back = (push.sparse.values.astype(np.float64) - applied.sparse.values) * u.double().numpy()[idx]
+    got = comp.residual.cpu().double().numpy()[idx] - res[idx]
+    np.testing.assert_allclose(got, back, rtol=1e-5, atol=1e-7 * np.abs(back).max())
+
+
 @pytest.mark.parametrize("method", ("threshold", "exact"))
 def test_group_quotas_give_each_tensor_its_share(method):
     shapes = [(400, 100), (20_000,), (64,), (5_000,)]

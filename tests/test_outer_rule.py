@@ -22,12 +22,14 @@ BOUND = 1.4
 
 
 def train(endpoint: str, outer: str, seed: int = 0, density: float = DENSITY, noise: bool = False,
-          workload: str = "adamlp", steps: int = STEPS, eval_every: int = EVAL_EVERY) -> Curve:
+          workload: str = "adamlp", steps: int = STEPS, eval_every: int = EVAL_EVERY,
+          moment_power: float | str = "auto") -> Curve:
     """WORLD workers in threads through the server at ``endpoint`` (:func:`bench.sim_real.train`:
     ``noise``, each batch's halves accumulated, the default BatchNoise at the server's world;
-    else ``batch_noise=None``); worker 0's held-out loss curve."""
+    else ``batch_noise=None``; ``moment_power``, the pushes' ranking); worker 0's held-out loss
+    curve."""
     return sim_real.train(endpoint, outer, world=WORLD, seed=seed, density=density, noise=noise,
-                          workload=workload, steps=steps, eval_every=eval_every)
+                          workload=workload, steps=steps, eval_every=eval_every, moment_power=moment_power)
 
 
 @pytest.mark.slow

@@ -166,6 +166,61 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
         assert torch.equal(lhs, rhs)
 
 
+@pytest.mark.parametrize("power,pushed", [(0.25, range(0, 8)), (0.0, range(56, 64)), ("auto", range(56, 64))])
+def test_a_push_ranks_the_unsent_change_by_adams_second_moment(make_server, power, pushed):
+    """``Compression(moment_power=...)``: AdamW's first step moves every coordinate by
+    about its learning rate (more where the weight decay adds to it: the last ones), but the
+    first eight have gradients 10^5 times the others'; ranked by ``|a - w| v ** 0.25`` they
+    are the push, by ``|a - w|`` alone (0; and "auto" in a job of one worker) the last eight
+    are. The server's model moved exactly where the push went, by what the worker moved
+    there."""
+    n = 64
+    srv = make_server(1, ["--dense-below", "0"], pull="exact")
+    model = Toy(n)
+    w0 = model.w.detach().clone()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.0, 0.999), weight_decay=0.1)
+    opt = StellaOptimizer(model, srv.endpoint, optimizer=inner,
+                          compression=Compression(density=8 / n, method="exact", value_dtype="f32",
+                                                  moment_power=power),
+                          sync=Sync(max_every=1), connection=Connection(timeout=10))
+    opt.start()
+    g = torch.full((n,), 1e-3)
+    g[:8] = 100.0
+    opt.zero_grad()
+    (model.w * g).sum().backward()
+    opt.step()
+    moved = w0 - model.w.detach()
+    opt.synchronize()
+    opt.close(flush=False)
+    x = _server_model(srv, n, 1)
+    changed = torch.nonzero(x != w0).reshape(-1).tolist()
+    assert changed == list(pushed)
+    torch.testing.assert_close((w0 - x)[list(pushed)], moved[list(pushed)], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("workers,weighted", [(3, True), (2, False)])
+def test_auto_weighs_the_push_by_the_second_moment_from_four_workers(make_server, workers, weighted):
+    """``moment_power="auto"`` over AdamW: the server's count of a step's pushes (the
+    workers' first round) turns the weighting on from the second round in a job of four
+    workers (three AdamW, one SGD), and leaves it off in one of three; SGD never has it."""
+    n = 64
+    srv = make_server(workers + 1, ["--dense-below", "0"], pull="exact")
+    models = [Toy(n) for _ in range(workers + 1)]
+    opts = [StellaOptimizer(m, srv.endpoint, optimizer={"name": "sgd" if i == workers else "adamw", "lr": 0.01},
+                            compression=Compression(density=0.125, method="exact", value_dtype="f32"),
+                            sync=Sync(max_every=1), connection=Connection(timeout=10, worker_id=i))
+            for i, m in enumerate(models)]
+    for o in opts:
+        o.start()
+    for t in range(3):
+        for i, (m, o) in enumerate(zip(models, opts)):
+            local_step(m, o, i, t)
+    for i, o in enumerate(opts):
+        assert o._exchange.job_size == workers + 1
+        assert (o._exchange.compressor.weight is not None) == (weighted and i < workers)
+        o.close(flush=False)
+
+
 def test_close_flushes_what_was_not_sent(make_server):
     exact_server = make_server(1, ["--dense-below", "0"], pull="exact")  # the small tensor selected from
     n = 256

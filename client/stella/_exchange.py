@@ -41,6 +41,11 @@ from .protocol import ValueDtype
 __all__ = ["build_inner", "exchange_for"]
 
 _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+# Compression.moment_power "auto" over an inner optimizer that keeps Adam's second moment, in a job of at least
+# MOMENT_FROM pushes a step: a push ranks its coordinates by |unsent change| x v ** 0.25 (bench.sim_update's
+# `selv0.25`, the byte LM's iterations against dense's: W = 4 and 8 at 1% 1.15x and 1.19x against 1.26x and 1.29x by
+# magnitude alone; at W = 2 and 1% it cost iterations, 1.13x against 1.05x; docs/optimizer.md "The push's selection")
+MOMENT_POWER, MOMENT_FROM = 0.25, 4
 # a config's keys torch's optimizers do not take
 _SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent", "count_exponent", "count_taper_from", "count_taper_to")
 
@@ -129,6 +134,7 @@ class _Exchange:
     compressor: FlatCompressor
 
     sync_every = 1  # the least local steps a round makes (update mode's H)
+    job_size = 1  # the pushes of the latest step installed (the server's count; the pipeline sets it)
     auto_every = False  # Sync(every="auto"): the rounds choose sync_every
     codings: tuple[ValueDtype, ...]  # the codings the controller may give its pushes, best first
     # how much of a step the exchange in flight must still take for a round to run on (Rounds.runs_on)
@@ -144,6 +150,7 @@ class _Exchange:
         self._first = (c.max_density if c.density == "auto" else float(c.density), c.method,
                        self.codings[0] if c.value_dtype == "auto" else c.value_dtype)
         self._per_tensor = c.per_tensor
+        self._moment_power = c.moment_power
         self.local_steps = 0  # update mode: inner steps since the last exchange started
         # the round step() just ended: its local steps (update mode) and the micro-batches its
         # gradient averages (gradient mode); the samples it represents are their product
@@ -281,6 +288,7 @@ class _UpdateExchange(_Exchange):
         # the replica of the server's model, exact (float32, flat, the parameters' device)
         self.anchor = torch.empty(layout.numel, dtype=torch.float32, device=self.flat.device)
         self.flat.gather_into(self.anchor)
+        self._weight: torch.Tensor | None = None  # Compression.moment_power's weights of the sparse range
 
     def average_round(self, site: Any) -> None:
         """The site's weights: the mean of its ranks'."""
@@ -299,6 +307,7 @@ class _UpdateExchange(_Exchange):
 
     def outgoing(self, version: int, computed_on: int) -> tuple[torch.Tensor | None, int]:
         self._load_residual()
+        self._weigh()
         self.outer.step()  # counts the round for a scheduler driving the outer group
         return None, version  # the residual as it stands, on the installed version
 
@@ -306,6 +315,43 @@ class _UpdateExchange(_Exchange):
         """The residual becomes ``a - w``, the pseudo-gradient not sent yet (nothing is in
         flight when this runs): one pass over the flat model."""
         self.flat.residual_into(self.anchor, self.compressor.residual)
+        self.compressor.weight = None
+
+    @torch.no_grad()
+    def _weigh(self) -> None:
+        """``Compression.moment_power``: the residual's sparse range times ``(v + eps^2) ** P``
+        (``v`` the inner optimizer's ``exp_avg_sq``, gathered flat: two passes over the sparse
+        range and one over the residual), so that the push ranks the unsent change by it;
+        nothing when P is 0 (``"auto"`` in a job of fewer than MOMENT_FROM pushes a step) or a
+        large tensor has no such state (SGD, a parameter not stepped yet)."""
+        if self._moment_power == "auto":
+            power = MOMENT_POWER if self.job_size >= MOMENT_FROM else 0.0
+        else:
+            power = float(self._moment_power)
+        s = self.layout.sparse_numel
+        if power == 0.0 or s == 0:
+            return
+        state = self.inner.state
+        moments: list[torch.Tensor | None] = [None] * len(self.params)
+        for t, p in enumerate(self.params.values()):
+            st = state.get(p)
+            v = st.get("exp_avg_sq") if st else None
+            ok = isinstance(v, torch.Tensor) and v.numel() == p.numel() and v.device == p.device
+            moments[t] = v if ok else None  # (a state kept elsewhere, offloaded: not used)
+        if any(moments[t] is None for t, _, b in self.layout.spans() if b <= s):
+            return
+        if self._weight is None:
+            self._weight = torch.empty(s, dtype=torch.float32, device=self.flat.device)
+        w = self._weight
+        self.flat.gather_tensors_into(moments, w, 0)
+        eps = min(float(g.get("eps", 1e-8)) for g in self.inner.param_groups)
+        w.add_(eps * eps)
+        if power == 0.25:
+            w.sqrt_().sqrt_()
+        else:
+            w.pow_(power)
+        self.compressor.residual[:s].mul_(w)
+        self.compressor.weight = w
 
     def install(self, delta: PullResult, sent: FlatPush | None) -> None:
         """The merge rule, ``w <- w + (a_new - a) + c`` and ``a <- a_new`` (pipeline's

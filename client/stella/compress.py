@@ -350,11 +350,14 @@ class Engine:
             return self._exact
         return (self._native if native else self._torch)[self.method]
 
-    def round_values(self, st: State, sg: SparseGrad, value_dtype: str) -> SparseGrad:
+    def round_values(self, st: State, sg: SparseGrad, value_dtype: str,
+                     scale: np.ndarray | None = None) -> SparseGrad:
         """``sg`` (selected from ``st.residual``, indices relative to it) with its values
         rounded to ``value_dtype``: f16/bf16 clamped to the finite range and rounded, q4/q2
         quantised as the receiver decodes them (NaN/Inf: BadValue); the error added back
-        into the residual at the selected coordinates."""
+        into the residual at the selected coordinates (times ``scale`` there, float32 of
+        ``sg``'s values: a residual that holds its values weighted, FlatCompressor's
+        ``weight``)."""
         if value_dtype == "f32" or sg.count == 0:
             return sg
         res = st.residual
@@ -371,6 +374,8 @@ class Engine:
         # exact for f16/bf16 (q is vals rounded to fewer mantissa bits); one float32
         # rounding of the error for q4/q2
         err = vals - q
+        if scale is not None:
+            err = err * torch.from_numpy(scale).to(err.device)
         if sg.indices is None:
             res.add_(err.to(res.device))
         elif self.use_native(res):  # (err is on the host): one C walk; index_put_(accumulate) cost 4x

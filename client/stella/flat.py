@@ -138,6 +138,22 @@ class FlatParams:
         self._torch_gather([None if g is None else g.view(-1) for g in grads], out, start)
 
     @torch.no_grad()
+    def gather_tensors_into(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor, start: int = 0) -> None:
+        """``out`` = the flat vector of ``tensors`` (one per parameter, by tensor number, each
+        of its parameter's size on its device, any float dtype: an optimizer's state; None:
+        zeros) over ``[start, start + len(out))``, in float32."""
+        if len(tensors) != len(self._params):
+            raise ValueError(f"{len(tensors)} tensors for {len(self._params)} parameters")
+        src: list[torch.Tensor | None] = []
+        for t in self._order:
+            x = tensors[t]
+            if x is not None and (x.numel() != self._params[t].numel() or x.device != self.device):
+                raise ValueError(f"tensor {t}: {x.numel()} elements on {x.device}, its parameter "
+                                 f"{self._params[t].numel()} on {self.device}")
+            src.append(None if x is None else x.detach().reshape(-1))
+        self._torch_gather(src, out, start)
+
+    @torch.no_grad()
     def residual_into(self, anchor: torch.Tensor, out: torch.Tensor, start: int = 0) -> None:
         """``out = anchor - w`` over ``[start, start + len(out))`` in float32 (the update
         mode's pseudo-gradient; ``out`` may be ``anchor``)."""
@@ -353,9 +369,7 @@ class FlatParams:
                 torch._foreach_copy_(dst, srcs)
 
     def _device_index(self, idx: np.ndarray) -> torch.Tensor:
-        """Host int32 indices as int64 on the device: copied over as they are (half the bytes
-        of int64), widened there."""
-        return torch.from_numpy(idx if idx.flags.writeable else idx.copy()).to(self.device).long()
+        return _device_index(idx, self.device)
 
     def _torch_sparse(self, idx: np.ndarray, vals: np.ndarray | torch.Tensor, start: int, *, add: bool,
                       at: torch.Tensor | None = None) -> None:
@@ -483,6 +497,12 @@ class FlatCompressor:
     The residual lives on ``device``: :attr:`residual`, flat float32 of ``layout.numel``;
     the update mode writes ``anchor - w`` into it (:meth:`FlatParams.residual_into`) and
     calls ``compress(None)``.
+
+    :attr:`weight` (None, or positive float32 of ``sparse_numel`` on ``device``): the
+    sparse range of the residual holds its values times it, so the selection ranks
+    ``|r| x weight`` (the update mode's ``Compression.moment_power``); the values a push
+    carries are divided by it again, and what stays behind is in the weighted units. The
+    update mode rebuilds the residual (and sets this) before every compression.
     """
 
     def __init__(self, layout: FlatLayout, density: float = 0.01, method: str = "threshold", *,
@@ -505,6 +525,7 @@ class FlatCompressor:
         # per-group quotas: one state (thresholds carried) per large tensor, views of the sparse range
         self._groups = ([(a, State(self._residual[a:b], torch.Size([b - a]))) for _, a, b in layout.spans() if b <= s]
                         if group_quotas and method != "dense" else None)
+        self.weight: torch.Tensor | None = None
 
     @property
     def method(self) -> str:
@@ -545,13 +566,23 @@ class FlatCompressor:
             if grad.numel() != self.numel:
                 raise ValueError(f"grad has {grad.numel()} elements, the flat model {self.numel}")
             g = grad.detach().reshape(-1).to(self._residual.device, torch.float32)
-        s, eng = self.sparse_numel, self._engine
+        s, eng, w = self.sparse_numel, self._engine, self.weight
         gs = None if g is None else g[:s]
-        if self._groups is None:
+        if self._groups is None and w is None:
             eng.sampling.calls += 1
             sparse = eng.compress(self._sparse, gs, k_for(self.density, s), self.value_dtype)
         else:
-            sparse = eng.round_values(self._sparse, self._select_groups(gs), self.value_dtype)
+            if self._groups is None:
+                eng.sampling.calls += 1
+                sg = eng.compress(self._sparse, gs, k_for(self.density, s), "f32")
+            else:
+                sg = self._select_groups(gs)
+            scale = None
+            if w is not None and sg.count:  # the values as they are, not weighted
+                at = w if sg.indices is None else w[_device_index(sg.indices, w.device)]
+                scale = _host_f32(at)
+                sg = SparseGrad(sg.numel, sg.indices, np.divide(sg.values, scale, dtype=np.float32))
+            sparse = eng.round_values(self._sparse, sg, self.value_dtype, scale)
         dense = eng.compress(self._dense, None if g is None else g[s:], 0, self.dense_dtype, dense=True)
         return FlatPush(sparse, dense.values, self.value_dtype, self.dense_dtype)
 
@@ -582,10 +613,12 @@ class FlatCompressor:
                     vals[i:j] = (vals[i:j].astype(np.float64) * kept).astype(np.float32)
         res = self._residual
         off = torch.from_numpy(np.subtract(sent.sparse.values, sparse, dtype=np.float32)).to(res.device)
+        w = self.weight
         if idx is None:
-            res[:s].add_(off)
+            res[:s].add_(off if w is None else off * w)
         elif idx.size:
-            res.index_add_(0, torch.from_numpy(idx).to(device=res.device, dtype=torch.long), off)
+            at = _device_index(idx, res.device)
+            res.index_add_(0, at, off if w is None else off * w[at])
         if dense.size:
             res[s:].add_(torch.from_numpy(np.subtract(sent.dense, dense, dtype=np.float32)).to(res.device))
         return FlatPush(SparseGrad(sent.sparse.numel, idx, sparse), dense, sent.value_dtype, sent.dense_dtype)
@@ -624,6 +657,12 @@ def _check_indices(idx: np.ndarray, vals: Any, limit: int) -> None:
         raise ValueError("values must be one float per index")
     if idx.size and (idx[0] < 0 or int(idx[-1]) >= limit or not np.all(idx[1:] > idx[:-1])):
         raise ValueError(f"indices must be strictly increasing in [0, {limit})")
+
+
+def _device_index(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host int32 indices as int64 on ``device``: copied over as they are (half the bytes
+    of int64), widened there."""
+    return torch.from_numpy(idx if idx.flags.writeable else idx.copy()).to(device).long()
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:

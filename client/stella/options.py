@@ -35,6 +35,13 @@ class Compression:
     ``per_tensor``: each large tensor gets its own share of a push (``density`` times
     its size, one selection per tensor) instead of one top-k over the whole flat model
     (default, one selection: a tensor of large values may take more than its share).
+    ``moment_power`` (update mode): a push takes the coordinates of largest ``|unsent
+    change| x v ** P``, ``v`` the inner optimizer's second moment (Adam's
+    ``exp_avg_sq``), so that among changes of one size those whose gradients are larger
+    (worth more of the loss) go first; ``"auto"`` (default): 0.25 where the inner
+    optimizer keeps ``exp_avg_sq`` (Adam, AdamW) and the job has at least 4 workers
+    pushing, plain magnitudes otherwise; 0: plain magnitudes (the rule before;
+    docs/optimizer.md "The push's selection").
     """
 
     density: float | Literal["auto"] = "auto"
@@ -44,6 +51,7 @@ class Compression:
     value_dtype: ValueDtype | Literal["auto"] = "auto"
     index_coding: IndexCoding = "rice"
     per_tensor: bool = False
+    moment_power: float | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.density, str):
@@ -57,6 +65,11 @@ class Compression:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.value_dtype != "auto" and self.value_dtype not in VALUE_DTYPES:
             raise ValueError(f"value_dtype must be 'auto' or one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if isinstance(self.moment_power, str):
+            if self.moment_power != "auto":
+                raise ValueError(f"moment_power must be a number in [0, 1] or 'auto', got {self.moment_power!r}")
+        elif isinstance(self.moment_power, bool) or not 0.0 <= self.moment_power <= 1.0:  # NaN too
+            raise ValueError(f"moment_power must be a number in [0, 1] or 'auto', got {self.moment_power!r}")
         if self.index_coding not in get_args(IndexCoding):
             raise ValueError(f"index_coding must be one of {get_args(IndexCoding)}, got {self.index_coding!r}")
 
