@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         held = torch.nn.functional.cross_entropy(net(hx[:4096]), hy[:4096]).item()
     return report(a.out, {"rank": a.rank, "amp": a.amp, "compile": a.compile, "mode": a.mode, "first_loss": losses[0],
                           "last10": sum(losses[-10:]) / 10, "heldout_loss": held, "skipped_steps": skipped,
-                          "rounds": opt.stats.rounds, "version": opt.version,
+                          "rounds": opt.stats.rounds, "version": opt.version, "density": opt.stats.density,
+                          "decisions": opt.stats.decisions, "down_mbps": opt.stats.down_mbps,
                           "noise_counts": sorted({e["count"] for e in opt.state_dict().get("batch_noise", {}).get(
                               "noise", {}).values()})}, a.target)
 

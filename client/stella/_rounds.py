@@ -281,8 +281,9 @@ class Rounds:
         """Feed the controller the round just finished and set the next push's density
         and coding (the thread is idle now), then note the round about to start."""
         m, self._measure = self._measure, None
-        if m is None and self.leads and self.stats.rounds == 0:
-            # the first push: nothing measured the link yet (stella.adapt, "The first push")
+        if m is None and self.leads and self.stats.rounds == 0 and self.exchange.mode == "update":
+            # update mode's first push: nothing measured the link yet (stella.adapt, "The first push"; gradient
+            # mode's stays at the ceiling)
             self._take(self.controller.first())
         elif m is not None and self._step_compute:
             # the computation a round offers at the least H (a round that ran on offered more)

@@ -98,7 +98,13 @@ Mbit/s against a 0.07 s step: bench.adaptive, 2026-12-05), and the first step's 
 known either (the first push follows the first step). So the first push
 (:meth:`Controller.first`) is the cheapest candidate, and the first measured round may already
 rise to what the link has room for (a small push's latency makes the link look slower than it
-is, so that rise errs low; the rounds after it rise further as above).
+is, so that rise errs low; the rounds after it rise further as above). That is update mode's
+first push (its worker keeps what it did not send in its own model); in gradient mode the
+server's optimizer steps on the pushed gradient itself, and a few rounds of 0.1% pushes there
+cost more iterations than a first round's stall (examples/amp_compile.py's gradient run, a
+compiled byte model on loopback: held-out 3.27-3.66 after 60 steps starting at the cheapest,
+2.77-2.84 at the ceiling, 2026-12-05), so its first push is the ceiling's (the pipeline's
+``Rounds.adapt``).
 
 What no candidate hides, the pipeline absorbs: a worker whose exchange is still in
 flight at the end of a round keeps computing (update mode: more local steps, up to
