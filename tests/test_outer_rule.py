@@ -1,9 +1,11 @@
 """Update mode's outer step at W = 8 through a real stella-ps (issue 43): eight AdamW
 workers pushing 3% need at most 1.4x dense training's iterations with the default outer
-rule ("auto", here "count": a coordinate that n of the K pushes carried enters the mean
-times (K / n) ** 0.5), and the rule "auto" took at that density before ("average", the
-plain mean) does not meet that bound (bench.sim_update measures 1.07x against 1.81x on
-this workload, mean of three seeds; docs/optimizer.md).
+rule ("auto": over Adam the "tapered" step, a coordinate that n of the K pushes carried
+entering the mean times (K / n) ** e, e 0.5 at pushes of 2% falling to 0 at 10%, about
+0.37 at 3%), and the rule "auto" took at that density before ("average", the plain mean)
+does not meet that bound (bench.sim_update measured 1.07x against 1.81x on this workload
+with e = 0.5, mean of three seeds; this run, seed 0, without BatchNoise, 1.32x against
+1.90x on 2026-12-05; docs/optimizer.md).
 """
 from __future__ import annotations
 
