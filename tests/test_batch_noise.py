@@ -588,9 +588,11 @@ def test_eight_byte_lm_workers_pushing_1pc_need_fewer_iterations_with_it_and_wit
     (``moment_power=0``, the rule before): 1.35x dense's iterations with it (1.36, 1.35 on
     2026-12-05; 1.31, 1.31 earlier, and 1.30, 1.26 when the correction ran tensor by
     tensor, its last bits other; seed 2 1.37) against 1.52x without (1.50, 1.54; seed 2
-    1.42). One seed moves by up to 0.15 with a perturbation of its first steps (the world
-    fixed at 8 from the first step instead of 1 until the server's first answer: seed 0
-    1.15), hence two.
+    1.42: the runs without it left the suite on 2026-12-05, a third of its longest test's
+    time; test_eight_adamw_workers_need_dense_iterations_with_the_jobs_second_moment keeps
+    BatchNoise against none at W = 8 through stella-ps). One seed moves by up to 0.15 with
+    a perturbation of its first steps (the world fixed at 8 from the first step instead of 1
+    until the server's first answer: seed 0 1.15), hence two.
 
     With it and the default ranking (``moment_power="auto"``: ``|a - w| v ** 0.25`` from
     four workers) fewer again: 1.19x (1.22, 1.15), under BOUND_WEIGHTED, which the ranking by
@@ -601,18 +603,16 @@ def test_eight_byte_lm_workers_pushing_1pc_need_fewer_iterations_with_it_and_wit
 
     steps, every, bound, seeds = 200, 10, 1.4, (0, 1)
     kw = dict(density=0.01, workload="tinylm", steps=steps, eval_every=every)
-    with_noise, without, weighted = [], [], []
+    with_noise, weighted = [], []
     for seed in seeds:
         dense = run_dense("tinylm", WORLD, seed, steps, every)
-        for out, noise, power in ((with_noise, True, 0.0), (without, False, 0.0), (weighted, True, "auto")):
-            curve = train(make_server(WORLD).endpoint, "auto", seed=seed, noise=noise, moment_power=power, **kw)
+        for out, power in ((with_noise, 0.0), (weighted, "auto")):
+            curve = train(make_server(WORLD).endpoint, "auto", seed=seed, noise=True, moment_power=power, **kw)
             out.append(step_ratio(curve, dense))
-    mean_with, mean_without, mean_weighted = (sum(r) / len(seeds) for r in (with_noise, without, weighted))
+    mean_with, mean_weighted = (sum(r) / len(seeds) for r in (with_noise, weighted))
     print(f"byte LM, W = {WORLD}, 1%, seeds {seeds}: BatchNoise {with_noise} (mean {mean_with:.2f}x), "
-          f"without {without} (mean {mean_without:.2f}x), BatchNoise and the weighted push {weighted} "
-          f"(mean {mean_weighted:.2f}x) dense's iterations")
+          f"BatchNoise and the weighted push {weighted} (mean {mean_weighted:.2f}x) dense's iterations")
     assert mean_with <= bound, f"with BatchNoise: {mean_with:.2f}x dense's iterations (bound {bound}x)"
-    assert mean_without > bound, f"without: {mean_without:.2f}x (the test no longer tells them apart)"
     assert mean_weighted <= BOUND_WEIGHTED, (f"the default ranking: {mean_weighted:.2f}x dense's iterations "
                                              f"(bound {BOUND_WEIGHTED}x)")
     assert mean_with > BOUND_WEIGHTED, f"by magnitude: {mean_with:.2f}x (the test no longer tells them apart)"
