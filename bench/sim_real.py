@@ -4,11 +4,12 @@ bench.sim_update's workers), a server of its own per run, worker 0's held-out lo
 against dense's (issue 43: "show that the two agree").
 
     python -m bench.sim_real --workload tinylm --workers 8 --density 0.1 --seeds 0,1,2 \\
-        --steps 300 --batch-noise both [--outer auto] [--moment-power auto|P] [--json PATH]
+        --steps 300 --batch-noise both [--outer auto] [--moment-power auto|P] [--moment mean|second] [--json PATH]
 
 Each worker is a ``StellaOptimizer`` with the workload's inner optimizer, H = 1, f16
-pushes at ``--density`` (pinned; ranked by ``Compression(moment_power=...)``, ``--moment-power``,
-the default ``auto``), the server's default broadcast, CurveZMQ on loopback.
+pushes at ``--density`` (pinned; ranked by ``Compression(moment_power=..., moment=...)``,
+``--moment-power`` and ``--moment``, the defaults ``auto`` and ``mean``), the server's
+default broadcast, CurveZMQ on loopback.
 ``--batch-noise``: ``on`` (each batch's halves accumulated as two backward passes, which
 the optimizer's default ``BatchNoise`` splits; its world the server's), ``off``
 (``batch_noise=None``: plain Adam steps, one backward pass) or ``both``. The figure is
@@ -26,7 +27,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,14 +40,15 @@ __all__ = ["train", "main"]
 
 def train(endpoint: str, outer: str, *, world: int = 8, seed: int = 0, density: float = 0.03, noise: bool = False,
           workload: str = "adamlp", steps: int = 150, eval_every: int = 5,
-          keys: dict[str, str] | None = None, moment_power: float | str = "auto") -> Curve:
+          keys: dict[str, str] | None = None, moment_power: float | str = "auto",
+          moment: Literal["mean", "second"] = "mean") -> Curve:
     """``world`` workers in threads through the server at ``endpoint``; worker 0's held-out
     loss curve. ``noise``: each worker's batch halves accumulated one after the other (two
     backward passes, which the optimizer's default BatchNoise splits itself; its world read
     off the server: at mid-run every worker's must be ``world``, else RuntimeError);
     otherwise one backward pass and ``batch_noise=None``. ``keys``: the CurveZMQ keys
-    (``ServerProcess.client_kwargs()``; None: the environment's). ``moment_power``: the
-    pushes' ``Compression(moment_power=...)``."""
+    (``ServerProcess.client_kwargs()``; None: the environment's). ``moment_power``,
+    ``moment``: the pushes' ``Compression(moment_power=..., moment=...)``."""
     wl = WL.get(workload)
     models = [wl.build_model(seed) for _ in range(world)]  # before the threads: torch's RNG is global
     curve = Curve()
@@ -62,7 +64,7 @@ def train(endpoint: str, outer: str, *, world: int = 8, seed: int = 0, density: 
             opt = StellaOptimizer(model, endpoint, optimizer=wl.make_optimizer(model.parameters()), outer=outer,
                                   sync=Sync(every=1, max_every=1),
                                   compression=Compression(density=density, value_dtype="f16",
-                                                          moment_power=moment_power),
+                                                          moment_power=moment_power, moment=moment),
                                   connection=Connection(timeout=120, worker_id=rank, **(keys or {})),
                                   **({} if noise else {"batch_noise": None}))
             batches = wl.batches(rank, world, wl.batch_size, seed)
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--batch-noise", default="both", choices=("on", "off", "both"))
     ap.add_argument("--moment-power", default="auto", help="the pushes' Compression(moment_power=...): auto or P")
+    ap.add_argument("--moment", default="mean", choices=("mean", "second"), help="the pushes' Compression(moment=...)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from stella_ps.process import ServerProcess
@@ -133,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             with ServerProcess(a.workers) as srv:
                 curve = train(srv.endpoint, a.outer, world=a.workers, seed=seed, density=a.density, noise=noise,
                               workload=a.workload, steps=a.steps, eval_every=a.eval_every, keys=srv.client_kwargs(),
-                              moment_power=power)
+                              moment_power=power, moment=a.moment)
             ratios.append(step_ratio(curve, dense))
             print(f"#   seed {seed}: {ratios[-1]:.3f} ({time.time() - t0:.0f} s so far)", flush=True)
         mean = statistics.mean(ratios)
         rows.append({"workload": a.workload, "W": a.workers, "density": a.density, "outer": a.outer,
-                     "moment_power": power, "batch_noise": noise, "seeds": seeds, "ratios": ratios, "mean": mean})
+                     "moment_power": power, "moment": a.moment, "batch_noise": noise, "seeds": seeds, "ratios": ratios,
+                     "mean": mean})
         print(f"{a.workload:9} {a.workers:>3} {a.density:>8.4f} {a.outer:8} {a.moment_power:>6} "
               f"{'on' if noise else 'off':10} "
               f"{mean:>6.3f}  {' '.join(f'{r:.3f}' for r in ratios)}", flush=True)

@@ -74,7 +74,8 @@ broadcast's budget with it) warms up, falling geometrically from 10x the run's a
 to the run's at step N (deep gradient compression's sparsity warm-up). ``selvP``: a worker's
 push takes the top k of ``|unsent| x (v + 1e-30) ** P``, ``v`` its Adam ``exp_avg_sq`` (the
 worker's ``Compression(moment_power=P)``, which adds ``eps^2`` instead: the same ranking wherever a
-gradient passes 1e-8), its values unweighted. ``--staleness 0`` merges each round's
+gradient passes 1e-8), its values unweighted; ``selmP`` the same with ``|m| ** P``, ``m`` the
+worker's Adam ``exp_avg`` (the gradient's mean, without its noise). ``--staleness 0`` merges each round's
 result before the next local step (no overlap), to tell what the one round of delay
 costs.
 
@@ -143,6 +144,7 @@ class Rule:
     vworld: float = 1.0  # ``vsplitwE``: vsplit's world taken as W ** E
     warm: int = 0  # ``dwarmN``: the density falls geometrically from 10x to the run's over the first N steps
     selv: float = 0.0  # ``selvP``: a push's top k by |unsent| x v ** P (v: the worker's Adam second moment)
+    selm: float = 0.0  # ``selmP``: a push's top k by |unsent| x |m| ** P (m: the worker's Adam first moment)
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -178,6 +180,8 @@ class Rule:
                 kw.update(vsplit=True, vworld=float(part[7:]))
             elif part.startswith("selv"):
                 kw["selv"] = float(part[4:] or 0.5)
+            elif part.startswith("selm"):
+                kw["selm"] = float(part[4:] or 1.0)
             elif part.startswith("dwarm"):
                 kw["warm"] = int(part[5:])
             elif part.startswith("lend"):
@@ -519,9 +523,12 @@ def run_stella(cfg: Config) -> Curve:
             kb = max(1, round(cfg.factor * k_t))
             own_k, at = _push_indices(rule, unsent, flat.ns, k_t, t // cfg.H, b_idx)
             for i in range(W):
-                vi = inner[i].opt.state.get(inner[i].w, {}).get("exp_avg_sq") if rule.selv else None
+                state = inner[i].opt.state.get(inner[i].w, {})
+                vi = state.get("exp_avg_sq") if rule.selv else state.get("exp_avg") if rule.selm else None
                 if vi is not None and at is None:  # the top k by |unsent| weighted by the gradient's scale
-                    score = unsent[i][:flat.ns].abs() * (vi[:flat.ns] + 1e-30).pow(rule.selv)
+                    weight = (vi[:flat.ns] + 1e-30).pow(rule.selv) if rule.selv else \
+                        (vi[:flat.ns].abs() + 1e-30).pow(rule.selm)
+                    score = unsent[i][:flat.ns].abs() * weight
                     sel = torch.topk(score, min(own_k, flat.ns), sorted=False).indices.sort().values
                     c = _sparse_send(unsent[i], flat.ns, 0, cfg.push_values, "f16", sel)
                 else:

@@ -195,10 +195,11 @@ def test_compression_settings_are_checked():
     from stella import Compression
 
     assert Compression() == Compression(density="auto", min_density=0.001, max_density=0.1, method="threshold",
-                                        value_dtype="auto", index_coding="rice")
+                                        value_dtype="auto", index_coding="rice", moment_power="auto", moment="mean")
     for bad in ({"density": "fast"}, {"density": 0.0}, {"density": 1.5}, {"density": float("nan")},
                 {"min_density": 0.2}, {"max_density": 0.0}, {"method": "nope"},
-                {"value_dtype": "q3"}, {"index_coding": "zip"}):
+                {"value_dtype": "q3"}, {"index_coding": "zip"}, {"moment_power": 1.5}, {"moment_power": "on"},
+                {"moment_power": True}, {"moment": "first"}):
         with pytest.raises(ValueError):
             Compression(**bad)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -166,14 +166,15 @@ def test_sparse_pushes_conserve_the_weights_change_and_the_replica_matches_the_s
         assert torch.equal(lhs, rhs)
 
 
-@pytest.mark.parametrize("power,pushed", [(0.25, range(0, 8)), (0.0, range(56, 64)), ("auto", range(56, 64))])
-def test_a_push_ranks_the_unsent_change_by_adams_second_moment(make_server, power, pushed):
-    """``Compression(moment_power=...)``: AdamW's first step moves every coordinate by
-    about its learning rate (more where the weight decay adds to it: the last ones), but the
-    first eight have gradients 10^5 times the others'; ranked by ``|a - w| v ** 0.25`` they
-    are the push, by ``|a - w|`` alone (0; and "auto" in a job of one worker) the last eight
-    are. The server's model moved exactly where the push went, by what the worker moved
-    there."""
+@pytest.mark.parametrize("power,moment,pushed", [(0.25, "mean", range(0, 8)), (0.25, "second", range(0, 8)),
+                                                 (0.0, "mean", range(56, 64)), ("auto", "mean", range(56, 64))])
+def test_a_push_ranks_the_unsent_change_by_adams_moments(make_server, power, moment, pushed):
+    """``Compression(moment_power=..., moment=...)``: AdamW's first step moves every
+    coordinate by about its learning rate (more where the weight decay adds to it: the last
+    ones), but the first eight have gradients 10^5 times the others'; ranked by ``|a - w|
+    |m| ** 0.5`` or ``|a - w| v ** 0.25`` they are the push, by ``|a - w|`` alone (0; and
+    "auto" in a job of one worker) the last eight are. The server's model moved exactly
+    where the push went, by what the worker moved there."""
     n = 64
     srv = make_server(1, ["--dense-below", "0"], pull="exact")
     model = Toy(n)
@@ -181,7 +182,7 @@ def test_a_push_ranks_the_unsent_change_by_adams_second_moment(make_server, powe
     inner = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.0, 0.999), weight_decay=0.1)
     opt = StellaOptimizer(model, srv.endpoint, optimizer=inner,
                           compression=Compression(density=8 / n, method="exact", value_dtype="f32",
-                                                  moment_power=power),
+                                                  moment_power=power, moment=moment),
                           sync=Sync(max_every=1), connection=Connection(timeout=10))
     opt.start()
     g = torch.full((n,), 1e-3)
@@ -217,7 +218,11 @@ def test_auto_weighs_the_push_by_the_second_moment_from_four_workers(make_server
             local_step(m, o, i, t)
     for i, o in enumerate(opts):
         assert o._exchange.job_size == workers + 1
-        assert (o._exchange.compressor.weight is not None) == (weighted and i < workers)
+        weight = o._exchange.compressor.weight
+        assert (weight is not None) == (weighted and i < workers)
+        if weight is not None:  # the default moment, "mean": (|exp_avg| + eps) ** 0.5, of the round just pushed
+            m = o._exchange.inner.state[models[i].w]["exp_avg"].reshape(-1)
+            torch.testing.assert_close(weight, (m.abs() + 1e-8).sqrt(), rtol=1e-6, atol=0)
         o.close(flush=False)
 
 

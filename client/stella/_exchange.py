@@ -41,10 +41,11 @@ from .protocol import ValueDtype
 __all__ = ["build_inner", "exchange_for"]
 
 _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-# Compression.moment_power "auto" over an inner optimizer that keeps Adam's second moment, in a job of at least
-# MOMENT_FROM pushes a step: a push ranks its coordinates by |unsent change| x v ** 0.25 (bench.sim_update's
-# `selv0.25`, the byte LM's iterations against dense's: W = 4 and 8 at 1% 1.15x and 1.19x against 1.26x and 1.29x by
-# magnitude alone; at W = 2 and 1% it cost iterations, 1.13x against 1.05x; docs/optimizer.md "The push's selection")
+# Compression.moment_power "auto" over an inner optimizer that keeps Adam's moments, in a job of at least
+# MOMENT_FROM pushes a step: a push ranks its coordinates by |unsent change| x |m| ** 0.5 (Compression.moment "mean";
+# bench.sim_update's `selm0.5`, the byte LM at W = 8 and 1% 1.12x dense's iterations against 1.19x by v ** 0.25,
+# `selv0.25`, and 1.28x by magnitude alone; at W = 2 and 1% the weighting cost iterations; docs/optimizer.md "The
+# push's selection")
 MOMENT_POWER, MOMENT_FROM = 0.25, 4
 # a config's keys torch's optimizers do not take
 _SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent", "count_exponent", "count_taper_from", "count_taper_to")
@@ -150,7 +151,7 @@ class _Exchange:
         self._first = (c.max_density if c.density == "auto" else float(c.density), c.method,
                        self.codings[0] if c.value_dtype == "auto" else c.value_dtype)
         self._per_tensor = c.per_tensor
-        self._moment_power = c.moment_power
+        self._moment_power, self._moment = c.moment_power, c.moment
         self.local_steps = 0  # update mode: inner steps since the last exchange started
         # the round step() just ended: its local steps (update mode) and the micro-batches its
         # gradient averages (gradient mode); the samples it represents are their product
@@ -319,11 +320,13 @@ class _UpdateExchange(_Exchange):
 
     @torch.no_grad()
     def _weigh(self) -> None:
-        """``Compression.moment_power``: the residual's sparse range times ``(v + eps^2) ** P``
-        (``v`` the inner optimizer's ``exp_avg_sq``, gathered flat: two passes over the sparse
-        range and one over the residual), so that the push ranks the unsent change by it;
-        nothing when P is 0 (``"auto"`` in a job of fewer than MOMENT_FROM pushes a step) or a
-        large tensor has no such state (SGD, a parameter not stepped yet)."""
+        """``Compression.moment_power``: the residual's sparse range times ``s ** (2 P)``, the
+        gradient's scale ``s`` from the inner optimizer's state (``moment="mean"``:
+        ``|exp_avg| + eps``; ``"second"``: ``sqrt(exp_avg_sq + eps^2)``), gathered flat (two
+        passes over the sparse range and one over the residual), so that the push ranks the
+        unsent change by it; nothing when P is 0 (``"auto"`` in a job of fewer than
+        MOMENT_FROM pushes a step) or a large tensor has no such state (SGD, a parameter not
+        stepped yet)."""
         if self._moment_power == "auto":
             power = MOMENT_POWER if self.job_size >= MOMENT_FROM else 0.0
         else:
@@ -331,11 +334,11 @@ class _UpdateExchange(_Exchange):
         s = self.layout.sparse_numel
         if power == 0.0 or s == 0:
             return
-        state = self.inner.state
+        state, key = self.inner.state, "exp_avg" if self._moment == "mean" else "exp_avg_sq"
         moments: list[torch.Tensor | None] = [None] * len(self.params)
         for t, p in enumerate(self.params.values()):
             st = state.get(p)
-            v = st.get("exp_avg_sq") if st else None
+            v = st.get(key) if st else None
             ok = isinstance(v, torch.Tensor) and v.numel() == p.numel() and v.device == p.device
             moments[t] = v if ok else None  # (a state kept elsewhere, offloaded: not used)
         if any(moments[t] is None for t, _, b in self.layout.spans() if b <= s):
@@ -345,11 +348,18 @@ class _UpdateExchange(_Exchange):
         w = self._weight
         self.flat.gather_tensors_into(moments, w, 0)
         eps = min(float(g.get("eps", 1e-8)) for g in self.inner.param_groups)
-        w.add_(eps * eps)
-        if power == 0.25:
-            w.sqrt_().sqrt_()
-        else:
-            w.pow_(power)
+        if self._moment == "mean":  # |m| + eps, to the power 2 P
+            w.abs_().add_(eps)
+            if power == 0.25:
+                w.sqrt_()
+            else:
+                w.pow_(2.0 * power)
+        else:  # v + eps^2, to the power P
+            w.add_(eps * eps)
+            if power == 0.25:
+                w.sqrt_().sqrt_()
+            else:
+                w.pow_(power)
         self.compressor.residual[:s].mul_(w)
         self.compressor.weight = w
 
