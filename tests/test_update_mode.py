@@ -200,10 +200,11 @@ def test_a_push_ranks_the_unsent_change_by_adams_moments(make_server, power, mom
 
 
 @pytest.mark.parametrize("workers,weighted", [(3, True), (2, False)])
-def test_auto_weighs_the_push_by_the_second_moment_from_four_workers(make_server, workers, weighted):
+def test_auto_weighs_the_push_by_the_gradients_mean_from_four_workers(make_server, workers, weighted):
     """``moment_power="auto"`` over AdamW: the server's count of a step's pushes (the
     workers' first round) turns the weighting on from the second round in a job of four
-    workers (three AdamW, one SGD), and leaves it off in one of three; SGD never has it."""
+    workers (three AdamW, one SGD), and leaves it off in one of three; SGD never has it.
+    The weights are ``(|exp_avg| + eps) ** 0.5`` (the default ``moment="mean"``)."""
     n = 64
     srv = make_server(workers + 1, ["--dense-below", "0"], pull="exact")
     models = [Toy(n) for _ in range(workers + 1)]

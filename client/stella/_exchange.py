@@ -44,8 +44,8 @@ _INNER = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim
 # Compression.moment_power "auto" over an inner optimizer that keeps Adam's moments, in a job of at least
 # MOMENT_FROM pushes a step: a push ranks its coordinates by |unsent change| x |m| ** 0.5 (Compression.moment "mean";
 # bench.sim_update's `selm0.5`, the byte LM at W = 8 and 1% 1.12x dense's iterations against 1.19x by v ** 0.25,
-# `selv0.25`, and 1.28x by magnitude alone; at W = 2 and 1% the weighting cost iterations; docs/optimizer.md "The
-# push's selection")
+# `selv0.25`, and 1.28x by magnitude alone; at W = 2 the mean was inside magnitudes' spread and v ** 0.25 cost
+# iterations, so fewer workers keep magnitudes; docs/optimizer.md "The push's selection")
 MOMENT_POWER, MOMENT_FROM = 0.25, 4
 # a config's keys torch's optimizers do not take
 _SERVER_ONLY = ("name", "momentum_mode", "lr_worker_exponent", "count_exponent", "count_taper_from", "count_taper_to")
@@ -348,18 +348,18 @@ class _UpdateExchange(_Exchange):
         w = self._weight
         self.flat.gather_tensors_into(moments, w, 0)
         eps = min(float(g.get("eps", 1e-8)) for g in self.inner.param_groups)
-        if self._moment == "mean":  # |m| + eps, to the power 2 P
+        if self._moment == "mean":  # (|m| + eps) ** (2 P)
             w.abs_().add_(eps)
-            if power == 0.25:
-                w.sqrt_()
-            else:
-                w.pow_(2.0 * power)
-        else:  # v + eps^2, to the power P
+            exponent = 2.0 * power
+        else:  # (v + eps^2) ** P
             w.add_(eps * eps)
-            if power == 0.25:
-                w.sqrt_().sqrt_()
-            else:
-                w.pow_(power)
+            exponent = power
+        if exponent == 0.5:
+            w.sqrt_()
+        elif exponent == 0.25:
+            w.sqrt_().sqrt_()
+        else:
+            w.pow_(exponent)
         self.compressor.residual[:s].mul_(w)
         self.compressor.weight = w
 
