@@ -651,20 +651,22 @@ def test_work_that_does_not_grow_with_the_density_brings_the_cap_back():
     assert c.max_density == 0.1 and taken[-1] == 0.1
 
 
-def _capped_job(endpoint: str, width: int, pause_s: float, steps: int) -> tuple[float, float]:
+def _capped_job(endpoint: str, width: int, pause_s: float, steps: int) -> tuple[list[float], float]:
     """One worker training a ``width`` x 2048 layer on a batch of 2 with SGD, pausing
-    ``pause_s`` a step; its cap and density at the end."""
+    ``pause_s`` a step; its cap after each step, and its density at the end."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2048, width)
     opt = StellaOptimizer(model, endpoint, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                           connection=Connection(timeout=10))
     x = torch.randn(2, 2048)
+    caps = []
     for _ in range(steps):
         opt.zero_grad()
         model(x).square().mean().backward()
         time.sleep(pause_s)
         opt.step()
-    out = opt.stats.max_density, opt.stats.density
+        caps.append(opt.stats.max_density)
+    out = caps, opt.stats.density
     opt.close()
     return out
 
@@ -709,8 +711,20 @@ def test_a_worker_whose_rounds_work_is_its_step_lowers_its_cap_and_one_with_comp
     residual to compress) lowers the densest push it takes; one whose work is a sliver of
     its step (a 0.03M-parameter layer, 50 ms of compute a step) keeps the ceiling (10%).
     (One worker's pushes cost it no iterations, so any work worth 5% of its round moves
-    it: under a loaded host the 4M layer's work with 100 ms of compute a step did.)"""
-    cap, density = _capped_job(make_server(1).endpoint, 2048, 0.0, 60)
-    assert cap < 0.1 and density <= cap
-    cap, density = _capped_job(make_server(1).endpoint, 16, 0.05, 25)
-    assert cap == 0.1
+    it: under a loaded host the 4M layer's work with 100 ms of compute a step did.)
+
+    On a loaded host the work a round measures at a low density is inflated by the other
+    processes, and the line through two densities can look flat for a window, which takes
+    the cap back to the ceiling until the next rounds say otherwise (CI's host once ended
+    the run in such a window), and a round's wall time holds the scheduler's delays, which
+    can make the small layer's work look worth lowering the cap for: so each claim is on
+    most of the later rounds (the 4M layer's last 30 below the ceiling: 30 of 30 quiet and
+    in four runs under three busy loops, one loaded run back at the ceiling for about five;
+    the small layer's last 20 at it)."""
+    caps, density = _capped_job(make_server(1).endpoint, 2048, 0.0, 60)
+    later = caps[30:]
+    assert sum(c < 0.1 for c in later) >= 2 * len(later) // 3, caps
+    assert density <= caps[-1]
+    caps, density = _capped_job(make_server(1).endpoint, 16, 0.05, 30)
+    later = caps[10:]
+    assert sum(c == 0.1 for c in later) >= 2 * len(later) // 3, caps
