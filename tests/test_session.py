@@ -114,6 +114,37 @@ def test_a_pull_waiting_through_a_restart_is_answered_at_once_and_says_so(make_s
     assert not c.pull(0).rebased
 
 
+def test_a_rounds_pull_built_before_its_pushs_reconnect_is_rebased_on_the_restarted_server(make_server, make_client):
+    """The round's push and pull are built, then the socket finds no server (killed): they
+    go as two sends, and the push's waits out its timeout and connects again, to a server
+    restarted from older state (here empty, at version 0; the worker had seen 3). The pull,
+    built before that reconnect, must be rebased as a re-sent one is: a snapshot, marked
+    ``rebased``. Sent as built it asked for the steps after version 3 and was refused
+    (a version from the future), and the round failed: CI's killed-shard test."""
+    port = free_port()
+    srv = make_server(1, ["--liveness-timeout", "1"], bind=f"tcp://127.0.0.1:{port}")
+    c = make_client(srv.endpoint, timeout=1.0)
+    c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
+    one = {"w": np.ones(4, np.float32)}
+    for v in range(3):
+        c.push(one, v)
+        assert c.pull(v, wait_for=v + 1).version == v + 1
+    srv.kill()
+    srv.wait(10)
+    time.sleep(0.5)  # the socket sees its peer gone: a send finds no connection
+    restart = threading.Timer(2.5, make_server, (1, ["--liveness-timeout", "1"]),
+                              {"bind": f"tcp://127.0.0.1:{port}"})  # after the push's 1 s wait for the socket
+    restart.start()
+    try:
+        push, pull = c.push_pull(one, 3, 3, wait_for=4)
+    finally:
+        restart.join()
+    assert c.reconnects == 1
+    assert push.result().version <= 1  # tagged with the new server's version, not 3
+    got = pull.result()
+    assert got.full and got.rebased and got.version <= 1
+
+
 def test_a_pull_waiting_through_a_reconnect_to_the_same_server_keeps_waiting_for_its_step(make_server, make_client):
     """The server stops answering (stopped for 2.5 s) while worker a's pull waits for the
     step its acknowledged push is queued for; a reconnects when the server is back, which

@@ -750,12 +750,17 @@ class Session:
         """Whether ``msg`` is re-sent after a reconnect (which redoes a join and a registration itself)."""
         return self.reconnect_s > 0 and self._joined and not isinstance(msg, (Join, Register, Upload))
 
-    def send(self, msg: Any, frames: Iterable[Any] = (), timeout: float | None = None) -> int:
-        """Send a request built without its id; returns the id for :meth:`wait`."""
+    def send(self, msg: Any, frames: Iterable[Any] = (), timeout: float | None = None,
+             made: int | None = None) -> int:
+        """Send a request built without its id; returns the id for :meth:`wait`.
+        ``made``: :attr:`reconnects` when ``msg`` was built; one built before a reconnect
+        is rebased on the server it now goes to (:func:`rebase`)."""
         if self._sock.closed:
             raise ServerUnavailable("client is closed")
         t = self._limit(self.timeout if timeout is None else timeout)
         rebased = False
+        if made is not None and made != self.reconnects:
+            msg, rebased = self._rebase(msg)
         frames = list(frames)
         req = next(self._req)
         # the usual case first: the socket takes it at once (no system call to ask whether it would)
@@ -764,7 +769,8 @@ class Session:
                 if not self._resilient(msg):
                     raise self._unavailable("cannot reach", t)
                 self._reconnect(f"cannot reach the server within {t:.1f}s")
-                msg, rebased = self._rebase(msg)  # made before the reconnect, sent after it
+                msg, now = self._rebase(msg)  # made before the reconnect, sent after it
+                rebased = rebased or now
                 req = next(self._req)  # after the reconnect's own requests, as it is sent
             self._transmit(msgspec.structs.replace(msg, req=req), frames)
         self._outstanding.add(req)
@@ -787,7 +793,11 @@ class Session:
         a, b = next(self._req), next(self._req)
         both = msgspec.structs.replace(push, req=a, pull=msgspec.structs.replace(pull, req=b))
         if not self._transmit(both, frames, wait=False):
-            return self.send(push, frames, timeout), self.send(pull, (), timeout)
+            # the push's send may connect again (to a server restarted from an older checkpoint): the pull,
+            # built before, is then rebased as a re-sent one is (sent as built, it asked the new server for
+            # the steps after a version it never reached, and the round failed)
+            made = self.reconnects
+            return self.send(push, frames, timeout), self.send(pull, (), timeout, made)
         for req, msg, parts in ((a, push, frames), (b, pull, [])):
             self._outstanding.add(req)
             if self._resilient(msg):
