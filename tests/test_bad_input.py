@@ -263,6 +263,11 @@ CASES = {
                                                    [], None), "protocol", "its pull's protocol version"),
     "push's pull from the future": (lambda e: (push_hdr(e, [e_(0, 1)], pull=pull_hdr(e, since=10**6)),
                                                [i32(0), f32(1.0)], None), "version", "from the future"),
+    # a server restarted from an older checkpoint gets the pair of a worker it does not know, its pull
+    # since a version it never reached: the worker is told to join again, the one answer it can act on
+    "push's pull from the future, of a worker that never joined": (
+        lambda e: (push_hdr(e, [e_(0, 1)], worker=4242, pull=pull_hdr(e, worker=4242, since=10**6)),
+                   [i32(0), f32(1.0)], None), "not_registered", "has not joined"),
     "push's pull not a pull": (lambda e: (push_hdr(e, [], pull={"type": "status", "proto": PROTOCOL_VERSION}),
                                           [], None), "protocol", "`$.pull.type`"),
 }

@@ -347,8 +347,12 @@ class Service:
         """A push with the round's pull riding on it: the push as :meth:`_push` takes it,
         then the pull as :meth:`_pull` would have taken it in a message of its own, each
         answered under its own ``req``. The pull is checked first, so that a refusal of
-        either changes nothing; a refused push refuses its pull too."""
+        either changes nothing; a refused push refuses its pull too. The sender's membership
+        before either: a server that restarted from an older checkpoint does not know the
+        worker, and must say so (the worker joins again and rebases), not that the pull is
+        from the future (which a worker cannot mend)."""
         try:
+            self._member(ident, msg.worker)
             self._check_pull(pull)
             self._push(ident, msg, rx)
         except Exception as e:
