@@ -131,7 +131,6 @@ class Rounds:
         self._compress_times: deque[float] = deque(maxlen=8)
         self._own_compute: deque[float] = deque(maxlen=8)
         self._unpaid = 0.0
-        self.job_size = 1  # the pushes of the latest step installed: the workers whose models the job averages
         self.next_every = exchange.sync_every  # Sync(every="auto"): the least H the leader chose, not yet taken
         self._measure: RoundMeasure | None = None  # the latest finished round's, for the controller
         self._inflight: Future[Answer] | None = None
@@ -220,6 +219,12 @@ class Rounds:
         self.stats.values_pushed += sent.count
         self.stats.values_pulled += delta.count
         return delta, sent
+
+    @property
+    def job_size(self) -> int:
+        """The pushes of the latest step installed (the workers whose models the job
+        averages): the exchange's, which the pipeline sets from each answer."""
+        return int(self.exchange.job_size)
 
     # ------------------------------------------------------------------ from the training loop
     def on_step(self) -> None:

@@ -383,7 +383,7 @@ class StellaOptimizer(torch.optim.Optimizer):
         self.rounds.note_install(installed)
         self.version = delta.version
         if delta.pushes:  # 0: not said (a snapshot)
-            self.rounds.job_size = self._exchange.job_size = delta.pushes
+            self._exchange.job_size = delta.pushes  # the rounds read it there
         if self._exchange.noise is not None:  # BatchNoise(world=None): the job's size, as the server saw it
             self._exchange.noise.job_size(delta.pushes * self.site.size)
 
