@@ -123,7 +123,7 @@ def test_a_rounds_pull_built_before_its_pushs_reconnect_is_rebased_on_the_restar
     (a version from the future), and the round failed: CI's killed-shard test."""
     port = free_port()
     srv = make_server(1, ["--liveness-timeout", "1"], bind=f"tcp://127.0.0.1:{port}")
-    c = make_client(srv.endpoint, timeout=1.0)
+    c = make_client(srv.endpoint, timeout=2.0)
     c.register({"w": np.zeros(4, np.float32)}, {"name": "sgd", "lr": 1.0})
     one = {"w": np.ones(4, np.float32)}
     for v in range(3):
@@ -132,14 +132,14 @@ def test_a_rounds_pull_built_before_its_pushs_reconnect_is_rebased_on_the_restar
     srv.kill()
     srv.wait(10)
     time.sleep(0.5)  # the socket sees its peer gone: a send finds no connection
-    restart = threading.Timer(2.5, make_server, (1, ["--liveness-timeout", "1"]),
-                              {"bind": f"tcp://127.0.0.1:{port}"})  # after the push's 1 s wait for the socket
+    restart = threading.Timer(3.0, make_server, (1, ["--liveness-timeout", "1"]),
+                              {"bind": f"tcp://127.0.0.1:{port}"})  # after the push's 2 s wait for the socket
     restart.start()
     try:
         push, pull = c.push_pull(one, 3, 3, wait_for=4)
     finally:
         restart.join()
-    assert c.reconnects == 1
+    assert c.reconnects >= 1
     assert push.result().version <= 1  # tagged with the new server's version, not 3
     got = pull.result()
     assert got.full and got.rebased and got.version <= 1

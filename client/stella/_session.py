@@ -484,6 +484,7 @@ class Session:
         # on a newer one, which a server restarted from an older checkpoint never had, is tagged with it)
         self._seen_since_reconnect: int | None = None
         self.need_snapshot = False  # the server went back: the next pull is a full snapshot
+        self._same_server = False  # the latest reconnect found this session's server (rebase's same_server)
         self._heartbeat_on = heartbeat
         self._joined = False  # a join succeeded: from then on a lost connection is reconnected
         self._live = _Liveness()
@@ -760,7 +761,7 @@ class Session:
         t = self._limit(self.timeout if timeout is None else timeout)
         rebased = False
         if made is not None and made != self.reconnects:
-            msg, rebased = self._rebase(msg)
+            msg, rebased = self._rebase(msg, self._same_server)
         frames = list(frames)
         req = next(self._req)
         # the usual case first: the socket takes it at once (no system call to ask whether it would)
@@ -769,7 +770,7 @@ class Session:
                 if not self._resilient(msg):
                     raise self._unavailable("cannot reach", t)
                 self._reconnect(f"cannot reach the server within {t:.1f}s")
-                msg, now = self._rebase(msg)  # made before the reconnect, sent after it
+                msg, now = self._rebase(msg, self._same_server)  # made before the reconnect, sent after it
                 rebased = rebased or now
                 req = next(self._req)  # after the reconnect's own requests, as it is sent
             self._transmit(msgspec.structs.replace(msg, req=req), frames)
@@ -1038,7 +1039,7 @@ class Session:
             joined = expect(self.wait(self.send(Join(name=self.name), (), t), t), Joined)
         self.worker_id = joined.worker
         # the server gave this session back: it has not restarted since, and holds what it acknowledged
-        same_server = bool(session) and joined.session == session
+        same_server = self._same_server = bool(session) and joined.session == session
         self._start_heartbeats(joined)
         self.server_version = joined.version
         seeded = False
