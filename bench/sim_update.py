@@ -75,7 +75,9 @@ to the run's at step N (deep gradient compression's sparsity warm-up). ``selvP``
 push takes the top k of ``|unsent| x (v + 1e-30) ** P``, ``v`` its Adam ``exp_avg_sq`` (the
 worker's ``Compression(moment_power=P)``, which adds ``eps^2`` instead: the same ranking wherever a
 gradient passes 1e-8), its values unweighted; ``selmP`` the same with ``|m| ** P``, ``m`` the
-worker's Adam ``exp_avg`` (the gradient's mean, without its noise). ``--staleness 0`` merges each round's
+worker's Adam ``exp_avg`` (the gradient's mean, without its noise); ``ageA`` multiplies either score by
+``1 + r / A``, ``r`` the rounds since the worker last pushed the coordinate (a change that waited long goes
+before an equal fresh one). ``--staleness 0`` merges each round's
 result before the next local step (no overlap), to tell what the one round of delay
 costs.
 
@@ -145,6 +147,7 @@ class Rule:
     warm: int = 0  # ``dwarmN``: the density falls geometrically from 10x to the run's over the first N steps
     selv: float = 0.0  # ``selvP``: a push's top k by |unsent| x v ** P (v: the worker's Adam second moment)
     selm: float = 0.0  # ``selmP``: a push's top k by |unsent| x |m| ** P (m: the worker's Adam first moment)
+    age: float = 0.0  # ``ageA``: the push's score times (1 + rounds since the worker last pushed it / A)
 
     @classmethod
     def parse(cls, spec: str) -> Rule:
@@ -182,6 +185,8 @@ class Rule:
                 kw["selv"] = float(part[4:] or 0.5)
             elif part.startswith("selm"):
                 kw["selm"] = float(part[4:] or 1.0)
+            elif part.startswith("age"):
+                kw["age"] = float(part[3:] or 50)
             elif part.startswith("dwarm"):
                 kw["warm"] = int(part[5:])
             elif part.startswith("lend"):
@@ -490,6 +495,7 @@ def run_stella(cfg: Config) -> Curve:
     q_ema: float | None = None
     b_idx: torch.Tensor | None = None  # ``bidx``: the latest broadcast's indices of [0, ns) (every replica has them)
     n_values: list[int] = []  # values of [0, ns) a push carries, for the bytes
+    ages = [torch.zeros(flat.ns) for _ in range(W)] if rule.age else []  # ``age``: rounds since each was pushed
     held = rule.held_weight(W)
     # ``heldF``: each worker's unsent change kept apart, its model the broadcast model less
     # F times it (F = 1: today's worker, whose model holds all of its own unsent progress)
@@ -529,11 +535,16 @@ def run_stella(cfg: Config) -> Curve:
                     weight = (vi[:flat.ns] + 1e-30).pow(rule.selv) if rule.selv else \
                         (vi[:flat.ns].abs() + 1e-30).pow(rule.selm)
                     score = unsent[i][:flat.ns].abs() * weight
+                    if rule.age:
+                        score = score * (1.0 + ages[i] / rule.age)
                     sel = torch.topk(score, min(own_k, flat.ns), sorted=False).indices.sort().values
                     c = _sparse_send(unsent[i], flat.ns, 0, cfg.push_values, "f16", sel)
                 else:
                     c = _sparse_send(unsent[i], flat.ns, own_k, cfg.push_values, "f16", at)
                 n_values.append(int((c[:flat.ns] != 0).sum()))
+                if rule.age:
+                    ages[i].add_(1.0)
+                    ages[i][c[:flat.ns] != 0] = 0.0
                 if unsent_own is not None:
                     unsent_own[i].sub_(c)
                 if rule.eager:  # the worker's own push counts at its share of the mean, at once
