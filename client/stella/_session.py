@@ -786,25 +786,30 @@ class Session:
         """Send a push and the round's pull as one message (the pull rides on the push,
         ``Push.pull``): two requests, each answered under its own id; returns both ids for
         :meth:`wait`. A refusal of the push fails the pull with it. When the socket does
-        not take the message at once they go as two (:meth:`send`, which waits for the
-        socket and reconnects), and a reconnect re-sends them as two as well."""
+        not take the message at once they go as two (:meth:`send_apart`: :meth:`send` waits
+        for the socket and reconnects), and a reconnect re-sends them as two as well."""
         if self._sock.closed:
             raise ServerUnavailable("client is closed")
         frames = list(frames)
         a, b = next(self._req), next(self._req)
         both = msgspec.structs.replace(push, req=a, pull=msgspec.structs.replace(pull, req=b))
         if not self._transmit(both, frames, wait=False):
-            # the push's send may connect again (to a server restarted from an older checkpoint): the pull,
-            # built before, is then rebased as a re-sent one is (sent as built, it asked the new server for
-            # the steps after a version it never reached, and the round failed)
-            made = self.reconnects
-            return self.send(push, frames, timeout), self.send(pull, (), timeout, made)
+            return self.send_apart(push, frames, pull, timeout)
         for req, msg, parts in ((a, push, frames), (b, pull, [])):
             self._outstanding.add(req)
             if self._resilient(msg):
                 self._sent[req] = (msg, parts, timeout)
         self._pairs[a] = b
         return a, b
+
+    def send_apart(self, push: Push, frames: Iterable[Any], pull: Pull, timeout: float | None = None
+                   ) -> tuple[int, int]:
+        """A push and the round's pull as two messages (:meth:`send` each); returns both ids.
+        The push's send may connect again (to a server restarted from an older checkpoint):
+        the pull, built before, is then rebased as a re-sent one is (sent as built, it asked
+        the new server for the steps after a version it never reached, and the round failed)."""
+        made = self.reconnects
+        return self.send(push, frames, timeout), self.send(pull, (), timeout, made)
 
     def _writable(self, t: float) -> bool:
         """Whether the socket can send within ``t`` seconds; a handshake the server refuses

@@ -492,9 +492,8 @@ class Client:
                                          False, timeout)
         pull, parse = self._pull_message(since, wait_for, pull_coding, timeout, decode)
         s = self._session
-        if msg.upload is not None:  # the pull rebased if the push's send connects again (Session.send)
-            made = s.reconnects
-            a, b = s.send(msg, frames, timeout), s.send(pull, (), timeout, made)
+        if msg.upload is not None:
+            a, b = s.send_apart(msg, frames, pull, timeout)
         else:
             a, b = s.send_pair(msg, frames, pull, timeout)
         return Pending(s, a, self._push_ok, timeout), Pending(s, b, parse, timeout)
