@@ -165,7 +165,11 @@ def test_autocast_gradscaler_and_compile_train_in_both_modes(flags):
     through the wrapper) on a torch.compile'd model in gradient mode, and in update mode with
     two backward passes a step, where the default BatchNoise's hooks measure the noise on the
     compiled model under GradScaler (a sample every step after the first)."""
-    for r in run_example("amp_compile.py", *flags, "--steps", "60", "--target", "3.0"):
+    # gradient mode 80 steps: its controller takes the pushes to 0.1-0.2% on this CPU (top-k's work against a
+    # small compiled step), where 60 steps ended at held-out 2.75-3.04 over twelve quiet runs, before this stop's
+    # code and after it (CI once 3.012); 80 steps end at 2.74-2.88
+    steps = "80" if "gradient" in flags else "60"
+    for r in run_example("amp_compile.py", *flags, "--steps", steps, "--target", "3.0"):
         assert r["last10"] < r["first_loss"] - 2.0 and r["heldout_loss"] < 3.0
         if "--accumulate" in flags:  # (a step GradScaler skips costs the samples of up to three)
             assert len(r["noise_counts"]) == 1 and 59 - 3 * r["skipped_steps"] <= r["noise_counts"][0] <= 59
