@@ -294,7 +294,9 @@ class Rounds:
             # the computation a round offers at the least H (a round that ran on offered more)
             every = self.exchange.sync_every
             compute = statistics.median(self._step_compute) * every
-            own = statistics.median(self._own_compute) * every if self._own_compute else 0.0
+            # the cap weighs the worker's work a round, the least of its rounds, against the least of its
+            # steps' own compute: both as they cost without the other processes of a loaded host
+            own = min(self._own_compute) * every if self._own_compute else 0.0
             self._take(self.controller.observe(dataclasses.replace(m, compute_s=compute, own_compute_s=own,
                                                                    workers=self.job_size)))
             s = self.stats

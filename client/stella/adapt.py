@@ -83,7 +83,10 @@ pushes cost it nothing). So the controller keeps a cap on the density
 least (near its least the time is flat, and a lower density would cost iterations the
 model is not sure to win back), ``c`` the round's own compute and ``work(d)`` the
 install plus the compression, learnt per density from the rounds after the first
-``window`` (which pay for allocations and start together): two densities 2x apart or
+``window`` (which pay for allocations and start together), the least of each density's
+latest ``window`` (other processes only ever add to a round's work: on a loaded host the
+medians inflated the low densities' work until the line through two densities looked
+flat and took the cap back to the ceiling for a window): two densities 2x apart or
 more give a line through what each cost; before that the install is taken in
 proportion to the entries a round installs (its push and its pull, the pull as
 :func:`pull_bits` sizes it) and the compression as the same at every density, and the
@@ -215,7 +218,10 @@ class _Work:
     """The worker's own work a round (the install and the compression) as a function of
     the density (module doc). Each density the rounds ran at keeps its latest ``window``
     rounds (after the first ``window`` of the run: they pay for allocations); one
-    with three is a point, the medians of its install and compression. Two points whose
+    with three is a point, the least install and the least compression of them: the work
+    at one density is the same each round, and what varies is what other threads and
+    processes add to its wall time (a round's work only ever measures longer than it is,
+    as a busy server only ever makes a link look slower). Two points whose
     densities differ by 2x or more: a least-squares line through the points' totals, rising
     with the density or flat. Else, from the latest point: the install in proportion to the
     entries a round installs (its push and its pull), the compression the same at every
@@ -241,7 +247,7 @@ class _Work:
 
     def _model(self) -> tuple[dict[float, tuple[float, float]], tuple[float, float, float] | None]:
         if self._fit is None:
-            points = {d: (statistics.median(i for i, _ in q), statistics.median(c for _, c in q))
+            points = {d: (min(i for i, _ in q), min(c for _, c in q))
                       for d, q in self._at.items() if len(q) >= self.LEAST}
             line = None
             if len(points) >= 2 and max(points) >= 2.0 * min(points):
@@ -391,7 +397,7 @@ class RoundMeasure:
     # the worker's own work (module doc, "What a density costs the worker"): installing the round's answer, the
     # round's compute without that work, and the job's workers
     install_s: float = 0.0
-    own_compute_s: float = 0.0  # 0: not measured
+    own_compute_s: float = 0.0  # the least of the recent steps' (times the round's H); 0: not measured
     workers: int = 1
 
 
