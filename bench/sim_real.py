@@ -4,12 +4,14 @@ bench.sim_update's workers), a server of its own per run, worker 0's held-out lo
 against dense's (issue 43: "show that the two agree").
 
     python -m bench.sim_real --workload tinylm --workers 8 --density 0.1 --seeds 0,1,2 \\
-        --steps 300 --batch-noise both [--outer auto] [--moment-power auto|P] [--moment mean|second] [--json PATH]
+        --steps 300 --batch-noise both [--outer auto] [--moment-power auto|P] [--moment mean|second] \\
+        [--push-values f16|q4|q2] [--factor F] [--json PATH]
 
-Each worker is a ``StellaOptimizer`` with the workload's inner optimizer, H = 1, f16
-pushes at ``--density`` (pinned; ranked by ``Compression(moment_power=..., moment=...)``,
-``--moment-power`` and ``--moment``, the defaults ``auto`` and ``mean``), the server's
-default broadcast, CurveZMQ on loopback.
+Each worker is a ``StellaOptimizer`` with the workload's inner optimizer, H = 1, pushes
+at ``--density`` in ``--push-values`` (f16; both pinned; ranked by
+``Compression(moment_power=..., moment=...)``, ``--moment-power`` and ``--moment``, the
+defaults ``auto`` and ``mean``), the server's default broadcast (``--factor``: its
+``--broadcast-factor``, the coordinates it carries per pushed one), CurveZMQ on loopback.
 ``--batch-noise``: ``on`` (each batch's halves accumulated as two backward passes, which
 the optimizer's default ``BatchNoise`` splits; its world the server's), ``off``
 (``batch_noise=None``: plain Adam steps, one backward pass) or ``both``. The figure is
@@ -34,6 +36,7 @@ import torch
 from bench import workloads as WL
 from bench.sim_update import Curve, _halves, heldout_loss, run_dense, step_ratio
 from stella import Compression, Connection, StellaOptimizer, Sync
+from stella.protocol import ValueDtype
 
 __all__ = ["train", "main"]
 
@@ -41,14 +44,14 @@ __all__ = ["train", "main"]
 def train(endpoint: str, outer: str, *, world: int = 8, seed: int = 0, density: float = 0.03, noise: bool = False,
           workload: str = "adamlp", steps: int = 150, eval_every: int = 5,
           keys: dict[str, str] | None = None, moment_power: float | str = "auto",
-          moment: Literal["mean", "second"] = "mean") -> Curve:
+          moment: Literal["mean", "second"] = "mean", push_values: ValueDtype = "f16") -> Curve:
     """``world`` workers in threads through the server at ``endpoint``; worker 0's held-out
     loss curve. ``noise``: each worker's batch halves accumulated one after the other (two
     backward passes, which the optimizer's default BatchNoise splits itself; its world read
     off the server: at mid-run every worker's must be ``world``, else RuntimeError);
     otherwise one backward pass and ``batch_noise=None``. ``keys``: the CurveZMQ keys
     (``ServerProcess.client_kwargs()``; None: the environment's). ``moment_power``,
-    ``moment``: the pushes' ``Compression(moment_power=..., moment=...)``."""
+    ``moment``, ``push_values``: the pushes' ``Compression(moment_power=..., moment=..., value_dtype=...)``."""
     wl = WL.get(workload)
     models = [wl.build_model(seed) for _ in range(world)]  # before the threads: torch's RNG is global
     curve = Curve()
@@ -63,7 +66,7 @@ def train(endpoint: str, outer: str, *, world: int = 8, seed: int = 0, density: 
             model = models[rank]
             opt = StellaOptimizer(model, endpoint, optimizer=wl.make_optimizer(model.parameters()), outer=outer,
                                   sync=Sync(every=1, max_every=1),
-                                  compression=Compression(density=density, value_dtype="f16",
+                                  compression=Compression(density=density, value_dtype=push_values,
                                                           moment_power=moment_power, moment=moment),
                                   connection=Connection(timeout=120, worker_id=rank, **(keys or {})),
                                   **({} if noise else {"batch_noise": None}))
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-noise", default="both", choices=("on", "off", "both"))
     ap.add_argument("--moment-power", default="auto", help="the pushes' Compression(moment_power=...): auto or P")
     ap.add_argument("--moment", default="mean", choices=("mean", "second"), help="the pushes' Compression(moment=...)")
+    ap.add_argument("--push-values", default="f16", choices=("f16", "q4", "q2"), help="the pushes' value coding")
+    ap.add_argument("--factor", type=float, help="the server's --broadcast-factor (unset: its default)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from stella_ps.process import ServerProcess
@@ -133,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         for seed in seeds:
             dense = run_dense(a.workload, a.workers, seed, a.steps, a.eval_every)
-            with ServerProcess(a.workers) as srv:
+            with ServerProcess(a.workers, [] if a.factor is None else ["--broadcast-factor", str(a.factor)]) as srv:
                 curve = train(srv.endpoint, a.outer, world=a.workers, seed=seed, density=a.density, noise=noise,
                               workload=a.workload, steps=a.steps, eval_every=a.eval_every, keys=srv.client_kwargs(),
-                              moment_power=power, moment=a.moment)
+                              moment_power=power, moment=a.moment, push_values=a.push_values)
             ratios.append(step_ratio(curve, dense))
             print(f"#   seed {seed}: {ratios[-1]:.3f} ({time.time() - t0:.0f} s so far)", flush=True)
         mean = statistics.mean(ratios)
         rows.append({"workload": a.workload, "W": a.workers, "density": a.density, "outer": a.outer,
-                     "moment_power": power, "moment": a.moment, "batch_noise": noise, "seeds": seeds, "ratios": ratios,
+                     "moment_power": power, "moment": a.moment, "push_values": a.push_values, "factor": a.factor,
+                     "batch_noise": noise, "seeds": seeds, "ratios": ratios,
                      "mean": mean})
         print(f"{a.workload:9} {a.workers:>3} {a.density:>8.4f} {a.outer:8} {a.moment_power:>6} "
               f"{'on' if noise else 'off':10} "
