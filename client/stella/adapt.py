@@ -52,7 +52,10 @@ The choice. Candidates are ordered best first: densities from ``ceiling`` down t
 q2). Cheaper coding comes before lower density because it costs less convergence:
 in the 2026-11-23 end-to-end run q4 and q2 pushes reached the byte LM's target in
 the iterations f16 did, while lower densities delay what error feedback delivers
-(docs/compression.md). While the current candidate's prediction is within ``fill`` of
+(docs/compression.md); for the same bytes up, q4 on 2% of the coordinates took the
+byte LM at W = 8 to dense's loss in 1.106x its iterations where f16 on 1% took 1.182x
+(bench.sim_update, five seeds; 1.115x and 1.157x through a real stella-ps:
+bench/RESULTS.md). While the current candidate's prediction is within ``fill`` of
 the compute, it stays, unless a better one predicts within ``raise_fill`` (0.6): the
 band between the two, and ``window`` rounds at least between a change and a rise,
 keep a steady link from oscillating. Above ``fill`` it moves to the best candidate
