@@ -736,8 +736,9 @@ def test_a_worker_whose_rounds_work_is_its_step_lowers_its_cap_and_one_with_comp
     before, the low densities' inflated work made the line through two densities look flat
     and the cap went back to the ceiling for a window (CI's host once ended the run in one,
     19 of the last 30 below the ceiling). Each claim is still on most of the later rounds
-    (with the least: 30 of 30 quiet, and in seven runs beside the test_stacks module on two
-    workers; the small layer's last 20 at the ceiling in all)."""
+    (with the least: 30 of 30 in two quiet runs and in seven beside the test_stacks module on
+    two pytest workers, three of them with the compute's least too; the small layer's last 20
+    at the ceiling in all)."""
     caps, density = _capped_job(make_server(1).endpoint, 2048, 0.0, 60)
     later = caps[30:]
     assert sum(c < 0.1 for c in later) >= 2 * len(later) // 3, caps
