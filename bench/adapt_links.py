@@ -55,7 +55,7 @@ def fall_detection(on: bool) -> Iterator[None]:
 def round_at(c: Controller, mbit: float, compute_s: float) -> RoundMeasure:
     d, coding = c.density, c.value_dtype
     push = int(N * d * coordinate_bits(d, coding) / 8) + 2000
-    pull = int(N * pull_bits(d, BCAST) / 8)
+    pull = int(N * pull_bits(d, BCAST, coding) / 8)
     bps = mbit * 1e6 / 8
     return RoundMeasure(compute_s=compute_s, compress_s=COMPRESS_S, push_bytes=push, push_s=push / bps,
                         pull_bytes=pull, pull_s=pull / bps)

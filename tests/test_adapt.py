@@ -39,11 +39,11 @@ BCAST = BroadcastInfo(values="q4", factor=2.0)  # the server's, as its registrat
 def link_round(c: Controller, up_mbps: float, down_mbps: float | None = None, latency_s: float = 0.0) -> RoundMeasure:
     """What a round at the controller's current choice measures on a link of these rates:
     the push's coded size (plus a fixed header), the broadcast pull (twice the push's
-    coordinates in q4); each transfer also takes ``latency_s`` whatever its size (a round
-    trip, the work of sending a message)."""
+    coordinates counted by their bits against f16's, in q4); each transfer also takes
+    ``latency_s`` whatever its size (a round trip, the work of sending a message)."""
     d, coding = c.density, c.value_dtype
     push = int(N * d * coordinate_bits(d, coding) / 8) + 2000
-    pull = int(N * pull_bits(d, BCAST) / 8)
+    pull = int(N * pull_bits(d, BCAST, coding) / 8)
     down = down_mbps or up_mbps
     return RoundMeasure(compute_s=COMPUTE, compress_s=0.01, push_bytes=push,
                         push_s=latency_s + push * 8 / (up_mbps * 1e6), pull_bytes=pull,
@@ -609,6 +609,17 @@ def test_densest_worth_weighs_the_workers_work_against_the_iterations_density_sa
     one = densest_worth(ladder, c, proportional, 1)  # one worker: the least work, give or take 5%
     assert ladder[one] < ladder[chosen]
     assert c + proportional(ladder[one]) <= (1 + DENSITY_GAIN) * (c + proportional(ladder[-1]))
+
+
+def test_a_pull_is_predicted_at_about_its_push_whatever_the_pushs_coding():
+    """The server's broadcast budget counts a pushed coordinate by its bits against f16's
+    (stella.codec.broadcast_share), so the controller predicts the pull of a q4 or q2 push
+    at about its push's bytes, as an f16 push's (counted in coordinates, a q4 push's pull
+    was 1.8x its bytes, a q2 push's 2.2x)."""
+    for d in (0.002, 0.01, 0.05):
+        ratio = {c: pull_bits(d, BCAST, c) / (d * coordinate_bits(d, c)) for c in CODINGS}
+        assert all(0.85 < r < 1.2 for r in ratio.values()), (d, ratio)
+    assert pull_bits(0.02, None, "q4") == pull_bits(0.02, None, "f16")  # exact pulls: f32, whatever the push
 
 
 def _work_rounds(c: Controller, rounds: int, install_at: Callable[[float], float], compress_s: float = 0.002,

@@ -9,6 +9,7 @@ import pytest
 
 from stella import Client
 from stella import checkpoint_file as ckfmt
+from stella.codec import broadcast_share
 from stella.protocol import BroadcastInfo, TensorSpec
 from stella_ps import broadcast as bmod
 from stella_ps.broadcast import Broadcast
@@ -143,6 +144,34 @@ def test_replicas_that_add_the_messages_equal_the_broadcast_model_bit_for_bit(ma
         for name in init:
             assert np.array_equal(r[name], snap.tensors[name][1]), name
     assert all(140 <= n <= 180 for n in pulled[1:]), pulled  # 2 x 80 coordinates a step, whatever W
+
+
+@pytest.mark.parametrize("coding", ["f16", "q4", "q2"])
+def test_the_broadcast_budget_follows_the_pushes_bytes_not_their_coordinates(make_server, make_client, coding):
+    """Two workers push 80 of 8192 coordinates a step in ``coding``: a pull carries the
+    broadcast factor (2) times the pushes' coordinates, each counted by its bits against an
+    f16 coordinate's (stella.codec.broadcast_share): 160 for f16 pushes, about 85 for q4 and
+    70 for q2, so the pull stays about a push's bytes whatever the coding (with the budget in
+    coordinates, q4 pushes got 160: a pull of 1.8x the push's bytes, which also cost the byte
+    LM iterations, bench/RESULTS.md "A push's bytes on twice the coordinates")."""
+    srv = make_server(2)
+    init = {"w": np.zeros(BIG, np.float32), "b": np.zeros(SMALL, np.float32)}
+    a, b = make_client(srv.endpoint), make_client(srv.endpoint)
+    a.register(init, {"name": "adam", "lr": 0.01})
+    b.register(init)
+    rng = np.random.default_rng(4)
+    pulled = []
+    for step in range(8):
+        for c in (a, b):
+            idx = np.sort(rng.choice(BIG, 80, replace=False)).astype(np.int32)
+            c.push({"w": (idx, rng.standard_normal(80).astype(np.float32)), "b": rng.standard_normal(SMALL)}, step,
+                   value_dtype=coding)
+        pulled.append(a.pull(step, wait_for=step + 1).count - SMALL)
+        b.pull(step, wait_for=step + 1)
+    expected = 2 * 80 * broadcast_share(80 / BIG, coding)
+    assert expected == (160 if coding == "f16" else pytest.approx(85.4 if coding == "q4" else 72.5, abs=0.5))
+    # (fewer where the residual owes fewer coordinates than the budget: the workers' pushes overlap)
+    assert all(0.85 * expected <= n <= expected + 1 for n in pulled), (coding, expected, pulled)
 
 
 def test_a_checkpoint_keeps_the_residual_and_a_replica_goes_on_after_the_restart(make_server, make_client,

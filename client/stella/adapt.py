@@ -29,8 +29,9 @@ on a steady one). A candidate
 last three is ``fixed + per_unit * size``: the push's size is its bytes, scaled from
 those measured at the current candidate by the coded size of a coordinate (value bits
 plus Rice index bits, ``log2(1/density) + 2``); the pull's follow the density likewise,
-in the broadcast's coding and at its factor's multiple of a push's coordinates, both as
-the server's answer to the registration said (:func:`pull_bits`); the server's is
+in the broadcast's coding and at its factor's multiple of a push's coordinates (each
+counted by its bits against f16's), both as the server's answer to the registration
+said (:func:`pull_bits`); the server's is
 the density (``server'`` is its time applying the round's step, the ``delta``'s
 ``step_ms``: decoding, applying and encoding grow with the coordinates every worker
 pushes, and the workers of a job adapt alike). ``per_unit`` is the fastest of the
@@ -141,7 +142,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .codec import CODINGS, VALUE_BITS, coordinate_bits
+from .codec import CODINGS, VALUE_BITS, broadcast_share, coordinate_bits
 from .protocol import BroadcastInfo, ValueDtype
 
 __all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits", "local_steps", "densest_worth"]
@@ -151,14 +152,15 @@ log = logging.getLogger("stella.adapt")
 STEP = 1.25  # between two densities of the ladder
 
 
-def pull_bits(density: float, broadcast: BroadcastInfo | None) -> float:
-    """Bits per model coordinate of a pull answering pushes of ``density``: the server's
-    broadcast (its factor times the pushes' coordinates, in its coding), or with exact
-    pulls (None) the pushed coordinates in float32 (their union over the workers grows
-    with their number; the controller's measured bytes per bit carries that)."""
+def pull_bits(density: float, broadcast: BroadcastInfo | None, coding: str = "f16") -> float:
+    """Bits per model coordinate of a pull answering pushes of ``density`` in ``coding``:
+    the server's broadcast (its factor times the pushes' coordinates, each counted by its
+    bits against f16's, :func:`~stella.codec.broadcast_share`; in the broadcast's coding),
+    or with exact pulls (None) the pushed coordinates in float32 (their union over the
+    workers grows with their number; the controller's measured bytes per bit carries that)."""
     if broadcast is None:
         return density * coordinate_bits(density, "f32")
-    k = min(1.0, broadcast.factor * density)
+    k = min(1.0, broadcast.factor * density * broadcast_share(density, coding))
     return k * coordinate_bits(k, broadcast.values)
 
 
@@ -494,7 +496,7 @@ class Controller:
             return 0.0
         d, c = self.candidates[i]
         push = self._up.predict(self._bytes_per_bit * d * coordinate_bits(d, c), cautious)
-        pull = self._down.predict(self._pull_per_bit * pull_bits(d, self.broadcast), cautious)
+        pull = self._down.predict(self._pull_per_bit * pull_bits(d, self.broadcast, c), cautious)
         return self._compress_s + push + self._server.predict(d, cautious) + pull
 
     def first(self) -> Decision:
@@ -520,7 +522,7 @@ class Controller:
         self._server.add(i, d, m.server_s)
         if m.pull_s > 0.0 and m.pull_bytes > 0:
             self._down.add(i, m.pull_bytes, m.pull_s)
-            self._pull_per_bit = m.pull_bytes / pull_bits(d, self.broadcast)
+            self._pull_per_bit = m.pull_bytes / pull_bits(d, self.broadcast, c)
         self._workers = max(1, m.workers)
         self._work.add(d, m.install_s, m.compress_s)
         cap_moved = self._move_cap(m)

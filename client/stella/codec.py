@@ -65,6 +65,7 @@ __all__ = [
     "VALUE_BITS",
     "CODINGS",
     "coordinate_bits",
+    "broadcast_share",
     "dense_coding",
     "DEFAULT_INDEX_CODING",
     "DEFAULT_VALUE_DTYPE",
@@ -111,6 +112,19 @@ def coordinate_bits(density: float, coding: str) -> float:
     """Bits a pushed coordinate costs: its value, and its Rice-coded index (gaps of
     mean ``1/density``: about ``log2(1/density) + 2`` bits)."""
     return VALUE_BITS[coding] + math.log2(1.0 / density) + 2.0
+
+
+def broadcast_share(density: float, coding: str) -> float:
+    """What a coordinate pushed in ``coding`` at ``density`` counts for in the server's
+    broadcast budget (``--broadcast-factor`` times the pushes' coordinates): its bits
+    against an f16 coordinate's, at most 1. The budget follows the pushes' bytes, so
+    that a pull stays about a push whatever its coding (q4 at 2%: 0.51, so the broadcast
+    carries about 2% where an f16 push's 1% gets 2%; bench/RESULTS.md "A push's bytes on
+    twice the coordinates": more of it cost iterations too); f16, bf16 and f32 pushes count
+    in full."""
+    if density <= 0.0:
+        return 1.0
+    return min(1.0, coordinate_bits(density, coding) / coordinate_bits(density, "f16"))
 _LITTLE = sys.byteorder == "little"
 
 

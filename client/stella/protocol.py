@@ -151,8 +151,9 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 class BroadcastInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The server's broadcast, as a worker or a planner must know it (``stella-ps
     --broadcast-values``, ``--broadcast-factor``): the coding of its values and the
-    coordinates a message carries as a multiple of the mean count of the step's pushes
-    (the dense suffix goes whole). Sent in :class:`Registered` and :class:`StatusReply`,
+    coordinates a message carries as a multiple of the mean count of the step's pushes,
+    each pushed coordinate counted by its bits against f16's (:func:`stella.codec.broadcast_share`;
+    the dense suffix goes whole). Sent in :class:`Registered` and :class:`StatusReply`,
     so that no client copies the server's settings."""
 
     values: ValueDtype

@@ -38,16 +38,35 @@ from typing import Any
 
 import numpy as np
 
-from stella.codec import sum_of_squares, to_float32
+from stella.codec import broadcast_share, sum_of_squares, to_float32
 from stella.errors import BadValue, ErrorCode, ServerError
 from stella.payload import SparseTensor
 
 from .errors import StepFailed
 
-__all__ = ["PendingPush", "Step", "Aggregator", "AdaptiveDeadline", "PushNormBound", "count_exponent_at", "count_table",
+__all__ = ["PendingPush", "Step", "Aggregator", "budget_counts",
+           "AdaptiveDeadline", "PushNormBound", "count_exponent_at", "count_table",
            "push_norm", "scaled", "step_count_table", "step_density", "weigh"]
 
 log = logging.getLogger("stella_ps.aggregation")
+
+def budget_counts(step: Step, numels: Sequence[int]) -> list[float]:
+    """Each tensor's coordinates the step's pushes held, on average over its contributors,
+    as the broadcast's budget counts them: a selected coordinate by its coding's bits
+    against f16's (:func:`stella.codec.broadcast_share`), a whole tensor's in full."""
+    n = max(1, len(step.contributors))
+    codings = step.codings or {}
+    out = []
+    for t, parts in enumerate(step.per_tensor):
+        owners = step.owners[t] if step.owners is not None else [-1] * len(parts)
+        total = 0.0
+        for p, w in zip(parts, owners):
+            size = p.values.size
+            coding = codings.get(w, "f16")
+            total += size if p.indices is None or coding == "f16" else size * broadcast_share(size / numels[t], coding)
+        out.append(total / n)
+    return out
+
 
 @dataclass(slots=True, eq=False)
 class PendingPush:
@@ -61,6 +80,7 @@ class PendingPush:
     nbytes: int = 0
     arrived: float = field(default_factory=time.monotonic)
     samples: int | None = None  # what the push says it represents (None: one unit)
+    coding: str = "f16"  # its selected values' wire coding (what they count for in the broadcast's budget)
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,7 @@ class Step:
     # samples one unit of its (pre-multiplied) values stands for (see :func:`weigh`)
     samples: dict[int, int] | None = None
     unit: float = 1.0
+    codings: dict[int, str] | None = None  # each contributor's push coding (None: f16 for all)
 
     @classmethod
     def empty(cls, ntensors: int) -> Step:
@@ -105,12 +126,12 @@ class Step:
             scale = 1.0 / len(keep)
         else:
             scale = self.unit / sum(self.samples[w] for w in keep)
-        return Step(per_tensor, scale, keep, self.late, self.hparams, owners, self.samples, self.unit)
+        return Step(per_tensor, scale, keep, self.late, self.hparams, owners, self.samples, self.unit, self.codings)
 
     def only(self, worker: int) -> Step:
         """The push of ``worker`` alone, at this step's scale (the others as zero)."""
         s = self.without([w for w in self.contributors if w != worker])
-        return Step(s.per_tensor, self.scale, s.contributors, 0, [], s.owners, self.samples, self.unit)
+        return Step(s.per_tensor, self.scale, s.contributors, 0, [], s.owners, self.samples, self.unit, self.codings)
 
 
 def weigh(pushes: list[PendingPush], max_ratio: float) -> tuple[dict[int, int] | None, float, list[list[SparseTensor]]]:
@@ -316,6 +337,7 @@ class Aggregator:
             owners=owners,
             samples=samples,
             unit=unit,
+            codings={p.worker: p.coding for p in pushes},
         )
 
 

@@ -321,7 +321,7 @@ class Pulls:
                           help="the broadcast's value coding (the coding's error stays in the server's residual)")
     factor: float = setting(2.0, flag="broadcast-factor", check=(lambda v: math.isfinite(v) and v > 0, "> 0"),
                             help="coordinates a broadcast carries per tensor, as a multiple of the mean count of "
-                                 "the step's pushes")
+                                 "the step's pushes (a q4/q2 push's coordinates counted by their bits against f16's)")
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -327,7 +327,10 @@ class Service:
             info.final_pushed = info.final_pushed or final
         else:
             tensors, kept = decode_tensors(rx, self.store.layout), 1.0
-        queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples)
+        # the coding of its selected values (a push has one; the dense suffix's may differ): the broadcast's
+        # budget counts its coordinates by their bits
+        coding = next((e.value_dtype for e in msg.tensors if e.index_frame is not None), "f16")
+        queued = self.steps.offer(room, msg.version, tensors, msg.hparams, msg.samples, coding)
         info.last_push_req = msg.req
         # what was scaled off is the worker's to send again: it is told where (this server's range) and how much
         info.last_push_clipped = [] if kept >= 1.0 else [(*self._range(), kept)]

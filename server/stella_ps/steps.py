@@ -163,16 +163,17 @@ class StepScheduler:
         return Room(worker, nbytes)
 
     def offer(self, room: Room, version: int, tensors: list[SparseTensor], hparams: dict[str, Any] | None,
-              samples: int | None = None) -> int:
+              samples: int | None = None, coding: str = "f16") -> int:
         """Queue a validated push in the ``room`` found for it (refused, changing nothing,
-        with ``hparams`` out of bounds); returns how many of its worker's pushes wait before it."""
+        with ``hparams`` out of bounds); returns how many of its worker's pushes wait before it.
+        ``coding``: its selected values' wire coding (the broadcast's budget counts by it)."""
         if hparams:
             self.change(hparams)  # refused now, not when the step applies
         now = self._clock.now()
         if not self.agg.has_pending():
             self._opened = now
         queued = self.agg.add(PendingPush(room.worker, version, tensors, hparams, room.nbytes, arrived=now,
-                                          samples=samples))
+                                          samples=samples, coding=coding))
         self.members.pushed(room.worker)
         self._maybe_close(first_push=True)
         return queued

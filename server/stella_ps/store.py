@@ -33,7 +33,7 @@ from stella.layout import FlatLayout, Part
 from stella.payload import SparseTensor, concat_entries, encode_tensors, part_specs
 from stella.protocol import PullCoding, PullMode, TensorEntry, TensorSpec
 
-from .aggregation import Step, step_count_table
+from .aggregation import Step, budget_counts, step_count_table
 from .broadcast import OWED_BYTES, Broadcast, StepLog
 from .config import Pulls
 from .errors import CopyAbandoned, ModelDamaged, NonFiniteStep, StepFailed
@@ -305,8 +305,7 @@ class ModelStore:
         try:
             log = None
             if self.broadcast is not None:
-                counts = [sum(p.values.size for p in parts) / max(1, len(step.contributors))
-                          for parts in step.per_tensor]
+                counts = budget_counts(step, [spec.numel for spec in self.layout])
                 log = self.broadcast.step(  # each tensor's change taken on its own thread, with the rest of its part
                     version, touched, lambda t: self.tensors[t].last_changes(touched[t]) if touched[t].size
                     else np.empty(0, np.float32), counts, pool=self._pool)

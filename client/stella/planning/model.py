@@ -217,7 +217,7 @@ def _evaluate_arrays(np: Any, profile: Profile, catalog: Catalog, mix: Mix,
     h = np.array([x[2] for x in settings], float)[None, :]
     shards = np.array([x[3] for x in settings], float)[None, :]
     push_b = np.array([profile.push_bytes(x[0], x[1]) for x in settings])[None, :]
-    pull_b = np.array([profile.pull_bytes(x[0]) for x in settings])[None, :]
+    pull_b = np.array([profile.pull_bytes(x[0], x[1]) for x in settings])[None, :]
     w = mix.w
     # the exchange of a round: compress, push (slowest uplink, or the server's downlink carrying every push),
     # the server's step (per pushed and per model coordinate, over the shards), the broadcast pull

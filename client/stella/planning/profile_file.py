@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..codec import VALUE_BITS, coordinate_bits
+from ..codec import VALUE_BITS, broadcast_share, coordinate_bits
 from ..protocol import BroadcastInfo
 from .catalog import PlanError, read_toml
 
@@ -140,12 +140,15 @@ class Profile:
         a, b = _line([(self.sparse_numel * d * coordinate_bits(d, c) / 8, y) for d, c, y in self.push])
         return a + b * self.sparse_numel * density * coordinate_bits(density, coding) / 8
 
-    def pull_bytes(self, density: float) -> float:
-        def coded(d: float) -> float:
-            return broadcast_bytes(self.sparse_numel, d, self.pull_factor, self.pull_values)
+    def pull_bytes(self, density: float, coding: str = "f16") -> float:
+        """A round's pull answering pushes of ``density`` in ``coding`` (the measured rows:
+        f16 pushes); exact pulls carry the pushed coordinates in f32 whatever their coding."""
+        def coded(d: float, c: str) -> float:
+            return broadcast_bytes(self.sparse_numel, d, self.pull_factor, self.pull_values, c)
 
-        a, b = _line([(coded(d), y) for d, y in self.pull])
-        return a + b * coded(density)
+        a, b = _line([(coded(d, "f16"), y) for d, y in self.pull])
+        exact = self.pull_factor == 1.0 and self.pull_values == "f32"
+        return a + b * coded(density, "f16" if exact else coding)
 
     def factor(self, density: float, coding: str, h: int, workers: int | None = None) -> tuple[float, str]:
         """Iterations to target against dense training for a configuration of ``workers``
@@ -243,11 +246,13 @@ def _req(doc: Mapping[str, Any], key: str, where: str, typ: type | tuple[type, .
     return v
 
 
-def broadcast_bytes(sparse_numel: int, density: float, factor: float, values: str) -> float:
-    """The coded bytes of a broadcast answering pushes of ``density``: ``factor`` times
-    their coordinates (at most all), each its value in ``values`` and its Rice-coded index.
-    Exact pulls are factor 1 in f32 (the pushed coordinates with their float32 values)."""
-    k = min(1.0, factor * density)
+def broadcast_bytes(sparse_numel: int, density: float, factor: float, values: str, coding: str = "f16") -> float:
+    """The coded bytes of a broadcast answering pushes of ``density`` in ``coding``:
+    ``factor`` times their coordinates, each counted by its bits against f16's
+    (:func:`stella.codec.broadcast_share`; at most all), each its value in ``values`` and
+    its Rice-coded index. Exact pulls are factor 1 in f32 (the pushed coordinates with
+    their float32 values: pass f16, whatever the pushes' coding)."""
+    k = min(1.0, factor * density * broadcast_share(density, coding))
     return sparse_numel * k * coordinate_bits(k, values) / 8
 
 
