@@ -19,8 +19,10 @@ What it mirrors of the real system (docs/optimizer.md "Update mode", "The broadc
   What is not sent stays in ``a - w``.
 - **Server**: the step's mean pseudo-gradient (``avg``), the outer SGD on the
   coordinates pushed (lazy momentum), ``R += dx``; the broadcast takes the top
-  ``factor x k`` of ``|R|`` on the large tensors and all of the small ones, coded q4
-  (f16 for the small ones) as ``stella.codec.quantise`` does, ``B += m``, ``R -= m``
+  ``factor x k`` of ``|R|`` on the large tensors (``k`` counted as the server counts it, by
+  the pushes' bits against f16's: :func:`stella.codec.broadcast_share`; until 2612f59 the
+  coordinates themselves, so a q4 run's ``--factor 1`` then is about ``--factor 2`` now)
+  and all of the small ones, coded q4 (f16 for the small ones) as ``stella.codec.quantise`` does, ``B += m``, ``R -= m``
   (``--pull exact``: ``B = x``).
 - **Overlap**: a round's result reaches the workers at the next round's start, after
   their next H steps (``Sync(staleness=1)``); every worker is as fast as the others.
@@ -108,7 +110,7 @@ import torch.nn.functional as F
 
 from bench import workloads as WL
 from bench.harness import loadavg
-from stella.codec import quantise
+from stella.codec import broadcast_share, quantise
 from stella.modes import OUTER_PRESETS
 from stella_ps.aggregation import count_exponent_at
 from stella_ps.config import ServerConfig
@@ -481,7 +483,8 @@ def run_stella(cfg: Config) -> Curve:
     inner = [Inner(wl, w, batch_mult=W if rule.adamc else 1) for w in ws]
     batches = [wl.batches(r, W, wl.batch_size, cfg.seed) for r in range(W)]
     k = max(1, round(cfg.density * flat.ns))
-    kb = max(1, round(cfg.factor * k))
+    share = broadcast_share(cfg.density, cfg.push_values)  # the server's budget counts the pushes' bits
+    kb = max(1, round(cfg.factor * share * k))
     lr_out = rule.outer_lr(W)
     norms: list[float] = []
     vd: torch.Tensor | None = None  # ``vdense``'s running second moment of the mean gradient
@@ -526,7 +529,7 @@ def run_stella(cfg: Config) -> Curve:
             k_t = k
             if rule.warm and t < rule.warm:  # density warm-up: 10x the run's at step 0, the run's at step N
                 k_t = min(flat.ns, round(k * 10 ** (1 - t / rule.warm)))
-            kb = max(1, round(cfg.factor * k_t))
+            kb = max(1, round(cfg.factor * share * k_t))
             own_k, at = _push_indices(rule, unsent, flat.ns, k_t, t // cfg.H, b_idx)
             for i in range(W):
                 state = inner[i].opt.state.get(inner[i].w, {})
