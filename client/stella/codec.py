@@ -125,6 +125,8 @@ def broadcast_share(density: float, coding: str) -> float:
     if density <= 0.0:
         return 1.0
     return min(1.0, coordinate_bits(density, coding) / coordinate_bits(density, "f16"))
+
+
 _LITTLE = sys.byteorder == "little"
 
 

@@ -50,6 +50,7 @@ __all__ = ["PendingPush", "Step", "Aggregator", "budget_counts",
 
 log = logging.getLogger("stella_ps.aggregation")
 
+
 def budget_counts(step: Step, numels: Sequence[int]) -> list[float]:
     """Each tensor's coordinates the step's pushes held, on average over its contributors,
     as the broadcast's budget counts them: a selected coordinate by its coding's bits
