@@ -151,7 +151,7 @@ def test_the_broadcast_budget_follows_the_pushes_bytes_not_their_coordinates(mak
     """Two workers push 80 of 8192 coordinates a step in ``coding``: a pull carries the
     broadcast factor (2) times the pushes' coordinates, each counted by its bits against an
     f16 coordinate's (stella.codec.broadcast_share): 160 for f16 pushes, about 85 for q4 and
-    70 for q2, so the pull stays about a push's bytes whatever the coding (with the budget in
+    72 for q2, so the pull stays about a push's bytes whatever the coding (with the budget in
     coordinates, q4 pushes got 160: a pull of 1.8x the push's bytes, which also cost the byte
     LM iterations, bench/RESULTS.md "A push's bytes on twice the coordinates")."""
     srv = make_server(2)

@@ -142,7 +142,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .codec import CODINGS, VALUE_BITS, broadcast_share, coordinate_bits
+from .codec import CODINGS, VALUE_BITS, broadcast_bits, coordinate_bits
 from .protocol import BroadcastInfo, ValueDtype
 
 __all__ = ["Controller", "RoundMeasure", "Decision", "densities", "pull_bits", "local_steps", "densest_worth"]
@@ -160,8 +160,7 @@ def pull_bits(density: float, broadcast: BroadcastInfo | None, coding: str = "f1
     workers grows with their number; the controller's measured bytes per bit carries that)."""
     if broadcast is None:
         return density * coordinate_bits(density, "f32")
-    k = min(1.0, broadcast.factor * density * broadcast_share(density, coding))
-    return k * coordinate_bits(k, broadcast.values)
+    return broadcast_bits(density, broadcast.factor, broadcast.values, coding)
 
 
 def densities(floor: float, ceiling: float) -> list[float]:

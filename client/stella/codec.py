@@ -66,6 +66,7 @@ __all__ = [
     "CODINGS",
     "coordinate_bits",
     "broadcast_share",
+    "broadcast_bits",
     "dense_coding",
     "DEFAULT_INDEX_CODING",
     "DEFAULT_VALUE_DTYPE",
@@ -125,6 +126,16 @@ def broadcast_share(density: float, coding: str) -> float:
     if density <= 0.0:
         return 1.0
     return min(1.0, coordinate_bits(density, coding) / coordinate_bits(density, "f16"))
+
+
+def broadcast_bits(density: float, factor: float, values: str, coding: str = "f16") -> float:
+    """Bits per model coordinate of a broadcast answering pushes of ``density`` in
+    ``coding``: ``factor`` times their coordinates, each counted by
+    :func:`broadcast_share` (at most all), each its value in ``values`` and its Rice-coded
+    index. Exact pulls are factor 1 in f32 with f16's count (the pushed coordinates with
+    their float32 values, whatever the pushes' coding)."""
+    k = min(1.0, factor * density * broadcast_share(density, coding))
+    return k * coordinate_bits(k, values)
 
 
 _LITTLE = sys.byteorder == "little"

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..codec import VALUE_BITS, broadcast_share, coordinate_bits
+from ..codec import VALUE_BITS, broadcast_bits, coordinate_bits
 from ..protocol import BroadcastInfo
 from .catalog import PlanError, read_toml
 
@@ -247,13 +247,10 @@ def _req(doc: Mapping[str, Any], key: str, where: str, typ: type | tuple[type, .
 
 
 def broadcast_bytes(sparse_numel: int, density: float, factor: float, values: str, coding: str = "f16") -> float:
-    """The coded bytes of a broadcast answering pushes of ``density`` in ``coding``:
-    ``factor`` times their coordinates, each counted by its bits against f16's
-    (:func:`stella.codec.broadcast_share`; at most all), each its value in ``values`` and
-    its Rice-coded index. Exact pulls are factor 1 in f32 (the pushed coordinates with
-    their float32 values: pass f16, whatever the pushes' coding)."""
-    k = min(1.0, factor * density * broadcast_share(density, coding))
-    return sparse_numel * k * coordinate_bits(k, values) / 8
+    """The coded bytes of a broadcast answering pushes of ``density`` in ``coding``
+    (:func:`stella.codec.broadcast_bits`). Exact pulls are factor 1 in f32 (the pushed
+    coordinates with their float32 values: pass f16, whatever the pushes' coding)."""
+    return sparse_numel * broadcast_bits(density, factor, values, coding) / 8
 
 
 def pull_section(broadcast: BroadcastInfo | None, rows: Sequence[Mapping[str, Any]],
